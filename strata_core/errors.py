@@ -1,0 +1,30 @@
+"""Exceptions Strata raises for problems a user can fix.
+
+Every error carries a message that names what is wrong (the file, the tensor, the option, the
+device) and, where it helps, what would be right. The CLI prints ``str(error)`` without a
+traceback and exits non-zero; the server maps them to 4xx responses.
+"""
+
+
+class StrataError(Exception):
+    """Base class of every user-facing Strata error."""
+
+
+class ModelFileError(StrataError):
+    """A GGUF file is missing, truncated, foreign, or lacks or misshapes a tensor."""
+
+
+class UnsupportedError(StrataError):
+    """An architecture, block format or feature Strata does not implement."""
+
+
+class ConfigError(StrataError):
+    """A setting, strategy name, device or option is invalid."""
+
+
+class BudgetError(StrataError):
+    """A memory budget cannot hold what it must (dense weights, KV cache, buffers)."""
+
+
+class RequestError(StrataError):
+    """A generation request is invalid (prompt too long for the context, bad parameters)."""
