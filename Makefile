@@ -1,0 +1,17 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PLUGINS := $(wildcard plugins/*/pyproject.toml)
+
+$(VENV)/.installed: pyproject.toml $(PLUGINS)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]' $(foreach p,$(dir $(PLUGINS)),-e ./$(p))
+	touch $@
+
+.PHONY: demo test
+demo: $(VENV)/.installed
+	$(VENV)/bin/strata generate --prompt "The king said" --max-tokens 48 --temperature 0
+
+test: $(VENV)/.installed
+	$(PY) -m pytest

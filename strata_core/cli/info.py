@@ -1,0 +1,74 @@
+"""``strata info MODEL.gguf``: what a model is and what fits in a given amount of VRAM."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import CliPositionalArg
+
+from strata_core.config import StrataSettings
+from strata_core.gguf import GGUFFile, load_model_spec
+
+GIB = 1 << 30
+
+
+def tensor_group(name: str) -> str:
+    """``blk.3.ffn_up_exps.weight`` -> ``ffn_up_exps``; ``token_embd.weight`` -> ``token_embd``."""
+    parts = name.split(".")
+    return parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
+
+
+def describe(path: Path, vram_gib: list[float]) -> str:
+    """The report ``strata info`` prints."""
+    gguf_file = GGUFFile.open(path)
+    spec = load_model_spec(gguf_file)
+    groups: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    expert_bytes = dense_bytes = 0
+    for ref in gguf_file.tensors.values():
+        group = tensor_group(ref.name)
+        groups[group][ref.qtype.name] += ref.nbytes
+        if group.endswith("_exps"):
+            expert_bytes += ref.nbytes
+        else:
+            dense_bytes += ref.nbytes
+    n_expert_total = spec.n_layers * spec.n_experts
+    per_expert = expert_bytes / max(n_expert_total, 1)
+    lines = [
+        f"file: {path}",
+        f"architecture: {spec.architecture}",
+        f"layers: {spec.n_layers}  hidden: {spec.hidden_size}  heads: {spec.n_heads} (kv {spec.n_kv_heads}, "
+        f"head dim {spec.head_dim})  vocab: {spec.vocab_size}  context: {spec.context_length}",
+        f"experts: {spec.n_experts} per layer, top-{spec.n_experts_used}, expert FFN {spec.expert_ffn_size}"
+        + (f", shared expert FFN {spec.shared_expert_ffn_size}" if spec.shared_expert_ffn_size else ""),
+        "block types per tensor group:",
+    ]
+    for group in sorted(groups):
+        kinds = ", ".join(f"{qtype} {size / 2**20:.1f} MiB" for qtype, size in sorted(groups[group].items()))
+        lines.append(f"  {group:<18} {kinds}")
+    lines += [
+        f"dense weights: {dense_bytes / 2**20:.1f} MiB   expert weights: {expert_bytes / 2**20:.1f} MiB "
+        f"({n_expert_total} experts, {per_expert / 2**20:.2f} MiB each)",
+    ]
+    for gib in vram_gib:
+        room = gib * GIB - dense_bytes
+        if room < 0:
+            lines.append(f"  {gib:g} GiB VRAM: the dense weights alone ({dense_bytes / GIB:.2f} GiB) do not fit")
+        else:
+            fit = min(n_expert_total, int(room // per_expert)) if per_expert else n_expert_total
+            lines.append(f"  {gib:g} GiB VRAM: dense + {fit} of {n_expert_total} experts "
+                         f"({100 * fit / max(n_expert_total, 1):.0f}%) before KV cache and buffers")
+    return "\n".join(lines)
+
+
+class InfoCommand(StrataSettings):
+    """Show a GGUF model's architecture, block types, sizes and what fits in VRAM."""
+
+    path: CliPositionalArg[Path]
+    vram_gib: list[float] = Field(default_factory=lambda: [8.0, 16.0, 24.0, 32.0],
+                                  description="VRAM sizes to fit the model into")
+
+    def cli_cmd(self) -> None:
+        """Print the report."""
+        print(describe(self.path, self.vram_gib))

@@ -1,0 +1,130 @@
+"""StrataSettings: every option of the engine, the CLI and the server in one place.
+
+Each field is, at once,
+
+* a CLI flag in kebab case (``expert_cache_gib`` -> ``--expert-cache-gib``),
+* an environment variable with the ``STRATA_`` prefix (``STRATA_EXPERT_CACHE_GIB``),
+* a key of an optional TOML file (``expert_cache_gib = 4``), read from the path in
+  ``STRATA_CONFIG`` or, when that is unset, from ``./strata.toml`` if it exists,
+* a keyword of ``Engine.load`` (``Engine.load(path, expert_cache=0)``).
+
+Precedence, highest first: CLI flags and ``Engine.load`` keywords, environment variables, the TOML
+file, the defaults below. Invalid values are rejected by pydantic with the option's name.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+CONFIG_FILE_ENV = "STRATA_CONFIG"
+DEFAULT_CONFIG_FILE = Path("strata.toml")
+DEMO_MODEL = Path(__file__).parent / "data" / "demo-qwen3moe-q8_0.gguf"
+
+
+def config_file_path() -> Path | None:
+    """The TOML settings file in effect: ``$STRATA_CONFIG``, else ``./strata.toml`` if present."""
+    named = os.environ.get(CONFIG_FILE_ENV)
+    if named:
+        return Path(named)
+    return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
+
+
+class StrataSettings(BaseSettings):
+    """All Strata options (engine, residency, server, observers)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="STRATA_",
+        extra="forbid",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        validate_default=True,
+    )
+
+    # --- model and topology -------------------------------------------------------------------
+    model: Path = Field(DEMO_MODEL, description="GGUF model file (default: the embedded demo model)")
+    strategy: str = Field("single", description="topology strategy (see `strata plugins`)")
+    strategy_options: dict[str, str | int | float | bool] = Field(
+        default_factory=dict, description="options of the selected strategy, validated by its model"
+    )
+    devices: list[str] = Field(
+        default_factory=lambda: ["cpu"],
+        description="devices in order, e.g. cuda:0,cuda:1 or logical devices cpu,cpu",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype of activations (auto: float32 on CPU, bfloat16 on CUDA)"
+    )
+    max_context: int = Field(4096, ge=16, description="tokens of KV cache per session (capped by the model)")
+
+    # --- expert residency ----------------------------------------------------------------------
+    arena: Literal["mmap", "pinned"] = Field("mmap", description="host copy of the expert weights")
+    pin_limit_gib: float | None = Field(None, ge=0, description="cap on pinned arena memory (GiB)")
+    expert_cache: int | Literal["auto"] = Field(
+        "auto", description="device expert-cache slots per device, or auto"
+    )
+    expert_cache_gib: float | None = Field(None, ge=0, description="device expert-cache size in GiB")
+    expert_cache_fill_all: bool = Field(False, description="fill the whole budget past the profile")
+    reserve_mib: int = Field(512, ge=0, description="device memory left free by auto sizing (MiB)")
+    expert_profile: Path | None = Field(None, description="JSON usage profile ranking the experts")
+    prefill_chunk: int = Field(8192, ge=1, description="prompt tokens per prefill chunk")
+    pcie_frac: float = Field(
+        1.0, ge=0, le=1, description="share of decode misses read over the host link (rest on CPU)"
+    )
+    adapt_swaps: int = Field(0, ge=0, description="experts swapped into the cache per decode window")
+
+    # --- server --------------------------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="address the server binds")
+    port: int = Field(8080, ge=0, le=65535, description="port the server listens on")
+    parallel: int = Field(4, ge=1, description="concurrent generation slots")
+    max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
+    conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
+    conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")
+    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY`")
+    model_alias: str | None = Field(None, description="model name served at /v1/models")
+
+    # --- observers and plugins -------------------------------------------------------------------
+    prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")
+    decode_timing: bool = Field(False, description="print host/device time per decode window")
+    dbg_nan: bool = Field(False, description="check every layer's output for non-finite values")
+    plugins: list[str] | None = Field(None, description="allow-list of plugin distributions")
+    disable_plugin_autoload: bool = Field(False, description="load no entry-point plugins")
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _split_devices(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _devices_not_empty(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one device is needed")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Init kwargs / CLI, then ``STRATA_*`` env, then the TOML file."""
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = config_file_path()
+        if path is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+        return tuple(sources)

@@ -1,0 +1,33 @@
+"""Parse and check ``--devices``: names that do not exist here are an error before anything loads."""
+
+from __future__ import annotations
+
+import torch
+
+from strata_core.errors import ConfigError
+
+
+def resolve_devices(names: list[str]) -> list[torch.device]:
+    """``["cpu", "cuda:0", "cuda:0"]`` -> torch devices, checked to exist (repeats are logical devices)."""
+    devices = []
+    for name in names:
+        try:
+            device = torch.device(name)
+        except RuntimeError as error:
+            raise ConfigError(f"--devices: {name!r} is not a device name ({error})") from None
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = 0 if device.index is None else device.index
+            if index >= count:
+                raise ConfigError(f"--devices: {name} does not exist; this machine has {count} CUDA device(s)")
+            device = torch.device("cuda", index)
+        elif device.type != "cpu":
+            raise ConfigError(f"--devices: {name!r}: only cpu and cuda devices are supported")
+        devices.append(device)
+    return devices
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,112 @@
+"""The arena: every expert's gate/up/down blocks in host memory, and how one expert is packed.
+
+``--arena mmap`` addresses the experts as zero-copy views of the memory-mapped GGUF. ``--arena
+pinned`` copies them, layer by layer, into page-locked buffers laid out ``[n_experts, packed]``
+(gate|up|down back to back, one DMA per expert) until ``--pin-limit-gib`` is reached; the layers
+past the cap stay mmap views and are moved through pinned staging buffers (see transfer.py).
+Without an accelerator the "pinned" copy is ordinary RAM (page-locking needs a device driver).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType
+from tqdm import tqdm
+
+from strata_core.experts.weights import ExpertBlocks, ExpertWeights
+
+__all__ = ["Arena", "ExpertFormat", "GIB", "can_pin"]
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How one layer's experts are stored: block types, shapes and byte sizes of gate/up/down."""
+
+    qtypes: tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]
+    shapes: tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
+    nbytes: tuple[int, int, int]
+
+    @classmethod
+    def of(cls, blocks: ExpertBlocks) -> "ExpertFormat":
+        return cls(blocks.qtypes, blocks.shapes, (blocks.gate.numel(), blocks.up.numel(), blocks.down.numel()))
+
+    @property
+    def total(self) -> int:
+        """Bytes of one packed expert (gate|up|down)."""
+        return sum(self.nbytes)
+
+    def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views (gate, up, down) of a packed uint8 buffer (at least ``total`` bytes)."""
+        g, u, d = self.nbytes
+        return packed[:g], packed[g:g + u], packed[g + u:g + u + d]
+
+
+def can_pin() -> bool:
+    """Whether page-locked host memory is available (an accelerator driver is loaded)."""
+    return torch.cuda.is_available()
+
+
+class Arena:
+    """Host addresses of every (layer, expert): mmap views, or pinned packed copies up to a cap."""
+
+    def __init__(self, weights: ExpertWeights, n_layers: int, n_experts: int, mode: str = "mmap",
+                 pin_limit_bytes: int | None = None):
+        self.weights = weights
+        self.n_layers, self.n_experts = n_layers, n_experts
+        self.formats = [ExpertFormat.of(weights.blocks(layer, 0)) for layer in range(n_layers)]
+        self.slot_bytes = max(f.total for f in self.formats)  # one slot fits any layer's expert
+        self.total_bytes = sum(f.total for f in self.formats) * n_experts
+        self._packed: list[torch.Tensor | None] = [None] * n_layers  # [E, packed] per pinned layer
+        if mode == "pinned":
+            self._pin(pin_limit_bytes)
+        log.info("arena: %s, %.2f GiB of experts (%d layers x %d), %.2f GiB pinned", mode,
+                 self.total_bytes / GIB, n_layers, n_experts, self.pinned_bytes / GIB)
+
+    def _pin(self, limit: int | None) -> None:
+        pin = can_pin()
+        if not pin:
+            log.info("arena: no accelerator, the pinned arena is ordinary RAM")
+        budget = self.total_bytes if limit is None else limit
+        layers = [l for l in range(self.n_layers)]
+        with tqdm(total=sum(self.formats[l].total for l in layers) * self.n_experts, unit="B", unit_scale=True,
+                  desc="pinning experts", leave=False) as bar:
+            for layer in layers:
+                size = self.formats[layer].total * self.n_experts
+                if size > budget:
+                    log.info("arena: pin limit reached at layer %d; layers %d.. stream through staging",
+                             layer, layer)
+                    break
+                buf = torch.empty((self.n_experts, self.formats[layer].total), dtype=torch.uint8, pin_memory=pin)
+                for expert in range(self.n_experts):
+                    self.pack_into(layer, expert, buf[expert])
+                self._packed[layer] = buf
+                budget -= size
+                bar.update(size)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(p.numel() for p in self._packed if p is not None)
+
+    def packed(self, layer: int, expert: int) -> torch.Tensor | None:
+        """The pinned packed bytes ``[total]`` of (layer, expert), or None if that layer is not pinned."""
+        buf = self._packed[layer]
+        return None if buf is None else buf[expert]
+
+    def parts(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Host (gate, up, down) uint8 blocks of (layer, expert): pinned views or mmap views."""
+        buf = self._packed[layer]
+        if buf is not None:
+            return self.formats[layer].split(buf[expert])
+        b = self.weights.blocks(layer, expert)
+        return b.gate, b.up, b.down
+
+    def pack_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
+        """Copy (layer, expert) packed into ``dst`` (a host or device uint8 buffer, blocking)."""
+        for part, src in zip(self.formats[layer].split(dst), self.parts(layer, expert)):
+            part.copy_(src)

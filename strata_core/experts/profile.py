@@ -1,0 +1,82 @@
+"""Expert usage profiles: how often each (layer, expert) is routed to, and the fill order they give.
+
+File format (JSON, written by ``strata profile``)::
+
+    {"format": "strata-expert-profile", "version": 1, "model": "<file name>",
+     "n_layers": L, "n_experts": E, "tokens": N, "counts": [[c_00, c_01, ...], ...]}
+
+``counts[l][e]`` is the number of (token, top-k) routings of layer ``l`` to expert ``e``.
+
+Fill order (``rank``): by count, highest first; ties broken by (layer, expert) ascending.
+Default order without a profile (``default_order``): round-robin over layers by expert id,
+``(0,0), (1,0), ..., (L-1,0), (0,1), ...`` so every layer gets the same share of the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from strata_core.errors import ConfigError
+
+__all__ = ["UsageProfile", "default_order", "PROFILE_FORMAT"]
+
+PROFILE_FORMAT = "strata-expert-profile"
+PROFILE_VERSION = 1
+
+
+@dataclass
+class UsageProfile:
+    """Routing counts ``[n_layers, n_experts]`` (int64) over ``tokens`` prompt tokens."""
+
+    counts: torch.Tensor
+    tokens: int = 0
+    model: str = ""
+
+    @classmethod
+    def empty(cls, n_layers: int, n_experts: int, model: str = "") -> "UsageProfile":
+        return cls(torch.zeros((n_layers, n_experts), dtype=torch.int64), 0, model)
+
+    def rank(self, only_used: bool = False) -> list[tuple[int, int]]:
+        """(layer, expert) by count descending, ties by (layer, expert); ``only_used`` drops zeros."""
+        n_layers, n_experts = self.counts.shape
+        flat = self.counts.flatten()  # [L*E], index = layer * E + expert
+        # stable sort of -count keeps index order among ties
+        order = torch.sort(-flat, stable=True).indices
+        if only_used:
+            order = order[flat[order] > 0]
+        return [(int(i) // n_experts, int(i) % n_experts) for i in order]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        n_layers, n_experts = self.counts.shape
+        doc = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": self.model,
+               "n_layers": n_layers, "n_experts": n_experts, "tokens": self.tokens,
+               "counts": self.counts.tolist()}
+        with open(path, "w") as f:
+            json.dump(doc, f)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], n_layers: int, n_experts: int) -> "UsageProfile":
+        """Read a profile and check it matches the model's shape; ConfigError names what is wrong."""
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ConfigError(f"--expert-profile {path}: cannot read ({e})") from e
+        if not isinstance(doc, dict) or doc.get("format") != PROFILE_FORMAT:
+            raise ConfigError(f"--expert-profile {path}: not a Strata expert profile")
+        counts = torch.tensor(doc.get("counts", []), dtype=torch.int64)
+        if tuple(counts.shape) != (n_layers, n_experts):
+            raise ConfigError(f"--expert-profile {path}: counts are {tuple(counts.shape)}, the model "
+                              f"has {n_layers} layers x {n_experts} experts")
+        if bool((counts < 0).any()):
+            raise ConfigError(f"--expert-profile {path}: negative counts")
+        return cls(counts, int(doc.get("tokens", 0)), str(doc.get("model", "")))
+
+
+def default_order(n_layers: int, n_experts: int) -> list[tuple[int, int]]:
+    """The fill order without a profile: round-robin over layers by expert id."""
+    return [(layer, expert) for expert in range(n_experts) for layer in range(n_layers)]

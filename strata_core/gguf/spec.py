@@ -1,0 +1,61 @@
+"""``ModelSpec``: the numbers the forward needs, read from GGUF metadata by the file's architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ModelSpec", "load_model_spec"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Hyper-parameters of one MoE model, as llama.cpp interprets its GGUF file.
+
+    Every layer is an attention block followed by an MoE block (no dense-FFN layers).
+    """
+
+    architecture: str
+    n_layers: int
+    hidden_size: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    n_experts: int
+    n_experts_used: int
+    expert_ffn_size: int
+    shared_expert_ffn_size: int  # 0 if the model has no shared expert
+    vocab_size: int
+    context_length: int
+    rope_theta: float
+    rms_norm_eps: float
+    norm_topk_prob: bool  # renormalise the top-k router weights to sum to 1
+    expert_weights_scale: float  # multiplies the routed weights (1.0 = none)
+    has_qk_norm: bool  # RMSNorm over head_dim on q and k before RoPE
+    has_attn_bias: bool  # q/k/v projections carry biases
+    tied_embeddings: bool  # no output.weight: the head reuses token_embd
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_ffn_size > 0
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+
+def load_model_spec(gguf_file) -> ModelSpec:
+    """The ``ModelSpec`` of an opened ``GGUFFile``; validates every tensor the forward will read.
+
+    Raises UnsupportedError for an unknown architecture, ModelFileError for missing keys/tensors.
+    """
+    # imported here: the architecture modules build ModelSpec, so they import this module
+    from strata_core.gguf.arch import get_architecture
+
+    arch = get_architecture(gguf_file.architecture, gguf_file.path)
+    spec = arch.spec_from_metadata(gguf_file.metadata, gguf_file.tensors, gguf_file.path)
+    arch.validate(gguf_file, spec)
+    return spec

@@ -1,0 +1,96 @@
+"""``KVCache``: one sequence's per-layer K/V, preallocated for ``max_tokens``, slot i = position i.
+
+A cache may hold only some layers (a layer-split stage holds its own range); the layers of one
+cache may sit on different devices. ``attention`` writes K/V at the token positions it computes;
+the caller commits them with ``advance`` once every layer has run, so ``n_tokens`` is the number of
+positions all layers hold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["KVCache", "KVSnapshot"]
+
+
+@dataclass(frozen=True)
+class KVSnapshot:
+    """A host copy of the first ``n_tokens`` K/V rows of some layers (for a conversation cache)."""
+
+    n_tokens: int
+    k: dict[int, torch.Tensor]  # layer -> [n_tokens, n_kv_heads, head_dim]
+    v: dict[int, torch.Tensor]
+
+
+class KVCache:
+    """Per-layer K/V tensors ``[max_tokens, n_kv_heads, head_dim]`` for the layers in ``layers``."""
+
+    def __init__(self, layers: range, max_tokens: int, n_kv_heads: int, head_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        self.layers = layers
+        self.max_tokens = max_tokens
+        self.n_tokens = 0
+        shape = (max_tokens, n_kv_heads, head_dim)
+        self.k = {i: torch.zeros(shape, device=device, dtype=dtype) for i in layers}
+        self.v = {i: torch.zeros(shape, device=device, dtype=dtype) for i in layers}
+
+    @classmethod
+    def for_spec(cls, spec, max_tokens: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, layers: range | None = None) -> "KVCache":
+        """A cache for ``spec`` (a ModelSpec) holding ``layers`` (all if None)."""
+        return cls(layers if layers is not None else range(spec.n_layers), max_tokens,
+                   spec.n_kv_heads, spec.head_dim, device, dtype)
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v [T, n_kv_heads, head_dim]`` at ``positions [T]`` of ``layer``."""
+        self.k[layer][positions] = k.to(self.k[layer].dtype)
+        self.v[layer][positions] = v.to(self.v[layer].dtype)
+
+    def read(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of positions ``[0, n)`` of ``layer``: ``(k, v)`` each ``[n, n_kv_heads, head_dim]``."""
+        return self.k[layer][:n], self.v[layer][:n]
+
+    def advance(self, n: int) -> None:
+        """Commit ``n`` more positions (after every layer has written them)."""
+        if self.n_tokens + n > self.max_tokens:
+            raise ValueError(f"KV cache overflow: {self.n_tokens} + {n} > {self.max_tokens} tokens")
+        self.n_tokens += n
+
+    def truncate(self, n: int) -> None:
+        """Forget positions ``>= n`` (rows are overwritten by the next write)."""
+        self.n_tokens = min(self.n_tokens, n)
+
+    def device_of(self, layer: int) -> torch.device:
+        return self.k[layer].device
+
+    def to(self, device: torch.device | str, layers: range | None = None) -> "KVCache":
+        """Move ``layers`` (all if None) to ``device`` in place; returns self."""
+        for i in self.layers if layers is None else layers:
+            self.k[i] = self.k[i].to(device)
+            self.v[i] = self.v[i].to(device)
+        return self
+
+    def copy_layers_from(self, other: "KVCache", layers: range) -> None:
+        """Hand-off: copy the first ``other.n_tokens`` rows of ``layers`` from ``other`` into this cache
+        (each onto this cache's device for that layer) and take over its ``n_tokens``."""
+        n = other.n_tokens
+        for i in layers:
+            self.k[i][:n].copy_(other.k[i][:n], non_blocking=True)
+            self.v[i][:n].copy_(other.v[i][:n], non_blocking=True)
+        self.n_tokens = n
+
+    def snapshot(self, layers: range | None = None) -> KVSnapshot:
+        """Copy the committed rows of ``layers`` (all if None) to host memory."""
+        n, ls = self.n_tokens, self.layers if layers is None else layers
+        return KVSnapshot(n, {i: self.k[i][:n].to("cpu", copy=True) for i in ls},
+                          {i: self.v[i][:n].to("cpu", copy=True) for i in ls})
+
+    def restore(self, snap: KVSnapshot) -> None:
+        """Load a snapshot's rows back (onto each layer's current device) and its ``n_tokens``."""
+        n = snap.n_tokens
+        for i in snap.k:
+            self.k[i][:n].copy_(snap.k[i])
+            self.v[i][:n].copy_(snap.v[i])
+        self.n_tokens = n

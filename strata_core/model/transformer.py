@@ -1,0 +1,127 @@
+"""The dense MoE forward over ``DenseWeights``; experts go through an ``ExpertRows``.
+
+Pieces a topology composes: ``embed`` -> per layer ``attention`` then ``moe`` -> ``head``.
+Each layer runs on the device holding its weights (``DenseWeights.device_of``); the caller moves
+``h`` between devices. Math follows llama.cpp's qwen2moe/qwen3moe graphs (see gguf/arch/*).
+"""
+
+from __future__ import annotations
+
+
+import torch
+import torch.nn.functional as F
+
+from strata_core.experts.rows import ExpertRows
+from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.spec import ModelSpec, load_model_spec
+from strata_core.model.kvcache import KVCache
+from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
+from strata_core.model.weights import DenseWeights
+
+__all__ = ["MoEModel"]
+
+# llama.cpp clamps the top-k weight sum to the smallest normal f16 before dividing
+_MIN_WEIGHT_SUM = 6.103515625e-5
+
+
+class MoEModel:
+    """A Qwen-style MoE transformer: ``spec`` + ``weights`` (dense, float); stateless per call."""
+
+    def __init__(self, spec: ModelSpec, weights: DenseWeights):
+        self.spec = spec
+        self.weights = weights
+
+    @classmethod
+    def load(cls, gguf_file: GGUFFile, dtype: torch.dtype = torch.float32) -> "MoEModel":
+        """Read the spec and dequantize the dense weights of ``gguf_file`` (CPU)."""
+        spec = load_model_spec(gguf_file)
+        return cls(spec, DenseWeights.load(gguf_file, spec, dtype))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens [T]`` -> hidden ``[T, H]`` on the embedding's device."""
+        table = self.weights.globals["token_embd.weight"]  # [V, H]
+        return table[tokens.to(table.device)]  # [T, H]
+
+    def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """``h + attn(rms_norm(h))`` for ``h [T, H]`` at ``positions [T]``; writes K/V into ``kv``.
+
+        Causal over every cached position ``<=`` the query's position.
+        """
+        s, w = self.spec, self.weights.layers[layer]
+        T = h.shape[0]
+        x = rms_norm(h, w["attn_norm.weight"], s.rms_norm_eps)  # [T, H]
+        q = x @ w["attn_q.weight"].T  # [T, nh*D]
+        k = x @ w["attn_k.weight"].T  # [T, nkv*D]
+        v = x @ w["attn_v.weight"].T  # [T, nkv*D]
+        if s.has_attn_bias:
+            q, k, v = q + w["attn_q.bias"], k + w["attn_k.bias"], v + w["attn_v.bias"]
+        q = q.view(T, s.n_heads, s.head_dim)  # [T, nh, D]
+        k = k.view(T, s.n_kv_heads, s.head_dim)  # [T, nkv, D]
+        v = v.view(T, s.n_kv_heads, s.head_dim)  # [T, nkv, D]
+        if s.has_qk_norm:
+            q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps)
+        positions = positions.to(h.device)
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv.write(layer, positions, k, v)
+        n_ctx = int(positions.max()) + 1
+        keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
+        rep = s.n_heads // s.n_kv_heads
+        keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
+        values = values.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
+        scores = (q.transpose(0, 1) @ keys.transpose(1, 2)) * s.head_dim ** -0.5  # [nh, T, S]
+        visible = torch.arange(n_ctx, device=h.device)[None, :] <= positions[:, None]  # [T, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [nh, T, S]
+        out = (probs @ values).transpose(0, 1).reshape(T, s.q_size)  # [T, nh*D]
+        return h + out @ w["attn_output.weight"].T  # [T, H]
+
+    def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router for normed ``x [T, H]``: ``(expert_ids [T, k], weights [T, k])``.
+
+        Softmax over all experts, top-k, optional renormalisation, optional scale.
+        """
+        s = self.spec
+        logits = x @ self.weights.layers[layer]["ffn_gate_inp.weight"].T  # [T, E]
+        probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
+        weights, ids = torch.topk(probs, s.n_experts_used, dim=-1)  # [T, k]
+        if s.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
+        if s.expert_weights_scale != 1.0:
+            weights = weights * s.expert_weights_scale
+        return ids, weights.to(x.dtype)
+
+    def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
+        """``h + moe(rms_norm(h))`` for ``h [T, H]``: routed experts via ``expert_rows`` (+ shared expert)."""
+        s, w = self.spec, self.weights.layers[layer]
+        x = rms_norm(h, w["ffn_norm.weight"], s.rms_norm_eps)  # [T, H]
+        ids, weights = self.route(layer, x)  # [T, k], [T, k]
+        out = expert_rows(layer, x, ids, weights)  # [T, H]
+        if s.has_shared_expert:
+            gate = torch.sigmoid(x @ w["ffn_gate_inp_shexp.weight"])[:, None]  # [T, 1]
+            ffn = F.silu(x @ w["ffn_gate_shexp.weight"].T) * (x @ w["ffn_up_shexp.weight"].T)  # [T, Fs]
+            out = out + gate * (ffn @ w["ffn_down_shexp.weight"].T)  # [T, H]
+        return h + out
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + output projection: ``h [T, H]`` -> float32 logits ``[T, V]``."""
+        g = self.weights.globals
+        x = rms_norm(h, g["output_norm.weight"], self.spec.rms_norm_eps)  # [T, H]
+        return (x @ g["output.weight"].T).float()  # [T, V]
+
+    def forward_layers(self, layers: range, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                       expert_rows: ExpertRows) -> torch.Tensor:
+        """Run ``layers`` (attention then MoE each) on ``h [T, H]``; does not advance ``kv``."""
+        for layer in layers:
+            h = h.to(self.weights.device_of(layer))
+            h = self.attention(layer, h, positions, kv)
+            h = self.moe(layer, h, expert_rows)
+        return h
+
+    def forward(self, tokens: torch.Tensor, kv: KVCache, expert_rows: ExpertRows) -> torch.Tensor:
+        """All layers for ``tokens [T]`` appended after ``kv.n_tokens``; advances ``kv``; logits ``[T, V]``."""
+        positions = torch.arange(kv.n_tokens, kv.n_tokens + tokens.shape[0])  # [T]
+        h = self.forward_layers(range(self.spec.n_layers), self.embed(tokens), positions, kv, expert_rows)
+        kv.advance(tokens.shape[0])
+        return self.head(h.to(self.weights.globals["output.weight"].device))

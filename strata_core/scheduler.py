@@ -1,0 +1,451 @@
+"""Continuous batching: request slots, decode windows, a bounded queue, the conversation cache.
+
+All engine calls run on one worker thread (the engine is not thread-safe). The asyncio side
+submits a :class:`GenerationRequest` and reads :class:`Delta` / :class:`Finished` events from the
+returned :class:`RequestHandle`; the worker hands events over with ``loop.call_soon_threadsafe``.
+
+Each loop of the worker: take new requests and cancellations, start at most one waiting request
+in a free slot (prefix reuse + prefill + its first token), then run one decode window over every
+active slot. A request therefore joins and leaves between windows. A finished request leaves its
+session in the slot, so the next prompt that shares its prefix computes only the new part; a slot
+taken by another request first saves its session in the :class:`~strata_core.conv_cache.ConvCache`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from strata_core.conv_cache import ConvCache, common_prefix
+from strata_core.errors import RequestError, StrataError
+from strata_core.sampling import Sampler, SamplingParams
+
+__all__ = [
+    "Delta", "Finished", "GenerationRequest", "RequestHandle", "Scheduler", "SchedulerStats",
+    "ServerBusyError", "Timings", "TokenLogprob",
+]  # fmt: skip
+
+log = logging.getLogger(__name__)
+
+
+class ServerBusyError(StrataError):
+    """Every slot is busy and the queue is full (HTTP 503)."""
+
+
+@dataclass
+class GenerationRequest:
+    """One generation: prompt token ids and how to sample and stop."""
+
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # None: no logprobs; k: the chosen token's plus the top k
+
+
+@dataclass
+class TokenLogprob:
+    """Log-probability of a generated token, with the top alternatives."""
+
+    token: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]]
+
+
+@dataclass
+class Delta:
+    """New text and the tokens that produced it."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[TokenLogprob]
+
+
+@dataclass
+class Timings:
+    """Per-request timings, named like llama-server's ``timings``."""
+
+    prompt_n: int = 0  # prompt tokens computed (not from the cache)
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    cache_n: int = 0  # prompt tokens whose KV was reused
+
+    def to_dict(self) -> dict[str, float | int]:
+        """The llama-server ``timings`` object."""
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": self.prompt_ms,
+            "prompt_per_second": _rate(self.prompt_n, self.prompt_ms),
+            "predicted_n": self.predicted_n,
+            "predicted_ms": self.predicted_ms,
+            "predicted_per_second": _rate(self.predicted_n, self.predicted_ms),
+            "cache_n": self.cache_n,
+        }
+
+
+def _rate(n: int, ms: float) -> float:
+    return n / ms * 1000.0 if ms > 0 else 0.0
+
+
+@dataclass
+class Finished:
+    """The request is done: why (``stop`` or ``length``), token counts and timings."""
+
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    timings: Timings
+
+
+@dataclass
+class SchedulerStats:
+    """Counters since start (written by the worker, read by /metrics)."""
+
+    requests: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    windows: int = 0
+    active: int = 0
+    waiting: int = 0
+
+
+class RequestHandle:
+    """The asyncio side of one request: iterate its events, or cancel it."""
+
+    def __init__(self, scheduler: Scheduler, loop: asyncio.AbstractEventLoop) -> None:
+        self._scheduler = scheduler
+        self.loop = loop
+        self.events: asyncio.Queue[Delta | Finished | BaseException] = asyncio.Queue()
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Stop generating; the slot is freed before the next window."""
+        if not self.cancelled:
+            self.cancelled = True
+            self._scheduler._wake()
+
+    async def __aiter__(self) -> AsyncIterator[Delta | Finished]:
+        """Deltas, then one Finished; raises the request's error if it failed."""
+        while True:
+            event = await self.events.get()
+            if isinstance(event, BaseException):
+                raise event
+            yield event
+            if isinstance(event, Finished):
+                return
+
+
+class _StopText:
+    """Cut text at the first stop string, holding back what may be the start of one."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Text safe to give out, and whether a stop string was found."""
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return buf[: min(hits)], True
+        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self.held = buf[len(buf) - keep :]
+        return buf[: len(buf) - keep], False
+
+
+@dataclass
+class _Job:
+    """Worker-side state of one request."""
+
+    request: GenerationRequest
+    handle: RequestHandle
+    sampler: Sampler
+    decoder: Any
+    stop: _StopText
+    history: list[int]
+    session: Any = None
+    pending: int = -1  # the sampled token the next window feeds
+    generated: int = 0
+    timings: Timings = field(default_factory=Timings)
+    decode_start: float = 0.0
+
+
+@dataclass
+class _Slot:
+    session: Any = None  # live session: the running job's, or an idle one kept for prefix reuse
+    job: _Job | None = None
+    last_used: int = 0
+
+
+class Scheduler:
+    """``parallel`` slots batched per decode window, a queue of ``max_queue``, a conversation cache."""
+
+    def __init__(self, engine: Any, *, parallel: int, max_queue: int, conv_cache: int, conv_cache_bytes: int) -> None:
+        self.engine = engine
+        self.max_context: int = engine.max_context
+        self.parallel = parallel
+        self.max_queue = max_queue
+        self.cache = ConvCache(conv_cache, conv_cache_bytes)
+        self.stats = SchedulerStats()
+        self._slots = [_Slot() for _ in range(parallel)]
+        self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._waiting: deque[_Job] = deque()
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._clock = 0
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
+
+    # --- asyncio side ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Fail what is left, release every session and end the worker thread."""
+        self._stopping = True
+        self._wake()
+        self._thread.join()
+
+    def submit(self, request: GenerationRequest) -> RequestHandle:
+        """Queue ``request``; raises RequestError if it cannot run, ServerBusyError if the queue is full."""
+        n = len(request.prompt)
+        if n == 0:
+            raise RequestError("the prompt is empty")
+        if n > self.max_context:
+            raise RequestError(f"the prompt has {n} tokens but the context holds {self.max_context}")
+        with self._lock:
+            if self._in_flight >= self.parallel + self.max_queue:
+                raise ServerBusyError(
+                    f"the server is busy: {self.parallel} slots and {self.max_queue} queued requests are taken; retry later"
+                )
+            self._in_flight += 1
+        handle = RequestHandle(self, asyncio.get_running_loop())
+        tok = self.engine.tokenizer
+        job = _Job(
+            request, handle, Sampler(request.params), tok.stream_decoder(), _StopText(request.stop), list(request.prompt)
+        )
+        self._inbox.put(job)
+        return handle
+
+    def _wake(self) -> None:
+        self._inbox.put(None)
+
+    # --- worker ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            busy = self._waiting or any(s.job for s in self._slots)
+            self._take_inbox(block=not busy)
+            self._drop_cancelled()
+            self._admit()
+            self._window()
+            self.stats.active = sum(1 for s in self._slots if s.job)
+            self.stats.waiting = len(self._waiting)
+        self._shutdown()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get() if block else self._inbox.get_nowait()
+            while True:
+                if item is not None:
+                    self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.handle.cancelled]:
+            self._waiting.remove(job)
+            self._end(job, None)
+        for slot in self._slots:
+            if slot.job and slot.job.handle.cancelled:
+                self._end(slot.job, None)
+                self._free(slot)
+
+    def _admit(self) -> None:
+        """Start the oldest waiting request in a free slot: reuse a prefix, prefill, sample."""
+        idle = [s for s in self._slots if s.job is None]
+        if not self._waiting or not idle:
+            return
+        job = self._waiting.popleft()
+        prompt = job.request.prompt
+        slot = None
+        try:
+            slot, cached = self._place(job, idle)
+            start = time.perf_counter()
+            logits = self.engine.prefill(job.session, prompt[cached:])
+            t = job.timings
+            t.cache_n, t.prompt_n = cached, len(prompt) - cached
+            t.prompt_ms = (time.perf_counter() - start) * 1000.0
+            job.decode_start = time.perf_counter()
+            self._accept(job, logits)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            self._fail(job, exc)
+            if slot is not None:
+                self._drop_session(slot)
+                slot.job = None
+        else:
+            if slot.job is job and job.handle is not None and job.pending < 0:
+                self._free(slot)
+
+    def _place(self, job: _Job, idle: list[_Slot]) -> tuple[_Slot, int]:
+        """Give ``job`` an idle slot and a session holding the longest known prefix of its prompt."""
+        prompt = job.request.prompt
+        live = max(idle, key=lambda s: common_prefix(s.session.tokens, prompt) if s.session else 0)
+        live_n = common_prefix(live.session.tokens, prompt) if live.session else 0
+        key, cache_n = self.cache.best(prompt)
+        if live_n > 0 and live_n >= cache_n:
+            slot, cached = live, live_n
+        else:
+            slot = min(idle, key=lambda s: (s.session is not None, s.last_used))
+            self._displace(slot)
+            if key is not None:
+                slot.session, cached = self.engine.restore_session(self.cache.take(key)), cache_n
+            else:
+                slot.session, cached = self.engine.new_session(), 0
+        cached = min(cached, len(prompt) - 1)  # the last prompt token is computed for its logits
+        if slot.session.n_tokens > cached:
+            slot.session.truncate(cached)
+        slot.job, job.session = job, slot.session
+        return slot, cached
+
+    def _displace(self, slot: _Slot) -> None:
+        """Free the slot's idle session, keeping a snapshot in the conversation cache."""
+        if slot.session is None:
+            return
+        if slot.session.n_tokens and self.cache.max_entries:
+            self.cache.put(list(slot.session.tokens), self.engine.save_session(slot.session))
+        self._drop_session(slot)
+
+    def _drop_session(self, slot: _Slot) -> None:
+        if slot.session is not None:
+            self.engine.release_session(slot.session)
+            slot.session = None
+
+    def _window(self) -> None:
+        """One decode step for every active slot."""
+        jobs = [s.job for s in self._slots if s.job]
+        if not jobs:
+            return
+        before = [j.session.n_tokens for j in jobs]
+        start = time.perf_counter()
+        try:
+            logits = self.engine.decode_window([(j.session, j.pending) for j in jobs])
+            rows = list(zip(jobs, logits))
+        except Exception:  # noqa: BLE001 - retry alone to find the failing request
+            log.exception("decode window of %d failed; retrying each request alone", len(jobs))
+            rows = self._isolate(jobs, before)
+        self.stats.windows += 1
+        self.stats.decode_seconds += time.perf_counter() - start
+        for job, row in rows:
+            self._accept(job, row)
+        for slot in self._slots:
+            if slot.job and slot.job.pending < 0:
+                self._free(slot)
+
+    def _isolate(self, jobs: list[_Job], before: list[int]) -> list[tuple[_Job, torch.Tensor]]:
+        rows = []
+        for job, n in zip(jobs, before):
+            try:
+                if job.session.n_tokens != n:
+                    raise RuntimeError("the decode window failed after this request's step")
+                rows.append((job, self.engine.decode_window([(job.session, job.pending)])[0]))
+            except Exception as exc:  # noqa: BLE001
+                self._fail(job, exc)
+                slot = next(s for s in self._slots if s.job is job)
+                self._drop_session(slot)
+                slot.job = None
+        return rows
+
+    def _accept(self, job: _Job, logits: torch.Tensor) -> None:
+        """Sample the next token from ``logits``, give out its text, decide whether to go on."""
+        req = job.request
+        token = int(job.sampler.sample(logits, job.history))
+        job.history.append(token)
+        job.generated += 1
+        lps = [self._logprob(logits, token, req.logprobs)] if req.logprobs is not None else []
+        eos = token in self.engine.tokenizer.eos_token_ids
+        text, stopped = job.stop.push("" if eos else job.decoder.push(token))
+        job.pending = -1
+        if eos or stopped:
+            reason = "stop"
+        elif job.generated >= req.max_tokens or job.session.n_tokens >= self.max_context:
+            reason = "length"
+            text += job.stop.push(job.decoder.flush())[0] + job.stop.held
+        else:
+            job.pending = token
+            reason = ""
+        if text or lps:
+            self._emit(job, Delta(text, [token], lps))
+        if reason:
+            self._end(job, reason)
+
+    def _logprob(self, logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        decode = self.engine.tokenizer.decode
+        top = torch.topk(lp, k) if k else None
+        alts = [(int(i), decode([int(i)]), float(v)) for v, i in zip(*top)] if top is not None else []
+        return TokenLogprob(token, decode([token]), float(lp[token]), alts)
+
+    def _end(self, job: _Job, reason: str | None) -> None:
+        """Send Finished (or nothing, for a cancelled request) and count the request out."""
+        with self._lock:
+            self._in_flight -= 1
+        if reason is None:
+            self.stats.cancelled += 1
+            return
+        t = job.timings
+        t.predicted_n = job.generated
+        t.predicted_ms = (time.perf_counter() - job.decode_start) * 1000.0
+        s = self.stats
+        s.requests += 1
+        s.prompt_tokens += len(job.request.prompt)
+        s.cached_tokens += t.cache_n
+        s.completion_tokens += job.generated
+        s.prompt_seconds += t.prompt_ms / 1000.0
+        self._emit(job, Finished(reason, len(job.request.prompt), job.generated, t))
+
+    def _fail(self, job: _Job, exc: Exception) -> None:
+        if not isinstance(exc, StrataError):
+            log.error("request failed", exc_info=exc)
+        with self._lock:
+            self._in_flight -= 1
+        self.stats.failed += 1
+        self._emit(job, exc)
+
+    def _free(self, slot: _Slot) -> None:
+        """The slot's job left; its session stays for prefix reuse."""
+        slot.job = None
+        self._clock += 1
+        slot.last_used = self._clock
+
+    def _emit(self, job: _Job, event: Delta | Finished | BaseException) -> None:
+        try:
+            job.handle.loop.call_soon_threadsafe(job.handle.events.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: nobody is listening
+            job.handle.cancelled = True
+
+    def _shutdown(self) -> None:
+        jobs = list(self._waiting) + [s.job for s in self._slots if s.job]
+        for job in jobs:
+            self._fail(job, RuntimeError("the server is shutting down"))
+        for slot in self._slots:
+            slot.job = None
+            self._drop_session(slot)

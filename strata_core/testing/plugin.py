@@ -1,0 +1,1 @@
+"""Pytest plugin for Strata and its plugin authors (fixtures: tiny models, logical devices)."""

@@ -1,0 +1,181 @@
+"""The tokenizer a GGUF describes: encode, decode, and stream-decode token ids.
+
+The vocabulary, merges and special tokens are read from the GGUF metadata (llama.cpp's
+``tokenizer.ggml.*`` keys) and rebuilt with transformers' GGUF tokenizer conversion
+(``transformers.integrations.gguf.convert_gguf_tokenizer``), which also picks the pre-tokenizer
+regex named by ``tokenizer.ggml.pre``. No weights are read. Like llama.cpp, text is not
+unicode-normalized before splitting.
+
+``train_byte_level_bpe`` builds a small Qwen2-style tokenizer for tests and the demo model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import tokenizers
+from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
+
+from strata_core.errors import ModelFileError, UnsupportedError
+
+__all__ = ["StreamDecoder", "Tokenizer", "train_byte_level_bpe"]
+
+# Texts llama.cpp treats as end-of-generation whatever the file says (llama-vocab.cpp, special_eog_ids).
+_EOG_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
+        "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+        "<end_of_utterance>", "<\uff5cend\u2581of\u2581sentence\uff5c>",
+    }
+)  # fmt: skip
+
+# GGUF key suffix (after "tokenizer.") -> the name transformers' converter expects.
+_GGUF_TOKENIZER_KEYS = {
+    "ggml.model": "tokenizer_type",
+    "ggml.pre": "pre_tokenizer_type",
+    "ggml.tokens": "tokens",
+    "ggml.scores": "scores",
+    "ggml.token_type": "token_type",
+    "ggml.merges": "merges",
+    "ggml.precompiled_charsmap": "precompiled_charsmap",
+    "ggml.add_space_prefix": "add_prefix_space",
+}
+
+# The Qwen2 pre-tokenizer split (tokenizer.ggml.pre = "qwen2").
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class Tokenizer:
+    """Encode text to token ids and decode them back, with the special tokens of the model."""
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        vocab_size: int,
+        bos_token_id: int | None,
+        eos_token_ids: set[int],
+        add_bos: bool = False,
+    ) -> None:
+        self.backend = backend
+        self.vocab_size = vocab_size
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.add_bos = add_bos
+
+    @classmethod
+    def from_gguf(cls, metadata: Mapping[str, Any] | str | os.PathLike[str]) -> Tokenizer:
+        """Build from a GGUF's metadata dict (or the path of a GGUF file)."""
+        if not isinstance(metadata, Mapping):
+            from strata_core.gguf.reader import GGUFFile
+
+            metadata = GGUFFile.open(metadata).metadata
+        if "tokenizer.ggml.tokens" not in metadata:
+            raise ModelFileError("the GGUF has no tokenizer (no tokenizer.ggml.tokens key)")
+        model = metadata.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise UnsupportedError(f"tokenizer.ggml.model {model!r} is not supported; Strata reads 'gpt2' (byte-level BPE)")
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+
+        spec = {name: metadata[f"tokenizer.{key}"] for key, name in _GGUF_TOKENIZER_KEYS.items() if f"tokenizer.{key}" in metadata}
+        spec["tokens"] = [str(t) for t in spec["tokens"]]
+        spec["merges"] = [str(m) for m in spec.get("merges", [])]
+        spec["token_type"] = [int(t) for t in spec.get("token_type", [])]
+        backend, _ = convert_gguf_tokenizer(str(metadata.get("general.architecture", "")), spec)
+        backend.post_processor = None  # BOS is added here, from tokenizer.ggml.add_bos_token
+
+        tokens = spec["tokens"]
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+        eog = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
+        eog |= {int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata}
+        return cls(
+            backend,
+            vocab_size=len(tokens),
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_ids=eog,
+            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+        )
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token texts in it (``<|im_start|>``) become their ids.
+
+        ``add_special_tokens`` prepends BOS when the GGUF asks for it (``add_bos_token``).
+        """
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; control tokens are left out when ``skip_special_tokens``."""
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence."""
+        return StreamDecoder(self, skip_special_tokens=skip_special_tokens)
+
+
+class StreamDecoder:
+    """Turn tokens into text as they arrive, giving out only complete characters.
+
+    A byte-level token can end inside a UTF-8 character; its text is held back until the
+    character is complete. The text of every ``push`` plus ``flush`` equals ``decode`` of all ids.
+    Uses the prefix/read window of text-generation-inference, so decoders that depend on the
+    previous token (leading spaces) stay correct.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the window decoded for context
+        self._read = 0  # ids before this were given out
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text that became complete ("" when none did)."""
+        self._ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        """Return whatever is held back (an incomplete character decodes to U+FFFD)."""
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        decode = self._tokenizer.decode
+        prefix_text = decode(self._ids[self._prefix : self._read], self._skip)
+        text = decode(self._ids[self._prefix :], self._skip)
+        if len(text) > len(prefix_text) and (final or not text.endswith("\ufffd")):
+            self._prefix, self._read = self._read, len(self._ids)
+            return text[len(prefix_text) :]
+        return ""
+
+
+def train_byte_level_bpe(
+    texts: Iterable[str], vocab_size: int, special_tokens: list[str], *, min_frequency: int = 2
+) -> tokenizers.Tokenizer:
+    """Train a Qwen2-style byte-level BPE (``tokenizer.ggml.pre = "qwen2"``) on ``texts``.
+
+    Special tokens get the first ids, the 256 byte symbols come next, then the learned merges.
+    """
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
