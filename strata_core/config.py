@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from strata_core.errors import ConfigError
 
 CONFIG_FILE_ENV = "STRATA_CONFIG"
 DEFAULT_CONFIG_FILE = Path("strata.toml")
@@ -35,6 +38,8 @@ def config_file_path() -> Path | None:
     """The TOML settings file in effect: ``$STRATA_CONFIG``, else ``./strata.toml`` if present."""
     named = os.environ.get(CONFIG_FILE_ENV)
     if named:
+        if not Path(named).is_file():
+            raise ConfigError(f"settings file {named} (from {CONFIG_FILE_ENV} / --config) does not exist")
         return Path(named)
     return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
 
@@ -57,7 +62,7 @@ class StrataSettings(BaseSettings):
     strategy_options: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="options of the selected strategy, validated by its model"
     )
-    devices: list[str] = Field(
+    devices: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: ["cpu"],
         description="devices in order, e.g. cuda:0,cuda:1 or logical devices cpu,cpu",
     )
@@ -96,12 +101,12 @@ class StrataSettings(BaseSettings):
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")
     decode_timing: bool = Field(False, description="print host/device time per decode window")
     dbg_nan: bool = Field(False, description="check every layer's output for non-finite values")
-    plugins: list[str] | None = Field(None, description="allow-list of plugin distributions")
+    plugins: Annotated[list[str] | None, NoDecode] = Field(None, description="allow-list of plugin distributions")
     disable_plugin_autoload: bool = Field(False, description="load no entry-point plugins")
 
-    @field_validator("devices", mode="before")
+    @field_validator("devices", "plugins", mode="before")
     @classmethod
-    def _split_devices(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value

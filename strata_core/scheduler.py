@@ -30,7 +30,7 @@ from strata_core.errors import RequestError, StrataError
 from strata_core.sampling import Sampler, SamplingParams
 
 __all__ = [
-    "Delta", "Finished", "GenerationRequest", "RequestHandle", "Scheduler", "SchedulerStats",
+    "ContextLengthError", "Delta", "Finished", "GenerationRequest", "RequestHandle", "Scheduler", "SchedulerStats",
     "ServerBusyError", "Timings", "TokenLogprob",
 ]  # fmt: skip
 
@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 class ServerBusyError(StrataError):
     """Every slot is busy and the queue is full (HTTP 503)."""
+
+
+class ContextLengthError(RequestError):
+    """The prompt does not fit in a session's context."""
 
 
 @dataclass
@@ -204,6 +208,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.cache = ConvCache(conv_cache, conv_cache_bytes)
         self.stats = SchedulerStats()
+        self.telemetry: dict[str, Any] = {}  # the engine's counters, copied by the worker
         self._slots = [_Slot() for _ in range(parallel)]
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
@@ -230,7 +235,7 @@ class Scheduler:
         if n == 0:
             raise RequestError("the prompt is empty")
         if n > self.max_context:
-            raise RequestError(f"the prompt has {n} tokens but the context holds {self.max_context}")
+            raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}")
         with self._lock:
             if self._in_flight >= self.parallel + self.max_queue:
                 raise ServerBusyError(
@@ -258,6 +263,7 @@ class Scheduler:
             self._window()
             self.stats.active = sum(1 for s in self._slots if s.job)
             self.stats.waiting = len(self._waiting)
+            self.telemetry = dict(self.engine.telemetry.snapshot())
         self._shutdown()
 
     def _take_inbox(self, block: bool) -> None:
@@ -302,7 +308,7 @@ class Scheduler:
                 self._drop_session(slot)
                 slot.job = None
         else:
-            if slot.job is job and job.handle is not None and job.pending < 0:
+            if job.pending < 0:  # done after its first token
                 self._free(slot)
 
     def _place(self, job: _Job, idle: list[_Slot]) -> tuple[_Slot, int]:
@@ -383,15 +389,13 @@ class Scheduler:
         lps = [self._logprob(logits, token, req.logprobs)] if req.logprobs is not None else []
         eos = token in self.engine.tokenizer.eos_token_ids
         text, stopped = job.stop.push("" if eos else job.decoder.push(token))
-        job.pending = -1
-        if eos or stopped:
-            reason = "stop"
-        elif job.generated >= req.max_tokens or job.session.n_tokens >= self.max_context:
-            reason = "length"
-            text += job.stop.push(job.decoder.flush())[0] + job.stop.held
-        else:
-            job.pending = token
-            reason = ""
+        full = job.generated >= req.max_tokens or job.session.n_tokens >= self.max_context
+        reason = "stop" if eos or stopped else "length" if full else ""
+        if reason and not stopped:  # give out what the decoder and the stop matcher hold back
+            tail, stopped = job.stop.push(job.decoder.flush())
+            text += tail if stopped else tail + job.stop.held
+            reason = "stop" if stopped else reason
+        job.pending = -1 if reason else token
         if text or lps:
             self._emit(job, Delta(text, [token], lps))
         if reason:

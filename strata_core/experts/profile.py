@@ -22,7 +22,7 @@ import torch
 
 from strata_core.errors import ConfigError
 
-__all__ = ["UsageProfile", "default_order", "PROFILE_FORMAT"]
+__all__ = ["UsageCounter", "UsageProfile", "default_order", "PROFILE_FORMAT"]
 
 PROFILE_FORMAT = "strata-expert-profile"
 PROFILE_VERSION = 1
@@ -75,6 +75,24 @@ class UsageProfile:
         if bool((counts < 0).any()):
             raise ConfigError(f"--expert-profile {path}: negative counts")
         return cls(counts, int(doc.get("tokens", 0)), str(doc.get("model", "")))
+
+
+class UsageCounter:
+    """Routing counts accumulated on the computing device (no host read until ``profile()``)."""
+
+    def __init__(self, n_layers: int, n_experts: int, device: torch.device):
+        self.counts = torch.zeros((n_layers, n_experts), dtype=torch.int64, device=device)  # [L, E]
+        self.tokens = 0
+
+    def add(self, layer: int, expert_ids: torch.Tensor) -> None:
+        """Count the routings ``expert_ids [T, k]`` of ``layer``."""
+        flat = expert_ids.reshape(-1)  # [T*k]
+        self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
+        if layer == 0:
+            self.tokens += expert_ids.shape[0]
+
+    def profile(self, model: str = "") -> UsageProfile:
+        return UsageProfile(self.counts.cpu(), self.tokens, model)
 
 
 def default_order(n_layers: int, n_experts: int) -> list[tuple[int, int]]:

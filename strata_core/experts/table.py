@@ -64,6 +64,11 @@ class ResidencyTable:
         return bool(self._masked[layer, expert])
 
     @property
+    def masked(self) -> torch.Tensor:
+        """``[L, E]`` bool: entries hidden by a mask (a copy; read-only use)."""
+        return self._masked.clone()
+
+    @property
     def n_free(self) -> int:
         return len(self._free)
 

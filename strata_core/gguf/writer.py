@@ -21,9 +21,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata_core.errors import UnsupportedError
-from strata_core.gguf.quant_shim import quantize
+from strata_core.gguf.quant_shim import dequantize, quantize
 
-__all__ = ["HF_ARCHITECTURES", "write_gguf", "hf_to_gguf_tensors"]
+__all__ = ["HF_ARCHITECTURES", "write_gguf", "hf_to_gguf_tensors", "dequantized_hf_state_dict"]
 
 Q = GGMLQuantizationType
 
@@ -154,3 +154,22 @@ def write_gguf(model: torch.nn.Module, path: str | os.PathLike[str], *,
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def dequantized_hf_state_dict(gguf_file: Any, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF state dict shaped like ``template`` holding the GGUF file's dequantized weights.
+
+    Loading it into the HF model gives a reference that sees exactly the weights Strata computes
+    with, so quantized files can be compared with a tight tolerance.
+    """
+    def load(name: str) -> torch.Tensor:
+        ref = gguf_file.tensors[name]
+        return dequantize(ref.raw(), ref.qtype, ref.shape).float()
+
+    out = {}
+    for hf_name, t in template.items():
+        names = [n for n, _ in hf_to_gguf_tensors({hf_name: t}, tied=False)]
+        if names == ["output.weight"] and "output.weight" not in gguf_file.tensors:
+            names = ["token_embd.weight"]  # tied embeddings
+        out[hf_name] = torch.cat([load(n) for n in names], dim=1).reshape(t.shape)  # gate_up: [E, 2F, H]
+    return out

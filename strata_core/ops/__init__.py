@@ -1,0 +1,12 @@
+"""Strata's torch custom ops, all in the ``strata`` namespace, registered at import.
+
+- ``strata::dequantize(Tensor raw, int qtype, SymInt[] shape) -> Tensor``
+- ``strata::quant_matmul(Tensor x, Tensor raw, int qtype, SymInt[] shape) -> Tensor``
+
+Each op has one contract, a device-generic torch reference kernel and a fake (meta) kernel; device
+kernels register for the same op. Import this package before any graph capture.
+"""
+
+from strata_core.ops import quant
+
+__all__ = ["quant"]

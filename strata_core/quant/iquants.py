@@ -40,6 +40,8 @@ _GRID_OWNER = {
 }
 
 _IQ1_DELTA = float(quants.IQ1_S.delta)
+#: Largest |value| / |d| of IQ1_S and IQ1_M: sub-block scale 2*7+1 times grid value 1 + delta.
+_IQ1_SPAN = 15 * (1 + _IQ1_DELTA)
 
 
 @functools.cache
@@ -126,7 +128,7 @@ def _iq1_s(blocks: Tensor) -> Tensor:  # [n, 50] -> [n, 256]
     qh = le_uint(qh, 2)  # [n, 8]: 4 x 3 high index bits, 3-bit scale, delta sign
     dl = fp16(d) * (2 * ((qh >> 12) & 7) + 1).float()  # [n, 8]
     index = qs.long() | (shift_fields(qh, (0, 3, 6, 9), 7) << 8)  # [n, 32] 11-bit
-    negative = (qh & 0x8000 != 0).repeat_interleave(4, dim=1)  # [n, 32]
+    negative = ((qh & 0x8000) != 0).repeat_interleave(4, dim=1)  # [n, 32]
     return _iq1(T.IQ1_S, dl, index, negative)
 
 
@@ -138,13 +140,13 @@ def _iq1_m(blocks: Tensor) -> Tensor:  # [n, 56] -> [n, 256]
     dl = d * (2 * shift_fields(scales, (0, 3, 6, 9), 7) + 1).float()  # [n, 16]
     qh = unpack(qh, 4, 1)  # [n, 32]: 3 high index bits, delta sign
     index = qs.long() | ((qh & 7).long() << 8)  # [n, 32] 11-bit
-    return _iq1(T.IQ1_M, dl, index, qh & 8 != 0)
+    return _iq1(T.IQ1_M, dl, index, (qh & 8) != 0)
 
 
 def _iq1_m_scales(blocks: np.ndarray, rng: np.random.Generator, scale: float) -> None:
     """IQ1_M keeps its fp16 ``d`` as the top nibbles of the four 16-bit scale words (bytes 48-55)."""
     n = blocks.shape[0]
-    d = random_scales(rng, n, scale / 17).astype(np.float16).view(np.uint16)  # [n]
+    d = random_scales(rng, n, scale / _IQ1_SPAN).astype(np.float16).view(np.uint16)  # [n]
     nibbles = (d[:, None] >> np.arange(0, 16, 4, dtype=np.uint16)) & 0xF  # [n, 4]
     words = blocks[:, 48:56].copy().view(np.uint16)  # [n, 4]
     words = (words & 0x0FFF) | (nibbles << 12).astype(np.uint16)
@@ -158,6 +160,6 @@ FORMATS = (
     BlockFormat(T.IQ2_S, _iq2_s, fp16_scales((0, 3.875 * 43))),
     BlockFormat(T.IQ3_XXS, _iq3_xxs, fp16_scales((0, 7.75 * 62))),
     BlockFormat(T.IQ3_S, _iq3_s, fp16_scales((0, 31 * 15))),
-    BlockFormat(T.IQ1_S, _iq1_s, fp16_scales((0, 15 * 1.125))),
+    BlockFormat(T.IQ1_S, _iq1_s, fp16_scales((0, _IQ1_SPAN))),
     BlockFormat(T.IQ1_M, _iq1_m, _iq1_m_scales),
 )

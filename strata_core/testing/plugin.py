@@ -1,1 +1,80 @@
-"""Pytest plugin for Strata and its plugin authors (fixtures: tiny models, logical devices)."""
+"""Pytest plugin for Strata and its plugin authors (registered through the ``pytest11`` entry point).
+
+Fixtures:
+
+* ``plugin_manager`` — a fresh plugin manager with the builtins only (no entry-point autoload).
+* ``register_strategy`` — register a strategy plugin module/object on that manager; undone after the test.
+* ``tiny_model_path`` — a tiny qwen3moe GGUF, parametrised over block formats by ``tiny_model_types``.
+* ``tiny_model_factory`` — build a tiny model file with chosen sizes and block types.
+* ``logical_devices`` — ``["cpu", "cpu"]``, plus ``["cuda:0", "cuda:0"]`` where CUDA exists: every
+  topology runs on logical devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from strata_core.config import StrataSettings
+from strata_core.plugins import StrataPluginManager, build_plugin_manager
+from strata_core.testing.models import TinyModelOptions, write_tiny_model
+
+TINY_MODEL_TYPES = ("F32", "F16", "Q8_0")
+
+
+@pytest.fixture
+def plugin_manager() -> StrataPluginManager:
+    """A plugin manager with the builtin strategies and no entry-point plugins."""
+    return build_plugin_manager(StrataSettings(disable_plugin_autoload=True))
+
+
+@pytest.fixture
+def register_strategy(plugin_manager: StrataPluginManager) -> Iterator[Callable[[object, str], None]]:
+    """``register_strategy(plugin, name)`` registers a strategy plugin; unregistered after the test."""
+    added: list[object] = []
+
+    def register(plugin: object, name: str, distribution: str = "test") -> None:
+        plugin_manager.register_plugin(plugin, name=name, distribution=distribution)
+        added.append(plugin)
+
+    yield register
+    for plugin in added:
+        if plugin_manager.is_registered(plugin):
+            plugin_manager.unregister(plugin)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """``tiny_model_factory(**TinyModelOptions fields) -> path``; files are cached per options."""
+    cache: dict[TinyModelOptions, Path] = {}
+    root = tmp_path_factory.mktemp("strata-tiny-models")
+
+    def make(**options: object) -> Path:
+        key = TinyModelOptions(**options)  # type: ignore[arg-type]
+        if key not in cache:
+            cache[key] = write_tiny_model(root / f"tiny-{len(cache)}.gguf", key)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session", params=TINY_MODEL_TYPES)
+def tiny_model_path(request: pytest.FixtureRequest, tiny_model_factory: Callable[..., Path]) -> Path:
+    """A tiny qwen3moe GGUF whose expert tensors use each of ``TINY_MODEL_TYPES`` in turn."""
+    return tiny_model_factory(expert_type=request.param)
+
+
+def _logical_device_sets() -> list[list[str]]:
+    sets = [["cpu", "cpu"]]
+    if torch.cuda.is_available():
+        sets.append(["cuda:0", "cuda:0"])
+    return sets
+
+
+@pytest.fixture(params=_logical_device_sets(), ids=lambda devices: ",".join(devices))
+def logical_devices(request: pytest.FixtureRequest) -> list[str]:
+    """Two logical devices on one physical device (cpu,cpu; cuda:0,cuda:0 where CUDA exists)."""
+    return list(request.param)

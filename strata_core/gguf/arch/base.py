@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from gguf import Keys as K
+
 from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.gguf.spec import ModelSpec
 
@@ -58,35 +60,35 @@ class Architecture:
         a = self.name
 
         def get(key: str, default: Any = ...) -> Any:
-            full = f"{a}.{key}"
+            full = key.format(arch=a)
             if full in metadata:
                 return _uniform(metadata[full], full, path)
             if default is ...:
                 raise ModelFileError(f"{path}: metadata key {full!r} is missing")
             return default
 
-        hidden = int(get("embedding_length"))
-        n_heads = int(get("attention.head_count"))
-        n_kv = int(get("attention.head_count_kv", n_heads))
-        head_dim = int(get("attention.key_length", hidden // n_heads))
-        if int(get("attention.value_length", head_dim)) != head_dim:
+        hidden = int(get(K.LLM.EMBEDDING_LENGTH))
+        n_heads = int(get(K.Attention.HEAD_COUNT))
+        n_kv = int(get(K.Attention.HEAD_COUNT_KV, n_heads))
+        head_dim = int(get(K.Attention.KEY_LENGTH, hidden // n_heads))
+        if int(get(K.Attention.VALUE_LENGTH, head_dim)) != head_dim:
             raise UnsupportedError(f"{path}: {a}.attention.value_length differs from key_length")
-        if int(get("rope.dimension_count", head_dim)) != head_dim:
-            raise UnsupportedError(f"{path}: partial RoPE ({a}.rope.dimension_count != head_dim)")
-        if str(get("rope.scaling.type", "none")) not in ("none", "linear") or \
-                float(get("rope.scaling.factor", 0.0)) not in (0.0, 1.0):
+        if int(get(K.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
+            raise UnsupportedError(f"{path}: partial RoPE ({a}.rope.dimension_count != head_dim) is not supported")
+        if str(get(K.Rope.SCALING_TYPE, "none")) not in ("none", "linear") or \
+                float(get(K.Rope.SCALING_FACTOR, 0.0)) not in (0.0, 1.0):
             raise UnsupportedError(f"{path}: RoPE scaling ({a}.rope.scaling.*) is not supported")
-        n_experts = int(get("expert_count"))
-        n_used = int(get("expert_used_count"))
+        n_experts = int(get(K.LLM.EXPERT_COUNT))
+        n_used = int(get(K.LLM.EXPERT_USED_COUNT))
         if n_experts <= 0 or not 0 < n_used <= n_experts:
             raise ModelFileError(f"{path}: bad expert counts ({n_experts} experts, {n_used} used)")
-        ffn = get("feed_forward_length", None)
+        ffn = get(K.LLM.FEED_FORWARD_LENGTH, None)
         default_ff_exp = int(ffn) // n_used if ffn is not None else ...
-        ff_exp = int(get("expert_feed_forward_length", default_ff_exp))
+        ff_exp = int(get(K.LLM.EXPERT_FEED_FORWARD_LENGTH, default_ff_exp))
         shexp = 0
         if self.has_shared_expert:
-            shexp = int(get("expert_shared_feed_forward_length", ffn if ffn is not None else ...))
-        scale = float(get("expert_weights_scale", 0.0))
+            shexp = int(get(K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, ffn if ffn is not None else ...))
+        scale = float(get(K.LLM.EXPERT_WEIGHTS_SCALE, 0.0))
         embd = tensors.get("token_embd.weight")
         if embd is None:
             raise ModelFileError(f"{path}: tensor 'token_embd.weight' is missing")
@@ -94,7 +96,7 @@ class Architecture:
             raise ModelFileError(f"{path}: tensor 'output.weight' is missing")
         return ModelSpec(
             architecture=a,
-            n_layers=int(get("block_count")),
+            n_layers=int(get(K.LLM.BLOCK_COUNT)),
             hidden_size=hidden,
             n_heads=n_heads,
             n_kv_heads=n_kv,
@@ -104,10 +106,10 @@ class Architecture:
             expert_ffn_size=ff_exp,
             shared_expert_ffn_size=shexp,
             vocab_size=int(embd.shape[0]),
-            context_length=int(get("context_length", 0)),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_eps")),
-            norm_topk_prob=bool(get("expert_weights_norm", self.norm_topk_default)),
+            context_length=int(get(K.LLM.CONTEXT_LENGTH, 0)),
+            rope_theta=float(get(K.Rope.FREQ_BASE, 10000.0)),
+            rms_norm_eps=float(get(K.Attention.LAYERNORM_RMS_EPS)),
+            norm_topk_prob=bool(get(K.LLM.EXPERT_WEIGHTS_NORM, self.norm_topk_default)),
             expert_weights_scale=scale if scale != 0.0 else 1.0,
             has_qk_norm=self.has_qk_norm,
             has_attn_bias=self.has_attn_bias,

@@ -1,0 +1,88 @@
+"""How much device memory the expert cache gets, and the budget checks made before loading.
+
+Order of precedence for one device:
+
+1. ``--expert-cache N``: N slots (at most one per expert the device serves);
+2. ``--expert-cache-gib X``: as many slots as fit in X GiB;
+3. ``auto``: free device memory minus the dense part (weights, KV, prompt buffers: what the
+   engine passes as ``dense_bytes``) minus ``--reserve-mib``; with a profile, only the experts the
+   profile saw routed unless ``--expert-cache-fill-all``.
+
+On the CPU "device memory" is host RAM (``MemAvailable``), shared by the logical CPU devices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata_core.config import StrataSettings
+from strata_core.errors import BudgetError
+from strata_core.gguf.spec import ModelSpec
+
+__all__ = ["available_bytes", "check_dense_budget", "cache_slots", "cap_prefill_chunk"]
+
+MIB, GIB = 1 << 20, 1 << 30
+
+
+def _host_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise BudgetError("cannot read MemAvailable from /proc/meminfo")
+
+
+def available_bytes(device: torch.device, n_sharing: int = 1) -> int:
+    """Memory the engine may use on ``device``: free now plus what torch already holds there
+    (so the dense weights count the same whether they were loaded before this call or not)."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device)
+    return _host_available() // n_sharing
+
+
+def check_dense_budget(settings: StrataSettings, dense_bytes: dict[torch.device, int]) -> dict[torch.device, int]:
+    """Raise BudgetError if a device cannot hold its dense part plus ``--reserve-mib``.
+
+    Call it before loading anything. Returns each device's memory left for the expert cache.
+    """
+    n_cpu = sum(1 for d in dense_bytes if d.type == "cpu") or 1
+    left: dict[torch.device, int] = {}
+    for device, dense in dense_bytes.items():
+        have = available_bytes(device, n_cpu if device.type == "cpu" else 1)
+        need = dense + settings.reserve_mib * MIB
+        if need > have:
+            raise BudgetError(f"{device}: the dense part needs {dense / GIB:.2f} GiB (+ {settings.reserve_mib} MiB "
+                              f"reserve) but only {have / GIB:.2f} GiB is available")
+        left[device] = have - need
+    return left
+
+
+def cache_slots(settings: StrataSettings, device: torch.device, slot_bytes: int, n_candidates: int,
+                n_ranked: int | None, left_bytes: int) -> int:
+    """Slots for ``device``'s cache.
+
+    :param slot_bytes: bytes of one slot (the largest packed expert).
+    :param n_candidates: experts this device could hold (its layers x experts).
+    :param n_ranked: experts the profile saw routed on those layers (None without a profile).
+    :param left_bytes: memory left after the dense part and the reserve (``check_dense_budget``).
+    """
+    if isinstance(settings.expert_cache, int):
+        return min(settings.expert_cache, n_candidates)
+    fit = left_bytes // slot_bytes
+    if settings.expert_cache_gib is not None:
+        want = int(settings.expert_cache_gib * GIB) // slot_bytes
+        if want > fit:
+            raise BudgetError(f"{device}: --expert-cache-gib {settings.expert_cache_gib} does not fit; "
+                              f"{fit * slot_bytes / GIB:.2f} GiB is left after the dense part and the reserve")
+        return min(want, n_candidates)
+    if n_ranked is not None and not settings.expert_cache_fill_all:
+        fit = min(fit, n_ranked)
+    return min(fit, n_candidates)
+
+
+def cap_prefill_chunk(settings: StrataSettings, spec: ModelSpec, budget_bytes: int, act_bytes: int = 4) -> int:
+    """``--prefill-chunk`` capped so the expert path's per-chunk buffers (the ``[T, k, H]`` rows,
+    the gathered inputs and outputs) take at most a quarter of ``budget_bytes``."""
+    per_token = (spec.n_experts_used + 3) * spec.hidden_size * act_bytes
+    return max(1, min(settings.prefill_chunk, budget_bytes // 4 // per_token))

@@ -1,0 +1,100 @@
+"""Moving experts from the arena to a device: the copier and the double-buffered staging ring.
+
+On CUDA every copy runs on the device's copy stream and the compute stream waits on events, so
+the host only enqueues: ``StagingRing.run`` issues the copy of expert j+depth while expert j is
+computed, and a ring buffer is refilled only after the compute that read it (an event, not a host
+wait). Arena layers that are not pinned go through a ring of pinned host buffers first (the one
+place the host may wait: for the DMA that last read a host buffer, ``host_depth`` copies back).
+On the CPU the same code runs with synchronous copies, so CI exercises every branch but the events.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from strata_core.experts.arena import Arena, can_pin
+from strata_core.experts.telemetry import ExpertTelemetry
+
+__all__ = ["ArenaCopier", "StagingRing"]
+
+Expert = tuple[int, int]
+
+
+class ArenaCopier:
+    """Copies one packed expert from the arena into a device buffer on the device's copy stream."""
+
+    def __init__(self, arena: Arena, device: torch.device, telemetry: ExpertTelemetry, host_depth: int = 4):
+        self.arena, self.device, self.telemetry = arena, device, telemetry
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self._host: list[torch.Tensor] = []
+        self._host_done: list[torch.cuda.Event | None] = []
+        self._next_host = 0
+        if self.cuda:
+            self._host = [torch.empty(arena.slot_bytes, dtype=torch.uint8, pin_memory=can_pin())
+                          for _ in range(host_depth)]
+            self._host_done = [None] * host_depth
+
+    def copy(self, layer: int, expert: int, dst: torch.Tensor) -> None:
+        """Enqueue the copy of (layer, expert) into ``dst`` (``[>= packed]`` uint8 on the device)."""
+        n = self.arena.formats[layer].total
+        if not self.cuda:
+            t0 = time.perf_counter()
+            self.arena.pack_into(layer, expert, dst)
+            self.telemetry.add_copy(n, time.perf_counter() - t0)
+            return
+        src = self.arena.packed(layer, expert)
+        host_slot = None
+        if src is None:  # not pinned: host memcpy into a pinned staging buffer first
+            host_slot = self._next_host
+            self._next_host = (host_slot + 1) % len(self._host)
+            if self._host_done[host_slot] is not None:
+                self._host_done[host_slot].synchronize()  # the DMA that last read this host buffer
+            src = self._host[host_slot][:n]
+            self.arena.pack_into(layer, expert, src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            dst[:n].copy_(src, non_blocking=True)
+            end.record()
+        if host_slot is not None:
+            self._host_done[host_slot] = end
+        self.telemetry.add_copy_events(n, start, end)
+
+
+class StagingRing:
+    """``depth`` device buffers cycling arena experts in front of compute (double-buffered at 2)."""
+
+    def __init__(self, copier: ArenaCopier, depth: int = 2):
+        self.copier, self.depth = copier, depth
+        dev = copier.device
+        self.buffers = torch.empty((depth, copier.arena.slot_bytes), dtype=torch.uint8, device=dev)  # [depth, B]
+        self.cuda = copier.cuda
+        if self.cuda:
+            self._ready = [torch.cuda.Event() for _ in range(depth)]
+            self._free = [torch.cuda.Event() for _ in range(depth)]
+
+    def run(self, layer: int, experts: Sequence[int], consume: Callable[[int, torch.Tensor], None]) -> None:
+        """Stream ``experts`` of ``layer`` through the ring, calling ``consume(expert, packed)`` for each
+        on the current (compute) stream once its bytes are there."""
+        for j in range(min(self.depth, len(experts))):
+            self._issue(layer, experts[j], j)
+        for j, expert in enumerate(experts):
+            i = j % self.depth
+            if self.cuda:
+                torch.cuda.current_stream(self.copier.device).wait_event(self._ready[i])
+            consume(expert, self.buffers[i])
+            if self.cuda:
+                self._free[i].record(torch.cuda.current_stream(self.copier.device))
+            if j + self.depth < len(experts):
+                self._issue(layer, experts[j + self.depth], i)
+
+    def _issue(self, layer: int, expert: int, i: int) -> None:
+        if self.cuda:
+            self.copier.stream.wait_event(self._free[i])  # compute is done reading buffer i
+        self.copier.copy(layer, expert, self.buffers[i])
+        if self.cuda:
+            self._ready[i].record(self.copier.stream)

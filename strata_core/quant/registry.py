@@ -1,0 +1,98 @@
+"""Every supported block format by GGML type, shape checks, and the torch reference dequantizer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType
+from torch import Tensor
+
+from strata_core.errors import ModelFileError, UnsupportedError
+from strata_core.quant import floats, iquants, kquants, legacy, lut4
+from strata_core.quant.base import BlockFormat
+
+FORMATS: Mapping[GGMLQuantizationType, BlockFormat] = MappingProxyType(
+    {
+        fmt.qtype: fmt
+        for family in (floats, legacy, kquants, lut4, iquants)
+        for fmt in family.FORMATS
+    }
+)
+
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(FORMATS)
+
+
+def type_name(qtype: int) -> str:
+    """``Q4_K`` for a known GGML type id, ``type 99`` otherwise."""
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"type {int(qtype)}"
+
+
+def names(types: frozenset[GGMLQuantizationType]) -> str:
+    """Comma-separated type names in GGML id order."""
+    return ", ".join(t.name for t in sorted(types))
+
+
+def get_format(qtype: int, *, name: str = "tensor") -> BlockFormat:
+    """The :class:`BlockFormat` of ``qtype``; UnsupportedError naming it and listing the supported ones."""
+    fmt = FORMATS.get(qtype) if isinstance(qtype, int) else None
+    if fmt is None:
+        raise UnsupportedError(
+            f"{name}: block format {type_name(qtype)} is not supported; "
+            f"supported: {names(SUPPORTED_TYPES)}"
+        )
+    return fmt
+
+
+def bytes_for(qtype: int, shape: Sequence[int], *, name: str = "tensor") -> int:
+    """Bytes that a tensor of logical ``shape`` (row length last) takes in format ``qtype``."""
+    fmt = get_format(qtype, name=name)
+    if len(shape) == 0 or any(size < 0 for size in shape):
+        raise ModelFileError(f"{name}: invalid shape {tuple(shape)} for {fmt.qtype.name}")
+    if shape[-1] % fmt.block_size != 0:
+        raise ModelFileError(
+            f"{name}: row length {shape[-1]} of shape {tuple(shape)} is not a multiple of the "
+            f"{fmt.qtype.name} block size {fmt.block_size}"
+        )
+    return math.prod(shape) // fmt.block_size * fmt.type_size
+
+
+def check_shape(
+    qtype: int, shape: Sequence[int], nbytes: int | None = None, *, name: str = "tensor"
+) -> None:
+    """Raise unless ``qtype`` is supported, ``shape`` fits its blocks and (if given) ``nbytes`` matches.
+
+    UnsupportedError for an unknown or unsupported type, ModelFileError for a bad shape or size.
+    """
+    expected = bytes_for(qtype, shape, name=name)
+    if nbytes is not None and nbytes != expected:
+        raise ModelFileError(
+            f"{name}: {type_name(qtype)} shape {tuple(shape)} needs {expected} bytes, got {nbytes}"
+        )
+
+
+def dequantize_reference(raw: Tensor, qtype: int, shape: Sequence[int]) -> Tensor:
+    """Device-generic torch dequantizer behind ``strata::dequantize`` (no checks beyond the lookup)."""
+    fmt = get_format(qtype)
+    blocks = raw.reshape(raw.numel() // fmt.type_size, fmt.type_size)  # [n_blocks, type_size]
+    return fmt.dequantize(blocks).reshape(shape)  # [n_blocks, block_size] -> shape
+
+
+def random_blocks(
+    qtype: int, n_blocks: int, rng: np.random.Generator, scale: float = 1.0
+) -> np.ndarray:
+    """``[n_blocks, type_size]`` uint8 of valid random blocks dequantizing to finite values of about ``scale``.
+
+    Codes, grid indices and signs are uniform random bytes; scale fields are finite fp16 (or
+    E8M0) values chosen so that the largest representable value is about ``scale``.
+    """
+    fmt = get_format(qtype)
+    blocks = rng.integers(0, 256, (n_blocks, fmt.type_size), dtype=np.uint8)
+    fmt.fill_scales(blocks, rng, scale)
+    return blocks

@@ -1,0 +1,87 @@
+"""Route handlers, one controller per domain: chat, completions, models, and the system routes."""
+
+from __future__ import annotations
+
+from litestar import Controller, MediaType, Request, Response, get, post
+from litestar.response import Stream
+
+from strata_core.server import metrics
+from strata_core.server import schemas as s
+from strata_core.server.responses import (
+    cancel_on_disconnect, chat_completion, chat_stream, collect, completion, completion_stream,
+)  # fmt: skip
+from strata_core.server.service import GenerationService
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _stream(chunks: object) -> Stream:
+    return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+
+
+class ChatController(Controller):
+    """``/v1/chat/completions``."""
+
+    path = "/chat/completions"
+    tags = ["chat"]
+
+    @post(operation_id="createChatCompletion", status_code=200,
+          summary="Generate the next message of a conversation (SSE with stream=true)")
+    async def create(self, request: Request, data: s.ChatCompletionRequest,
+                     service: GenerationService) -> s.ChatCompletion | Stream:
+        handle = service.chat(data)
+        if data.stream:
+            return _stream(chat_stream(service.model_id, handle, data))
+        async with cancel_on_disconnect(request, handle):
+            out = await collect(handle)
+        return chat_completion(service.model_id, out, data.logprobs)
+
+
+class CompletionsController(Controller):
+    """``/v1/completions``."""
+
+    path = "/completions"
+    tags = ["completions"]
+
+    @post(operation_id="createCompletion", status_code=200,
+          summary="Continue a prompt (SSE with stream=true)")
+    async def create(self, request: Request, data: s.CompletionRequest,
+                     service: GenerationService) -> s.Completion | Stream:
+        handle = service.complete(data)
+        if data.stream:
+            return _stream(completion_stream(service.model_id, handle, data))
+        async with cancel_on_disconnect(request, handle):
+            out = await collect(handle)
+        return completion(service.model_id, out, data.logprobs is not None)
+
+
+class ModelsController(Controller):
+    """``/v1/models``."""
+
+    path = "/models"
+    tags = ["models"]
+
+    @get(operation_id="listModels", summary="The model this server serves")
+    async def list_models(self, service: GenerationService) -> s.ModelList:
+        return s.ModelList([s.Model(service.model_id, service.created)])
+
+    @get("/{model_id:str}", operation_id="retrieveModel", summary="One model by name")
+    async def retrieve(self, model_id: str, service: GenerationService) -> s.Model:
+        service.check_model(model_id)
+        return s.Model(service.model_id, service.created)
+
+
+class SystemController(Controller):
+    """``/health`` (never needs the API key) and ``/metrics`` (Prometheus text)."""
+
+    path = "/"
+    tags = ["system"]
+
+    @get("/health", operation_id="health", summary="Liveness and slot use")
+    async def health(self, service: GenerationService) -> s.Health:
+        stats = service.scheduler.stats
+        return s.Health("ok", service.scheduler.parallel - stats.active, stats.active, stats.waiting)
+
+    @get("/metrics", operation_id="metrics", media_type=MediaType.TEXT, summary="Prometheus metrics")
+    async def metrics(self, service: GenerationService) -> Response[str]:
+        return Response(metrics.render(service.scheduler), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,67 @@
+"""The one exception-to-response mapper: every error becomes an OpenAI-style error body.
+
+StrataError subclasses are the user's problem (4xx, 503 when busy); Litestar's HTTP exceptions
+keep their status; validation errors are 400 naming the field; anything else is a logged 500 and
+the server goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from strata_core.errors import StrataError
+from strata_core.scheduler import ContextLengthError, ServerBusyError
+from strata_core.server.schemas import ErrorBody, ErrorDetail
+from strata_core.server.service import InvalidParamError, UnknownModelError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_error"}
+
+
+def _body(status: int, message: str, param: str | None = None, code: str | None = None) -> tuple[int, ErrorBody]:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return status, ErrorBody(ErrorDetail(message, kind, param, code))
+
+
+def _validation(exc: ValidationException) -> tuple[int, ErrorBody]:
+    problems = exc.extra if isinstance(exc.extra, list) else []
+    if not problems:
+        return _body(400, str(exc.detail), code="invalid_request")
+    parts, params = [], []
+    for item in problems:
+        key = item.get("key") if isinstance(item, dict) else None
+        message = item.get("message", str(item)) if isinstance(item, dict) else str(item)
+        parts.append(f"{key}: {message}" if key else message)
+        params.append(key)
+    return _body(400, "invalid request: " + "; ".join(parts), params[0], "invalid_request")
+
+
+def error_body(exc: Exception) -> tuple[int, ErrorBody]:
+    """The HTTP status and OpenAI error body for ``exc``."""
+    if isinstance(exc, ValidationException):
+        return _validation(exc)
+    if isinstance(exc, HTTPException):
+        return _body(exc.status_code, str(exc.detail))
+    if isinstance(exc, ServerBusyError):
+        return _body(503, str(exc), code="server_busy")
+    if isinstance(exc, UnknownModelError):
+        return _body(404, str(exc), "model", "model_not_found")
+    if isinstance(exc, InvalidParamError):
+        return _body(400, str(exc), exc.param, exc.code)
+    if isinstance(exc, ContextLengthError):
+        return _body(400, str(exc), None, "context_length_exceeded")
+    if isinstance(exc, StrataError):
+        return _body(400, str(exc), code="invalid_request")
+    log.error("unhandled error", exc_info=exc)
+    return _body(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def handle_exception(_: Request, exc: Exception) -> Response[ErrorBody]:
+    """Litestar exception handler for every exception type."""
+    status, body = error_body(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return Response(body, status_code=status, headers=headers)

@@ -1,0 +1,45 @@
+"""``/metrics``: the scheduler's counters and the engine's telemetry as Prometheus text."""
+
+from __future__ import annotations
+
+from strata_core.scheduler import Scheduler
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den > 0 else 0.0
+
+
+def render(scheduler: Scheduler) -> str:
+    """Prometheus text exposition (version 0.0.4) of the server's state."""
+    st, tel, cache = scheduler.stats, scheduler.telemetry, scheduler.cache
+    computed = st.prompt_tokens - st.cached_tokens
+    hits, misses = float(tel.get("expert_hits", 0)), float(tel.get("expert_misses", 0))
+    rows: list[tuple[str, str, str, float]] = [
+        ("requests_total", "counter", "requests finished", st.requests),
+        ("requests_failed_total", "counter", "requests that failed", st.failed),
+        ("requests_cancelled_total", "counter", "requests cancelled (client gone)", st.cancelled),
+        ("prompt_tokens_total", "counter", "prompt tokens of finished requests", st.prompt_tokens),
+        ("prompt_tokens_cached_total", "counter", "prompt tokens read from a kept KV cache", st.cached_tokens),
+        ("completion_tokens_total", "counter", "generated tokens", st.completion_tokens),
+        ("decode_windows_total", "counter", "decode windows run", st.windows),
+        ("prompt_tokens_per_second", "gauge", "prompt tokens computed per second of prefill",
+         _ratio(computed, st.prompt_seconds)),
+        ("decode_tokens_per_second", "gauge", "tokens generated per second of decode windows",
+         _ratio(st.completion_tokens, st.decode_seconds)),
+        ("requests_processing", "gauge", "requests in a slot", st.active),
+        ("requests_queued", "gauge", "requests waiting for a slot (queue depth)", st.waiting),
+        ("slots", "gauge", "generation slots", scheduler.parallel),
+        ("conv_cache_entries", "gauge", "conversations kept in host RAM", len(cache)),
+        ("conv_cache_bytes", "gauge", "host bytes held by the conversation cache", cache.nbytes),
+        ("expert_cache_hit_ratio", "gauge", "routed experts found resident", _ratio(hits, hits + misses)),
+        ("bytes_streamed_total", "counter", "expert bytes streamed to devices", tel.get("bytes_streamed", 0)),
+    ]
+    names = {r[0] for r in rows}
+    for key, value in sorted(tel.items()):
+        name = f"engine_{key}"
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and name not in names:
+            rows.append((name, "gauge", f"engine telemetry {key}", value))
+    lines = []
+    for name, kind, doc, value in rows:
+        lines += [f"# HELP strata_{name} {doc}", f"# TYPE strata_{name} {kind}", f"strata_{name} {float(value)!r}"]
+    return "\n".join(lines) + "\n"

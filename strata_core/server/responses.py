@@ -1,0 +1,169 @@
+"""Build OpenAI response bodies and server-sent event streams from scheduler events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from litestar import Request
+
+from strata_core.scheduler import Delta, Finished, RequestHandle, TokenLogprob
+from strata_core.server import schemas as s
+from strata_core.server.errors import error_body
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Collected:
+    """A whole generation: its text, logprobs and end."""
+
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    end: Finished | None = None
+
+
+async def collect(handle: RequestHandle) -> Collected:
+    """Wait for the whole generation."""
+    out = Collected()
+    async for event in handle:
+        if isinstance(event, Delta):
+            out.text += event.text
+            out.logprobs += event.logprobs
+        else:
+            out.end = event
+    return out
+
+
+@contextlib.asynccontextmanager
+async def cancel_on_disconnect(request: Request, handle: RequestHandle) -> AsyncIterator[None]:
+    """Cancel ``handle`` if the client goes away before the body is sent."""
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        handle.cancel()
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style object id."""
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(end: Finished) -> s.Usage:
+    """The ``usage`` object of a finished request."""
+    return s.Usage(end.prompt_tokens, end.completion_tokens, end.prompt_tokens + end.completion_tokens,
+                   {"cached_tokens": end.timings.cache_n})
+
+
+def timings(end: Finished) -> s.Timings:
+    """The llama-server ``timings`` object of a finished request."""
+    return s.Timings(**end.timings.to_dict())
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> s.ChatLogprobs:
+    """Logprobs in the chat completions format."""
+    return s.ChatLogprobs([
+        s.ChatTokenLogprob(lp.text, lp.logprob, list(lp.text.encode()),
+                           [s.TopLogprob(t, v, list(t.encode())) for _, t, v in lp.top])
+        for lp in items
+    ])  # fmt: skip
+
+
+def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> s.CompletionLogprobs:
+    """Logprobs in the legacy completions format; ``offset`` is the text length before them."""
+    offsets = []
+    for lp in items:
+        offsets.append(offset)
+        offset += len(lp.text)
+    return s.CompletionLogprobs(
+        [lp.text for lp in items], [lp.logprob for lp in items],
+        [{t: v for _, t, v in lp.top} for lp in items], offsets,
+    )  # fmt: skip
+
+
+def chat_completion(model: str, out: Collected, logprobs: bool) -> s.ChatCompletion:
+    """A non-streamed chat completion."""
+    assert out.end is not None
+    choice = s.ChatChoice(0, s.AssistantMessage(out.text), out.end.reason,
+                          chat_logprobs(out.logprobs) if logprobs else None)
+    return s.ChatCompletion(new_id("chatcmpl"), int(time.time()), model, [choice], usage(out.end), timings(out.end))
+
+
+def completion(model: str, out: Collected, logprobs: bool) -> s.Completion:
+    """A non-streamed text completion."""
+    assert out.end is not None
+    choice = s.CompletionChoice(0, out.text, out.end.reason, completion_logprobs(out.logprobs) if logprobs else None)
+    return s.Completion(new_id("cmpl"), int(time.time()), model, [choice], usage(out.end), timings(out.end))
+
+
+def _sse(payload: s.msgspec.Struct | bytes) -> bytes:
+    data = payload if isinstance(payload, bytes) else s.encode(payload)
+    return b"data: " + data + b"\n\n"
+
+
+async def _events(handle: RequestHandle, first: Callable[[], bytes | None],
+                  delta: Callable[[Delta], bytes], last: Callable[[Finished], list[bytes]]) -> AsyncIterator[bytes]:
+    """SSE bytes of a generation; an error after the start becomes an error event."""
+    try:
+        head = first()
+        if head:
+            yield head
+        async for event in handle:
+            for chunk in [delta(event)] if isinstance(event, Delta) else last(event):
+                yield chunk
+    except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
+        yield _sse(s.encode(error_body(exc)[1]))
+    finally:
+        handle.cancel()  # a no-op after Finished; frees the slot when the client went away
+    yield b"data: [DONE]\n\n"
+
+
+def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest) -> AsyncIterator[bytes]:
+    """The SSE stream of a chat completion."""
+    cid, created = new_id("chatcmpl"), int(time.time())
+
+    def chunk(delta: s.ChatDelta, reason: str | None = None, lps: list[TokenLogprob] | None = None,
+              end: Finished | None = None) -> bytes:
+        choice = s.ChatChunkChoice(0, delta, reason, chat_logprobs(lps) if body.logprobs and lps else None)
+        return _sse(s.ChatCompletionChunk(cid, created, model, [choice], timings=timings(end) if end else None))
+
+    def last(end: Finished) -> list[bytes]:
+        out = [chunk(s.ChatDelta(), end.reason, end=end)]
+        if body.stream_options and body.stream_options.include_usage:
+            out.append(_sse(s.ChatCompletionChunk(cid, created, model, [], usage=usage(end))))
+        return out
+
+    return _events(handle, lambda: chunk(s.ChatDelta(role="assistant", content="")),
+                   lambda d: chunk(s.ChatDelta(content=d.text), lps=d.logprobs), last)
+
+
+def completion_stream(model: str, handle: RequestHandle, body: s.CompletionRequest) -> AsyncIterator[bytes]:
+    """The SSE stream of a text completion."""
+    cid, created = new_id("cmpl"), int(time.time())
+    offset = 0
+
+    def delta(d: Delta) -> bytes:
+        nonlocal offset
+        lps = completion_logprobs(d.logprobs, offset) if body.logprobs is not None else None
+        offset += len(d.text)
+        return _sse(s.Completion(cid, created, model, [s.CompletionChoice(0, d.text, None, lps)]))
+
+    def last(end: Finished) -> list[bytes]:
+        out = [_sse(s.Completion(cid, created, model, [s.CompletionChoice(0, "", end.reason)], timings=timings(end)))]
+        if body.stream_options and body.stream_options.include_usage:
+            out.append(_sse(s.Completion(cid, created, model, [], usage=usage(end))))
+        return out
+
+    return _events(handle, lambda: None, delta, last)

@@ -1,0 +1,227 @@
+"""Typed request and response bodies of the OpenAI-compatible API (msgspec Structs).
+
+Requests reject unknown fields and values of the wrong type or out of range; Litestar turns the
+msgspec error into a 400 that names the field. Fields Strata adds to OpenAI's (``top_k``,
+``min_p``, ``repetition_penalty``) follow llama-server and vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
+TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
+Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
+MaxTokens = Annotated[int, Meta(ge=1)]
+Stop = str | Annotated[list[str], Meta(max_length=4)] | None
+OnlyOne = Annotated[int, Meta(ge=1, le=1, description="only n = 1 is supported")]
+
+
+class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    min_p: Probability = 0.0
+    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    seed: int | None = None
+    stop: Stop = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: OnlyOne = 1
+    user: str | None = None
+
+    def stops(self) -> list[str]:
+        """``stop`` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class StreamOptions(Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class TextPart(Struct, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text, content parts joined."""
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+
+
+class CompletionRequest(_Request, kw_only=True):
+    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)] | Annotated[list[int], Meta(min_length=1)]
+    max_tokens: MaxTokens | None = 16
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    echo: Literal[False] = False
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class Timings(Struct):
+    """llama-server's per-response timings."""
+
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_second: float
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float
+    cache_n: int
+
+
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob]
+
+
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    timings: Timings
+    object: Literal["chat.completion"] = "chat.completion"
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(Struct):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(Struct):
+    """A text completion, or one server-sent event of a streamed one."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    object: Literal["text_completion"] = "text_completion"
+    usage: Usage | None = None
+    timings: Timings | None = None
+
+
+class Model(Struct):
+    id: str
+    created: int
+    owned_by: str = "strata"
+    object: Literal["model"] = "model"
+
+
+class ModelList(Struct):
+    data: list[Model]
+    object: Literal["list"] = "list"
+
+
+class Health(Struct):
+    status: Literal["ok"]
+    slots_idle: int
+    slots_processing: int
+    requests_queued: int
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(Struct):
+    """The OpenAI error body."""
+
+    error: ErrorDetail
+
+
+def encode(value: Struct) -> bytes:
+    """JSON bytes of a response struct."""
+    return msgspec.json.encode(value)

@@ -1,0 +1,58 @@
+"""StrataSettings: CLI flags, STRATA_* variables, TOML keys, precedence, validation messages."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from pydantic_settings import CliApp
+
+from strata_core.config import StrataSettings
+
+
+def test_env_overrides_toml_and_kwargs_override_env(tmp_path, monkeypatch):
+    config = tmp_path / "strata.toml"
+    config.write_text('prefill_chunk = 111\nreserve_mib = 7\nport = 9001\n')
+    monkeypatch.setenv("STRATA_CONFIG", str(config))
+    monkeypatch.setenv("STRATA_PREFILL_CHUNK", "222")
+    settings = StrataSettings(port=9002)
+    assert settings.prefill_chunk == 222  # env beats TOML
+    assert settings.reserve_mib == 7  # TOML beats default
+    assert settings.port == 9002  # keyword beats TOML
+
+
+def test_cli_flag_beats_env(monkeypatch):
+    monkeypatch.setenv("STRATA_PREFILL_CHUNK", "222")
+    settings = CliApp.run(StrataSettings, cli_args=["--prefill-chunk", "333", "--devices", "cpu,cpu", "--dbg-nan"])
+    assert settings.prefill_chunk == 333
+    assert settings.devices == ["cpu", "cpu"]
+    assert settings.dbg_nan is True
+
+
+def test_env_list_and_bool(monkeypatch):
+    monkeypatch.setenv("STRATA_DEVICES", "cpu,cpu")
+    monkeypatch.setenv("STRATA_DBG_NAN", "1")
+    settings = StrataSettings()
+    assert settings.devices == ["cpu", "cpu"] and settings.dbg_nan
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("pcie_frac", 1.5), ("prefill_chunk", 0), ("arena", "disk"), ("expert_cache", "lots"), ("port", 70000)],
+)
+def test_invalid_values_name_the_option(field, value):
+    with pytest.raises(ValidationError) as info:
+        StrataSettings(**{field: value})
+    assert field in str(info.value)
+
+
+def test_unknown_option_is_rejected():
+    with pytest.raises(ValidationError, match="expert_cash"):
+        StrataSettings(expert_cash=3)
+
+
+def test_missing_config_file_is_named(monkeypatch, tmp_path):
+    from strata_core.errors import ConfigError
+
+    monkeypatch.setenv("STRATA_CONFIG", str(tmp_path / "absent.toml"))
+    with pytest.raises(ConfigError, match="absent.toml"):
+        StrataSettings()
