@@ -21,9 +21,9 @@ from strata_core.devices import resolve_devices
 from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
 from strata_core.experts.weights import ExpertWeights
-from strata_core.gguf import GGUFFile, ModelSpec, load_model_spec
-from strata_core.model import MoEModel, load_dense_weights
-from strata_core.model.kvcache import KVCache
+from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.spec import ModelSpec, load_model_spec
+from strata_core.model import DenseWeights, KVCache, MoEModel
 from strata_core.residency_events import ResidencyEvent
 from strata_core.plugins import StrataPluginManager, build_plugin_manager
 from strata_core.sampling import Sampler, SamplingParams
@@ -34,6 +34,16 @@ from strata_core.topology import TopologyPlan
 log = logging.getLogger(__name__)
 
 LayerObserver = Callable[[int, torch.Tensor], None]
+
+
+def dense_bytes_per_device(dense: DenseWeights) -> dict[torch.device, int]:
+    """Bytes of dense weights on each device (the expert cache is sized from what is left)."""
+    sizes: dict[torch.device, int] = {}
+    tensors = {id(t): t for t in dense.globals.values()}
+    tensors.update({id(t): t for layer in dense.layers for t in layer.values()})
+    for tensor in tensors.values():
+        sizes[tensor.device] = sizes.get(tensor.device, 0) + tensor.numel() * tensor.element_size()
+    return sizes
 
 
 def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtype:
@@ -109,13 +119,13 @@ class Engine:
                  spec.n_layers, spec.n_experts, spec.n_experts_used)
         for stage in plan.stages:
             log.info("stage %s: layers %d..%d", stage.device, stage.layers.start, stage.layers.stop - 1)
-        dense = load_dense_weights(gguf_file, spec)
-        model = MoEModel(spec, dense)
+        dense = DenseWeights.load(gguf_file, spec, _compute_dtype(settings, plan.main))
         for stage in plan.stages:
-            model.place(stage.layers, stage.device, _compute_dtype(settings, stage.device))
-        model.place_io(plan.main, _compute_dtype(settings, plan.main))
+            dense.to(stage.device, layers=stage.layers, embed=False, head=False)
+        dense.to(plan.main, layers=range(0), embed=True, head=True)
+        model = MoEModel(spec, dense)
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, plan, settings,
-                                       model.dense_bytes_per_device())
+                                       dense_bytes_per_device(dense))
         engine = cls(settings, plugins, gguf_file, spec, plan, model, experts,
                      Tokenizer.from_gguf(gguf_file.metadata), ChatTemplate.from_gguf(gguf_file.metadata))
         for device in experts.tables:
@@ -144,7 +154,7 @@ class Engine:
         """Run a chunk ``[T, H]`` of ``session`` through ``layers`` on the layers' device."""
         positions = torch.arange(session.n_tokens, session.n_tokens + hidden.shape[0])
         for layer in layers:
-            device = self.model.device_of(layer)
+            device = self.model.weights.device_of(layer)
             hidden = self.model.attention(layer, hidden.to(device), positions, session.kv)
             hidden = self.model.moe(layer, hidden, self.experts.rows_for(device))
             self._notify(layer, hidden)
@@ -154,7 +164,7 @@ class Engine:
         """Run one token per session ``[B, H]`` through ``layers``; MoE rows are batched."""
         positions = batch.positions
         for layer in layers:
-            device = self.model.device_of(layer)
+            device = self.model.weights.device_of(layer)
             hidden = hidden.to(device)
             hidden = torch.cat([
                 self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv)
@@ -168,24 +178,28 @@ class Engine:
 
     def new_session(self) -> Session:
         """An empty session with KV for ``max_context`` positions, each layer on its stage's device."""
-        kv = KVCache(self.spec, self.max_context,
-                     devices=[self.model.device_of(i) for i in range(self.spec.n_layers)],
-                     dtype=self.dtype)
+        kv = KVCache.for_spec(self.spec, self.max_context, device=self.plan.stages[0].device, dtype=self.dtype)
+        for stage in self.plan.stages[1:]:
+            kv.to(stage.device, layers=stage.layers)
         return Session(kv=kv)
 
     def release_session(self, session: Session) -> None:
         """Free a session's KV memory."""
-        session.kv.release()
+        session.kv.truncate(0)
+        session.kv.k.clear()
+        session.kv.v.clear()
         session.tokens.clear()
 
     def save_session(self, session: Session) -> SessionSnapshot:
         """A host-RAM copy of ``session`` (the conversation cache keeps these)."""
-        return SessionSnapshot(tokens=tuple(session.tokens), kv=session.kv.to_host())
+        return SessionSnapshot(tokens=tuple(session.tokens), kv=session.kv.snapshot())
 
     def restore_session(self, snapshot: SessionSnapshot) -> Session:
         """A live session equal to the one saved in ``snapshot``."""
-        kv = snapshot.kv.to_devices([self.model.device_of(i) for i in range(self.spec.n_layers)])
-        return Session(kv=kv, tokens=list(snapshot.tokens))
+        session = self.new_session()
+        session.kv.restore(snapshot.kv)
+        session.tokens.extend(snapshot.tokens)
+        return session
 
     # --- phases -----------------------------------------------------------------------------------
 
@@ -214,6 +228,7 @@ class Engine:
             last = start + chunk >= len(tokens)
             logits = self.hook.strata_prefill(engine=self, session=session, tokens=piece,
                                               all_logits=all_logits or not last)
+            session.kv.advance(len(piece))
             session.tokens.extend(piece.tolist())
             if all_logits or last:
                 outputs.append(logits)
@@ -228,6 +243,7 @@ class Engine:
                             tokens=torch.tensor([t for _, t in steps], dtype=torch.int64))
         logits = self.hook.strata_decode_window(engine=self, batch=batch)
         for session, token in steps:
+            session.kv.advance(1)
             session.tokens.append(token)
         return logits
 

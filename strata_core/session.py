@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from strata_core.model.kvcache import KVCache
+from strata_core.model.kvcache import KVCache, KVSnapshot
 
 _ids = itertools.count(1)
 
@@ -57,9 +57,9 @@ class SessionSnapshot:
     """A host-RAM copy of a session (for the conversation cache)."""
 
     tokens: tuple[int, ...]
-    kv: KVCache
+    kv: KVSnapshot
 
     @property
     def nbytes(self) -> int:
         """Host bytes held."""
-        return self.kv.nbytes
+        return sum(t.numel() * t.element_size() for part in (self.kv.k, self.kv.v) for t in part.values())

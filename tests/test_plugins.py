@@ -95,3 +95,22 @@ def test_every_hook_is_documented():
         if name.startswith("strata_"):
             doc = getattr(hookspecs, name).__doc__ or ""
             assert ":param" in doc and ":return:" in doc and "Invariant" in doc, name
+
+
+def test_entry_point_discovery_and_broken_plugin_guard(monkeypatch, caplog):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "fake_dist"))
+    pm = build_plugin_manager(StrataSettings())
+    spec = pm.strategy("fake_strategy")
+    assert spec.distribution == "strata-fake"
+    assert "skipping plugin broken from strata-fake" in caplog.text
+
+
+def test_allow_list_and_autoload_switch(monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "data" / "fake_dist"))
+    assert "fake_strategy" not in build_plugin_manager(StrataSettings(disable_plugin_autoload=True)).strategies
+    assert "fake_strategy" not in build_plugin_manager(StrataSettings(plugins=["other"])).strategies
+    assert "fake_strategy" in build_plugin_manager(StrataSettings(plugins=["strata-fake"])).strategies

@@ -9,7 +9,8 @@ from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
 from strata_core.config import StrataSettings
-from strata_core.gguf import GGUFFile, load_model_spec
+from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.spec import load_model_spec
 
 GIB = 1 << 30
 

@@ -171,5 +171,7 @@ def dequantized_hf_state_dict(gguf_file: Any, template: dict[str, torch.Tensor])
         names = [n for n, _ in hf_to_gguf_tensors({hf_name: t}, tied=False)]
         if names == ["output.weight"] and "output.weight" not in gguf_file.tensors:
             names = ["token_embd.weight"]  # tied embeddings
-        out[hf_name] = torch.cat([load(n) for n in names], dim=1).reshape(t.shape)  # gate_up: [E, 2F, H]
+        parts = [load(n) for n in names]
+        merged = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # gate_up: [E, 2F, H]
+        out[hf_name] = merged.reshape(t.shape)
     return out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from litestar import Controller, MediaType, Request, Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from strata_core.server import metrics
@@ -27,8 +29,8 @@ class ChatController(Controller):
 
     @post(operation_id="createChatCompletion", status_code=200,
           summary="Generate the next message of a conversation (SSE with stream=true)")
-    async def create(self, request: Request, data: s.ChatCompletionRequest,
-                     service: GenerationService) -> s.ChatCompletion | Stream:
+    async def create(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
+                     service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
         handle = service.chat(data)
         if data.stream:
             return _stream(chat_stream(service.model_id, handle, data))
@@ -45,8 +47,8 @@ class CompletionsController(Controller):
 
     @post(operation_id="createCompletion", status_code=200,
           summary="Continue a prompt (SSE with stream=true)")
-    async def create(self, request: Request, data: s.CompletionRequest,
-                     service: GenerationService) -> s.Completion | Stream:
+    async def create(self, request: Request, data: JSONBody[s.CompletionRequest],
+                     service: NamedDependency[GenerationService]) -> s.Completion | Stream:
         handle = service.complete(data)
         if data.stream:
             return _stream(completion_stream(service.model_id, handle, data))
@@ -62,11 +64,11 @@ class ModelsController(Controller):
     tags = ["models"]
 
     @get(operation_id="listModels", summary="The model this server serves")
-    async def list_models(self, service: GenerationService) -> s.ModelList:
+    async def list_models(self, service: NamedDependency[GenerationService]) -> s.ModelList:
         return s.ModelList([s.Model(service.model_id, service.created)])
 
     @get("/{model_id:str}", operation_id="retrieveModel", summary="One model by name")
-    async def retrieve(self, model_id: str, service: GenerationService) -> s.Model:
+    async def retrieve(self, model_id: FromPath[str], service: NamedDependency[GenerationService]) -> s.Model:
         service.check_model(model_id)
         return s.Model(service.model_id, service.created)
 
@@ -78,10 +80,10 @@ class SystemController(Controller):
     tags = ["system"]
 
     @get("/health", operation_id="health", summary="Liveness and slot use")
-    async def health(self, service: GenerationService) -> s.Health:
+    async def health(self, service: NamedDependency[GenerationService]) -> s.Health:
         stats = service.scheduler.stats
         return s.Health("ok", service.scheduler.parallel - stats.active, stats.active, stats.waiting)
 
     @get("/metrics", operation_id="metrics", media_type=MediaType.TEXT, summary="Prometheus metrics")
-    async def metrics(self, service: GenerationService) -> Response[str]:
+    async def metrics(self, service: NamedDependency[GenerationService]) -> Response[str]:
         return Response(metrics.render(service.scheduler), media_type="text/plain; version=0.0.4")

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 from litestar import Request
 
 from strata_core.scheduler import Delta, Finished, RequestHandle, TokenLogprob
@@ -98,17 +99,18 @@ def chat_completion(model: str, out: Collected, logprobs: bool) -> s.ChatComplet
     assert out.end is not None
     choice = s.ChatChoice(0, s.AssistantMessage(out.text), out.end.reason,
                           chat_logprobs(out.logprobs) if logprobs else None)
-    return s.ChatCompletion(new_id("chatcmpl"), int(time.time()), model, [choice], usage(out.end), timings(out.end))
+    return s.ChatCompletion(new_id("chatcmpl"), int(time.time()), model, [choice], usage=usage(out.end),
+                            timings=timings(out.end))
 
 
 def completion(model: str, out: Collected, logprobs: bool) -> s.Completion:
     """A non-streamed text completion."""
     assert out.end is not None
     choice = s.CompletionChoice(0, out.text, out.end.reason, completion_logprobs(out.logprobs) if logprobs else None)
-    return s.Completion(new_id("cmpl"), int(time.time()), model, [choice], usage(out.end), timings(out.end))
+    return s.Completion(new_id("cmpl"), int(time.time()), model, [choice], usage=usage(out.end), timings=timings(out.end))
 
 
-def _sse(payload: s.msgspec.Struct | bytes) -> bytes:
+def _sse(payload: msgspec.Struct | bytes) -> bytes:
     data = payload if isinstance(payload, bytes) else s.encode(payload)
     return b"data: " + data + b"\n\n"
 

@@ -73,7 +73,7 @@ class ChatCompletionRequest(_Request, kw_only=True):
 
 
 class CompletionRequest(_Request, kw_only=True):
-    prompt: str | Annotated[list[str], Meta(min_length=1, max_length=1)] | Annotated[list[int], Meta(min_length=1)]
+    prompt: str | Annotated[list[str | int], Meta(min_length=1)]  # text, [text] or token ids
     max_tokens: MaxTokens | None = 16
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
     echo: Literal[False] = False

@@ -55,15 +55,16 @@ class GenerationService:
     def complete(self, body: CompletionRequest) -> RequestHandle:
         """Submit a text completion of a string or of token ids."""
         self.check_model(body.model)
-        if isinstance(body.prompt, str):
-            prompt = self.engine.tokenizer.encode(body.prompt)
-        elif isinstance(body.prompt[0], str):
-            prompt = self.engine.tokenizer.encode(body.prompt[0])
+        text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        if isinstance(text, str):
+            if not isinstance(body.prompt, str) and len(body.prompt) > 1:
+                raise InvalidParamError("prompt must be one string or a list of token ids (batches are not supported)", "prompt")
+            prompt = self.engine.tokenizer.encode(text)
         else:
-            prompt = list(body.prompt)
+            prompt = body.prompt  # token ids
             vocab = self.engine.spec.vocab_size
-            if not all(0 <= t < vocab for t in prompt):
-                raise InvalidParamError(f"prompt token ids must be in [0, {vocab})", "prompt")
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+                raise InvalidParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
         return self._submit(body, prompt, body.max_tokens, body.logprobs)
 
     def _submit(self, body: Any, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> RequestHandle:

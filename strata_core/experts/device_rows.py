@@ -1,0 +1,111 @@
+"""``CachedExpertRows``: the ``ExpertRows`` of one device, reading each expert from wherever it is.
+
+For one MoE layer the routed (token, k) pairs are grouped by expert exactly as the reference
+``DequantExpertRows`` groups them, and every group goes through the same ``expert_ffn`` on the same
+bytes, whichever source holds them:
+
+* resident: the device's cache slot;
+* prefill miss: streamed from the arena through the double-buffered ``StagingRing``;
+* decode miss: a ``--pcie-frac`` share read over the host link (the ring again), the rest computed
+  on the CPU from the arena (on a worker thread when the device is a GPU).
+
+``combine_rows`` then sums the rows in one fixed order, so the output is bit-identical to the
+reference for any cache content, split and chunking. The host reads the layer's distinct experts
+once per layer (``group_by_expert``); nothing waits on the host per expert.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Executor, Future
+
+import torch
+
+from strata_core.experts.cache import ExpertCache
+from strata_core.experts.profile import UsageCounter
+from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
+from strata_core.experts.telemetry import ExpertTelemetry
+from strata_core.experts.transfer import StagingRing
+
+__all__ = ["CachedExpertRows", "MissSplit"]
+
+
+class MissSplit:
+    """Deterministic ``--pcie-frac`` split of decode misses: a running credit, so the share holds
+    across layers even with one miss per layer. ``take(n)`` = how many of ``n`` misses use the link."""
+
+    def __init__(self, frac: float):
+        self.frac, self.credit = frac, 0.0
+
+    def take(self, n: int) -> int:
+        self.credit += n * self.frac
+        link = min(n, int(self.credit + 1e-9))
+        self.credit -= link
+        return link
+
+
+class CachedExpertRows:
+    """Expert rows on ``cache.device``: slots for resident experts, the arena for misses."""
+
+    def __init__(self, cache: ExpertCache, ring: StagingRing, usage: UsageCounter, telemetry: ExpertTelemetry,
+                 split: MissSplit, cpu_pool: Executor | None = None):
+        self.cache, self.ring, self.usage, self.telemetry, self.split = cache, ring, usage, telemetry, split
+        self.arena = cache.arena
+        self.device = cache.device
+        self.cpu_pool = cpu_pool
+        self.decoding = False  # set by the backend inside a decode window
+
+    def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                 weights: torch.Tensor) -> torch.Tensor:
+        return combine_rows(self.rows(layer, hidden, expert_ids), weights)  # [T, H]
+
+    def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t."""
+        T, k = expert_ids.shape
+        table, fmt = self.cache.table, self.arena.formats[layer]
+        self.usage.add(layer, expert_ids)
+        self.telemetry.add_routing(expert_ids.numel(), (table.mirror[layer][expert_ids] >= 0).sum())
+        out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
+        order, experts, counts = group_by_expert(expert_ids)
+        ends = counts.cumsum(0).tolist()  # the host read of this layer
+        groups = {e: (end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
+        slots = table.host[layer, experts.cpu()].tolist()
+        resident = [(e, s) for e, s in zip(groups, slots) if s >= 0]
+        missed = [e for e, s in zip(groups, slots) if s < 0]
+
+        def run(expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+            start, end = groups[expert]
+            pairs = order[start:end]  # [n]
+            x = hidden[pairs // k]  # [n, H]
+            out[pairs] = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes).to(out.dtype)
+
+        n_link = self.split.take(len(missed)) if self.decoding else len(missed)
+        on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden)
+        self.cache.wait_layer(layer)
+        with self.telemetry.compute(self.device):
+            for expert, slot in resident:
+                run(expert, *self.cache.parts(layer, slot))
+            self.ring.run(layer, missed[:n_link], lambda e, packed: run(e, *fmt.split(packed)))
+        for pairs, rows in on_cpu:
+            out[pairs] = rows.result().to(self.device, out.dtype)
+        self.telemetry.experts["resident"] += len(resident)
+        self.telemetry.experts["pcie" if self.decoding else "streamed"] += n_link
+        self.telemetry.experts["cpu"] += len(missed) - n_link
+        return out.view(T, k, -1)
+
+    def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
+                    order: torch.Tensor, k: int, hidden: torch.Tensor) -> list[tuple[torch.Tensor, Future]]:
+        """Start the CPU rows of ``experts`` from the arena; returns (pairs, future rows) per expert."""
+        fmt = self.arena.formats[layer]
+        jobs = []
+        for expert in experts:
+            start, end = groups[expert]
+            pairs = order[start:end]  # [n]
+            x = hidden[pairs // k].cpu()  # [n, H]
+            parts = self.arena.parts(layer, expert)
+            if self.cpu_pool is None:
+                fut: Future = Future()
+                fut.set_result(expert_ffn(x, *parts, fmt.qtypes, fmt.shapes))
+            else:
+                fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes)
+            jobs.append((pairs, fut))
+        return jobs

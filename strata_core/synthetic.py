@@ -1,0 +1,179 @@
+"""Synthetic GGUF models with the real shapes of a named MoE and random but valid blocks.
+
+``write_synthetic`` streams the file tensor by tensor (``GGUFWriter``: all tensor infos first,
+then each tensor's data), so memory stays at about one expert tensor whatever the model size.
+Blocks come from ``strata_core.quant.random_blocks`` (finite scales sized so activations stay
+finite); to write at disk speed, each tensor is assembled from a pool of random blocks at random
+offsets instead of drawing every byte from the RNG. The file carries a small byte-level BPE
+tokenizer padded to the model's vocabulary, so the whole engine runs on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from tqdm import tqdm
+
+from strata_core.errors import ConfigError
+from strata_core.quant import bytes_for, random_blocks
+
+__all__ = ["PRESETS", "Preset", "write_synthetic"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """The shapes of one qwen3moe-architecture model."""
+
+    n_layers: int
+    n_experts: int
+    n_experts_used: int
+    hidden: int
+    expert_ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    context: int = 40960
+    rope_theta: float = 1_000_000.0
+
+
+PRESETS: dict[str, Preset] = {
+    "qwen3-30b-a3b": Preset(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
+    "qwen3-235b-a22b": Preset(94, 128, 8, 4096, 1536, 64, 4, 128, 151936),
+    "small": Preset(8, 64, 8, 512, 256, 8, 2, 64, 4096, context=8192),
+    "tiny": Preset(2, 16, 4, 256, 256, 4, 2, 64, 512, context=2048),
+}
+
+_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_POOL_BLOCKS = 1 << 15
+
+
+class _BlockPool:
+    """Random valid blocks of one (qtype, scale), handed out as runs from random pool offsets."""
+
+    def __init__(self, qtype: Q, scale: float, rng: np.random.Generator):
+        self.blocks = random_blocks(qtype, _POOL_BLOCKS, rng, scale)  # [P, type_size]
+        self.rng = rng
+
+    def take(self, n_blocks: int) -> np.ndarray:
+        out = np.empty((n_blocks, self.blocks.shape[1]), dtype=np.uint8)  # [n, type_size]
+        run = _POOL_BLOCKS // 2
+        for start in range(0, n_blocks, run):
+            m = min(run, n_blocks - start)
+            src = int(self.rng.integers(0, _POOL_BLOCKS - m + 1))
+            out[start:start + m] = self.blocks[src:src + m]
+        return out
+
+
+def _tensors(p: Preset, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tuple[int, ...], Q, float]]:
+    """(name, torch-order shape, block type, value scale) of every tensor, in file order."""
+    H, F, E = p.hidden, p.expert_ffn, p.n_experts
+    q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
+    yield "token_embd.weight", (p.vocab, H), dense_type, 1.0
+    yield "output_norm.weight", (H,), Q.F32, 1.0
+    yield "output.weight", (p.vocab, H), dense_type, 2 / math.sqrt(H)
+    for i in range(p.n_layers):
+        b = f"blk.{i}."
+        yield b + "attn_norm.weight", (H,), Q.F32, 1.0
+        yield b + "attn_q.weight", (q, H), dense_type, 2 / math.sqrt(H)
+        yield b + "attn_k.weight", (kv, H), dense_type, 2 / math.sqrt(H)
+        yield b + "attn_v.weight", (kv, H), dense_type, 2 / math.sqrt(H)
+        yield b + "attn_output.weight", (H, q), dense_type, 2 / math.sqrt(q)
+        yield b + "attn_q_norm.weight", (p.head_dim,), Q.F32, 1.0
+        yield b + "attn_k_norm.weight", (p.head_dim,), Q.F32, 1.0
+        yield b + "ffn_norm.weight", (H,), Q.F32, 1.0
+        yield b + "ffn_gate_inp.weight", (E, H), Q.F32, 4 / math.sqrt(H)
+        yield b + "ffn_gate_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
+        yield b + "ffn_up_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
+        yield b + "ffn_down_exps.weight", (E, H, F), expert_type, 2 / math.sqrt(F)
+
+
+def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
+    from strata_core.gguf.tokenizer_meta import add_tokenizer_metadata
+    from strata_core.tokenizer import train_byte_level_bpe
+
+    w.add_name(f"strata-synthetic-{name}")
+    w.add_block_count(p.n_layers)
+    w.add_context_length(p.context)
+    w.add_embedding_length(p.hidden)
+    w.add_feed_forward_length(p.expert_ffn * p.n_experts_used)
+    w.add_head_count(p.n_heads)
+    w.add_head_count_kv(p.n_kv_heads)
+    w.add_key_length(p.head_dim)
+    w.add_value_length(p.head_dim)
+    w.add_rope_freq_base(p.rope_theta)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(p.n_experts)
+    w.add_expert_used_count(p.n_experts_used)
+    w.add_expert_feed_forward_length(p.expert_ffn)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_string("strata.synthetic.expert_type", expert_type.name)
+    text = ["the quick brown fox jumps over the lazy dog", "strata streams experts from host memory",
+            "0123456789 hello world, a synthetic model"] * 4
+    tok = train_byte_level_bpe(text, vocab_size=min(p.vocab, 320), special_tokens=_SPECIALS)
+    add_tokenizer_metadata(w, tok, bos=None, eos="<|im_end|>", pad="<|endoftext|>", vocab_size=p.vocab)
+
+
+def _value(qtype: Q, shape: tuple[int, ...], scale: float, rng: np.random.Generator,
+           pools: dict[tuple[Q, float], _BlockPool]) -> np.ndarray:
+    if qtype == Q.F32:  # norms (about 1) and the router
+        base = 1.0 if len(shape) == 1 else 0.0
+        return (base + scale * rng.standard_normal(shape, dtype=np.float32) * (0.1 if base else 1.0)).astype(np.float32)
+    pool = pools.get((qtype, scale))
+    if pool is None:
+        pool = pools[(qtype, scale)] = _BlockPool(qtype, scale, rng)
+    n_blocks = bytes_for(qtype, shape) // pool.blocks.shape[1]
+    return pool.take(n_blocks).reshape(*shape[:-1], -1)
+
+
+def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, expert_type: Q = Q.Q4_K,
+                    dense_type: Q = Q.Q8_0, n_layers: int | None = None, seed: int = 0,
+                    progress: bool = True) -> int:
+    """Write a synthetic model of ``preset`` to ``path``; returns the file size in bytes.
+
+    ``n_layers`` overrides the preset's layer count (a shorter model of the same width).
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ConfigError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+        name, preset = preset, PRESETS[preset]
+    else:
+        name = "custom"
+    if n_layers is not None:
+        preset = replace(preset, n_layers=n_layers)
+    rng = np.random.default_rng(seed)
+    specs = list(_tensors(preset, expert_type, dense_type))
+    w = gguf.GGUFWriter(os.fspath(path), "qwen3moe")
+    _metadata(w, name, preset, expert_type)
+    total = 0
+    for tname, shape, qtype, _scale in specs:
+        if qtype == Q.F32:
+            w.add_tensor_info(tname, shape, np.dtype(np.float32), 4 * math.prod(shape))
+            total += 4 * math.prod(shape)
+        else:
+            nbytes = bytes_for(qtype, shape)
+            w.add_tensor_info(tname, (*shape[:-1], nbytes // math.prod(shape[:-1])), np.dtype(np.uint8), nbytes,
+                              raw_dtype=qtype)
+            total += nbytes
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    pools: dict[tuple[Q, float], _BlockPool] = {}
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.fspath(path)}", disable=not progress) as bar:
+        for tname, shape, qtype, scale in specs:
+            data = _value(qtype, shape, scale, rng, pools)
+            w.write_tensor_data(data)
+            bar.update(data.nbytes)
+    w.close()
+    size = os.path.getsize(path)
+    log.info("synthetic %s (%d layers, %s experts): %.2f GiB", name, preset.n_layers, expert_type.name, size / (1 << 30))
+    return size

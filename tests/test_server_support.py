@@ -1,0 +1,225 @@
+"""Shared helpers of the server tests: a fake engine and a live uvicorn server.
+
+The fake follows the Engine API the scheduler uses (sessions, prefill, decode windows, snapshots,
+tokenizer, chat template, telemetry) with deterministic logits from a hash of the token history,
+and checks that every engine call comes from one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import uvicorn
+
+from strata_core.config import StrataSettings
+from strata_core.errors import RequestError
+from strata_core.server import create_app
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+N_SPECIAL = len(SPECIALS)
+VOCAB = N_SPECIAL + 256
+
+
+class FakeTokenizer:
+    """Byte-level: id = byte + 3; the three specials are 0..2; EOS ids are 0 and 2."""
+
+    eos_token_ids = {0, 2}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = []
+        while text:
+            special = next((i for i, s in enumerate(SPECIALS) if text.startswith(s)), None)
+            if special is not None:
+                ids.append(special)
+                text = text[len(SPECIALS[special]) :]
+            else:
+                ids.extend(b + N_SPECIAL for b in text[0].encode())
+                text = text[1:]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - N_SPECIAL for i in ids if i >= N_SPECIAL).decode(errors="replace")
+
+    def stream_decoder(self) -> FakeStreamDecoder:
+        return FakeStreamDecoder()
+
+
+class FakeStreamDecoder:
+    def __init__(self) -> None:
+        self.buf = b""
+
+    def push(self, token_id: int) -> str:
+        if token_id >= N_SPECIAL:
+            self.buf += bytes([token_id - N_SPECIAL])
+        for cut in range(len(self.buf), max(len(self.buf) - 4, -1), -1):
+            try:
+                text = self.buf[:cut].decode()
+            except UnicodeDecodeError:
+                continue
+            self.buf = self.buf[cut:]
+            return text
+        return ""
+
+    def flush(self) -> str:
+        text, self.buf = self.buf.decode(errors="replace"), b""
+        return text
+
+
+class FakeChat:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+@dataclass
+class FakeSession:
+    tokens: list[int] = field(default_factory=list)
+    released: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.n_tokens:
+            raise ValueError(f"cannot truncate {self.n_tokens} tokens to {n}")
+        del self.tokens[n:]
+
+
+@dataclass(frozen=True)
+class FakeSnapshot:
+    tokens: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return 64 * len(self.tokens)
+
+
+def fake_logits(history: list[int]) -> torch.Tensor:
+    """Deterministic logits of the next token after ``history``: mostly printable ASCII."""
+    seed = int.from_bytes(hashlib.blake2b(str(history).encode(), digest_size=8).digest(), "little")
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed))
+    logits[N_SPECIAL + ord("a") : N_SPECIAL + ord("z") + 1] += 3.0
+    logits[N_SPECIAL + 128 :] -= 10.0
+    return logits
+
+
+class FakeEngine:
+    """The Engine API on deterministic fake logits; ``step_delay`` seconds per engine call."""
+
+    def __init__(self, max_context: int = 256, step_delay: float = 0.0) -> None:
+        self.max_context = max_context
+        self.spec = SimpleNamespace(vocab_size=VOCAB, context_length=max_context)
+        self.settings = StrataSettings()
+        self.tokenizer = FakeTokenizer()
+        self.chat = FakeChat()
+        self.step_delay = step_delay
+        self.poison = FakeTokenizer().encode("\u2620")  # a prompt containing it fails in prefill
+        self.prefilled: list[int] = []  # tokens computed by each prefill call, in order
+        self.windows: list[int] = []  # batch size of each decode window
+        self.live: set[int] = set()
+        self.telemetry = SimpleNamespace(snapshot=lambda: {"expert_hits": 3, "expert_misses": 1, "bytes_streamed": 42})
+        self._thread: threading.Thread | None = None
+
+    def _check_thread(self) -> None:
+        me = threading.current_thread()
+        if self._thread is None:
+            self._thread = me
+        assert self._thread is me, "engine called from two threads"
+
+    def _live(self, session: FakeSession) -> None:
+        self._check_thread()
+        assert not session.released and id(session) in self.live, "session used after release"
+
+    def new_session(self) -> FakeSession:
+        self._check_thread()
+        session = FakeSession()
+        self.live.add(id(session))
+        return session
+
+    def release_session(self, session: FakeSession) -> None:
+        self._live(session)
+        session.released = True
+        self.live.discard(id(session))
+
+    def save_session(self, session: FakeSession) -> FakeSnapshot:
+        self._live(session)
+        return FakeSnapshot(tuple(session.tokens))
+
+    def restore_session(self, snapshot: FakeSnapshot) -> FakeSession:
+        session = self.new_session()
+        session.tokens = list(snapshot.tokens)
+        return session
+
+    def prefill(self, session: FakeSession, token_ids: list[int]) -> torch.Tensor:
+        self._live(session)
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        if session.n_tokens + len(token_ids) > self.max_context:
+            raise RequestError("context is full")
+        text = bytes(t - N_SPECIAL for t in token_ids if t >= N_SPECIAL)
+        if bytes(t - N_SPECIAL for t in self.poison) in text:
+            raise RuntimeError("poisoned prompt")
+        time.sleep(self.step_delay)
+        session.tokens.extend(token_ids)
+        self.prefilled.append(len(token_ids))
+        return fake_logits(session.tokens)
+
+    def decode_window(self, steps: list[tuple[FakeSession, int]]) -> torch.Tensor:
+        for session, _ in steps:
+            self._live(session)
+            if session.n_tokens + 1 > self.max_context:
+                raise RequestError("context is full")
+        time.sleep(self.step_delay)
+        self.windows.append(len(steps))
+        for session, token in steps:
+            session.tokens.append(token)
+        return torch.stack([fake_logits(s.tokens) for s, _ in steps])
+
+
+def greedy_reference(prompt: list[int], max_tokens: int, eos: set[int] = FakeTokenizer.eos_token_ids) -> list[int]:
+    """The greedy continuation of ``prompt`` under the fake logits, computed without the scheduler."""
+    history, out = list(prompt), []
+    for _ in range(max_tokens):
+        token = int(torch.argmax(fake_logits(history)))
+        out.append(token)
+        if token in eos:
+            break
+        history.append(token)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def live_server(settings: StrataSettings, engine: Any = None) -> Iterator[str]:
+    """Run the app under uvicorn on 127.0.0.1 at a free port; yield its base URL."""
+    port = free_port()
+    config = uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=port, log_level="warning",
+                            timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -1,0 +1,91 @@
+"""Make tests/data/qwen3moe_llamacpp/: a tiny random HF Qwen3-MoE and the GGUF llama.cpp's converter makes of it.
+
+Writes ``config.json`` + ``model.safetensors`` (the HF model) and ``model-f32.gguf`` (written by
+llama.cpp's own ``convert_hf_to_gguf.py --outtype f32``). Tests only read these committed files;
+they never run the converter.
+
+Made with the llama.cpp vendored in llama-cpp-python 0.3.36 (vendor/llama.cpp, gguf-py from the
+same tree), run as::
+
+    /work/venv/bin/python tools/make_llamacpp_fixture.py \\
+        --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
+
+The converter needs a tokenizer: a tiny byte-level BPE (``tokenizers``) with a Qwen2 tokenizer
+config is saved next to the model. Its pre-tokenizer hash is unknown to the converter's
+``get_vocab_base_pre`` table, so the converter runs in a child process with that method patched to
+answer "qwen2" (the pre-tokenizer the tiny tokenizer imitates). Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT_DIR = REPO / "tests" / "data" / "qwen3moe_llamacpp"
+TINY = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=64, num_hidden_layers=2)
+
+# run inside the child: patch the pre-tokenizer lookup, then call the converter's main()
+_CONVERT = """
+import sys
+from conversion.base import TextModel
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[1:]]
+import convert_hf_to_gguf
+convert_hf_to_gguf.main()
+"""
+
+
+def make_tokenizer(out: Path) -> int:
+    """Train a tiny byte-level BPE, save tokenizer.json + a Qwen2 tokenizer_config.json; its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["the quick brown fox jumps over the lazy dog", "hello world, strata runs experts"] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "model_max_length": 512}))
+    return tok.get_vocab_size()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from strata_core.gguf.tiny import tiny_hf_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_dir = Path(tmp) / "hf"
+        hf_dir.mkdir()
+        vocab = make_tokenizer(hf_dir)
+        model = tiny_hf_model("qwen3moe", seed=args.seed, vocab_size=vocab, **TINY)
+        model.save_pretrained(hf_dir)
+        gguf_path = Path(tmp) / "model-f32.gguf"
+        env = dict(os.environ, PYTHONPATH=f"{args.llama_cpp / 'gguf-py'}{os.pathsep}{args.llama_cpp}")
+        subprocess.run([sys.executable, "-c", _CONVERT, str(hf_dir), "--outtype", "f32",
+                        "--outfile", str(gguf_path)], env=env, check=True, cwd=args.llama_cpp)
+        OUT_DIR.mkdir(parents=True, exist_ok=True)
+        shutil.copy(gguf_path, OUT_DIR / "model-f32.gguf")
+        for name in ("config.json", "model.safetensors"):
+            shutil.copy(hf_dir / name, OUT_DIR / name)
+    for f in sorted(OUT_DIR.iterdir()):
+        print(f"{f.relative_to(REPO)}: {f.stat().st_size} bytes")
+
+
+if __name__ == "__main__":
+    main()
