@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PLUGINS := $(wildcard plugins/*/pyproject.toml)
+PLUGINS := $(wildcard plugins/*/pyproject.toml examples/*/pyproject.toml)
 
 $(VENV)/.installed: pyproject.toml $(PLUGINS)
 	python3 -m venv $(VENV)

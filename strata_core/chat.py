@@ -88,7 +88,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The prompt text for ``messages``; ``kwargs`` (``tools``, ``enable_thinking``...) reach the template."""
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, **kwargs}
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None, **kwargs}
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
         except jinja2.TemplateError as exc:

@@ -314,8 +314,11 @@ class Scheduler:
     def _place(self, job: _Job, idle: list[_Slot]) -> tuple[_Slot, int]:
         """Give ``job`` an idle slot and a session holding the longest known prefix of its prompt."""
         prompt = job.request.prompt
-        live = max(idle, key=lambda s: common_prefix(s.session.tokens, prompt) if s.session else 0)
-        live_n = common_prefix(live.session.tokens, prompt) if live.session else 0
+        live, live_n = idle[0], 0
+        for s in idle:  # a session is reused in place when it is mostly this prompt's prefix
+            n = common_prefix(s.session.tokens, prompt) if s.session else 0
+            if n > live_n and 2 * n >= s.session.n_tokens:
+                live, live_n = s, n
         key, cache_n = self.cache.best(prompt)
         if live_n > 0 and live_n >= cache_n:
             slot, cached = live, live_n

@@ -78,8 +78,6 @@ def test_tensor_data_is_a_zero_copy_memmap(good):
     per = ref.nbytes // 8
     e3 = ref.expert_raw(3)
     assert e3.numel() == per and e3.data_ptr() == ref.data.ctypes.data + 3 * per
-    with open(good, "rb") as fh:  # the bytes are the file's bytes
-        fh.seek(ref.data.offset if hasattr(ref.data, "offset") else 0)
     assert bytes(e3[:34].numpy()) == bytes(np.asarray(ref.data[3 * per:3 * per + 34]))
 
 
@@ -106,7 +104,7 @@ def test_truncated_file(good, tmp_path, keep):
         GGUFFile.open(cut)
     assert str(cut) in str(e.value)
     if isinstance(keep, float):  # header intact, tensor data cut: names the tensor
-        assert "runs past the end of the file" in str(e.value) and "blk." in str(e.value)
+        assert "data runs past the end of the file" in str(e.value) and "tensor '" in str(e.value)
 
 
 def test_missing_tensor(good, tmp_path):
@@ -140,7 +138,7 @@ def test_unknown_architecture(good, tmp_path):
 def test_unsupported_block_type(good, tmp_path, monkeypatch):
     import strata_core.gguf.reader as reader
 
-    monkeypatch.setattr(reader, "is_supported", lambda q: q != gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setattr(reader, "SUPPORTED_TYPES", reader.SUPPORTED_TYPES - {gguf.GGMLQuantizationType.Q8_0})
     with pytest.raises(UnsupportedError, match="'blk.0.ffn_gate_exps.weight' uses block type Q8_0") as e:
         load_model_spec(GGUFFile.open(good))
     assert str(good) in str(e.value)

@@ -26,11 +26,11 @@ class Adapter:
         self.cache, self.usage, self.telemetry = cache, usage, telemetry
         self.swaps, self.decay = swaps, decay
         self.score = torch.zeros(usage.counts.shape, dtype=torch.float64)  # [L, E] host
-        self._seen = usage.counts.cpu()  # [L, E] counts already folded in
+        self._seen = usage.counts.to("cpu", copy=True)  # [L, E] counts already folded in
 
     def end_window(self) -> int:
         """Fold the window's counts in and swap; returns the number of swaps enqueued."""
-        counts = self.usage.counts.cpu()  # [L, E]: the one host read per window
+        counts = self.usage.counts.to("cpu", copy=True)  # [L, E]: the one host read per window
         self.score.mul_(self.decay).add_(counts - self._seen)
         self._seen = counts
         if self.swaps == 0 or self.cache.n_slots == 0:

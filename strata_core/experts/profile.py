@@ -92,7 +92,7 @@ class UsageCounter:
             self.tokens += expert_ids.shape[0]
 
     def profile(self, model: str = "") -> UsageProfile:
-        return UsageProfile(self.counts.cpu(), self.tokens, model)
+        return UsageProfile(self.counts.to("cpu", copy=True), self.tokens, model)
 
 
 def default_order(n_layers: int, n_experts: int) -> list[tuple[int, int]]:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from strata_core.experts.weights import ExpertWeights
-from strata_core.gguf.quant_shim import quant_matmul
+from strata_core.quant import quant_matmul
 
 __all__ = ["ExpertRows", "DequantExpertRows", "expert_ffn", "combine_rows", "group_by_expert"]
 

@@ -63,21 +63,39 @@ class ExpertTelemetry:
 
     # --- reading -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float | int]:
-        """Counters as plain numbers: hit rate, bytes, link GB/s, copy and compute seconds."""
+        """Counters as plain numbers: hits/misses (routed pairs), experts by source, bytes streamed,
+        copy and compute seconds, and the derived hit rate and link GB/s."""
         copy_s, compute_s = self._copy_s, self._compute_s
         for kind, start, end in self._events:
             end.synchronize()
-            ms = start.elapsed_time(end) / 1e3
-            copy_s, compute_s = (copy_s + ms, compute_s) if kind == "copy" else (copy_s, compute_s + ms)
+            seconds = start.elapsed_time(end) / 1e3
+            if kind == "copy":
+                copy_s += seconds
+            else:
+                compute_s += seconds
         hits = sum(int(h) for h in self._hits.values())
-        return {
-            "routed": self.routed,
-            "hits": hits,
-            "hit_rate": hits / self.routed if self.routed else 1.0,
+        counters = {
+            "expert_hits": hits,
+            "expert_misses": self.routed - hits,
             **{f"experts_{k}": v for k, v in self.experts.items()},
             "bytes_streamed": self.bytes_copied,
             "copy_s": copy_s,
             "compute_s": compute_s,
-            "link_gbps": self.bytes_copied / copy_s / 1e9 if copy_s > 0 else 0.0,
             "swaps": self.swaps,
         }
+        return _with_rates(counters)
+
+    def delta(self, before: dict[str, float | int]) -> dict[str, float | int]:
+        """Counters since ``before`` (an earlier ``snapshot()``), rates recomputed."""
+        now = self.snapshot()
+        return _with_rates({k: v - before.get(k, 0) for k, v in now.items() if k not in _RATES})
+
+
+_RATES = ("hit_rate", "link_gbps")
+
+
+def _with_rates(c: dict[str, float | int]) -> dict[str, float | int]:
+    routed = c["expert_hits"] + c["expert_misses"]
+    c["hit_rate"] = c["expert_hits"] / routed if routed else 1.0
+    c["link_gbps"] = c["bytes_streamed"] / c["copy_s"] / 1e9 if c["copy_s"] > 0 else 0.0
+    return c

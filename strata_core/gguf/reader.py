@@ -18,7 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from strata_core.errors import ModelFileError, UnsupportedError
-from strata_core.gguf.quant_shim import is_supported
+from strata_core.quant import SUPPORTED_TYPES
 
 __all__ = ["GGUFFile", "TensorRef"]
 
@@ -153,7 +153,7 @@ class GGUFFile:
             raise ModelFileError(f"{self.path}: tensor {name!r} is missing")
         if shape is not None and _squeeze_leading(ref.shape) != _squeeze_leading(shape):
             raise ModelFileError(f"{self.path}: tensor {name!r} has shape {ref.shape}, expected {tuple(shape)}")
-        if not is_supported(ref.qtype):
+        if ref.qtype not in SUPPORTED_TYPES:
             raise UnsupportedError(f"{self.path}: tensor {name!r} uses block type {ref.qtype.name}, "
                                    "which Strata cannot dequantize")
         return ref

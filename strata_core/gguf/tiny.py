@@ -48,6 +48,6 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:
             fan_in = p.shape[-1]
-            gain = 4.0 if name.endswith("mlp.gate.weight") else 1.0  # sharper router
+            gain = 2.0 if name.endswith("mlp.gate.weight") else 1.0  # sharper router
             p.copy_(gain * torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
     return model

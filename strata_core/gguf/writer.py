@@ -21,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata_core.errors import UnsupportedError
-from strata_core.gguf.quant_shim import dequantize, quantize
+from strata_core.quant import dequantize, quantize
 
 __all__ = ["HF_ARCHITECTURES", "write_gguf", "hf_to_gguf_tensors", "dequantized_hf_state_dict"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from strata_core.gguf.arch import get_architecture
-from strata_core.gguf.quant_shim import dequantize
+from strata_core.quant import dequantize
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec
 

@@ -8,6 +8,7 @@ the server goes on.
 from __future__ import annotations
 
 import logging
+import re
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
@@ -19,6 +20,7 @@ from strata_core.server.service import InvalidParamError, UnknownModelError
 
 log = logging.getLogger(__name__)
 
+_FIELD = re.compile(r"field `([^`]+)`")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_error"}
 
 
@@ -35,6 +37,9 @@ def _validation(exc: ValidationException) -> tuple[int, ErrorBody]:
     for item in problems:
         key = item.get("key") if isinstance(item, dict) else None
         message = item.get("message", str(item)) if isinstance(item, dict) else str(item)
+        if key == "data":  # the body as a whole: a missing or unknown field names itself
+            named = _FIELD.search(message)
+            key = named.group(1) if named else None
         parts.append(f"{key}: {message}" if key else message)
         params.append(key)
     return _body(400, "invalid request: " + "; ".join(parts), params[0], "invalid_request")

@@ -1,0 +1,34 @@
+"""even_split gives single's logits bit for bit, on logical devices."""
+
+import pytest
+import torch
+
+from strata_core.engine import Engine
+
+
+@pytest.fixture
+def model_path(tiny_model_factory):
+    return tiny_model_factory(n_layers=3)
+
+
+def test_plan_covers_every_layer_once(model_path, logical_devices):
+    engine = Engine.load(model_path, strategy="even_split", devices=logical_devices)
+    layers = [layer for stage in engine.plan.stages for layer in stage.layers]
+    assert layers == list(range(engine.spec.n_layers))
+    assert len(engine.plan.stages) == len(logical_devices)
+
+
+def test_logits_and_greedy_output_equal_single(model_path, logical_devices):
+    ids = list(range(5, 40))
+    single = Engine.load(model_path, strategy="single", devices=logical_devices[:1])
+    split = Engine.load(model_path, strategy="even_split", devices=logical_devices)
+    assert torch.equal(single.logits(ids), split.logits(ids))
+    assert single.generate(ids, max_tokens=8, temperature=0) == split.generate(ids, max_tokens=8, temperature=0)
+
+
+def test_too_many_stages_is_a_clear_error(model_path):
+    from strata_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="even_split: 3 stages"):
+        Engine.load(model_path, strategy="even_split", devices=["cpu", "cpu"],
+                    strategy_options={"stages": 3})

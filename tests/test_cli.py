@@ -1,0 +1,64 @@
+"""The `strata` command end to end: info, generate, plugins, and errors without tracebacks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def strata(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "strata_core", *args], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory(expert_type="Q8_0")
+
+
+def test_info_reports_architecture_sizes_and_fit(model):
+    result = strata("info", str(model), "--vram-gib", "0.0001,1")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "architecture: qwen3moe" in out
+    assert "experts: 8 per layer, top-2" in out
+    assert "ffn_up_exps" in out and "Q8_0" in out
+    assert "do not fit" in out and "dense + 16 of 16 experts" in out
+
+
+def test_generate_streams_text(model):
+    result = strata("generate", "--model", str(model), "--prompt", "The engine", "--max-tokens", "8",
+                    "--temperature", "0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The engine") and len(result.stdout.strip()) > len("The engine")
+
+
+def test_plugins_lists_single_with_origin():
+    result = strata("plugins")
+    assert result.returncode == 0, result.stderr
+    assert "single" in result.stdout and "strata (builtin)" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("info", "/nonexistent/model.gguf"), "/nonexistent/model.gguf"),
+        (("generate", "--strategy", "nope"), "unknown strategy 'nope'"),
+        (("generate", "--devices", "cuda:7"), "cuda:7 does not exist"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(args, message):
+    result = strata(*args)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_invalid_flag_value_names_the_option(model):
+    result = strata("generate", "--model", str(model), "--pcie-frac", "2")
+    assert result.returncode != 0
+    assert "pcie_frac" in result.stderr or "pcie-frac" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,196 @@
+"""The scheduler on the fake engine: batching keeps tokens, queue bound, cancel, failures, context, cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from test_server_support import FakeEngine, FakeTokenizer, greedy_reference
+
+from strata_core.sampling import SamplingParams
+from strata_core.scheduler import (
+    ContextLengthError, Delta, Finished, GenerationRequest, RequestHandle, Scheduler, ServerBusyError, _StopText,
+)  # fmt: skip
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _request(text: str, max_tokens: int = 8, **kw: object) -> GenerationRequest:
+    return GenerationRequest(FakeTokenizer().encode(text), GREEDY, max_tokens, **kw)  # type: ignore[arg-type]
+
+
+async def _run(handle: RequestHandle) -> tuple[list[int], str, Finished]:
+    tokens, text, end = [], "", None
+    async for event in handle:
+        if isinstance(event, Delta):
+            tokens += event.tokens
+            text += event.text
+        else:
+            end = event
+    assert end is not None
+    return tokens, text, end
+
+
+def _scheduler(engine: FakeEngine, parallel: int = 2, max_queue: int = 8, conv_cache: int = 0) -> Scheduler:
+    scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, conv_cache=conv_cache,
+                          conv_cache_bytes=1 << 20)
+    scheduler.start()
+    return scheduler
+
+
+def _tokens_alone(request: GenerationRequest) -> list[int]:
+    """Every sampled token (EOS included) the request yields run alone; Deltas carry only text-bearing ones."""
+    return greedy_reference(request.prompt, request.max_tokens)
+
+
+def test_batched_requests_equal_their_runs_alone() -> None:
+    engine = FakeEngine(step_delay=0.001)
+    scheduler = _scheduler(engine, parallel=3)
+    requests = [_request(f"prompt number {i}", max_tokens=6 + i) for i in range(8)]
+
+    async def main() -> list[tuple[list[int], str, Finished]]:
+        return await asyncio.gather(*(_run(scheduler.submit(r)) for r in requests))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    for request, (tokens, text, end) in zip(requests, results):
+        alone = _tokens_alone(request)
+        assert tokens == [t for t in alone if t not in FakeTokenizer.eos_token_ids]
+        assert text == FakeTokenizer().decode(alone)
+        assert end.completion_tokens == len(alone)
+        assert end.reason == ("stop" if alone[-1] in FakeTokenizer.eos_token_ids else "length")
+    assert max(engine.windows) == 3 and min(engine.windows) >= 1  # windows batched the slots
+    assert len(engine.live) <= 3 and scheduler.stats.requests == 8
+
+
+def test_queue_bound_rejects_with_503_error() -> None:
+    scheduler = _scheduler(FakeEngine(step_delay=0.001), parallel=1, max_queue=1)
+
+    async def main() -> None:
+        first, second = scheduler.submit(_request("a")), scheduler.submit(_request("b"))
+        with pytest.raises(ServerBusyError, match="busy"):
+            scheduler.submit(_request("c"))
+        await _run(first)
+        await _run(second)
+        await _run(scheduler.submit(_request("d")))  # room again
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.stop()
+
+
+def test_cancel_frees_the_slot_at_the_next_window() -> None:
+    engine = FakeEngine(max_context=4096, step_delay=0.002)
+    scheduler = _scheduler(engine, parallel=1, max_queue=1)
+
+    async def main() -> None:
+        long = scheduler.submit(_request("go on", max_tokens=4000))
+        assert isinstance(await long.events.get(), Delta)
+        long.cancel()
+        _, text, end = await asyncio.wait_for(_run(scheduler.submit(_request("next", 4))), 10)
+        assert end.completion_tokens <= 4
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert scheduler.stats.cancelled == 1 and scheduler.stats.requests == 1
+
+
+def test_a_failing_request_leaves_the_others_alone() -> None:
+    engine = FakeEngine(step_delay=0.001)
+    scheduler = _scheduler(engine, parallel=2)
+    good = [_request(f"good {i}", 10) for i in range(3)]
+
+    async def main() -> list:
+        handles = [scheduler.submit(good[0]), scheduler.submit(_request("bad \u2620")),
+                   scheduler.submit(good[1]), scheduler.submit(good[2])]
+        return await asyncio.gather(*(_run(h) for h in handles), return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert isinstance(results[1], RuntimeError) and "poisoned" in str(results[1])
+    for request, (tokens, _, _) in zip(good, [results[0], results[2], results[3]]):
+        assert tokens == [t for t in _tokens_alone(request) if t not in FakeTokenizer.eos_token_ids]
+    assert scheduler.stats.failed == 1 and len(engine.live) <= 2
+
+
+def test_context_limits() -> None:
+    engine = FakeEngine(max_context=64)
+    scheduler = _scheduler(engine)
+    text = next(f"{i:03d}" * 21 for i in range(100)
+                if not set(greedy_reference(FakeTokenizer().encode(f"{i:03d}" * 21), 3)) & FakeTokenizer.eos_token_ids)
+
+    async def main() -> Finished:
+        with pytest.raises(ContextLengthError, match="65 tokens but the context holds 64"):
+            scheduler.submit(_request("x" * 65))
+        return (await _run(scheduler.submit(_request(text, max_tokens=50))))[2]
+
+    try:
+        end = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert (end.reason, end.prompt_tokens, end.completion_tokens) == ("length", 63, 2)
+
+
+@pytest.mark.parametrize("conv_cache", [0, 2])
+def test_conversation_cache_reuses_the_prefix(conv_cache: int) -> None:
+    engine = FakeEngine(step_delay=0.0)
+    scheduler = _scheduler(engine, parallel=1, conv_cache=conv_cache)
+    first = _request("first turn", 6)
+    reply = [t for t in greedy_reference(first.prompt, 6) if t not in FakeTokenizer.eos_token_ids]
+    second = GenerationRequest(first.prompt + reply + FakeTokenizer().encode(" and more"), GREEDY, 6)
+
+    async def main() -> Finished:
+        await _run(scheduler.submit(first))
+        await _run(scheduler.submit(_request("something else", 4)))  # takes the only slot
+        tokens, _, end = await _run(scheduler.submit(second))
+        assert tokens == [t for t in _tokens_alone(second) if t not in FakeTokenizer.eos_token_ids]
+        return end
+
+    try:
+        end = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    cached = len(first.prompt) + len(reply) - 1 if conv_cache else 0  # the last reply token was never fed
+    assert end.timings.cache_n == cached
+    assert end.timings.prompt_n == len(second.prompt) - cached == engine.prefilled[-1]
+    assert len(scheduler.cache) == (1 if conv_cache else 0)  # "something else" was displaced in turn
+
+
+def test_idle_slot_keeps_its_session_for_the_next_turn() -> None:
+    engine = FakeEngine()
+    scheduler = _scheduler(engine, parallel=2, conv_cache=0)
+    first = _request("hello there", 4)
+
+    async def main() -> Finished:
+        await _run(scheduler.submit(first))
+        return (await _run(scheduler.submit(GenerationRequest(first.prompt + [50, 51], GREEDY, 2))))[2]
+
+    try:
+        end = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert end.timings.cache_n == len(first.prompt)
+
+
+@given(st.text("ab\n", max_size=30), st.lists(st.integers(1, 5), max_size=10), st.text("ab\n", min_size=1, max_size=3))
+def test_stop_text_cuts_at_the_first_stop_whatever_the_pieces(text: str, cuts: list[int], stop: str) -> None:
+    matcher, out, pos, stopped = _StopText([stop]), "", 0, False
+    for n in cuts + [len(text)]:
+        piece, pos = text[pos : pos + n], pos + n
+        released, stopped = matcher.push(piece)
+        out += released
+        if stopped:
+            break
+    if not stopped:
+        out += matcher.held
+    expected = text[: text.find(stop)] if stop in text[:pos] else text[:pos]
+    assert out == expected

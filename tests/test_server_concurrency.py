@@ -1,0 +1,100 @@
+"""Many clients at once on a live server (fake engine): batching, disconnects, the conversation cache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+from test_server_support import FakeEngine, FakeTokenizer, greedy_reference, live_server
+
+from strata_core.config import StrataSettings
+
+MODEL = "demo"
+
+
+async def _stream_chat(client: openai.AsyncOpenAI, text: str, max_tokens: int) -> str:
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=max_tokens, temperature=0, stream=True
+    )
+    return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+
+def _alone(text: str, max_tokens: int) -> str:
+    tok = FakeTokenizer()
+    prompt = tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+    return tok.decode(greedy_reference(prompt, max_tokens))
+
+
+def test_sixteen_streaming_clients_on_four_slots() -> None:
+    engine = FakeEngine(step_delay=0.002)
+    prompts = [(f"client {i} says hi", 5 + i % 7) for i in range(16)]
+
+    async def main(url: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(_stream_chat(client, text, n) for text, n in prompts))
+
+    with live_server(StrataSettings(model_alias=MODEL, parallel=4, max_queue=16), engine) as url:
+        outputs = asyncio.run(main(url))
+        metrics = httpx.get(f"{url}/metrics").text
+    assert outputs == [_alone(text, n) for text, n in prompts]
+    assert max(engine.windows) == 4  # the slots were batched
+    assert "strata_requests_total 16.0" in metrics
+
+
+def test_queue_overflow_is_503_with_a_message() -> None:
+    engine = FakeEngine(max_context=4096, step_delay=0.005)
+    with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=0), engine) as url:
+        payload = {"model": MODEL, "prompt": "busy", "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=payload) as first:
+            next(first.iter_lines())  # the slot is taken
+            refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "me too"})
+        assert refused.status_code == 503
+        assert "busy" in refused.json()["error"]["message"]
+
+
+def test_a_client_that_disconnects_frees_its_slot() -> None:
+    engine = FakeEngine(max_context=4096, step_delay=0.005)
+    with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=1), engine) as url:
+        payload = {"model": MODEL, "prompt": "never ending", "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=payload) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")  # generating; then hang up
+        # 4000 windows would take 20 s: only a freed slot lets this finish within the timeout
+        done = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 3},
+                          timeout=10)
+        assert done.status_code == 200
+        non_stream = {"model": MODEL, "prompt": "also long", "max_tokens": 4000}
+        try:
+            httpx.post(f"{url}/v1/completions", json=non_stream, timeout=0.5)
+        except httpx.ReadTimeout:
+            pass  # the client gave up on a non-streamed request
+        done = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "last", "max_tokens": 3},
+                          timeout=10)
+        assert done.status_code == 200
+        metrics = httpx.get(f"{url}/metrics").text
+    assert "strata_requests_cancelled_total 2.0" in metrics
+
+
+def test_second_turn_reads_its_history_from_the_conversation_cache() -> None:
+    def converse(conv_cache: int) -> tuple[list[str], list[dict]]:
+        settings = StrataSettings(model_alias=MODEL, parallel=1, conv_cache=conv_cache)
+        with live_server(settings, FakeEngine()) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            history = [{"role": "user", "content": "tell me a story"}]
+            first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "other"}],
+                                           max_tokens=3, temperature=0)  # displaces the conversation
+            history += [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "go on"}]
+            second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+        return ([first.choices[0].message.content, second.choices[0].message.content],
+                [first.model_extra["timings"], second.model_extra["timings"]])
+
+    cached_texts, cached = converse(conv_cache=2)
+    plain_texts, plain = converse(conv_cache=0)
+    assert cached_texts == plain_texts
+    prompt_one = cached[0]["prompt_n"]
+    assert cached[1]["cache_n"] >= prompt_one  # the whole first prompt, at least, came from the cache
+    assert cached[1]["prompt_n"] + cached[1]["cache_n"] == plain[1]["prompt_n"]
+    assert plain[1]["cache_n"] == 0
