@@ -64,7 +64,7 @@ class Engine:
         plan: TopologyPlan,
         model: MoEModel,
         experts: ExpertBackend,
-        tokenizer: Tokenizer,
+        tokenizer: Tokenizer | None,
         chat: ChatTemplate,
     ) -> None:
         self.settings = settings
@@ -126,8 +126,12 @@ class Engine:
         model = MoEModel(spec, dense)
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, plan, settings,
                                        dense_bytes_per_device(dense))
+        has_tokenizer = "tokenizer.ggml.tokens" in gguf_file.metadata
+        if not has_tokenizer:
+            log.warning("%s has no tokenizer: only token ids can be used", settings.model)
         engine = cls(settings, plugins, gguf_file, spec, plan, model, experts,
-                     Tokenizer.from_gguf(gguf_file.metadata), ChatTemplate.from_gguf(gguf_file.metadata))
+                     Tokenizer.from_gguf(gguf_file.metadata) if has_tokenizer else None,
+                     ChatTemplate.from_gguf(gguf_file.metadata))
         for device in experts.tables:
             plugins.hook.strata_residency(engine=engine, event=ResidencyEvent("plan", device))
         return engine
@@ -259,6 +263,8 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[str]:
         """Yield the generated text piece by piece (greedy when ``params.temperature == 0``)."""
+        if self.tokenizer is None:
+            raise RequestError(f"{self.settings.model} has no tokenizer: text cannot be encoded or decoded")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         sampler = Sampler(params)
         decoder = self.tokenizer.stream_decoder()

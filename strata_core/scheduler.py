@@ -27,7 +27,7 @@ import torch
 
 from strata_core.conv_cache import ConvCache, common_prefix
 from strata_core.errors import RequestError, StrataError
-from strata_core.sampling import Sampler, SamplingParams
+from strata_core.sampling import SampleResult, Sampler, SamplingParams
 
 __all__ = [
     "ContextLengthError", "Delta", "Finished", "GenerationRequest", "RequestHandle", "Scheduler", "SchedulerStats",
@@ -47,13 +47,11 @@ class ContextLengthError(RequestError):
 
 @dataclass
 class GenerationRequest:
-    """One generation: prompt token ids and how to sample and stop."""
+    """One generation: prompt token ids, and how to sample and when to stop (``max_tokens``,
+    ``stop``, ``logprobs`` of the params; ``max_tokens=None`` runs until the context is full)."""
 
     prompt: list[int]
     params: SamplingParams
-    max_tokens: int
-    stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # None: no logprobs; k: the chosen token's plus the top k
 
 
 @dataclass
@@ -244,9 +242,8 @@ class Scheduler:
             self._in_flight += 1
         handle = RequestHandle(self, asyncio.get_running_loop())
         tok = self.engine.tokenizer
-        job = _Job(
-            request, handle, Sampler(request.params), tok.stream_decoder(), _StopText(request.stop), list(request.prompt)
-        )
+        job = _Job(request, handle, Sampler(request.params), tok.stream_decoder(), _StopText(list(request.params.stop)),
+                   list(request.prompt))
         self._inbox.put(job)
         return handle
 
@@ -258,12 +255,19 @@ class Scheduler:
         while not self._stopping:
             busy = self._waiting or any(s.job for s in self._slots)
             self._take_inbox(block=not busy)
-            self._drop_cancelled()
-            self._admit()
-            self._window()
+            try:
+                self._drop_cancelled()
+                self._admit()
+                self._window()
+                self.telemetry = dict(self.engine.telemetry.snapshot())
+            except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
+                log.exception("scheduler step failed")
+                for slot in [s for s in self._slots if s.job]:
+                    self._fail(slot.job, exc)
+                    slot.job = None
+                    self._drop_session(slot)
             self.stats.active = sum(1 for s in self._slots if s.job)
             self.stats.waiting = len(self._waiting)
-            self.telemetry = dict(self.engine.telemetry.snapshot())
         self._shutdown()
 
     def _take_inbox(self, block: bool) -> None:
@@ -323,10 +327,11 @@ class Scheduler:
         if live_n > 0 and live_n >= cache_n:
             slot, cached = live, live_n
         else:
+            snapshot = self.cache.take(key) if key is not None else None  # before displacing evicts it
             slot = min(idle, key=lambda s: (s.session is not None, s.last_used))
             self._displace(slot)
-            if key is not None:
-                slot.session, cached = self.engine.restore_session(self.cache.take(key)), cache_n
+            if snapshot is not None:
+                slot.session, cached = self.engine.restore_session(snapshot), cache_n
             else:
                 slot.session, cached = self.engine.new_session(), 0
         cached = min(cached, len(prompt) - 1)  # the last prompt token is computed for its logits
@@ -385,14 +390,15 @@ class Scheduler:
 
     def _accept(self, job: _Job, logits: torch.Tensor) -> None:
         """Sample the next token from ``logits``, give out its text, decide whether to go on."""
-        req = job.request
-        token = int(job.sampler.sample(logits, job.history))
+        result = job.sampler.sample_result(logits, job.history)
+        token = result.token
         job.history.append(token)
         job.generated += 1
-        lps = [self._logprob(logits, token, req.logprobs)] if req.logprobs is not None else []
+        lps = [] if result.logprob is None else [self._logprob(result)]
         eos = token in self.engine.tokenizer.eos_token_ids
         text, stopped = job.stop.push("" if eos else job.decoder.push(token))
-        full = job.generated >= req.max_tokens or job.session.n_tokens >= self.max_context
+        limit = job.request.params.max_tokens
+        full = (limit is not None and job.generated >= limit) or job.session.n_tokens >= self.max_context
         reason = "stop" if eos or stopped else "length" if full else ""
         if reason and not stopped:  # give out what the decoder and the stop matcher hold back
             tail, stopped = job.stop.push(job.decoder.flush())
@@ -404,12 +410,10 @@ class Scheduler:
         if reason:
             self._end(job, reason)
 
-    def _logprob(self, logits: torch.Tensor, token: int, k: int) -> TokenLogprob:
-        lp = torch.log_softmax(logits.float(), dim=-1)
+    def _logprob(self, result: SampleResult) -> TokenLogprob:
         decode = self.engine.tokenizer.decode
-        top = torch.topk(lp, k) if k else None
-        alts = [(int(i), decode([int(i)]), float(v)) for v, i in zip(*top)] if top is not None else []
-        return TokenLogprob(token, decode([token]), float(lp[token]), alts)
+        alts = [(i, decode([i]), v) for i, v in result.top_logprobs]
+        return TokenLogprob(result.token, decode([result.token]), float(result.logprob), alts)
 
     def _end(self, job: _Job, reason: str | None) -> None:
         """Send Finished (or nothing, for a cancelled request) and count the request out."""

@@ -85,7 +85,10 @@ class Tokenizer:
         spec["tokens"] = [str(t) for t in spec["tokens"]]
         spec["merges"] = [str(m) for m in spec.get("merges", [])]
         spec["token_type"] = [int(t) for t in spec.get("token_type", [])]
-        backend, _ = convert_gguf_tokenizer(str(metadata.get("general.architecture", "")), spec)
+        try:
+            backend, _ = convert_gguf_tokenizer(str(metadata.get("general.architecture", "")), spec)
+        except Exception as exc:  # the tokenizers library raises plain Exception on bad vocabularies or merges
+            raise ModelFileError(f"the GGUF's tokenizer metadata is malformed: {exc}") from exc
         backend.post_processor = None  # BOS is added here, from tokenizer.ggml.add_bos_token
 
         tokens = spec["tokens"]

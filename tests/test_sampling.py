@@ -86,7 +86,7 @@ def test_repetition_penalty_llama_cpp_way() -> None:
 def test_frequency_and_presence_penalties() -> None:
     sampler = Sampler(SamplingParams(frequency_penalty=0.5, presence_penalty=1.0))
     out = sampler.penalize(torch.zeros(3), [2, 2, 2, 0])
-    assert out.tolist() == [-1.5, 0.0, -3.5]
+    assert out.tolist() == [-1.5, 0.0, -2.5]
 
 
 def test_greedy_applies_penalties() -> None:

@@ -14,11 +14,12 @@ from strata_core.scheduler import (
     ContextLengthError, Delta, Finished, GenerationRequest, RequestHandle, Scheduler, ServerBusyError, _StopText,
 )  # fmt: skip
 
-GREEDY = SamplingParams(temperature=0.0)
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
 
-def _request(text: str, max_tokens: int = 8, **kw: object) -> GenerationRequest:
-    return GenerationRequest(FakeTokenizer().encode(text), GREEDY, max_tokens, **kw)  # type: ignore[arg-type]
+def _request(text: str, max_tokens: int = 8) -> GenerationRequest:
+    return GenerationRequest(FakeTokenizer().encode(text), _greedy(max_tokens))
 
 
 async def _run(handle: RequestHandle) -> tuple[list[int], str, Finished]:
@@ -42,7 +43,7 @@ def _scheduler(engine: FakeEngine, parallel: int = 2, max_queue: int = 8, conv_c
 
 def _tokens_alone(request: GenerationRequest) -> list[int]:
     """Every sampled token (EOS included) the request yields run alone; Deltas carry only text-bearing ones."""
-    return greedy_reference(request.prompt, request.max_tokens)
+    return greedy_reference(request.prompt, request.params.max_tokens)
 
 
 def test_batched_requests_equal_their_runs_alone() -> None:
@@ -140,13 +141,13 @@ def test_context_limits() -> None:
     assert (end.reason, end.prompt_tokens, end.completion_tokens) == ("length", 63, 2)
 
 
-@pytest.mark.parametrize("conv_cache", [0, 2])
+@pytest.mark.parametrize("conv_cache", [0, 1, 2])
 def test_conversation_cache_reuses_the_prefix(conv_cache: int) -> None:
     engine = FakeEngine(step_delay=0.0)
     scheduler = _scheduler(engine, parallel=1, conv_cache=conv_cache)
     first = _request("first turn", 6)
     reply = [t for t in greedy_reference(first.prompt, 6) if t not in FakeTokenizer.eos_token_ids]
-    second = GenerationRequest(first.prompt + reply + FakeTokenizer().encode(" and more"), GREEDY, 6)
+    second = GenerationRequest(first.prompt + reply + FakeTokenizer().encode(" and more"), _greedy(6))
 
     async def main() -> Finished:
         await _run(scheduler.submit(first))
@@ -172,7 +173,7 @@ def test_idle_slot_keeps_its_session_for_the_next_turn() -> None:
 
     async def main() -> Finished:
         await _run(scheduler.submit(first))
-        return (await _run(scheduler.submit(GenerationRequest(first.prompt + [50, 51], GREEDY, 2))))[2]
+        return (await _run(scheduler.submit(GenerationRequest(first.prompt + [50, 51], _greedy(2)))))[2]
 
     try:
         end = asyncio.run(main())

@@ -47,7 +47,8 @@ def test_queue_overflow_is_503_with_a_message() -> None:
     with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=0), engine) as url:
         payload = {"model": MODEL, "prompt": "busy", "max_tokens": 3000, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=payload) as first:
-            next(first.iter_lines())  # the slot is taken
+            lines = first.iter_lines()
+            assert next(lines).startswith("data: ")  # the slot is taken (and the stream kept open)
             refused = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "me too"})
         assert refused.status_code == 503
         assert "busy" in refused.json()["error"]["message"]

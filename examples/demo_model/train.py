@@ -91,7 +91,7 @@ def train(args: argparse.Namespace) -> tuple[Qwen3MoeForCausalLM, object]:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if step % 50 == 0 or step == 1:
+        if step % 25 == 0 or step == 1:
             print(f"step {step:5d}/{args.steps}  loss {out.loss.item():.3f}  lr {sched.get_last_lr()[0]:.2e}  {time.time() - t0:.0f}s", flush=True)
     model.eval()
     with torch.no_grad():
@@ -112,12 +112,16 @@ def greedy_samples(model: Qwen3MoeForCausalLM, tokenizer: object, n_tokens: int 
 
 def write_ggufs(model: Qwen3MoeForCausalLM, tokenizer: object, data_dir: Path) -> None:
     """The F16 and Q8_0 demo GGUFs, with the tokenizer and the ChatML template."""
+    from gguf import GGMLQuantizationType as Q
+
     from strata_core.gguf.writer import write_gguf
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    for ftype in ("f16", "q8_0"):
-        path = data_dir / f"demo-qwen3moe-{ftype}.gguf"
-        write_gguf(model, tokenizer, path, ftype, chat_template=CHATML_TEMPLATE, bos=None, eos="<|im_end|>", pad="<|endoftext|>")
+    model.config.name_or_path = "strata-demo-qwen3moe"  # general.name
+    for name, qtype in (("f16", Q.F16), ("q8_0", Q.Q8_0)):
+        path = data_dir / f"demo-qwen3moe-{name}.gguf"
+        write_gguf(model, path, expert_qtype=qtype, dense_qtype=qtype, tokenizer=tokenizer,
+                   chat_template=CHATML_TEMPLATE, eos_token="<|im_end|>", bos_token=None)
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
 
 

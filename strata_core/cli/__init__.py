@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 from pydantic_settings import CliApp, CliSubCommand, SettingsError
 
 from strata_core.cli.generate import GenerateCommand
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     except StrataError as error:
         print(f"strata: error: {error}", file=sys.stderr)
         return 2
-    except SettingsError as error:
-        print(f"strata: error: {error}", file=sys.stderr)
+    except (SettingsError, ValidationError) as error:
+        print(f"strata: error: invalid settings: {error}", file=sys.stderr)
         return 2
     return 0

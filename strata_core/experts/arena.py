@@ -73,10 +73,9 @@ class Arena:
         if not pin:
             log.info("arena: no accelerator, the pinned arena is ordinary RAM")
         budget = self.total_bytes if limit is None else limit
-        layers = [l for l in range(self.n_layers)]
-        with tqdm(total=sum(self.formats[l].total for l in layers) * self.n_experts, unit="B", unit_scale=True,
-                  desc="pinning experts", leave=False) as bar:
-            for layer in layers:
+        with tqdm(total=min(budget, self.total_bytes), unit="B", unit_scale=True, desc="pinning experts",
+                  leave=False, disable=self.total_bytes < GIB) as bar:
+            for layer in range(self.n_layers):
                 size = self.formats[layer].total * self.n_experts
                 if size > budget:
                     log.info("arena: pin limit reached at layer %d; layers %d.. stream through staging",

@@ -128,7 +128,8 @@ def _add_metadata(w: gguf.GGUFWriter, arch: str, cfg: Any, file_type: Q) -> None
 
 def write_gguf(model: torch.nn.Module, path: str | os.PathLike[str], *,
                expert_qtype: Q = Q.F32, dense_qtype: Q = Q.F32,
-               tokenizer: Any | None = None, chat_template: str | None = None) -> None:
+               tokenizer: Any | None = None, chat_template: str | None = None,
+               eos_token: str = "<|im_end|>", bos_token: str | None = None) -> None:
     """Write ``model`` (an HF Qwen3Moe/Qwen2Moe ForCausalLM) to ``path`` as llama.cpp would.
 
     ``tokenizer`` (a ``tokenizers.Tokenizer``) is optional; with it, tokenizer metadata is added
@@ -145,7 +146,8 @@ def write_gguf(model: torch.nn.Module, path: str | os.PathLike[str], *,
     _add_metadata(w, arch, cfg, expert_qtype)
     if tokenizer is not None:
         from strata_core.gguf.tokenizer_meta import add_tokenizer_metadata
-        add_tokenizer_metadata(w, tokenizer, chat_template)
+        add_tokenizer_metadata(w, tokenizer, chat_template, bos=bos_token, eos=eos_token,
+                               vocab_size=cfg.vocab_size)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
     for name, t in hf_to_gguf_tensors(model.state_dict(), tied):
         arr, raw_dtype = _encode(name, t, _qtype_for(name, t, expert_qtype, dense_qtype))

@@ -16,6 +16,7 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
+from strata_core.ops.matmul import linear, matmul
 from strata_core.model.weights import DenseWeights
 
 __all__ = ["MoEModel"]
@@ -50,9 +51,9 @@ class MoEModel:
         s, w = self.spec, self.weights.layers[layer]
         T = h.shape[0]
         x = rms_norm(h, w["attn_norm.weight"], s.rms_norm_eps)  # [T, H]
-        q = x @ w["attn_q.weight"].T  # [T, nh*D]
-        k = x @ w["attn_k.weight"].T  # [T, nkv*D]
-        v = x @ w["attn_v.weight"].T  # [T, nkv*D]
+        q = linear(x, w["attn_q.weight"])  # [T, nh*D]
+        k = linear(x, w["attn_k.weight"])  # [T, nkv*D]
+        v = linear(x, w["attn_v.weight"])  # [T, nkv*D]
         if s.has_attn_bias:
             q, k, v = q + w["attn_q.bias"], k + w["attn_k.bias"], v + w["attn_v.bias"]
         q = q.view(T, s.n_heads, s.head_dim)  # [T, nh, D]
@@ -65,17 +66,19 @@ class MoEModel:
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(layer, positions, k, v)
-        n_ctx = int(positions.max()) + 1
+        # On the CPU attend over the whole cache (masked) so every query sees the same shapes
+        # whatever the chunk or batch: logits are then bit-identical across both.
+        n_ctx = kv.max_tokens if h.device.type == "cpu" else int(positions.max()) + 1
         keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
         rep = s.n_heads // s.n_kv_heads
         keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
         values = values.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
-        scores = (q.transpose(0, 1) @ keys.transpose(1, 2)) * s.head_dim ** -0.5  # [nh, T, S]
+        scores = matmul(q.transpose(0, 1), keys.transpose(1, 2)) * s.head_dim ** -0.5  # [nh, T, S]
         visible = torch.arange(n_ctx, device=h.device)[None, :] <= positions[:, None]  # [T, S]
         scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [nh, T, S]
-        out = (probs @ values).transpose(0, 1).reshape(T, s.q_size)  # [T, nh*D]
-        return h + out @ w["attn_output.weight"].T  # [T, H]
+        out = matmul(probs, values).transpose(0, 1).reshape(T, s.q_size)  # [T, nh*D]
+        return h + linear(out, w["attn_output.weight"])  # [T, H]
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router for normed ``x [T, H]``: ``(expert_ids [T, k], weights [T, k])``.
@@ -83,7 +86,7 @@ class MoEModel:
         Softmax over all experts, top-k, optional renormalisation, optional scale.
         """
         s = self.spec
-        logits = x @ self.weights.layers[layer]["ffn_gate_inp.weight"].T  # [T, E]
+        logits = linear(x, self.weights.layers[layer]["ffn_gate_inp.weight"])  # [T, E]
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, s.n_experts_used, dim=-1)  # [T, k]
         if s.norm_topk_prob:
@@ -99,16 +102,16 @@ class MoEModel:
         ids, weights = self.route(layer, x)  # [T, k], [T, k]
         out = expert_rows(layer, x, ids, weights)  # [T, H]
         if s.has_shared_expert:
-            gate = torch.sigmoid(x @ w["ffn_gate_inp_shexp.weight"])[:, None]  # [T, 1]
-            ffn = F.silu(x @ w["ffn_gate_shexp.weight"].T) * (x @ w["ffn_up_shexp.weight"].T)  # [T, Fs]
-            out = out + gate * (ffn @ w["ffn_down_shexp.weight"].T)  # [T, H]
+            gate = torch.sigmoid(linear(x, w["ffn_gate_inp_shexp.weight"][None, :]))  # [T, 1]
+            ffn = F.silu(linear(x, w["ffn_gate_shexp.weight"])) * linear(x, w["ffn_up_shexp.weight"])  # [T, Fs]
+            out = out + gate * linear(ffn, w["ffn_down_shexp.weight"])  # [T, H]
         return h + out
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection: ``h [T, H]`` -> float32 logits ``[T, V]``."""
         g = self.weights.globals
         x = rms_norm(h, g["output_norm.weight"], self.spec.rms_norm_eps)  # [T, H]
-        return (x @ g["output.weight"].T).float()  # [T, V]
+        return linear(x, g["output.weight"]).float()  # [T, V]
 
     def forward_layers(self, layers: range, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                        expert_rows: ExpertRows) -> torch.Tensor:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from strata_core.ops.matmul import linear
 from strata_core.quant.registry import dequantize_reference
 
 
@@ -43,7 +44,7 @@ def quant_matmul(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) -> Te
     Computed in float32, returned in ``x.dtype``.
     """
     weight = dequantize_reference(raw, qtype, shape)  # [out, in]
-    return (x.float() @ weight.T).to(x.dtype)  # [..., out]
+    return linear(x.float(), weight).to(x.dtype)  # [..., out]
 
 
 @quant_matmul.register_fake

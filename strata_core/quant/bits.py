@@ -44,11 +44,11 @@ def unpack(field: Tensor, bits: int, group: int) -> Tensor:
     ``group=1`` walks every byte from its low bits up.
     """
     n, m = field.shape
-    per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=field.device)  # [per_byte]
+    mask = (1 << bits) - 1
     runs = field.reshape(n, m // group, 1, group)  # [n, runs, 1, group]
-    codes = (runs >> shifts.view(1, 1, per_byte, 1)) & ((1 << bits) - 1)  # [n, runs, per_byte, group]
-    return codes.reshape(n, m * per_byte)
+    # one shift per code position: a broadcast shift is many times slower on the CPU
+    codes = [(runs >> shift) & mask for shift in range(0, 8, bits)]  # per_byte x [n, runs, 1, group]
+    return torch.cat(codes, dim=2).reshape(n, m * 8 // bits)
 
 
 def shift_fields(words: Tensor, shifts: tuple[int, ...], mask: int) -> Tensor:
@@ -60,7 +60,8 @@ def shift_fields(words: Tensor, shifts: tuple[int, ...], mask: int) -> Tensor:
 
 def lookup(table: Tensor, codes: Tensor) -> Tensor:
     """``table[codes]`` for integer codes of any dtype: ``[..]`` -> ``[.., *table.shape[1:]]``."""
-    return table[codes.long()]
+    rows = table.index_select(0, codes.reshape(-1).int())  # [codes.numel(), *row]; faster than table[codes]
+    return rows.reshape(*codes.shape, *table.shape[1:])
 
 
 def grouped(scales: Tensor, values: Tensor) -> Tensor:

@@ -77,11 +77,23 @@ def check_shape(
         )
 
 
+#: Blocks are dequantized in chunks of about this many values on the CPU, so that the dozen
+#: intermediate tensors of a format stay in cache (measured 1.2-1.7x faster than one pass).
+CPU_CHUNK_VALUES = 1 << 18
+
+
 def dequantize_reference(raw: Tensor, qtype: int, shape: Sequence[int]) -> Tensor:
     """Device-generic torch dequantizer behind ``strata::dequantize`` (no checks beyond the lookup)."""
     fmt = get_format(qtype)
-    blocks = raw.reshape(raw.numel() // fmt.type_size, fmt.type_size)  # [n_blocks, type_size]
-    return fmt.dequantize(blocks).reshape(shape)  # [n_blocks, block_size] -> shape
+    n_blocks = raw.numel() // fmt.type_size
+    blocks = raw.reshape(n_blocks, fmt.type_size)  # [n_blocks, type_size]
+    if raw.device.type != "cpu" or n_blocks * fmt.block_size <= CPU_CHUNK_VALUES:
+        return fmt.dequantize(blocks).reshape(shape)
+    out = torch.empty(n_blocks, fmt.block_size, dtype=torch.float32)  # [n_blocks, block_size]
+    step = max(1, CPU_CHUNK_VALUES // fmt.block_size)
+    for start in range(0, n_blocks, step):
+        out[start : start + step] = fmt.dequantize(blocks[start : start + step])
+    return out.reshape(shape)
 
 
 def random_blocks(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -16,9 +15,6 @@ from litestar import Request
 from strata_core.scheduler import Delta, Finished, RequestHandle, TokenLogprob
 from strata_core.server import schemas as s
 from strata_core.server.errors import error_body
-
-log = logging.getLogger(__name__)
-
 
 @dataclass
 class Collected:

@@ -30,6 +30,8 @@ class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
     top_k: Annotated[int, Meta(ge=0)] = 0
     min_p: Probability = 0.0
     repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     seed: int | None = None
     stop: Stop = None
     stream: bool = False

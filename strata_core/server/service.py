@@ -73,7 +73,8 @@ class GenerationService:
             raise InvalidParamError(f"max_tokens is {max_tokens} but the context holds {limit} tokens", "max_tokens")
         params = SamplingParams(
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty, seed=body.seed,
+            repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+            presence_penalty=body.presence_penalty, seed=body.seed, max_tokens=max_tokens, stop=body.stops(),
+            logprobs=logprobs,
         )  # fmt: skip
-        request = GenerationRequest(prompt, params, max_tokens or limit, body.stops(), logprobs)
-        return self.scheduler.submit(request)
+        return self.scheduler.submit(GenerationRequest(prompt, params))

@@ -1,0 +1,151 @@
+"""``strata bench``: prefill tok/s at prompt lengths and decode tok/s at context lengths.
+
+Each figure is the median of ``repeats`` runs on fresh sessions with seeded random token ids,
+timed until every device of the plan has finished, and reported with the expert telemetry of
+those runs (hit rate, link GB/s, bytes streamed) and the cache settings in effect.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from strata_core.devices import synchronize
+from strata_core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from strata_core.engine import Engine
+
+__all__ = ["BenchResult", "format_table", "machine_name", "parse_lengths", "results_json", "run_bench"]
+
+
+@dataclass
+class BenchResult:
+    """One figure: ``kind`` is "prefill" (``length`` = prompt tokens) or "decode" (``length`` = context)."""
+
+    kind: str
+    length: int
+    tok_s: float
+    runs: list[float]
+    hit_rate: float
+    link_gbps: float
+    bytes_streamed: int
+
+
+def parse_lengths(text: str) -> list[int]:
+    """``"512,8k,32K"`` -> ``[512, 8192, 32768]``."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            out.append(int(part.rstrip("k")) * scale)
+        except ValueError:
+            raise ConfigError(f"bad length {part!r}: use numbers like 512, 8k, 32k") from None
+    if not out or min(out) < 1:
+        raise ConfigError(f"no lengths in {text!r}")
+    return out
+
+
+def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, engine.spec.vocab_size, (n,), generator=gen).tolist()
+
+
+def _sync(engine: Engine) -> None:
+    for device in engine.plan.devices:
+        synchronize(device)
+
+
+def _result(kind: str, length: int, runs: list[float], deltas: list[dict[str, Any]]) -> BenchResult:
+    """The median of ``runs`` with the telemetry of all runs (``ExpertTelemetry.delta`` each)."""
+    total = {k: sum(d[k] for d in deltas) for k in ("expert_hits", "expert_misses", "bytes_streamed", "copy_s")}
+    routed = total["expert_hits"] + total["expert_misses"]
+    return BenchResult(kind, length, statistics.median(runs), runs,
+                       hit_rate=total["expert_hits"] / routed if routed else 1.0,
+                       link_gbps=total["bytes_streamed"] / total["copy_s"] / 1e9 if total["copy_s"] else 0.0,
+                       bytes_streamed=int(total["bytes_streamed"]))
+
+
+def _timed(engine: Engine, work) -> tuple[float, dict[str, Any]]:
+    """Seconds ``work()`` takes until every device is done, and the telemetry it produced."""
+    before = engine.telemetry.snapshot()
+    _sync(engine)
+    start = time.perf_counter()
+    work()
+    _sync(engine)
+    return time.perf_counter() - start, engine.telemetry.delta(before)
+
+
+def bench_prefill(engine: Engine, length: int, repeats: int) -> BenchResult:
+    """Median prefill tok/s of a ``length``-token prompt."""
+    runs, deltas = [], []
+    for r in range(repeats):
+        tokens = _tokens(engine, length, seed=r)
+        session = engine.new_session()
+        seconds, delta = _timed(engine, lambda: engine.prefill(session, tokens))
+        engine.release_session(session)
+        runs.append(length / seconds)
+        deltas.append(delta)
+    return _result("prefill", length, runs, deltas)
+
+
+def bench_decode(engine: Engine, context: int, steps: int, repeats: int) -> BenchResult:
+    """Median decode tok/s of ``steps`` single-token windows after a ``context``-token prompt."""
+    runs, deltas = [], []
+    for r in range(repeats):
+        tokens = _tokens(engine, context + steps, seed=1000 + r)
+        session = engine.new_session()
+        engine.prefill(session, tokens[:context])
+        seconds, delta = _timed(engine, lambda: [engine.decode_window([(session, t)]) for t in tokens[context:]])
+        engine.release_session(session)
+        runs.append(steps / seconds)
+        deltas.append(delta)
+    return _result("decode", context, runs, deltas)
+
+
+def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: int, steps: int) -> list[BenchResult]:
+    """Every prefill and decode figure, in order."""
+    need = max(prompts + [c + steps for c in contexts])
+    if need > engine.max_context:
+        raise ConfigError(f"the bench needs {need} tokens of context, the engine has {engine.max_context} "
+                          "(raise --max-context, or lower --prompts / --contexts)")
+    results = [bench_prefill(engine, n, repeats) for n in prompts]
+    results += [bench_decode(engine, c, steps, repeats) for c in contexts]
+    return results
+
+
+def machine_name(devices: list[torch.device]) -> str:
+    """The CPU model and core count, plus GPU names."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpus = {torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"}
+    return ", ".join([f"{cpu} ({os.cpu_count()} cores)", *sorted(gpus)])
+
+
+def format_table(results: list[BenchResult], setup: dict[str, Any]) -> str:
+    """A Markdown table of the results with the settings line above it."""
+    lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in setup.items()), "",
+             "| phase | tokens | tok/s (median) | runs | hit rate | link GB/s | MB streamed |",
+             "|---|---:|---:|---|---:|---:|---:|"]
+    for r in results:
+        runs = " / ".join(f"{x:.1f}" for x in r.runs)
+        lines.append(f"| {r.kind} | {r.length} | {r.tok_s:.1f} | {runs} | {r.hit_rate:.1%} | "
+                     f"{r.link_gbps:.2f} | {r.bytes_streamed / 1e6:.1f} |")
+    return "\n".join(lines)
+
+
+def results_json(results: list[BenchResult], setup: dict[str, Any]) -> dict[str, Any]:
+    return {"setup": setup, "results": [asdict(r) for r in results]}

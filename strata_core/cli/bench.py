@@ -1,0 +1,47 @@
+"""``strata bench``: prefill and decode tok/s with the cache settings, hit rate and link GB/s beside each."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from pydantic import Field
+
+from strata_core.config import StrataSettings
+
+log = logging.getLogger(__name__)
+
+
+class BenchCommand(StrataSettings):
+    """Measure prefill tok/s at prompt lengths and decode tok/s at context lengths (median of runs)."""
+
+    prompts: str = Field("8k,32k", description="prompt lengths for prefill, e.g. 512,8k,32k")
+    contexts: str = Field("1k,32k", description="context lengths for decode")
+    decode_tokens: int = Field(32, ge=1, description="decode windows timed per run")
+    repeats: int = Field(3, ge=1, description="runs per figure (the median is reported)")
+    json_file: Path | None = Field(None, alias="json", description="write the results as JSON here")
+
+    def cli_cmd(self) -> None:
+        """Load the engine, run every figure, print the table (and write the JSON)."""
+        from strata_core.bench import format_table, machine_name, parse_lengths, results_json, run_bench
+        from strata_core.engine import Engine
+
+        prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
+        need = max(prompts + [c + self.decode_tokens for c in contexts])
+        settings = self.model_dump(exclude={"prompts", "contexts", "decode_tokens", "repeats", "json_file"})
+        settings["max_context"] = max(self.max_context, need)
+        engine = Engine.from_settings(StrataSettings(**settings))
+        try:
+            setup = {"model": self.model.name, "devices": ",".join(self.devices), "machine": machine_name(
+                list(engine.plan.devices)), "arena": self.arena, "expert_cache": self.expert_cache,
+                "resident": sum(t.n_resident for t in engine.experts.tables.values()),
+                "experts": engine.spec.n_layers * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
+                "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats}
+            results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens)
+        finally:
+            engine.close()
+        print(format_table(results, setup))
+        if self.json_file is not None:
+            self.json_file.write_text(json.dumps(results_json(results, setup), indent=2))
+            log.info("bench results written to %s", self.json_file)

@@ -1,0 +1,43 @@
+"""``strata make-synthetic``: write a GGUF with a named model's real shapes and random valid blocks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gguf import GGMLQuantizationType
+from pydantic import Field
+from pydantic_settings import CliPositionalArg
+
+from strata_core.config import StrataSettings
+from strata_core.errors import ConfigError
+
+
+def _qtype(name: str, option: str) -> GGMLQuantizationType:
+    try:
+        return GGMLQuantizationType[name.upper()]
+    except KeyError:
+        raise ConfigError(f"{option} {name!r} is not a GGML block type (e.g. Q4_K, IQ4_XS, Q8_0)") from None
+
+
+class MakeSyntheticCommand(StrataSettings):
+    """Write a synthetic GGUF (real shapes of --preset, random but valid blocks) for benchmarks and tests."""
+
+    out: CliPositionalArg[Path]
+    preset: str = Field("qwen3-30b-a3b", description="model shapes: qwen3-30b-a3b, qwen3-235b-a22b, small, tiny")
+    expert_type: str = Field("Q4_K", description="block type of the experts (Q4_K, IQ4_XS, Q8_0, ...)")
+    dense_type: str = Field("Q8_0", description="block type of the dense matrices")
+    layers: int | None = Field(None, ge=1, description="fewer layers than the preset (same widths)")
+    seed: int = Field(0, description="random seed")
+
+    def cli_cmd(self) -> None:
+        """Stream the file to disk and print its size and speed."""
+        import time
+
+        from strata_core.synthetic import write_synthetic
+
+        start = time.perf_counter()
+        size = write_synthetic(self.out, self.preset, expert_type=_qtype(self.expert_type, "--expert-type"),
+                               dense_type=_qtype(self.dense_type, "--dense-type"), n_layers=self.layers,
+                               seed=self.seed)
+        seconds = time.perf_counter() - start
+        print(f"{self.out}: {size / 2**30:.2f} GiB in {seconds:.1f} s ({size / seconds / 1e6:.0f} MB/s)")

@@ -1,0 +1,34 @@
+"""Matrix products whose rows do not depend on the batch: ``matmul`` and ``linear``.
+
+On the CPU, BLAS picks a different algorithm for a one-row product (gemv) than for a many-row one
+(gemm), so the same token's logits would change with the batch size or the prompt chunk size.
+Padding the row count to a multiple of :data:`ROW_TILE` keeps every product on the gemm path, where
+each output row is computed by the same kernel in the same order whatever the other rows are: this
+is what makes logits bit-identical across chunk sizes, decode batches and topologies on the CPU
+(tests/test_batch_invariance.py checks it). On other devices the products are plain.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ROW_TILE = 16
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [..., M, K] @ b [..., K, N]``; on the CPU each row of the result is independent of M."""
+    if a.device.type != "cpu":
+        return a @ b
+    rows = a.shape[-2]
+    pad = (-rows) % ROW_TILE if rows else 0
+    if pad == 0:
+        return a @ b
+    return (F.pad(a, (0, 0, 0, pad)) @ b)[..., :rows, :]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [..., in] @ weight.T -> [..., out]`` with batch-invariant rows on the CPU."""
+    lead = x.shape[:-1]
+    out = matmul(x.reshape(-1, x.shape[-1]), weight.T)  # [M, out]
+    return out.reshape(*lead, weight.shape[0])

@@ -1,0 +1,55 @@
+"""On the CPU a token's logits do not depend on the prompt chunking or on the decode batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strata_core.engine import Engine
+from strata_core.ops.matmul import linear
+
+PROMPT = list(range(3, 40))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory):
+    return Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=64)
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return engine.logits(PROMPT)
+
+
+@given(rows=st.integers(1, 70), split=st.integers(0, 70))
+@settings(max_examples=30, deadline=None)
+def test_linear_rows_do_not_depend_on_the_batch(rows, split):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=generator)
+    weight = torch.randn(80, 96, generator=generator)
+    split = min(split, rows)
+    whole = linear(x, weight)
+    parts = torch.cat([linear(x[:split], weight), linear(x[split:], weight)])
+    assert torch.equal(whole, parts)
+
+
+@given(chunk=st.integers(1, len(PROMPT)))
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_logits_do_not_depend_on_the_chunk_size(engine, reference, chunk):
+    engine.settings.prefill_chunk = chunk
+    try:
+        assert torch.equal(engine.logits(PROMPT), reference)
+    finally:
+        engine.settings.prefill_chunk = 8192
+
+
+def test_decode_window_rows_do_not_depend_on_the_batch(engine, reference):
+    cut = [5, 11, 20]
+    sessions = [engine.new_session() for _ in cut]
+    for session, n in zip(sessions, cut):
+        engine.prefill(session, PROMPT[:n])
+    batched = engine.decode_window([(s, PROMPT[n]) for s, n in zip(sessions, cut)])
+    for row, n in zip(batched, cut):
+        assert torch.equal(row, reference[n])

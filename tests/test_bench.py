@@ -1,0 +1,41 @@
+"""``strata bench`` on the CPU with a tiny synthetic model: figures, telemetry beside them, JSON."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata_core.bench import format_table, parse_lengths, run_bench
+from strata_core.errors import ConfigError
+from strata_core.synthetic import write_synthetic
+
+
+def test_parse_lengths():
+    assert parse_lengths("512, 8k,32K") == [512, 8192, 32768]
+    with pytest.raises(ConfigError, match="bad length"):
+        parse_lengths("8q")
+
+
+def test_bench_runs_on_cpu(tmp_path):
+    from strata_core.engine import Engine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        path = tmp_path / "tiny.gguf"
+        write_synthetic(path, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1)
+        engine = Engine.load(path, expert_cache=4, max_context=64)
+        try:
+            with pytest.raises(ConfigError, match="needs 100 tokens"):
+                run_bench(engine, [100], [], repeats=1, steps=1)
+            results = run_bench(engine, [16, 32], [8], repeats=2, steps=4)
+        finally:
+            engine.close()
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r.kind, r.length) for r in results] == [("prefill", 16), ("prefill", 32), ("decode", 8)]
+    for r in results:
+        assert r.tok_s > 0 and len(r.runs) == 2 and 0 <= r.hit_rate < 1  # 4 of 16 experts resident
+        assert r.bytes_streamed > 0
+    assert "| prefill | 16 |" in format_table(results, {"expert_cache": 4})

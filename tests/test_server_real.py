@@ -1,0 +1,96 @@
+"""End to end on the real engine and a tiny model: the openai client against a live server.
+
+References come from a second engine in the test thread running each request alone
+(``Engine.stream``, batch of one, no prefix reuse).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from test_server_support import live_server
+
+from strata_core.config import StrataSettings
+from strata_core.engine import Engine
+from strata_core.sampling import SamplingParams
+
+MODEL = "tiny"
+CONTEXT = 256
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory()
+
+
+@pytest.fixture(scope="module")
+def reference(model_path: Path) -> Iterator[Engine]:
+    engine = Engine.load(model_path, max_context=CONTEXT)
+    yield engine
+    engine.close()
+
+
+def _settings(model_path: Path, **kw: object) -> StrataSettings:
+    return StrataSettings(model=model_path, model_alias=MODEL, max_context=CONTEXT, **kw)  # type: ignore[arg-type]
+
+
+def _alone(engine: Engine, messages: list[dict], max_tokens: int) -> str:
+    prompt = engine.chat.render(messages)
+    return "".join(engine.stream(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)))
+
+
+def test_openai_client_on_the_real_engine(model_path: Path, reference: Engine) -> None:
+    messages = [{"role": "user", "content": "the experts lived in host memory"}]
+    with live_server(_settings(model_path, parallel=2)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0)
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, temperature=0,
+                                                stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+        text = client.completions.create(model=MODEL, prompt="The engine", max_tokens=5, temperature=0)
+    assert out.choices[0].message.content == streamed == _alone(reference, messages, 5) != ""
+    assert out.usage.prompt_tokens == len(reference.tokenizer.encode(reference.chat.render(messages)))
+    assert text.choices[0].text == "".join(reference.stream("The engine", SamplingParams(temperature=0, max_tokens=5)))
+
+
+def test_sixteen_streaming_clients_equal_their_runs_alone(model_path: Path, reference: Engine) -> None:
+    conversations = [[{"role": "user", "content": f"expert {i} was routed"}] for i in range(16)]
+
+    async def one(client: openai.AsyncOpenAI, messages: list[dict]) -> str:
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                                      stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def main(url: str) -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        return await asyncio.gather(*(one(client, m) for m in conversations))
+
+    with live_server(_settings(model_path, parallel=4, max_queue=16)) as url:
+        outputs = asyncio.run(main(url))
+    assert outputs == [_alone(reference, m, 3) for m in conversations]
+    assert len(set(outputs)) > 1  # distinct, non-trivial outputs
+
+
+def test_second_turn_from_the_conversation_cache_equals_a_run_without_it(model_path: Path) -> None:
+    def converse(conv_cache: int) -> tuple[list[str], dict]:
+        with live_server(_settings(model_path, parallel=1, conv_cache=conv_cache)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+            history = [{"role": "user", "content": "the hot experts were cached"}]
+            first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "cold"}],
+                                           max_tokens=1, temperature=0)  # takes the only slot
+            history += [{"role": "assistant", "content": first.choices[0].message.content},
+                        {"role": "user", "content": "and then?"}]
+            second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+        return [first.choices[0].message.content, second.choices[0].message.content], second.model_extra["timings"]
+
+    cached_texts, cached = converse(conv_cache=2)
+    plain_texts, plain = converse(conv_cache=0)
+    assert cached_texts == plain_texts and all(cached_texts)
+    assert cached["cache_n"] > 10 and plain["cache_n"] == 0
+    assert cached["prompt_n"] + cached["cache_n"] == plain["prompt_n"]
