@@ -17,6 +17,7 @@ from pydantic_settings import CliApp, CliSubCommand, SettingsError
 from strata_core.cli.generate import GenerateCommand
 from strata_core.cli.info import InfoCommand
 from strata_core.cli.plugins_cmd import PluginsCommand
+from strata_core.cli.serve import ServeCommand
 from strata_core.config import CONFIG_FILE_ENV
 from strata_core.errors import StrataError
 
@@ -29,6 +30,7 @@ class Strata(BaseModel):
     info: CliSubCommand[InfoCommand]
     generate: CliSubCommand[GenerateCommand]
     plugins: CliSubCommand[PluginsCommand]
+    serve: CliSubCommand[ServeCommand]
 
     def cli_cmd(self) -> None:
         """Run the chosen subcommand."""

@@ -8,8 +8,11 @@ decoded with the helpers below. Integer codes are turned into float32 only where
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
+
+_INT_OF_WIDTH = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def fields(blocks: Tensor, *sizes: int) -> tuple[Tensor, ...]:
@@ -30,10 +33,8 @@ def fp16_from_bits(bits: Tensor) -> Tensor:
 
 def le_uint(field: Tensor, width: int) -> Tensor:
     """``[n, m]`` bytes -> ``[n, m // width]`` int64: little-endian unsigned ints of ``width`` bytes."""
-    n, m = field.shape
-    words = field.reshape(n, m // width, width).long()  # [n, k, width]
-    shifts = torch.arange(0, 8 * width, 8, device=field.device)  # [width]
-    return (words << shifts).sum(-1)  # [n, k]
+    signed = field.contiguous().view(_INT_OF_WIDTH[width])  # [n, m // width], host is little-endian
+    return signed.long() & ((1 << (8 * width)) - 1)
 
 
 def unpack(field: Tensor, bits: int, group: int) -> Tensor:
@@ -59,9 +60,25 @@ def shift_fields(words: Tensor, shifts: tuple[int, ...], mask: int) -> Tensor:
 
 
 def lookup(table: Tensor, codes: Tensor) -> Tensor:
-    """``table[codes]`` for integer codes of any dtype: ``[..]`` -> ``[.., *table.shape[1:]]``."""
-    rows = table.index_select(0, codes.reshape(-1).int())  # [codes.numel(), *row]; faster than table[codes]
-    return rows.reshape(*codes.shape, *table.shape[1:])
+    """``table[codes]`` for a 1-D table and integer codes of any dtype: ``[..]`` -> ``[..]``."""
+    return table.index_select(0, codes.reshape(-1).int()).reshape(codes.shape)  # faster than table[codes]
+
+
+
+def packed_rows(table: np.ndarray, device: torch.device) -> Tensor:
+    """``[N, w]`` table of int8-range values (w = 1, 2, 4 or 8) -> ``[N]`` ints packing each row.
+
+    Looking rows up as single integers (:func:`lookup_rows`) is several times faster on the CPU
+    than gathering rows of floats.
+    """
+    rows = torch.from_numpy(np.ascontiguousarray(table, dtype=np.int8))  # [N, w]
+    return rows.view(_INT_OF_WIDTH[rows.shape[1]]).reshape(rows.shape[0]).to(device)
+
+
+def lookup_rows(packed: Tensor, codes: Tensor) -> Tensor:
+    """Rows of a :func:`packed_rows` table: ``[..]`` codes -> ``[.., w]`` int8."""
+    rows = packed.index_select(0, codes.reshape(-1).int())  # [codes.numel()] packed rows
+    return rows.view(torch.int8).reshape(*codes.shape, packed.element_size())
 
 
 def grouped(scales: Tensor, values: Tensor) -> Tensor:
@@ -76,8 +93,3 @@ def grouped_affine(scales: Tensor, mins: Tensor, values: Tensor) -> Tensor:
     n, g = scales.shape
     runs = values.reshape(n, g, values.shape[1] // g)  # [n, g, k]
     return (scales.unsqueeze(-1) * runs - mins.unsqueeze(-1)).reshape(values.shape)
-
-
-def signs_from_bits(field: Tensor) -> Tensor:
-    """``[n, m]`` sign-bit bytes -> ``[n, 8 m]`` float32 of +1 (bit clear) / -1 (bit set), low bit first."""
-    return 1.0 - 2.0 * unpack(field, 1, 1).float()

@@ -22,9 +22,9 @@ from strata_core.quant.bits import (
     fp16_from_bits,
     grouped,
     le_uint,
-    lookup,
+    lookup_rows,
+    packed_rows,
     shift_fields,
-    signs_from_bits,
     unpack,
 )
 
@@ -46,30 +46,53 @@ _IQ1_SPAN = 15 * (1 + _IQ1_DELTA)
 
 @functools.cache
 def _grid(qtype: T, device: torch.device) -> Tensor:
-    """``[n_rows, 8 or 4]`` float32 grid of ``qtype`` on ``device``."""
+    """The grid of ``qtype`` as packed int8 rows of 8 (IQ2, IQ1) or 4 (IQ3) values."""
     owner = _GRID_OWNER[qtype]
     owner.init_grid()
-    return torch.from_numpy(owner.grid.reshape(owner.grid_shape).copy()).to(device)
+    return packed_rows(owner.grid.reshape(owner.grid_shape), device)
+
+
+def _sign_rows(sign_bits: np.ndarray) -> np.ndarray:
+    """``[N]`` bytes -> ``[N, 8]`` int8: +1 where a bit is clear, -1 where set, low bit first."""
+    bits = np.unpackbits(sign_bits[:, None], axis=1, bitorder="little")  # [N, 8]
+    return np.where(bits == 0, 1, -1)
 
 
 @functools.cache
 def _ksigns(device: torch.device) -> Tensor:
-    """``[128, 8]`` float32 +-1: the signs that each 7-bit ``ksigns`` index stands for."""
-    table = np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)  # [128]
-    bits = np.unpackbits(table[:, None], axis=1, bitorder="little")  # [128, 8]
-    return torch.from_numpy(np.where(bits == 0, 1.0, -1.0).astype(np.float32)).to(device)
+    """The 8 signs each 7-bit ``ksigns`` index stands for, as packed int8 rows."""
+    return packed_rows(_sign_rows(np.frombuffer(quants.IQ2_XXS.ksigns, dtype=np.uint8)), device)
+
+
+@functools.cache
+def _byte_signs(device: torch.device) -> Tensor:
+    """The 8 signs a byte of stored sign bits stands for, as packed int8 rows."""
+    return packed_rows(_sign_rows(np.arange(256, dtype=np.uint8)), device)
 
 
 def _rows(qtype: T, index: Tensor) -> Tensor:
-    """Grid indices ``[n, k]`` -> ``[n, k * row_width]`` float32 grid values."""
-    values = lookup(_grid(qtype, index.device), index)  # [n, k, row_width]
-    return values.reshape(index.shape[0], -1)
+    """Grid indices ``[n, k]`` -> ``[n, k * row_width]`` int8 grid values."""
+    return lookup_rows(_grid(qtype, index.device), index).reshape(index.shape[0], -1)
 
 
 def _packed_signs(words: Tensor) -> Tensor:
-    """``[n, k]`` 32-bit words with four 7-bit ``ksigns`` indices -> ``[n, 32 k]`` +-1 float32."""
+    """``[n, k]`` 32-bit words with four 7-bit ``ksigns`` indices -> ``[n, 32 k]`` int8 +-1."""
     index = shift_fields(words, (0, 7, 14, 21), 0x7F)  # [n, 4 k]
-    return lookup(_ksigns(words.device), index).reshape(words.shape[0], -1)
+    return lookup_rows(_ksigns(words.device), index).reshape(words.shape[0], -1)
+
+
+def _stored_signs(sign_bytes: Tensor) -> Tensor:
+    """``[n, m]`` bytes of sign bits -> ``[n, 8 m]`` int8 +-1."""
+    return lookup_rows(_byte_signs(sign_bytes.device), sign_bytes).reshape(sign_bytes.shape[0], -1)
+
+
+def _signed(grid: Tensor, signs: Tensor) -> Tensor:
+    """int8 grid values times int8 signs, as float32.
+
+    gguf-py computes ``(scale * grid) * sign``; a sign flip is exact, so ``scale * (grid * sign)``
+    is bit-identical and needs one float pass less.
+    """
+    return (grid * signs).float()
 
 
 def _half_step_scale(d: Tensor, codes: Tensor, factor: float) -> Tensor:
@@ -84,42 +107,42 @@ def _iq2_xxs(blocks: Tensor) -> Tensor:  # [n, 66] -> [n, 256]
     aux = le_uint(qs[:, :, 4:].reshape(n, 32), 4)  # [n, 8]
     db = _half_step_scale(d, aux >> 28, 0.25)  # [n, 8]
     grid = _rows(T.IQ2_XXS, qs[:, :, :4].reshape(n, 32))  # [n, 256]
-    return grouped(db, grid) * _packed_signs(aux)
+    return grouped(db, _signed(grid, _packed_signs(aux)))
 
 
 def _iq2_xs(blocks: Tensor) -> Tensor:  # [n, 74] -> [n, 256]
     d, qs, scales = fields(blocks, 2, 64, 8)
     qs = le_uint(qs, 2)  # [n, 32]: 9-bit grid index, 7-bit ksigns index
     db = _half_step_scale(d, unpack(scales, 4, 1), 0.25)  # [n, 16]
-    signs = lookup(_ksigns(qs.device), qs >> 9).reshape(qs.shape[0], -1)  # [n, 256]
-    return grouped(db, _rows(T.IQ2_XS, qs & 511)) * signs
+    signs = lookup_rows(_ksigns(qs.device), qs >> 9).reshape(qs.shape[0], -1)  # [n, 256]
+    return grouped(db, _signed(_rows(T.IQ2_XS, qs & 511), signs))
 
 
 def _iq2_s(blocks: Tensor) -> Tensor:  # [n, 82] -> [n, 256]
     d, qs, signs, qh, scales = fields(blocks, 2, 32, 32, 8, 8)
     index = qs.long() | (unpack(qh, 2, 1).long() << 8)  # [n, 32] 10-bit
     db = _half_step_scale(d, unpack(scales, 4, 1), 0.25)  # [n, 16]
-    return grouped(db, _rows(T.IQ2_S, index)) * signs_from_bits(signs)
+    return grouped(db, _signed(_rows(T.IQ2_S, index), _stored_signs(signs)))
 
 
 def _iq3_xxs(blocks: Tensor) -> Tensor:  # [n, 98] -> [n, 256]
     d, qs, aux = fields(blocks, 2, 64, 32)
     aux = le_uint(aux, 4)  # [n, 8]: four 7-bit ksigns indices, 4-bit scale
     db = _half_step_scale(d, aux >> 28, 0.5)  # [n, 8]
-    return grouped(db, _rows(T.IQ3_XXS, qs)) * _packed_signs(aux)
+    return grouped(db, _signed(_rows(T.IQ3_XXS, qs), _packed_signs(aux)))
 
 
 def _iq3_s(blocks: Tensor) -> Tensor:  # [n, 110] -> [n, 256]
     d, qs, qh, signs, scales = fields(blocks, 2, 64, 8, 32, 4)
     index = qs.long() | (unpack(qh, 1, 1).long() << 8)  # [n, 64] 9-bit
     db = fp16(d) * (1 + 2 * unpack(scales, 4, 1)).float()  # [n, 8]
-    return grouped(db, _rows(T.IQ3_S, index)) * signs_from_bits(signs)
+    return grouped(db, _signed(_rows(T.IQ3_S, index), _stored_signs(signs)))
 
 
 def _iq1(qtype: T, dl: Tensor, index: Tensor, negative_delta: Tensor) -> Tensor:
     """IQ1: ``dl * (grid row + delta)``, one +-delta per 8-value row; ``dl`` per run of rows."""
     delta = torch.where(negative_delta, -_IQ1_DELTA, _IQ1_DELTA)  # [n, rows]
-    rows = lookup(_grid(qtype, index.device), index) + delta.unsqueeze(-1)  # [n, rows, 8]
+    rows = lookup_rows(_grid(qtype, index.device), index).float() + delta.unsqueeze(-1)  # [n, rows, 8]
     return grouped(dl, rows.reshape(index.shape[0], -1))
 
 
