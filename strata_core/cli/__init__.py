@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import CliApp, CliSubCommand, SettingsError
 
 from strata_core.cli.generate import GenerateCommand
@@ -27,10 +27,10 @@ class Strata(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    info: CliSubCommand[InfoCommand]
-    generate: CliSubCommand[GenerateCommand]
-    plugins: CliSubCommand[PluginsCommand]
-    serve: CliSubCommand[ServeCommand]
+    info: CliSubCommand[InfoCommand] = Field(description="architecture, block types, sizes, VRAM fit")
+    generate: CliSubCommand[GenerateCommand] = Field(description="complete a prompt")
+    plugins: CliSubCommand[PluginsCommand] = Field(description="the installed strategies")
+    serve: CliSubCommand[ServeCommand] = Field(description="OpenAI-compatible HTTP server")
 
     def cli_cmd(self) -> None:
         """Run the chosen subcommand."""

@@ -55,14 +55,13 @@ def unpack(field: Tensor, bits: int, group: int) -> Tensor:
 def shift_fields(words: Tensor, shifts: tuple[int, ...], mask: int) -> Tensor:
     """``[n, k]`` ints -> ``[n, k * len(shifts)]``: ``(word >> s) & mask`` for each shift, word-major."""
     n, k = words.shape
-    offsets = torch.tensor(shifts, dtype=words.dtype, device=words.device)  # [len(shifts)]
-    return ((words.unsqueeze(-1) >> offsets) & mask).reshape(n, k * len(shifts))
+    parts = [(words >> shift) & mask for shift in shifts]  # len(shifts) x [n, k]
+    return torch.stack(parts, dim=-1).reshape(n, k * len(shifts))
 
 
 def lookup(table: Tensor, codes: Tensor) -> Tensor:
     """``table[codes]`` for a 1-D table and integer codes of any dtype: ``[..]`` -> ``[..]``."""
     return table.index_select(0, codes.reshape(-1).int()).reshape(codes.shape)  # faster than table[codes]
-
 
 
 def packed_rows(table: np.ndarray, device: torch.device) -> Tensor:
