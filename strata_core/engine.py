@@ -20,9 +20,11 @@ from strata_core.config import StrataSettings
 from strata_core.devices import resolve_devices
 from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
+from strata_core.experts.sizing import check_dense_budget
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
+from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
 from strata_core.residency_events import ResidencyEvent
 from strata_core.plugins import StrataPluginManager, build_plugin_manager
@@ -34,16 +36,6 @@ from strata_core.topology import TopologyPlan
 log = logging.getLogger(__name__)
 
 LayerObserver = Callable[[int, torch.Tensor], None]
-
-
-def dense_bytes_per_device(dense: DenseWeights) -> dict[torch.device, int]:
-    """Bytes of dense weights on each device (the expert cache is sized from what is left)."""
-    sizes: dict[torch.device, int] = {}
-    tensors = {id(t): t for t in dense.globals.values()}
-    tensors.update({id(t): t for layer in dense.layers for t in layer.values()})
-    for tensor in tensors.values():
-        sizes[tensor.device] = sizes.get(tensor.device, 0) + tensor.numel() * tensor.element_size()
-    return sizes
 
 
 def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtype:
@@ -119,13 +111,15 @@ class Engine:
                  spec.n_layers, spec.n_experts, spec.n_experts_used)
         for stage in plan.stages:
             log.info("stage %s: layers %d..%d", stage.device, stage.layers.start, stage.layers.stop - 1)
-        dense = DenseWeights.load(gguf_file, spec, _compute_dtype(settings, plan.main))
+        dtype = _compute_dtype(settings, plan.main)
+        dense_bytes = dense_bytes_per_device(spec, plan, dtype, min(settings.max_context, spec.context_length))
+        check_dense_budget(settings, dense_bytes)
+        dense = DenseWeights.load(gguf_file, spec, dtype)
         for stage in plan.stages:
             dense.to(stage.device, layers=stage.layers, embed=False, head=False)
         dense.to(plan.main, layers=range(0), embed=True, head=True)
         model = MoEModel(spec, dense)
-        experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, plan, settings,
-                                       dense_bytes_per_device(dense))
+        experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, plan, settings, dense_bytes)
         has_tokenizer = "tokenizer.ggml.tokens" in gguf_file.metadata
         if not has_tokenizer:
             log.warning("%s has no tokenizer: only token ids can be used", settings.model)
@@ -245,7 +239,11 @@ class Engine:
             self._check_room(session, 1)
         batch = DecodeBatch(sessions=tuple(s for s, _ in steps),
                             tokens=torch.tensor([t for _, t in steps], dtype=torch.int64))
-        logits = self.hook.strata_decode_window(engine=self, batch=batch)
+        self.experts.begin_window()
+        try:
+            logits = self.hook.strata_decode_window(engine=self, batch=batch)
+        finally:
+            self.experts.end_window()
         for session, token in steps:
             session.kv.advance(1)
             session.tokens.append(token)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from strata_core.chat import CHATML_TEMPLATE, ChatTemplate
 from strata_core.errors import ModelFileError, RequestError
+from strata_core.gguf.reader import GGUFFile
 
 # Qwen2.5's template (tools, tool calls, tool responses).
 QWEN_TEMPLATE = """{%- if tools %}
@@ -155,3 +158,9 @@ def test_sandbox_blocks_python_internals() -> None:
 def test_generation_tag_renders_its_body() -> None:
     chat = ChatTemplate("{% for m in messages %}{% generation %}[{{ m.content }}]{% endgeneration %}{% endfor %}")
     assert chat.render([{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}]) == "[a][b]"
+
+
+def test_demo_model_stores_chatml() -> None:
+    meta = GGUFFile.open(Path(__file__).parents[1] / "strata_core" / "data" / "demo-qwen3moe-q8_0.gguf").metadata
+    assert meta["tokenizer.chat_template"] == CHATML_TEMPLATE
+    assert ChatTemplate.from_gguf(meta).eos_token == "<|im_end|>"

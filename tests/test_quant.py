@@ -90,6 +90,24 @@ def test_large_tensor_dequantized_in_chunks_matches_gguf(qtype: T) -> None:
     assert_bit_exact(got, reference(blocks, qtype, rows))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_empty_tensor_dequantizes_to_empty(qtype: T) -> None:
+    blocks = random_blocks(qtype, 0, np.random.default_rng(0))
+    got = dequantize(torch.from_numpy(blocks), qtype, (0, GGML_QUANT_SIZES[qtype][0]))
+    assert got.shape == (0, GGML_QUANT_SIZES[qtype][0]) and got.dtype == torch.float32
+
+
+@pytest.mark.parametrize("qtype", [T.F32, T.BF16, T.Q2_K, T.Q5_0, T.IQ3_XXS, T.IQ1_M], ids=lambda t: t.name)
+@pytest.mark.parametrize("n_blocks", [1, 3])
+def test_unaligned_raw_bytes_match_gguf(qtype: T, n_blocks: int) -> None:
+    blocks = random_blocks(qtype, n_blocks, np.random.default_rng(3))
+    buffer = torch.zeros(1 + blocks.size, dtype=torch.uint8)
+    raw = buffer[1:]  # storage offset 1, as a tensor sliced out of a file mapping can be
+    raw.copy_(torch.from_numpy(blocks.reshape(-1)))
+    got = dequantize(raw, qtype, layout(qtype, 1, n_blocks)[1])
+    assert_bit_exact(got, reference(blocks, qtype, 1))
+
+
 def test_dequantize_keeps_a_3d_shape() -> None:
     blocks = random_blocks(T.Q8_0, 2 * 3 * 2, np.random.default_rng(0))
     got = dequantize(torch.from_numpy(blocks), T.Q8_0, (2, 3, 64))

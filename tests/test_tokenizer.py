@@ -152,3 +152,17 @@ def test_bad_metadata() -> None:
         Tokenizer.from_gguf({"general.architecture": "qwen3moe"})
     with pytest.raises(UnsupportedError, match="'llama'"):
         Tokenizer.from_gguf({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": ["a"]})
+
+
+@pytest.mark.parametrize("name", ["demo-qwen3moe-f16.gguf", "demo-qwen3moe-q8_0.gguf"])
+def test_demo_model_tokenizer(name: str) -> None:
+    path = Path(__file__).parents[1] / "strata_core" / "data" / name
+    tok = Tokenizer.from_gguf(path)
+    assert tok.vocab_size == 2048
+    assert tok.bos_token_id is None
+    assert tok.eos_token_ids == {0, 2}  # <|endoftext|>, <|im_end|>
+    text = "<|im_start|>user\nAnd the LORD said unto Moses, Go.<|im_end|>\n"
+    ids = tok.encode(text)
+    assert ids[0] == 1 and ids[-2] == 2
+    assert len(ids) < len(text) // 2  # the BPE learned the corpus' words
+    assert tok.decode(ids, skip_special_tokens=False) == text

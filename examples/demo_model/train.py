@@ -17,6 +17,7 @@ import math
 import time
 from pathlib import Path
 
+import tokenizers
 import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -61,7 +62,8 @@ def batches(ids: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> to
     return torch.stack([ids[s : s + seq + 1] for s in starts.tolist()])
 
 
-def train(args: argparse.Namespace) -> tuple[Qwen3MoeForCausalLM, object]:
+def train(args: argparse.Namespace) -> tuple[Qwen3MoeForCausalLM, tokenizers.Tokenizer]:
+    """Train the tokenizer, then the model; the printed losses include the router's auxiliary loss."""
     torch.manual_seed(SEED)
     torch.set_num_threads(2)
     text = CORPUS.read_text(encoding="utf-8")
@@ -101,7 +103,7 @@ def train(args: argparse.Namespace) -> tuple[Qwen3MoeForCausalLM, object]:
     return model, tokenizer
 
 
-def greedy_samples(model: Qwen3MoeForCausalLM, tokenizer: object, n_tokens: int = 30) -> None:
+def greedy_samples(model: Qwen3MoeForCausalLM, tokenizer: tokenizers.Tokenizer, n_tokens: int = 30) -> None:
     """Print what the trained HF model writes for PROMPTS (greedy)."""
     for prompt in PROMPTS:
         x = torch.tensor([tokenizer.encode(prompt).ids])
@@ -110,7 +112,7 @@ def greedy_samples(model: Qwen3MoeForCausalLM, tokenizer: object, n_tokens: int 
         print(f"{prompt!r} -> {tokenizer.decode(y[0].tolist())!r}", flush=True)
 
 
-def write_ggufs(model: Qwen3MoeForCausalLM, tokenizer: object, data_dir: Path) -> None:
+def write_ggufs(model: Qwen3MoeForCausalLM, tokenizer: tokenizers.Tokenizer, data_dir: Path) -> None:
     """The F16 and Q8_0 demo GGUFs, with the tokenizer and the ChatML template."""
     from gguf import GGMLQuantizationType as Q
 
@@ -127,7 +129,7 @@ def write_ggufs(model: Qwen3MoeForCausalLM, tokenizer: object, data_dir: Path) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)

@@ -14,9 +14,12 @@ import sys
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import CliApp, CliSubCommand, SettingsError
 
+from strata_core.cli.bench import BenchCommand
 from strata_core.cli.generate import GenerateCommand
 from strata_core.cli.info import InfoCommand
+from strata_core.cli.make_synthetic import MakeSyntheticCommand
 from strata_core.cli.plugins_cmd import PluginsCommand
+from strata_core.cli.profile import ProfileCommand
 from strata_core.cli.serve import ServeCommand
 from strata_core.config import CONFIG_FILE_ENV
 from strata_core.errors import StrataError
@@ -31,6 +34,9 @@ class Strata(BaseModel):
     generate: CliSubCommand[GenerateCommand] = Field(description="complete a prompt")
     plugins: CliSubCommand[PluginsCommand] = Field(description="the installed strategies")
     serve: CliSubCommand[ServeCommand] = Field(description="OpenAI-compatible HTTP server")
+    profile: CliSubCommand[ProfileCommand] = Field(description="record expert usage over prompts")
+    bench: CliSubCommand[BenchCommand] = Field(description="prefill and decode speed")
+    make_synthetic: CliSubCommand[MakeSyntheticCommand] = Field(description="write a random model of real shapes")
 
     def cli_cmd(self) -> None:
         """Run the chosen subcommand."""

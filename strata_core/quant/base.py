@@ -39,8 +39,8 @@ class BlockFormat:
 
 def random_scales(rng: np.random.Generator, n: int, magnitude: float) -> np.ndarray:
     """``[n]`` float32 of random sign and absolute value uniform in ``[magnitude / 2, magnitude]``."""
-    values = rng.uniform(0.5 * magnitude, magnitude, n).astype(np.float32)  # [n]
-    return np.where(rng.integers(0, 2, n, dtype=np.uint8) == 1, -values, values)
+    u = rng.random(n, dtype=np.float32) - np.float32(0.5)  # [n] in [-0.5, 0.5)
+    return (u + np.copysign(np.float32(0.5), u)) * np.float32(magnitude)
 
 
 def fp16_scales(*spans: tuple[int, float]) -> ScaleFill:

@@ -20,9 +20,19 @@ def fields(blocks: Tensor, *sizes: int) -> tuple[Tensor, ...]:
     return torch.split(blocks, sizes, dim=1)
 
 
+def reinterpret(field: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[n, m]`` bytes -> ``[n, m // dtype.itemsize]`` of ``dtype`` (little-endian host).
+
+    A view where the bytes are contiguous and aligned, else a view of an aligned copy.
+    """
+    if not field.is_contiguous() or field.storage_offset() % dtype.itemsize:
+        field = field.clone(memory_format=torch.contiguous_format)
+    return field.view(dtype)
+
+
 def fp16(field: Tensor) -> Tensor:
     """``[n, 2k]`` little-endian fp16 bytes -> ``[n, k]`` float32."""
-    return field.contiguous().view(torch.float16).float()
+    return reinterpret(field, torch.float16).float()
 
 
 def fp16_from_bits(bits: Tensor) -> Tensor:
@@ -33,7 +43,7 @@ def fp16_from_bits(bits: Tensor) -> Tensor:
 
 def le_uint(field: Tensor, width: int) -> Tensor:
     """``[n, m]`` bytes -> ``[n, m // width]`` int64: little-endian unsigned ints of ``width`` bytes."""
-    signed = field.contiguous().view(_INT_OF_WIDTH[width])  # [n, m // width], host is little-endian
+    signed = reinterpret(field, _INT_OF_WIDTH[width])  # [n, m // width]
     return signed.long() & ((1 << (8 * width)) - 1)
 
 

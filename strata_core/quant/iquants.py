@@ -72,18 +72,18 @@ def _byte_signs(device: torch.device) -> Tensor:
 
 def _rows(qtype: T, index: Tensor) -> Tensor:
     """Grid indices ``[n, k]`` -> ``[n, k * row_width]`` int8 grid values."""
-    return lookup_rows(_grid(qtype, index.device), index).reshape(index.shape[0], -1)
+    return lookup_rows(_grid(qtype, index.device), index).flatten(1)
 
 
 def _packed_signs(words: Tensor) -> Tensor:
     """``[n, k]`` 32-bit words with four 7-bit ``ksigns`` indices -> ``[n, 32 k]`` int8 +-1."""
     index = shift_fields(words, (0, 7, 14, 21), 0x7F)  # [n, 4 k]
-    return lookup_rows(_ksigns(words.device), index).reshape(words.shape[0], -1)
+    return lookup_rows(_ksigns(words.device), index).flatten(1)
 
 
 def _stored_signs(sign_bytes: Tensor) -> Tensor:
     """``[n, m]`` bytes of sign bits -> ``[n, 8 m]`` int8 +-1."""
-    return lookup_rows(_byte_signs(sign_bytes.device), sign_bytes).reshape(sign_bytes.shape[0], -1)
+    return lookup_rows(_byte_signs(sign_bytes.device), sign_bytes).flatten(1)
 
 
 def _signed(grid: Tensor, signs: Tensor) -> Tensor:
@@ -114,7 +114,7 @@ def _iq2_xs(blocks: Tensor) -> Tensor:  # [n, 74] -> [n, 256]
     d, qs, scales = fields(blocks, 2, 64, 8)
     qs = le_uint(qs, 2)  # [n, 32]: 9-bit grid index, 7-bit ksigns index
     db = _half_step_scale(d, unpack(scales, 4, 1), 0.25)  # [n, 16]
-    signs = lookup_rows(_ksigns(qs.device), qs >> 9).reshape(qs.shape[0], -1)  # [n, 256]
+    signs = lookup_rows(_ksigns(qs.device), qs >> 9).flatten(1)  # [n, 256]
     return grouped(db, _signed(_rows(T.IQ2_XS, qs & 511), signs))
 
 
@@ -143,7 +143,7 @@ def _iq1(qtype: T, dl: Tensor, index: Tensor, negative_delta: Tensor) -> Tensor:
     """IQ1: ``dl * (grid row + delta)``, one +-delta per 8-value row; ``dl`` per run of rows."""
     delta = torch.where(negative_delta, -_IQ1_DELTA, _IQ1_DELTA)  # [n, rows]
     rows = lookup_rows(_grid(qtype, index.device), index).float() + delta.unsqueeze(-1)  # [n, rows, 8]
-    return grouped(dl, rows.reshape(index.shape[0], -1))
+    return grouped(dl, rows.flatten(1))
 
 
 def _iq1_s(blocks: Tensor) -> Tensor:  # [n, 50] -> [n, 256]

@@ -105,6 +105,8 @@ def random_blocks(
     E8M0) values chosen so that the largest representable value is about ``scale``.
     """
     fmt = get_format(qtype)
-    blocks = rng.integers(0, 256, (n_blocks, fmt.type_size), dtype=np.uint8)
+    size = n_blocks * fmt.type_size
+    words = rng.bit_generator.random_raw(-(-size // 8))  # raw 64-bit draws: the fastest random bytes
+    blocks = words.view(np.uint8)[:size].reshape(n_blocks, fmt.type_size)
     fmt.fill_scales(blocks, rng, scale)
     return blocks
