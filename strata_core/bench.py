@@ -22,7 +22,7 @@ from strata_core.errors import ConfigError
 if TYPE_CHECKING:
     from strata_core.engine import Engine
 
-__all__ = ["BenchResult", "format_table", "machine_name", "parse_lengths", "results_json", "run_bench"]
+__all__ = ["BenchResult", "format_table", "host_to_device_gbps", "machine_name", "parse_lengths", "results_json", "run_bench"]
 
 
 @dataclass
@@ -123,6 +123,28 @@ def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: 
     return results
 
 
+def host_to_device_gbps(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
+    """Pinned host -> ``device`` copy bandwidth in GB/s (median of ``repeats``); None off CUDA.
+
+    The reference the bench's link GB/s is read against: misses can move no faster than this.
+    """
+    if device.type != "cuda":
+        return None
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=True)  # warm-up
+    torch.cuda.synchronize(device)
+    rates = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dev.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return statistics.median(rates)
+
+
 def machine_name(devices: list[torch.device]) -> str:
     """The CPU model and core count, plus GPU names."""
     cpu = platform.processor() or platform.machine()
@@ -148,4 +170,5 @@ def format_table(results: list[BenchResult], setup: dict[str, Any]) -> str:
 
 
 def results_json(results: list[BenchResult], setup: dict[str, Any]) -> dict[str, Any]:
+    """The JSON ``--json`` writes: the settings and every figure."""
     return {"setup": setup, "results": [asdict(r) for r in results]}

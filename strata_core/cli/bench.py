@@ -24,7 +24,8 @@ class BenchCommand(StrataSettings):
 
     def cli_cmd(self) -> None:
         """Load the engine, run every figure, print the table (and write the JSON)."""
-        from strata_core.bench import format_table, machine_name, parse_lengths, results_json, run_bench
+        from strata_core.bench import (format_table, host_to_device_gbps, machine_name, parse_lengths,
+                                        results_json, run_bench)
         from strata_core.engine import Engine
 
         prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
@@ -38,6 +39,9 @@ class BenchCommand(StrataSettings):
                 "resident": sum(t.n_resident for t in engine.experts.tables.values()),
                 "experts": engine.spec.n_layers * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
                 "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats}
+            link = host_to_device_gbps(engine.plan.main)
+            if link is not None:
+                setup["pinned_h2d_gbps"] = round(link, 1)
             results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens)
         finally:
             engine.close()
