@@ -34,8 +34,8 @@ class SamplingParams:
     """How to pick tokens and when to stop. Invalid values raise ``RequestError`` naming the field.
 
     ``top_k=0``, ``top_p=1``, ``min_p=0`` and penalties of 1/0 switch those steps off;
-    ``seed=None`` draws a fresh seed; ``max_tokens`` bounds the generated tokens (an end token or
-    a full context stops sooner); ``logprobs=n`` reports the chosen token's log-probability and the ``n`` most
+    ``seed=None`` draws a fresh seed; ``max_tokens=None`` generates until an end token or the
+    context is full; ``logprobs=n`` reports the chosen token's log-probability and the ``n`` most
     likely alternatives (``None``: none).
     """
 
@@ -48,7 +48,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repeat_last_n: int = 64
     seed: int | None = None
-    max_tokens: int = 256
+    max_tokens: int | None = None
     stop: tuple[str, ...] = field(default=())
     logprobs: int | None = None
 
@@ -66,7 +66,7 @@ class SamplingParams:
             ("frequency_penalty", math.isfinite(self.frequency_penalty), "a finite number"),
             ("presence_penalty", math.isfinite(self.presence_penalty), "a finite number"),
             ("repeat_last_n", self.repeat_last_n >= 0, "an integer >= 0"),
-            ("max_tokens", self.max_tokens >= 1, "an integer >= 1"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "an integer >= 1 or None"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, "an integer >= 0 or None"),
         ]

@@ -49,6 +49,16 @@ QWEN2_SPLIT = (
 )
 
 
+def _transformers_gguf_converter():
+    """transformers' GGUF tokenizer converter (it moved from ``integrations.ggml`` to
+    ``integrations.gguf`` around 5.20)."""
+    try:
+        from transformers.integrations.gguf import convert_gguf_tokenizer
+    except ImportError:
+        from transformers.integrations.ggml import convert_gguf_tokenizer
+    return convert_gguf_tokenizer
+
+
 class Tokenizer:
     """Encode text to token ids and decode them back, with the special tokens of the model."""
 
@@ -79,7 +89,7 @@ class Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise UnsupportedError(f"tokenizer.ggml.model {model!r} is not supported; Strata reads 'gpt2' (byte-level BPE)")
-        from transformers.integrations.gguf import convert_gguf_tokenizer
+        convert_gguf_tokenizer = _transformers_gguf_converter()
 
         spec = {name: metadata[f"tokenizer.{key}"] for key, name in _GGUF_TOKENIZER_KEYS.items() if f"tokenizer.{key}" in metadata}
         spec["tokens"] = [str(t) for t in spec["tokens"]]

@@ -71,6 +71,8 @@ def add_tokenizer_metadata(
     than the tokenizer's vocabulary; the extra ids become ``[PAD{i}]`` UNUSED tokens. ``pre`` names
     the pre-tokenizer regex llama.cpp should use; it must match how ``tokenizer`` splits text.
     """
+    if add_bos and bos is None:
+        raise StrataError("add_bos=True needs a bos token")
     id_to_token = {i: t for t, i in tokenizer.get_vocab(with_added_tokens=True).items()}
     added = tokenizer.get_added_tokens_decoder()
     n_vocab = vocab_size if vocab_size is not None else max(id_to_token) + 1
