@@ -270,7 +270,8 @@ class Engine:
         try:
             logits = self.prefill(session, ids)
             history = list(ids)
-            for _ in range(params.max_tokens):
+            limit = params.max_tokens if params.max_tokens is not None else self.max_context
+            for _ in range(limit):
                 token = sampler.sample(logits, history)
                 if token in self.tokenizer.eos_token_ids:
                     break

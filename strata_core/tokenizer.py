@@ -49,14 +49,20 @@ QWEN2_SPLIT = (
 )
 
 
-def _transformers_gguf_converter():
-    """transformers' GGUF tokenizer converter (it moved from ``integrations.ggml`` to
-    ``integrations.gguf`` around 5.20)."""
+#: GGUF architecture -> the model type transformers' older converter table (``integrations.ggml``) uses
+_GGML_CONVERTER_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+
+
+def _convert_gguf_tokenizer(architecture: str, spec: dict[str, Any]):
+    """transformers' GGUF tokenizer conversion, in ``integrations.gguf`` (5.20 and later) or in
+    ``integrations.ggml`` keyed by HF model type (earlier releases)."""
     try:
         from transformers.integrations.gguf import convert_gguf_tokenizer
     except ImportError:
         from transformers.integrations.ggml import convert_gguf_tokenizer
-    return convert_gguf_tokenizer
+
+        architecture = _GGML_CONVERTER_NAMES.get(architecture, architecture)
+    return convert_gguf_tokenizer(architecture, spec)
 
 
 class Tokenizer:
@@ -89,14 +95,13 @@ class Tokenizer:
         model = metadata.get("tokenizer.ggml.model")
         if model != "gpt2":
             raise UnsupportedError(f"tokenizer.ggml.model {model!r} is not supported; Strata reads 'gpt2' (byte-level BPE)")
-        convert_gguf_tokenizer = _transformers_gguf_converter()
 
         spec = {name: metadata[f"tokenizer.{key}"] for key, name in _GGUF_TOKENIZER_KEYS.items() if f"tokenizer.{key}" in metadata}
         spec["tokens"] = [str(t) for t in spec["tokens"]]
         spec["merges"] = [str(m) for m in spec.get("merges", [])]
         spec["token_type"] = [int(t) for t in spec.get("token_type", [])]
         try:
-            backend, _ = convert_gguf_tokenizer(str(metadata.get("general.architecture", "")), spec)
+            backend, _ = _convert_gguf_tokenizer(str(metadata.get("general.architecture", "")), spec)
         except Exception as exc:  # the tokenizers library raises plain Exception on bad vocabularies or merges
             raise ModelFileError(f"the GGUF's tokenizer metadata is malformed: {exc}") from exc
         backend.post_processor = None  # BOS is added here, from tokenizer.ggml.add_bos_token
