@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` and `make test`. Both set up .venv on first use.
+# The two commands of the README: `make demo` (a completion, then the OpenAI-compatible server on
+# 127.0.0.1:8080) and `make test`. Both set up .venv on first use.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PLUGINS := $(wildcard plugins/*/pyproject.toml examples/*/pyproject.toml)
@@ -11,7 +12,8 @@ $(VENV)/.installed: pyproject.toml $(PLUGINS)
 
 .PHONY: demo test
 demo: $(VENV)/.installed
-	$(VENV)/bin/strata generate --prompt "The king said" --max-tokens 48 --temperature 0
+	$(VENV)/bin/strata generate --prompt "And the king said" --max-tokens 48 --temperature 0
+	$(VENV)/bin/strata serve
 
 test: $(VENV)/.installed
 	$(PY) -m pytest

@@ -2,8 +2,11 @@
 
 ``--arena mmap`` addresses the experts as zero-copy views of the memory-mapped GGUF. ``--arena
 pinned`` copies them, layer by layer, into page-locked buffers laid out ``[n_experts, packed]``
-(gate|up|down back to back, one DMA per expert) until ``--pin-limit-gib`` is reached; the layers
-past the cap stay mmap views and are moved through pinned staging buffers (see transfer.py).
+(gate|up|down back to back, one DMA per expert) until ``--pin-limit-gib`` is reached. A pinned
+layer is one contiguous buffer, so expert e of it starts at ``base + e * total``: a device kernel
+can address any expert of the layer from the base pointer and the stride alone (the decode gather,
+see gather.py). The layers past the cap stay mmap views and are moved through pinned staging
+buffers (see transfer.py).
 Without an accelerator the "pinned" copy is ordinary RAM (page-locking needs a device driver).
 """
 
@@ -42,9 +45,10 @@ class ExpertFormat:
         return sum(self.nbytes)
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views (gate, up, down) of a packed uint8 buffer (at least ``total`` bytes)."""
+        """Views (gate, up, down) of packed uint8 bytes along the last dim: ``[..., >= total]``
+        (one expert, or ``[P, total]`` gathered experts) -> ``[..., g]``, ``[..., u]``, ``[..., d]``."""
         g, u, d = self.nbytes
-        return packed[:g], packed[g:g + u], packed[g + u:g + u + d]
+        return packed[..., :g], packed[..., g:g + u], packed[..., g + u:g + u + d]
 
 
 def can_pin() -> bool:
@@ -91,6 +95,15 @@ class Arena:
     @property
     def pinned_bytes(self) -> int:
         return sum(p.numel() for p in self._packed if p is not None)
+
+    @property
+    def all_pinned(self) -> bool:
+        """Whether every layer is a pinned packed buffer (what the decode gather needs)."""
+        return all(p is not None for p in self._packed)
+
+    def layer_buffer(self, layer: int) -> torch.Tensor | None:
+        """The pinned packed experts ``[n_experts, total]`` of ``layer`` (contiguous), or None if not pinned."""
+        return self._packed[layer]
 
     def packed(self, layer: int, expert: int) -> torch.Tensor | None:
         """The pinned packed bytes ``[total]`` of (layer, expert), or None if that layer is not pinned."""

@@ -1,12 +1,14 @@
 """Expert-path counters of one request: hit rate, bytes moved, link speed, copy vs compute time.
 
 CUDA timings are pairs of events resolved only in ``snapshot()`` (once per request, never on
-the compute path); CPU timings are wall-clock spans. Hits are counted on the device (a tensor
-add, no host read) and read in ``snapshot()``.
+the compute path); CPU timings are wall-clock spans. Counters known only on the device (hits;
+everything the decode gather counts) are accumulated there (``add_counts``: a tensor add, no host
+read) and read in ``snapshot()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -24,63 +26,74 @@ class ExpertTelemetry:
 
     def reset(self) -> None:
         self.routed = 0  # (token, top-k) pairs routed
-        self._hits: dict[torch.device, torch.Tensor] = {}  # per device, a 0-d int64 on that device
+        # (counter names, device) -> int64 [len(names)] accumulated on that device
+        self._device: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
         self.experts = {"resident": 0, "streamed": 0, "pcie": 0, "cpu": 0}  # (layer, expert) groups by source
         self.bytes_copied = 0
         self.swaps = 0
-        self._copy_s = 0.0
-        self._compute_s = 0.0
+        self._seconds = {"copy": 0.0, "compute": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     # --- recording (called by the expert path) ---------------------------------------------------
     def add_routing(self, n_pairs: int, hits: torch.Tensor) -> None:
         """``hits``: 0-d tensor on the computing device, pairs whose expert was resident."""
         self.routed += n_pairs
-        acc = self._hits.get(hits.device)
-        self._hits[hits.device] = hits.to(torch.int64) if acc is None else acc + hits
+        self.add_counts(("expert_hits",), hits.reshape(1))
+
+    def add_counts(self, names: tuple[str, ...], values: torch.Tensor) -> None:
+        """Add ``values [len(names)]`` (integers on the computing device) to the counters ``names``
+        (``expert_hits``, ``experts_<source>``, ``bytes_streamed``); no host read until ``snapshot()``."""
+        key = (names, values.device)
+        acc = self._device.get(key)
+        self._device[key] = values.to(torch.int64) if acc is None else acc + values
 
     def add_copy(self, nbytes: int, seconds: float) -> None:
         self.bytes_copied += nbytes
-        self._copy_s += seconds
+        self._seconds["copy"] += seconds
 
     def add_copy_events(self, nbytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
         self.bytes_copied += nbytes
         self._events.append(("copy", start, end))
 
     @contextmanager
-    def compute(self, device: torch.device) -> Iterator[None]:
-        """Time the expert compute enqueued inside the block (events on CUDA, wall clock on CPU)."""
+    def timed(self, kind: str, device: torch.device) -> Iterator[None]:
+        """Time the work of ``kind`` ("copy" or "compute") enqueued inside the block (events on
+        CUDA, wall clock on CPU)."""
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            self._events.append(("compute", start, end))
+            self._events.append((kind, start, end))
         else:
             t0 = time.perf_counter()
             yield
-            self._compute_s += time.perf_counter() - t0
+            self._seconds[kind] += time.perf_counter() - t0
+
+    def compute(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
+        """Time the expert compute enqueued inside the block."""
+        return self.timed("compute", device)
 
     # --- reading -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float | int]:
         """Counters as plain numbers: hits/misses (routed pairs), experts by source, bytes streamed,
         copy and compute seconds, and the derived hit rate and link GB/s."""
-        copy_s, compute_s = self._copy_s, self._compute_s
+        seconds = dict(self._seconds)
         for kind, start, end in self._events:
             end.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-            if kind == "copy":
-                copy_s += seconds
-            else:
-                compute_s += seconds
-        hits = sum(int(h) for h in self._hits.values())
+            seconds[kind] += start.elapsed_time(end) / 1e3
+        device: dict[str, int] = {}
+        for (names, _), acc in self._device.items():
+            for name, value in zip(names, acc.tolist()):
+                device[name] = device.get(name, 0) + value
+        hits = device.get("expert_hits", 0)
         counters = {
             "expert_hits": hits,
             "expert_misses": self.routed - hits,
-            **{f"experts_{k}": v for k, v in self.experts.items()},
-            "bytes_streamed": self.bytes_copied,
-            "copy_s": copy_s,
-            "compute_s": compute_s,
+            **{f"experts_{k}": v + device.get(f"experts_{k}", 0) for k, v in self.experts.items()},
+            "bytes_streamed": self.bytes_copied + device.get("bytes_streamed", 0),
+            "copy_s": seconds["copy"],
+            "compute_s": seconds["compute"],
             "swaps": self.swaps,
         }
         return _with_rates(counters)

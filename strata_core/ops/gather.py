@@ -1,0 +1,89 @@
+"""``strata::gather_experts``: the packed bytes of every routed (token, j) pair, from wherever they are.
+
+``gather_experts(slots, arena, slot, expert, nbytes) -> [P, nbytes]`` uint8: row p is
+``slots[slot[p], :nbytes]`` when ``slot[p] >= 0`` (the expert is resident in a device cache slot),
+else ``arena[expert[p]]`` (the layer's packed experts in the pinned host arena).
+
+On CUDA a Triton kernel reads both sources by address: the slot tensor in VRAM and the pinned arena
+zero-copy over the host link (on 64-bit Linux with unified addressing, memory from torch's pinned
+allocator, ``cudaHostAlloc``, is device-accessible at its host address). The kernel computes each
+pair's source address on the device,
+``where(slot >= 0, slots_base + slot * slot_stride, arena_base + expert * arena_stride)``, so the host
+never reads the routing: one launch per layer, no synchronisation. Bytes move in the widest word
+(8/4/2/1 bytes) that divides every size, stride and base address.
+
+The CPU kernel is the reference: the same gather with plain indexing. Without Triton (CPU-only
+installs) the op is a plain custom op with that reference kernel only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["HAS_TRITON", "gather_experts"]
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only torch: no Triton, the reference is the only kernel
+    triton = None
+
+HAS_TRITON = triton is not None
+
+#: Words per Triton program (one program copies one chunk of one pair).
+_BLOCK = 2048
+_WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _reference(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
+    """CPU kernel: ``slots [S, B]``, ``arena [E, nbytes]``, ``slot``/``expert [P]`` -> ``[P, nbytes]``."""
+    from_arena = arena[expert]  # [P, nbytes]
+    if slots.shape[0] == 0:
+        return from_arena
+    from_slots = slots[slot.clamp_min(0), :nbytes]  # [P, nbytes]
+    return torch.where((slot >= 0)[:, None], from_slots, from_arena)
+
+
+def _fake(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
+    return slots.new_empty((slot.shape[0], nbytes))
+
+
+if HAS_TRITON:
+    from torch.library import triton_op, wrap_triton
+
+    @triton.jit
+    def _gather_kernel(out_ptr, slot_ptr, expert_ptr, slots_base, slot_stride, arena_base, arena_stride,
+                       n_words, BLOCK: tl.constexpr):
+        """Program (p, c): words ``[c*BLOCK, (c+1)*BLOCK)`` of pair p. Bases and strides are in bytes."""
+        pair = tl.program_id(0)
+        chunk = tl.program_id(1)
+        s = tl.load(slot_ptr + pair).to(tl.int64)
+        e = tl.load(expert_ptr + pair).to(tl.int64)
+        src = tl.where(s >= 0, s * slot_stride + slots_base, e * arena_stride + arena_base)  # a byte address
+        src_ptr = src.to(tl.pointer_type(out_ptr.dtype.element_ty))
+        offs = chunk * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n_words
+        words = tl.load(src_ptr + offs, mask=mask)
+        tl.store(out_ptr + pair.to(tl.int64) * n_words + offs, words, mask=mask)
+
+    @triton_op("strata::gather_experts", mutates_args=())
+    def gather_experts(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
+        """``[P, nbytes]`` uint8 on ``slots.device``: see the module docstring."""
+        P = slot.shape[0]
+        out = torch.empty((P, nbytes), dtype=torch.uint8, device=slots.device)  # [P, nbytes]
+        slot_stride, arena_stride = slots.stride(0), arena.stride(0)
+        sizes = (nbytes, slot_stride, arena_stride, slots.data_ptr(), arena.data_ptr())
+        word = next(w for w in _WORDS if all(v % w == 0 for v in sizes))
+        n_words = nbytes // word
+        if P:
+            grid = (P, triton.cdiv(n_words, _BLOCK))
+            wrap_triton(_gather_kernel)[grid](out.view(_WORDS[word]), slot, expert, slots.data_ptr(), slot_stride,
+                                              arena.data_ptr(), arena_stride, n_words, BLOCK=_BLOCK, num_warps=8)
+        return out
+
+    gather_experts.register_kernel("cpu")(_reference)
+else:
+    gather_experts = torch.library.custom_op("strata::gather_experts", _reference, mutates_args=())
+
+gather_experts.register_fake(_fake)
