@@ -10,9 +10,8 @@ from hypothesis import strategies as st
 from test_server_support import FakeEngine, FakeTokenizer, greedy_reference
 
 from strata_core.sampling import SamplingParams
-from strata_core.scheduler import (
-    ContextLengthError, Delta, Finished, GenerationRequest, RequestHandle, Scheduler, ServerBusyError, _StopText,
-)  # fmt: skip
+from strata_core.requests import ContextLengthError, Delta, Finished, GenerationRequest, ServerBusyError
+from strata_core.scheduler import RequestHandle, Scheduler, _StopText
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)

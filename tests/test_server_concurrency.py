@@ -54,10 +54,21 @@ def test_queue_overflow_is_503_with_a_message() -> None:
         assert "busy" in refused.json()["error"]["message"]
 
 
+def long_running_prompt(stem: str, tokens: int = 400) -> str:
+    """A prompt whose fake greedy continuation does not reach an end-of-sequence token soon."""
+    tokenizer = FakeTokenizer()
+    for i in range(1000):
+        text = f"{stem} {i}"
+        if len(greedy_reference(tokenizer.encode(text), tokens)) == tokens:
+            return text
+    raise AssertionError("no long-running prompt found")
+
+
 def test_a_client_that_disconnects_frees_its_slot() -> None:
     engine = FakeEngine(max_context=4096, step_delay=0.005)
     with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=1), engine) as url:
-        payload = {"model": MODEL, "prompt": "never ending", "max_tokens": 4000, "stream": True}
+        payload = {"model": MODEL, "prompt": long_running_prompt("never ending"), "max_tokens": 4000,
+                   "temperature": 0, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=payload) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")  # generating; then hang up
@@ -65,7 +76,8 @@ def test_a_client_that_disconnects_frees_its_slot() -> None:
         done = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "next", "max_tokens": 3},
                           timeout=10)
         assert done.status_code == 200
-        non_stream = {"model": MODEL, "prompt": "also long", "max_tokens": 4000}
+        non_stream = {"model": MODEL, "prompt": long_running_prompt("also long"), "max_tokens": 4000,
+                      "temperature": 0}
         try:
             httpx.post(f"{url}/v1/completions", json=non_stream, timeout=0.5)
         except httpx.ReadTimeout:
@@ -74,7 +86,7 @@ def test_a_client_that_disconnects_frees_its_slot() -> None:
                           timeout=10)
         assert done.status_code == 200
         metrics = httpx.get(f"{url}/metrics").text
-    assert "strata_requests_cancelled_total 2.0" in metrics
+    assert "strata_requests_cancelled_total 2.0" in metrics, metrics
 
 
 def test_second_turn_reads_its_history_from_the_conversation_cache() -> None:

@@ -6,6 +6,7 @@ The engine calls, in order::
     backend = build_expert_backend(weights, spec, plan, settings, dense_bytes)
     rows = backend.rows_for(device)                        # ExpertRows of the layers on `device`
     backend.begin_window(); ... decode ...; backend.end_window()   # around each decode window
+    backend.use_gather(True)                               # tests: force the decode gather on the CPU
     backend.telemetry.reset() / .snapshot()                # per request
     backend.close()
 
@@ -13,6 +14,10 @@ Which experts a device caches: the layers of its stages, all layers if it is the
 ``prefill_device``, and for a tier the layers of the stage it serves minus what that stage's
 device already holds. Devices are filled in plan order from the profile's rank order (or
 ``default_order``).
+
+Decode windows take the decode gather (gather.py: no host read per layer) on a CUDA device when
+Triton is installed, every arena layer is pinned and ``--pcie-frac`` is 1 (every miss over the
+link); elsewhere (CPU, mmap or partly pinned arena, CPU share of misses, prefill) the grouped path.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from strata_core.experts.transfer import ArenaCopier, StagingRing
 from strata_core.experts.weights import ExpertWeights
 from strata_core.errors import ConfigError
 from strata_core.gguf.spec import ModelSpec
+from strata_core.ops.gather import HAS_TRITON
 from strata_core.topology import TopologyPlan
 
 __all__ = ["ExpertBackend", "build_expert_backend"]
@@ -67,6 +73,19 @@ class ExpertBackend:
         """Enter a decode window: misses go over the link (``--pcie-frac``) or to the CPU."""
         for rows in self._rows.values():
             rows.decoding = True
+
+    def use_gather(self, on: bool = True) -> None:
+        """Switch the decode gather on (or off) for every device, whatever the automatic choice.
+
+        ConfigError unless every arena layer is pinned (and Triton is there for a non-CPU device).
+        """
+        if on and not self.arena.all_pinned:
+            raise ConfigError("the decode gather needs --arena pinned with every layer pinned "
+                              "(no --pin-limit-gib cap)")
+        if on and not HAS_TRITON and any(d.type != "cpu" for d in self._rows):
+            raise ConfigError("the decode gather on a GPU needs Triton")
+        for rows in self._rows.values():
+            rows.gather = on
 
     def end_window(self) -> None:
         """Leave the decode window and run ``--adapt-swaps`` adaptation (asynchronous copies)."""
@@ -141,6 +160,8 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, plan: Topology
         usage = UsageCounter(spec.n_layers, spec.n_experts, device)
         rows[device] = CachedExpertRows(cache, StagingRing(copier), usage, telemetry,
                                         MissSplit(settings.pcie_frac), cpu_pool)
+        rows[device].gather = (device.type == "cuda" and HAS_TRITON and arena.all_pinned
+                               and settings.pcie_frac == 1.0)
         if settings.adapt_swaps:
             adapters.append(Adapter(cache, usage, telemetry, settings.adapt_swaps))
     telemetry.reset()  # the fill is not a request

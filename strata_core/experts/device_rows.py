@@ -12,6 +12,12 @@ bytes, whichever source holds them:
 ``combine_rows`` then sums the rows in one fixed order, so the output is bit-identical to the
 reference for any cache content, split and chunking. The host reads the layer's distinct experts
 once per layer (``group_by_expert``); nothing waits on the host per expert.
+
+With ``gather`` set (the backend sets it on CUDA when every arena layer is pinned and
+``--pcie-frac`` is 1; tests force it on the CPU), a decode window takes the decode gather instead
+(gather.py): the routed pairs' experts are found from the device mirror of the residency table,
+read from the slots or zero-copy from the pinned arena, and computed per pair, so the host never
+reads the routing and nothing synchronises per layer. Prefill always takes the grouped path.
 """
 
 from __future__ import annotations
@@ -21,10 +27,12 @@ from concurrent.futures import Executor, Future
 import torch
 
 from strata_core.experts.cache import ExpertCache
+from strata_core.experts.gather import GATHER_COUNTS, gather_counts, pair_ffn
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
+from strata_core.ops.gather import gather_experts
 
 __all__ = ["CachedExpertRows", "MissSplit"]
 
@@ -53,6 +61,7 @@ class CachedExpertRows:
         self.device = cache.device
         self.cpu_pool = cpu_pool
         self.decoding = False  # set by the backend inside a decode window
+        self.gather = False  # decode windows take the decode gather (set by the backend)
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
@@ -60,9 +69,11 @@ class CachedExpertRows:
 
     def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t."""
+        self.usage.add(layer, expert_ids)
+        if self.gather and self.decoding:
+            return self._gathered(layer, hidden, expert_ids)
         T, k = expert_ids.shape
         table, fmt = self.cache.table, self.arena.formats[layer]
-        self.usage.add(layer, expert_ids)
         self.telemetry.add_routing(expert_ids.numel(), (table.mirror[layer][expert_ids] >= 0).sum())
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         order, experts, counts = group_by_expert(expert_ids)
@@ -91,6 +102,23 @@ class CachedExpertRows:
         self.telemetry.experts["pcie" if self.decoding else "streamed"] += n_link
         self.telemetry.experts["cpu"] += len(missed) - n_link
         return out.view(T, k, -1)
+
+    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read."""
+        T, k = expert_ids.shape
+        fmt, resident = self.arena.formats[layer], self.cache.table.mirror[layer]  # resident [E]
+        expert = expert_ids.reshape(-1)  # [P], P = T*k
+        slot = resident[expert]  # [P], -1 = miss
+        self.telemetry.routed += T * k
+        self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
+        self.cache.wait_layer(layer)
+        with self.telemetry.timed("copy", self.device):
+            packed = gather_experts(self.cache.slots, self.arena.layer_buffer(layer), slot, expert,
+                                    fmt.total)  # [P, total]
+        with self.telemetry.compute(self.device):
+            x = hidden[:, None, :].expand(T, k, hidden.shape[-1]).reshape(T * k, -1)  # [P, H]
+            rows = pair_ffn(x, packed, fmt)  # [P, H]
+        return rows.view(T, k, -1)
 
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
                     order: torch.Tensor, k: int, hidden: torch.Tensor) -> list[tuple[torch.Tensor, Future]]:

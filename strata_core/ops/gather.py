@@ -70,6 +70,7 @@ if HAS_TRITON:
     @triton_op("strata::gather_experts", mutates_args=())
     def gather_experts(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
         """``[P, nbytes]`` uint8 on ``slots.device``: see the module docstring."""
+        slot, expert = slot.contiguous(), expert.contiguous()  # [P] each
         P = slot.shape[0]
         out = torch.empty((P, nbytes), dtype=torch.uint8, device=slots.device)  # [P, nbytes]
         slot_stride, arena_stride = slots.stride(0), arena.stride(0)

@@ -14,7 +14,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from strata_core.errors import StrataError
-from strata_core.scheduler import ContextLengthError, ServerBusyError
+from strata_core.requests import ContextLengthError, ServerBusyError
 from strata_core.server.schemas import ErrorBody, ErrorDetail
 from strata_core.server.service import InvalidParamError, UnknownModelError
 

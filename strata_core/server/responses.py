@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 import msgspec
 from litestar import Request
 
-from strata_core.scheduler import Delta, Finished, RequestHandle, TokenLogprob
+from strata_core.requests import Delta, Finished, TokenLogprob
+from strata_core.scheduler import RequestHandle
 from strata_core.server import schemas as s
 from strata_core.server.errors import error_body
 

@@ -8,7 +8,8 @@ from typing import Any
 from strata_core.config import StrataSettings
 from strata_core.errors import RequestError
 from strata_core.sampling import SamplingParams
-from strata_core.scheduler import GenerationRequest, RequestHandle, Scheduler
+from strata_core.requests import GenerationRequest
+from strata_core.scheduler import RequestHandle, Scheduler
 from strata_core.server.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]

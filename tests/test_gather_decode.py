@@ -1,0 +1,168 @@
+"""The decode gather (experts/gather.py) on the CPU: rows and logits bit-identical to the reference for
+any routing and cache content, the same telemetry as the grouped path, and no host read per layer."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strata_core.config import StrataSettings
+from strata_core.engine import Engine
+from strata_core.errors import ConfigError
+from strata_core.experts import device_rows
+from strata_core.experts.backend import build_expert_backend
+from strata_core.experts.rows import DequantExpertRows
+from strata_core.experts.weights import ExpertWeights
+from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.spec import load_model_spec
+from strata_core.ops.gather import gather_experts
+from strata_core.synthetic import PRESETS, write_synthetic
+from strata_core.topology import Stage, TopologyPlan
+
+CPU = torch.device("cpu")
+PROMPT = list(range(7, 30))
+DECODE = [40, 41, 42, 43]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls on an oversubscribed 2-core box: OpenMP spinning costs ~40 ms each with 2 threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """A 2-layer, 16-expert, top-4 Q4_K model (hidden 256, expert FFN 256) and its reference rows."""
+    path = tmp_path_factory.mktemp("gather") / "tiny-q4k.gguf"
+    write_synthetic(path, PRESETS["tiny"], expert_type=Q.Q4_K, dense_type=Q.Q8_0, progress=False)
+    gguf_file = GGUFFile.open(path)
+    spec = load_model_spec(gguf_file)
+    weights = ExpertWeights(gguf_file, spec)
+    return weights, spec, DequantExpertRows(weights)
+
+
+@pytest.fixture(scope="module")
+def engine_model(tiny_model_factory):
+    return tiny_model_factory(expert_type="Q4_0", n_layers=3)
+
+
+def _backend(synthetic, **options):
+    weights, spec, _ = synthetic
+    plan = TopologyPlan(stages=(Stage(CPU, range(spec.n_layers)),), main=CPU)
+    return build_expert_backend(weights, spec, plan, StrataSettings(**options), {CPU: 0})
+
+
+def test_gather_op_reads_slots_for_hits_and_the_arena_for_misses():
+    slots = torch.arange(3 * 10, dtype=torch.uint8).view(3, 10)  # [S, B]
+    arena = torch.arange(100, 100 + 4 * 8, dtype=torch.uint8).view(4, 8)  # [E, 8]
+    slot = torch.tensor([2, -1, 0, -1], dtype=torch.int32)
+    expert = torch.tensor([1, 3, 0, 3])
+    out = gather_experts(slots, arena, slot, expert, 8)
+    assert torch.equal(out, torch.stack([slots[2, :8], arena[3], slots[0, :8], arena[3]]))
+    assert torch.equal(gather_experts(slots[:0], arena, slot.clamp_max(-1), expert, 8), arena[expert])
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(slots=st.integers(0, 32), seed=st.integers(0, 2**16), windows=st.lists(st.integers(1, 5), min_size=1,
+                                                                                max_size=3))
+def test_gather_rows_are_the_reference_bits(synthetic, slots, seed, windows):
+    """Random cache contents and routings: every gathered row has the reference's bits."""
+    _, spec, reference = synthetic
+    backend = _backend(synthetic, expert_cache=slots, arena="pinned")
+    cache = backend.caches[CPU]
+    rng = random.Random(seed)
+    for entry in cache.table.resident():
+        cache.table.evict(*entry)
+    everything = [(l, e) for l in range(spec.n_layers) for e in range(spec.n_experts)]
+    cache.fill(rng.sample(everything, len(everything)))
+    backend.use_gather(True)
+    rows = backend.rows_for(CPU)
+    gen = torch.Generator().manual_seed(seed)
+    for T in windows:
+        backend.begin_window()
+        for layer in range(spec.n_layers):
+            hidden = torch.randn(T, spec.hidden_size, generator=gen)  # [T, H]
+            ids = torch.rand(T, spec.n_experts, generator=gen).topk(spec.n_experts_used).indices  # [T, k]
+            assert torch.equal(rows.rows(layer, hidden, ids), reference.rows(layer, hidden, ids))
+        backend.end_window()
+
+
+def _run(engine: Engine) -> torch.Tensor:
+    """Prompt logits, then decode windows of one session and of two sessions together."""
+    first, second = engine.new_session(), engine.new_session()
+    logits = [engine.prefill(first, PROMPT, all_logits=True), engine.prefill(second, PROMPT[:9], all_logits=True)]
+    for token in DECODE:
+        logits.append(engine.decode_window([(first, token)]))
+        logits.append(engine.decode_window([(first, token + 1), (second, token + 2)]))
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("slots", [0, 7, 24])
+def test_gather_logits_and_telemetry_match_the_grouped_path(engine_model, slots):
+    """Through the engine: identical logits over prefill + decode windows; same hit/miss counts."""
+    grouped = Engine.load(engine_model, max_context=64, expert_cache=slots, arena="pinned")
+    gathered = Engine.load(engine_model, max_context=64, expert_cache=slots, arena="pinned")
+    gathered.experts.use_gather(True)
+    assert torch.equal(_run(gathered), _run(grouped))
+    mine, theirs = gathered.telemetry.snapshot(), grouped.telemetry.snapshot()
+    for key in ("expert_hits", "expert_misses", "experts_resident", "experts_streamed"):
+        assert mine[key] == theirs[key], key
+    assert mine["experts_pcie"] == theirs["experts_pcie"]  # distinct (layer, expert) per layer in both
+    # the grouped path copies each missed expert once per layer, the gather once per missed pair
+    assert mine["bytes_streamed"] >= theirs["bytes_streamed"]
+    if slots == 0:
+        assert mine["expert_hits"] == 0 and mine["experts_pcie"] > 0
+
+
+def test_gather_needs_a_fully_pinned_arena(engine_model):
+    for options in ({"arena": "mmap"}, {"arena": "pinned", "pin_limit_gib": 1e-6}):
+        engine = Engine.load(engine_model, max_context=64, **options)
+        with pytest.raises(ConfigError, match="arena pinned"):
+            engine.experts.use_gather(True)
+        assert not engine.experts.rows_for(CPU).gather  # never chosen on the CPU by itself
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_no_host_read_per_layer_in_a_gathered_window(engine_model, monkeypatch, gather):
+    """Inside the expert rows of a decode window the gather reads nothing back to the host; the
+    grouped path does (so the counting can fail)."""
+    engine = Engine.load(engine_model, max_context=64, expert_cache=5, arena="pinned")
+    engine.experts.use_gather(gather)
+    session = engine.new_session()
+    engine.prefill(session, PROMPT)
+    rows = engine.experts.rows_for(CPU)
+    inside, reads = [False], []
+    real_rows = rows.rows
+
+    def counted_rows(*args):
+        inside[0] = True
+        try:
+            return real_rows(*args)
+        finally:
+            inside[0] = False
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            if inside[0]:
+                reads.append(name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(rows, "rows", counted_rows)
+    monkeypatch.setattr(device_rows, "group_by_expert", counting("group_by_expert", device_rows.group_by_expert))
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    engine.decode_window([(session, 50)])
+    engine.decode_window([(session, 51)])
+    if gather:
+        assert reads == []
+    else:
+        assert reads.count("group_by_expert") == 2 * engine.spec.n_layers
