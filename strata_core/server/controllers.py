@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
+
 from litestar import Controller, MediaType, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
@@ -9,16 +12,26 @@ from litestar.response import Stream
 
 from strata_core.server import metrics
 from strata_core.server import schemas as s
+from strata_core.scheduler import RequestHandle
 from strata_core.server.responses import (
-    cancel_on_disconnect, chat_completion, chat_stream, collect, completion, completion_stream,
+    Collected, cancel_on_disconnect, chat_completion, chat_stream, collect, completion, completion_stream,
 )  # fmt: skip
 from strata_core.server.service import GenerationService
+
+T = TypeVar("T")
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _stream(chunks: object) -> Stream:
-    return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+async def _respond(request: Request, handle: RequestHandle, chunks: AsyncIterator[bytes] | None,
+                   body: Callable[[Collected], T]) -> T | Stream:
+    """Server-sent events when ``chunks`` is given, else the whole body once generation ends
+    (cancelled if the client goes away first)."""
+    if chunks is not None:
+        return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+    async with cancel_on_disconnect(request, handle):
+        out = await collect(handle)
+    return body(out)
 
 
 class ChatController(Controller):
@@ -32,11 +45,9 @@ class ChatController(Controller):
     async def create(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
         handle = service.chat(data)
-        if data.stream:
-            return _stream(chat_stream(service.model_id, handle, data))
-        async with cancel_on_disconnect(request, handle):
-            out = await collect(handle)
-        return chat_completion(service.model_id, out, data.logprobs)
+        chunks = chat_stream(service.model_id, handle, data) if data.stream else None
+        return await _respond(request, handle, chunks,
+                              lambda out: chat_completion(service.model_id, out, data.logprobs))
 
 
 class CompletionsController(Controller):
@@ -50,11 +61,9 @@ class CompletionsController(Controller):
     async def create(self, request: Request, data: JSONBody[s.CompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.Completion | Stream:
         handle = service.complete(data)
-        if data.stream:
-            return _stream(completion_stream(service.model_id, handle, data))
-        async with cancel_on_disconnect(request, handle):
-            out = await collect(handle)
-        return completion(service.model_id, out, data.logprobs is not None)
+        chunks = completion_stream(service.model_id, handle, data) if data.stream else None
+        return await _respond(request, handle, chunks,
+                              lambda out: completion(service.model_id, out, data.logprobs is not None))
 
 
 class ModelsController(Controller):
