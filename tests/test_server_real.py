@@ -16,6 +16,7 @@ from test_server_support import live_server
 
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
+from strata_core.plugins import build_plugin_manager
 from strata_core.sampling import SamplingParams
 
 MODEL = "tiny"
@@ -94,3 +95,13 @@ def test_second_turn_from_the_conversation_cache_equals_a_run_without_it(model_p
     assert cached_texts == plain_texts and all(cached_texts)
     assert cached["cache_n"] > 10 and plain["cache_n"] == 0
     assert cached["prompt_n"] + cached["cache_n"] == plain["prompt_n"]
+
+
+@pytest.mark.parametrize("strategy", sorted(build_plugin_manager(StrataSettings()).strategies))
+def test_every_installed_strategy_serves_single_s_greedy_text(model_path: Path, reference: Engine, strategy: str,
+                                                             logical_devices: list[str]) -> None:
+    with live_server(_settings(model_path, strategy=strategy, devices=logical_devices)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        text = client.completions.create(model=MODEL, prompt="The experts", max_tokens=6, temperature=0)
+    expected = "".join(reference.stream("The experts", SamplingParams(temperature=0, max_tokens=6)))
+    assert text.choices[0].text == expected
