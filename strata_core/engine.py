@@ -183,9 +183,7 @@ class Engine:
 
     def release_session(self, session: Session) -> None:
         """Free a session's KV memory."""
-        session.kv.truncate(0)
-        session.kv.k.clear()
-        session.kv.v.clear()
+        session.kv.release()
         session.tokens.clear()
 
     def save_session(self, session: Session) -> SessionSnapshot:

@@ -74,7 +74,9 @@ def strata_topology(
 
 @hookspec(firstresult=True)
 def strata_prefill(engine: Engine, session: Session, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor | None:
-    """Run one prompt chunk through every layer and extend the session's KV cache.
+    """Run one prompt chunk through every layer, writing its K/V into the session's cache.
+
+    The engine commits the chunk (``session.kv.advance``, ``session.tokens``) after the hook.
 
     :param engine: the engine (model, plan, expert backends, sessions helpers).
     :param session: the session being extended; its KV holds ``session.n_tokens`` positions.
@@ -97,7 +99,7 @@ def strata_decode_window(engine: Engine, batch: DecodeBatch) -> torch.Tensor | N
     :return: float32 logits ``[len(batch), vocab]`` on the main device, in batch order.
 
     Invariant: no host synchronisation per layer on the device path (enqueue ahead, devices wait
-    on events); each session's KV grows by exactly one position.
+    on events); each session's K/V is written at exactly one new position (the engine commits it).
     """
 
 

@@ -62,6 +62,12 @@ class KVCache:
         """Forget positions ``>= n`` (rows are overwritten by the next write)."""
         self.n_tokens = min(self.n_tokens, n)
 
+    def release(self) -> None:
+        """Drop the K/V tensors (their memory returns to the allocator); the cache is empty after."""
+        self.n_tokens = 0
+        self.k.clear()
+        self.v.clear()
+
     def device_of(self, layer: int) -> torch.device:
         return self.k[layer].device
 
