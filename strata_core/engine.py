@@ -44,6 +44,18 @@ def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtyp
     return getattr(torch, settings.dtype)
 
 
+class _PerDevice:
+    """A small host tensor copied once to each device that asks for it (not once per layer)."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.copies = {host.device: host}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self.copies:
+            self.copies[device] = self.copies[torch.device("cpu")].to(device, non_blocking=True)
+        return self.copies[device]
+
+
 class Engine:
     """A loaded model under one strategy. Not thread-safe: call it from one thread."""
 
@@ -150,22 +162,24 @@ class Engine:
 
     def prefill_layers(self, layers: range, hidden: torch.Tensor, session: Session) -> torch.Tensor:
         """Run a chunk ``[T, H]`` of ``session`` through ``layers`` on the layers' device."""
-        positions = torch.arange(session.n_tokens, session.n_tokens + hidden.shape[0])
+        n_ctx = session.n_tokens + hidden.shape[0]
+        positions = _PerDevice(torch.arange(session.n_tokens, n_ctx))
         for layer in layers:
             device = self.model.weights.device_of(layer)
-            hidden = self.model.attention(layer, hidden.to(device), positions, session.kv)
+            hidden = self.model.attention(layer, hidden.to(device), positions.on(device), session.kv, n_ctx)
             hidden = self.model.moe(layer, hidden, self.experts.rows_for(device))
             self._notify(layer, hidden)
         return hidden
 
     def decode_layers(self, layers: range, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """Run one token per session ``[B, H]`` through ``layers``; MoE rows are batched."""
-        positions = batch.positions
+        positions = _PerDevice(batch.positions)
         for layer in layers:
             device = self.model.weights.device_of(layer)
             hidden = hidden.to(device)
+            on_device = positions.on(device)  # [B]
             hidden = torch.cat([
-                self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv)
+                self.model.attention(layer, hidden[b:b + 1], on_device[b:b + 1], session.kv, session.n_tokens + 1)
                 for b, session in enumerate(batch.sessions)
             ])  # [B, H]
             hidden = self.model.moe(layer, hidden, self.experts.rows_for(device))

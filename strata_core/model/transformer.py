@@ -43,10 +43,13 @@ class MoEModel:
         table = self.weights.globals["token_embd.weight"]  # [V, H]
         return table[tokens.to(table.device)]  # [T, H]
 
-    def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
+    def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
+                  n_ctx: int | None = None) -> torch.Tensor:
         """``h + attn(rms_norm(h))`` for ``h [T, H]`` at ``positions [T]``; writes K/V into ``kv``.
 
-        Causal over every cached position ``<=`` the query's position.
+        Causal over every cached position ``<=`` the query's position. ``n_ctx`` is the number of
+        positions visible after this chunk (its largest position + 1): callers that know it pass it
+        with ``positions`` already on ``h``'s device, so a CUDA layer needs no host synchronisation.
         """
         s, w = self.spec, self.weights.layers[layer]
         T = h.shape[0]
@@ -68,7 +71,10 @@ class MoEModel:
         kv.write(layer, positions, k, v)
         # On the CPU attend over the whole cache (masked) so every query sees the same shapes
         # whatever the chunk or batch: logits are then bit-identical across both.
-        n_ctx = kv.max_tokens if h.device.type == "cpu" else int(positions.max()) + 1
+        if h.device.type == "cpu":
+            n_ctx = kv.max_tokens
+        elif n_ctx is None:
+            n_ctx = int(positions.max()) + 1
         keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
         rep = s.n_heads // s.n_kv_heads
         keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
