@@ -31,3 +31,10 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a small host tensor to ``device`` without making the host wait (pinned, non-blocking)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

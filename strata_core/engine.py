@@ -17,7 +17,7 @@ import torch
 
 from strata_core.chat import ChatTemplate
 from strata_core.config import StrataSettings
-from strata_core.devices import resolve_devices
+from strata_core.devices import resolve_devices, to_device
 from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
 from strata_core.experts.sizing import check_dense_budget
@@ -52,7 +52,7 @@ class _PerDevice:
 
     def on(self, device: torch.device) -> torch.Tensor:
         if device not in self.copies:
-            self.copies[device] = self.copies[torch.device("cpu")].to(device, non_blocking=True)
+            self.copies[device] = to_device(self.copies[torch.device("cpu")], device)
         return self.copies[device]
 
 
@@ -150,7 +150,7 @@ class Engine:
 
     def embed(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Token embeddings ``[T, H]`` on ``device``."""
-        return self.model.embed(tokens.to(self.plan.main)).to(device)
+        return self.model.embed(to_device(tokens, self.plan.main)).to(device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output norm + head on the main device: float32 logits ``[T, vocab]``."""

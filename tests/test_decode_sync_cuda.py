@@ -1,0 +1,36 @@
+"""On CUDA a decode window is enqueued without a host synchronisation (DESIGN invariant 3).
+
+Runs where CUDA exists (the GPU machine); the CPU suite checks the host-read count of the same
+expert path in tests/test_gather_decode.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata_core.engine import Engine
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("slots", [0, 7, 24])
+def test_decode_window_makes_no_host_sync_and_matches_the_cpu(tiny_model_factory, slots):
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    ids = list(range(5, 60))
+    want = Engine.load(path, devices=["cpu"], max_context=128).generate(ids, max_tokens=12, temperature=0)
+    engine = Engine.load(path, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned",
+                         expert_cache=slots)
+    session = engine.new_session()
+    token = int(engine.prefill(session, ids).argmax())
+    out = [token]
+    for _ in range(11):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            row = engine.decode_window([(session, token)])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        token = int(row[0].argmax())
+        out.append(token)
+    assert engine.tokenizer.decode(out) == want
