@@ -26,14 +26,7 @@ PRESET = Preset(n_layers=2, n_experts=8, n_experts_used=2, hidden=64, expert_ffn
                 n_kv_heads=2, head_dim=16, vocab=320, context=512)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on an oversubscribed 2-core box: OpenMP spinning costs ~40 ms each with 2 threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):

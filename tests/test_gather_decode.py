@@ -29,14 +29,7 @@ PROMPT = list(range(7, 30))
 DECODE = [40, 41, 42, 43]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls on an oversubscribed 2-core box: OpenMP spinning costs ~40 ms each with 2 threads."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
