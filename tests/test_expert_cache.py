@@ -25,8 +25,8 @@ CPU = torch.device("cpu")
 PRESET = Preset(n_layers=2, n_experts=8, n_experts_used=2, hidden=64, expert_ffn=32, n_heads=4,
                 n_kv_heads=2, head_dim=16, vocab=320, context=512)
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):

@@ -28,8 +28,8 @@ CPU = torch.device("cpu")
 PROMPT = list(range(7, 30))
 DECODE = [40, 41, 42, 43]
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
