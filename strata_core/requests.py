@@ -5,13 +5,14 @@ The scheduler produces these; the server turns them into OpenAI-style responses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from strata_core.errors import RequestError, StrataError
 from strata_core.sampling import SamplingParams
 
 __all__ = [
-    "ContextLengthError", "Delta", "Finished", "GenerationRequest", "SchedulerStats", "ServerBusyError", "Timings",
+    "ContextLengthError", "Delta", "ExpertUsage", "Finished", "GenerationRequest", "SchedulerStats", "ServerBusyError", "Timings",
     "TokenLogprob",
 ]  # fmt: skip
 
@@ -53,17 +54,57 @@ class Delta:
 
 
 @dataclass
+class ExpertUsage:
+    """Expert-residency counters of one phase of a request.
+
+    Prompt chunks run one request at a time, so the prompt figures are the request's own; a decode
+    window serves every active request at once, so each request is credited the whole window's.
+    """
+
+    hits: int = 0
+    misses: int = 0
+    bytes_streamed: int = 0
+    copy_s: float = 0.0
+    compute_s: float = 0.0
+
+    def add(self, before: Mapping[str, float], after: Mapping[str, float]) -> None:
+        """Add the engine telemetry accumulated between two ``snapshot()`` readings."""
+
+        def grown(key: str) -> float:
+            return after.get(key, 0) - before.get(key, 0)
+
+        self.hits += int(grown("expert_hits"))
+        self.misses += int(grown("expert_misses"))
+        self.bytes_streamed += int(grown("bytes_streamed"))
+        self.copy_s += grown("copy_s")
+        self.compute_s += grown("compute_s")
+
+    def to_dict(self) -> dict[str, float | int]:
+        """Hit rate, bytes streamed, link GB/s, time in copies and in expert compute."""
+        routed = self.hits + self.misses
+        return {
+            "hit_rate": self.hits / routed if routed else 1.0,
+            "bytes_streamed": self.bytes_streamed,
+            "link_gbps": self.bytes_streamed / self.copy_s / 1e9 if self.copy_s > 0 else 0.0,
+            "copy_ms": self.copy_s * 1000.0,
+            "compute_ms": self.compute_s * 1000.0,
+        }
+
+
+@dataclass
 class Timings:
-    """Per-request timings, named like llama-server's ``timings``."""
+    """Per-request timings, named like llama-server's ``timings``, plus expert-residency figures."""
 
     prompt_n: int = 0  # prompt tokens computed (not from the cache)
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
     cache_n: int = 0  # prompt tokens whose KV was reused
+    prompt_experts: ExpertUsage = field(default_factory=ExpertUsage)
+    decode_experts: ExpertUsage = field(default_factory=ExpertUsage)
 
-    def to_dict(self) -> dict[str, float | int]:
-        """The llama-server ``timings`` object."""
+    def to_dict(self) -> dict[str, object]:
+        """The llama-server ``timings`` object with ``experts`` (prompt / decode) added."""
         return {
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
@@ -72,6 +113,7 @@ class Timings:
             "predicted_ms": self.predicted_ms,
             "predicted_per_second": _rate(self.predicted_n, self.predicted_ms),
             "cache_n": self.cache_n,
+            "experts": {"prompt": self.prompt_experts.to_dict(), "decode": self.decode_experts.to_dict()},
         }
 
 

@@ -176,7 +176,7 @@ class Scheduler:
                 self._drop_cancelled()
                 self._admit()
                 self._window()
-                self.telemetry = dict(self.engine.telemetry.snapshot())
+                self.telemetry = dict(self.engine.telemetry.snapshot())  # for /metrics
             except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
                 log.exception("scheduler step failed")
                 for slot in [s for s in self._slots if s.job]:
@@ -217,7 +217,9 @@ class Scheduler:
         try:
             slot, cached = self._place(job, idle)
             start = time.perf_counter()
+            before = self.engine.telemetry.snapshot()
             logits = self.engine.prefill(job.session, prompt[cached:])
+            job.timings.prompt_experts.add(before, self.engine.telemetry.snapshot())
             t = job.timings
             t.cache_n, t.prompt_n = cached, len(prompt) - cached
             t.prompt_ms = (time.perf_counter() - start) * 1000.0
@@ -277,9 +279,13 @@ class Scheduler:
             return
         before = [j.session.n_tokens for j in jobs]
         start = time.perf_counter()
+        counters = self.engine.telemetry.snapshot()
         try:
             logits = self.engine.decode_window([(j.session, j.pending) for j in jobs])
             rows = list(zip(jobs, logits))
+            after = self.engine.telemetry.snapshot()
+            for job in jobs:
+                job.timings.decode_experts.add(counters, after)
         except Exception:  # noqa: BLE001 - retry alone to find the failing request
             log.exception("decode window of %d failed; retrying each request alone", len(jobs))
             rows = self._isolate(jobs, before)

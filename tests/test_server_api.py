@@ -51,7 +51,9 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert out.usage.completion_tokens == out.model_extra["timings"]["predicted_n"] <= 8
     timings = out.model_extra["timings"]
     assert set(timings) == {"prompt_n", "prompt_ms", "prompt_per_second", "predicted_n", "predicted_ms",
-                            "predicted_per_second", "cache_n"}
+                            "predicted_per_second", "cache_n", "experts"}
+    assert set(timings["experts"]) == {"prompt", "decode"}
+    assert set(timings["experts"]["prompt"]) == {"hit_rate", "bytes_streamed", "link_gbps", "copy_ms", "compute_ms"}
     assert timings["prompt_n"] + timings["cache_n"] == out.usage.prompt_tokens
 
 

@@ -105,3 +105,13 @@ def test_every_installed_strategy_serves_single_s_greedy_text(model_path: Path, 
         text = client.completions.create(model=MODEL, prompt="The experts", max_tokens=6, temperature=0)
     expected = "".join(reference.stream("The experts", SamplingParams(temperature=0, max_tokens=6)))
     assert text.choices[0].text == expected
+
+
+def test_timings_report_each_request_s_expert_traffic(model_path: Path) -> None:
+    with live_server(_settings(model_path, expert_cache=0)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        out = client.completions.create(model=MODEL, prompt="The experts lived in host memory", max_tokens=4,
+                                        temperature=0)
+    experts = out.model_extra["timings"]["experts"]
+    assert experts["prompt"]["hit_rate"] == 0.0 and experts["prompt"]["bytes_streamed"] > 0
+    assert experts["decode"]["bytes_streamed"] > 0 and experts["decode"]["compute_ms"] > 0

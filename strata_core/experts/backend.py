@@ -7,6 +7,7 @@ The engine calls, in order::
     rows = backend.rows_for(device)                        # ExpertRows of the layers on `device`
     backend.begin_window(); ... decode ...; backend.end_window()   # around each decode window
     backend.use_gather(True)                               # tests: force the decode gather on the CPU
+    backend.use_grouped_prefill(True)                      # tests: force the grouped prefill on the CPU
     backend.telemetry.reset() / .snapshot()                # per request
     backend.close()
 
@@ -17,7 +18,9 @@ device already holds. Devices are filled in plan order from the profile's rank o
 
 Decode windows take the decode gather (gather.py: no host read per layer) on a CUDA device when
 Triton is installed, every arena layer is pinned and ``--pcie-frac`` is 1 (every miss over the
-link); elsewhere (CPU, mmap or partly pinned arena, CPU share of misses, prefill) the grouped path.
+link); elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert.
+Prefill chunks take the grouped prefill (grouped.py) on a CUDA device and the loop per expert (the
+bit-exact reference) on the CPU.
 """
 
 from __future__ import annotations
@@ -86,6 +89,12 @@ class ExpertBackend:
             raise ConfigError("the decode gather on a GPU needs Triton")
         for rows in self._rows.values():
             rows.gather = on
+
+    def use_grouped_prefill(self, on: bool = True) -> None:
+        """Switch the grouped prefill (grouped.py) on (or off) for every device, whatever the
+        automatic choice (on for CUDA devices)."""
+        for rows in self._rows.values():
+            rows.grouped = on
 
     def end_window(self) -> None:
         """Leave the decode window and run ``--adapt-swaps`` adaptation (asynchronous copies)."""

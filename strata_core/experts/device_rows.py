@@ -17,7 +17,13 @@ With ``gather`` set (the backend sets it on CUDA when every arena layer is pinne
 ``--pcie-frac`` is 1; tests force it on the CPU), a decode window takes the decode gather instead
 (gather.py): the routed pairs' experts are found from the device mirror of the residency table,
 read from the slots or zero-copy from the pinned arena, and computed per pair, so the host never
-reads the routing and nothing synchronises per layer. Prefill always takes the grouped path.
+reads the routing and nothing synchronises per layer.
+
+With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill chunk takes the
+grouped prefill instead of the loop per expert (grouped.py): per group of at most ``group_experts``
+experts, one index_select from the slots, the misses through the staging ring, one ``dequantize``
+per matrix and grouped products. Its rows agree with the reference within float tolerance, not
+bit for bit, which is why the CPU (the bit-exact reference) keeps the loop.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.gather import GATHER_COUNTS, gather_counts, pair_ffn
+from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
@@ -62,6 +69,9 @@ class CachedExpertRows:
         self.cpu_pool = cpu_pool
         self.decoding = False  # set by the backend inside a decode window
         self.gather = False  # decode windows take the decode gather (set by the backend)
+        self.grouped = self.device.type == "cuda"  # prefill chunks take the grouped prefill
+        self.group_experts = GROUP_EXPERTS
+        self._group_ring: StagingRing | None = None
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
@@ -75,8 +85,10 @@ class CachedExpertRows:
         T, k = expert_ids.shape
         table, fmt = self.cache.table, self.arena.formats[layer]
         self.telemetry.add_routing(expert_ids.numel(), (table.mirror[layer][expert_ids] >= 0).sum())
-        out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         order, experts, counts = group_by_expert(expert_ids)
+        if self.grouped and not self.decoding:
+            return self._grouped(layer, hidden, k, order, experts, counts).view(T, k, -1)
+        out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
         groups = {e: (end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
         slots = table.host[layer, experts.cpu()].tolist()
@@ -102,6 +114,39 @@ class CachedExpertRows:
         self.telemetry.experts["pcie" if self.decoding else "streamed"] += n_link
         self.telemetry.experts["cpu"] += len(missed) - n_link
         return out.view(T, k, -1)
+
+    def _grouped(self, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, experts: torch.Tensor,
+                 counts: torch.Tensor) -> torch.Tensor:
+        """``[T*k, H]`` rows of a prefill chunk through the grouped prefill (``order``/``experts``/``counts``
+        from ``group_by_expert``); the host reads the routing once, nothing waits per expert."""
+        fmt, cache = self.arena.formats[layer], self.cache
+        ids, sizes = torch.stack([experts.long(), counts]).tolist()  # the host read of this layer
+        on_host = cache.table.host[layer, ids].tolist()  # slot per distinct expert, -1 = miss
+        slot = cache.table.mirror[layer][experts]  # [n] the same on the device
+        groups = expert_groups(sizes, self.group_experts)
+        misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if on_host[i] < 0] for g in groups]
+        if self._group_ring is None or self._group_ring.buffers.shape[1] < self.group_experts:
+            self._group_ring = StagingRing(self.ring.copier, rows=self.group_experts)
+        out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
+
+        def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
+            g = groups[j]
+            packed, group_slot = staged[:g.last - g.first], slot[g.first:g.last]  # [g, B], [g]
+            if len(misses[j]) < g.last - g.first:  # some resident: one index_select from the slots
+                hit = cache.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
+                packed = torch.where((group_slot < 0)[:, None], packed, hit) if misses[j] else hit
+            weights = dequantize_experts(packed, fmt, hidden.dtype)
+            pairs = order[g.start:g.end]  # [n_g]
+            out[pairs] = grouped_ffn(hidden[pairs // k], *weights, counts[g.first:g.last],
+                                     max(sizes[g.first:g.last]))
+
+        cache.wait_layer(layer)
+        with self.telemetry.compute(self.device):
+            self._group_ring.run_batches(layer, misses, consume)
+        n_missed = sum(map(len, misses))
+        self.telemetry.experts["resident"] += len(ids) - n_missed
+        self.telemetry.experts["streamed"] += n_missed
+        return out
 
     def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read."""

@@ -2,7 +2,7 @@
 
 On CUDA every copy runs on the device's copy stream and the compute stream waits on events, so
 the host only enqueues: ``StagingRing.run`` issues the copy of expert j+depth while expert j is
-computed, and a ring buffer is refilled only after the compute that read it (an event, not a host
+computed (``run_batches``: the copies of expert group j+depth while group j is), and a ring buffer is refilled only after the compute that read it (an event, not a host
 wait). Arena layers that are not pinned go through a ring of pinned host buffers first (the one
 place the host may wait: for the DMA that last read a host buffer, ``host_depth`` copies back).
 On the CPU the same code runs with synchronous copies, so CI exercises every branch but the events.
@@ -66,12 +66,14 @@ class ArenaCopier:
 
 
 class StagingRing:
-    """``depth`` device buffers cycling arena experts in front of compute (double-buffered at 2)."""
+    """``depth`` device buffers of ``rows`` experts each, cycling arena experts in front of compute
+    (double-buffered at 2). One expert per buffer for the per-expert path (``run``), a whole expert
+    group per buffer for the grouped prefill (``run_batches``)."""
 
-    def __init__(self, copier: ArenaCopier, depth: int = 2):
+    def __init__(self, copier: ArenaCopier, depth: int = 2, rows: int = 1):
         self.copier, self.depth = copier, depth
         dev = copier.device
-        self.buffers = torch.empty((depth, copier.arena.slot_bytes), dtype=torch.uint8, device=dev)  # [depth, B]
+        self.buffers = torch.empty((depth, rows, copier.arena.slot_bytes), dtype=torch.uint8, device=dev)  # [depth, R, B]
         self.cuda = copier.cuda
         if self.cuda:
             self._ready = [torch.cuda.Event() for _ in range(depth)]
@@ -80,21 +82,29 @@ class StagingRing:
     def run(self, layer: int, experts: Sequence[int], consume: Callable[[int, torch.Tensor], None]) -> None:
         """Stream ``experts`` of ``layer`` through the ring, calling ``consume(expert, packed)`` for each
         on the current (compute) stream once its bytes are there."""
-        for j in range(min(self.depth, len(experts))):
-            self._issue(layer, experts[j], j)
-        for j, expert in enumerate(experts):
+        self.run_batches(layer, [[(0, e)] for e in experts], lambda j, buffer: consume(experts[j], buffer[0]))
+
+    def run_batches(self, layer: int, batches: Sequence[Sequence[tuple[int, int]]],
+                    consume: Callable[[int, torch.Tensor], None]) -> None:
+        """Stream batch j's experts of ``layer`` (``(row, expert)`` pairs, rows < ``rows``) into the rows of
+        one buffer and call ``consume(j, buffer [R, B])`` on the current (compute) stream once they are
+        there; batch j + depth is copied while batch j is consumed."""
+        for j in range(min(self.depth, len(batches))):
+            self._issue(layer, batches[j], j)
+        for j in range(len(batches)):
             i = j % self.depth
             if self.cuda:
                 torch.cuda.current_stream(self.copier.device).wait_event(self._ready[i])
-            consume(expert, self.buffers[i])
+            consume(j, self.buffers[i])
             if self.cuda:
                 self._free[i].record(torch.cuda.current_stream(self.copier.device))
-            if j + self.depth < len(experts):
-                self._issue(layer, experts[j + self.depth], i)
+            if j + self.depth < len(batches):
+                self._issue(layer, batches[j + self.depth], i)
 
-    def _issue(self, layer: int, expert: int, i: int) -> None:
+    def _issue(self, layer: int, batch: Sequence[tuple[int, int]], i: int) -> None:
         if self.cuda:
             self.copier.stream.wait_event(self._free[i])  # compute is done reading buffer i
-        self.copier.copy(layer, expert, self.buffers[i])
+        for row, expert in batch:
+            self.copier.copy(layer, expert, self.buffers[i, row])
         if self.cuda:
             self._ready[i].record(self.copier.stream)

@@ -67,7 +67,10 @@ def usage(end: Finished) -> s.Usage:
 
 def timings(end: Finished) -> s.Timings:
     """The llama-server ``timings`` object of a finished request."""
-    return s.Timings(**end.timings.to_dict())
+    values = end.timings.to_dict()
+    experts = values.pop("experts")
+    return s.Timings(**values, experts=s.ExpertTimings(
+        prompt=s.ExpertUsage(**experts["prompt"]), decode=s.ExpertUsage(**experts["decode"])))
 
 
 def chat_logprobs(items: list[TokenLogprob]) -> s.ChatLogprobs:

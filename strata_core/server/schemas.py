@@ -91,8 +91,25 @@ class Usage(Struct):
     prompt_tokens_details: dict[str, int] | None = None
 
 
+class ExpertUsage(Struct):
+    """Expert-residency figures of one phase of a request."""
+
+    hit_rate: float
+    bytes_streamed: int
+    link_gbps: float
+    copy_ms: float
+    compute_ms: float
+
+
+class ExpertTimings(Struct):
+    """Expert-residency figures of the prompt and of the decode windows a request took part in."""
+
+    prompt: ExpertUsage
+    decode: ExpertUsage
+
+
 class Timings(Struct):
-    """llama-server's per-response timings."""
+    """llama-server's per-response timings, plus ``experts``."""
 
     prompt_n: int
     prompt_ms: float
@@ -101,6 +118,7 @@ class Timings(Struct):
     predicted_ms: float
     predicted_per_second: float
     cache_n: int
+    experts: ExpertTimings
 
 
 class TopLogprob(Struct):

@@ -1,0 +1,103 @@
+"""Grouped prefill: one layer's routed experts as a few large device ops instead of a loop per expert.
+
+``CachedExpertRows`` takes this path for a prefill chunk on a CUDA device (``grouped``; tests force
+it on the CPU). The layer's distinct routed experts (ascending, as ``group_by_expert`` gives them)
+are cut into *expert groups* of at most ``GROUP_EXPERTS`` consecutive experts (``expert_groups``),
+which bounds the dequantized weights alive at once. For each group:
+
+1. its packed bytes ``[g, slot_bytes]``: resident experts by one index_select from the cache
+   slots, misses streamed into a buffer of the staging ring (transfer.py: ``StagingRing.run_batches``,
+   copy stream and events, the next group's copies overlapping this group's compute);
+2. ``dequantize_experts``: ONE ``dequantize`` call each for gate, up and down of the whole group
+   (``[g, bytes] -> [g, out, in]``), cast to the compute dtype;
+3. ``grouped_ffn``: the group's (token, j) pairs, sorted by expert, through the SiLU-gated FFN as
+   grouped products: ``torch._grouped_mm`` (bf16 on CUDA, offsets = cumulative counts) or, for
+   other dtypes and devices, a batched product over the pairs padded to the group's largest count.
+
+The rows are not bit-identical to the reference ``expert_ffn`` (different product shapes, and in
+bf16 the weights are rounded to bf16); they agree within float tolerance (tests/test_grouped_prefill.py).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from strata_core.experts.arena import ExpertFormat
+from strata_core.quant import dequantize
+
+__all__ = ["GROUP_EXPERTS", "ExpertGroup", "dequantize_experts", "expert_groups", "grouped_ffn", "padded_index"]
+
+#: Most experts whose weights are dequantized at once (bounds the peak memory of a layer).
+GROUP_EXPERTS = 32
+
+
+class ExpertGroup(NamedTuple):
+    """Experts ``[first, last)`` of a layer's distinct routed experts, and their sorted pairs ``[start, end)``."""
+
+    first: int
+    last: int
+    start: int
+    end: int
+
+
+def expert_groups(counts: list[int], limit: int = GROUP_EXPERTS) -> list[ExpertGroup]:
+    """Cut the distinct experts (``counts[i]`` pairs routed to the i-th) into groups of ``<= limit``."""
+    groups, start = [], 0
+    for first in range(0, len(counts), limit):
+        last = min(first + limit, len(counts))
+        end = start + sum(counts[first:last])
+        groups.append(ExpertGroup(first, last, start, end))
+        start = end
+    return groups
+
+
+def dequantize_experts(packed: torch.Tensor, fmt: ExpertFormat,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(gate, up, down) weights ``[g, out, in]`` in ``dtype`` of ``packed [g, >= total]`` experts."""
+    g = packed.shape[0]
+    return tuple(dequantize(raw, qtype, (g, *shape)).to(dtype)  # type: ignore[return-value]
+                 for raw, qtype, shape in zip(fmt.split(packed), fmt.qtypes, fmt.shapes))
+
+
+def padded_index(counts: torch.Tensor, width: int, n: int) -> torch.Tensor:
+    """``[n]`` row of each sorted pair in a ``[G * width]`` layout padded per expert, computed on the
+    device without a host read (``counts [G]``, ``n == counts.sum()``, ``width >= counts.max()``)."""
+    group = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts,
+                                    output_size=n)  # [n]
+    starts = counts.cumsum(0) - counts  # [G]
+    return group * width + torch.arange(n, device=counts.device) - starts[group]  # [n]
+
+
+def _use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` applies: bf16 on a CUDA device of compute capability >= 9.0,
+    every row length a multiple of 8 elements (16-byte strides)."""
+    return (x.device.type == "cuda" and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            and all(w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0 for w in weights))
+
+
+def grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                counts: torch.Tensor, max_count: int, grouped_mm: bool | None = None) -> torch.Tensor:
+    """``down_e(silu(gate_e x) * up_e x)`` for every pair: rows ``[n, H]``.
+
+    :param x: ``[n, H]`` the pairs' inputs, sorted by expert (expert e owns ``counts[e]`` rows)
+    :param gate: ``[G, F, H]``; ``up``: ``[G, F, H]``; ``down``: ``[G, H, F]`` (same dtype as ``x``)
+    :param counts: ``[G]`` pairs per expert, on the device, all > 0
+    :param max_count: ``max(counts)`` (known on the host)
+    :param grouped_mm: force ``torch._grouped_mm`` on or off (default: where it applies)
+    """
+    if grouped_mm if grouped_mm is not None else _use_grouped_mm(x, gate, up, down):
+        offs = counts.cumsum(0).to(torch.int32)  # [G] end row of each expert
+
+        def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)  # [n, out]
+
+        return product(F.silu(product(x, gate)) * product(x, up), down)
+    G, H = counts.numel(), x.shape[-1]
+    rows = padded_index(counts, max_count, x.shape[0])  # [n]
+    xp = x.new_zeros(G * max_count, H).index_copy_(0, rows, x).view(G, max_count, H)  # [G, M, H]
+    h = F.silu(xp @ gate.transpose(1, 2)) * (xp @ up.transpose(1, 2))  # [G, M, F]
+    return (h @ down.transpose(1, 2)).reshape(G * max_count, H)[rows]  # [n, H]

@@ -1,0 +1,135 @@
+"""The grouped prefill (experts/grouped.py) on the CPU: its pieces and the whole path, forced on, agree
+with the reference ``expert_ffn`` within float tolerance, with the same telemetry as the loop per expert."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata_core.config import StrataSettings
+from strata_core.engine import Engine
+from strata_core.experts.backend import build_expert_backend
+from strata_core.experts.grouped import dequantize_experts, expert_groups, grouped_ffn, padded_index
+from strata_core.experts.rows import DequantExpertRows, expert_ffn
+from strata_core.experts.weights import ExpertWeights
+from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.spec import load_model_spec
+from strata_core.synthetic import PRESETS, write_synthetic
+from strata_core.topology import Stage, TopologyPlan
+
+CPU = torch.device("cpu")
+PROMPT = list(range(7, 40))
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """A 2-layer, 16-expert, top-4 Q4_K model (hidden 256, expert FFN 256) and its reference rows."""
+    path = tmp_path_factory.mktemp("grouped") / "tiny-q4k.gguf"
+    write_synthetic(path, PRESETS["tiny"], expert_type=Q.Q4_K, dense_type=Q.Q8_0, progress=False)
+    gguf_file = GGUFFile.open(path)
+    spec = load_model_spec(gguf_file)
+    weights = ExpertWeights(gguf_file, spec)
+    return weights, spec, DequantExpertRows(weights)
+
+
+def _backend(synthetic, **options):
+    weights, spec, _ = synthetic
+    plan = TopologyPlan(stages=(Stage(CPU, range(spec.n_layers)),), main=CPU)
+    return build_expert_backend(weights, spec, plan, StrataSettings(**options), {CPU: 0})
+
+
+@pytest.mark.parametrize("limit", [1, 3, 32])
+def test_expert_groups_cover_every_expert_and_pair_in_order(limit):
+    counts = [5, 1, 7, 2, 2, 9, 1]
+    groups = expert_groups(counts, limit)
+    assert [g.first for g in groups] == list(range(0, len(counts), limit))
+    assert all(0 < g.last - g.first <= limit for g in groups)
+    assert groups[-1].last == len(counts) and groups[-1].end == sum(counts)
+    for g, nxt in zip(groups, groups[1:]):
+        assert (g.last, g.end) == (nxt.first, nxt.start)
+    assert all(g.end - g.start == sum(counts[g.first:g.last]) for g in groups)
+    assert expert_groups([], limit) == []
+
+
+def test_padded_index_puts_each_experts_pairs_at_the_start_of_its_row_block():
+    counts = torch.tensor([2, 1, 3])
+    assert padded_index(counts, 3, 6).tolist() == [0, 1, 3, 6, 7, 8]
+    assert padded_index(counts, 4, 6).tolist() == [0, 1, 4, 8, 9, 10]
+
+
+def _kernels() -> list[bool]:
+    """``grouped_ffn`` kernels to test on the CPU: the padded bmm, and ``torch._grouped_mm`` when this
+    torch runs it on the CPU."""
+    try:
+        torch._grouped_mm(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 8, dtype=torch.bfloat16),
+                          offs=torch.tensor([1, 4], dtype=torch.int32))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return [False]
+    return [False, True]
+
+
+@pytest.mark.parametrize("grouped_mm", _kernels())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_ffn_matches_expert_ffn_per_expert(synthetic, grouped_mm, dtype):
+    if grouped_mm and dtype != torch.bfloat16:
+        pytest.skip("torch._grouped_mm is bf16 only")
+    weights, spec, _ = synthetic
+    arena = _backend(synthetic).arena
+    fmt = arena.formats[0]
+    experts, counts = [3, 0, 9, 15], [4, 1, 17, 6]
+    packed = torch.stack([torch.cat([p.reshape(-1) for p in arena.parts(0, e)]) for e in experts])  # [G, total]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(sum(counts), spec.hidden_size, generator=gen).to(dtype)  # [n, H] sorted by expert
+    got = grouped_ffn(x, *dequantize_experts(packed, fmt, dtype), torch.tensor(counts), max(counts),
+                      grouped_mm=grouped_mm)
+    want = torch.cat([expert_ffn(xs, *arena.parts(0, e), fmt.qtypes, fmt.shapes)
+                      for e, xs in zip(experts, x.split(counts))])  # [n, H]
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
+@pytest.mark.parametrize("arena", ["mmap", "pinned"])
+@pytest.mark.parametrize("slots,limit", [(0, 32), (9, 3), (32, 2), (20, 1)])
+def test_grouped_rows_and_telemetry_match_the_loop_per_expert(synthetic, arena, slots, limit):
+    """Random cache contents and routings: the grouped rows are the reference's within float32
+    tolerance, and every counter is the loop's."""
+    _, spec, reference = synthetic
+    runs = {}
+    for grouped in (False, True):
+        backend = _backend(synthetic, expert_cache=slots, arena=arena)
+        cache = backend.caches[CPU]
+        for entry in cache.table.resident():
+            cache.table.evict(*entry)
+        everything = [(l, e) for l in range(spec.n_layers) for e in range(spec.n_experts)]
+        cache.fill(random.Random(slots).sample(everything, len(everything)))
+        backend.use_grouped_prefill(grouped)
+        rows = backend.rows_for(CPU)
+        rows.group_experts = limit
+        backend.telemetry.reset()
+        gen = torch.Generator().manual_seed(slots)
+        for T in (1, 5, 40):
+            for layer in range(spec.n_layers):
+                hidden = torch.randn(T, spec.hidden_size, generator=gen)  # [T, H]
+                ids = torch.rand(T, spec.n_experts, generator=gen).topk(spec.n_experts_used).indices  # [T, k]
+                got, want = rows.rows(layer, hidden, ids), reference.rows(layer, hidden, ids)
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+        runs[grouped] = {k: v for k, v in backend.telemetry.snapshot().items()
+                         if k not in ("copy_s", "compute_s", "link_gbps")}
+    assert runs[True] == runs[False]
+
+
+def test_grouped_prefill_logits_and_greedy_output_match_the_cpu_reference(tiny_model_factory):
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    reference = Engine.load(path, max_context=96, expert_cache=7)
+    grouped = Engine.load(path, max_context=96, expert_cache=7)
+    grouped.experts.use_grouped_prefill(True)
+    logits = [engine.prefill(engine.new_session(), PROMPT, all_logits=True) for engine in (reference, grouped)]
+    assert torch.allclose(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    assert grouped.generate(PROMPT, max_tokens=8, temperature=0) == reference.generate(PROMPT, max_tokens=8,
+                                                                                        temperature=0)
