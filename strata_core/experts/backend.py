@@ -35,6 +35,7 @@ from strata_core.experts.adapt import Adapter
 from strata_core.experts.arena import GIB, Arena
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.device_rows import CachedExpertRows, MissSplit
+from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.rows import ExpertRows
 from strata_core.experts.sizing import cache_slots, check_dense_budget
@@ -161,7 +162,10 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, plan: Topology
         held = {(l, e) for c in caches.values() for l, e in c.table.resident() if l in layers}
         mine = [(l, e) for l, e in order if l in layers and (l, e) not in held]
         ranked = None if used is None else sum(1 for l, e in used if l in layers and (l, e) not in held)
-        n_slots = cache_slots(settings, device, arena.slot_bytes, len(mine), ranked, left[device])
+        room = left[device]
+        if device.type == "cuda":  # the grouped prefill path's ring and dequantize buffers
+            room -= workspace_bytes(arena.slot_bytes, spec.expert_ffn_size, spec.hidden_size)
+        n_slots = cache_slots(settings, device, arena.slot_bytes, len(mine), ranked, max(room, 0))
         copier = ArenaCopier(arena, device, telemetry)
         cache = ExpertCache(arena, copier, n_slots)
         cache.fill(mine)

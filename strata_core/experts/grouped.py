@@ -28,10 +28,17 @@ import torch.nn.functional as F
 from strata_core.experts.arena import ExpertFormat
 from strata_core.quant import dequantize
 
-__all__ = ["GROUP_EXPERTS", "ExpertGroup", "dequantize_experts", "expert_groups", "grouped_ffn", "padded_index"]
+__all__ = ["GROUP_EXPERTS", "ExpertGroup", "workspace_bytes", "dequantize_experts", "expert_groups", "grouped_ffn", "padded_index"]
 
 #: Most experts whose weights are dequantized at once (bounds the peak memory of a layer).
 GROUP_EXPERTS = 32
+
+
+def workspace_bytes(slot_bytes: int, expert_ffn: int, hidden: int, ring_depth: int = 2) -> int:
+    """Device memory the grouped prefill path takes beside the cache: a staging ring of
+    ``ring_depth`` groups of packed experts, and one group's gate/up/down dequantized (float32
+    intermediates plus the compute-dtype copy, counted as 8 bytes a weight)."""
+    return ring_depth * GROUP_EXPERTS * slot_bytes + GROUP_EXPERTS * 3 * expert_ffn * hidden * 8
 
 
 class ExpertGroup(NamedTuple):

@@ -4,7 +4,7 @@ Fixtures:
 
 * ``plugin_manager`` — a fresh plugin manager with the builtins only (no entry-point autoload).
 * ``register_strategy`` — register a strategy plugin module/object on that manager; undone after the test.
-* ``tiny_model_path`` — a tiny qwen3moe GGUF, parametrised over block formats by ``tiny_model_types``.
+* ``tiny_model_path`` — a tiny qwen3moe GGUF, parametrised over ``TINY_MODEL_TYPES``.
 * ``tiny_model_factory`` — build a tiny model file with chosen sizes and block types.
 * ``logical_devices`` — ``["cpu", "cpu"]``, plus ``["cuda:0", "cuda:0"]`` where CUDA exists: every
   topology runs on logical devices.
