@@ -62,22 +62,20 @@ def test_padded_index_puts_each_experts_pairs_at_the_start_of_its_row_block():
     assert padded_index(counts, 4, 6).tolist() == [0, 1, 4, 8, 9, 10]
 
 
-def _kernels() -> list[bool]:
-    """``grouped_ffn`` kernels to test on the CPU: the padded bmm, and ``torch._grouped_mm`` when this
-    torch runs it on the CPU."""
+def _kernels() -> list[tuple[bool, torch.dtype]]:
+    """``grouped_ffn`` kernels and dtypes to test on the CPU: the padded bmm in float32 and bf16, and
+    ``torch._grouped_mm`` (bf16 only) when this torch runs it on the CPU."""
+    cases = [(False, torch.float32), (False, torch.bfloat16)]
     try:
         torch._grouped_mm(torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(2, 8, 8, dtype=torch.bfloat16),
                           offs=torch.tensor([1, 4], dtype=torch.int32))
     except (AttributeError, RuntimeError, NotImplementedError):
-        return [False]
-    return [False, True]
+        return cases
+    return [*cases, (True, torch.bfloat16)]
 
 
-@pytest.mark.parametrize("grouped_mm", _kernels())
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("grouped_mm", "dtype"), _kernels())
 def test_grouped_ffn_matches_expert_ffn_per_expert(synthetic, grouped_mm, dtype):
-    if grouped_mm and dtype != torch.bfloat16:
-        pytest.skip("torch._grouped_mm is bf16 only")
     weights, spec, _ = synthetic
     arena = _backend(synthetic).arena
     fmt = arena.formats[0]
