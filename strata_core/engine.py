@@ -26,8 +26,8 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
-from strata_core.residency_events import ResidencyEvent
 from strata_core.plugins import StrataPluginManager, build_plugin_manager
+from strata_core.residency_events import ResidencyEvent
 from strata_core.sampling import Sampler, SamplingParams
 from strata_core.session import DecodeBatch, Session, SessionSnapshot
 from strata_core.tokenizer import Tokenizer
