@@ -8,7 +8,11 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
+import torch
+
 from strata_core.config import StrataSettings
+from strata_core.memory_plan import dense_bytes_per_device
+from strata_core.topology import Stage, TopologyPlan
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
 
@@ -21,7 +25,7 @@ def tensor_group(name: str) -> str:
     return parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
 
 
-def describe(path: Path, vram_gib: list[float]) -> str:
+def describe(path: Path, vram_gib: list[float], kv_tokens: int = 4096) -> str:
     """The report ``strata info`` prints."""
     gguf_file = GGUFFile.open(path)
     spec = load_model_spec(gguf_file)
@@ -36,6 +40,9 @@ def describe(path: Path, vram_gib: list[float]) -> str:
             dense_bytes += ref.nbytes
     n_expert_total = spec.n_layers * spec.n_experts
     per_expert = expert_bytes / max(n_expert_total, 1)
+    gpu = torch.device("cuda", 0)
+    on_gpu = dense_bytes_per_device(spec, TopologyPlan((Stage(gpu, range(spec.n_layers)),), main=gpu),
+                                    torch.bfloat16, kv_tokens)[gpu]
     lines = [
         f"file: {path}",
         f"architecture: {spec.architecture}",
@@ -52,14 +59,16 @@ def describe(path: Path, vram_gib: list[float]) -> str:
         f"dense weights: {dense_bytes / 2**20:.1f} MiB   expert weights: {expert_bytes / 2**20:.1f} MiB "
         f"({n_expert_total} experts, {per_expert / 2**20:.2f} MiB each)",
     ]
+    lines.append(f"on a GPU the dense part is dequantized to bf16: {on_gpu / GIB:.2f} GiB with the KV cache "
+                 f"of one {kv_tokens}-token session")
     for gib in vram_gib:
-        room = gib * GIB - dense_bytes
+        room = gib * GIB - on_gpu
         if room < 0:
-            lines.append(f"  {gib:g} GiB VRAM: the dense weights alone ({dense_bytes / GIB:.2f} GiB) do not fit")
+            lines.append(f"  {gib:g} GiB VRAM: the dense part alone ({on_gpu / GIB:.2f} GiB) does not fit")
         else:
             fit = min(n_expert_total, int(room // per_expert)) if per_expert else n_expert_total
             lines.append(f"  {gib:g} GiB VRAM: dense + {fit} of {n_expert_total} experts "
-                         f"({100 * fit / max(n_expert_total, 1):.0f}%) before KV cache and buffers")
+                         f"({100 * fit / max(n_expert_total, 1):.0f}%) before prompt buffers")
     return "\n".join(lines)
 
 

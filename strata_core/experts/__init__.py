@@ -1,0 +1,1 @@
+"""Expert residency: the host arena, device caches, residency tables, usage profile, streaming."""

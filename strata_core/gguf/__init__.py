@@ -1,0 +1,1 @@
+"""GGUF files: the memory-mapped reader, architecture metadata -> ModelSpec, and a writer."""

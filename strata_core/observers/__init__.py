@@ -1,0 +1,1 @@
+"""Observer plugins that wrap the phase hooks under any strategy (timing, NaN guard)."""

@@ -1,0 +1,1 @@
+"""Builtin strategies (``single``), registered through the same hook as third-party ones."""
