@@ -12,13 +12,14 @@
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 from pathlib import Path
 
 import tokenizers
 import torch
+from pydantic import BaseModel, Field
+from pydantic_settings import CliApp
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from strata_core.chat import CHATML_TEMPLATE
@@ -62,7 +63,7 @@ def batches(ids: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> to
     return torch.stack([ids[s : s + seq + 1] for s in starts.tolist()])
 
 
-def train(args: argparse.Namespace) -> tuple[Qwen3MoeForCausalLM, tokenizers.Tokenizer]:
+def train(args: TrainOptions) -> tuple[Qwen3MoeForCausalLM, tokenizers.Tokenizer]:
     """Train the tokenizer, then the model; the printed losses include the router's auxiliary loss."""
     torch.manual_seed(SEED)
     torch.set_num_threads(2)
@@ -127,26 +128,28 @@ def write_ggufs(model: Qwen3MoeForCausalLM, tokenizer: tokenizers.Tokenizer, dat
         print(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB)", flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--out-dir", type=Path, default=Path("/tmp/strata-demo"))
-    parser.add_argument("--data-dir", type=Path, default=HERE.parents[1] / "strata_core" / "data")
-    parser.add_argument("--no-gguf", action="store_true", help="stop after saving the HF checkpoint")
-    args = parser.parse_args()
+class TrainOptions(BaseModel):
+    """Train Strata's demo model and write it as GGUF (flags parsed by pydantic-settings' CLI)."""
 
-    model, tokenizer = train(args)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out_dir)
-    tokenizer.save(str(args.out_dir / "tokenizer.json"))
-    print(f"saved HF checkpoint to {args.out_dir}", flush=True)
-    greedy_samples(model, tokenizer)
-    if not args.no_gguf:
-        write_ggufs(model, tokenizer, args.data_dir)
+    steps: int = Field(400, ge=1, description="optimizer steps")
+    batch: int = Field(16, ge=1, description="sequences per step")
+    seq: int = Field(128, ge=8, description="tokens per sequence")
+    lr: float = Field(3e-3, gt=0, description="peak learning rate")
+    out_dir: Path = Field(Path("/tmp/strata-demo"), description="where the HF checkpoint goes")
+    data_dir: Path = Field(HERE.parents[1] / "strata_core" / "data", description="where the GGUFs go")
+    gguf: bool = Field(True, description="write the GGUFs (--no-gguf stops after the HF checkpoint)")
+
+    def cli_cmd(self) -> None:
+        """Train, save the checkpoint, print samples, write the GGUFs."""
+        model, tokenizer = train(self)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(self.out_dir)
+        tokenizer.save(str(self.out_dir / "tokenizer.json"))
+        print(f"saved HF checkpoint to {self.out_dir}", flush=True)
+        greedy_samples(model, tokenizer)
+        if self.gguf:
+            write_ggufs(model, tokenizer, self.data_dir)
 
 
 if __name__ == "__main__":
-    main()
+    CliApp.run(TrainOptions)
