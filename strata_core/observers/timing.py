@@ -23,7 +23,8 @@ def _timed(engine, label: str, n_tokens: int):
         synchronize(device)
     device_s = time.perf_counter() - start
     delta = engine.telemetry.delta(telemetry_before)
-    counters = " ".join(f"{key}={value}" for key, value in delta.items() if value)
+    counters = " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
+                        for key, value in delta.items() if value)
     print(
         f"[strata {label}] tokens={n_tokens} host={host_s * 1e3:.2f}ms device={device_s * 1e3:.2f}ms "
         f"tok/s={n_tokens / device_s:.1f} {counters}".rstrip(),
