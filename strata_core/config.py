@@ -87,6 +87,12 @@ class StrataSettings(BaseSettings):
     )
     adapt_swaps: int = Field(0, ge=0, description="experts swapped into the cache per decode window")
 
+    # --- decode --------------------------------------------------------------------------------
+    cuda_graphs: bool = Field(
+        False, description="capture decode windows as CUDA graphs and replay them (one CUDA device "
+        "with the decode gather: --arena pinned, --pcie-frac 1, no --adapt-swaps; else eager, said once)"
+    )
+
     # --- server --------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address the server binds")
     port: int = Field(8080, ge=0, le=65535, description="port the server listens on")

@@ -24,6 +24,7 @@ from strata_core.experts.sizing import check_dense_budget
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
+from strata_core.graphs import DecodeGraphs
 from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
 from strata_core.plugins import StrataPluginManager, build_plugin_manager
@@ -84,6 +85,7 @@ class Engine:
         self.max_context = min(settings.max_context, spec.context_length)
         self.dtype = _compute_dtype(settings, plan.main)
         self.layer_observers: list[LayerObserver] = []
+        self._graphs: DecodeGraphs | None = None  # --cuda-graphs, created on first use
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -171,20 +173,38 @@ class Engine:
             self._notify(layer, hidden)
         return hidden
 
-    def decode_layers(self, layers: range, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
-        """Run one token per session ``[B, H]`` through ``layers``; MoE rows are batched."""
-        positions = _PerDevice(batch.positions)
+    def decode_layers(self, layers: range, hidden: torch.Tensor, batch: DecodeBatch,
+                      static_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one token per session ``[B, H]`` through ``layers``; MoE rows are batched.
+
+        With ``--cuda-graphs`` the layers run as a captured CUDA graph where the shapes allow
+        (graphs.py; eager otherwise). ``static_positions`` (``[B]`` on the layers' device) is the
+        body that graph captures: attention over the whole KV capacity (``static``), no host values.
+        """
+        if static_positions is None and self.settings.cuda_graphs:
+            graphed = self._decode_graphs().decode_layers(layers, hidden, batch)
+            if graphed is not None:
+                return graphed
+        positions = _PerDevice(batch.positions) if static_positions is None else None
+        static = static_positions is not None
         for layer in layers:
             device = self.model.weights.device_of(layer)
             hidden = hidden.to(device)
-            on_device = positions.on(device)  # [B]
+            on_device = positions.on(device) if positions is not None else static_positions  # [B]
             hidden = torch.cat([
-                self.model.attention(layer, hidden[b:b + 1], on_device[b:b + 1], session.kv, session.n_tokens + 1)
+                self.model.attention(layer, hidden[b:b + 1], on_device[b:b + 1], session.kv, session.n_tokens + 1,
+                                     static=static)
                 for b, session in enumerate(batch.sessions)
             ])  # [B, H]
             hidden = self.model.moe(layer, hidden, self.experts.rows_for(device))
             self._notify(layer, hidden)
         return hidden
+
+    def _decode_graphs(self) -> DecodeGraphs:
+        """The CUDA-graph cache of ``--cuda-graphs`` (created on first use)."""
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self)
+        return self._graphs
 
     # --- sessions ---------------------------------------------------------------------------------
 

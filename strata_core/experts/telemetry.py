@@ -4,6 +4,12 @@ CUDA timings are pairs of events resolved only in ``snapshot()`` (once per reque
 the compute path); CPU timings are wall-clock spans. Counters known only on the device (hits;
 everything the decode gather counts) are accumulated there (``add_counts``: a tensor add, no host
 read) and read in ``snapshot()``.
+
+CUDA-graph capture (graphs.py) runs the decode under ``capturing(sink)``: ``timed()`` records no
+events there (a graph replays its work without the Python that would append event pairs, and timing
+events are not capture-safe), and ``add_counts`` adds in place into tensors of ``sink`` that the
+graph owns, so each replay recomputes one window's counts; the graph runner folds them in after
+each replay. Outside ``capturing`` nothing changes.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class ExpertTelemetry:
     """Counters since the last ``reset()``; ``snapshot()`` is what the engine, server and bench read."""
 
     def __init__(self) -> None:
+        self._sink: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -44,6 +51,13 @@ class ExpertTelemetry:
         """Add ``values [len(names)]`` (integers on the computing device) to the counters ``names``
         (``expert_hits``, ``experts_<source>``, ``bytes_streamed``); no host read until ``snapshot()``."""
         key = (names, values.device)
+        if self._sink is not None:  # inside a graph capture (or its warm-up): in place, graph-owned
+            held = self._sink.get(key)
+            if held is None:
+                self._sink[key] = values.to(torch.int64, copy=True)
+            else:
+                held.add_(values)
+            return
         acc = self._device.get(key)
         self._device[key] = values.to(torch.int64) if acc is None else acc + values
 
@@ -58,8 +72,10 @@ class ExpertTelemetry:
     @contextmanager
     def timed(self, kind: str, device: torch.device) -> Iterator[None]:
         """Time the work of ``kind`` ("copy" or "compute") enqueued inside the block (events on
-        CUDA, wall clock on CPU)."""
-        if device.type == "cuda":
+        CUDA, wall clock on CPU); nothing inside ``capturing``."""
+        if self._sink is not None:
+            yield
+        elif device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
@@ -73,6 +89,16 @@ class ExpertTelemetry:
     def compute(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
         """Time the expert compute enqueued inside the block."""
         return self.timed("compute", device)
+
+    @contextmanager
+    def capturing(self, sink: dict[tuple[tuple[str, ...], torch.device], torch.Tensor]) -> Iterator[None]:
+        """Inside the block ``add_counts`` accumulates into ``sink`` (in place after the first add of a
+        key) and ``timed()`` records nothing: the mode of a CUDA-graph capture and its warm-up."""
+        previous, self._sink = self._sink, sink
+        try:
+            yield
+        finally:
+            self._sink = previous
 
     # --- reading -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float | int]:

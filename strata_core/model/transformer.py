@@ -44,12 +44,15 @@ class MoEModel:
         return table[tokens.to(table.device)]  # [T, H]
 
     def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                  n_ctx: int | None = None) -> torch.Tensor:
+                  n_ctx: int | None = None, static: bool = False) -> torch.Tensor:
         """``h + attn(rms_norm(h))`` for ``h [T, H]`` at ``positions [T]``; writes K/V into ``kv``.
 
         Causal over every cached position ``<=`` the query's position. ``n_ctx`` is the number of
         positions visible after this chunk (its largest position + 1): callers that know it pass it
         with ``positions`` already on ``h``'s device, so a CUDA layer needs no host synchronisation.
+        ``static`` (a decode window captured as a CUDA graph, graphs.py): attend over the whole KV
+        capacity with the causal mask built on the device from ``positions``, as on the CPU, so no
+        shape depends on the step; ``n_ctx`` is then ignored.
         """
         s, w = self.spec, self.weights.layers[layer]
         T = h.shape[0]
@@ -71,7 +74,7 @@ class MoEModel:
         kv.write(layer, positions, k, v)
         # On the CPU attend over the whole cache (masked) so every query sees the same shapes
         # whatever the chunk or batch: logits are then bit-identical across both.
-        if h.device.type == "cpu":
+        if h.device.type == "cpu" or static:
             n_ctx = kv.max_tokens
         elif n_ctx is None:
             n_ctx = int(positions.max()) + 1

@@ -1,0 +1,266 @@
+"""``--cuda-graphs``: a decode window's layers captured once as a CUDA graph and replayed.
+
+Decode is host-bound (BENCHMARKS.md: ~200 ms of host per token while the GPU is busy ~56 ms); a
+replayed graph launches the whole layer stack with one call. What is captured is
+``Engine.decode_layers`` only (attention + MoE of every layer of the stage), never a hook: the
+strategy's ``strata_decode_window`` (and every observer wrapping it) runs as before, embeds the
+tokens and runs the head eagerly around the replay.
+
+Where the shapes allow, and only there: one CUDA device in the plan, the decode gather on (it has
+no host read: ``--arena pinned`` with every layer pinned, ``--pcie-frac 1``, Triton), no
+``--adapt-swaps`` (it changes the cache between windows on a copy stream) and no layer observers
+(``--dbg-nan`` reads each layer on the host). Anywhere else the window runs eagerly and the reason
+is logged once.
+
+Static shapes: the captured body attends over the whole KV capacity, masked on the device from the
+positions (``MoEModel.attention(static=True)``, what the CPU path always does); the hidden input
+and the positions are static device buffers refilled before each replay (a device copy, and a
+non-blocking copy from pinned host memory); the output stays in the graph's pool and is returned as
+a clone. A graph reads and writes the KV tensors of the sessions it was captured with, so it is
+cached per (B, layers, session ids) together with the addresses of those tensors: a released
+session (its tensors dropped), a moved one (new tensors) or a new set of sessions captures again;
+truncating or restoring a session keeps its tensors, so its graph stays valid. At most
+``max_graphs`` graphs are kept (least recently used first out); dead sessions' graphs are purged.
+
+Telemetry inside the graph (``ExpertTelemetry.capturing``): no CUDA timing events (copy/compute
+seconds are not measured for replayed windows, so the bench's link GB/s reads 0); the gather's
+device counters are in-place adds into graph-owned tensors that each replay recomputes, folded into
+the telemetry after the replay (one device add, no host read); the host-side counters a window
+bumps (routed pairs, tokens of the usage profile) are measured once at capture and added per
+replay; the routing counts of the usage profile are in-place ``index_add_`` on their own tensor.
+
+Capture: the first graph of a (B, layers) is preceded by ``warmup`` eager windows on a side stream
+(lazy initialisation, Triton compilation; torch.cuda.graphs' advice). They rewrite the same KV rows
+with the same values, and their telemetry is discarded. Capturing synchronises the device once per
+new set of sessions; a replay does not synchronise.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from strata_core.engine import Engine
+    from strata_core.session import DecodeBatch, Session
+
+__all__ = ["DecodeGraphs"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int, int, tuple[int, ...]]  # (B, first layer, stop layer, session ids)
+
+
+@dataclass
+class _Graph:
+    """One captured window: the graph and the static tensors it reads and writes."""
+
+    graph: Any  # torch.cuda.CUDAGraph (or a test fake with replay())
+    hidden: torch.Tensor  # [B, H] static input
+    positions: torch.Tensor  # [B] int64 static input
+    out: torch.Tensor  # [B, H] static output (in the graph's pool)
+    sink: dict = field(default_factory=dict)  # (counter names, device) -> int64 counts of one replay
+    host_delta: dict[str, int] = field(default_factory=dict)  # host counters one window adds
+    signature: tuple = ()
+    sessions: tuple[weakref.ref, ...] = ()
+
+
+class DecodeGraphs:
+    """The CUDA graphs of one engine's decode windows, keyed by (B, layers, session ids).
+
+    ``decode_layers(layers, hidden, batch)`` replays (capturing first where needed) and returns the
+    layers' output ``[B, H]``, or None when the window must run eagerly (the reason is logged once).
+    """
+
+    def __init__(self, engine: Engine, max_graphs: int = 4, warmup: int = 2):
+        self.engine, self.max_graphs, self.warmup = engine, max_graphs, warmup
+        self._graphs: OrderedDict[Key, _Graph] = OrderedDict()
+        self._warm: set[tuple[int, int, int]] = set()
+        self._said: set[str] = set()
+        self.failed: str | None = None  # a capture failed: eager from then on
+        self.captures = 0
+
+    # --- where graphs apply ----------------------------------------------------------------------
+
+    def why_not(self, layers: range, batch: DecodeBatch) -> str | None:
+        """Why this window cannot be replayed as a graph, or None when it can."""
+        engine = self.engine
+        if self.failed is not None:
+            return self.failed
+        devices = {engine.model.weights.device_of(layer) for layer in layers}
+        if len(set(engine.plan.devices)) != 1 or len(devices) != 1:
+            return "the decode spans several devices (one CUDA device only)"
+        device = devices.pop()
+        if device.type != "cuda":
+            return f"the decode runs on {device}, not a CUDA device"
+        rows = engine.experts.rows_for(device)
+        if not (getattr(rows, "gather", False) and getattr(rows, "decoding", False)):
+            return (f"the decode gather is off on {device} (it needs --arena pinned with every layer "
+                    "pinned, --pcie-frac 1 and Triton)")
+        if engine.settings.adapt_swaps:
+            return "--adapt-swaps changes the expert cache between windows"
+        if engine.layer_observers:
+            return "layer observers (e.g. --dbg-nan) run host code after each layer"
+        return None
+
+    def _say(self, reason: str) -> None:
+        if reason not in self._said:
+            self._said.add(reason)
+            log.info("cuda graphs: decode runs eagerly: %s", reason)
+
+    # --- the cache -------------------------------------------------------------------------------
+
+    @staticmethod
+    def key(layers: range, batch: DecodeBatch) -> Key:
+        return (len(batch.sessions), layers.start, layers.stop, tuple(s.id for s in batch.sessions))
+
+    @staticmethod
+    def signature(layers: range, sessions: tuple[Session, ...]) -> tuple | None:
+        """Addresses of the KV tensors a graph of ``sessions`` reads and writes; None if released."""
+        out = []
+        for session in sessions:
+            kv = session.kv
+            try:
+                out.append((kv.max_tokens, *((kv.k[i].data_ptr(), kv.v[i].data_ptr()) for i in layers)))
+            except KeyError:
+                return None
+        return tuple(out)
+
+    def invalidate(self, session: Session | None = None) -> None:
+        """Drop the graphs of ``session`` (every graph if None)."""
+        for key in [k for k in self._graphs if session is None or session.id in k[3]]:
+            del self._graphs[key]
+
+    def _purge(self) -> None:
+        """Drop graphs whose sessions are gone or released."""
+        for key, entry in list(self._graphs.items()):
+            alive = [ref() for ref in entry.sessions]
+            if any(s is None or not s.kv.k for s in alive):
+                del self._graphs[key]
+
+    def entry(self, layers: range, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
+        """The graph of this window: the cached one if still valid, else a new capture."""
+        self._purge()
+        key, sig = self.key(layers, batch), self.signature(layers, batch.sessions)
+        entry = self._graphs.get(key)
+        if entry is not None and entry.signature == sig:
+            self._graphs.move_to_end(key)
+            return entry
+        self._graphs.pop(key, None)
+        entry = self._capture(layers, batch, hidden)
+        self.captures += 1
+        entry.signature = sig
+        entry.sessions = tuple(weakref.ref(s) for s in batch.sessions)
+        self._graphs[key] = entry
+        while len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    # --- replay ----------------------------------------------------------------------------------
+
+    def decode_layers(self, layers: range, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
+        """``[B, H]`` after ``layers`` by graph replay, or None: run the window eagerly."""
+        reason = self.why_not(layers, batch)
+        if reason is not None:
+            self._say(reason)
+            return None
+        try:
+            entry = self.entry(layers, batch, hidden)
+        except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for good
+            self.failed = f"capture failed ({type(exc).__name__}: {exc})"
+            log.warning("cuda graphs: %s; decode runs eagerly from now on", self.failed)
+            self._graphs.clear()
+            return None
+        entry.hidden.copy_(hidden)
+        entry.positions.copy_(batch.positions.pin_memory(), non_blocking=True)
+        entry.graph.replay()
+        self._account(entry)
+        return entry.out.clone()
+
+    def _account(self, entry: _Graph) -> None:
+        """Fold one replay's counters into the telemetry (device adds, no host read)."""
+        telemetry = self.engine.telemetry
+        for (names, _), counts in entry.sink.items():
+            telemetry.add_counts(names, counts.clone())
+        _add_host(self.engine, entry.host_delta)
+
+    # --- capture ---------------------------------------------------------------------------------
+
+    def _capture(self, layers: range, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
+        engine, device = self.engine, hidden.device
+        static_hidden = hidden.clone()
+        static_positions = torch.empty(len(batch), dtype=torch.int64, device=device)
+        static_positions.copy_(batch.positions.pin_memory(), non_blocking=True)
+        caches = engine.experts.caches.values()
+        for cache in caches:  # swaps still landing: wait now, not inside the capture
+            for layer in layers:
+                cache.wait_layer(layer)
+        usages = _usages(engine)
+        host_before = _read_host(engine)
+        counts_before = [u.counts.clone() for u in usages]
+
+        def body() -> torch.Tensor:
+            return engine.decode_layers(layers, static_hidden, batch, static_positions=static_positions)
+
+        sink: dict = {}
+        try:
+            warm = (len(batch), layers.start, layers.stop)
+            if warm not in self._warm:
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with engine.telemetry.capturing({}), torch.cuda.stream(side):
+                    for _ in range(self.warmup):
+                        body()
+                torch.cuda.current_stream(device).wait_stream(side)
+                for usage, counts in zip(usages, counts_before):
+                    usage.counts.copy_(counts)  # the warm-up's routings are not usage
+                self._warm.add(warm)
+            host_mid = _read_host(engine)
+            graph = torch.cuda.CUDAGraph()
+            with engine.telemetry.capturing(sink), torch.cuda.graph(graph):
+                out = body()
+            delta = {k: v - host_mid[k] for k, v in _read_host(engine).items()}
+        finally:
+            _write_host(engine, host_before)
+        log.info("cuda graphs: captured a decode window of %d session(s) over layers %d..%d",
+                 len(batch), layers.start, layers.stop - 1)
+        return _Graph(graph, static_hidden, static_positions, out, sink, delta)
+
+
+# --- host-side counters a window bumps (measured at capture, added per replay) ---------------------
+
+def _usages(engine: Engine) -> list:
+    rows = [engine.experts.rows_for(device) for device in dict.fromkeys(engine.plan.devices)]
+    return [r.usage for r in rows if hasattr(r, "usage")]
+
+
+def _read_host(engine: Engine) -> dict[str, int]:
+    t = engine.telemetry
+    out = {"routed": t.routed, "bytes_copied": t.bytes_copied, "swaps": t.swaps}
+    out.update({f"experts.{k}": v for k, v in t.experts.items()})
+    out.update({f"usage.{i}": u.tokens for i, u in enumerate(_usages(engine))})
+    return out
+
+
+def _write_host(engine: Engine, values: dict[str, int]) -> None:
+    t, usages = engine.telemetry, _usages(engine)
+    for name, value in values.items():
+        if name.startswith("experts."):
+            t.experts[name.split(".", 1)[1]] = value
+        elif name.startswith("usage."):
+            usages[int(name.split(".", 1)[1])].tokens = value
+        else:
+            setattr(t, name, value)
+
+
+def _add_host(engine: Engine, delta: dict[str, int]) -> None:
+    current = _read_host(engine)
+    _write_host(engine, {k: current[k] + v for k, v in delta.items() if v})

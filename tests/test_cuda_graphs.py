@@ -1,0 +1,197 @@
+"""``--cuda-graphs``: eager fallback where graphs do not apply, the capture cache, and (on CUDA)
+replayed windows equal to eager ones."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from strata_core.engine import Engine
+from strata_core.graphs import DecodeGraphs, _Graph
+from strata_core.model import KVCache
+from strata_core.session import DecodeBatch, Session
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _decode(engine: Engine, prompts: list[list[int]], windows: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Greedy decode of every prompt in one batch: logits of each window ``[B, V]`` and the tokens."""
+    sessions = [engine.new_session() for _ in prompts]
+    tokens = [int(engine.prefill(s, p).argmax()) for s, p in zip(sessions, prompts)]
+    out, logits = [[t] for t in tokens], []
+    for _ in range(windows):
+        rows = engine.decode_window(list(zip(sessions, tokens)))
+        logits.append(rows.cpu())
+        tokens = [int(r.argmax()) for r in rows]
+        for seq, t in zip(out, tokens):
+            seq.append(t)
+    return logits, out
+
+
+# --- CPU ------------------------------------------------------------------------------------------
+
+def test_cpu_falls_back_to_eager_with_identical_logits(tiny_model_factory, caplog):
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    prompts = [list(range(5, 30)), list(range(40, 52))]
+    want, want_tokens = _decode(Engine.load(path, devices=["cpu"], max_context=64), prompts, 4)
+    engine = Engine.load(path, devices=["cpu"], max_context=64, cuda_graphs=True)
+    with caplog.at_level(logging.INFO, logger="strata_core.graphs"):
+        got, got_tokens = _decode(engine, prompts, 4)
+    assert got_tokens == want_tokens
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    said = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(said) == 1 and "not a CUDA device" in said[0]  # once, with the reason
+    assert len(engine._decode_graphs()) == 0
+
+
+def test_static_body_matches_the_eager_layers_on_cpu(tiny_model_factory):
+    """The body a graph captures (whole-capacity attention, device positions) on the CPU."""
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    engine = Engine.load(path, devices=["cpu"], max_context=64)
+    sessions = [engine.new_session(), engine.new_session()]
+    engine.prefill(sessions[0], list(range(5, 20)))
+    engine.prefill(sessions[1], list(range(7, 11)))
+    batch = DecodeBatch(sessions=tuple(sessions), tokens=torch.tensor([3, 9]))
+    layers = engine.plan.stages[0].layers
+    hidden = engine.embed(batch.tokens, torch.device("cpu"))
+    eager = engine.decode_layers(layers, hidden, batch)
+    static = engine.decode_layers(layers, hidden, batch, static_positions=batch.positions)
+    assert torch.equal(eager, static)
+
+
+class _CountingGraphs(DecodeGraphs):
+    """The cache logic with the capture replaced by a fake."""
+
+    def __init__(self, max_graphs: int = 4):
+        super().__init__(engine=None, max_graphs=max_graphs)  # type: ignore[arg-type]
+
+    def _capture(self, layers, batch, hidden):
+        return _Graph(graph=None, hidden=hidden, positions=batch.positions, out=hidden)
+
+
+def _session(max_tokens: int = 8) -> Session:
+    return Session(kv=KVCache(range(2), max_tokens, n_kv_heads=1, head_dim=4))
+
+
+def _batch(*sessions: Session) -> DecodeBatch:
+    return DecodeBatch(sessions=sessions, tokens=torch.zeros(len(sessions), dtype=torch.int64))
+
+
+def test_capture_cache_is_keyed_by_sessions_and_batch_size():
+    graphs, layers, hidden = _CountingGraphs(), range(2), torch.zeros(1, 4)
+    a, b = _session(), _session()
+    first = graphs.entry(layers, _batch(a), hidden)
+    assert graphs.entry(layers, _batch(a), hidden) is first and graphs.captures == 1  # reused
+    a.tokens.extend([1, 2, 3])
+    a.kv.advance(3)
+    assert graphs.entry(layers, _batch(a), hidden) is first  # a longer context: the same graph
+    graphs.entry(layers, _batch(b), hidden)  # another session: its own graph
+    graphs.entry(layers, _batch(a, b), hidden)  # B = 2
+    graphs.entry(layers, _batch(b, a), hidden)  # another order: another graph
+    assert graphs.captures == 4 and len(graphs) == 4
+    assert graphs.entry(layers, _batch(a, b), hidden) is not None and graphs.captures == 4
+    assert DecodeGraphs.key(layers, _batch(a, b)) == (2, 0, 2, (a.id, b.id))
+
+
+def test_capture_cache_invalidation():
+    graphs, layers, hidden = _CountingGraphs(), range(2), torch.zeros(1, 4)
+    a, b = _session(), _session()
+    first = graphs.entry(layers, _batch(a), hidden)
+    a.truncate(0)  # truncation keeps the KV tensors: still valid
+    a.kv.restore(a.kv.snapshot())  # so does a restore into the same tensors
+    assert graphs.entry(layers, _batch(a), hidden) is first
+    a.kv.to("cpu")  # no copy: same tensors
+    a.kv.k[1] = a.kv.k[1].clone()  # a moved layer: new tensors -> capture again
+    second = graphs.entry(layers, _batch(a), hidden)
+    assert second is not first and graphs.captures == 2
+    graphs.entry(layers, _batch(a, b), hidden)
+    assert graphs.captures == 3 and len(graphs) == 2
+    b.kv.release()  # a released session's graphs are purged
+    assert graphs.entry(layers, _batch(a), hidden) is second
+    assert len(graphs) == 1 and graphs.captures == 3
+    graphs.invalidate(a)
+    assert len(graphs) == 0
+    graphs.entry(layers, _batch(a), hidden)
+    assert graphs.captures == 4
+    del a  # a dead session's graph goes too
+    graphs.entry(layers, _batch(_session()), hidden)
+    assert len(graphs) == 1
+
+
+def test_capture_cache_keeps_the_most_recent_graphs():
+    graphs, layers, hidden = _CountingGraphs(max_graphs=2), range(2), torch.zeros(1, 4)
+    a, b, c = _session(), _session(), _session()
+    graphs.entry(layers, _batch(a), hidden)
+    graphs.entry(layers, _batch(b), hidden)
+    graphs.entry(layers, _batch(a), hidden)  # a is now the most recent
+    graphs.entry(layers, _batch(c), hidden)  # evicts b
+    assert graphs.captures == 3 and len(graphs) == 2
+    graphs.entry(layers, _batch(a), hidden)
+    assert graphs.captures == 3
+    graphs.entry(layers, _batch(b), hidden)
+    assert graphs.captures == 4
+
+
+# --- CUDA -----------------------------------------------------------------------------------------
+
+def _cuda_engine(path, graphs: bool) -> Engine:
+    return Engine.load(path, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned",
+                       expert_cache=7, cuda_graphs=graphs)
+
+
+@needs_cuda
+@pytest.mark.parametrize("n_sessions", [1, 2])
+def test_graph_windows_equal_eager_windows(tiny_model_factory, n_sessions):
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    prompts = [list(range(5, 60)), list(range(70, 90))][:n_sessions]
+    want, want_tokens = _decode(_cuda_engine(path, False), prompts, 12)
+    engine = _cuda_engine(path, True)
+    got, got_tokens = _decode(engine, prompts, 12)
+    graphs = engine._decode_graphs()
+    assert graphs.failed is None and graphs.captures == 1 and len(graphs) == 1
+    assert got_tokens == want_tokens
+    diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
+    assert diff <= 1e-5, diff
+
+
+@needs_cuda
+def test_graph_windows_keep_the_telemetry(tiny_model_factory):
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    prompts = [list(range(5, 60)), list(range(70, 90))]
+    snaps, profiles = [], []
+    for graphs in (False, True):
+        engine = _cuda_engine(path, graphs)
+        _decode(engine, prompts, 6)
+        snaps.append(engine.telemetry.snapshot())
+        profiles.append(engine.experts.usage_profile())
+    names = ("expert_hits", "expert_misses", "experts_resident", "experts_pcie", "bytes_streamed")
+    assert {n: snaps[1][n] for n in names} == {n: snaps[0][n] for n in names}
+    assert torch.equal(profiles[1].counts, profiles[0].counts) and profiles[1].tokens == profiles[0].tokens
+
+
+@needs_cuda
+def test_replayed_windows_make_no_host_sync_and_a_new_session_set_captures_again(tiny_model_factory):
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    engine = _cuda_engine(path, True)
+    session = engine.new_session()
+    token = int(engine.prefill(session, list(range(5, 40))).argmax())
+    token = int(engine.decode_window([(session, token)])[0].argmax())  # captures
+    for _ in range(4):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            row = engine.decode_window([(session, token)])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        token = int(row[0].argmax())
+    graphs = engine._decode_graphs()
+    assert graphs.captures == 1
+    other = engine.new_session()
+    engine.prefill(other, list(range(9, 20)))
+    engine.decode_window([(session, token), (other, 3)])
+    assert graphs.captures == 2
+    engine.release_session(other)
+    engine.decode_window([(session, token)])
+    assert graphs.captures == 2 and len(graphs) == 1  # the released session's graph is purged
