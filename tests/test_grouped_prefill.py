@@ -7,34 +7,18 @@ import random
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
 
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.experts.backend import build_expert_backend
 from strata_core.experts.grouped import dequantize_experts, expert_groups, grouped_ffn, padded_index
-from strata_core.experts.rows import DequantExpertRows, expert_ffn
-from strata_core.experts.weights import ExpertWeights
-from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
-from strata_core.synthetic import PRESETS, write_synthetic
+from strata_core.experts.rows import expert_ffn
 from strata_core.topology import Stage, TopologyPlan
 
 CPU = torch.device("cpu")
 PROMPT = list(range(7, 40))
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def synthetic(tmp_path_factory):
-    """A 2-layer, 16-expert, top-4 Q4_K model (hidden 256, expert FFN 256) and its reference rows."""
-    path = tmp_path_factory.mktemp("grouped") / "tiny-q4k.gguf"
-    write_synthetic(path, PRESETS["tiny"], expert_type=Q.Q4_K, dense_type=Q.Q8_0, progress=False)
-    gguf_file = GGUFFile.open(path)
-    spec = load_model_spec(gguf_file)
-    weights = ExpertWeights(gguf_file, spec)
-    return weights, spec, DequantExpertRows(weights)
 
 
 def _backend(synthetic, **options):
