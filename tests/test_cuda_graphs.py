@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
+from strata_core.testing.sync import no_host_sync
 from strata_core.graphs import DecodeGraphs, _Graph
 from strata_core.model import KVCache
 from strata_core.session import DecodeBatch, Session
@@ -179,12 +180,8 @@ def test_replayed_windows_make_no_host_sync_and_a_new_session_set_captures_again
     token = int(engine.prefill(session, list(range(5, 40))).argmax())
     token = int(engine.decode_window([(session, token)])[0].argmax())  # captures
     for _ in range(4):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             row = engine.decode_window([(session, token)])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         token = int(row[0].argmax())
     graphs = engine._decode_graphs()
     assert graphs.captures == 1

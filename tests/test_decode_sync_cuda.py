@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
+from strata_core.testing.sync import no_host_sync
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -25,12 +26,8 @@ def test_decode_window_makes_no_host_sync_and_matches_the_cpu(tiny_model_factory
     token = int(engine.prefill(session, ids).argmax())
     out = [token]
     for _ in range(11):
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with no_host_sync():
             row = engine.decode_window([(session, token)])
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         token = int(row[0].argmax())
         out.append(token)
     assert engine.tokenizer.decode(out) == want

@@ -8,6 +8,9 @@ Fixtures:
 * ``tiny_model_factory`` — build a tiny model file with chosen sizes and block types.
 * ``logical_devices`` — ``["cpu", "cpu"]``, plus ``["cuda:0", "cuda:0"]`` where CUDA exists: every
   topology runs on logical devices.
+
+:func:`strata_core.testing.sync.no_host_sync` checks on CUDA that a decode window enqueues its
+work without a host synchronisation.
 """
 
 from __future__ import annotations
