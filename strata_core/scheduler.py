@@ -123,7 +123,9 @@ class Scheduler:
         self.max_queue = max_queue
         self.cache = ConvCache(conv_cache, conv_cache_bytes)
         self.stats = SchedulerStats()
-        self.telemetry: dict[str, Any] = {}  # the engine's counters, copied by the worker
+        # The engine's counters as last read by the worker (after every engine call that moves
+        # them): the base of the next request's figures, and what /metrics shows.
+        self.telemetry: dict[str, Any] = dict(engine.telemetry.snapshot())
         self._slots = [_Slot() for _ in range(parallel)]
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
@@ -176,7 +178,6 @@ class Scheduler:
                 self._drop_cancelled()
                 self._admit()
                 self._window()
-                self.telemetry = dict(self.engine.telemetry.snapshot())  # for /metrics
             except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
                 log.exception("scheduler step failed")
                 for slot in [s for s in self._slots if s.job]:
@@ -217,15 +218,16 @@ class Scheduler:
         try:
             slot, cached = self._place(job, idle)
             start = time.perf_counter()
-            before = self.engine.telemetry.snapshot()
+            before = self.telemetry
             logits = self.engine.prefill(job.session, prompt[cached:])
-            job.timings.prompt_experts.add(before, self.engine.telemetry.snapshot())
+            job.timings.prompt_experts.add(before, self._read_telemetry())
             t = job.timings
             t.cache_n, t.prompt_n = cached, len(prompt) - cached
             t.prompt_ms = (time.perf_counter() - start) * 1000.0
             job.decode_start = time.perf_counter()
             self._accept(job, logits)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            self._read_telemetry()
             self._fail(job, exc)
             if slot is not None:
                 self._drop_session(slot)
@@ -279,16 +281,16 @@ class Scheduler:
             return
         before = [j.session.n_tokens for j in jobs]
         start = time.perf_counter()
-        counters = self.engine.telemetry.snapshot()
+        counters = self.telemetry
         try:
             logits = self.engine.decode_window([(j.session, j.pending) for j in jobs])
             rows = list(zip(jobs, logits))
-            after = self.engine.telemetry.snapshot()
-            for job in jobs:
-                job.timings.decode_experts.add(counters, after)
         except Exception:  # noqa: BLE001 - retry alone to find the failing request
             log.exception("decode window of %d failed; retrying each request alone", len(jobs))
             rows = self._isolate(jobs, before)
+        after = self._read_telemetry()
+        for job, _ in rows:
+            job.timings.decode_experts.add(counters, after)
         self.stats.windows += 1
         self.stats.decode_seconds += time.perf_counter() - start
         for job, row in rows:
@@ -296,6 +298,11 @@ class Scheduler:
         for slot in self._slots:
             if slot.job and slot.job.pending < 0:
                 self._free(slot)
+
+    def _read_telemetry(self) -> dict[str, Any]:
+        """Read the engine's counters (once per engine call that moves them) and keep them."""
+        self.telemetry = dict(self.engine.telemetry.snapshot())
+        return self.telemetry
 
     def _isolate(self, jobs: list[_Job], before: list[int]) -> list[tuple[_Job, torch.Tensor]]:
         rows = []
