@@ -102,6 +102,7 @@ class StrataSettings(BaseSettings):
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")
     api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY`")
     model_alias: str | None = Field(None, description="model name served at /v1/models")
+    max_body_mib: float = Field(8.0, gt=0, description="largest request body the server reads (MiB); larger is 413")
 
     # --- observers and plugins -------------------------------------------------------------------
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")

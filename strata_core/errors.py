@@ -28,3 +28,12 @@ class BudgetError(StrataError):
 
 class RequestError(StrataError):
     """A generation request is invalid (prompt too long for the context, bad parameters)."""
+
+
+class InvalidParamError(RequestError):
+    """A request parameter is invalid; ``param`` names it (the server's 400 body carries it)."""
+
+    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code

@@ -12,13 +12,17 @@ from strata_core.errors import RequestError, StrataError
 from strata_core.sampling import SamplingParams
 
 __all__ = [
-    "ContextLengthError", "Delta", "ExpertUsage", "Finished", "GenerationRequest", "SchedulerStats", "ServerBusyError", "Timings",
+    "ContextLengthError", "Delta", "ExpertUsage", "Finished", "GenerationRequest", "RequestCancelled", "SchedulerStats", "ServerBusyError", "Timings",
     "TokenLogprob",
 ]  # fmt: skip
 
 
 class ServerBusyError(StrataError):
     """Every slot is busy and the queue is full (HTTP 503)."""
+
+
+class RequestCancelled(StrataError):
+    """The request was cancelled (its client went away) before it finished."""
 
 
 class ContextLengthError(RequestError):

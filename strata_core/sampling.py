@@ -2,9 +2,10 @@
 
 The transforms run in the order of llama.cpp's default sampler chain:
 
-1. penalties over the last ``repeat_last_n`` tokens of ``history``: a repeated token's logit is
-   divided by ``repetition_penalty`` when positive and multiplied by it when not, then lowered by
-   ``count * frequency_penalty + presence_penalty``;
+1. ``logit_bias`` added to its tokens' logits; then penalties over the last ``repeat_last_n``
+   tokens of ``history``: a repeated token's logit is divided by ``repetition_penalty`` when
+   positive and multiplied by it when not, then lowered by ``count * frequency_penalty +
+   presence_penalty``;
 2. top-k: keep the ``top_k`` largest logits (ties go to the lower id);
 3. top-p: keep the smallest set of most likely tokens whose probability reaches ``top_p``;
 4. min-p: keep tokens whose probability is at least ``min_p`` times the top one's;
@@ -24,14 +25,27 @@ from collections.abc import Sequence
 
 import torch
 
-from strata_core.errors import RequestError
+from strata_core.errors import InvalidParamError
+from strata_core.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 
-__all__ = ["SampleResult", "Sampler", "SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "SEED_RANGE", "SampleResult", "Sampler", "SamplingParams"]
+
+#: seeds a ``torch.Generator`` takes: any signed or unsigned 64-bit integer
+SEED_RANGE = range(-(2**63), 2**64)
+MAX_LOGPROBS = 20
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. Invalid values raise ``RequestError`` naming the field.
+    """How to pick tokens and when to stop. Invalid values raise ``InvalidParamError`` naming the field.
 
     ``top_k=0``, ``top_p=1``, ``min_p=0`` and penalties of 1/0 switch those steps off;
     ``seed=None`` draws a fresh seed; ``max_tokens=None`` generates until an end token or the
@@ -51,28 +65,41 @@ class SamplingParams:
     max_tokens: int | None = None
     stop: tuple[str, ...] = field(default=())
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         else:
             object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "logit_bias", tuple((i, b) for i, b in self.logit_bias))
         checks = [
-            ("temperature", math.isfinite(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
-            ("top_k", self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("repetition_penalty", math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0, "a finite number > 0"),
-            ("frequency_penalty", math.isfinite(self.frequency_penalty), "a finite number"),
-            ("presence_penalty", math.isfinite(self.presence_penalty), "a finite number"),
-            ("repeat_last_n", self.repeat_last_n >= 0, "an integer >= 0"),
-            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, "an integer >= 1 or None"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
-            ("logprobs", self.logprobs is None or self.logprobs >= 0, "an integer >= 0 or None"),
+            ("temperature", _finite(self.temperature) and self.temperature >= 0, "a finite number >= 0"),
+            ("top_k", _int(self.top_k) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
+            ("top_p", _finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("min_p", _finite(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", _finite(self.repetition_penalty) and 0.01 <= self.repetition_penalty <= 100,
+             "in [0.01, 100]"),
+            ("frequency_penalty", _finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("presence_penalty", _finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("repeat_last_n", _int(self.repeat_last_n) and self.repeat_last_n >= 0, "an integer >= 0"),
+            ("seed", self.seed is None or (_int(self.seed) and self.seed in SEED_RANGE),
+             "a 64-bit integer (-2**63 <= seed < 2**64) or None"),
+            ("max_tokens", self.max_tokens is None or (_int(self.max_tokens) and self.max_tokens >= 1),
+             "an integer >= 1 or None"),
+            ("stop", len(self.stop) <= MAX_STOPS, f"at most {MAX_STOPS} strings"),
+            ("stop", all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop),
+             f"non-empty strings of at most {MAX_STOP_CHARS} characters"),
+            ("logprobs", self.logprobs is None or (_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+             f"an integer in [0, {MAX_LOGPROBS}] or None"),
+            ("logit_bias", all(_int(i) and i >= 0 and _finite(b) for i, b in self.logit_bias),
+             "pairs of a token id >= 0 and a finite bias"),
         ]
         for name, ok, expected in checks:
             if not ok:
-                raise RequestError(f"sampling parameter {name} must be {expected}, got {getattr(self, name)!r}")
+                shown = repr(getattr(self, name))
+                shown = shown if len(shown) <= 80 else shown[:77] + "..."
+                raise InvalidParamError(f"sampling parameter {name} must be {expected}, got {shown}", name)
 
     @property
     def greedy(self) -> bool:
@@ -127,8 +154,13 @@ class Sampler:
         return SampleResult(token, float(logp[token]), tuple(zip(top.indices.tolist(), top.values.tolist())))
 
     def penalize(self, logits: torch.Tensor, history: Sequence[int]) -> torch.Tensor:
-        """Step 1: repetition, frequency and presence penalties over the recent history (a new tensor)."""
+        """Step 1: logit bias, then repetition, frequency and presence penalties over the recent
+        history (a new tensor when anything changes)."""
         p = self.params
+        if p.logit_bias:
+            logits = logits.clone()
+            ids = torch.tensor([i for i, _ in p.logit_bias], dtype=torch.long)
+            logits[ids] += torch.tensor([b for _, b in p.logit_bias], dtype=logits.dtype)
         recent = list(history)[-p.repeat_last_n :] if p.repeat_last_n else []
         if not recent or (p.repetition_penalty == 1 and p.frequency_penalty == 0 and p.presence_penalty == 0):
             return logits
@@ -159,5 +191,9 @@ class Sampler:
         if self.params.greedy:
             return int(torch.argmax(logits))
         masked = logits.masked_fill(~self.allowed(logits), -math.inf)
-        probs = torch.softmax(masked / self.params.temperature, dim=-1)
+        top = masked.max()
+        if not torch.isfinite(top):
+            raise FloatingPointError(f"cannot sample: the largest allowed logit is {float(top)}")
+        # shifted so the top logit is 0, divided in float64: a tiny temperature cannot make inf - inf or 0 / 0
+        probs = torch.softmax((masked - top).double() / self.params.temperature, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator))

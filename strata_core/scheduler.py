@@ -32,12 +32,14 @@ from strata_core.requests import (
     Delta,
     Finished,
     GenerationRequest,
+    RequestCancelled,
     SchedulerStats,
     ServerBusyError,
     Timings,
     TokenLogprob,
 )
 from strata_core.sampling import SampleResult, Sampler
+from strata_core.stop_strings import StopMatcher
 
 __all__ = ["RequestHandle", "Scheduler"]
 
@@ -70,25 +72,6 @@ class RequestHandle:
                 return
 
 
-class _StopText:
-    """Cut text at the first stop string, holding back what may be the start of one."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
-        self.held = ""
-
-    def push(self, text: str) -> tuple[str, bool]:
-        """Text safe to give out, and whether a stop string was found."""
-        buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.held = ""
-            return buf[: min(hits)], True
-        keep = max((k for s in self.stops for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
-        self.held = buf[len(buf) - keep :]
-        return buf[: len(buf) - keep], False
-
-
 @dataclass
 class _Job:
     """Worker-side state of one request."""
@@ -97,7 +80,7 @@ class _Job:
     handle: RequestHandle
     sampler: Sampler
     decoder: Any
-    stop: _StopText
+    stop: StopMatcher
     history: list[int]
     session: Any = None
     pending: int = -1  # the sampled token the next window feeds
@@ -153,16 +136,15 @@ class Scheduler:
             raise RequestError("the prompt is empty")
         if n > self.max_context:
             raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}")
-        with self._lock:
+        handle = RequestHandle(self, asyncio.get_running_loop())
+        job = _Job(request, handle, Sampler(request.params), self.engine.tokenizer.stream_decoder(),
+                   StopMatcher(request.params.stop), list(request.prompt))  # fmt: skip
+        with self._lock:  # counted last: nothing can fail between counting and queueing
             if self._in_flight >= self.parallel + self.max_queue:
                 raise ServerBusyError(
                     f"the server is busy: {self.parallel} slots and {self.max_queue} queued requests are taken; retry later"
                 )
             self._in_flight += 1
-        handle = RequestHandle(self, asyncio.get_running_loop())
-        tok = self.engine.tokenizer
-        job = _Job(request, handle, Sampler(request.params), tok.stream_decoder(), _StopText(list(request.params.stop)),
-                   list(request.prompt))
         self._inbox.put(job)
         return handle
 
@@ -181,9 +163,7 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
                 log.exception("scheduler step failed")
                 for slot in [s for s in self._slots if s.job]:
-                    self._fail(slot.job, exc)
-                    slot.job = None
-                    self._drop_session(slot)
+                    self._fail_in_slot(slot, exc)
             self.stats.active = sum(1 for s in self._slots if s.job)
             self.stats.waiting = len(self._waiting)
         self._shutdown()
@@ -228,10 +208,10 @@ class Scheduler:
             self._accept(job, logits)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
             self._read_telemetry()
-            self._fail(job, exc)
             if slot is not None:
-                self._drop_session(slot)
-                slot.job = None
+                self._fail_in_slot(slot, exc)
+            else:
+                self._fail(job, exc)
         else:
             if job.pending < 0:  # done after its first token
                 self._free(slot)
@@ -294,7 +274,10 @@ class Scheduler:
         self.stats.windows += 1
         self.stats.decode_seconds += time.perf_counter() - start
         for job, row in rows:
-            self._accept(job, row)
+            try:
+                self._accept(job, row)
+            except Exception as exc:  # noqa: BLE001 - one request's failure ends only that request
+                self._fail_in_slot(next(s for s in self._slots if s.job is job), exc)
         for slot in self._slots:
             if slot.job and slot.job.pending < 0:
                 self._free(slot)
@@ -312,10 +295,7 @@ class Scheduler:
                     raise RuntimeError("the decode window failed after this request's step")
                 rows.append((job, self.engine.decode_window([(job.session, job.pending)])[0]))
             except Exception as exc:  # noqa: BLE001
-                self._fail(job, exc)
-                slot = next(s for s in self._slots if s.job is job)
-                self._drop_session(slot)
-                slot.job = None
+                self._fail_in_slot(next(s for s in self._slots if s.job is job), exc)
         return rows
 
     def _accept(self, job: _Job, logits: torch.Tensor) -> None:
@@ -346,11 +326,12 @@ class Scheduler:
         return TokenLogprob(result.token, decode([result.token]), float(result.logprob), alts)
 
     def _end(self, job: _Job, reason: str | None) -> None:
-        """Send Finished (or nothing, for a cancelled request) and count the request out."""
+        """Send Finished (RequestCancelled for a cancelled request) and count the request out."""
         with self._lock:
             self._in_flight -= 1
         if reason is None:
             self.stats.cancelled += 1
+            self._emit(job, RequestCancelled("the request was cancelled"))
             return
         t = job.timings
         t.predicted_n = job.generated
@@ -370,6 +351,13 @@ class Scheduler:
             self._in_flight -= 1
         self.stats.failed += 1
         self._emit(job, exc)
+
+    def _fail_in_slot(self, slot: _Slot, exc: Exception) -> None:
+        """Fail the slot's job and drop its session (its state is unknown after the failure)."""
+        job, slot.job = slot.job, None
+        if job is not None:
+            self._fail(job, exc)
+        self._drop_session(slot)
 
     def _free(self, slot: _Slot) -> None:
         """The slot's job left; its session stays for prefix reuse."""

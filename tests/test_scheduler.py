@@ -5,13 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 from test_server_support import FakeEngine, FakeTokenizer, greedy_reference
 
 from strata_core.sampling import SamplingParams
 from strata_core.requests import ContextLengthError, Delta, Finished, GenerationRequest, ServerBusyError
-from strata_core.scheduler import RequestHandle, Scheduler, _StopText
+from strata_core.scheduler import RequestHandle, Scheduler
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -179,18 +177,3 @@ def test_idle_slot_keeps_its_session_for_the_next_turn() -> None:
     finally:
         scheduler.stop()
     assert end.timings.cache_n == len(first.prompt)
-
-
-@given(st.text("ab\n", max_size=30), st.lists(st.integers(1, 5), max_size=10), st.text("ab\n", min_size=1, max_size=3))
-def test_stop_text_cuts_at_the_first_stop_whatever_the_pieces(text: str, cuts: list[int], stop: str) -> None:
-    matcher, out, pos, stopped = _StopText([stop]), "", 0, False
-    for n in cuts + [len(text)]:
-        piece, pos = text[pos : pos + n], pos + n
-        released, stopped = matcher.push(piece)
-        out += released
-        if stopped:
-            break
-    if not stopped:
-        out += matcher.held
-    expected = text[: text.find(stop)] if stop in text[:pos] else text[:pos]
-    assert out == expected

@@ -207,6 +207,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def live_server(settings: StrataSettings, engine: Any = None) -> Iterator[str]:
     """Run the app under uvicorn on 127.0.0.1 at a free port; yield its base URL."""
+    with serving(settings, engine) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serving(settings: StrataSettings, engine: Any = None) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Like ``live_server``, yielding the base URL and the running ``uvicorn.Server``."""
     port = free_port()
     config = uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=port, log_level="warning",
                             timeout_graceful_shutdown=2)
@@ -219,7 +226,7 @@ def live_server(settings: StrataSettings, engine: Any = None) -> Iterator[str]:
             raise RuntimeError("the server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", server
     finally:
         server.should_exit = True
         thread.join(30)

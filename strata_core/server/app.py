@@ -96,5 +96,6 @@ def create_app(settings: StrataSettings, engine: Any = None) -> Litestar:
         middleware=[BearerAuth(key)] if key else [],
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0"),
+        request_max_body_size=int(settings.max_body_mib * 2**20),
         state=StrataState(),
     )

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
+from litestar.response.base import ASGIResponse
 
 from strata_core.server import metrics
 from strata_core.server import schemas as s
@@ -23,12 +24,20 @@ T = TypeVar("T")
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+class EventStream(Stream):
+    """A ``text/event-stream`` response: Litestar's ``Stream`` lets the handler's JSON media type win."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> ASGIResponse:
+        """The ASGI response, with this response's own media type."""
+        return super().to_asgi_response(*args, **{**kwargs, "media_type": self.media_type})
+
+
 async def _respond(request: Request, handle: RequestHandle, chunks: AsyncIterator[bytes] | None,
                    body: Callable[[Collected], T]) -> T | Stream:
     """Server-sent events when ``chunks`` is given, else the whole body once generation ends
     (cancelled if the client goes away first)."""
     if chunks is not None:
-        return Stream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return EventStream(chunks, media_type="text/event-stream", headers=_SSE_HEADERS)
     async with cancel_on_disconnect(request, handle):
         out = await collect(handle)
     return body(out)
@@ -44,7 +53,7 @@ class ChatController(Controller):
           summary="Generate the next message of a conversation (SSE with stream=true)")
     async def create(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
-        handle = service.chat(data)
+        handle = await service.chat(data)
         chunks = chat_stream(service.model_id, handle, data) if data.stream else None
         return await _respond(request, handle, chunks,
                               lambda out: chat_completion(service.model_id, out, data.logprobs))
@@ -60,7 +69,7 @@ class CompletionsController(Controller):
           summary="Continue a prompt (SSE with stream=true)")
     async def create(self, request: Request, data: JSONBody[s.CompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.Completion | Stream:
-        handle = service.complete(data)
+        handle = await service.complete(data)
         chunks = completion_stream(service.model_id, handle, data) if data.stream else None
         return await _respond(request, handle, chunks,
                               lambda out: completion(service.model_id, out, data.logprobs is not None))

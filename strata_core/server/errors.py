@@ -13,14 +13,15 @@ import re
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from strata_core.errors import StrataError
+from strata_core.errors import InvalidParamError, StrataError
 from strata_core.requests import ContextLengthError, ServerBusyError
 from strata_core.server.schemas import ErrorBody, ErrorDetail
-from strata_core.server.service import InvalidParamError, UnknownModelError
+from strata_core.server.service import UnknownModelError
 
 log = logging.getLogger(__name__)
 
 _FIELD = re.compile(r"field `([^`]+)`")
+RETRY_AFTER_S = "1"  # the Retry-After of a 503: slots free up within seconds
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_error"}
 
 
@@ -61,6 +62,8 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
         return _body(400, str(exc), None, "context_length_exceeded")
     if isinstance(exc, StrataError):
         return _body(400, str(exc), code="invalid_request")
+    if isinstance(exc, RecursionError) and "deserializing" in str(exc):  # msgspec on JSON nested too deep
+        return _body(400, "the JSON body is nested too deeply", code="invalid_request")
     log.error("unhandled error", exc_info=exc)
     return _body(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
@@ -68,5 +71,5 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
 def handle_exception(_: Request, exc: Exception) -> Response[ErrorBody]:
     """Litestar exception handler for every exception type."""
     status, body = error_body(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": RETRY_AFTER_S}}.get(status)
     return Response(body, status_code=status, headers=headers)

@@ -52,6 +52,8 @@ async def cancel_on_disconnect(request: Request, handle: RequestHandle) -> Async
         yield
     finally:
         task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def new_id(prefix: str) -> str:

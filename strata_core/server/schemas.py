@@ -7,17 +7,26 @@ msgspec error into a 400 that names the field. Fields Strata adds to OpenAI's (`
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
+from strata_core.sampling import MAX_LOGPROBS
+from strata_core.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 Probability = Annotated[float, Meta(ge=0.0, le=1.0)]
 MaxTokens = Annotated[int, Meta(ge=1)]
-Stop = str | Annotated[list[str], Meta(max_length=4)] | None
-OnlyOne = Annotated[int, Meta(ge=1, le=1, description="only n = 1 is supported")]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Meta(max_length=MAX_STOPS)] | None
+Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # OpenAI's range (msgspec bounds are int64)
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+
+#: fields clients commonly send that change nothing Strata computes: accepted, logged, ignored
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "parallel_tool_calls", "prediction", "modalities",
+                  "id_slot", "timings_per_token")
 
 
 class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -25,18 +34,36 @@ class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
 
     model: str
     max_tokens: MaxTokens | None = None
+    n_predict: MaxTokens | None = None  # llama-server's name for max_tokens
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     top_k: Annotated[int, Meta(ge=0)] = 0
     min_p: Probability = 0.0
-    repetition_penalty: Annotated[float, Meta(gt=0.0)] = 1.0
+    repetition_penalty: Annotated[float, Meta(ge=0.01, le=100.0)] = 1.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
-    seed: int | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> added to its logit
+    seed: Seed | None = None
     stop: Stop = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: OnlyOne = 1
+    cache_prompt: bool = True  # llama-server: reuse a kept prefix (Strata always does; false is honoured as true)
+    n: Annotated[int, Meta(ge=1)] = 1
+    # not implemented: a value that would change the answer is a 400 naming the field
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    # accepted and ignored (IGNORED_FIELDS)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prediction: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    id_slot: int | None = None
+    timings_per_token: bool | None = None
     user: str | None = None
 
     def stops(self) -> list[str]:
@@ -44,6 +71,15 @@ class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def ignored(self) -> list[str]:
+        """The IGNORED_FIELDS this request set."""
+        return [name for name in IGNORED_FIELDS if getattr(self, name) is not None]
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: str
+    json_schema: dict[str, Any] | None = None
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -71,14 +107,16 @@ class ChatCompletionRequest(_Request, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
     prompt: str | Annotated[list[str | int], Meta(min_length=1)]  # text, [text] or token ids
-    max_tokens: MaxTokens | None = 16
+    max_tokens: MaxTokens | None = None  # 16 unless max_tokens or n_predict says otherwise
     logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
-    echo: Literal[False] = False
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1)] | None = None
 
 
 # --- responses ------------------------------------------------------------------------------------

@@ -1,31 +1,54 @@
-"""Turn API requests into scheduler requests: model name, prompt tokens, sampling, limits."""
+"""Turn API requests into scheduler requests: model name, prompt tokens, sampling, limits.
+
+Rendering the chat template and tokenizing run on a worker thread, never on the event loop: a
+long prompt must not stall ``/health`` or the other streams.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
+import anyio
+
 from strata_core.config import StrataSettings
-from strata_core.errors import RequestError
-from strata_core.sampling import SamplingParams
+from strata_core.errors import InvalidParamError, RequestError
 from strata_core.requests import GenerationRequest
+from strata_core.sampling import SamplingParams
 from strata_core.scheduler import RequestHandle, Scheduler
 from strata_core.server.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]
 
-
-class InvalidParamError(RequestError):
-    """A request parameter is invalid; ``param`` names it."""
-
-    def __init__(self, message: str, param: str, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.param = param
-        self.code = code
+log = logging.getLogger(__name__)
 
 
 class UnknownModelError(RequestError):
     """The request names a model this server does not serve (HTTP 404)."""
+
+
+def _check_supported(body: Any) -> None:
+    """400 naming the field for what Strata does not implement and cannot silently leave out."""
+    if body.n > 1:
+        raise InvalidParamError("n > 1 is not supported: send one request per choice", "n", "unsupported_value")
+    if body.tools or body.functions:
+        name = "tools" if body.tools else "functions"
+        raise InvalidParamError(f"{name} (function calling) is not supported", name, "unsupported_value")
+    for name in ("tool_choice", "function_call"):
+        if getattr(body, name) not in (None, "none", "auto"):
+            raise InvalidParamError(f"{name} is not supported (only 'none' or 'auto' without tools)", name,
+                                    "unsupported_value")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise InvalidParamError(f"response_format {body.response_format.type!r} is not supported (only 'text')",
+                                "response_format", "unsupported_value")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise InvalidParamError("echo is not supported", "echo", "unsupported_value")
+        if body.suffix:
+            raise InvalidParamError("suffix is not supported", "suffix", "unsupported_value")
+        if body.best_of not in (None, 1):
+            raise InvalidParamError("best_of > 1 is not supported", "best_of", "unsupported_value")
 
 
 class GenerationService:
@@ -43,39 +66,69 @@ class GenerationService:
         if name not in {self.model_id, self.settings.model.stem, self.settings.model.name}:
             raise UnknownModelError(f"the model {name!r} does not exist; this server serves {self.model_id!r}")
 
-    def chat(self, body: ChatCompletionRequest) -> RequestHandle:
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, computed on a worker thread."""
+        return await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, add_special_tokens)
+
+    async def detokenize(self, tokens: list[int]) -> str:
+        """The text of ``tokens`` (ids checked against the vocabulary), on a worker thread."""
+        self._check_ids(tokens, "tokens")
+        return await anyio.to_thread.run_sync(self.engine.tokenizer.decode, tokens)
+
+    async def chat(self, body: ChatCompletionRequest) -> RequestHandle:
         """Submit a chat completion: the messages rendered by the model's chat template."""
         self.check_model(body.model)
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
-        prompt = self.engine.tokenizer.encode(self.engine.chat.render(messages, add_generation_prompt=True))
-        k = (body.top_logprobs or 0) if body.logprobs else None
+        _check_supported(body)
         if body.top_logprobs and not body.logprobs:
             raise InvalidParamError("top_logprobs needs logprobs set to true", "top_logprobs")
-        return self._submit(body, prompt, body.max_completion_tokens or body.max_tokens, k)
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
 
-    def complete(self, body: CompletionRequest) -> RequestHandle:
+        def render_and_encode() -> list[int]:
+            return self.engine.tokenizer.encode(self.engine.chat.render(messages, add_generation_prompt=True))
+
+        prompt = await anyio.to_thread.run_sync(render_and_encode)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        return self._submit(body, prompt, body.max_completion_tokens or body.max_tokens or body.n_predict, k)
+
+    async def complete(self, body: CompletionRequest) -> RequestHandle:
         """Submit a text completion of a string or of token ids."""
         self.check_model(body.model)
+        _check_supported(body)
         text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         if isinstance(text, str):
             if not isinstance(body.prompt, str) and len(body.prompt) > 1:
                 raise InvalidParamError("prompt must be one string or a list of token ids (batches are not supported)", "prompt")
-            prompt = self.engine.tokenizer.encode(text)
+            prompt = await self.tokenize(text)
         else:
             prompt = body.prompt  # token ids
-            vocab = self.engine.spec.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-                raise InvalidParamError(f"prompt token ids must be integers in [0, {vocab})", "prompt")
-        return self._submit(body, prompt, body.max_tokens, body.logprobs)
+            self._check_ids(prompt, "prompt")
+        return self._submit(body, prompt, body.max_tokens or body.n_predict or 16, body.logprobs)
+
+    def _check_ids(self, ids: list[Any], param: str) -> None:
+        vocab = self.engine.spec.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise InvalidParamError(f"{param} token ids must be integers in [0, {vocab})", param)
+
+    def _logit_bias(self, body: Any) -> tuple[tuple[int, float], ...]:
+        vocab = self.engine.spec.vocab_size
+        out = []
+        for key, bias in (body.logit_bias or {}).items():
+            if not (key.isdigit() and int(key) < vocab):
+                raise InvalidParamError(f"logit_bias keys must be token ids in [0, {vocab}), got {key[:40]!r}",
+                                        "logit_bias")
+            out.append((int(key), bias))
+        return tuple(out)
 
     def _submit(self, body: Any, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> RequestHandle:
         limit = self.scheduler.max_context
         if max_tokens is not None and max_tokens > limit:
             raise InvalidParamError(f"max_tokens is {max_tokens} but the context holds {limit} tokens", "max_tokens")
+        if ignored := body.ignored():
+            log.info("ignoring fields Strata does not implement: %s", ", ".join(ignored))
         params = SamplingParams(
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty, seed=body.seed, max_tokens=max_tokens, stop=body.stops(),
-            logprobs=logprobs,
+            logprobs=logprobs, logit_bias=self._logit_bias(body),
         )  # fmt: skip
         return self.scheduler.submit(GenerationRequest(prompt, params))
