@@ -121,6 +121,15 @@ class Timings:
         }
 
 
+    def summary(self) -> str:
+        """One log line: tokens and tok/s of each phase, the prompt cache and expert hit rates."""
+        return (f"prompt {self.prompt_n + self.cache_n} tokens ({self.cache_n} cached) at "
+                f"{_rate(self.prompt_n, self.prompt_ms):.1f} tok/s, generated {self.predicted_n} at "
+                f"{_rate(self.predicted_n, self.predicted_ms):.1f} tok/s, expert hit rate "
+                f"{self.prompt_experts.to_dict()['hit_rate']:.2f} prompt / "
+                f"{self.decode_experts.to_dict()['hit_rate']:.2f} decode")
+
+
 def _rate(n: int, ms: float) -> float:
     return n / ms * 1000.0 if ms > 0 else 0.0
 

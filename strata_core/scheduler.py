@@ -148,6 +148,17 @@ class Scheduler:
         self._inbox.put(job)
         return handle
 
+    def slot_states(self) -> list[dict[str, Any]]:
+        """Per slot (read from any thread): id, whether it generates, tokens held, the job's progress."""
+        out = []
+        for i, slot in enumerate(self._slots):
+            job, session = slot.job, slot.session
+            out.append({"id": i, "is_processing": job is not None, "n_ctx": self.max_context,
+                        "n_tokens": session.n_tokens if session is not None else 0,
+                        "n_prompt_tokens": len(job.request.prompt) if job else 0,
+                        "n_decoded": job.generated if job else 0})
+        return out
+
     def _wake(self) -> None:
         self._inbox.put(None)
 
@@ -342,6 +353,7 @@ class Scheduler:
         s.cached_tokens += t.cache_n
         s.completion_tokens += job.generated
         s.prompt_seconds += t.prompt_ms / 1000.0
+        log.info("request done: %s, finish %s", t.summary(), reason)
         self._emit(job, Finished(reason, len(job.request.prompt), job.generated, t))
 
     def _fail(self, job: _Job, exc: Exception) -> None:

@@ -75,6 +75,8 @@ class FakeStreamDecoder:
 
 
 class FakeChat:
+    source = "{# ChatML, rendered in Python #}"
+
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

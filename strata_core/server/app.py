@@ -24,7 +24,9 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 
 from strata_core.config import StrataSettings
 from strata_core.scheduler import Scheduler
-from strata_core.server.controllers import ChatController, CompletionsController, ModelsController, SystemController
+from strata_core.server.controllers import (
+    ChatController, CompletionsController, LlamaServerController, ModelsController, SystemController,
+)  # fmt: skip
 from strata_core.server.errors import handle_exception
 from strata_core.server.service import GenerationService
 
@@ -90,6 +92,7 @@ def create_app(settings: StrataSettings, engine: Any = None) -> Litestar:
         route_handlers=[
             Router("/v1", route_handlers=[ChatController, CompletionsController, ModelsController]),
             SystemController,
+            LlamaServerController,
         ],
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
         lifespan=[lifespan],

@@ -91,6 +91,31 @@ class ModelsController(Controller):
         return s.Model(service.model_id, service.created)
 
 
+class LlamaServerController(Controller):
+    """llama-server's routes: ``/tokenize``, ``/detokenize``, ``/props``, ``/slots``."""
+
+    path = "/"
+    tags = ["llama-server"]
+
+    @post("/tokenize", operation_id="tokenize", status_code=200, summary="Token ids of a text")
+    async def tokenize(self, data: JSONBody[s.TokenizeRequest], service: NamedDependency[GenerationService]) -> s.Tokens:
+        return s.Tokens(await service.tokenize(data.content, data.add_special))
+
+    @post("/detokenize", operation_id="detokenize", status_code=200, summary="The text of token ids")
+    async def detokenize(self, data: JSONBody[s.DetokenizeRequest],
+                         service: NamedDependency[GenerationService]) -> s.Content:
+        return s.Content(await service.detokenize(data.tokens))
+
+    @get("/props", operation_id="props", summary="The served model and its context")
+    async def props(self, service: NamedDependency[GenerationService]) -> s.Props:
+        return s.Props(s.GenerationSettings(service.scheduler.max_context, service.model_id),
+                       service.scheduler.parallel, str(service.settings.model), service.engine.chat.source)
+
+    @get("/slots", operation_id="slots", summary="What each generation slot holds and does")
+    async def slots(self, service: NamedDependency[GenerationService]) -> list[s.SlotState]:
+        return [s.SlotState(**state) for state in service.scheduler.slot_states()]
+
+
 class SystemController(Controller):
     """``/health`` (never needs the API key) and ``/metrics`` (Prometheus text)."""
 

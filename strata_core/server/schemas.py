@@ -267,6 +267,52 @@ class Health(Struct):
     requests_queued: int
 
 
+class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+    """llama-server's ``/tokenize`` body."""
+
+    content: str
+    add_special: bool = False
+
+
+class Tokens(Struct):
+    tokens: list[int]
+
+
+class DetokenizeRequest(Struct, forbid_unknown_fields=True):
+    """llama-server's ``/detokenize`` body."""
+
+    tokens: list[int]
+
+
+class Content(Struct):
+    content: str
+
+
+class GenerationSettings(Struct):
+    n_ctx: int
+    model: str
+
+
+class Props(Struct):
+    """llama-server's ``/props``: the served model and its defaults."""
+
+    default_generation_settings: GenerationSettings
+    total_slots: int
+    model_path: str
+    chat_template: str
+
+
+class SlotState(Struct):
+    """One generation slot in llama-server's ``/slots``."""
+
+    id: int
+    is_processing: bool
+    n_ctx: int
+    n_tokens: int  # tokens its session holds (kept for prefix reuse when idle)
+    n_prompt_tokens: int
+    n_decoded: int
+
+
 class ErrorDetail(Struct):
     message: str
     type: str
