@@ -33,7 +33,7 @@ from concurrent.futures import Executor, Future
 import torch
 
 from strata_core.experts.cache import ExpertCache
-from strata_core.experts.gather import GATHER_COUNTS, gather_counts, pair_ffn
+from strata_core.experts.gather import GATHER_COUNTS, fused_rows, gather_counts, pair_ffn
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
@@ -157,6 +157,10 @@ class CachedExpertRows:
         self.telemetry.routed += T * k
         self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
         self.cache.wait_layer(layer)
+        if self.device.type == "cuda":  # one fused op: misses staged, FFN straight from the quantized blocks
+            with self.telemetry.compute(self.device):
+                rows = fused_rows(hidden, self.cache.slots, self.arena.layer_buffer(layer), slot, expert, fmt)
+            return rows.view(T, k, -1)
         with self.telemetry.timed("copy", self.device):
             packed = gather_experts(self.cache.slots, self.arena.layer_buffer(layer), slot, expert,
                                     fmt.total)  # [P, total]

@@ -9,6 +9,11 @@ Inside a decode window (``CachedExpertRows.gather``) a layer's rows are computed
 3. ``pair_ffn`` dequantizes the gathered gate/up/down blocks of all pairs at once
    (``[P, bytes] -> [P, out, in]``) and runs the SiLU-gated FFN per pair as batched products.
 
+On CUDA, steps 2-3 are one op instead (``fused_rows``: ``strata::moe_pair_rows``, ops/moe.py):
+Triton kernels that decode the quantized blocks in registers straight from the slots (misses
+staged over the link by the gather kernel) and never write a dequantized weight; its rows agree
+with the reference within float tolerance, not bit for bit (the CPU keeps steps 2-3).
+
 Exactness: every product goes through ``strata_core.ops.matmul.matmul``, which on the CPU pads the
 one row of a pair to a 16-row tile, the gemm path the reference's grouped product of the same
 expert takes; each output row then has the same bits as in the reference (``DequantExpertRows``),
@@ -23,32 +28,30 @@ missed pair reads its own copy: the gather does not deduplicate, which would nee
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from strata_core.experts.arena import ExpertFormat
-from strata_core.ops.matmul import matmul
-from strata_core.quant import dequantize
+from strata_core.ops.moe import moe_pair_rows, pair_ffn_reference
 
-__all__ = ["GATHER_COUNTS", "gather_counts", "pair_ffn"]
+__all__ = ["GATHER_COUNTS", "fused_rows", "gather_counts", "pair_ffn"]
 
 #: The telemetry counters ``gather_counts`` returns, in order.
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
 
 
-def _pair_linear(x: torch.Tensor, raw: torch.Tensor, qtype: int, shape: tuple[int, int]) -> torch.Tensor:
-    """``x [P, in]`` times pair p's own block-quantized ``W_p`` (``raw [P, bytes]``, ``shape == (out, in)``)
-    transposed -> ``[P, out]``, computed in float32 and returned in ``x.dtype`` like ``quant_matmul``."""
-    weight = dequantize(raw, qtype, (raw.shape[0], *shape))  # [P, out, in] float32
-    return matmul(x.float()[:, None, :], weight.transpose(1, 2))[:, 0].to(x.dtype)  # [P, out]
-
-
 def pair_ffn(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
     """Rows ``[P, H]``: pair p's expert (packed bytes ``packed[p]``, ``[P, >= total]``) on ``x[p]`` (``[P, H]``),
     ``down(silu(gate x) * up x)``."""
-    gate, up, down = fmt.split(packed)  # [P, g], [P, u], [P, d]
-    g = _pair_linear(x, gate, fmt.qtypes[0], fmt.shapes[0])  # [P, F]
-    u = _pair_linear(x, up, fmt.qtypes[1], fmt.shapes[1])  # [P, F]
-    return _pair_linear(F.silu(g) * u, down, fmt.qtypes[2], fmt.shapes[2])  # [P, H]
+    return pair_ffn_reference(x, *fmt.split(packed), fmt.qtypes, fmt.shapes)
+
+
+def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
+               expert: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
+    """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k`` of ``hidden [T, H]``) through
+    ``strata::moe_pair_rows``: the weights read from ``slots`` or the layer's ``arena [E, total]``."""
+    k = slot.shape[0] // hidden.shape[0]
+    shapes = [n for shape in fmt.shapes for n in shape]
+    return moe_pair_rows(hidden, slots, arena, slot, expert, k, [int(q) for q in fmt.qtypes], shapes,
+                         list(fmt.nbytes))
 
 
 def gather_counts(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, nbytes: int) -> torch.Tensor:

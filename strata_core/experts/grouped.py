@@ -9,7 +9,8 @@ which bounds the dequantized weights alive at once. For each group:
    slots, misses streamed into a buffer of the staging ring (transfer.py: ``StagingRing.run_batches``,
    copy stream and events, the next group's copies overlapping this group's compute);
 2. ``dequantize_experts``: ONE ``dequantize`` call each for gate, up and down of the whole group
-   (``[g, bytes] -> [g, out, in]``), cast to the compute dtype;
+   (``[g, bytes] -> [g, out, in]``) in the compute dtype (on CUDA the Triton dequantizer writes
+   bf16 directly from the strided gate/up/down views; the CPU reference casts its float32);
 3. ``grouped_ffn``: the group's (token, j) pairs, sorted by expert, through the SiLU-gated FFN as
    grouped products: ``torch._grouped_mm`` (bf16 on CUDA, offsets = cumulative counts) or, for
    other dtypes and devices, a batched product over the pairs padded to the group's largest count.
@@ -65,7 +66,7 @@ def dequantize_experts(packed: torch.Tensor, fmt: ExpertFormat,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(gate, up, down) weights ``[g, out, in]`` in ``dtype`` of ``packed [g, >= total]`` experts."""
     g = packed.shape[0]
-    return tuple(dequantize(raw, qtype, (g, *shape)).to(dtype)  # type: ignore[return-value]
+    return tuple(dequantize(raw, qtype, (g, *shape), dtype)  # type: ignore[return-value]
                  for raw, qtype, shape in zip(fmt.split(packed), fmt.qtypes, fmt.shapes))
 
 

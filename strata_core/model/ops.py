@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rms_norm", "rope_cos_sin", "apply_rope"]
+__all__ = ["DEVICE_SDPA", "rms_norm", "rope_cos_sin", "apply_rope", "sdpa_attention"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,3 +28,48 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, D]
     return x * cos[:, None, :].to(x.dtype) + rotated * sin[:, None, :].to(x.dtype)
+
+
+#: Device attention through torch SDPA (``sdpa_attention``); False = the CPU's masked matmul everywhere.
+DEVICE_SDPA = True
+
+
+def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                   static: bool = False) -> torch.Tensor:
+    """Causal GQA attention through ``F.scaled_dot_product_attention``: ``[T, nh*D]``.
+
+    :param q: ``[T, nh, D]`` queries (RoPE applied), in the compute dtype
+    :param keys: ``[S, nkv, D]`` the cache's first S positions (``values`` the same)
+    :param positions: ``[T]`` the queries' positions on the device; read only when ``static``
+    :param static: mask built on the device from ``positions`` over all S (a captured decode window);
+        otherwise the queries are the last T of the S positions (lower-right causal, no mask tensor)
+
+    One query per kv-group row: with T == 1 the ``nh / nkv`` query heads sharing a kv head are
+    folded into the query length (``[1, nkv, rep, D]``), so any SDPA backend serves GQA decode
+    without repeating the keys; prompts use ``enable_gqa`` with a causal mask (flash on CUDA bf16).
+    """
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    T, nh, D = q.shape
+    S, nkv = keys.shape[0], keys.shape[1]
+    rep = nh // nkv
+    k = keys.to(q.dtype).transpose(0, 1)[None]  # [1, nkv, S, D]
+    v = values.to(q.dtype).transpose(0, 1)[None]  # [1, nkv, S, D]
+    if T == 1:
+        qf = q.view(nkv, rep, D)[None]  # [1, nkv, rep, D]
+        mask = None
+        if static:
+            mask = (torch.arange(S, device=q.device) <= positions[0]).view(1, 1, 1, S)  # [1, 1, 1, S]
+        out = F.scaled_dot_product_attention(qf, k, v, attn_mask=mask, scale=D ** -0.5)  # [1, nkv, rep, D]
+        return out.reshape(1, nh * D)
+    qh = q.transpose(0, 1)[None]  # [1, nh, T, D]
+    gqa = {"enable_gqa": True} if rep > 1 else {}
+    if static:
+        mask = torch.arange(S, device=q.device)[None, :] <= positions[:, None]  # [T, S]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=D ** -0.5, **gqa)
+    elif T == S:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=D ** -0.5, **gqa)
+    else:
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(T, S), scale=D ** -0.5, **gqa)
+    return out[0].transpose(0, 1).reshape(T, nh * D)  # [T, nh*D]

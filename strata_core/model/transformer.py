@@ -15,7 +15,8 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.model.kvcache import KVCache
-from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
+from strata_core.model import ops
+from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin, sdpa_attention
 from strata_core.ops.matmul import linear, matmul
 from strata_core.model.weights import DenseWeights
 
@@ -53,6 +54,11 @@ class MoEModel:
         ``static`` (a decode window captured as a CUDA graph, graphs.py): attend over the whole KV
         capacity with the causal mask built on the device from ``positions``, as on the CPU, so no
         shape depends on the step; ``n_ctx`` is then ignored.
+
+        Off the CPU the scores go through torch's fused attention (``sdpa_attention``: flash, cuDNN
+        or memory-efficient kernels, no ``[heads, T, S]`` scores in memory), which needs the chunk's
+        positions to be the last ``T`` of ``n_ctx`` (what prefill chunks and decode windows are);
+        the CPU keeps the masked matmul over the whole cache (bit-identical logits).
         """
         s, w = self.spec, self.weights.layers[layer]
         T = h.shape[0]
@@ -72,6 +78,14 @@ class MoEModel:
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(layer, positions, k, v)
+        if h.device.type != "cpu" and ops.DEVICE_SDPA:  # flash / cuDNN / memory-efficient kernels
+            if static:
+                n_ctx = kv.max_tokens
+            elif n_ctx is None:
+                n_ctx = int(positions.max()) + 1
+            keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
+            out = sdpa_attention(q, keys, values, positions, static)  # [T, nh*D]
+            return h + linear(out, w["attn_output.weight"])  # [T, H]
         # On the CPU attend over the whole cache (masked) so every query sees the same shapes
         # whatever the chunk or batch: logits are then bit-identical across both.
         if h.device.type == "cpu" or static:

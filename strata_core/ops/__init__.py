@@ -1,16 +1,22 @@
 """Strata's torch custom ops, all in the ``strata`` namespace, registered at import.
 
-- ``strata::dequantize(Tensor raw, int qtype, SymInt[] shape) -> Tensor``
+- ``strata::dequantize(Tensor raw, int qtype, SymInt[] shape, ScalarType? dtype=None) -> Tensor``
+  (:mod:`strata_core.ops.quant`; on CUDA the Triton dequantizer of :mod:`strata_core.ops.dequant`)
 - ``strata::quant_matmul(Tensor x, Tensor raw, int qtype, SymInt[] shape) -> Tensor``
 - ``strata::gather_experts(...)``: routed experts' packed bytes from device slots or, zero-copy,
   from the pinned arena (a Triton kernel on CUDA; see :mod:`strata_core.ops.gather`)
+- ``strata::moe_pair_rows(...)``: every routed pair's expert FFN straight from the quantized blocks
+  in a slot or the arena (fused Triton decode kernels on CUDA; see :mod:`strata_core.ops.moe`)
 
-:mod:`strata_core.ops.matmul` holds the batch-invariant CPU products the model uses.
+:mod:`strata_core.ops.qdecode` holds the per-format block decoding every Triton kernel shares;
+:mod:`strata_core.ops.matmul` the batch-invariant CPU products the model uses.
 
-Each op has one contract, a device-generic torch reference kernel and a fake (meta) kernel; device
-kernels register for the same op. Import this package before any graph capture.
+Each op has one contract, a CPU reference kernel (the oracle: ``torch.library.opcheck`` and the
+CUDA tests compare against it) and a fake (meta) kernel; device kernels register for the same op.
+Triton is optional: without it every op is a plain custom op with its reference. Import this
+package before any graph capture.
 """
 
-from strata_core.ops import quant
+from strata_core.ops import gather, moe, quant
 
-__all__ = ["quant"]
+__all__ = ["gather", "moe", "quant"]

@@ -54,8 +54,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _gather_kernel(out_ptr, slot_ptr, expert_ptr, slots_base, slot_stride, arena_base, arena_stride,
-                       n_words, BLOCK: tl.constexpr):
-        """Program (p, c): words ``[c*BLOCK, (c+1)*BLOCK)`` of pair p. Bases and strides are in bytes."""
+                       n_words, BLOCK: tl.constexpr, SKIP_HITS: tl.constexpr = False):
+        """Program (p, c): words ``[c*BLOCK, (c+1)*BLOCK)`` of pair p. Bases and strides are in bytes.
+        ``SKIP_HITS``: pairs with a slot are neither read nor written (strata::moe_pair_rows stages
+        only the misses)."""
         pair = tl.program_id(0)
         chunk = tl.program_id(1)
         s = tl.load(slot_ptr + pair).to(tl.int64)
@@ -64,6 +66,8 @@ if HAS_TRITON:
         src_ptr = src.to(tl.pointer_type(out_ptr.dtype.element_ty))
         offs = chunk * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_words
+        if SKIP_HITS:
+            mask = mask & (s < 0)
         words = tl.load(src_ptr + offs, mask=mask)
         tl.store(out_ptr + pair.to(tl.int64) * n_words + offs, words, mask=mask)
 

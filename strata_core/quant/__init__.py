@@ -50,11 +50,14 @@ def _raw_bytes(raw: Tensor) -> None:
         raise TypeError(f"raw blocks must be a uint8 tensor, got {raw.dtype}")
 
 
-def dequantize(raw: Tensor, qtype: int, shape: Sequence[int]) -> Tensor:
-    """Dequantize uint8 GGML blocks ``raw`` (any shape) to a float32 tensor of ``shape``."""
+def dequantize(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.dtype | None = None) -> Tensor:
+    """Dequantize uint8 GGML blocks ``raw`` (any shape) to a tensor of ``shape`` in ``dtype``
+    (float32 when None; on CUDA other dtypes are written directly, without a float32 copy)."""
     _raw_bytes(raw)
     check_shape(qtype, shape, raw.numel())
-    return torch.ops.strata.dequantize(raw, int(qtype), list(shape))
+    if dtype is None:
+        return torch.ops.strata.dequantize(raw, int(qtype), list(shape))
+    return torch.ops.strata.dequantize(raw, int(qtype), list(shape), dtype)
 
 
 def quant_matmul(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) -> Tensor:

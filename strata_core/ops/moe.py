@@ -1,0 +1,217 @@
+"""``strata::moe_pair_rows``: every routed (token, j) pair's expert FFN, read from wherever the expert is.
+
+``moe_pair_rows(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes) -> [P, H]``
+
+- ``x [T, H]``: the MoE input of the window's tokens; pair p computes on token ``p // topk``;
+- ``slots [S, >= total]`` uint8: a device's expert cache; ``arena [E, total]`` uint8: the layer's
+  packed experts (pinned host memory, or a device tensor);
+- ``slot [P]``: pair p's cache slot, -1 = not resident (read ``arena[expert[p]]``); ``expert [P]``;
+- ``qtypes`` / ``shapes`` / ``nbytes``: the gate, up and down matrices of one packed expert
+  (``shapes`` flat: gate ``[F, H]``, up ``[F, H]``, down ``[H, F]``).
+
+Row p is ``down_e(silu(gate_e x) * up_e x)`` for ``e = expert[p]``, in ``x.dtype``. The op knows
+nothing of topologies or residency tables: a caller finds ``slot`` from its table on the device.
+
+CPU kernel (the oracle): the gather reference of :mod:`strata_core.ops.gather`, then
+:func:`pair_ffn_reference` (dequantize every pair's blocks, per-pair batched products in float32,
+cast step by step like ``expert_ffn``).
+
+CUDA kernel: two Triton launches that read the quantized blocks once and never write a weight:
+``gate_up`` (grid pairs x F/BN: each program decodes BN rows of gate and of up with the shared
+:func:`strata_core.ops.qdecode.decode`, dots them with the token's activations in float32 and
+stores ``silu(g) * u``) and ``down`` (grid pairs x H/BN, the same over the float32 ``h``). A pair's
+weights are found on the device: ``slots + slot * stride`` when resident; a miss in a pinned host
+arena is first copied over the link into a device staging row by the gather kernel, which skips
+resident pairs (``MISS_READ = "staged"``: the copy moves 8-byte words at ~93% of the link, where
+byte-wise decoding loads straight from host memory would not), or read zero-copy by the decode
+kernels (``"direct"``). No host read of the routing either way: one fixed launch sequence a
+layer, capturable in a CUDA graph. Formats outside ``KERNEL_TYPES`` run the reference on the
+device (logged once).
+
+Tolerance against the reference: float32 within a relative 1e-5 (summation order), bf16 within
+2e-2 (tests/test_kernels_cuda.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from strata_core.ops.dequant import fallback_note
+from strata_core.ops.gather import _reference as _gather_reference
+from strata_core.ops.matmul import matmul
+from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, table
+from strata_core.quant.registry import dequantize_reference
+
+__all__ = ["MISS_READ", "moe_pair_rows", "pair_ffn_reference"]
+
+#: How the CUDA kernel reads a miss from a pinned host arena: "staged" or "direct" (module doc).
+MISS_READ = "staged"
+
+_SCHEMA = ("(Tensor x, Tensor slots, Tensor arena, Tensor slot, Tensor expert, int topk, int[] qtypes, "
+           "int[] shapes, int[] nbytes) -> Tensor")
+
+
+def _pair_linear(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) -> Tensor:
+    """``x [P, in]`` times pair p's own ``W_p`` (``raw [P, bytes]``, ``shape == (out, in)``) transposed
+    -> ``[P, out]``, computed in float32 and returned in ``x.dtype`` like ``quant_matmul``."""
+    weight = dequantize_reference(raw, qtype, (raw.shape[0], *shape))  # [P, out, in] float32
+    return matmul(x.float()[:, None, :], weight.transpose(1, 2))[:, 0].to(x.dtype)  # [P, out]
+
+
+def pair_ffn_reference(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: Sequence[int],
+                       shapes: Sequence[Sequence[int]]) -> Tensor:
+    """Rows ``[P, H]``: pair p's expert (blocks ``gate[p]``, ``up[p]``, ``down[p]``) on ``x[p]`` (``[P, H]``)."""
+    g = _pair_linear(x, gate, qtypes[0], shapes[0])  # [P, F]
+    u = _pair_linear(x, up, qtypes[1], shapes[1])  # [P, F]
+    return _pair_linear(F.silu(g) * u, down, qtypes[2], shapes[2])  # [P, H]
+
+
+def _split(packed: Tensor, nbytes: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
+    g, u, d = nbytes
+    return packed[:, :g], packed[:, g:g + u], packed[:, g + u:g + u + d]
+
+
+def _shapes(shapes: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    return tuple((shapes[i], shapes[i + 1]) for i in range(0, 6, 2))
+
+
+def _reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+               qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
+    """The oracle: gather every pair's packed bytes, then :func:`pair_ffn_reference`."""
+    packed = _gather_reference(slots, arena.to(slots.device), slot, expert, sum(nbytes))  # [P, total]
+    xp = x[torch.arange(slot.shape[0], device=x.device) // topk]  # [P, H]
+    return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes)).contiguous()
+
+
+def _fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+          qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
+    return x.new_empty((slot.shape[0], shapes[4]))
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from strata_core.ops.gather import _BLOCK as _GATHER_BLOCK, _WORDS, _gather_kernel, gather_experts
+    from strata_core.ops.qdecode import decode
+
+    @triton.jit
+    def _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride):
+        """Byte pointer to pair p's packed expert: its slot, else row ``miss[p]`` of the miss source."""
+        s = tl.load(slot_ptr + p).to(tl.int64)
+        m = tl.load(miss_ptr + p).to(tl.int64)
+        addr = tl.where(s >= 0, slots_base + s * slot_stride, miss_base + m * miss_stride)
+        return addr.to(tl.pointer_type(tl.uint8))
+
+    @triton.jit
+    def _rows_dot(w, row_bytes, rows, xrow, K, tab, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+                  NB: tl.constexpr, BN: tl.constexpr):
+        """``[BN]`` float32: rows ``rows`` of the ``[*, K]`` matrix of ``QT`` blocks at ``w`` dotted with
+        the K activations at ``xrow``; NB blocks of BS values per row and step."""
+        acc = tl.zeros([BN], dtype=tl.float32)
+        KB = K // BS
+        q = tl.arange(0, BS)
+        for kb0 in range(0, KB, NB):
+            blk = kb0 + tl.arange(0, NB)  # [NB]
+            valid = blk < KB
+            blk = tl.where(valid, blk, 0)
+            b = w + rows[:, None, None] * row_bytes + blk[None, :, None] * TS  # [BN, NB, 1]
+            vals = decode(b, q[None, None, :], tab, QT)  # [BN, NB, BS]
+            xv = tl.load(xrow + blk[:, None] * BS + q[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+            acc += tl.sum(tl.sum(vals * xv[None, :, :], axis=2), axis=1)
+        return acc
+
+    @triton.jit
+    def _gate_up_kernel(x, h, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
+                        tab_g, tab_u, N, K, TOPK, UP_OFF, ROW_G, ROW_U,
+                        QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, NBG: tl.constexpr,
+                        QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr, NBU: tl.constexpr,
+                        BN: tl.constexpr):
+        """Program (p, n): ``h[p, n*BN:(n+1)*BN] = silu(gate x) * up x`` for pair p (float32)."""
+        p = tl.program_id(0)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        keep = rows < N
+        rows = tl.where(keep, rows, 0).to(tl.int64)
+        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride)
+        xrow = x + (p // TOPK).to(tl.int64) * K
+        g = _rows_dot(w, ROW_G, rows, xrow, K, tab_g, QG, BSG, TSG, NBG, BN)
+        u = _rows_dot(w + UP_OFF, ROW_U, rows, xrow, K, tab_u, QU, BSU, TSU, NBU, BN)
+        out = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h + p.to(tl.int64) * N + rows, out, mask=keep)
+
+    @triton.jit
+    def _down_kernel(h, out, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
+                     tab, N, K, DOWN_OFF, ROW, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+                     NB: tl.constexpr, BN: tl.constexpr):
+        """Program (p, n): ``out[p, n*BN:(n+1)*BN] = down h[p]`` (``h`` float32 ``[P, K]``)."""
+        p = tl.program_id(0)
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        keep = rows < N
+        rows = tl.where(keep, rows, 0).to(tl.int64)
+        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride)
+        acc = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, NB, BN)
+        tl.store(out + p.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
+
+    #: Values a program decodes per step (rows x blocks x block size); rows per program.
+    _TILE, _BN = 4096, 16
+
+    def _steps(qtype: int) -> tuple[int, int, int]:
+        bs, ts = block_geometry(qtype)
+        return bs, ts, max(1, _TILE // (_BN * bs))
+
+    def _stage_misses(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, total: int) -> Tensor:
+        """``[P, total]`` on the device: missed pairs' experts copied from the arena (resident rows unwritten)."""
+        P = slot.shape[0]
+        staged = torch.empty((P, total), dtype=torch.uint8, device=slots.device)
+        sizes = (total, arena.stride(0), arena.data_ptr())
+        word = next(w for w in _WORDS if all(v % w == 0 for v in sizes))
+        n_words = total // word
+        _gather_kernel[(P, triton.cdiv(n_words, _GATHER_BLOCK))](
+            staged.view(_WORDS[word]), slot, expert, 0, 0, arena.data_ptr(), arena.stride(0), n_words,
+            BLOCK=_GATHER_BLOCK, SKIP_HITS=True, num_warps=8)
+        return staged
+
+    def _moe_any(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+                 qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
+        """The CUDA kernel (see the module doc); the reference for formats without a decoder."""
+        if not all(int(q) in KERNEL_TYPES for q in qtypes):
+            fallback_note(next(q for q in qtypes if int(q) not in KERNEL_TYPES), "strata::moe_pair_rows")
+            packed = gather_experts(slots, arena, slot, expert, sum(nbytes))  # [P, total] on the device
+            xp = x[torch.arange(slot.shape[0], device=x.device) // topk]  # [P, H]
+            return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes)).contiguous()
+        return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)
+
+    def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
+        """The two Triton launches (and the staging copy of misses in a host arena)."""
+        slot, expert, x = slot.contiguous(), expert.contiguous(), x.contiguous()
+        (F_, H), _, (H2, F2) = _shapes(shapes)
+        P, total = slot.shape[0], sum(nbytes)
+        out = torch.empty((P, H2), dtype=x.dtype, device=x.device)
+        if P == 0:
+            return out
+        if arena.device == slots.device or MISS_READ == "direct":
+            miss, miss_idx = arena, expert
+        else:
+            miss, miss_idx = _stage_misses(slots, arena, slot, expert, total), torch.arange(P, device=x.device)
+        src = (slot, miss_idx, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
+        h = torch.empty((P, F_), dtype=torch.float32, device=x.device)  # [P, F]
+        (bsg, tsg, nbg), (bsu, tsu, nbu), (bsd, tsd, nbd) = (_steps(q) for q in qtypes)
+        _gate_up_kernel[(P, triton.cdiv(F_, _BN))](
+            x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, topk,
+            nbytes[0], nbytes[0] // F_, nbytes[1] // F_,
+            QG=int(qtypes[0]), BSG=bsg, TSG=tsg, NBG=nbg, QU=int(qtypes[1]), BSU=bsu, TSU=tsu, NBU=nbu,
+            BN=_BN, num_warps=4)
+        _down_kernel[(P, triton.cdiv(H2, _BN))](
+            h, out, *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1], nbytes[2] // H2,
+            QT=int(qtypes[2]), BS=bsd, TS=tsd, NB=nbd, BN=_BN, num_warps=4)
+        return out
+
+moe_pair_rows = torch.library.custom_op("strata::moe_pair_rows", _reference, mutates_args=(), schema=_SCHEMA)
+moe_pair_rows.register_fake(_fake)
+if HAS_TRITON:  # opaque like strata::dequantize: the CUDA kernel may fall back to the reference
+    moe_pair_rows.register_kernel("cuda")(_moe_any)
