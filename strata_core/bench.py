@@ -1,7 +1,7 @@
 """``strata bench``: prefill tok/s at prompt lengths and decode tok/s at context lengths.
 
 Each figure is the median of ``repeats`` runs on fresh sessions with seeded random token ids,
-timed until every device of the plan has finished, and reported with the expert telemetry of
+after one untimed warm-up (kernel compilation), timed until every device of the plan has finished, and reported with the expert telemetry of
 those runs (hit rate, link GB/s, bytes streamed) and the cache settings in effect.
 """
 
@@ -22,7 +22,7 @@ from strata_core.errors import ConfigError
 if TYPE_CHECKING:
     from strata_core.engine import Engine
 
-__all__ = ["BenchResult", "format_table", "host_to_device_gbps", "machine_name", "parse_lengths", "results_json", "run_bench"]
+__all__ = ["BenchResult", "format_table", "warm_up", "host_to_device_gbps", "machine_name", "parse_lengths", "results_json", "run_bench"]
 
 
 @dataclass
@@ -61,8 +61,8 @@ def _tokens(engine: Engine, n: int, seed: int) -> list[int]:
 
 
 def _sync(engine: Engine) -> None:
-    for device in engine.plan.devices:
-        synchronize(device)
+    for slot in engine.devices:
+        synchronize(slot.device)
 
 
 def _result(kind: str, length: int, runs: list[float], deltas: list[dict[str, Any]]) -> BenchResult:
@@ -112,12 +112,27 @@ def bench_decode(engine: Engine, context: int, steps: int, repeats: int) -> Benc
     return _result("decode", context, runs, deltas)
 
 
+def warm_up(engine: Engine) -> None:
+    """One short prompt and two decode windows on a throw-away session, untimed: the first call of
+    each kernel compiles it (Triton) or plans it (cuDNN / flash attention, the caching allocator),
+    which would otherwise land in the first timed run."""
+    session = engine.new_session()
+    n = min(66, engine.max_context)
+    tokens = _tokens(engine, n, seed=999_999)
+    engine.prefill(session, tokens[:n - 2])
+    for token in tokens[n - 2:]:
+        engine.decode_window([(session, token)])
+    _sync(engine)
+    engine.release_session(session)
+
+
 def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: int, steps: int) -> list[BenchResult]:
-    """Every prefill and decode figure, in order."""
+    """Every prefill and decode figure, in order, after an untimed :func:`warm_up`."""
     need = max(prompts + [c + steps for c in contexts])
     if need > engine.max_context:
         raise ConfigError(f"the bench needs {need} tokens of context, the engine has {engine.max_context} "
                           "(raise --max-context, or lower --prompts / --contexts)")
+    warm_up(engine)
     results = [bench_prefill(engine, n, repeats) for n in prompts]
     results += [bench_decode(engine, c, steps, repeats) for c in contexts]
     return results

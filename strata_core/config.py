@@ -89,8 +89,8 @@ class StrataSettings(BaseSettings):
 
     # --- decode --------------------------------------------------------------------------------
     cuda_graphs: bool = Field(
-        False, description="capture decode windows as CUDA graphs and replay them (one CUDA device "
-        "with the decode gather: --arena pinned, --pcie-frac 1, no --adapt-swaps; else eager, said once)"
+        False, description="capture decode windows as CUDA graphs, one per device slot and layer range, "
+        "where the decode gather applies: --arena pinned, --pcie-frac 1, no --adapt-swaps; else eager, said once"
     )
 
     # --- server --------------------------------------------------------------------------------
@@ -108,6 +108,7 @@ class StrataSettings(BaseSettings):
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")
     decode_timing: bool = Field(False, description="print host/device time per decode window")
     dbg_nan: bool = Field(False, description="check every layer's output for non-finite values")
+    dbg_handoff: bool = Field(False, description="read each hand-off's destination back and compare it")
     plugins: Annotated[list[str] | None, NoDecode] = Field(None, description="allow-list of plugin distributions")
     disable_plugin_autoload: bool = Field(False, description="load no entry-point plugins")
 

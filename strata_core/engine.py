@@ -1,15 +1,20 @@
 """Engine: load a GGUF MoE model under a strategy, run sessions, generate text.
 
-The engine knows no topology by name: it asks the selected strategy for the plan and calls the
-phase hooks (``strata_prefill`` per prompt chunk, ``strata_decode_window`` per window). Strategies
-build their phases from the engine's layer helpers (:meth:`Engine.embed`,
-:meth:`Engine.prefill_layers`, :meth:`Engine.decode_layers`, :meth:`Engine.head`).
+The engine knows no topology by name: it asks the selected strategy for the placement and executes
+it. A request is four steps, all here: the prompt placement runs the prompt (``strata_prefill`` per
+chunk; the core default is :meth:`Engine.run_prompt`), with the residency entries the phase must not
+see masked in place (phase_state.py); the layers whose decode placement is another device slot are
+handed off (``strata_hand_off``, once per prompt segment); the decode placement runs the windows
+(``strata_decode_window``; default :meth:`Engine.run_decode`). A strategy that splits a window
+itself composes :meth:`Engine.embed`, :meth:`Engine.decode_segment` and :meth:`Engine.head`.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +32,14 @@ from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.graphs import DecodeGraphs
 from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
-from strata_core.plugins import StrataPluginManager, build_plugin_manager
-from strata_core.residency_events import ResidencyEvent
+from strata_core.phase_state import hidden_layers, masked_phase, place_state
+from strata_core.plugin.events import ResidencyEvent
+from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
+from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
+from strata_core.plugin.spec import StrategyOptions
 from strata_core.sampling import Sampler, SamplingParams
-from strata_core.session import DecodeBatch, Session, SessionSnapshot
+from strata_core.session import DecodeBatch, LogitsWanted, Session, SessionSnapshot
 from strata_core.tokenizer import Tokenizer
-from strata_core.topology import TopologyPlan
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +52,6 @@ def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtyp
     return getattr(torch, settings.dtype)
 
 
-class _PerDevice:
-    """A small host tensor copied once to each device that asks for it (not once per layer)."""
-
-    def __init__(self, host: torch.Tensor) -> None:
-        self.copies = {host.device: host}
-
-    def on(self, device: torch.device) -> torch.Tensor:
-        if device not in self.copies:
-            self.copies[device] = to_device(self.copies[torch.device("cpu")], device)
-        return self.copies[device]
-
-
 class Engine:
     """A loaded model under one strategy. Not thread-safe: call it from one thread."""
 
@@ -64,9 +59,11 @@ class Engine:
         self,
         settings: StrataSettings,
         plugins: StrataPluginManager,
+        options: StrategyOptions,
         gguf_file: GGUFFile,
         spec: ModelSpec,
-        plan: TopologyPlan,
+        devices: tuple[DeviceSlot, ...],
+        placement: Placement,
         model: MoEModel,
         experts: ExpertBackend,
         tokenizer: Tokenizer | None,
@@ -75,16 +72,23 @@ class Engine:
         self.settings = settings
         self.plugins = plugins
         self.hook = plugins.hook
+        self.options = options  # the selected strategy's validated options
         self.gguf_file = gguf_file
         self.spec = spec
-        self.plan = plan
+        self.devices = devices
+        self.placement = placement
+        self.main = devices[placement.main]
         self.model = model
         self.experts = experts
         self.tokenizer = tokenizer
         self.chat = chat
         self.max_context = min(settings.max_context, spec.context_length)
-        self.dtype = _compute_dtype(settings, plan.main)
+        self.dtype = _compute_dtype(settings, self.main.device)
+        self.segments = {phase: placement.segments(phase) for phase in PHASES}
+        self.hidden_layers = hidden_layers(placement, placement.cached_layers())
         self.layer_observers: list[LayerObserver] = []
+        #: (label, start, end) per segment run while a timing observer asks (``stage_timing``)
+        self.stage_times: list[tuple[str, Any, Any]] | None = None
         self._graphs: DecodeGraphs | None = None  # --cuda-graphs, created on first use
 
     # --- construction ---------------------------------------------------------------------------
@@ -113,90 +117,124 @@ class Engine:
         """Load the model named by ``settings`` (validated before any weight is read)."""
         plugins = build_plugin_manager(settings)
         selected = plugins.select_strategy(settings.strategy, settings.strategy_options)
-        devices = resolve_devices(settings.devices)
+        devices = tuple(DeviceSlot(i, d) for i, d in enumerate(resolve_devices(settings.devices)))
         gguf_file = GGUFFile.open(settings.model)
         spec = load_model_spec(gguf_file)
-        plan = plugins.hook.strata_topology(devices=devices, spec=spec, settings=settings,
-                                            options=selected.options)
-        if plan is None:
-            raise ConfigError(f"strategy {selected.spec.name!r} returned no topology plan")
-        plan.validate(spec.n_layers)
+        placement = plugins.hook.strata_topology(devices=list(devices), spec=spec, settings=settings,
+                                                 options=selected.options)
+        if placement is None:
+            raise ConfigError(f"strategy {selected.spec.name!r} returned no placement")
+        placement.validate(spec.n_layers, len(devices))
         log.info("model %s: %s, %d layers, %d experts (top-%d)", settings.model, spec.architecture,
                  spec.n_layers, spec.n_experts, spec.n_experts_used)
-        for stage in plan.stages:
-            log.info("stage %s: layers %d..%d", stage.device, stage.layers.start, stage.layers.stop - 1)
-        dtype = _compute_dtype(settings, plan.main)
-        dense_bytes = dense_bytes_per_device(spec, plan, dtype, min(settings.max_context, spec.context_length))
+        for phase in PHASES:
+            log.info("%s placement: %s", phase, "; ".join(
+                f"{devices[s.device]} layers {s.layers.start}..{s.layers.stop - 1}" for s in placement.segments(phase)))
+        slots = {d.index: d for d in devices}
+        dtype = _compute_dtype(settings, slots[placement.main].device)
+        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype,
+                                             min(settings.max_context, spec.context_length))
         check_dense_budget(settings, dense_bytes)
-        dense = DenseWeights.load(gguf_file, spec, dtype)
-        for stage in plan.stages:
-            dense.to(stage.device, layers=stage.layers, embed=False, head=False)
-        dense.to(plan.main, layers=range(0), embed=True, head=True)
+        layer_devices: dict[int, set[torch.device]] = {}
+        for phase in PHASES:
+            for layer, placed in enumerate(placement.layers(phase)):
+                layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
+        dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = MoEModel(spec, dense)
-        experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, plan, settings, dense_bytes)
+        experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes)
         has_tokenizer = "tokenizer.ggml.tokens" in gguf_file.metadata
         if not has_tokenizer:
             log.warning("%s has no tokenizer: only token ids can be used", settings.model)
-        engine = cls(settings, plugins, gguf_file, spec, plan, model, experts,
+        engine = cls(settings, plugins, selected.options, gguf_file, spec, devices, placement, model, experts,
                      Tokenizer.from_gguf(gguf_file.metadata) if has_tokenizer else None,
                      ChatTemplate.from_gguf(gguf_file.metadata))
-        for device in experts.tables:
-            plugins.hook.strata_residency(engine=engine, event=ResidencyEvent("plan", device))
+        for slot in experts.tables:
+            plugins.hook.strata_residency(engine=engine, event=ResidencyEvent("plan", devices[slot]))
         return engine
 
     def close(self) -> None:
         """Release device memory and background work."""
         self.experts.close()
 
-    # --- layer helpers for strategies -----------------------------------------------------------
+    # --- layer helpers ----------------------------------------------------------------------------
+
+    def device_of(self, segment: Segment) -> torch.device:
+        """The torch device of ``segment``'s device slot."""
+        return self.devices[segment.device].device
 
     def embed(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Token embeddings ``[T, H]`` on ``device``."""
-        return self.model.embed(to_device(tokens, self.plan.main)).to(device)
+        return self.model.embed(to_device(tokens, self.main.device)).to(device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output norm + head on the main device: float32 logits ``[T, vocab]``."""
-        return self.model.head(hidden.to(self.plan.main)).float()
+        return self.model.head(hidden.to(self.main.device)).float()
 
     def _notify(self, layer: int, hidden: torch.Tensor) -> None:
         for observer in self.layer_observers:
             observer(layer, hidden)
 
-    def prefill_layers(self, layers: range, hidden: torch.Tensor, session: Session) -> torch.Tensor:
-        """Run a chunk ``[T, H]`` of ``session`` through ``layers`` on the layers' device."""
+    @contextmanager
+    def _timed(self, phase: Phase, segment: Segment) -> Iterator[None]:
+        """Record the segment's device time while a timing observer asks (``stage_times``)."""
+        if self.stage_times is None:
+            yield
+            return
+        label = f"{phase} {self.devices[segment.device]}[{segment.layers.start}..{segment.layers.stop - 1}]"
+        device = self.device_of(segment)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(device))
+            yield
+            end.record(torch.cuda.current_stream(device))
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self.stage_times.append((label, start, end))
+
+    def prefill_segment(self, segment: Segment, hidden: torch.Tensor, session: Session) -> torch.Tensor:
+        """Run a chunk ``[T, H]`` of ``session`` through ``segment`` (prompt placement) on its device."""
+        device = self.device_of(segment)
         n_ctx = session.n_tokens + hidden.shape[0]
-        positions = _PerDevice(torch.arange(session.n_tokens, n_ctx))
-        for layer in layers:
-            device = self.model.weights.device_of(layer)
-            hidden = self.model.attention(layer, hidden.to(device), positions.on(device), session.kv, n_ctx)
-            hidden = self.model.moe(layer, hidden, self.experts.rows_for(device))
-            self._notify(layer, hidden)
+        positions = to_device(torch.arange(session.n_tokens, n_ctx), device)
+        rows = self.experts.rows_for(segment.device, "prompt")
+        hidden = hidden.to(device)
+        with self._timed("prompt", segment):
+            for layer in segment.layers:
+                hidden = self.model.attention(layer, hidden, positions, session.kv, n_ctx)
+                hidden = self.model.moe(layer, hidden, rows)
+                self._notify(layer, hidden)
         return hidden
 
-    def decode_layers(self, layers: range, hidden: torch.Tensor, batch: DecodeBatch,
-                      static_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one token per session ``[B, H]`` through ``layers``; MoE rows are batched.
+    def decode_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch,
+                       static_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Run one token per session ``[B, H]`` through ``segment`` (decode placement); MoE rows are batched.
 
-        With ``--cuda-graphs`` the layers run as a captured CUDA graph where the shapes allow
-        (graphs.py; eager otherwise). ``static_positions`` (``[B]`` on the layers' device) is the
+        With ``--cuda-graphs`` the segment runs as a captured CUDA graph where the shapes allow
+        (graphs.py; eager otherwise). ``static_positions`` (``[B]`` on the segment's device) is the
         body that graph captures: attention over the whole KV capacity (``static``), no host values.
         """
-        if static_positions is None and self.settings.cuda_graphs:
-            graphed = self._decode_graphs().decode_layers(layers, hidden, batch)
-            if graphed is not None:
-                return graphed
-        positions = _PerDevice(batch.positions) if static_positions is None else None
+        if static_positions is not None:  # the body of a graph capture: no timing events
+            return self._decode_layers(segment, hidden, batch, static_positions)
+        hidden = hidden.to(self.device_of(segment))
+        with self._timed("decode", segment):
+            graphed = (self._decode_graphs().decode_segment(segment, hidden, batch)
+                       if self.settings.cuda_graphs else None)
+            return graphed if graphed is not None else self._decode_layers(segment, hidden, batch)
+
+    def _decode_layers(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch,
+                       static_positions: torch.Tensor | None = None) -> torch.Tensor:
         static = static_positions is not None
-        for layer in layers:
-            device = self.model.weights.device_of(layer)
-            hidden = hidden.to(device)
-            on_device = positions.on(device) if positions is not None else static_positions  # [B]
+        positions = static_positions if static else to_device(batch.positions, hidden.device)  # [B]
+        rows = self.experts.rows_for(segment.device, "decode")
+        for layer in segment.layers:
             hidden = torch.cat([
-                self.model.attention(layer, hidden[b:b + 1], on_device[b:b + 1], session.kv, session.n_tokens + 1,
-                                     static=static)
+                self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
+                                     session.n_tokens + 1, static=static)
                 for b, session in enumerate(batch.sessions)
             ])  # [B, H]
-            hidden = self.model.moe(layer, hidden, self.experts.rows_for(device))
+            hidden = self.model.moe(layer, hidden, rows)
             self._notify(layer, hidden)
         return hidden
 
@@ -206,14 +244,32 @@ class Engine:
             self._graphs = DecodeGraphs(self)
         return self._graphs
 
+    def run_prompt(self, session: Session, tokens: torch.Tensor, logits: LogitsWanted) -> torch.Tensor:
+        """One prompt chunk through the prompt placement's segments; the head only where asked."""
+        segments = self.segments["prompt"]
+        hidden = self.embed(tokens, self.device_of(segments[0]))  # [T, H]
+        for segment in segments:
+            hidden = self.prefill_segment(segment, hidden, session)
+        if logits == "none":
+            return torch.empty((0, self.spec.vocab_size), dtype=torch.float32, device=self.main.device)
+        return self.head(hidden if logits == "all" else hidden[-1:])
+
+    def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """One decode window through the decode placement's segments, then the head."""
+        segments = self.segments["decode"]
+        hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [B, H]
+        for segment in segments:
+            hidden = self.decode_segment(segment, hidden, batch)
+        return self.head(hidden)
+
     # --- sessions ---------------------------------------------------------------------------------
 
     def new_session(self) -> Session:
-        """An empty session with KV for ``max_context`` positions, each layer on its stage's device."""
-        kv = KVCache.for_spec(self.spec, self.max_context, device=self.plan.stages[0].device, dtype=self.dtype)
-        for stage in self.plan.stages[1:]:
-            kv.to(stage.device, layers=stage.layers)
-        return Session(kv=kv)
+        """An empty session with KV for ``max_context`` positions, each layer on the device slot that
+        computes it in the prompt placement."""
+        homes = {layer: (placed.device, self.devices[placed.device].device)
+                 for layer, placed in enumerate(self.placement.prompt)}
+        return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes))
 
     def release_session(self, session: Session) -> None:
         """Free a session's KV memory."""
@@ -253,15 +309,18 @@ class Engine:
             raise RequestError(f"token ids must be in [0, {self.spec.vocab_size})")
         outputs = []
         chunk = self.settings.prefill_chunk
-        for start in range(0, len(tokens), chunk):
-            piece = tokens[start:start + chunk]
-            last = start + chunk >= len(tokens)
-            logits = self.hook.strata_prefill(engine=self, session=session, tokens=piece,
-                                              all_logits=all_logits or not last)
-            session.kv.advance(len(piece))
-            session.tokens.extend(piece.tolist())
-            if all_logits or last:
-                outputs.append(logits)
+        place_state(self, session, "prompt")
+        with masked_phase(self, "prompt"):
+            for start in range(0, len(tokens), chunk):
+                piece = tokens[start:start + chunk]
+                last = start + chunk >= len(tokens)
+                want: LogitsWanted = "all" if all_logits else "last" if last else "none"
+                logits = self.hook.strata_prefill(engine=self, session=session, tokens=piece, logits=want)
+                session.kv.advance(len(piece))
+                session.tokens.extend(piece.tolist())
+                if want != "none":
+                    outputs.append(logits)
+        place_state(self, session, "decode")
         result = torch.cat(outputs)
         return result if all_logits else result[-1]
 
@@ -271,11 +330,16 @@ class Engine:
             self._check_room(session, 1)
         batch = DecodeBatch(sessions=tuple(s for s, _ in steps),
                             tokens=torch.tensor([t for _, t in steps], dtype=torch.int64))
+        for session in batch.sessions:
+            place_state(self, session, "decode")
         self.experts.begin_window()
         try:
-            logits = self.hook.strata_decode_window(engine=self, batch=batch)
+            with masked_phase(self, "decode"):
+                logits = self.hook.strata_decode_window(engine=self, batch=batch)
         finally:
-            self.experts.end_window()
+            for slot, entries in self.experts.end_window().items():
+                self.hook.strata_residency(engine=self, event=ResidencyEvent("adapt", self.devices[slot],
+                                                                             tuple(entries)))
         for session, token in steps:
             session.kv.advance(1)
             session.tokens.append(token)

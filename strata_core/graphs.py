@@ -1,14 +1,15 @@
-"""``--cuda-graphs``: a decode window's layers captured once as a CUDA graph and replayed.
+"""``--cuda-graphs``: a decode window's segments captured once as CUDA graphs and replayed.
 
 Decode is host-bound (BENCHMARKS.md: ~200 ms of host per token while the GPU is busy ~56 ms); a
-replayed graph launches the whole layer stack with one call. What is captured is
-``Engine.decode_layers`` only (attention + MoE of every layer of the stage), never a hook: the
+replayed graph launches a whole segment (a device slot's contiguous layers of the decode placement)
+with one call, so a placement over several devices gets one graph per segment. What is captured is
+``Engine.decode_segment`` only (attention + MoE of every layer of the segment), never a hook: the
 strategy's ``strata_decode_window`` (and every observer wrapping it) runs as before, embeds the
-tokens and runs the head eagerly around the replay.
+tokens and runs the head eagerly around the replays.
 
-Where the shapes allow, and only there: one CUDA device in the plan, the decode gather on (it has
-no host read: ``--arena pinned`` with every layer pinned, ``--pcie-frac 1``, Triton), no
-``--adapt-swaps`` (it changes the cache between windows on a copy stream) and no layer observers
+Where the shapes allow, and only there: the segment on a CUDA device, the decode gather on for
+every layer of it (it has no host read: ``--arena pinned`` with every layer pinned, ``--pcie-frac 1``,
+Triton, no peer source in the chain), no ``--adapt-swaps`` (it changes the cache between windows on a copy stream) and no layer observers
 (``--dbg-nan`` reads each layer on the host). Anywhere else the window runs eagerly and the reason
 is logged once.
 
@@ -47,13 +48,14 @@ import torch
 
 if TYPE_CHECKING:
     from strata_core.engine import Engine
+    from strata_core.plugin.placement import Segment
     from strata_core.session import DecodeBatch, Session
 
 __all__ = ["DecodeGraphs"]
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int, int, tuple[int, ...]]  # (B, first layer, stop layer, session ids)
+Key = tuple[int, int, int, int, tuple[int, ...]]  # (B, device slot, first layer, stop layer, session ids)
 
 
 @dataclass
@@ -71,37 +73,36 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """The CUDA graphs of one engine's decode windows, keyed by (B, layers, session ids).
+    """The CUDA graphs of one engine's decode segments, keyed by (B, segment, session ids).
 
-    ``decode_layers(layers, hidden, batch)`` replays (capturing first where needed) and returns the
-    layers' output ``[B, H]``, or None when the window must run eagerly (the reason is logged once).
+    ``decode_segment(segment, hidden, batch)`` replays (capturing first where needed) and returns the
+    segment's output ``[B, H]``, or None when it must run eagerly (the reason is logged once).
     """
 
     def __init__(self, engine: Engine, max_graphs: int = 4, warmup: int = 2):
         self.engine, self.max_graphs, self.warmup = engine, max_graphs, warmup
         self._graphs: OrderedDict[Key, _Graph] = OrderedDict()
-        self._warm: set[tuple[int, int, int]] = set()
+        self._warm: set[tuple[int, int, int, int]] = set()
         self._said: set[str] = set()
         self.failed: str | None = None  # a capture failed: eager from then on
         self.captures = 0
 
     # --- where graphs apply ----------------------------------------------------------------------
 
-    def why_not(self, layers: range, batch: DecodeBatch) -> str | None:
-        """Why this window cannot be replayed as a graph, or None when it can."""
+    def why_not(self, segment: Segment, batch: DecodeBatch) -> str | None:
+        """Why this segment cannot be replayed as a graph, or None when it can."""
         engine = self.engine
         if self.failed is not None:
             return self.failed
-        devices = {engine.model.weights.device_of(layer) for layer in layers}
-        if len(set(engine.plan.devices)) != 1 or len(devices) != 1:
-            return "the decode spans several devices (one CUDA device only)"
-        device = devices.pop()
-        if device.type != "cuda":
-            return f"the decode runs on {device}, not a CUDA device"
-        rows = engine.experts.rows_for(device)
-        if not (getattr(rows, "gather", False) and getattr(rows, "decoding", False)):
-            return (f"the decode gather is off on {device} (it needs --arena pinned with every layer "
+        slot = engine.devices[segment.device]
+        if slot.device.type != "cuda":
+            return f"the decode runs on {slot}, not a CUDA device"
+        rows = engine.experts.rows_for(segment.device, "decode")
+        if not (rows.gather and rows.decoding):
+            return (f"the decode gather is off on {slot} (it needs --arena pinned with every layer "
                     "pinned, --pcie-frac 1 and Triton)")
+        if any(rows.chains[layer].own is None or rows.chains[layer].peers for layer in segment.layers):
+            return f"a layer of {slot} reads a peer's cache or no cache of its own (no gather there)"
         if engine.settings.adapt_swaps:
             return "--adapt-swaps changes the expert cache between windows"
         if engine.layer_observers:
@@ -116,8 +117,9 @@ class DecodeGraphs:
     # --- the cache -------------------------------------------------------------------------------
 
     @staticmethod
-    def key(layers: range, batch: DecodeBatch) -> Key:
-        return (len(batch.sessions), layers.start, layers.stop, tuple(s.id for s in batch.sessions))
+    def key(segment: Segment, batch: DecodeBatch) -> Key:
+        layers = segment.layers
+        return (len(batch.sessions), segment.device, layers.start, layers.stop, tuple(s.id for s in batch.sessions))
 
     @staticmethod
     def signature(layers: range, sessions: tuple[Session, ...]) -> tuple | None:
@@ -133,7 +135,7 @@ class DecodeGraphs:
 
     def invalidate(self, session: Session | None = None) -> None:
         """Drop the graphs of ``session`` (every graph if None)."""
-        for key in [k for k in self._graphs if session is None or session.id in k[3]]:
+        for key in [k for k in self._graphs if session is None or session.id in k[4]]:
             del self._graphs[key]
 
     def _purge(self) -> None:
@@ -143,16 +145,16 @@ class DecodeGraphs:
             if any(s is None or not s.kv.k for s in alive):
                 del self._graphs[key]
 
-    def entry(self, layers: range, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
-        """The graph of this window: the cached one if still valid, else a new capture."""
+    def entry(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
+        """The graph of this segment's window: the cached one if still valid, else a new capture."""
         self._purge()
-        key, sig = self.key(layers, batch), self.signature(layers, batch.sessions)
+        key, sig = self.key(segment, batch), self.signature(segment.layers, batch.sessions)
         entry = self._graphs.get(key)
         if entry is not None and entry.signature == sig:
             self._graphs.move_to_end(key)
             return entry
         self._graphs.pop(key, None)
-        entry = self._capture(layers, batch, hidden)
+        entry = self._capture(segment, batch, hidden)
         self.captures += 1
         entry.signature = sig
         entry.sessions = tuple(weakref.ref(s) for s in batch.sessions)
@@ -166,14 +168,15 @@ class DecodeGraphs:
 
     # --- replay ----------------------------------------------------------------------------------
 
-    def decode_layers(self, layers: range, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
-        """``[B, H]`` after ``layers`` by graph replay, or None: run the window eagerly."""
-        reason = self.why_not(layers, batch)
+    def decode_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
+        """``[B, H]`` after ``segment`` by graph replay, or None: run it eagerly."""
+        reason = self.why_not(segment, batch)
         if reason is not None:
             self._say(reason)
             return None
         try:
-            entry = self.entry(layers, batch, hidden)
+            with torch.cuda.device(hidden.device):
+                entry = self.entry(segment, batch, hidden)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for good
             self.failed = f"capture failed ({type(exc).__name__}: {exc})"
             log.warning("cuda graphs: %s; decode runs eagerly from now on", self.failed)
@@ -181,7 +184,8 @@ class DecodeGraphs:
             return None
         entry.hidden.copy_(hidden)
         entry.positions.copy_(batch.positions.pin_memory(), non_blocking=True)
-        entry.graph.replay()
+        with torch.cuda.device(hidden.device):
+            entry.graph.replay()
         self._account(entry)
         return entry.out.clone()
 
@@ -194,25 +198,25 @@ class DecodeGraphs:
 
     # --- capture ---------------------------------------------------------------------------------
 
-    def _capture(self, layers: range, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
-        engine, device = self.engine, hidden.device
+    def _capture(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
+        engine, device, layers = self.engine, hidden.device, segment.layers
         static_hidden = hidden.clone()
         static_positions = torch.empty(len(batch), dtype=torch.int64, device=device)
         static_positions.copy_(batch.positions.pin_memory(), non_blocking=True)
         caches = engine.experts.caches.values()
         for cache in caches:  # swaps still landing: wait now, not inside the capture
             for layer in layers:
-                cache.wait_layer(layer)
+                cache.wait_layer(layer, device)
         usages = _usages(engine)
         host_before = _read_host(engine)
         counts_before = [u.counts.clone() for u in usages]
 
         def body() -> torch.Tensor:
-            return engine.decode_layers(layers, static_hidden, batch, static_positions=static_positions)
+            return engine.decode_segment(segment, static_hidden, batch, static_positions=static_positions)
 
         sink: dict = {}
         try:
-            warm = (len(batch), layers.start, layers.stop)
+            warm = (len(batch), segment.device, layers.start, layers.stop)
             if warm not in self._warm:
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -230,16 +234,15 @@ class DecodeGraphs:
             delta = {k: v - host_mid[k] for k, v in _read_host(engine).items()}
         finally:
             _write_host(engine, host_before)
-        log.info("cuda graphs: captured a decode window of %d session(s) over layers %d..%d",
-                 len(batch), layers.start, layers.stop - 1)
+        log.info("cuda graphs: captured a decode window of %d session(s) over %s layers %d..%d",
+                 len(batch), engine.devices[segment.device], layers.start, layers.stop - 1)
         return _Graph(graph, static_hidden, static_positions, out, sink, delta)
 
 
 # --- host-side counters a window bumps (measured at capture, added per replay) ---------------------
 
 def _usages(engine: Engine) -> list:
-    rows = [engine.experts.rows_for(device) for device in dict.fromkeys(engine.plan.devices)]
-    return [r.usage for r in rows if hasattr(r, "usage")]
+    return engine.experts.usages()
 
 
 def _read_host(engine: Engine) -> dict[str, int]:

@@ -8,19 +8,24 @@ import torch
 
 from strata_core.gguf.arch import get_architecture
 from strata_core.gguf.spec import ModelSpec
-from strata_core.topology import TopologyPlan
+from strata_core.plugin.placement import PHASES, DeviceSlot, Placement
 
 
-def dense_bytes_per_device(spec: ModelSpec, plan: TopologyPlan, dtype: torch.dtype, kv_tokens: int) -> dict[torch.device, int]:
-    """Bytes of dequantized dense weights plus one session's KV cache (``kv_tokens`` positions)
-    on each device of ``plan``: the embedding and head on the main device, each layer on its stage."""
+def dense_bytes_per_device(spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot], dtype: torch.dtype,
+                           kv_tokens: int) -> dict[torch.device, int]:
+    """Bytes of dequantized dense weights plus one session's KV cache (``kv_tokens`` positions) on
+    each torch device of ``placement``: the embedding and head on the main slot's device; a layer's
+    weights once per torch device computing it, its KV once per device slot computing it (in
+    either phase: a hand-off keeps both copies)."""
     arch = get_architecture(spec.architecture)
     item = torch.empty((), dtype=dtype).element_size()
-    sizes: dict[torch.device, int] = dict.fromkeys(plan.devices, 0)
-    sizes[plan.main] += sum(math.prod(shape) for shape in arch.global_tensors(spec).values()) * item
+    sizes: dict[torch.device, int] = {slots[i].device: 0 for i in placement.devices_used()}
+    sizes[slots[placement.main].device] += sum(math.prod(shape) for shape in arch.global_tensors(spec).values()) * item
     kv_per_layer = 2 * kv_tokens * spec.n_kv_heads * spec.head_dim * item
-    for stage in plan.stages:
-        for layer in stage.layers:
-            weights = sum(math.prod(shape) for shape in arch.layer_tensors(spec, layer).values())
-            sizes[stage.device] += weights * item + kv_per_layer
+    weights_on = {(layer, slots[p.device].device) for phase in PHASES for layer, p in enumerate(placement.layers(phase))}
+    kv_on = {(layer, p.device) for phase in PHASES for layer, p in enumerate(placement.layers(phase))}
+    for layer, device in weights_on:
+        sizes[device] += sum(math.prod(shape) for shape in arch.layer_tensors(spec, layer).values()) * item
+    for _layer, slot in kv_on:
+        sizes[slots[slot].device] += kv_per_layer
     return sizes

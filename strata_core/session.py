@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
 from strata_core.model.kvcache import KVCache, KVSnapshot
 
 _ids = itertools.count(1)
+
+#: which logits a prompt chunk returns: every position, the last one, or none (not the last chunk)
+LogitsWanted = Literal["all", "last", "none"]
 
 
 @dataclass

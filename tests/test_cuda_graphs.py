@@ -11,6 +11,7 @@ import torch
 from strata_core.engine import Engine
 from strata_core.testing.sync import no_host_sync
 from strata_core.graphs import DecodeGraphs, _Graph
+from strata_core.plugin.placement import Segment
 from strata_core.model import KVCache
 from strata_core.session import DecodeBatch, Session
 
@@ -55,10 +56,10 @@ def test_static_body_matches_the_eager_layers_on_cpu(tiny_model_factory):
     engine.prefill(sessions[0], list(range(5, 20)))
     engine.prefill(sessions[1], list(range(7, 11)))
     batch = DecodeBatch(sessions=tuple(sessions), tokens=torch.tensor([3, 9]))
-    layers = engine.plan.stages[0].layers
+    (segment,) = engine.segments["decode"]
     hidden = engine.embed(batch.tokens, torch.device("cpu"))
-    eager = engine.decode_layers(layers, hidden, batch)
-    static = engine.decode_layers(layers, hidden, batch, static_positions=batch.positions)
+    eager = engine.decode_segment(segment, hidden, batch)
+    static = engine.decode_segment(segment, hidden, batch, static_positions=batch.positions)
     assert torch.equal(eager, static)
 
 
@@ -81,7 +82,7 @@ def _batch(*sessions: Session) -> DecodeBatch:
 
 
 def test_capture_cache_is_keyed_by_sessions_and_batch_size():
-    graphs, layers, hidden = _CountingGraphs(), range(2), torch.zeros(1, 4)
+    graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
     a, b = _session(), _session()
     first = graphs.entry(layers, _batch(a), hidden)
     assert graphs.entry(layers, _batch(a), hidden) is first and graphs.captures == 1  # reused
@@ -93,17 +94,16 @@ def test_capture_cache_is_keyed_by_sessions_and_batch_size():
     graphs.entry(layers, _batch(b, a), hidden)  # another order: another graph
     assert graphs.captures == 4 and len(graphs) == 4
     assert graphs.entry(layers, _batch(a, b), hidden) is not None and graphs.captures == 4
-    assert DecodeGraphs.key(layers, _batch(a, b)) == (2, 0, 2, (a.id, b.id))
+    assert DecodeGraphs.key(layers, _batch(a, b)) == (2, 0, 0, 2, (a.id, b.id))
 
 
 def test_capture_cache_invalidation():
-    graphs, layers, hidden = _CountingGraphs(), range(2), torch.zeros(1, 4)
+    graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
     a, b = _session(), _session()
     first = graphs.entry(layers, _batch(a), hidden)
     a.truncate(0)  # truncation keeps the KV tensors: still valid
     a.kv.restore(a.kv.snapshot())  # so does a restore into the same tensors
     assert graphs.entry(layers, _batch(a), hidden) is first
-    a.kv.to("cpu")  # no copy: same tensors
     a.kv.k[1] = a.kv.k[1].clone()  # a moved layer: new tensors -> capture again
     second = graphs.entry(layers, _batch(a), hidden)
     assert second is not first and graphs.captures == 2
@@ -122,7 +122,7 @@ def test_capture_cache_invalidation():
 
 
 def test_capture_cache_keeps_the_most_recent_graphs():
-    graphs, layers, hidden = _CountingGraphs(max_graphs=2), range(2), torch.zeros(1, 4)
+    graphs, layers, hidden = _CountingGraphs(max_graphs=2), Segment(0, range(2)), torch.zeros(1, 4)
     a, b, c = _session(), _session(), _session()
     graphs.entry(layers, _batch(a), hidden)
     graphs.entry(layers, _batch(b), hidden)

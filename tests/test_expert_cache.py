@@ -19,7 +19,7 @@ from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
 from strata_core.synthetic import Preset, write_synthetic
-from strata_core.topology import Stage, TopologyPlan
+from strata_core.plugin.placement import DeviceSlot, Placement
 
 CPU = torch.device("cpu")
 PRESET = Preset(n_layers=2, n_experts=8, n_experts_used=2, hidden=64, expert_ffn=32, n_heads=4,
@@ -39,12 +39,12 @@ def model(tmp_path_factory):
 
 
 def _plan(spec):
-    return TopologyPlan(stages=(Stage(CPU, range(spec.n_layers)),), main=CPU)
+    return Placement.stages([(0, range(spec.n_layers))])
 
 
 def _backend(model, **options):
     weights, spec, _ = model
-    return build_expert_backend(weights, spec, _plan(spec), StrataSettings(**options), {CPU: 0})
+    return build_expert_backend(weights, spec, _plan(spec), {0: DeviceSlot(0, CPU)}, StrataSettings(**options), {CPU: 0})
 
 
 def _routing(spec, T, seed, skew=False):
@@ -66,7 +66,7 @@ def test_rows_bit_identical_for_any_residency(model, slots, frac, adapt, arena, 
     _, spec, reference = model
     backend = _backend(model, expert_cache=slots, pcie_frac=frac, adapt_swaps=adapt, arena=arena,
                        pin_limit_gib=pin_gib)
-    rows = backend.rows_for(CPU)
+    rows = backend.rows_for(0)
     for i, (T, decode) in enumerate(chunks):
         if decode:
             backend.begin_window()
@@ -75,7 +75,7 @@ def test_rows_bit_identical_for_any_residency(model, slots, frac, adapt, arena, 
             assert torch.equal(rows(layer, hidden, ids, weights), reference(layer, hidden, ids, weights))
         if decode:
             backend.end_window()
-        backend.tables[CPU].check()
+        backend.tables[0].check()
     snap = backend.telemetry.snapshot()
     assert snap["expert_hits"] + snap["expert_misses"] == sum(T for T, _ in chunks) * spec.n_layers * 2
     backend.close()
@@ -84,25 +84,25 @@ def test_rows_bit_identical_for_any_residency(model, slots, frac, adapt, arena, 
 def test_cache_sizes_and_log(model, caplog):
     _, spec, _ = model
     caplog.set_level("INFO")
-    assert _backend(model, expert_cache=0).tables[CPU].n_resident == 0
-    assert _backend(model, expert_cache=5).tables[CPU].n_resident == 5
-    assert _backend(model, expert_cache=10_000).tables[CPU].n_resident == 16  # capped at every expert
-    assert _backend(model).tables[CPU].n_resident == 16  # auto: host RAM holds them all
+    assert _backend(model, expert_cache=0).tables[0].n_resident == 0
+    assert _backend(model, expert_cache=5).tables[0].n_resident == 5
+    assert _backend(model, expert_cache=10_000).tables[0].n_resident == 16  # capped at every expert
+    assert _backend(model).tables[0].n_resident == 16  # auto: host RAM holds them all
     assert "16 of 16 experts resident" in caplog.text
 
 
 def test_default_fill_order_and_profile_order(model, tmp_path):
-    table = _backend(model, expert_cache=3).tables[CPU]
+    table = _backend(model, expert_cache=3).tables[0]
     assert table.resident() == [(0, 0), (0, 1), (1, 0)]  # round-robin: (0,0), (1,0), (0,1)
     counts = torch.zeros(2, 8, dtype=torch.int64)
     counts[1, 7], counts[0, 4] = 9, 3
     UsageProfile(counts).save(tmp_path / "p.json")
-    ranked = _backend(model, expert_cache=2, expert_profile=tmp_path / "p.json").tables[CPU]
+    ranked = _backend(model, expert_cache=2, expert_profile=tmp_path / "p.json").tables[0]
     assert ranked.resident() == [(0, 4), (1, 7)]
     # auto sizing with a profile holds only the routed experts, unless fill-all
-    assert _backend(model, expert_profile=tmp_path / "p.json").tables[CPU].n_resident == 2
+    assert _backend(model, expert_profile=tmp_path / "p.json").tables[0].n_resident == 2
     assert _backend(model, expert_profile=tmp_path / "p.json",
-                    expert_cache_fill_all=True).tables[CPU].n_resident == 16
+                    expert_cache_fill_all=True).tables[0].n_resident == 16
 
 
 def test_pcie_frac_splits_decode_misses(model):
@@ -110,7 +110,7 @@ def test_pcie_frac_splits_decode_misses(model):
     for frac, want_cpu in ((0.0, True), (1.0, False)):
         backend = _backend(model, expert_cache=0, pcie_frac=frac)
         backend.begin_window()
-        backend.rows_for(CPU)(0, *_routing(spec, 4, seed=1))
+        backend.rows_for(0)(0, *_routing(spec, 4, seed=1))
         backend.end_window()
         snap = backend.telemetry.snapshot()
         assert (snap["experts_cpu"] > 0) == want_cpu and (snap["experts_pcie"] > 0) != want_cpu
@@ -118,7 +118,7 @@ def test_pcie_frac_splits_decode_misses(model):
     backend = _backend(model, expert_cache=0, pcie_frac=0.5)
     backend.begin_window()
     for seed in range(6):
-        backend.rows_for(CPU)(seed % 2, *_routing(spec, 1, seed=seed))
+        backend.rows_for(0)(seed % 2, *_routing(spec, 1, seed=seed))
     snap = backend.telemetry.snapshot()
     assert snap["experts_pcie"] == snap["experts_cpu"] == 6  # 12 misses, split evenly
 
@@ -126,7 +126,7 @@ def test_pcie_frac_splits_decode_misses(model):
 def test_prefill_misses_stream_and_count_bytes(model):
     _, spec, _ = model
     backend = _backend(model, expert_cache=0)
-    backend.rows_for(CPU)(0, *_routing(spec, 16, seed=3))
+    backend.rows_for(0)(0, *_routing(spec, 16, seed=3))
     snap = backend.telemetry.snapshot()
     assert snap["experts_streamed"] > 0 and snap["expert_hits"] == 0 and snap["hit_rate"] == 0.0
     assert snap["bytes_streamed"] == snap["experts_streamed"] * backend.arena.formats[0].total
@@ -135,14 +135,14 @@ def test_prefill_misses_stream_and_count_bytes(model):
 def test_adaptation_swaps_in_hot_experts(model):
     _, spec, _ = model
     backend = _backend(model, expert_cache=2, adapt_swaps=2)  # default fill: (0,0), (1,0)
-    rows = backend.rows_for(CPU)
+    rows = backend.rows_for(0)
     for seed in range(3):
         backend.begin_window()
         for layer in range(2):
             hidden, ids, w = _routing(spec, 1, seed=seed, skew=True)
             rows(layer, hidden, torch.tensor([[1, 2]]), w)  # experts 1 and 2 are hot
         backend.end_window()
-    table = backend.tables[CPU]
+    table = backend.tables[0]
     assert {e for _, e in table.resident()} <= {1, 2} and table.n_resident == 2
     assert backend.telemetry.snapshot()["swaps"] >= 2
     table.check()
@@ -152,9 +152,9 @@ def test_budget_errors_name_need_and_have(model):
     _, spec, _ = model
     weights = model[0]
     with pytest.raises(BudgetError, match=r"dense part needs .* GiB .* only .* GiB is available"):
-        build_expert_backend(weights, spec, _plan(spec), StrataSettings(), {CPU: 1 << 50})
+        build_expert_backend(weights, spec, _plan(spec), {0: DeviceSlot(0, CPU)}, StrataSettings(), {CPU: 1 << 50})
     with pytest.raises(BudgetError, match="--expert-cache-gib 100000"):
-        build_expert_backend(weights, spec, _plan(spec), StrataSettings(expert_cache_gib=100000), {CPU: 0})
+        build_expert_backend(weights, spec, _plan(spec), {0: DeviceSlot(0, CPU)}, StrataSettings(expert_cache_gib=100000), {CPU: 0})
 
 
 def test_cache_slots_precedence():

@@ -16,7 +16,7 @@ from strata_core.errors import ConfigError
 from strata_core.experts import device_rows
 from strata_core.experts.backend import build_expert_backend
 from strata_core.ops.gather import gather_experts
-from strata_core.topology import Stage, TopologyPlan
+from strata_core.plugin.placement import DeviceSlot, Placement
 
 CPU = torch.device("cpu")
 PROMPT = list(range(7, 30))
@@ -32,8 +32,8 @@ def engine_model(tiny_model_factory):
 
 def _backend(synthetic, **options):
     weights, spec, _ = synthetic
-    plan = TopologyPlan(stages=(Stage(CPU, range(spec.n_layers)),), main=CPU)
-    return build_expert_backend(weights, spec, plan, StrataSettings(**options), {CPU: 0})
+    placement = Placement.stages([(0, range(spec.n_layers))])
+    return build_expert_backend(weights, spec, placement, {0: DeviceSlot(0, CPU)}, StrataSettings(**options), {CPU: 0})
 
 
 def test_gather_op_reads_slots_for_hits_and_the_arena_for_misses():
@@ -53,14 +53,14 @@ def test_gather_rows_are_the_reference_bits(synthetic, slots, seed, windows):
     """Random cache contents and routings: every gathered row has the reference's bits."""
     _, spec, reference = synthetic
     backend = _backend(synthetic, expert_cache=slots, arena="pinned")
-    cache = backend.caches[CPU]
+    cache = backend.caches[0]
     rng = random.Random(seed)
     for entry in cache.table.resident():
         cache.table.evict(*entry)
     everything = [(l, e) for l in range(spec.n_layers) for e in range(spec.n_experts)]
     cache.fill(rng.sample(everything, len(everything)))
     backend.use_gather(True)
-    rows = backend.rows_for(CPU)
+    rows = backend.rows_for(0)
     gen = torch.Generator().manual_seed(seed)
     for T in windows:
         backend.begin_window()
@@ -103,7 +103,7 @@ def test_gather_needs_a_fully_pinned_arena(engine_model):
         engine = Engine.load(engine_model, max_context=64, **options)
         with pytest.raises(ConfigError, match="arena pinned"):
             engine.experts.use_gather(True)
-        assert not engine.experts.rows_for(CPU).gather  # never chosen on the CPU by itself
+        assert not engine.experts.rows_for(0).gather  # never chosen on the CPU by itself
 
 
 @pytest.mark.parametrize("gather", [True, False])
@@ -114,7 +114,7 @@ def test_no_host_read_per_layer_in_a_gathered_window(engine_model, monkeypatch, 
     engine.experts.use_gather(gather)
     session = engine.new_session()
     engine.prefill(session, PROMPT)
-    rows = engine.experts.rows_for(CPU)
+    rows = engine.experts.rows_for(0)
     inside, reads = [False], []
     real_rows = rows.rows
 

@@ -13,7 +13,7 @@ from strata_core.engine import Engine
 from strata_core.experts.backend import build_expert_backend
 from strata_core.experts.grouped import dequantize_experts, expert_groups, grouped_ffn, padded_index
 from strata_core.experts.rows import expert_ffn
-from strata_core.topology import Stage, TopologyPlan
+from strata_core.plugin.placement import DeviceSlot, Placement
 
 CPU = torch.device("cpu")
 PROMPT = list(range(7, 40))
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _backend(synthetic, **options):
     weights, spec, _ = synthetic
-    plan = TopologyPlan(stages=(Stage(CPU, range(spec.n_layers)),), main=CPU)
-    return build_expert_backend(weights, spec, plan, StrataSettings(**options), {CPU: 0})
+    placement = Placement.stages([(0, range(spec.n_layers))])
+    return build_expert_backend(weights, spec, placement, {0: DeviceSlot(0, CPU)}, StrataSettings(**options), {CPU: 0})
 
 
 @pytest.mark.parametrize("limit", [1, 3, 32])
@@ -85,13 +85,13 @@ def test_grouped_rows_and_telemetry_match_the_loop_per_expert(synthetic, arena, 
     runs = {}
     for grouped in (False, True):
         backend = _backend(synthetic, expert_cache=slots, arena=arena)
-        cache = backend.caches[CPU]
+        cache = backend.caches[0]
         for entry in cache.table.resident():
             cache.table.evict(*entry)
         everything = [(l, e) for l in range(spec.n_layers) for e in range(spec.n_experts)]
         cache.fill(random.Random(slots).sample(everything, len(everything)))
         backend.use_grouped_prefill(grouped)
-        rows = backend.rows_for(CPU)
+        rows = backend.rows_for(0)
         rows.group_experts = limit
         backend.telemetry.reset()
         gen = torch.Generator().manual_seed(slots)
@@ -129,7 +129,7 @@ def test_cuda_prefill_matches_the_cpu(tiny_model_factory, slots, arena):
     ids = list(range(5, 60))
     options = dict(max_context=128, dtype="float32", expert_cache=slots, arena=arena)
     cpu, gpu = Engine.load(path, devices=["cpu"], **options), Engine.load(path, devices=["cuda:0"], **options)
-    assert gpu.experts.rows_for("cuda:0").grouped and not cpu.experts.rows_for(CPU).grouped
+    assert gpu.experts.rows_for(0).grouped and not cpu.experts.rows_for(0).grouped
     want = cpu.prefill(cpu.new_session(), ids, all_logits=True)
     got = gpu.prefill(gpu.new_session(), ids, all_logits=True).cpu()
     print(f"cuda grouped prefill, {slots} slots, {arena}: max |diff| {(got - want).abs().max().item():.3g}")

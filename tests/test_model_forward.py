@@ -81,7 +81,7 @@ def test_routing_is_not_degenerate(case):
     positions = torch.arange(len(TOKENS))
     for layer in range(model.spec.n_layers):
         h = model.attention(layer, h, positions, kv)
-        x = torch.nn.functional.rms_norm(h, (h.shape[-1],), model.weights.layers[layer]["ffn_norm.weight"],
+        x = torch.nn.functional.rms_norm(h, (h.shape[-1],), model.weights.at(layer, "cpu")["ffn_norm.weight"],
                                          model.spec.rms_norm_eps)
         ids, weights = model.route(layer, x)
         assert ids.unique().numel() >= 5, f"layer {layer} routes to only {ids.unique().tolist()}"

@@ -17,7 +17,7 @@ def model(tiny_model_factory):
 @pytest.mark.parametrize("strategy, devices", [("single", ["cpu"]), ("even_split", ["cpu", "cpu"])])
 def test_nan_guard_names_the_first_non_finite_layer(model, strategy, devices):
     engine = Engine.load(model, strategy=strategy, devices=devices, dbg_nan=True)
-    engine.model.weights.layers[1]["attn_output.weight"][0, 0] = float("nan")
+    engine.model.weights.at(1, "cpu")["attn_output.weight"][0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match="prefill: layer 1 output is non-finite"):
         engine.logits([1, 2, 3])
 

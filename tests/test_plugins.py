@@ -6,11 +6,11 @@ import types
 
 import pytest
 
-from strata_core import hookspecs
+from strata_core.plugin import hookspecs
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
 from strata_core.plugin import StrategyOptions, StrategySpec, hookimpl
-from strata_core.plugins import build_plugin_manager
+from strata_core.plugin.manager import build_plugin_manager
 
 
 def make_strategy_plugin(name: str, answer: str, base: str | None = None, options=StrategyOptions):

@@ -16,7 +16,7 @@ from test_server_support import live_server
 
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
-from strata_core.plugins import build_plugin_manager
+from strata_core.plugin.manager import build_plugin_manager
 from strata_core.sampling import SamplingParams
 
 MODEL = "tiny"

@@ -35,11 +35,11 @@ class BenchCommand(StrataSettings):
         engine = Engine.from_settings(StrataSettings(**settings))
         try:
             setup = {"model": self.model.name, "devices": ",".join(self.devices), "machine": machine_name(
-                list(engine.plan.devices)), "arena": self.arena, "expert_cache": self.expert_cache,
+                list(dict.fromkeys(slot.device for slot in engine.devices))), "arena": self.arena, "expert_cache": self.expert_cache,
                 "resident": sum(t.n_resident for t in engine.experts.tables.values()),
                 "experts": engine.spec.n_layers * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
                 "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats}
-            link = host_to_device_gbps(engine.plan.main)
+            link = host_to_device_gbps(engine.main.device)
             if link is not None:
                 setup["pinned_h2d_gbps"] = round(link, 1)
             results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens)

@@ -12,7 +12,7 @@ import torch
 
 from strata_core.config import StrataSettings
 from strata_core.memory_plan import dense_bytes_per_device
-from strata_core.topology import Stage, TopologyPlan
+from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
 
@@ -41,7 +41,8 @@ def describe(path: Path, vram_gib: list[float], kv_tokens: int = 4096) -> str:
     n_expert_total = spec.n_layers * spec.n_experts
     per_expert = expert_bytes / max(n_expert_total, 1)
     gpu = torch.device("cuda", 0)
-    on_gpu = dense_bytes_per_device(spec, TopologyPlan((Stage(gpu, range(spec.n_layers)),), main=gpu),
+    one_gpu = tuple(LayerPlacement.local(0) for _ in range(spec.n_layers))
+    on_gpu = dense_bytes_per_device(spec, Placement(one_gpu, one_gpu), {0: DeviceSlot(0, gpu)},
                                     torch.bfloat16, kv_tokens)[gpu]
     lines = [
         f"file: {path}",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from strata_core.config import StrataSettings
-from strata_core.plugins import build_plugin_manager
+from strata_core.plugin.manager import build_plugin_manager
 
 
 def list_strategies(settings: StrataSettings) -> str:

@@ -1,20 +1,21 @@
-"""``build_expert_backend``: the arena, one cache + table per device, the rows the MoE layers call.
+"""``build_expert_backend``: the arena, one cache + table per device slot, the rows the MoE layers call.
 
 The engine calls, in order::
 
     left = check_dense_budget(settings, dense_bytes)       # before loading anything (BudgetError)
-    backend = build_expert_backend(weights, spec, plan, settings, dense_bytes)
-    rows = backend.rows_for(device)                        # ExpertRows of the layers on `device`
+    backend = build_expert_backend(weights, spec, placement, devices, settings, dense_bytes)
+    rows = backend.rows_for(slot, phase)                   # ExpertRows of `slot`'s layers in `phase`
     backend.begin_window(); ... decode ...; backend.end_window()   # around each decode window
     backend.use_gather(True)                               # tests: force the decode gather on the CPU
     backend.use_grouped_prefill(True)                      # tests: force the grouped prefill on the CPU
     backend.telemetry.reset() / .snapshot()                # per request
     backend.close()
 
-Which experts a device caches: the layers of its stages, all layers if it is the plan's
-``prefill_device``, and for a tier the layers of the stage it serves minus what that stage's
-device already holds. Devices are filled in plan order from the profile's rank order (or
-``default_order``).
+Which experts a device slot caches: the layers whose expert chain (in either phase) names its cache,
+as its own or as a peer's. Caches are filled in the placement's ``fill_order`` (then by slot index)
+from the profile's rank order (or ``default_order``); an expert is never cached twice. A slot's
+budget is the placement's ``budgets`` entry, else ``--expert-cache`` / ``--expert-cache-gib`` /
+auto (memory of a torch device shared equally by the slots on it).
 
 Decode windows take the decode gather (gather.py: no host read per layer) on a CUDA device when
 Triton is installed, every arena layer is pinned and ``--pcie-frac`` is 1 (every miss over the
@@ -34,7 +35,7 @@ from strata_core.config import StrataSettings
 from strata_core.experts.adapt import Adapter
 from strata_core.experts.arena import GIB, Arena
 from strata_core.experts.cache import ExpertCache
-from strata_core.experts.device_rows import CachedExpertRows, MissSplit
+from strata_core.experts.device_rows import CachedExpertRows, Chain, MissSplit
 from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.rows import ExpertRows
@@ -46,7 +47,7 @@ from strata_core.experts.weights import ExpertWeights
 from strata_core.errors import ConfigError
 from strata_core.gguf.spec import ModelSpec
 from strata_core.ops.gather import HAS_TRITON
-from strata_core.topology import TopologyPlan
+from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 
 __all__ = ["ExpertBackend", "build_expert_backend"]
 
@@ -56,26 +57,28 @@ log = logging.getLogger(__name__)
 class ExpertBackend:
     """Everything expert-related the engine holds: arena, caches, tables, rows, telemetry."""
 
-    def __init__(self, arena: Arena, caches: dict[torch.device, ExpertCache], rows: dict[torch.device, CachedExpertRows],
-                 adapters: list[Adapter], telemetry: ExpertTelemetry, cpu_pool: ThreadPoolExecutor | None):
+    def __init__(self, arena: Arena, caches: dict[int, ExpertCache], rows: dict[tuple[Phase, int], CachedExpertRows],
+                 adapters: dict[int, Adapter], telemetry: ExpertTelemetry, cpu_pool: ThreadPoolExecutor | None):
         self.arena, self.caches, self._rows = arena, caches, rows
         self._adapters, self.telemetry, self._cpu_pool = adapters, telemetry, cpu_pool
 
     @property
-    def tables(self) -> dict[torch.device, ResidencyTable]:
-        """The residency table of every device."""
-        return {device: cache.table for device, cache in self.caches.items()}
+    def tables(self) -> dict[int, ResidencyTable]:
+        """The residency table of every device slot with a cache."""
+        return {slot: cache.table for slot, cache in self.caches.items()}
 
-    def rows_for(self, device: torch.device | str) -> ExpertRows:
-        """The ``ExpertRows`` the MoE layers running on ``device`` call."""
-        device = torch.device(device)
-        if device not in self._rows:
-            raise ConfigError(f"no expert cache on {device}; the plan has {', '.join(map(str, self._rows))}")
-        return self._rows[device]
+    def rows_for(self, slot: int, phase: Phase = "decode") -> CachedExpertRows:
+        """The ``ExpertRows`` the MoE layers computed on device slot ``slot`` call in ``phase``."""
+        if (phase, slot) not in self._rows:
+            raise ConfigError(f"device slot {slot} computes no layer in the {phase} phase")
+        return self._rows[(phase, slot)]
+
+    def _all_rows(self) -> list[CachedExpertRows]:
+        return list(self._rows.values())
 
     def begin_window(self) -> None:
         """Enter a decode window: misses go over the link (``--pcie-frac``) or to the CPU."""
-        for rows in self._rows.values():
+        for rows in self._all_rows():
             rows.decoding = True
 
     def use_gather(self, on: bool = True) -> None:
@@ -86,27 +89,32 @@ class ExpertBackend:
         if on and not self.arena.all_pinned:
             raise ConfigError("the decode gather needs --arena pinned with every layer pinned "
                               "(no --pin-limit-gib cap)")
-        if on and not HAS_TRITON and any(d.type != "cpu" for d in self._rows):
+        if on and not HAS_TRITON and any(r.device.type != "cpu" for r in self._all_rows()):
             raise ConfigError("the decode gather on a GPU needs Triton")
-        for rows in self._rows.values():
+        for rows in self._all_rows():
             rows.gather = on
 
     def use_grouped_prefill(self, on: bool = True) -> None:
         """Switch the grouped prefill (grouped.py) on (or off) for every device, whatever the
         automatic choice (on for CUDA devices)."""
-        for rows in self._rows.values():
+        for rows in self._all_rows():
             rows.grouped = on
 
-    def end_window(self) -> None:
-        """Leave the decode window and run ``--adapt-swaps`` adaptation (asynchronous copies)."""
-        for rows in self._rows.values():
+    def end_window(self) -> dict[int, list[tuple[int, int]]]:
+        """Leave the decode window and run ``--adapt-swaps`` adaptation (asynchronous copies);
+        returns the experts swapped in per device slot."""
+        for rows in self._all_rows():
             rows.decoding = False
-        for adapter in self._adapters:
-            adapter.end_window()
+        swapped = {slot: adapter.end_window() for slot, adapter in self._adapters.items()}
+        return {slot: entries for slot, entries in swapped.items() if entries}
+
+    def usages(self) -> list[UsageCounter]:
+        """The routing counters, one per computing device slot."""
+        return list({id(rows.usage): rows.usage for rows in self._all_rows()}.values())
 
     def usage_profile(self, model: str = "") -> UsageProfile:
         """Routing counts since load, summed over devices (what ``strata profile`` writes)."""
-        profiles = [rows.usage.profile(model) for rows in self._rows.values()]
+        profiles = [usage.profile(model) for usage in self.usages()]
         counts = torch.stack([p.counts for p in profiles]).sum(0)
         return UsageProfile(counts, max(p.tokens for p in profiles), model)
 
@@ -115,16 +123,6 @@ class ExpertBackend:
             self._cpu_pool.shutdown(wait=True)
         self._rows.clear()
         self.caches.clear()
-
-
-def _served_layers(plan: TopologyPlan, device: torch.device, n_layers: int) -> set[int]:
-    if plan.prefill_device == device:
-        return set(range(n_layers))
-    layers = {l for stage in plan.stages if stage.device == device for l in stage.layers}
-    for tier in plan.tiers:
-        if tier.device == device:
-            layers |= set(plan.stages[tier.stage].layers)
-    return layers
 
 
 def _fill_order(settings: StrataSettings, spec: ModelSpec) -> tuple[list[tuple[int, int]], list[tuple[int, int]] | None]:
@@ -138,14 +136,32 @@ def _fill_order(settings: StrataSettings, spec: ModelSpec) -> tuple[list[tuple[i
     return profile.rank(), used
 
 
-def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, plan: TopologyPlan, settings: StrataSettings,
-                         dense_bytes_per_device: dict[torch.device, int]) -> ExpertBackend:
-    """Load the arena, size and fill each device's cache, and build its rows.
+def _room(left: dict[torch.device, int], slots: dict[int, DeviceSlot], slot: int) -> int:
+    """Memory for ``slot``'s cache: what its torch device has left, shared by the slots on it."""
+    device = slots[slot].device
+    sharing = sum(1 for other in slots.values() if other.device == device)
+    return left[device] // sharing
 
-    :param dense_bytes_per_device: bytes of everything else each device holds (dense weights, KV
-        cache, prompt buffers), whether already allocated or not.
+
+def _chain(placement: Placement, phase: Phase, layer: int, caches: dict[int, ExpertCache]) -> Chain:
+    """The expert sources of ``layer`` in ``phase`` resolved to caches."""
+    sources = placement.layers(phase)[layer].experts
+    own = next((caches.get(s.device) for s in sources if s.kind == "cache"), None)
+    peers = tuple(caches[s.device] for s in sources if s.kind == "peer" and s.device in caches)
+    kinds = {s.kind for s in sources}
+    return Chain(own=own, peers=peers, link="arena" in kinds, cpu="cpu" in kinds)
+
+
+def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot],
+                         settings: StrataSettings, dense_bytes_per_device: dict[torch.device, int]) -> ExpertBackend:
+    """Load the arena, size and fill each device slot's cache, and build its rows per phase.
+
+    :param slots: the device slots by index.
+    :param dense_bytes_per_device: bytes of everything else each torch device holds (dense weights,
+        KV cache, prompt buffers), whether already allocated or not.
     """
-    dense = {d: dense_bytes_per_device.get(d, 0) for d in plan.devices}
+    torch_devices = {slots[i].device for i in placement.devices_used()}
+    dense = {d: dense_bytes_per_device.get(d, 0) for d in torch_devices}
     check_dense_budget(settings, dense)  # fails before the arena is loaded
     pin_limit = None if settings.pin_limit_gib is None else int(settings.pin_limit_gib * GIB)
     arena = Arena(weights, spec.n_layers, spec.n_experts, settings.arena, pin_limit)
@@ -153,29 +169,42 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, plan: Topology
     order, used = _fill_order(settings, spec)
     telemetry = ExpertTelemetry()
     cpu_pool = (ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts")
-                if any(d.type != "cpu" for d in plan.devices) and settings.pcie_frac < 1 else None)
-    caches: dict[torch.device, ExpertCache] = {}
-    rows: dict[torch.device, CachedExpertRows] = {}
-    adapters: list[Adapter] = []
-    for device in plan.devices:
-        layers = _served_layers(plan, device, spec.n_layers)
-        held = {(l, e) for c in caches.values() for l, e in c.table.resident() if l in layers}
-        mine = [(l, e) for l, e in order if l in layers and (l, e) not in held]
-        ranked = None if used is None else sum(1 for l, e in used if l in layers and (l, e) not in held)
-        room = left[device]
-        if device.type == "cuda":  # the grouped prefill path's ring and dequantize buffers
+                if any(d.type != "cpu" for d in torch_devices) and settings.pcie_frac < 1 else None)
+    computing = {placed.device for phase in PHASES for placed in placement.layers(phase)}
+    prompting = {placed.device for placed in placement.prompt}  # the others need no prompt buffers
+    copiers = {i: ArenaCopier(arena, slots[i].device, telemetry) for i in sorted(computing | set(placement.cached_layers()))}
+    served = placement.cached_layers()
+    caches: dict[int, ExpertCache] = {}
+    for slot in [*placement.fill_order, *sorted(set(served) - set(placement.fill_order))]:
+        layers = served[slot]
+        mine = [(l, e) for l, e in order if l in layers and not any(c.table.holds(l, e) for c in caches.values())]
+        ranked = None if used is None else sum(1 for l, e in used if l in layers and
+                                                not any(c.table.holds(l, e) for c in caches.values()))
+        room = _room(left, slots, slot)
+        if slots[slot].device.type == "cuda" and slot in prompting:  # the grouped prefill's buffers
             room -= workspace_bytes(arena.slot_bytes, spec.expert_ffn_size, spec.hidden_size)
-        n_slots = cache_slots(settings, device, arena.slot_bytes, len(mine), ranked, max(room, 0))
-        copier = ArenaCopier(arena, device, telemetry)
-        cache = ExpertCache(arena, copier, n_slots)
+        n_slots = cache_slots(settings, slots[slot].device, arena.slot_bytes, len(mine), ranked, max(room, 0),
+                              placement.budgets.get(slot))
+        cache = ExpertCache(arena, copiers[slot], n_slots, name=str(slots[slot]))
         cache.fill(mine)
-        caches[device] = cache
-        usage = UsageCounter(spec.n_layers, spec.n_experts, device)
-        rows[device] = CachedExpertRows(cache, StagingRing(copier), usage, telemetry,
-                                        MissSplit(settings.pcie_frac), cpu_pool)
-        rows[device].gather = (device.type == "cuda" and HAS_TRITON and arena.all_pinned
-                               and settings.pcie_frac == 1.0)
-        if settings.adapt_swaps:
-            adapters.append(Adapter(cache, usage, telemetry, settings.adapt_swaps))
+        caches[slot] = cache
+    rows: dict[tuple[Phase, int], CachedExpertRows] = {}
+    adapters: dict[int, Adapter] = {}
+    for slot in sorted(computing):
+        usage = UsageCounter(spec.n_layers, spec.n_experts, slots[slot].device)
+        ring = StagingRing(copiers[slot])
+        for phase in PHASES:
+            layers = [l for l, placed in enumerate(placement.layers(phase)) if placed.device == slot]
+            if not layers:
+                continue
+            chains = {l: _chain(placement, phase, l, caches) for l in layers}
+            rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry, MissSplit(settings.pcie_frac),
+                                                   cpu_pool, name=str(slots[slot]))
+            rows[(phase, slot)].gather = (slots[slot].device.type == "cuda" and HAS_TRITON and arena.all_pinned
+                                          and settings.pcie_frac == 1.0)
+        if settings.adapt_swaps and slot in caches:
+            others = tuple(c for s, c in caches.items() if s != slot and served[s] & served[slot])
+            adapters[slot] = Adapter(caches[slot], usage, telemetry, settings.adapt_swaps, others=others,
+                                     layers=served[slot])
     telemetry.reset()  # the fill is not a request
     return ExpertBackend(arena, caches, rows, adapters, telemetry, cpu_pool)

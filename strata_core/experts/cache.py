@@ -24,8 +24,9 @@ log = logging.getLogger(__name__)
 class ExpertCache:
     """The slots of one device and the table saying which (layer, expert) each holds."""
 
-    def __init__(self, arena: Arena, copier: ArenaCopier, n_slots: int):
+    def __init__(self, arena: Arena, copier: ArenaCopier, n_slots: int, name: str = ""):
         self.arena, self.copier, self.device = arena, copier, copier.device
+        self.name = name or str(self.device)  # the device slot, e.g. cuda:0#1
         self.slots = torch.empty((n_slots, arena.slot_bytes), dtype=torch.uint8, device=self.device)  # [S, B]
         self.table = ResidencyTable(arena.n_layers, arena.n_experts, n_slots, self.device)
         self._landing: dict[int, list[torch.cuda.Event]] = {}  # layer -> copies of swaps in flight
@@ -41,7 +42,7 @@ class ExpertCache:
     def fill(self, order: Sequence[tuple[int, int]]) -> int:
         """Load experts in ``order`` into free slots until full; returns how many were loaded."""
         todo = [(l, e) for l, e in order if self.table.slot(l, e) < 0][: self.table.n_free]
-        with self.table.batch(), tqdm(todo, desc=f"expert cache {self.device}", unit="expert",
+        with self.table.batch(), tqdm(todo, desc=f"expert cache {self.name}", unit="expert",
                                       leave=False, disable=len(todo) < 64) as bar:
             for layer, expert in bar:
                 slot = self.table.take_free_slot()
@@ -49,7 +50,7 @@ class ExpertCache:
                 self.table.assign(layer, expert, slot)
         if self.copier.stream is not None:
             self.copier.stream.synchronize()  # start-up only: slots are complete before any compute
-        log.info("expert cache %s: %d of %d experts resident (%d slots, %.2f GiB)", self.device,
+        log.info("expert cache %s: %d of %d experts resident (%d slots, %.2f GiB)", self.name,
                  self.table.n_resident, self.arena.n_layers * self.arena.n_experts, self.n_slots,
                  self.slots.numel() / GIB)
         return len(todo)
@@ -76,7 +77,13 @@ class ExpertCache:
             self._landing.setdefault(incoming[0], []).append(done)
         return slot
 
-    def wait_layer(self, layer: int) -> None:
-        """Make the current stream wait for swaps into ``layer`` still in flight (no-op on the CPU)."""
-        for done in self._landing.pop(layer, ()):
-            torch.cuda.current_stream(self.device).wait_event(done)
+    def wait_layer(self, layer: int, device: torch.device | None = None) -> None:
+        """Make ``device``'s current stream (default: this cache's) wait for swaps into ``layer`` still
+        in flight; a peer reading these slots waits too (no-op on the CPU; never a host wait)."""
+        landing = [done for done in self._landing.get(layer, ()) if not done.query()]
+        if landing:
+            self._landing[layer] = landing
+        else:
+            self._landing.pop(layer, None)
+        for done in landing:
+            torch.cuda.current_stream(device or self.device).wait_event(done)

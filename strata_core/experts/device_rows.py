@@ -1,10 +1,12 @@
-"""``CachedExpertRows``: the ``ExpertRows`` of one device, reading each expert from wherever it is.
+"""``CachedExpertRows``: the ``ExpertRows`` of one device slot in one phase, reading each expert
+from the first source of its layer's chain that holds it (the placement's expert sources).
 
 For one MoE layer the routed (token, k) pairs are grouped by expert exactly as the reference
 ``DequantExpertRows`` groups them, and every group goes through the same ``expert_ffn`` on the same
 bytes, whichever source holds them:
 
 * resident: the device's cache slot;
+* a peer's cache: its slot's bytes read across (the peer link), computed here;
 * prefill miss: streamed from the arena through the double-buffered ``StagingRing``;
 * decode miss: a ``--pcie-frac`` share read over the host link (the ring again), the rest computed
   on the CPU from the arena (on a worker thread when the device is a GPU).
@@ -29,6 +31,7 @@ bit for bit, which is why the CPU (the bit-exact reference) keeps the loop.
 from __future__ import annotations
 
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 
 import torch
 
@@ -41,7 +44,35 @@ from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
 from strata_core.ops.gather import gather_experts
 
-__all__ = ["CachedExpertRows", "MissSplit"]
+__all__ = ["CachedExpertRows", "Chain", "MissSplit"]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One layer's expert sources resolved: the own cache, peers' caches read across, and whether
+    misses may go over the host link and to the CPU (both: decode splits them by ``--pcie-frac``)."""
+
+    own: ExpertCache | None
+    peers: tuple[ExpertCache, ...] = ()
+    link: bool = True
+    cpu: bool = True
+
+    def caches(self) -> tuple[ExpertCache, ...]:
+        """Every cache the layer reads, in chain order."""
+        return ((self.own,) if self.own is not None else ()) + self.peers
+
+    def locate(self, layer: int, expert: int) -> tuple[ExpertCache, int] | None:
+        """(cache, slot) of the first cache of the chain holding (layer, expert) visibly, or None."""
+        for cache in self.caches():
+            slot = cache.table.slot(layer, expert)
+            if slot >= 0:
+                return cache, slot
+        return None
+
+    def wait(self, layer: int, device: torch.device) -> None:
+        """Make ``device``'s stream wait for swaps into ``layer`` still landing in any of the caches."""
+        for cache in self.caches():
+            cache.wait_layer(layer, device)
 
 
 class MissSplit:
@@ -59,13 +90,14 @@ class MissSplit:
 
 
 class CachedExpertRows:
-    """Expert rows on ``cache.device``: slots for resident experts, the arena for misses."""
+    """Expert rows on ``ring``'s device: each layer's ``chains[layer]`` says where experts are found."""
 
-    def __init__(self, cache: ExpertCache, ring: StagingRing, usage: UsageCounter, telemetry: ExpertTelemetry,
-                 split: MissSplit, cpu_pool: Executor | None = None):
-        self.cache, self.ring, self.usage, self.telemetry, self.split = cache, ring, usage, telemetry, split
-        self.arena = cache.arena
-        self.device = cache.device
+    def __init__(self, chains: dict[int, Chain], ring: StagingRing, usage: UsageCounter, telemetry: ExpertTelemetry,
+                 split: MissSplit, cpu_pool: Executor | None = None, name: str = ""):
+        self.chains, self.ring, self.usage, self.telemetry, self.split = chains, ring, usage, telemetry, split
+        self.arena = ring.copier.arena
+        self.device = ring.copier.device
+        self.name = name or str(self.device)
         self.cpu_pool = cpu_pool
         self.decoding = False  # set by the backend inside a decode window
         self.gather = False  # decode windows take the decode gather (set by the backend)
@@ -80,20 +112,24 @@ class CachedExpertRows:
     def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t."""
         self.usage.add(layer, expert_ids)
-        if self.gather and self.decoding:
-            return self._gathered(layer, hidden, expert_ids)
+        chain = self.chains[layer]
+        if self.gather and self.decoding and chain.own is not None and not chain.peers:
+            return self._gathered(layer, hidden, expert_ids, chain.own)
         T, k = expert_ids.shape
-        table, fmt = self.cache.table, self.arena.formats[layer]
-        self.telemetry.add_routing(expert_ids.numel(), (table.mirror[layer][expert_ids] >= 0).sum())
+        fmt = self.arena.formats[layer]
+        if chain.own is not None:
+            self.telemetry.add_routing(expert_ids.numel(), (chain.own.table.mirror[layer][expert_ids] >= 0).sum())
+        else:
+            self.telemetry.routed += expert_ids.numel()
         order, experts, counts = group_by_expert(expert_ids)
-        if self.grouped and not self.decoding:
-            return self._grouped(layer, hidden, k, order, experts, counts).view(T, k, -1)
+        if self.grouped and not self.decoding and chain.link:
+            return self._grouped(layer, hidden, k, order, experts, counts, chain).view(T, k, -1)
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
         groups = {e: (end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
-        slots = table.host[layer, experts.cpu()].tolist()
-        resident = [(e, s) for e, s in zip(groups, slots) if s >= 0]
-        missed = [e for e, s in zip(groups, slots) if s < 0]
+        found = {e: chain.locate(layer, e) for e in groups}
+        resident = [(e, where) for e, where in found.items() if where is not None]
+        missed = [e for e, where in found.items() if where is None]
 
         def run(expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
             start, end = groups[expert]
@@ -101,68 +137,88 @@ class CachedExpertRows:
             x = hidden[pairs // k]  # [n, H]
             out[pairs] = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes).to(out.dtype)
 
-        n_link = self.split.take(len(missed)) if self.decoding else len(missed)
+        n_link = self._link_share(len(missed), chain)
         on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden)
-        self.cache.wait_layer(layer)
+        chain.wait(layer, self.device)
         with self.telemetry.compute(self.device):
-            for expert, slot in resident:
-                run(expert, *self.cache.parts(layer, slot))
+            for expert, (cache, slot) in resident:  # a peer's bytes come across the peer link
+                run(expert, *(part.to(self.device) for part in cache.parts(layer, slot)))
             self.ring.run(layer, missed[:n_link], lambda e, packed: run(e, *fmt.split(packed)))
         for pairs, rows in on_cpu:
             out[pairs] = rows.result().to(self.device, out.dtype)
-        self.telemetry.experts["resident"] += len(resident)
-        self.telemetry.experts["pcie" if self.decoding else "streamed"] += n_link
-        self.telemetry.experts["cpu"] += len(missed) - n_link
+        n_peer = sum(1 for _, (cache, _) in resident if cache is not chain.own)
+        self.telemetry.count(self.name, {"resident": len(resident) - n_peer, "peer": n_peer,
+                                         "pcie" if self.decoding else "streamed": n_link,
+                                         "cpu": len(missed) - n_link})
         return out.view(T, k, -1)
 
+    def _link_share(self, n_missed: int, chain: Chain) -> int:
+        """How many of a layer's misses go over the host link (the rest to the CPU)."""
+        if not chain.cpu:
+            return n_missed
+        if not chain.link:
+            return 0
+        return self.split.take(n_missed) if self.decoding else n_missed
+
     def _grouped(self, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, experts: torch.Tensor,
-                 counts: torch.Tensor) -> torch.Tensor:
+                 counts: torch.Tensor, chain: Chain) -> torch.Tensor:
         """``[T*k, H]`` rows of a prefill chunk through the grouped prefill (``order``/``experts``/``counts``
         from ``group_by_expert``); the host reads the routing once, nothing waits per expert."""
-        fmt, cache = self.arena.formats[layer], self.cache
+        fmt, own = self.arena.formats[layer], chain.own
         ids, sizes = torch.stack([experts.long(), counts]).tolist()  # the host read of this layer
-        on_host = cache.table.host[layer, ids].tolist()  # slot per distinct expert, -1 = miss
-        slot = cache.table.mirror[layer][experts]  # [n] the same on the device
+        holder: list[tuple[ExpertCache, int] | None] = [None] * len(ids)  # first cache holding each
+        for cache in chain.caches():
+            for i, slot_id in enumerate(cache.table.host[layer, ids].tolist()):
+                if holder[i] is None and slot_id >= 0:
+                    holder[i] = (cache, slot_id)
+        slot = own.table.mirror[layer][experts] if own is not None else None  # [n] own slots on the device
         groups = expert_groups(sizes, self.group_experts)
-        misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if on_host[i] < 0] for g in groups]
+        misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
+        from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)
+                       if holder[i] is not None and holder[i][0] is not own] for g in groups]
         if self._group_ring is None or self._group_ring.buffers.shape[1] < self.group_experts:
             self._group_ring = StagingRing(self.ring.copier, rows=self.group_experts)
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
 
         def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
             g = groups[j]
-            packed, group_slot = staged[:g.last - g.first], slot[g.first:g.last]  # [g, B], [g]
-            if len(misses[j]) < g.last - g.first:  # some resident: one index_select from the slots
-                hit = cache.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
-                packed = torch.where((group_slot < 0)[:, None], packed, hit) if misses[j] else hit
+            packed = staged[:g.last - g.first]  # [g, B]
+            if slot is not None and len(misses[j]) + len(from_peers[j]) < g.last - g.first:
+                group_slot = slot[g.first:g.last]  # [g]: one index_select from the own slots
+                hit = own.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
+                packed = torch.where((group_slot < 0)[:, None], packed, hit)
+            for row, cache, slot_id in from_peers[j]:  # read across the peer link
+                packed[row] = cache.slots[slot_id].to(self.device, non_blocking=True)
             weights = dequantize_experts(packed, fmt, hidden.dtype)
             pairs = order[g.start:g.end]  # [n_g]
             out[pairs] = grouped_ffn(hidden[pairs // k], *weights, counts[g.first:g.last],
                                      max(sizes[g.first:g.last]))
 
-        cache.wait_layer(layer)
+        chain.wait(layer, self.device)
         with self.telemetry.compute(self.device):
             self._group_ring.run_batches(layer, misses, consume)
-        n_missed = sum(map(len, misses))
-        self.telemetry.experts["resident"] += len(ids) - n_missed
-        self.telemetry.experts["streamed"] += n_missed
+        n_missed, n_peer = sum(map(len, misses)), sum(map(len, from_peers))
+        self.telemetry.count(self.name, {"resident": len(ids) - n_missed - n_peer, "peer": n_peer,
+                                         "streamed": n_missed})
         return out
 
-    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read."""
+    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+                  cache: ExpertCache) -> torch.Tensor:
+        """``[T, k, H]`` through the decode gather from ``cache`` and the pinned arena: a fixed
+        sequence of device ops, no host read."""
         T, k = expert_ids.shape
-        fmt, resident = self.arena.formats[layer], self.cache.table.mirror[layer]  # resident [E]
+        fmt, resident = self.arena.formats[layer], cache.table.mirror[layer]  # resident [E]
         expert = expert_ids.reshape(-1)  # [P], P = T*k
         slot = resident[expert]  # [P], -1 = miss
         self.telemetry.routed += T * k
         self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
-        self.cache.wait_layer(layer)
+        cache.wait_layer(layer, self.device)
         if self.device.type == "cuda":  # one fused op: misses staged, FFN straight from the quantized blocks
             with self.telemetry.compute(self.device):
-                rows = fused_rows(hidden, self.cache.slots, self.arena.layer_buffer(layer), slot, expert, fmt)
+                rows = fused_rows(hidden, cache.slots, self.arena.layer_buffer(layer), slot, expert, fmt)
             return rows.view(T, k, -1)
         with self.telemetry.timed("copy", self.device):
-            packed = gather_experts(self.cache.slots, self.arena.layer_buffer(layer), slot, expert,
+            packed = gather_experts(cache.slots, self.arena.layer_buffer(layer), slot, expert,
                                     fmt.total)  # [P, total]
         with self.telemetry.compute(self.device):
             x = hidden[:, None, :].expand(T, k, hidden.shape[-1]).reshape(T * k, -1)  # [P, H]

@@ -1,7 +1,8 @@
 """How much device memory the expert cache gets, and the budget checks made before loading.
 
-Order of precedence for one device:
+Order of precedence for one device slot:
 
+0. the placement's ``CacheBudget`` for the slot (slots or GiB), where the strategy gives one;
 1. ``--expert-cache N``: N slots (at most one per expert the device serves);
 2. ``--expert-cache-gib X``: as many slots as fit in X GiB;
 3. ``auto``: free device memory minus the dense part (weights, KV, prompt buffers: what the
@@ -18,6 +19,7 @@ import torch
 from strata_core.config import StrataSettings
 from strata_core.errors import BudgetError
 from strata_core.gguf.spec import ModelSpec
+from strata_core.plugin.placement import CacheBudget
 
 __all__ = ["available_bytes", "check_dense_budget", "cache_slots", "cap_prefill_chunk"]
 
@@ -59,21 +61,26 @@ def check_dense_budget(settings: StrataSettings, dense_bytes: dict[torch.device,
 
 
 def cache_slots(settings: StrataSettings, device: torch.device, slot_bytes: int, n_candidates: int,
-                n_ranked: int | None, left_bytes: int) -> int:
+                n_ranked: int | None, left_bytes: int, budget: CacheBudget | None = None) -> int:
     """Slots for ``device``'s cache.
 
     :param slot_bytes: bytes of one slot (the largest packed expert).
     :param n_candidates: experts this device could hold (its layers x experts).
     :param n_ranked: experts the profile saw routed on those layers (None without a profile).
     :param left_bytes: memory left after the dense part and the reserve (``check_dense_budget``).
+    :param budget: the placement's budget for this slot, overriding the settings.
     """
-    if isinstance(settings.expert_cache, int):
+    if budget is not None and budget.slots is not None:
+        return min(budget.slots, n_candidates)
+    if budget is None and isinstance(settings.expert_cache, int):
         return min(settings.expert_cache, n_candidates)
     fit = left_bytes // slot_bytes
-    if settings.expert_cache_gib is not None:
-        want = int(settings.expert_cache_gib * GIB) // slot_bytes
+    gib, what = (budget.gib, "the strategy's cache budget") if budget is not None else (
+        settings.expert_cache_gib, "--expert-cache-gib")
+    if gib is not None:
+        want = int(gib * GIB) // slot_bytes
         if want > fit:
-            raise BudgetError(f"{device}: --expert-cache-gib {settings.expert_cache_gib} does not fit; "
+            raise BudgetError(f"{device}: {what} {gib:g} (GiB) does not fit; "
                               f"{fit * slot_bytes / GIB:.2f} GiB is left after the dense part and the reserve")
         return min(want, n_candidates)
     if n_ranked is not None and not settings.expert_cache_fill_all:

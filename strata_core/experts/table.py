@@ -60,6 +60,10 @@ class ResidencyTable:
         layer, expert = (int(v) for v in self._owner[slot])
         return None if layer == NOT_RESIDENT else (layer, expert)
 
+    def holds(self, layer: int, expert: int) -> bool:
+        """Whether a slot of this device owns (layer, expert), visible or masked."""
+        return bool(self.host[layer, expert] >= 0) or bool(self._masked[layer, expert])
+
     def is_masked(self, layer: int, expert: int) -> bool:
         return bool(self._masked[layer, expert])
 

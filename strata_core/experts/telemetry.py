@@ -35,7 +35,9 @@ class ExpertTelemetry:
         self.routed = 0  # (token, top-k) pairs routed
         # (counter names, device) -> int64 [len(names)] accumulated on that device
         self._device: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
-        self.experts = {"resident": 0, "streamed": 0, "pcie": 0, "cpu": 0}  # (layer, expert) groups by source
+        # (layer, expert) groups by source, in all and per device slot
+        self.experts = {"resident": 0, "peer": 0, "streamed": 0, "pcie": 0, "cpu": 0}
+        self._by_device: dict[str, dict[str, int]] = {}
         self.bytes_copied = 0
         self.swaps = 0
         self._seconds = {"copy": 0.0, "compute": 0.0}
@@ -46,6 +48,17 @@ class ExpertTelemetry:
         """``hits``: 0-d tensor on the computing device, pairs whose expert was resident."""
         self.routed += n_pairs
         self.add_counts(("expert_hits",), hits.reshape(1))
+
+    def count(self, device: str, by_source: dict[str, int]) -> None:
+        """Add the (layer, expert) groups one layer served on device slot ``device``, by source."""
+        per_device = self._by_device.setdefault(device, dict.fromkeys(self.experts, 0))
+        for source, n in by_source.items():
+            self.experts[source] += n
+            per_device[source] += n
+
+    def by_device(self) -> dict[str, dict[str, int]]:
+        """The expert groups served per device slot, by source, since ``reset()`` (host counters)."""
+        return {device: dict(counts) for device, counts in self._by_device.items()}
 
     def add_counts(self, names: tuple[str, ...], values: torch.Tensor) -> None:
         """Add ``values [len(names)]`` (integers on the computing device) to the counters ``names``

@@ -1,7 +1,9 @@
 """``KVCache``: one sequence's per-layer K/V, preallocated for ``max_tokens``, slot i = position i.
 
-A cache may hold only some layers (a layer-split stage holds its own range); the layers of one
-cache may sit on different devices. ``attention`` writes K/V at the token positions it computes;
+A cache may hold only some layers; the layers of one cache may sit on different device slots. Each
+layer has a *home* slot (where compute reads and writes it now); a hand-off (``move``) copies the
+committed rows to another slot and parks the old tensors there for the way back, so a session that
+goes back and forth between a prompt and a decode placement allocates each tensor once. ``attention`` writes K/V at the token positions it computes;
 the caller commits them with ``advance`` once every layer has run, so ``n_tokens`` is the number of
 positions all layers hold.
 """
@@ -28,20 +30,29 @@ class KVCache:
     """Per-layer K/V tensors ``[max_tokens, n_kv_heads, head_dim]`` for the layers in ``layers``."""
 
     def __init__(self, layers: range, max_tokens: int, n_kv_heads: int, head_dim: int,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 homes: dict[int, tuple[int, torch.device]] | None = None):
         self.layers = layers
         self.max_tokens = max_tokens
         self.n_tokens = 0
-        shape = (max_tokens, n_kv_heads, head_dim)
-        self.k = {i: torch.zeros(shape, device=device, dtype=dtype) for i in layers}
-        self.v = {i: torch.zeros(shape, device=device, dtype=dtype) for i in layers}
+        self._shape, self._dtype = (max_tokens, n_kv_heads, head_dim), dtype
+        homes = homes or {i: (0, torch.device(device)) for i in layers}
+        self.home = {i: homes[i][0] for i in layers}  # layer -> device slot holding it now
+        self.k = {i: self._new(homes[i][1]) for i in layers}
+        self.v = {i: self._new(homes[i][1]) for i in layers}
+        self._parked: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # (layer, slot) -> (k, v)
+
+    def _new(self, device: torch.device | str) -> torch.Tensor:
+        return torch.zeros(self._shape, device=device, dtype=self._dtype)
 
     @classmethod
     def for_spec(cls, spec, max_tokens: int, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, layers: range | None = None) -> "KVCache":
-        """A cache for ``spec`` (a ModelSpec) holding ``layers`` (all if None)."""
+                 dtype: torch.dtype = torch.float32, layers: range | None = None,
+                 homes: dict[int, tuple[int, torch.device]] | None = None) -> "KVCache":
+        """A cache for ``spec`` (a ModelSpec) holding ``layers`` (all if None), each layer on its
+        ``homes`` entry (device slot, torch device) if given, else on ``device`` as slot 0."""
         return cls(layers if layers is not None else range(spec.n_layers), max_tokens,
-                   spec.n_kv_heads, spec.head_dim, device, dtype)
+                   spec.n_kv_heads, spec.head_dim, device, dtype, homes)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k, v [T, n_kv_heads, head_dim]`` at ``positions [T]`` of ``layer``."""
@@ -67,6 +78,24 @@ class KVCache:
         self.n_tokens = 0
         self.k.clear()
         self.v.clear()
+        self._parked.clear()
+
+    def move(self, layers: range, slot: int, device: torch.device | str) -> None:
+        """Hand-off: make device slot ``slot`` (on ``device``) the home of ``layers``, copying the
+        committed rows device to device (no host round trip); the old tensors are parked."""
+        n = self.n_tokens
+        for i in layers:
+            if self.home[i] == slot:
+                continue
+            self._parked[(i, self.home[i])] = (self.k[i], self.v[i])
+            k, v = self._parked.pop((i, slot), None) or (self._new(device), self._new(device))
+            k[:n].copy_(self.k[i][:n], non_blocking=True)
+            v[:n].copy_(self.v[i][:n], non_blocking=True)
+            self.k[i], self.v[i], self.home[i] = k, v, slot
+
+    def parked(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The tensors of ``layer`` left on ``slot`` by a hand-off (what ``STRATA_DBG_HANDOFF`` compares)."""
+        return self._parked.get((layer, slot))
 
     def device_of(self, layer: int) -> torch.device:
         return self.k[layer].device

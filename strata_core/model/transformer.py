@@ -1,8 +1,8 @@
 """The dense MoE forward over ``DenseWeights``; experts go through an ``ExpertRows``.
 
 Pieces a topology composes: ``embed`` -> per layer ``attention`` then ``moe`` -> ``head``.
-Each layer runs on the device holding its weights (``DenseWeights.device_of``); the caller moves
-``h`` between devices. Math follows llama.cpp's qwen2moe/qwen3moe graphs (see gguf/arch/*).
+Each layer runs on the device of its input ``h`` with the weights placed there
+(``DenseWeights.at``); the caller moves ``h`` between devices. Math follows llama.cpp's qwen2moe/qwen3moe graphs (see gguf/arch/*).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class MoEModel:
         positions to be the last ``T`` of ``n_ctx`` (what prefill chunks and decode windows are);
         the CPU keeps the masked matmul over the whole cache (bit-identical logits).
         """
-        s, w = self.spec, self.weights.layers[layer]
+        s, w = self.spec, self.weights.at(layer, h.device)
         T = h.shape[0]
         x = rms_norm(h, w["attn_norm.weight"], s.rms_norm_eps)  # [T, H]
         q = linear(x, w["attn_q.weight"])  # [T, nh*D]
@@ -109,7 +109,7 @@ class MoEModel:
         Softmax over all experts, top-k, optional renormalisation, optional scale.
         """
         s = self.spec
-        logits = linear(x, self.weights.layers[layer]["ffn_gate_inp.weight"])  # [T, E]
+        logits = linear(x, self.weights.at(layer, x.device)["ffn_gate_inp.weight"])  # [T, E]
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, s.n_experts_used, dim=-1)  # [T, k]
         if s.norm_topk_prob:
@@ -120,7 +120,7 @@ class MoEModel:
 
     def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """``h + moe(rms_norm(h))`` for ``h [T, H]``: routed experts via ``expert_rows`` (+ shared expert)."""
-        s, w = self.spec, self.weights.layers[layer]
+        s, w = self.spec, self.weights.at(layer, h.device)
         x = rms_norm(h, w["ffn_norm.weight"], s.rms_norm_eps)  # [T, H]
         ids, weights = self.route(layer, x)  # [T, k], [T, k]
         out = expert_rows(layer, x, ids, weights)  # [T, H]
@@ -136,18 +136,12 @@ class MoEModel:
         x = rms_norm(h, g["output_norm.weight"], self.spec.rms_norm_eps)  # [T, H]
         return linear(x, g["output.weight"]).float()  # [T, V]
 
-    def forward_layers(self, layers: range, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                       expert_rows: ExpertRows) -> torch.Tensor:
-        """Run ``layers`` (attention then MoE each) on ``h [T, H]``; does not advance ``kv``."""
-        for layer in layers:
-            h = h.to(self.weights.device_of(layer))
-            h = self.attention(layer, h, positions, kv)
-            h = self.moe(layer, h, expert_rows)
-        return h
-
     def forward(self, tokens: torch.Tensor, kv: KVCache, expert_rows: ExpertRows) -> torch.Tensor:
-        """All layers for ``tokens [T]`` appended after ``kv.n_tokens``; advances ``kv``; logits ``[T, V]``."""
+        """All layers on the CPU for ``tokens [T]`` appended after ``kv.n_tokens``; advances ``kv``;
+        logits ``[T, V]`` (the reference forward the engine's placements are checked against)."""
         positions = torch.arange(kv.n_tokens, kv.n_tokens + tokens.shape[0])  # [T]
-        h = self.forward_layers(range(self.spec.n_layers), self.embed(tokens), positions, kv, expert_rows)
+        h = self.embed(tokens)  # [T, H]
+        for layer in range(self.spec.n_layers):
+            h = self.moe(layer, self.attention(layer, h, positions, kv), expert_rows)
         kv.advance(tokens.shape[0])
-        return self.head(h.to(self.weights.globals["output.weight"].device))
+        return self.head(h)

@@ -1,9 +1,14 @@
-"""``DenseWeights``: every non-expert weight, dequantized to float once at load, movable per layer."""
+"""``DenseWeights``: every non-expert weight, dequantized to float once at load, placed per layer.
+
+A layer may be placed on several devices (a prompt placement computing it on one device, a decode
+placement on another); each device holds its own copy.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from strata_core.errors import ConfigError
 from strata_core.gguf.arch import get_architecture
 from strata_core.quant import dequantize
 from strata_core.gguf.reader import GGUFFile
@@ -16,13 +21,17 @@ class DenseWeights:
     """Dense weights by short name.
 
     ``globals`` holds ``token_embd.weight``, ``output_norm.weight`` and ``output.weight`` (the
-    latter aliases ``token_embd.weight`` for tied embeddings). ``layers[i]`` holds layer i's tensors
-    under their names without the ``blk.{i}.`` prefix, e.g. ``layers[3]["attn_q.weight"]``.
+    latter aliases ``token_embd.weight`` for tied embeddings). ``at(i, device)`` holds layer i's
+    tensors on ``device`` under their names without the ``blk.{i}.`` prefix, e.g.
+    ``at(3, "cpu")["attn_q.weight"]``. Loaded weights sit on the CPU until ``place``d.
     """
 
     def __init__(self, globals_: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]):
         self.globals = globals_
-        self.layers = layers
+        self.n_layers = len(layers)
+        cpu = torch.device("cpu")
+        self._copies: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {
+            (i, cpu): tensors for i, tensors in enumerate(layers)}
 
     @classmethod
     def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> "DenseWeights":
@@ -42,22 +51,24 @@ class DenseWeights:
             layers.append({n.removeprefix(prefix): load_one(n, s) for n, s in arch.layer_tensors(spec, i).items()})
         return cls(globals_, layers)
 
-    def to(self, device: torch.device | str, layers: range | None = None,
-           embed: bool | None = None, head: bool | None = None) -> "DenseWeights":
-        """Move (in place) ``layers`` (all if None) and optionally the embedding / head to ``device``.
+    def at(self, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """Layer ``layer``'s tensors on ``device`` (placed there by ``place``)."""
+        try:
+            return self._copies[(layer, torch.device(device))]
+        except KeyError:
+            raise ConfigError(f"layer {layer}'s dense weights are not placed on {device}") from None
 
-        ``embed`` / ``head`` default to True when ``layers`` is None, else False. Returns self.
-        """
-        whole = layers is None
-        for i in range(len(self.layers)) if whole else layers:
-            self.layers[i] = {n: t.to(device) for n, t in self.layers[i].items()}
-        if embed if embed is not None else whole:
-            self.globals["token_embd.weight"] = self.globals["token_embd.weight"].to(device)
-        if head if head is not None else whole:
-            self.globals["output_norm.weight"] = self.globals["output_norm.weight"].to(device)
-            self.globals["output.weight"] = self.globals["output.weight"].to(device)
+    def place(self, placements: dict[int, set[torch.device]], globals_device: torch.device | str) -> "DenseWeights":
+        """Put a copy of each layer on each of its devices (``placements``: layer -> devices) and the
+        embedding and head on ``globals_device``; copies no longer needed are freed. Returns self."""
+        cpu = torch.device("cpu")
+        for layer, devices in placements.items():
+            host = self._copies[(layer, cpu)]
+            for device in devices:
+                self._copies.setdefault((layer, torch.device(device)), {n: t.to(device) for n, t in host.items()})
+            if cpu not in {torch.device(d) for d in devices}:
+                del self._copies[(layer, cpu)]
+        moved: dict[int, torch.Tensor] = {}  # tied embeddings stay one tensor
+        for name, tensor in self.globals.items():
+            self.globals[name] = moved.setdefault(id(tensor), tensor.to(globals_device))
         return self
-
-    def device_of(self, layer: int) -> torch.device:
-        """The device holding ``layer``'s weights."""
-        return self.layers[layer]["attn_norm.weight"].device

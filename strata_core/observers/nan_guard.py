@@ -30,7 +30,7 @@ def _guarded(engine, phase: str):
 
 
 @hookimpl(wrapper=True)
-def strata_prefill(engine, session, tokens, all_logits):
+def strata_prefill(engine, session, tokens, logits):
     """Check every layer of a prefill chunk."""
     return (yield from _guarded(engine, "prefill"))
 

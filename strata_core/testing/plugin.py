@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from strata_core.config import StrataSettings
-from strata_core.plugins import StrataPluginManager, build_plugin_manager
+from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
 from strata_core.testing.models import TinyModelOptions, write_tiny_model
 
 TINY_MODEL_TYPES = ("F32", "F16", "Q8_0")

@@ -11,11 +11,12 @@ def model_path(tiny_model_factory):
     return tiny_model_factory(n_layers=3)
 
 
-def test_plan_covers_every_layer_once(model_path, logical_devices):
+def test_placement_gives_each_device_slot_a_stage(model_path, logical_devices):
     engine = Engine.load(model_path, strategy="even_split", devices=logical_devices)
-    layers = [layer for stage in engine.plan.stages for layer in stage.layers]
-    assert layers == list(range(engine.spec.n_layers))
-    assert len(engine.plan.stages) == len(logical_devices)
+    segments = engine.segments["decode"]
+    assert [s.device for s in segments] == list(range(len(logical_devices)))
+    assert [layer for s in segments for layer in s.layers] == list(range(engine.spec.n_layers))
+    assert len(engine.experts.caches) == len(logical_devices)  # one cache per logical device
 
 
 def test_logits_and_greedy_output_equal_single(model_path, logical_devices):

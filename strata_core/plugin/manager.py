@@ -1,7 +1,7 @@
 """The plugin manager: builtins + the entry-point group ``strata``, strategy selection.
 
-Discovery registers every plugin so that each can declare its strategies through
-``strata_register_strategies``. Selecting a strategy then keeps exactly one chain of strategy
+Discovery registers the core defaults (the phase hooks that execute a placement, ``trylast``),
+then every plugin so that each can declare its strategies through ``strata_register_strategies``. Selecting a strategy then keeps exactly one chain of strategy
 plugins (the selected one and the strategies it builds on, base first) and blocks the others, so
 every firstresult phase hook has one answer. Observers are registered only when switched on.
 """
@@ -15,14 +15,15 @@ from dataclasses import dataclass, replace
 
 import pluggy
 
-from strata_core import hookspecs
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
-from strata_core.plugin import PROJECT_NAME, StrategyOptions, StrategySpec, normalize_strategy_name
+from strata_core.plugin import hookspecs
+from strata_core.plugin.spec import PROJECT_NAME, StrategyOptions, StrategySpec, normalize_strategy_name
 
 log = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "strata"
+CORE_DEFAULTS_MODULE = "strata_core.plugin.defaults"
 BUILTIN_STRATEGY_MODULES = ("strata_core.strategies.single",)
 BUILTIN_DISTRIBUTION = "strata (builtin)"
 
@@ -133,7 +134,7 @@ def build_plugin_manager(settings: StrataSettings | None = None) -> StrataPlugin
     switched on in ``settings``; no strategy is selected yet."""
     settings = settings or StrataSettings()
     pm = StrataPluginManager()
-    for module_name in BUILTIN_STRATEGY_MODULES:
+    for module_name in (CORE_DEFAULTS_MODULE, *BUILTIN_STRATEGY_MODULES):
         pm.register_plugin(importlib.import_module(module_name), name=module_name, distribution=BUILTIN_DISTRIBUTION)
     if not settings.disable_plugin_autoload:
         _load_entry_points(pm, settings.plugins)

@@ -1,28 +1,4 @@
-"""Writing a Strata plugin: the marker and the types a plugin needs.
-
-A strategy plugin is a module (or package) with functions decorated by ``hookimpl`` and named after
-the hooks in :mod:`strata_core.hookspecs`, registered under the entry-point group ``strata``::
-
-    # pyproject.toml
-    [project.entry-points.strata]
-    my_topology = "strata_my_topology.plugin"
-
-    # strata_my_topology/plugin.py
-    from strata_core.plugin import hookimpl, StrategySpec
-
-    @hookimpl
-    def strata_register_strategies(register):
-        register(StrategySpec(name="my-topology", description="...", plugin=__name__))
-
-    @hookimpl
-    def strata_topology(devices, spec, settings, options):
-        ...
-
-Selecting ``--strategy my_topology`` registers that strategy (and the strategy it builds on) and
-blocks the others, so every phase hook has exactly one answer. Observers (timing, NaN guard) wrap
-the phase hooks with ``@hookimpl(wrapper=True)`` and work under every strategy. ``examples/`` holds a
-complete plugin to copy; ``strata_core.testing`` is the pytest plugin to test it with.
-"""
+"""The hook marker and the strategy types (re-exported by :mod:`strata_core.plugin`)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,155 @@
+"""layer_split on logical devices: single's logits bit for bit, micro-batched windows, no host sync
+growing with the layer count, per-stage timing, and caches that never hold an expert twice."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strata_layer_split.plugin import micro_batches, stage_ranges
+
+from strata_core.engine import Engine
+from strata_core.errors import ConfigError
+from strata_core.experts import device_rows
+from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.spec import load_model_spec
+from strata_core.plugin import DeviceSlot
+from strata_core.session import DecodeBatch
+
+PROMPT = list(range(5, 41))
+CPU2 = [DeviceSlot(0, torch.device("cpu")), DeviceSlot(1, torch.device("cpu"))]
+CHECKS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory(n_layers=4, expert_type="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """single's logits of PROMPT, and its greedy continuation."""
+    single = Engine.load(model, max_context=128, expert_cache=0)
+    return single.logits(PROMPT), single.generate(PROMPT, max_tokens=6, temperature=0)
+
+
+def _split(model, cut: int, **settings) -> Engine:
+    return Engine.load(model, strategy="layer_split", devices=["cpu", "cpu"], max_context=128,
+                       strategy_options={"split": str(cut)}, **settings)
+
+
+@CHECKS
+@given(cut=st.integers(1, 3), cache=st.integers(0, 16), chunk=st.integers(1, 40))
+def test_logits_equal_single_for_any_cut_cache_and_chunk(model, reference, cut, cache, chunk):
+    engine = _split(model, cut, expert_cache=cache, prefill_chunk=chunk)
+    assert [s.layers for s in engine.segments["decode"]] == [range(0, cut), range(cut, 4)]
+    assert torch.equal(engine.logits(PROMPT), reference[0])
+
+
+def test_greedy_output_equals_single(model, reference):
+    assert _split(model, 2, expert_cache=5).generate(PROMPT, max_tokens=6, temperature=0) == reference[1]
+
+
+def test_auto_cuts_by_memory_and_bad_splits_are_named(tiny_model_factory):
+    spec = load_model_spec(GGUFFile.open(tiny_model_factory(n_layers=8)))
+    assert stage_ranges(CPU2, spec, "auto") == [(0, range(0, 4)), (1, range(4, 8))]  # cpu,cpu share RAM
+    assert stage_ranges(CPU2, spec, "3") == [(0, range(0, 3)), (1, range(3, 8))]
+    for bad in ("0", "8", "2,5", "x"):
+        with pytest.raises(ConfigError, match="layer_split"):
+            stage_ranges(CPU2, spec, bad)
+
+
+def _decode(engine: Engine, prompts: list[list[int]], windows: int) -> list[torch.Tensor]:
+    sessions = [engine.new_session() for _ in prompts]
+    tokens = [int(engine.prefill(s, p).argmax()) for s, p in zip(sessions, prompts)]
+    out = []
+    for _ in range(windows):
+        logits = engine.decode_window(list(zip(sessions, tokens)))
+        tokens = [int(row.argmax()) for row in logits]
+        out.append(logits)
+    return out
+
+
+def test_micro_batched_windows_equal_single_and_run_each_stage_per_micro_batch(model, monkeypatch):
+    prompts = [PROMPT[:9], PROMPT[3:20], PROMPT[10:14]]
+    want = _decode(Engine.load(model, max_context=128, expert_cache=3), prompts, 3)
+    engine = _split(model, 2, expert_cache=3)
+    calls = []
+    real = engine.decode_segment
+    monkeypatch.setattr(engine, "decode_segment",
+                        lambda segment, hidden, batch: calls.append((segment.device, len(batch))) or
+                        real(segment, hidden, batch))
+    got = _decode(engine, prompts, 3)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert calls[:4] == [(0, 2), (0, 1), (1, 2), (1, 1)]  # stage-major: stage 0 runs both first
+    five = DecodeBatch(tuple(engine.new_session() for _ in range(5)), torch.arange(5))
+    parts = micro_batches(five, 2)
+    assert [len(p) for p in parts] == [2, 3] and torch.equal(torch.cat([p.tokens for p in parts]), five.tokens)
+
+
+def _host_reads(engine: Engine, monkeypatch) -> list[str]:
+    """Tensor reads to the host made while a decode window runs (what a sync per layer would be)."""
+    reads, inside = [], [False]
+
+    def counting(name, real):
+        def wrapper(*args, **kwargs):
+            if inside[0]:
+                reads.append(name)
+            return real(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(device_rows, "group_by_expert", counting("group_by_expert", device_rows.group_by_expert))
+    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    sessions = [engine.new_session(), engine.new_session()]
+    for session in sessions:
+        engine.prefill(session, PROMPT[:12])
+    inside[0] = True
+    engine.decode_window([(sessions[0], 3), (sessions[1], 4)])
+    inside[0] = False
+    return reads
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_host_syncs_per_window_do_not_grow_with_the_layer_count(tiny_model_factory, monkeypatch, gather):
+    """With the decode gather a window reads nothing back per layer, whatever the split; the
+    per-expert loop reads the routing once per layer (so the count can fail)."""
+    counts = []
+    for n_layers in (2, 4):
+        path = tiny_model_factory(n_layers=n_layers, expert_type="Q8_0")
+        engine = _split(path, n_layers // 2, expert_cache=3, arena="pinned")
+        engine.experts.use_gather(gather)
+        with monkeypatch.context() as patch:
+            counts.append(len(_host_reads(engine, patch)))
+    if gather:
+        assert counts[0] == counts[1]
+    else:
+        assert counts[1] > counts[0]
+
+
+def test_decode_timing_prints_each_stage(model, capsys):
+    engine = _split(model, 1, decode_timing=True)
+    session = engine.new_session()
+    engine.prefill(session, PROMPT[:5])
+    engine.decode_window([(session, 7)])
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.startswith("[strata decode]")]
+    assert "[decode cpu#0[0..0]]=" in line and "[decode cpu#1[1..3]]=" in line and "host=" in line
+
+
+@CHECKS
+@given(cut=st.integers(1, 3), cache=st.integers(1, 12), swaps=st.integers(1, 4),
+       windows=st.lists(st.integers(0, 255), min_size=1, max_size=4))
+def test_caches_never_hold_an_expert_twice_also_after_adaptation(model, cut, cache, swaps, windows):
+    engine = _split(model, cut, expert_cache=cache, adapt_swaps=swaps)
+    session = engine.new_session()
+    engine.prefill(session, PROMPT[:10])
+    for token in windows:
+        engine.decode_window([(session, token)])
+        held = [entry for table in engine.experts.tables.values() for entry in table.resident()]
+        assert len(held) == len(set(held))
+        for slot, table in engine.experts.tables.items():
+            table.check()
+            assert table.n_resident <= cache
+            layers = engine.segments["decode"][slot].layers
+            assert all(layer in layers for layer, _ in table.resident())

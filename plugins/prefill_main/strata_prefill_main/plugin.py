@@ -1,0 +1,66 @@
+"""``prefill_main``: prompts run every layer on the main device, decode stays layer-split (seed #269).
+
+Builds on ``layer_split`` (same ``split`` and ``micro_batches`` options; its decode windows). A
+prompt needs the experts of every layer and is bound by streaming the misses from host RAM, so a
+layer split only adds a slower link to its critical path; here the prompt placement computes every
+layer on the main device, and the decode placement is the split. The core does the rest:
+
+* the later stages compute no prompt, so they keep no prompt-path buffers: that memory goes to their caches;
+* their caches are read across the peer link during the prompt (``peer_read``, default on) instead
+  of streaming those layers cold from host RAM; with ``peer_read=false`` their entries are masked in
+  place for the prompt and restored before decode;
+* one hand-off per prompt segment copies the KV of layers ``[K, n)`` to the stage that owns them.
+
+The main device is the one with the widest host link (PCIe generation x lanes, from NVML or
+sysfs); a reorder is logged, and where the probe fails the configured order stays.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from pydantic import Field
+from strata_layer_split.plugin import LayerSplitOptions, stage_ranges
+
+from strata_core.plugin import DeviceSlot, Placement, StrategySpec, hookimpl
+from strata_prefill_main.links import link_class
+
+log = logging.getLogger(__name__)
+
+
+class PrefillMainOptions(LayerSplitOptions):
+    """Options of ``prefill_main``: those of ``layer_split`` and two of its own."""
+
+    peer_read: bool = Field(True, description="read the later stages' caches across during the prompt")
+    order_by_link: bool = Field(True, description="make the device with the widest host link the main one")
+
+
+@hookimpl
+def strata_register_strategies(register):
+    """Declare ``prefill_main`` (built on ``layer_split``)."""
+    register(StrategySpec(name="prefill_main", description="prompt on the main device, decode layer-split",
+                          plugin=sys.modules[__name__], options=PrefillMainOptions, base="layer_split"))
+
+
+def by_link(devices: list[DeviceSlot]) -> list[DeviceSlot]:
+    """``devices`` with the widest host link first (stable), or as given when a probe fails."""
+    links = [link_class(slot.device) for slot in devices]
+    if any(link is None for link in links):
+        return devices
+    widest = max(range(len(devices)), key=lambda i: (links[i][0] * links[i][1], -i))
+    if widest != 0:
+        log.info("prefill_main: %s has the widest host link (PCIe gen %d x%d): it becomes the main device",
+                 devices[widest], *links[widest])
+    return [devices[widest], *devices[:widest], *devices[widest + 1:]]
+
+
+@hookimpl
+def strata_topology(devices, spec, settings, options):
+    """The layer split for decode; every layer's prompt on the first (widest-link) device."""
+    ordered = by_link(list(devices)) if options.order_by_link else list(devices)
+    stages = stage_ranges(ordered, spec, options.split)
+    main = ordered[0].index
+    log.info("prefill_main: prompts on %s; decode %s", devices[main],
+             "; ".join(f"{devices[d]} layers {r.start}..{r.stop - 1}" for d, r in stages))
+    return Placement.stages(stages, main=main, prompt_device=main, prompt_peer=options.peer_read)

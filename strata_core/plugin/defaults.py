@@ -1,0 +1,28 @@
+"""The core's answers to the phase hooks (``trylast``): execute the placement as it is.
+
+Registered with every engine, so a strategy that only answers ``strata_topology`` runs with these;
+a strategy implementing a phase hook answers first.
+"""
+
+from __future__ import annotations
+
+from strata_core.plugin.spec import hookimpl
+
+
+@hookimpl(trylast=True)
+def strata_prefill(engine, session, tokens, logits):
+    """The chunk through the prompt placement's segments, then the head where logits are wanted."""
+    return engine.run_prompt(session, tokens, logits)
+
+
+@hookimpl(trylast=True)
+def strata_decode_window(engine, batch):
+    """The window through the decode placement's segments, then the head."""
+    return engine.run_decode(batch)
+
+
+@hookimpl(trylast=True)
+def strata_hand_off(engine, session, layers, src, dst):
+    """Copy the committed KV rows of ``layers`` from ``src`` to ``dst`` (device to device)."""
+    session.kv.move(layers, dst.index, dst.device)
+    return True
