@@ -153,3 +153,29 @@ def test_caches_never_hold_an_expert_twice_also_after_adaptation(model, cut, cac
             assert table.n_resident <= cache
             layers = engine.segments["decode"][slot].layers
             assert all(layer in layers for layer, _ in table.resident())
+
+
+CUDA_PAIRS = ([["cuda:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.device_count() > 1 else [])
+              if torch.cuda.is_available() else [])
+
+
+@pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
+def test_on_cuda_graphs_per_stage_replay_without_host_sync_and_match_single(model, devices):
+    from strata_core.testing.sync import no_host_sync
+
+    prompts = [list(range(5, 60)), list(range(70, 90)), list(range(20, 30))]
+    options = dict(max_context=128, dtype="float32", arena="pinned", cuda_graphs=True)
+    want = _decode(Engine.load(model, devices=devices[:1], expert_cache=8, **options), prompts, 6)
+    engine = Engine.load(model, strategy="layer_split", devices=devices, expert_cache=4,
+                         strategy_options={"split": "2"}, **options)
+    got = _decode(engine, prompts, 6)
+    assert [row.argmax(-1).tolist() for row in got] == [row.argmax(-1).tolist() for row in want]
+    graphs = engine._decode_graphs()
+    assert graphs.failed is None and graphs.captures == 4  # two stages x two micro-batches
+    sessions = [engine.new_session() for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        engine.prefill(session, prompt)
+    engine.decode_window([(s, 3) for s in sessions])  # captures for these sessions
+    with no_host_sync():
+        engine.decode_window([(s, 4) for s in sessions])

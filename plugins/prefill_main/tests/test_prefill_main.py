@@ -133,3 +133,38 @@ def test_the_widest_host_link_becomes_main(monkeypatch, caplog):
     assert "cuda:1#1 has the widest host link (PCIe gen 5 x16)" in caplog.text
     monkeypatch.setattr(prefill_main, "link_class", lambda device: None)  # the probe fails: as configured
     assert prefill_main.by_link(slots) == slots
+
+
+def test_a_saved_session_restores_and_decodes_like_the_original(model):
+    engine = _engine(model, 2, expert_cache=4)
+    session = engine.new_session()
+    engine.prefill(session, PROMPT[:20])
+    restored = engine.restore_session(engine.save_session(session))
+    assert torch.equal(engine.decode_window([(session, 7)]), engine.decode_window([(restored, 7)]))
+    assert restored.kv.home == session.kv.home == {0: 0, 1: 0, 2: 1, 3: 1}
+
+
+def test_the_grouped_prefill_reads_peer_slots(model, reference):
+    """The grouped prefill (the CUDA prompt path, forced here) takes the later stage's experts
+    from its slots: logits within float tolerance of single's, peer groups counted."""
+    engine = _engine(model, 2, expert_cache=8)
+    engine.experts.use_grouped_prefill(True)
+    torch.testing.assert_close(engine.logits(PROMPT), reference[0], rtol=1e-4, atol=1e-4)
+    assert engine.telemetry.by_device()["cpu#0"]["peer"] > 0
+
+
+CUDA_PAIRS = ([["cuda:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.device_count() > 1 else [])
+              if torch.cuda.is_available() else [])
+
+
+@pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
+def test_on_cuda_greedy_equals_single(model, devices):
+    prompt = list(range(5, 120))
+    options = dict(max_context=256, dtype="float32", arena="pinned")
+    single = Engine.load(model, devices=devices[:1], expert_cache=16, **options)
+    engine = Engine.load(model, strategy="prefill_main", devices=devices, expert_cache=8, dbg_handoff=True,
+                         strategy_options={"split": "2"}, **options)
+    assert engine.generate(prompt, max_tokens=12, temperature=0) == single.generate(prompt, max_tokens=12,
+                                                                                    temperature=0)
+    assert engine.telemetry.by_device()[f"{devices[0]}#0"]["peer"] > 0
