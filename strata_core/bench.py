@@ -98,16 +98,24 @@ def bench_prefill(engine: Engine, length: int, repeats: int) -> BenchResult:
     return _result("prefill", length, runs, deltas)
 
 
-def bench_decode(engine: Engine, context: int, steps: int, repeats: int) -> BenchResult:
-    """Median decode tok/s of ``steps`` single-token windows after a ``context``-token prompt."""
+def bench_decode(engine: Engine, context: int, steps: int, repeats: int, sessions: int = 1) -> BenchResult:
+    """Median decode tok/s (summed over ``sessions`` concurrent sessions) of ``steps`` windows after a
+    ``context``-token prompt each."""
     runs, deltas = [], []
     for r in range(repeats):
-        tokens = _tokens(engine, context + steps, seed=1000 + r)
-        session = engine.new_session()
-        engine.prefill(session, tokens[:context])
-        seconds, delta = _timed(engine, lambda: [engine.decode_window([(session, t)]) for t in tokens[context:]])
-        engine.release_session(session)
-        runs.append(steps / seconds)
+        streams = [_tokens(engine, context + steps, seed=1000 + r * sessions + i) for i in range(sessions)]
+        live = [engine.new_session() for _ in streams]
+        for session, tokens in zip(live, streams):
+            engine.prefill(session, tokens[:context])
+
+        def windows() -> None:
+            for step in range(context, context + steps):
+                engine.decode_window([(session, tokens[step]) for session, tokens in zip(live, streams)])
+
+        seconds, delta = _timed(engine, windows)
+        for session in live:
+            engine.release_session(session)
+        runs.append(sessions * steps / seconds)
         deltas.append(delta)
     return _result("decode", context, runs, deltas)
 
@@ -126,15 +134,17 @@ def warm_up(engine: Engine) -> None:
     engine.release_session(session)
 
 
-def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: int, steps: int) -> list[BenchResult]:
-    """Every prefill and decode figure, in order, after an untimed :func:`warm_up`."""
+def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: int, steps: int,
+              sessions: int = 1) -> list[BenchResult]:
+    """Every prefill and decode figure (decode with ``sessions`` concurrent sessions), in order, after
+    an untimed :func:`warm_up`."""
     need = max(prompts + [c + steps for c in contexts])
     if need > engine.max_context:
         raise ConfigError(f"the bench needs {need} tokens of context, the engine has {engine.max_context} "
                           "(raise --max-context, or lower --prompts / --contexts)")
     warm_up(engine)
     results = [bench_prefill(engine, n, repeats) for n in prompts]
-    results += [bench_decode(engine, c, steps, repeats) for c in contexts]
+    results += [bench_decode(engine, c, steps, repeats, sessions) for c in contexts]
     return results
 
 

@@ -39,3 +39,17 @@ def test_bench_runs_on_cpu(tmp_path):
         assert r.tok_s > 0 and len(r.runs) == 2 and 0 <= r.hit_rate < 1  # 4 of 16 experts resident
         assert r.bytes_streamed > 0
     assert "| prefill | 16 |" in format_table(results, {"expert_cache": 4})
+
+
+def test_decode_bench_runs_every_session_in_each_window(tmp_path, monkeypatch):
+    from strata_core.engine import Engine
+
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1)
+    engine = Engine.load(path, expert_cache=4, max_context=64)
+    widths = []
+    real = engine.decode_window
+    monkeypatch.setattr(engine, "decode_window", lambda steps: widths.append(len(steps)) or real(steps))
+    (result,) = run_bench(engine, [], [8], repeats=1, steps=3, sessions=3)
+    assert widths[-3:] == [3, 3, 3] and result.kind == "decode" and result.tok_s > 0
+    engine.close()

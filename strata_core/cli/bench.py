@@ -19,6 +19,7 @@ class BenchCommand(StrataSettings):
     prompts: str = Field("8k,32k", description="prompt lengths for prefill, e.g. 512,8k,32k")
     contexts: str = Field("1k,32k", description="context lengths for decode")
     decode_tokens: int = Field(32, ge=1, description="decode windows timed per run")
+    sessions: int = Field(1, ge=1, description="concurrent sessions per decode window (tok/s summed)")
     repeats: int = Field(3, ge=1, description="runs per figure (the median is reported)")
     json_file: Path | None = Field(None, alias="json", description="write the results as JSON here")
 
@@ -30,7 +31,7 @@ class BenchCommand(StrataSettings):
 
         prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
         need = max(prompts + [c + self.decode_tokens for c in contexts])
-        settings = self.model_dump(exclude={"prompts", "contexts", "decode_tokens", "repeats", "json_file"})
+        settings = self.model_dump(exclude={"prompts", "contexts", "decode_tokens", "sessions", "repeats", "json_file"})
         settings["max_context"] = max(self.max_context, need)
         engine = Engine.from_settings(StrataSettings(**settings))
         try:
@@ -38,11 +39,12 @@ class BenchCommand(StrataSettings):
                 list(dict.fromkeys(slot.device for slot in engine.devices))), "arena": self.arena, "expert_cache": self.expert_cache,
                 "resident": sum(t.n_resident for t in engine.experts.tables.values()),
                 "experts": engine.spec.n_layers * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
-                "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats}
+                "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats,
+                "strategy": self.strategy, "sessions": self.sessions}
             link = host_to_device_gbps(engine.main.device)
             if link is not None:
                 setup["pinned_h2d_gbps"] = round(link, 1)
-            results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens)
+            results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens, self.sessions)
         finally:
             engine.close()
         print(format_table(results, setup))
