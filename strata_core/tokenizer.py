@@ -96,6 +96,8 @@ class Tokenizer:
         if model != "gpt2":
             raise UnsupportedError(f"tokenizer.ggml.model {model!r} is not supported; Strata reads 'gpt2' (byte-level BPE)")
 
+        if "tokenizer.ggml.merges" not in metadata:
+            raise ModelFileError("the GGUF's BPE tokenizer has no merges (tokenizer.ggml.merges)")
         spec = {name: metadata[f"tokenizer.{key}"] for key, name in _GGUF_TOKENIZER_KEYS.items() if f"tokenizer.{key}" in metadata}
         spec["tokens"] = [str(t) for t in spec["tokens"]]
         spec["merges"] = [str(m) for m in spec.get("merges", [])]

@@ -13,7 +13,8 @@ SHAPES = {"token_embd.weight": type("T", (), {"shape": (256, 64)})()}
 
 def meta(arch: str, **extra) -> dict:
     base = {"block_count": 2, "embedding_length": 64, "attention.head_count": 4, "expert_count": 8,
-            "expert_used_count": 2, "feed_forward_length": 128, "attention.layer_norm_rms_epsilon": 1e-6}
+            "expert_used_count": 2, "feed_forward_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+            "context_length": 512}
     return {f"{arch}.{k}": v for k, v in (base | extra).items()}
 
 

@@ -8,6 +8,7 @@ the file and, where relevant, the tensor.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,11 +60,61 @@ class TensorRef:
         return torch.from_numpy(self.data[expert * per:(expert + 1) * per])
 
 
+# smallest encoded size of a value of each type: bounds the counts a header may claim
+_MIN_VALUE_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12} | {
+    t: np.dtype(n).itemsize for t, n in GGUFReader.gguf_scalar_to_np.items()}
+_MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, at least one byte of value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+
+
 class _CheckedReader(GGUFReader):
-    """``GGUFReader`` that checks each tensor's type and extent before gguf-py slices it."""
+    """``GGUFReader`` that refuses what llama.cpp refuses before gguf-py acts on it.
+
+    Every read must lie inside the file; a count (keys, tensors, array items) must fit in the bytes
+    left; every tensor must have a known type, whole blocks, and start exactly where the aligned
+    running layout puts it (so tensors neither overlap, wrap around nor leave the file).
+    """
+
+    def __init__(self, path: str) -> None:
+        self._strata_path = path
+        super().__init__(path, mode="c")
+
+    def _broken(self, what: str) -> ModelFileError:
+        return ModelFileError(f"{self._strata_path}: {what}")
+
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise self._broken(f"the header runs past the end of the file (needs byte {end}, file has "
+                               f"{len(self.data)}); the file is truncated or corrupt")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _check_count(self, count: int, min_bytes: int, offset: int, what: str) -> None:
+        if int(count) * min_bytes > len(self.data) - int(offset):
+            raise self._broken(f"the header claims {int(count)} {what}, more than the file could hold")
+
+    def _build_fields(self, offs: int, count: int) -> int:  # type: ignore[override]
+        self._check_count(count, _MIN_KV_BYTES, offs, "metadata keys")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:  # type: ignore[override]
+        self._check_count(count, _MIN_TENSOR_INFO_BYTES, offs, "tensors")
+        return super()._build_tensor_info(offs, count)
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:  # type: ignore[override]
+        try:
+            gtype = GGUFValueType(int(raw_type))
+        except ValueError:
+            raise self._broken(f"metadata value type {int(raw_type)} is unknown") from None
+        if gtype == GGUFValueType.ARRAY:
+            item = int(self._get(orig_offs, np.uint32)[0])
+            length = int(self._get(orig_offs + 4, np.uint64)[0])
+            self._check_count(length, _MIN_VALUE_BYTES.get(item, 1), orig_offs + 12, "array items")
+        return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
-        file_size = len(self.data)
+        expected = 0  # where the next tensor's data must start, relative to the data section
+        align = int(self.alignment)
         for field in fields:
             _len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
             name = bytes(name_data).decode("utf-8", errors="replace")
@@ -73,18 +124,22 @@ class _CheckedReader(GGUFReader):
                 raise UnsupportedError(f"{self._strata_path}: tensor {name!r} has unknown block type "
                                        f"id {int(raw_dtype[0])}") from None
             block, type_size = GGML_QUANT_SIZES[qtype]
-            n_elems = int(np.prod(dims.astype(np.int64)))
-            start = int(start_offs + offset[0])
-            end = start + n_elems * type_size // block
-            if end > file_size:
-                raise ModelFileError(f"{self._strata_path}: tensor {name!r} data runs past the end of "
-                                     f"the file (needs bytes {start}..{end}, file has {file_size}); "
-                                     "the file is truncated")
+            shape = [int(d) for d in dims]
+            if any(d <= 0 for d in shape) or (shape and shape[0] % block):
+                raise self._broken(f"tensor {name!r} has shape {shape[::-1]}, which is not whole "
+                                   f"{qtype.name} blocks of {block}")
+            n_bytes = math.prod(shape) * type_size // block
+            if int(offset[0]) != expected:
+                raise self._broken(f"tensor {name!r} data starts at offset {int(offset[0])}, expected "
+                                   f"{expected} (tensors must follow each other, aligned to "
+                                   f"{align} bytes); the file is corrupt")
+            end = int(start_offs) + expected + n_bytes
+            if end > len(self.data):
+                raise self._broken(f"tensor {name!r} data runs past the end of the file (needs bytes "
+                                   f"{start_offs + expected}..{end}, file has {len(self.data)}); "
+                                   "the file is truncated")
+            expected += -(-n_bytes // align) * align
         super()._build_tensors(start_offs, fields)
-
-    def __init__(self, path: str):
-        self._strata_path = path
-        super().__init__(path, mode="c")
 
 
 def _field_value(field: Any) -> Any:

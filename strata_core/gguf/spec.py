@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from strata_core.gguf.vocab import check_tokenizer_metadata
+
 __all__ = ["ModelSpec", "load_model_spec"]
 
 
@@ -50,7 +52,8 @@ class ModelSpec:
 def load_model_spec(gguf_file) -> ModelSpec:
     """The ``ModelSpec`` of an opened ``GGUFFile``; validates every tensor the forward will read.
 
-    Raises UnsupportedError for an unknown architecture, ModelFileError for missing keys/tensors.
+    Raises UnsupportedError for an unknown architecture, ModelFileError for missing or ill-typed
+    keys, missing or misshapen tensors, and broken tokenizer keys.
     """
     # imported here: the architecture modules build ModelSpec, so they import this module
     from strata_core.gguf.arch import get_architecture
@@ -58,4 +61,5 @@ def load_model_spec(gguf_file) -> ModelSpec:
     arch = get_architecture(gguf_file.architecture, gguf_file.path)
     spec = arch.spec_from_metadata(gguf_file.metadata, gguf_file.tensors, gguf_file.path)
     arch.validate(gguf_file, spec)
+    check_tokenizer_metadata(gguf_file.metadata, gguf_file.path, spec.vocab_size)
     return spec

@@ -12,14 +12,18 @@ Defaults applied when metadata lacks a key follow llama.cpp's loader (``llama_mo
 - ``expert_feed_forward_length`` -> ``feed_forward_length / expert_used_count``
 - ``expert_weights_scale`` -> 0 (llama.cpp: 0 or 1 means no scaling)
 - ``expert_weights_norm`` -> the architecture's graph default (``Architecture.norm_topk_default``)
-- ``context_length`` -> 0 if absent (llama.cpp requires it; we only report it)
+- ``context_length``: required, as llama.cpp requires it
 - vocab size -> rows of ``token_embd.weight``
+Every value is type- and range-checked at load (an integer key holding a string, a zero head count,
+a NaN ``rms_eps``, a ``block_count`` that is not the number of ``blk.N`` layers present are each a
+``ModelFileError`` naming the file and the key).
 Unsupported: per-layer head counts or expert sizes that differ between layers, RoPE scaling
 (``rope.scaling.type`` other than "none"), and ``rope.dimension_count`` != head_dim.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -33,13 +37,67 @@ __all__ = ["Architecture"]
 Shape = tuple[int, ...]
 
 
-def _uniform(value: Any, key: str, path: str) -> Any:
-    """A per-layer array key with one value for every layer, as a scalar."""
-    if isinstance(value, list):
-        if len(set(value)) != 1:
-            raise UnsupportedError(f"{path}: {key} differs between layers ({value}); not supported")
-        return value[0]
-    return value
+class _Metadata:
+    """Typed reads of ``{arch}.*`` keys: each value is checked, and a problem names the file and key."""
+
+    def __init__(self, metadata: Mapping[str, Any], arch: str, path: str) -> None:
+        self._metadata, self._arch, self._path = metadata, arch, path
+
+    def _raw(self, key: str, default: Any) -> tuple[str, Any]:
+        full = key.format(arch=self._arch)
+        if full not in self._metadata:
+            if default is ...:
+                raise ModelFileError(f"{self._path}: metadata key {full!r} is missing")
+            return full, default
+        value = self._metadata[full]
+        if isinstance(value, list):  # a per-layer array: one value for every layer is a scalar
+            if not value or len(set(map(repr, value))) != 1:
+                raise UnsupportedError(f"{self._path}: {full} differs between layers ({value[:8]}); not supported")
+            value = value[0]
+        return full, value
+
+    def _bad(self, key: str, value: Any, expected: str) -> ModelFileError:
+        return ModelFileError(f"{self._path}: metadata key {key!r} is {value!r}, expected {expected}")
+
+    def int(self, key: str, default: Any = ..., minimum: int = 1) -> int:
+        """An integer >= ``minimum`` (a string or float is an error, not converted)."""
+        full, value = self._raw(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self._bad(full, value, f"an integer >= {minimum}")
+        return value
+
+    def float(self, key: str, default: Any = ..., *, positive: bool = True, below: float = math.inf) -> float:
+        """A finite number, > 0 when ``positive`` (else >= 0), and < ``below``."""
+        full, value = self._raw(key, default)
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok or value < 0 or (positive and value == 0) or value >= below:
+            bound = "" if below == math.inf else f" and < {below:g}"
+            raise self._bad(full, value, "a finite number " + ("> 0" if positive else ">= 0") + bound)
+        return float(value)
+
+    def bool(self, key: str, default: bool) -> bool:
+        """A boolean."""
+        full, value = self._raw(key, default)
+        if not isinstance(value, bool):
+            raise self._bad(full, value, "a boolean")
+        return value
+
+    def str(self, key: str, default: str) -> str:
+        """A string."""
+        full, value = self._raw(key, default)
+        if not isinstance(value, str):
+            raise self._bad(full, value, "a string")
+        return value
+
+
+def layers_present(tensors: Mapping[str, Any]) -> set[int]:
+    """The layer indices ``N`` of the ``blk.N.*`` tensors."""
+    out = set()
+    for name in tensors:
+        parts = name.split(".", 2)
+        if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
+            out.add(int(parts[1]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -58,37 +116,36 @@ class Architecture:
                            path: str) -> ModelSpec:
         """Build the ModelSpec from GGUF metadata (with llama.cpp's defaults) and tensor shapes."""
         a = self.name
-
-        def get(key: str, default: Any = ...) -> Any:
-            full = key.format(arch=a)
-            if full in metadata:
-                return _uniform(metadata[full], full, path)
-            if default is ...:
-                raise ModelFileError(f"{path}: metadata key {full!r} is missing")
-            return default
-
-        hidden = int(get(K.LLM.EMBEDDING_LENGTH))
-        n_heads = int(get(K.Attention.HEAD_COUNT))
-        n_kv = int(get(K.Attention.HEAD_COUNT_KV, n_heads))
-        head_dim = int(get(K.Attention.KEY_LENGTH, hidden // n_heads))
-        if int(get(K.Attention.VALUE_LENGTH, head_dim)) != head_dim:
+        m = _Metadata(metadata, a, path)
+        n_layers = m.int(K.LLM.BLOCK_COUNT)
+        hidden = m.int(K.LLM.EMBEDDING_LENGTH)
+        n_heads = m.int(K.Attention.HEAD_COUNT)
+        n_kv = m.int(K.Attention.HEAD_COUNT_KV, n_heads)
+        if n_heads % n_kv:
+            raise ModelFileError(f"{path}: {a}.attention.head_count {n_heads} is not a multiple of "
+                                 f"{a}.attention.head_count_kv {n_kv}")
+        if K.Attention.KEY_LENGTH.format(arch=a) not in metadata and hidden % n_heads:
+            raise ModelFileError(f"{path}: {a}.embedding_length {hidden} is not a multiple of "
+                                 f"attention.head_count {n_heads} (and attention.key_length is absent)")
+        head_dim = m.int(K.Attention.KEY_LENGTH, hidden // n_heads)
+        if m.int(K.Attention.VALUE_LENGTH, head_dim) != head_dim:
             raise UnsupportedError(f"{path}: {a}.attention.value_length differs from key_length")
-        if int(get(K.Rope.DIMENSION_COUNT, head_dim)) != head_dim:
+        if m.int(K.Rope.DIMENSION_COUNT, head_dim) != head_dim:
             raise UnsupportedError(f"{path}: partial RoPE ({a}.rope.dimension_count != head_dim) is not supported")
-        if str(get(K.Rope.SCALING_TYPE, "none")) not in ("none", "linear") or \
-                float(get(K.Rope.SCALING_FACTOR, 0.0)) not in (0.0, 1.0):
+        if m.str(K.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
+                m.float(K.Rope.SCALING_FACTOR, 0.0, positive=False) not in (0.0, 1.0):
             raise UnsupportedError(f"{path}: RoPE scaling ({a}.rope.scaling.*) is not supported")
-        n_experts = int(get(K.LLM.EXPERT_COUNT))
-        n_used = int(get(K.LLM.EXPERT_USED_COUNT))
-        if n_experts <= 0 or not 0 < n_used <= n_experts:
-            raise ModelFileError(f"{path}: bad expert counts ({n_experts} experts, {n_used} used)")
-        ffn = get(K.LLM.FEED_FORWARD_LENGTH, None)
-        default_ff_exp = int(ffn) // n_used if ffn is not None else ...
-        ff_exp = int(get(K.LLM.EXPERT_FEED_FORWARD_LENGTH, default_ff_exp))
+        n_experts = m.int(K.LLM.EXPERT_COUNT)
+        n_used = m.int(K.LLM.EXPERT_USED_COUNT)
+        if n_used > n_experts:
+            raise ModelFileError(f"{path}: bad expert counts: {a}.expert_used_count {n_used} > "
+                                 f"{a}.expert_count {n_experts}")
+        ffn = m.int(K.LLM.FEED_FORWARD_LENGTH, None) if K.LLM.FEED_FORWARD_LENGTH.format(arch=a) in metadata else None
+        ff_exp = m.int(K.LLM.EXPERT_FEED_FORWARD_LENGTH, ffn // n_used if ffn is not None else ...)
         shexp = 0
         if self.has_shared_expert:
-            shexp = int(get(K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, ffn if ffn is not None else ...))
-        scale = float(get(K.LLM.EXPERT_WEIGHTS_SCALE, 0.0))
+            shexp = m.int(K.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, ffn if ffn is not None else ...)
+        scale = m.float(K.LLM.EXPERT_WEIGHTS_SCALE, 0.0, positive=False, below=1e3)  # released models: <= 16
         embd = tensors.get("token_embd.weight")
         if embd is None:
             raise ModelFileError(f"{path}: tensor 'token_embd.weight' is missing")
@@ -96,7 +153,7 @@ class Architecture:
             raise ModelFileError(f"{path}: tensor 'output.weight' is missing")
         return ModelSpec(
             architecture=a,
-            n_layers=int(get(K.LLM.BLOCK_COUNT)),
+            n_layers=n_layers,
             hidden_size=hidden,
             n_heads=n_heads,
             n_kv_heads=n_kv,
@@ -106,10 +163,10 @@ class Architecture:
             expert_ffn_size=ff_exp,
             shared_expert_ffn_size=shexp,
             vocab_size=int(embd.shape[0]),
-            context_length=int(get(K.LLM.CONTEXT_LENGTH, 0)),
-            rope_theta=float(get(K.Rope.FREQ_BASE, 10000.0)),
-            rms_norm_eps=float(get(K.Attention.LAYERNORM_RMS_EPS)),
-            norm_topk_prob=bool(get(K.LLM.EXPERT_WEIGHTS_NORM, self.norm_topk_default)),
+            context_length=m.int(K.LLM.CONTEXT_LENGTH),
+            rope_theta=m.float(K.Rope.FREQ_BASE, 10000.0),
+            rms_norm_eps=m.float(K.Attention.LAYERNORM_RMS_EPS, below=1.0),
+            norm_topk_prob=m.bool(K.LLM.EXPERT_WEIGHTS_NORM, self.norm_topk_default),
             expert_weights_scale=scale if scale != 0.0 else 1.0,
             has_qk_norm=self.has_qk_norm,
             has_attn_bias=self.has_attn_bias,
@@ -155,7 +212,13 @@ class Architecture:
                 p + "ffn_down_exps.weight": (E, H, F)}
 
     def validate(self, gguf_file: Any, spec: ModelSpec) -> None:
-        """Check every tensor the forward reads exists with the right shape and a supported type."""
+        """Check the layers present match ``block_count`` and every tensor the forward reads exists with
+        the right shape and a supported type."""
+        present = layers_present(gguf_file.tensors)
+        if len(present) != spec.n_layers or present != set(range(spec.n_layers)):
+            shown = f"blk.{min(present)}..blk.{max(present)}" if present else "none"
+            raise ModelFileError(f"{gguf_file.path}: {self.name}.block_count is {spec.n_layers} but the file "
+                                 f"has tensors of {len(present)} layers ({shown})")
         names = dict(self.global_tensors(spec))
         for layer in range(spec.n_layers):
             names |= self.layer_tensors(spec, layer) | self.expert_tensors(spec, layer)

@@ -1,0 +1,85 @@
+"""Crafted broken GGUFs: each is a ModelFileError naming the file and the problem, raised at load."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf_corrupt import array_length_slot, layout, set_int, set_metadata, tensor_slot
+
+from strata_core.errors import ModelFileError
+from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.spec import load_model_spec
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory: Callable[..., Path]) -> Path:
+    return tiny_model_factory(expert_type="Q8_0")
+
+
+def _load(data: bytes, tmp_path: Path) -> None:
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(data)
+    load_model_spec(GGUFFile.open(path))
+
+
+def _tensor_offset(model: Path, index: int) -> int:
+    return int(GGUFReader(model).tensors[index].field.parts[5][0])
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (lambda m, d: set_int(d, tensor_slot(m, 1, "offset"), 2**64 - 64), "expected"),  # wraps around
+        (lambda m, d: set_int(d, tensor_slot(m, 1, "offset"), _tensor_offset(m, 0)), "expected"),  # overlaps
+        (lambda m, d: set_int(d, tensor_slot(m, 1, "offset"), _tensor_offset(m, 1) + 1), "expected"),  # misaligned
+        (lambda m, d: set_int(d, tensor_slot(m, 3, "offset"), _tensor_offset(m, 4)), "expected"),  # swapped
+        (lambda m, d: set_int(d, tensor_slot(m, 1, "type"), GGMLQuantizationType.Q4_0), "tensor")],  # another type
+    ids=["wrapping-offset", "overlap", "misaligned", "swapped-offsets", "swapped-type"],
+)
+def test_tensor_layout_is_checked(model: Path, tmp_path: Path, change, words: str) -> None:
+    with pytest.raises(ModelFileError, match=words) as error:
+        _load(change(model, model.read_bytes()), tmp_path)
+    assert str(tmp_path) in str(error.value) and "tensor" in str(error.value)
+
+
+def test_huge_counts_fail_fast_without_memory(model: Path, tmp_path: Path) -> None:
+    data = model.read_bytes()
+    with pytest.raises(ModelFileError, match="more than the file could hold"):
+        _load(set_int(data, array_length_slot(model, "tokenizer.ggml.tokens"), 2**60), tmp_path)
+    with pytest.raises(ModelFileError, match="block_count is 1099511627776 but the file has tensors of 2 layers"):
+        _load(set_metadata(data, layout(model), "qwen3moe.block_count", 2**40), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "words"),
+    [
+        ("qwen3moe.attention.head_count", 0, "integer >= 1"),
+        ("qwen3moe.attention.head_count", "4", "integer >= 1"),
+        ("qwen3moe.attention.head_count_kv", 3, "not a multiple"),
+        ("qwen3moe.context_length", -5, "integer >= 1"),
+        ("qwen3moe.context_length", None, "missing"),
+        ("qwen3moe.attention.layer_norm_rms_epsilon", math.nan, "finite number > 0"),
+        ("qwen3moe.attention.layer_norm_rms_epsilon", 0.0, "finite number > 0"),
+        ("qwen3moe.attention.layer_norm_rms_epsilon", -1e-6, "finite number > 0"),
+        ("qwen3moe.rope.freq_base", math.nan, "finite number > 0"),
+        ("qwen3moe.rope.freq_base", 0.0, "finite number > 0"),
+        ("qwen3moe.expert_weights_scale", math.nan, "finite number >= 0"),
+        ("qwen3moe.expert_weights_scale", -1.0, "finite number >= 0"),
+        ("qwen3moe.block_count", 1, "block_count is 1 but the file has tensors of 2 layers"),
+        ("qwen3moe.expert_used_count", 9, "bad expert counts"),
+        ("tokenizer.ggml.merges", None, "merges"),
+    ],
+)
+def test_metadata_is_checked_at_load(model: Path, tmp_path: Path, key: str, value: object, words: str) -> None:
+    where = layout(model)
+    replaced = key if key in where.keys else "general.name"  # a key the writer left out replaces an unread one
+    data = set_metadata(model.read_bytes(), where, replaced, value, as_key=key)
+    with pytest.raises(ModelFileError, match=words) as error:
+        _load(data, tmp_path)
+    assert str(tmp_path) in str(error.value)
+    if value is not None and not key.startswith("tokenizer"):
+        assert key in str(error.value) or key.split(".", 1)[1] in str(error.value)
