@@ -30,7 +30,7 @@ def experts(qtypes, hidden: int, ffn: int, n: int, seed: int = 0):
     shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
     parts = []
     for qtype, (rows, cols) in zip(qtypes, shapes):
-        bs, _ = block_geometry(qtype)
+        bs, _, _ = block_geometry(qtype)
         parts.append(random_blocks(qtype, n * rows * cols // bs, rng, scale=0.1).reshape(n, -1))
     fmt = ExpertFormat(tuple(qtypes), shapes, tuple(p.shape[1] for p in parts))
     return torch.from_numpy(np.concatenate(parts, axis=1)), fmt

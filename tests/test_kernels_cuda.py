@@ -35,7 +35,7 @@ def rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("qtype", sorted(KERNEL_TYPES), ids=lambda t: t.name)
 def test_dequantize_kernel_matches_the_reference(qtype):
-    bs, ts = block_geometry(qtype)
+    bs, ts, _ = block_geometry(qtype)
     rows, per_row = 37, 5  # 185 blocks: not a multiple of any program's block count
     raw = torch.from_numpy(random_blocks(qtype, rows * per_row, np.random.default_rng(int(qtype)))).view(rows, -1)
     shape = (rows, per_row * bs)
@@ -56,7 +56,7 @@ def test_dequantize_kernel_matches_the_reference(qtype):
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.IQ3_S, T.MXFP4, T.IQ2_XXS], ids=lambda t: t.name)
 def test_opcheck_dequantize_on_cuda(qtype):
     """IQ2_XXS has no kernel: the CUDA op falls back to the reference."""
-    bs, _ = block_geometry(qtype)
+    bs, _, _ = block_geometry(qtype)
     raw = torch.from_numpy(random_blocks(qtype, 8, np.random.default_rng(3))).view(2, -1).to(DEV)
     torch.library.opcheck(torch.ops.strata.dequantize.default, (raw, int(qtype), [2, 4 * bs], torch.bfloat16))
 
@@ -91,15 +91,17 @@ def test_moe_pair_rows_kernel_matches_the_reference(qtypes, where, dtype, monkey
 
 
 def test_moe_pair_rows_odd_shapes_and_fallback_type():
-    """Row and block counts that do not fill a program, and a type without a kernel (reference)."""
-    args, want = _moe_case((T.Q8_0, T.Q4_0, T.Q8_0), 96, 40, torch.float32, "staged", tokens=1, k=3)
+    """Block counts that do not fill a program's step, and a type without a kernel (reference)."""
+    args, want = _moe_case((T.Q8_0, T.Q4_0, T.Q8_0), 96, 160, torch.float32, "staged", tokens=1, k=3)
     assert rel(moe.moe_pair_rows(*args), want) < 1e-5
     args, want = _moe_case((T.IQ2_XXS, T.Q4_K, T.Q4_K), 256, 256, torch.float32, "staged", tokens=1, k=2)
     assert rel(moe.moe_pair_rows(*args), want) < 1e-5
 
 
 def test_opcheck_moe_pair_rows_on_cuda():
-    args, _ = _moe_case((T.Q4_K,) * 3, 256, 256, torch.bfloat16, "staged", tokens=2, k=2)
+    """With the arena on the device: opcheck copies its inputs, and a copy of a pinned tensor is not
+    pinned (the kernel reads a host arena by its device-mapped address, which needs pinned memory)."""
+    args, _ = _moe_case((T.Q4_K,) * 3, 256, 256, torch.bfloat16, "device", tokens=2, k=2)
     torch.library.opcheck(torch.ops.strata.moe_pair_rows.default, args)
 
 
@@ -118,6 +120,18 @@ def test_moe_pair_rows_replays_in_a_cuda_graph_with_new_routing():
         x.copy_(torch.randn(x.shape, generator=gen))
         graph.replay()
         torch.testing.assert_close(out, moe.moe_pair_rows(*args), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("P", [1, 8, 40, 300])
+def test_gather_counts_kernel_equals_the_torch_counts(P):
+    from strata_core.experts.gather import gather_counts
+
+    gen = torch.Generator().manual_seed(P)
+    resident = torch.where(torch.rand(128, generator=gen) < 0.4, torch.arange(128), -1)
+    expert = torch.randint(0, 128, (P,), generator=gen)
+    want = gather_counts(resident[expert], expert, resident, 12345)  # the CPU's torch ops
+    got = gather_counts(resident[expert].to(DEV), expert.to(DEV), resident.to(DEV), 12345)
+    assert got.tolist() == want.tolist()
 
 
 @pytest.mark.parametrize("T_, S, static", [(1, 300, False), (1, 300, True), (64, 64, False), (40, 300, False)])

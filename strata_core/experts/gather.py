@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from strata_core.experts.arena import ExpertFormat
+from strata_core.ops.gather import HAS_TRITON, gather_counts_cuda
 from strata_core.ops.moe import moe_pair_rows, pair_ffn_reference
 
 __all__ = ["GATHER_COUNTS", "fused_rows", "gather_counts", "pair_ffn"]
@@ -61,7 +62,12 @@ def gather_counts(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tens
     :param expert: ``[P]`` expert of each pair
     :param resident: ``[E]`` the layer's row of the residency mirror
     :param nbytes: packed bytes of one expert of the layer
+
+    On CUDA one Triton launch (``strata_core.ops.gather.gather_counts_cuda``) instead of a dozen
+    small torch kernels per layer; the same integers.
     """
+    if slot.device.type == "cuda" and HAS_TRITON:
+        return gather_counts_cuda(slot, expert, nbytes)
     hit = slot >= 0  # [P]
     routed = torch.zeros_like(resident, dtype=torch.bool).index_fill_(0, expert, True)  # [E]
     in_slot = resident >= 0  # [E]

@@ -2,8 +2,8 @@
 
 :func:`dequantize_cuda` decodes every block of ``raw`` with :func:`strata_core.ops.qdecode.decode`
 and writes the values in the requested dtype directly (no float32 intermediate). One program
-decodes ``BLOCKS`` consecutive blocks laid out as a ``[BLOCKS, block_size]`` tile, so the
-per-block scale fields are loaded once per block. ``raw`` may be any contiguous tensor, or a 2-D
+decodes 1024 values laid out as ``[sub-blocks, SUB]`` (see qdecode), so the scale fields are loaded
+once per sub-block. ``raw`` may be any contiguous tensor, or a 2-D
 tensor whose rows (a whole number of blocks each) are strided, like the gate/up/down views of
 packed experts ``fmt.split(packed)``.
 
@@ -44,37 +44,38 @@ if HAS_TRITON:
     from strata_core.ops.qdecode import decode
 
     @triton.jit
-    def _dequant_kernel(raw, out, tab, n_blocks, blocks_per_row, row_stride,
-                        BS: tl.constexpr, TS: tl.constexpr, QTYPE: tl.constexpr, BLOCKS: tl.constexpr):
-        """Program i: blocks ``[i*BLOCKS, (i+1)*BLOCKS)``; block n sits at
+    def _dequant_kernel(raw, out, tab, n_subs, blocks_per_row, row_stride, NS: tl.constexpr, SUB: tl.constexpr,
+                        TS: tl.constexpr, QTYPE: tl.constexpr, NT: tl.constexpr):
+        """Program i: sub-blocks ``[i*NT, (i+1)*NT)`` (NS of SUB values per block); block n sits at
         ``raw + (n // blocks_per_row) * row_stride + (n % blocks_per_row) * TS``."""
-        blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)  # [BLOCKS]
-        valid = blk < n_blocks
-        blk = tl.where(valid, blk, 0)  # masked blocks decode block 0 and are not stored
+        sub = tl.program_id(0).to(tl.int64) * NT + tl.arange(0, NT)  # [NT]
+        valid = sub < n_subs
+        sub = tl.where(valid, sub, 0)  # masked sub-blocks decode sub-block 0 and are not stored
+        blk = sub // NS
         start = (blk // blocks_per_row) * row_stride + (blk % blocks_per_row) * TS
-        q = tl.arange(0, BS)
-        v = decode(raw + start[:, None], q[None, :], tab, QTYPE)  # [BLOCKS, BS]
-        offs = blk[:, None] * BS + q[None, :]
-        tl.store(out + offs, v.to(out.dtype.element_ty), mask=valid[:, None])
+        w = tl.arange(0, SUB)
+        v = decode(raw + start[:, None], (sub % NS)[:, None], w[None, :], tab, QTYPE)  # [NT, SUB]
+        tl.store(out + sub[:, None] * SUB + w[None, :], v.to(out.dtype.element_ty), mask=valid[:, None])
 
     def dequantize_cuda(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor | None:
         """``raw`` (uint8 blocks on a CUDA device) -> ``shape`` in ``dtype``; None for a format without
         a kernel. ``raw`` is contiguous, or 2-D with contiguous rows of whole blocks."""
         if int(qtype) not in KERNEL_TYPES:
             return None
-        bs, ts = block_geometry(qtype)
+        bs, ts, sub = block_geometry(qtype)
         if raw.dim() == 2 and raw.stride(1) == 1 and raw.shape[1] % ts == 0 and raw.shape[0] > 0:
             blocks_per_row, row_stride = raw.shape[1] // ts, raw.stride(0)
+            n_blocks = raw.shape[0] * blocks_per_row
         else:
             raw = raw.contiguous()
-            blocks_per_row, row_stride = max(1, raw.numel() // ts), 0
-        n_blocks = raw.numel() // ts if raw.is_contiguous() else raw.shape[0] * blocks_per_row
+            n_blocks = raw.numel() // ts
+            blocks_per_row, row_stride = max(1, n_blocks), 0
         out = torch.empty(tuple(shape), dtype=dtype, device=raw.device)
         if n_blocks:
-            per = 4 if bs == 256 else 32  # 1024 values a program
-            _dequant_kernel[(triton.cdiv(n_blocks, per),)](
-                raw, out, table(qtype, raw.device), n_blocks, blocks_per_row, row_stride,
-                BS=bs, TS=ts, QTYPE=int(qtype), BLOCKS=per, num_warps=4)
+            nt = 1024 // sub  # 1024 values a program
+            _dequant_kernel[(triton.cdiv(n_blocks * (bs // sub), nt),)](
+                raw, out, table(qtype, raw.device), n_blocks * (bs // sub), blocks_per_row, row_stride,
+                NS=bs // sub, SUB=sub, TS=ts, QTYPE=int(qtype), NT=nt, num_warps=4)
         return out
 else:
     def dequantize_cuda(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["HAS_TRITON", "gather_experts"]
+__all__ = ["HAS_TRITON", "gather_counts_cuda", "gather_experts"]
 
 try:
     import triton
@@ -88,7 +88,38 @@ if HAS_TRITON:
         return out
 
     gather_experts.register_kernel("cpu")(_reference)
+
+    @triton.jit
+    def _counts_kernel(slot_ptr, expert_ptr, out_ptr, P, nbytes, BLOCK: tl.constexpr):
+        """One program: hits, distinct routed experts resident / not, missed pairs * nbytes."""
+        p = tl.arange(0, BLOCK)
+        keep = p < P
+        s = tl.load(slot_ptr + p, mask=keep, other=0)
+        e = tl.load(expert_ptr + p, mask=keep, other=-1)
+        earlier = tl.zeros([BLOCK], dtype=tl.int32)  # pairs q < p routed to the same expert
+        for q in range(0, P):
+            eq = tl.load(expert_ptr + q)
+            earlier += ((e == eq) & (q < p)).to(tl.int32)
+        first = keep & (earlier == 0)
+        hit = keep & (s >= 0)
+        tl.store(out_ptr + 0, tl.sum(hit.to(tl.int64), axis=0))
+        tl.store(out_ptr + 1, tl.sum((first & (s >= 0)).to(tl.int64), axis=0))
+        tl.store(out_ptr + 2, tl.sum((first & (s < 0)).to(tl.int64), axis=0))
+        tl.store(out_ptr + 3, tl.sum((keep & (s < 0)).to(tl.int64), axis=0) * nbytes)
+
+    def gather_counts_cuda(slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
+        """The decode gather's four telemetry counters (experts/gather.py ``GATHER_COUNTS``) in one launch:
+        int64 ``[4]``. A pair's slot is its expert's residency, so distinct experts are counted at
+        their first pair."""
+        P = slot.shape[0]
+        out = torch.empty(4, dtype=torch.int64, device=slot.device)
+        _counts_kernel[(1,)](slot.contiguous(), expert.contiguous(), out, P, nbytes,
+                             BLOCK=max(16, triton.next_power_of_2(P)), num_warps=4)
+        return out
 else:
     gather_experts = torch.library.custom_op("strata::gather_experts", _reference, mutates_args=())
+
+    def gather_counts_cuda(slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
+        raise RuntimeError("gather_counts_cuda needs Triton")
 
 gather_experts.register_fake(_fake)

@@ -100,68 +100,77 @@ if HAS_TRITON:
     from strata_core.ops.qdecode import decode
 
     @triton.jit
-    def _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride):
-        """Byte pointer to pair p's packed expert: its slot, else row ``miss[p]`` of the miss source."""
+    def _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR: tl.constexpr):
+        """Byte pointer to pair p's packed expert: its slot, else row ``miss[p]`` of the miss source
+        (row p itself when ``BY_PAIR``: the staged misses)."""
         s = tl.load(slot_ptr + p).to(tl.int64)
-        m = tl.load(miss_ptr + p).to(tl.int64)
+        if BY_PAIR:
+            m = p.to(tl.int64)
+        else:
+            m = tl.load(miss_ptr + p).to(tl.int64)
         addr = tl.where(s >= 0, slots_base + s * slot_stride, miss_base + m * miss_stride)
         return addr.to(tl.pointer_type(tl.uint8))
 
     @triton.jit
     def _rows_dot(w, row_bytes, rows, xrow, K, tab, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
-                  NB: tl.constexpr, BN: tl.constexpr):
+                  SUB: tl.constexpr, NT: tl.constexpr, BN: tl.constexpr):
         """``[BN]`` float32: rows ``rows`` of the ``[*, K]`` matrix of ``QT`` blocks at ``w`` dotted with
-        the K activations at ``xrow``; NB blocks of BS values per row and step."""
-        acc = tl.zeros([BN], dtype=tl.float32)
+        the K activations at ``xrow``; a step decodes ``[BN, NT, SUB]`` (NT sub-blocks of each row)."""
+        NS = BS // SUB
+        acc = tl.zeros([BN, NT, SUB], dtype=tl.float32)
         KB = K // BS
-        q = tl.arange(0, BS)
-        for kb0 in range(0, KB, NB):
-            blk = kb0 + tl.arange(0, NB)  # [NB]
+        t = tl.arange(0, NT)
+        j = t % NS
+        wv = tl.arange(0, SUB)
+        for kb0 in range(0, KB, NT // NS):
+            blk = kb0 + t // NS  # [NT] block of each sub-block of the step
             valid = blk < KB
             blk = tl.where(valid, blk, 0)
-            b = w + rows[:, None, None] * row_bytes + blk[None, :, None] * TS  # [BN, NB, 1]
-            vals = decode(b, q[None, None, :], tab, QT)  # [BN, NB, BS]
-            xv = tl.load(xrow + blk[:, None] * BS + q[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
-            acc += tl.sum(tl.sum(vals * xv[None, :, :], axis=2), axis=1)
-        return acc
+            b = w + rows[:, None, None] * row_bytes + blk[None, :, None] * TS  # [BN, NT, 1]
+            vals = decode(b, j[None, :, None], wv[None, None, :], tab, QT)  # [BN, NT, SUB]
+            xv = tl.load(xrow + blk[:, None] * BS + j[:, None] * SUB + wv[None, :], mask=valid[:, None],
+                         other=0.0).to(tl.float32)  # [NT, SUB]
+            acc += vals * xv[None, :, :]
+        return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
     def _gate_up_kernel(x, h, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
                         tab_g, tab_u, N, K, TOPK, UP_OFF, ROW_G, ROW_U,
-                        QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, NBG: tl.constexpr,
-                        QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr, NBU: tl.constexpr,
-                        BN: tl.constexpr):
+                        QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, SUBG: tl.constexpr,
+                        NTG: tl.constexpr, QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr,
+                        SUBU: tl.constexpr, NTU: tl.constexpr, BN: tl.constexpr, BY_PAIR: tl.constexpr):
         """Program (p, n): ``h[p, n*BN:(n+1)*BN] = silu(gate x) * up x`` for pair p (float32)."""
         p = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         keep = rows < N
         rows = tl.where(keep, rows, 0).to(tl.int64)
-        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride)
+        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
         xrow = x + (p // TOPK).to(tl.int64) * K
-        g = _rows_dot(w, ROW_G, rows, xrow, K, tab_g, QG, BSG, TSG, NBG, BN)
-        u = _rows_dot(w + UP_OFF, ROW_U, rows, xrow, K, tab_u, QU, BSU, TSU, NBU, BN)
+        g = _rows_dot(w, ROW_G, rows, xrow, K, tab_g, QG, BSG, TSG, SUBG, NTG, BN)
+        u = _rows_dot(w + UP_OFF, ROW_U, rows, xrow, K, tab_u, QU, BSU, TSU, SUBU, NTU, BN)
         out = g / (1.0 + tl.exp(-g)) * u
         tl.store(h + p.to(tl.int64) * N + rows, out, mask=keep)
 
     @triton.jit
     def _down_kernel(h, out, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
                      tab, N, K, DOWN_OFF, ROW, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
-                     NB: tl.constexpr, BN: tl.constexpr):
+                     SUB: tl.constexpr, NT: tl.constexpr, BN: tl.constexpr, BY_PAIR: tl.constexpr):
         """Program (p, n): ``out[p, n*BN:(n+1)*BN] = down h[p]`` (``h`` float32 ``[P, K]``)."""
         p = tl.program_id(0)
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         keep = rows < N
         rows = tl.where(keep, rows, 0).to(tl.int64)
-        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride)
-        acc = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, NB, BN)
+        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
+        acc = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, SUB, NT, BN)
         tl.store(out + p.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
 
-    #: Values a program decodes per step (rows x blocks x block size); rows per program.
+    #: Values a program decodes per step (rows x sub-blocks x sub-block size); rows per program.
     _TILE, _BN = 4096, 16
 
-    def _steps(qtype: int) -> tuple[int, int, int]:
-        bs, ts = block_geometry(qtype)
-        return bs, ts, max(1, _TILE // (_BN * bs))
+    def _steps(qtype: int) -> tuple[int, int, int, int]:
+        """(block size, type size, sub-block size, sub-blocks per step) of ``qtype``."""
+        bs, ts, sub = block_geometry(qtype)
+        return bs, ts, sub, max(bs // sub, _TILE // (_BN * sub))
 
     def _stage_misses(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, total: int) -> Tensor:
         """``[P, total]`` on the device: missed pairs' experts copied from the arena (resident rows unwritten)."""
@@ -194,21 +203,19 @@ if HAS_TRITON:
         out = torch.empty((P, H2), dtype=x.dtype, device=x.device)
         if P == 0:
             return out
-        if arena.device == slots.device or MISS_READ == "direct":
-            miss, miss_idx = arena, expert
-        else:
-            miss, miss_idx = _stage_misses(slots, arena, slot, expert, total), torch.arange(P, device=x.device)
-        src = (slot, miss_idx, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
+        staged = not (arena.device == slots.device or MISS_READ == "direct")
+        miss = _stage_misses(slots, arena, slot, expert, total) if staged else arena
+        src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
         h = torch.empty((P, F_), dtype=torch.float32, device=x.device)  # [P, F]
-        (bsg, tsg, nbg), (bsu, tsu, nbu), (bsd, tsd, nbd) = (_steps(q) for q in qtypes)
+        (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu), (bsd, tsd, subd, ntd) = (_steps(q) for q in qtypes)
         _gate_up_kernel[(P, triton.cdiv(F_, _BN))](
             x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, topk,
             nbytes[0], nbytes[0] // F_, nbytes[1] // F_,
-            QG=int(qtypes[0]), BSG=bsg, TSG=tsg, NBG=nbg, QU=int(qtypes[1]), BSU=bsu, TSU=tsu, NBU=nbu,
-            BN=_BN, num_warps=4)
+            QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg,
+            QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=_BN, BY_PAIR=staged, num_warps=4)
         _down_kernel[(P, triton.cdiv(H2, _BN))](
             h, out, *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1], nbytes[2] // H2,
-            QT=int(qtypes[2]), BS=bsd, TS=tsd, NB=nbd, BN=_BN, num_warps=4)
+            QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN, BY_PAIR=staged, num_warps=4)
         return out
 
 moe_pair_rows = torch.library.custom_op("strata::moe_pair_rows", _reference, mutates_args=(), schema=_SCHEMA)

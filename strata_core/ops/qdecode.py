@@ -1,10 +1,12 @@
 """Per-type GGML block decoding as Triton device functions, shared by every kernel that reads blocks.
 
-``decode(b, q, tab, QTYPE)`` returns the float32 value of element ``q`` (0 <= q < block_size) of the
-block starting at byte pointer ``b``. ``b`` and ``q`` are broadcastable tensors: a caller that
-lays its tile out as ``[blocks, block_size]`` passes ``b`` of shape ``[blocks, 1]`` and ``q`` of shape
-``[1, block_size]``, so the per-block fields (``d``, ``dmin``) are loaded once per block, and only
-the per-value fields at full shape. ``tab`` is the format's lookup table (:func:`table`): the 16
+``decode(b, j, w, tab, QTYPE)`` returns the float32 value of element ``q = j * SUB + w`` of the block
+starting at byte pointer ``b``, where ``SUB = SUB_SIZE[qtype]`` is the format's scale granularity
+(a sub-block: 16 or 32 values sharing a scale) and ``j`` the sub-block. ``b``, ``j`` and ``w`` are
+broadcastable tensors: callers lay a tile out as ``[..., sub-blocks, SUB]`` with ``b`` and ``j`` of
+shape ``[..., sub-blocks, 1]`` and ``w`` of shape ``[1, ..., SUB]``; each decoder computes its scales
+from ``b`` and ``j`` alone, so they are loaded and computed once per sub-block, and only the codes
+at full shape (one byte load and a few integer ops a value). ``tab`` is the format's lookup table (:func:`table`): the 16
 code values of IQ4_NL / IQ4_XS / MXFP4 (float32) or the lattice grid of IQ3_XXS / IQ3_S (int32,
 four int8 values packed per entry); other formats ignore it.
 
@@ -31,7 +33,7 @@ try:
 except ImportError:  # CPU-only torch: the references are the only kernels
     triton = None
 
-__all__ = ["HAS_TRITON", "KERNEL_TYPES", "block_geometry", "table"]
+__all__ = ["HAS_TRITON", "KERNEL_TYPES", "SUB_SIZE", "block_geometry", "table"]
 
 HAS_TRITON = triton is not None
 
@@ -43,9 +45,17 @@ KERNEL_TYPES: frozenset[T] = frozenset({
 })
 
 
-def block_geometry(qtype: int) -> tuple[int, int]:
-    """``(block_size, type_size)``: values and bytes of one block of ``qtype``."""
-    return GGML_QUANT_SIZES[T(qtype)]
+#: Values per sub-block (sharing one scale) of each kernel format: the ``SUB`` of ``decode``.
+SUB_SIZE: dict[T, int] = {
+    T.Q4_0: 32, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q8_0: 32, T.IQ4_NL: 32, T.MXFP4: 32,
+    T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16, T.Q4_K: 32, T.Q5_K: 32, T.IQ4_XS: 32, T.IQ3_XXS: 32, T.IQ3_S: 32,
+}
+
+
+def block_geometry(qtype: int) -> tuple[int, int, int]:
+    """``(block_size, type_size, sub_size)``: values and bytes of one block of ``qtype``, values of a sub-block."""
+    bs, ts = GGML_QUANT_SIZES[T(qtype)]
+    return bs, ts, SUB_SIZE.get(T(qtype), bs)
 
 
 @functools.cache
@@ -86,23 +96,14 @@ if HAS_TRITON:
                 | (tl.load(p + 2).to(tl.uint32) << 16) | (tl.load(p + 3).to(tl.uint32) << 24))
 
     @triton.jit
-    def _nibble(qs, q, RUN: tl.constexpr):
-        """Code ``q`` of 4-bit codes in runs of ``RUN`` bytes (low nibbles of the run, then high)."""
-        return (_u8(qs + (q // (2 * RUN)) * RUN + q % RUN) >> (((q % (2 * RUN)) // RUN) * 4)) & 15
+    def _nib32(qs, w):
+        """Code ``w`` of a 32-value block's 16 bytes of nibbles (low nibbles first)."""
+        return (_u8(qs + w % 16) >> ((w // 16) * 4)) & 15
 
     @triton.jit
-    def _crumb(qs, q):
-        """Code ``q`` of 2-bit codes in runs of 32 bytes (4 shifts of 32 codes per run)."""
-        return (_u8(qs + (q // 128) * 32 + q % 32) >> (((q % 128) // 32) * 2)) & 3
-
-    @triton.jit
-    def _bit(bits, q, RUN: tl.constexpr):
-        """Bit-code ``q`` of bits in runs of ``RUN`` bytes (bit ``q // RUN`` of byte ``q % RUN``);
-        ``RUN == 1`` walks every byte from its low bit up."""
-        if RUN == 1:
-            return (_u8(bits + q // 8) >> (q % 8)) & 1
-        else:
-            return (_u8(bits + q % RUN) >> (q // RUN)) & 1
+    def _crumb16(qs, j, w):
+        """2-bit code ``16 j + w`` of a super-block's 64 bytes (runs of 32 bytes, 4 shifts of 32 codes)."""
+        return (_u8(qs + (j // 8) * 32 + (j % 2) * 16 + w) >> (((j % 8) // 2) * 2)) & 3
 
     @triton.jit
     def _q4_k_scale_min(s, j):
@@ -116,76 +117,76 @@ if HAS_TRITON:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
-    def _ksign(aux, q):
-        """+1 / -1 for element ``q`` of a 32-value sub-block whose uint32 ``aux`` holds four 7-bit
+    def _ksign(aux, w):
+        """+1 / -1 for element ``w`` of a 32-value sub-block whose uint32 ``aux`` holds four 7-bit
         ``ksigns`` indices (bit 7 of a ksigns entry is the parity of the other seven)."""
-        idx = ((aux >> ((q % 32) // 8 * 7)) & 127).to(tl.int32)
+        idx = ((aux >> ((w // 8) * 7)) & 127).to(tl.int32)
         parity = idx ^ (idx >> 4)
         parity = parity ^ (parity >> 2)
         parity = (parity ^ (parity >> 1)) & 1
         signs = idx | (parity << 7)
-        return 1 - 2 * ((signs >> (q % 8)) & 1)
+        return 1 - 2 * ((signs >> (w % 8)) & 1)
 
     @triton.jit
-    def decode(b, q, tab, QTYPE: tl.constexpr):
-        """Float32 value of element ``q`` of the ``QTYPE`` block at byte pointer ``b`` (see module doc)."""
+    def decode(b, j, w, tab, QTYPE: tl.constexpr):
+        """Float32 value of element ``j * SUB + w`` of the ``QTYPE`` block at byte pointer ``b`` (module doc).
+
+        Everything computed from ``b`` and ``j`` alone is per sub-block; only terms in ``w`` are per value.
+        """
         if QTYPE == 2:  # Q4_0: d, 16 bytes of nibbles
-            v = _f16(b) * (_nibble(b + 2, q, 16) - 8).to(tl.float32)
+            v = _f16(b) * (_nib32(b + 2, w) - 8).to(tl.float32)
         elif QTYPE == 3:  # Q4_1: d, m, nibbles
-            v = _f16(b) * _nibble(b + 4, q, 16).to(tl.float32) + _f16(b + 2)
+            v = _f16(b) * _nib32(b + 4, w).to(tl.float32) + _f16(b + 2)
         elif QTYPE == 6:  # Q5_0: d, 4 bytes of fifth bits, nibbles
-            code = _nibble(b + 6, q, 16) | (_bit(b + 2, q, 1) << 4)
+            code = _nib32(b + 6, w) | (((_u8(b + 2 + w // 8) >> (w % 8)) & 1) << 4)
             v = _f16(b) * (code - 16).to(tl.float32)
         elif QTYPE == 7:  # Q5_1: d, m, fifth bits, nibbles
-            code = _nibble(b + 8, q, 16) | (_bit(b + 4, q, 1) << 4)
+            code = _nib32(b + 8, w) | (((_u8(b + 4 + w // 8) >> (w % 8)) & 1) << 4)
             v = _f16(b) * code.to(tl.float32) + _f16(b + 2)
         elif QTYPE == 8:  # Q8_0: d, 32 int8
-            v = tl.load(b + 2 + q).to(tl.int8, bitcast=True).to(tl.float32) * _f16(b)
-        elif QTYPE == 10:  # Q2_K: 16 scale bytes, 64 bytes of 2-bit codes, d, dmin
-            s = _u8(b + q // 16)
+            v = tl.load(b + 2 + w).to(tl.int8, bitcast=True).to(tl.float32) * _f16(b)
+        elif QTYPE == 10:  # Q2_K: 16 scale bytes, 64 bytes of 2-bit codes, d, dmin; sub-blocks of 16
+            s = _u8(b + j)
             dl = _f16(b + 80) * (s & 15).to(tl.float32)
             ml = _f16(b + 82) * (s >> 4).to(tl.float32)
-            v = dl * _crumb(b + 16, q).to(tl.float32) - ml
-        elif QTYPE == 11:  # Q3_K: hmask, 2-bit codes, 12 bytes of 6-bit scales, d
-            j = q // 16
+            v = dl * _crumb16(b + 16, j, w).to(tl.float32) - ml
+        elif QTYPE == 11:  # Q3_K: hmask, 2-bit codes, 12 bytes of 6-bit scales, d; sub-blocks of 16
             sc = ((_u8(b + 96 + j % 8) >> ((j // 8) * 4)) & 15) | (((_u8(b + 104 + j % 4) >> ((j // 4) * 2)) & 3) << 4)
             dl = _f16(b + 108) * (sc.to(tl.float32) - 32)
-            missing_high = (_bit(b, q, 32) ^ 1) << 2
-            v = dl * (_crumb(b + 32, q).to(tl.float32) - missing_high.to(tl.float32))
-        elif QTYPE == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 bytes of nibbles
-            sc, mn = _q4_k_scale_min(b + 4, q // 32)
-            v = (_f16(b) * sc) * _nibble(b + 16, q, 32).to(tl.float32) - _f16(b + 2) * mn
-        elif QTYPE == 13:  # Q5_K: d, dmin, scales, 32 bytes of fifth bits, nibbles
-            sc, mn = _q4_k_scale_min(b + 4, q // 32)
-            code = _nibble(b + 48, q, 32) | (_bit(b + 16, q, 32) << 4)
+            high = (_u8(b + (j % 2) * 16 + w) >> (j // 2)) & 1
+            v = dl * (_crumb16(b + 32, j, w).to(tl.float32) - ((high ^ 1) << 2).to(tl.float32))
+        elif QTYPE == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 bytes of nibbles; sub-blocks of 32
+            sc, mn = _q4_k_scale_min(b + 4, j)
+            code = (_u8(b + 16 + (j // 2) * 32 + w) >> ((j % 2) * 4)) & 15
             v = (_f16(b) * sc) * code.to(tl.float32) - _f16(b + 2) * mn
-        elif QTYPE == 14:  # Q6_K: 128 bytes low nibbles, 64 bytes high crumbs, 16 int8 scales, d
-            low = (_u8(b + (q // 128) * 64 + q % 64) >> (((q % 128) // 64) * 4)) & 15
-            high = (_u8(b + 128 + (q // 128) * 32 + q % 32) >> (((q % 128) // 32) * 2)) & 3
-            sc = tl.load(b + 192 + q // 16).to(tl.int8, bitcast=True).to(tl.float32)
+        elif QTYPE == 13:  # Q5_K: d, dmin, scales, 32 bytes of fifth bits, nibbles; sub-blocks of 32
+            sc, mn = _q4_k_scale_min(b + 4, j)
+            code = ((_u8(b + 48 + (j // 2) * 32 + w) >> ((j % 2) * 4)) & 15) | (((_u8(b + 16 + w) >> j) & 1) << 4)
+            v = (_f16(b) * sc) * code.to(tl.float32) - _f16(b + 2) * mn
+        elif QTYPE == 14:  # Q6_K: 128 bytes low nibbles, 64 bytes high crumbs, 16 int8 scales, d; sub-blocks of 16
+            low = (_u8(b + (j // 8) * 64 + (j % 4) * 16 + w) >> (((j % 8) // 4) * 4)) & 15
+            high = _crumb16(b + 128, j, w)
+            sc = tl.load(b + 192 + j).to(tl.int8, bitcast=True).to(tl.float32)
             v = (_f16(b + 208) * sc) * ((low | (high << 4)) - 32).to(tl.float32)
         elif QTYPE == 20:  # IQ4_NL: d, nibbles looked up in 16 values
-            v = _f16(b) * tl.load(tab + _nibble(b + 2, q, 16))
+            v = _f16(b) * tl.load(tab + _nib32(b + 2, w))
         elif QTYPE == 23:  # IQ4_XS: d, 2 bytes high scale bits, 4 bytes low scale nibbles, nibbles
-            j = q // 32
             sc = ((_u8(b + 4 + j // 2) >> ((j % 2) * 4)) & 15) | (((_u8(b + 2 + j // 4) >> ((j % 4) * 2)) & 3) << 4)
             dl = _f16(b) * (sc.to(tl.float32) - 32)
-            v = dl * tl.load(tab + _nibble(b + 8, q, 16))
+            v = dl * tl.load(tab + _nib32(b + 8 + j * 16, w))
         elif QTYPE == 39:  # MXFP4: E8M0 exponent, nibbles looked up in 16 (doubled e2m1) values
             e = _u8(b)
             bits = tl.where(e < 2, 0x00200000 << e, (e - 1) << 23)
-            v = bits.to(tl.float32, bitcast=True) * tl.load(tab + _nibble(b + 1, q, 16))
+            v = bits.to(tl.float32, bitcast=True) * tl.load(tab + _nib32(b + 1, w))
         elif QTYPE == 18:  # IQ3_XXS: d, 64 grid indices, 8 uint32 (4 ksigns indices + 4-bit scale)
-            aux = _u32(b + 66 + (q // 32) * 4)
+            aux = _u32(b + 66 + j * 4)
             db = (_f16(b) * (0.5 + (aux >> 28).to(tl.float32))) * 0.5
-            grid = (tl.load(tab + _u8(b + 2 + q // 4)) >> ((q % 4) * 8)) & 255
-            v = db * (grid * _ksign(aux, q)).to(tl.float32)
+            grid = (tl.load(tab + _u8(b + 2 + j * 8 + w // 4)) >> ((w % 4) * 8)) & 255
+            v = db * (grid * _ksign(aux, w)).to(tl.float32)
         elif QTYPE == 21:  # IQ3_S: d, 64 low index bytes, 8 bytes of 9th bits, 32 sign bytes, 4 scale bytes
-            g = q // 4
-            index = _u8(b + 2 + g) | (_bit(b + 66, g, 1) << 8)
-            grid = (tl.load(tab + index) >> ((q % 4) * 8)) & 255
-            sign = 1 - 2 * _bit(b + 74, q, 1)
-            j = q // 32
+            index = _u8(b + 2 + j * 8 + w // 4) | (((_u8(b + 66 + j) >> (w // 4)) & 1) << 8)
+            grid = (tl.load(tab + index) >> ((w % 4) * 8)) & 255
+            sign = 1 - 2 * ((_u8(b + 74 + j * 4 + w // 8) >> (w % 8)) & 1)
             db = _f16(b) * (1 + 2 * ((_u8(b + 106 + j // 2) >> ((j % 2) * 4)) & 15)).to(tl.float32)
             v = db * (grid * sign).to(tl.float32)
         else:

@@ -1,0 +1,75 @@
+"""Where a decode token's time goes: torch profiler over eager decode windows on CUDA.
+
+    python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144]
+
+Prints wall ms per token, GPU kernel ms per token (sum of kernel times), kernel launches per token,
+and the kernels with the most total time, grouped by name. The wall/GPU ratio says whether the
+host (launches, Python) or the device bounds the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from strata_core.engine import Engine
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--expert-cache", default="6144")
+    parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--prefill", type=int, default=0, help="also profile one prompt of this many tokens")
+    args = parser.parse_args()
+    cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
+    engine = Engine.load(args.model, devices=["cuda:0"], arena="pinned", expert_cache=cache,
+                         max_context=args.context + args.windows + 8)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, engine.spec.vocab_size, (args.context + args.windows + 4,), generator=gen).tolist()
+    session = engine.new_session()
+    engine.prefill(session, tokens[:args.context])
+    for t in tokens[args.context:args.context + 4]:  # warm-up: compiles, plans
+        engine.decode_window([(session, t)])
+    torch.cuda.synchronize()
+    steps = tokens[args.context + 4:]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for t in steps:
+            engine.decode_window([(session, t)])
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / len(steps)
+    report(prof, len(steps), wall, f"decode @{args.context}, eager, expert cache {args.expert_cache}", args.top)
+    engine.release_session(session)
+    if args.prefill:
+        session = engine.new_session()
+        prompt = torch.randint(0, engine.spec.vocab_size, (args.prefill,), generator=gen).tolist()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            engine.prefill(session, prompt)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        report(prof, 1, wall, f"prefill {args.prefill} (per prompt)", args.top)
+
+
+def report(prof, n: int, wall: float, title: str, top: int) -> None:
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] += e.device_time
+            counts[e.name] += 1
+    gpu = sum(totals.values()) / n / 1e3
+    print(f"{title}: wall {wall * 1e3:.2f} ms, GPU kernels {gpu:.2f} ms, {sum(counts.values()) / n:.0f} kernels")
+    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / n / 1e3:8.3f} ms  {counts[name] / n:6.0f}x  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
