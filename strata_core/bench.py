@@ -36,6 +36,7 @@ class BenchResult:
     hit_rate: float
     link_gbps: float
     bytes_streamed: int
+    sessions: int = 1
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -65,14 +66,14 @@ def _sync(engine: Engine) -> None:
         synchronize(slot.device)
 
 
-def _result(kind: str, length: int, runs: list[float], deltas: list[dict[str, Any]]) -> BenchResult:
+def _result(kind: str, length: int, runs: list[float], deltas: list[dict[str, Any]], sessions: int = 1) -> BenchResult:
     """The median of ``runs`` with the telemetry of all runs (``ExpertTelemetry.delta`` each)."""
     total = {k: sum(d[k] for d in deltas) for k in ("expert_hits", "expert_misses", "bytes_streamed", "copy_s")}
     routed = total["expert_hits"] + total["expert_misses"]
     return BenchResult(kind, length, statistics.median(runs), runs,
                        hit_rate=total["expert_hits"] / routed if routed else 1.0,
                        link_gbps=total["bytes_streamed"] / total["copy_s"] / 1e9 if total["copy_s"] else 0.0,
-                       bytes_streamed=int(total["bytes_streamed"]))
+                       bytes_streamed=int(total["bytes_streamed"]), sessions=sessions)
 
 
 def _timed(engine: Engine, work) -> tuple[float, dict[str, Any]]:
@@ -117,7 +118,7 @@ def bench_decode(engine: Engine, context: int, steps: int, repeats: int, session
             engine.release_session(session)
         runs.append(sessions * steps / seconds)
         deltas.append(delta)
-    return _result("decode", context, runs, deltas)
+    return _result("decode", context, runs, deltas, sessions)
 
 
 def warm_up(engine: Engine) -> None:
@@ -135,16 +136,16 @@ def warm_up(engine: Engine) -> None:
 
 
 def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: int, steps: int,
-              sessions: int = 1) -> list[BenchResult]:
-    """Every prefill and decode figure (decode with ``sessions`` concurrent sessions), in order, after
-    an untimed :func:`warm_up`."""
+              sessions: tuple[int, ...] = (1,)) -> list[BenchResult]:
+    """Every prefill and decode figure (decode once per count of concurrent ``sessions``), in order,
+    after an untimed :func:`warm_up`."""
     need = max(prompts + [c + steps for c in contexts])
     if need > engine.max_context:
         raise ConfigError(f"the bench needs {need} tokens of context, the engine has {engine.max_context} "
                           "(raise --max-context, or lower --prompts / --contexts)")
     warm_up(engine)
     results = [bench_prefill(engine, n, repeats) for n in prompts]
-    results += [bench_decode(engine, c, steps, repeats, sessions) for c in contexts]
+    results += [bench_decode(engine, c, steps, repeats, n) for c in contexts for n in sessions]
     return results
 
 
@@ -185,11 +186,11 @@ def machine_name(devices: list[torch.device]) -> str:
 def format_table(results: list[BenchResult], setup: dict[str, Any]) -> str:
     """A Markdown table of the results with the settings line above it."""
     lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in setup.items()), "",
-             "| phase | tokens | tok/s (median) | runs | hit rate | link GB/s | MB streamed |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+             "| phase | tokens | sessions | tok/s (median) | runs | hit rate | link GB/s | MB streamed |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
     for r in results:
         runs = " / ".join(f"{x:.1f}" for x in r.runs)
-        lines.append(f"| {r.kind} | {r.length} | {r.tok_s:.1f} | {runs} | {r.hit_rate:.1%} | "
+        lines.append(f"| {r.kind} | {r.length} | {r.sessions} | {r.tok_s:.1f} | {runs} | {r.hit_rate:.1%} | "
                      f"{r.link_gbps:.2f} | {r.bytes_streamed / 1e6:.1f} |")
     return "\n".join(lines)
 

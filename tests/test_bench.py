@@ -50,6 +50,6 @@ def test_decode_bench_runs_every_session_in_each_window(tmp_path, monkeypatch):
     widths = []
     real = engine.decode_window
     monkeypatch.setattr(engine, "decode_window", lambda steps: widths.append(len(steps)) or real(steps))
-    (result,) = run_bench(engine, [], [8], repeats=1, steps=3, sessions=3)
-    assert widths[-3:] == [3, 3, 3] and result.kind == "decode" and result.tok_s > 0
+    one, three = run_bench(engine, [], [8], repeats=1, steps=3, sessions=(1, 3))
+    assert widths[-6:] == [1, 1, 1, 3, 3, 3] and (one.sessions, three.sessions) == (1, 3) and three.tok_s > 0
     engine.close()

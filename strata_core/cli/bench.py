@@ -19,7 +19,7 @@ class BenchCommand(StrataSettings):
     prompts: str = Field("8k,32k", description="prompt lengths for prefill, e.g. 512,8k,32k")
     contexts: str = Field("1k,32k", description="context lengths for decode")
     decode_tokens: int = Field(32, ge=1, description="decode windows timed per run")
-    sessions: int = Field(1, ge=1, description="concurrent sessions per decode window (tok/s summed)")
+    sessions: str = Field("1", description="concurrent sessions per decode window, e.g. 1,4 (tok/s summed)")
     repeats: int = Field(3, ge=1, description="runs per figure (the median is reported)")
     json_file: Path | None = Field(None, alias="json", description="write the results as JSON here")
 
@@ -44,7 +44,8 @@ class BenchCommand(StrataSettings):
             link = host_to_device_gbps(engine.main.device)
             if link is not None:
                 setup["pinned_h2d_gbps"] = round(link, 1)
-            results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens, self.sessions)
+            results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens,
+                                tuple(parse_lengths(self.sessions)))
         finally:
             engine.close()
         print(format_table(results, setup))
