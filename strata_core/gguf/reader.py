@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,50 +153,106 @@ def _field_value(field: Any) -> Any:
     return value
 
 
+def _open_reader(path: str) -> _CheckedReader:
+    if not Path(path).is_file():
+        raise ModelFileError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelFileError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    try:
+        return _CheckedReader(path)
+    except (ModelFileError, UnsupportedError):
+        raise
+    except Exception as e:  # gguf-py raises ValueError/IndexError/KeyError/... on broken headers
+        raise ModelFileError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from e
+
+
+def _metadata(reader: _CheckedReader, path: str) -> dict[str, Any]:
+    metadata: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue  # header pseudo-fields (version, counts)
+        try:
+            metadata[name] = _field_value(field)
+        except Exception as e:
+            raise ModelFileError(f"{path}: metadata key {name!r} is unreadable ({e})") from e
+    return metadata
+
+
+def _tensors(reader: _CheckedReader, path: str) -> dict[str, TensorRef]:
+    tensors: dict[str, TensorRef] = {}
+    for t in reader.tensors:
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        data = reader.data[t.data_offset:t.data_offset + t.n_bytes]
+        tensors[t.name] = TensorRef(t.name, GGMLQuantizationType(t.tensor_type), shape, data, path)
+    return tensors
+
+
+_SPLIT_NAME = re.compile(r"^(?P<prefix>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: str, metadata: dict[str, Any]) -> list[str]:
+    """The files of a model split by llama.cpp's ``gguf-split`` (``M-00001-of-00003.gguf``, ...)
+    given its first part, or ``[path]`` for a model in one file."""
+    count, no = metadata.get("split.count", 1), metadata.get("split.no", 0)
+    if not isinstance(count, int) or not isinstance(no, int) or count < 1 or not 0 <= no < count:
+        raise ModelFileError(f"{path}: split.count {count!r} / split.no {no!r} are not a valid split")
+    if count == 1:
+        return [path]
+    named = _SPLIT_NAME.match(path)
+    if named is None:
+        raise ModelFileError(f"{path}: part of a model split in {count} files, but the name does not end "
+                             "in -NNNNN-of-NNNNN.gguf, so the other parts cannot be found")
+    parts = [f"{named['prefix']}-{i:05d}-of-{count:05d}.gguf" for i in range(1, count + 1)]
+    if no != 0:
+        raise ModelFileError(f"{path}: this is part {no + 1} of {count} of a split model; pass the first "
+                             f"part, {parts[0]}")
+    return parts
+
+
 @dataclass
 class GGUFFile:
-    """An opened GGUF file: ``metadata`` (plain values), ``architecture`` and ``tensors`` by name."""
+    """An opened GGUF model: ``metadata`` (plain values), ``architecture``, ``tensors`` by name and
+    the ``parts`` it is stored in (one file, or every file of a split model, each memory-mapped)."""
 
     path: str
     metadata: dict[str, Any]
     architecture: str
     tensors: dict[str, TensorRef]
+    parts: tuple[str, ...] = ()
 
     @classmethod
     def open(cls, path: str | os.PathLike[str]) -> "GGUFFile":
-        """Parse the header and map the file; raises ModelFileError for a missing/foreign/broken file."""
-        path = str(path)
-        if not Path(path).is_file():
-            raise ModelFileError(f"{path}: no such GGUF file")
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise ModelFileError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
-        try:
-            reader = _CheckedReader(path)
-        except (ModelFileError, UnsupportedError):
-            raise
-        except Exception as e:  # gguf-py raises ValueError/IndexError/KeyError/... on broken headers
-            raise ModelFileError(f"{path}: corrupt or truncated GGUF header ({type(e).__name__}: {e})") from e
+        """Parse the header(s) and map the file(s); raises ModelFileError for a missing, foreign or
+        broken file, or a split model with a part missing or out of place.
 
-        metadata: dict[str, Any] = {}
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF."):
-                continue  # header pseudo-fields (version, counts)
-            try:
-                metadata[name] = _field_value(field)
-            except Exception as e:
-                raise ModelFileError(f"{path}: metadata key {name!r} is unreadable ({e})") from e
+        A split model is opened from its first part (``M-00001-of-00003.gguf``): the metadata is that
+        part's, the tensors are those of every part.
+        """
+        path = str(path)
+        reader = _open_reader(path)
+        metadata = _metadata(reader, path)
+        parts = split_parts(path, metadata)
         arch = metadata.get("general.architecture")
         if not isinstance(arch, str):
             raise ModelFileError(f"{path}: metadata lacks 'general.architecture'")
-
-        tensors: dict[str, TensorRef] = {}
-        for t in reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-            data = reader.data[t.data_offset:t.data_offset + t.n_bytes]
-            tensors[t.name] = TensorRef(t.name, GGMLQuantizationType(t.tensor_type), shape, data, path)
-        return cls(path=path, metadata=metadata, architecture=arch, tensors=tensors)
+        tensors = _tensors(reader, path)
+        for no, part in enumerate(parts[1:], 1):
+            part_reader = _open_reader(part)
+            part_meta = _metadata(part_reader, part)
+            if (part_meta.get("split.no"), part_meta.get("split.count")) != (no, len(parts)):
+                raise ModelFileError(f"{part}: expected part {no + 1} of {len(parts)} (split.no {no}), the file "
+                                     f"says split.no {part_meta.get('split.no')!r} of {part_meta.get('split.count')!r}")
+            for name, ref in _tensors(part_reader, part).items():
+                if name in tensors:
+                    raise ModelFileError(f"{part}: tensor {name!r} is also in {tensors[name].path}")
+                tensors[name] = ref
+        total = metadata.get("split.tensors.count", len(tensors))
+        if total != len(tensors):
+            raise ModelFileError(f"{path}: split.tensors.count is {total!r} but the {len(parts)} parts hold "
+                                 f"{len(tensors)} tensors")
+        return cls(path=path, metadata=metadata, architecture=arch, tensors=tensors, parts=tuple(parts))
 
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> TensorRef:
         """The tensor ``name``, checked for presence, a supported block type and (optionally) shape.
