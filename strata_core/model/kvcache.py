@@ -97,25 +97,6 @@ class KVCache:
         """The tensors of ``layer`` left on ``slot`` by a hand-off (what ``STRATA_DBG_HANDOFF`` compares)."""
         return self._parked.get((layer, slot))
 
-    def device_of(self, layer: int) -> torch.device:
-        return self.k[layer].device
-
-    def to(self, device: torch.device | str, layers: range | None = None) -> "KVCache":
-        """Move ``layers`` (all if None) to ``device`` in place; returns self."""
-        for i in self.layers if layers is None else layers:
-            self.k[i] = self.k[i].to(device)
-            self.v[i] = self.v[i].to(device)
-        return self
-
-    def copy_layers_from(self, other: "KVCache", layers: range) -> None:
-        """Hand-off: copy the first ``other.n_tokens`` rows of ``layers`` from ``other`` into this cache
-        (each onto this cache's device for that layer) and take over its ``n_tokens``."""
-        n = other.n_tokens
-        for i in layers:
-            self.k[i][:n].copy_(other.k[i][:n], non_blocking=True)
-            self.v[i][:n].copy_(other.v[i][:n], non_blocking=True)
-        self.n_tokens = n
-
     def snapshot(self, layers: range | None = None) -> KVSnapshot:
         """Copy the committed rows of ``layers`` (all if None) to host memory."""
         n, ls = self.n_tokens, self.layers if layers is None else layers
