@@ -147,3 +147,25 @@ def test_sdpa_attention_on_cuda_matches_the_masked_matmul(T_, S, static):
     got = sdpa_attention(q.to(DEV, torch.bfloat16), keys.to(DEV, torch.bfloat16), values.to(DEV, torch.bfloat16),
                          positions.to(DEV), static)
     assert rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_norm_and_rope_match_the_torch_formulas(dtype, monkeypatch):
+    """``rms_norm`` / ``norm_rope`` on CUDA (one Triton kernel each) against the torch formulas the CPU
+    runs, on the same device; positions up to 32K (fp32 angles of ~3e4 rad)."""
+    from strata_core.model import ops
+
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(33, 2048, generator=gen).to(DEV, dtype)
+    w = torch.randn(2048, generator=gen).to(DEV, dtype)
+    q = torch.randn(6, 32, 128, generator=gen).to(DEV, dtype)
+    qw = torch.randn(128, generator=gen).to(DEV, dtype)
+    positions = torch.tensor([0, 1, 17, 1000, 8191, 32767], device=DEV)
+    fused = [ops.rms_norm(x, w, 1e-6), ops.norm_rope(q, positions, 1e6, qw, 1e-6),
+             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0)]
+    monkeypatch.setattr(ops, "DEVICE_FUSED", False)
+    plain = [ops.rms_norm(x, w, 1e-6), ops.norm_rope(q, positions, 1e6, qw, 1e-6),
+             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0)]
+    for got, want in zip(fused, plain):
+        assert got.dtype == dtype and got.shape == want.shape
+        assert rel(got, want) < (2e-4 if dtype == torch.float32 else 1e-2)

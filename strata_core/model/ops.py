@@ -4,11 +4,20 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["DEVICE_SDPA", "rms_norm", "rope_cos_sin", "apply_rope", "sdpa_attention"]
+from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
+
+__all__ = ["DEVICE_FUSED", "DEVICE_SDPA", "apply_rope", "norm_rope", "rms_norm", "rope_cos_sin", "sdpa_attention"]
+
+#: Fused Triton RMSNorm / QK-norm+RoPE kernels on CUDA (False: the torch formulas everywhere).
+DEVICE_FUSED = True
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32, returned in ``x``'s dtype."""
+    """RMSNorm over the last dim, computed in float32, returned in ``x``'s dtype.
+
+    On CUDA one fused Triton kernel (``strata_core.ops.dense``) computes the same formula."""
+    if x.device.type == "cuda" and DEVICE_FUSED and rms_norm_cuda is not None:
+        return rms_norm_cuda(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf.to(x.dtype)).to(x.dtype)
@@ -28,6 +37,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, heads, D]
     return x * cos[:, None, :].to(x.dtype) + rotated * sin[:, None, :].to(x.dtype)
+
+
+def norm_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, weight: torch.Tensor | None,
+              eps: float) -> torch.Tensor:
+    """``x [T, heads, D]``: RMSNorm per head with ``weight`` (if given), then RoPE at ``positions [T]``.
+
+    On CUDA one fused kernel; elsewhere (and for head dims whose half is not a power of two) the
+    torch formulas: ``rms_norm``, ``rope_cos_sin`` and ``apply_rope``, exactly as the CPU path runs them.
+    """
+    half = x.shape[-1] // 2
+    if x.device.type == "cuda" and DEVICE_FUSED and norm_rope_cuda is not None and half & (half - 1) == 0:
+        return norm_rope_cuda(x, positions, theta, weight, eps)
+    if weight is not None:
+        x = rms_norm(x, weight, eps)
+    cos, sin = rope_cos_sin(positions, x.shape[-1], theta)  # [T, D]
+    return apply_rope(x, cos, sin)
 
 
 #: Device attention through torch SDPA (``sdpa_attention``); False = the CPU's masked matmul everywhere.

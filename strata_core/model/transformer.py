@@ -16,7 +16,7 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.model.kvcache import KVCache
 from strata_core.model import ops
-from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin, sdpa_attention
+from strata_core.model.ops import apply_rope, norm_rope, rms_norm, rope_cos_sin, sdpa_attention
 from strata_core.ops.matmul import linear, matmul
 from strata_core.model.weights import DenseWeights
 
@@ -71,12 +71,18 @@ class MoEModel:
         q = q.view(T, s.n_heads, s.head_dim)  # [T, nh, D]
         k = k.view(T, s.n_kv_heads, s.head_dim)  # [T, nkv, D]
         v = v.view(T, s.n_kv_heads, s.head_dim)  # [T, nkv, D]
-        if s.has_qk_norm:
-            q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
-            k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps)
         positions = positions.to(h.device)
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if h.device.type != "cpu":  # QK-norm and RoPE fused per tensor (one kernel each on CUDA)
+            q = norm_rope(q, positions, s.rope_theta, w["attn_q_norm.weight"] if s.has_qk_norm else None,
+                          s.rms_norm_eps)
+            k = norm_rope(k, positions, s.rope_theta, w["attn_k_norm.weight"] if s.has_qk_norm else None,
+                          s.rms_norm_eps)
+        else:
+            if s.has_qk_norm:
+                q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
+                k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps)
+            cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         kv.write(layer, positions, k, v)
         if h.device.type != "cpu" and ops.DEVICE_SDPA:  # flash / cuDNN / memory-efficient kernels
             if static:

@@ -1,0 +1,99 @@
+"""Fused Triton kernels for the dense part of a layer on CUDA: RMSNorm, and QK-norm + RoPE in one pass.
+
+A decode token runs every layer's small ops once; in torch each RMSNorm is ~7 kernels and the
+RoPE tables plus their application ~18, i.e. hundreds of launches a token. These kernels do each
+in one launch (``strata_core.model.ops`` calls them for CUDA tensors; the CPU keeps the torch
+formulas, the exactness reference).
+
+- ``rms_norm_cuda(x, weight, eps)``: ``weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`` over the
+  last dim, computed in float32, rounded where the torch formula rounds;
+- ``norm_rope_cuda(x, positions, theta, weight, eps)``: ``x [T, heads, D]``, optionally RMS-normed
+  per head with ``weight [D]``, then rotated by halves (NEOX) at ``positions [T]``; the angle
+  ``position / theta**(2i/D)`` in float32, cos/sin rounded to ``x.dtype`` as the torch path does.
+
+Tolerance against the torch formulas: float32 within a relative 1e-6 (rsqrt, cos/sin ulps); bf16
+within one rounding (tests/test_kernels_cuda.py).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+from strata_core.ops.qdecode import HAS_TRITON
+
+__all__ = ["HAS_TRITON", "norm_rope_cuda", "rms_norm_cuda"]
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice  # accurate cosf / sinf (angles reach 32K radians)
+
+    @triton.jit
+    def _rms_norm_kernel(x, w, out, D, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < D
+        v = tl.load(x + row * D + offs, mask=m, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(v * v, axis=0) / D + eps)
+        y = (v * r).to(out.dtype.element_ty).to(tl.float32)
+        wt = tl.load(w + offs, mask=m, other=0.0).to(tl.float32)
+        tl.store(out + row * D + offs, (wt * y).to(out.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _norm_rope_kernel(x, w, pos, out, heads, eps, theta, log2_theta, D: tl.constexpr, HALF: tl.constexpr,
+                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # token * heads + head
+        i = tl.arange(0, HALF)
+        a = tl.load(x + row * D + i).to(tl.float32)
+        b = tl.load(x + row * D + HALF + i).to(tl.float32)
+        dt = out.dtype.element_ty
+        if NORM:
+            r = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / D + eps)
+            a = (tl.load(w + i).to(tl.float32) * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            b = (tl.load(w + HALF + i).to(tl.float32) * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        p = tl.load(pos + row // heads).to(tl.float32)
+        exponent = (2 * i).to(tl.float32) / D
+        if LIBDEVICE:  # powf / cosf / sinf: the functions torch's CUDA kernels call
+            inv_freq = 1.0 / libdevice.pow(tl.full([HALF], theta, tl.float32), exponent)
+        else:
+            inv_freq = 1.0 / tl.exp2(exponent * log2_theta)
+        angle = p * inv_freq
+        if LIBDEVICE:
+            c = libdevice.cos(angle).to(dt).to(tl.float32)
+            s = libdevice.sin(angle).to(dt).to(tl.float32)
+        else:  # the interpreter (TRITON_INTERPRET=1) has no libdevice
+            c = tl.cos(angle).to(dt).to(tl.float32)
+            s = tl.sin(angle).to(dt).to(tl.float32)
+        tl.store(out + row * D + i, (a * c - b * s).to(dt))
+        tl.store(out + row * D + HALF + i, (b * c + a * s).to(dt))
+
+    def rms_norm_cuda(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """RMSNorm of ``x [..., D]`` (contiguous) over the last dim, in ``x.dtype``."""
+        D = x.shape[-1]
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        rows = x.numel() // D
+        if rows:
+            _rms_norm_kernel[(rows,)](x, weight, out, D, eps, BLOCK=triton.next_power_of_2(D),
+                                      num_warps=4 if D >= 1024 else 1)
+        return out
+
+    def norm_rope_cuda(x: Tensor, positions: Tensor, theta: float, weight: Tensor | None = None,
+                       eps: float = 0.0) -> Tensor:
+        """``x [T, heads, D]`` optionally RMS-normed per head, then NEOX-rotated at ``positions [T]``."""
+        T, heads, D = x.shape
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if T:
+            _norm_rope_kernel[(T * heads,)](
+                x, weight if weight is not None else x, positions, out, heads, eps, float(theta), math.log2(theta),
+                D=D, HALF=D // 2, NORM=weight is not None, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1",
+                num_warps=1)
+        return out
+
+else:
+    rms_norm_cuda = norm_rope_cuda = None  # type: ignore[assignment]
