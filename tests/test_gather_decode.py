@@ -16,6 +16,7 @@ from strata_core.errors import ConfigError
 from strata_core.experts import device_rows
 from strata_core.experts.backend import build_expert_backend
 from strata_core.ops.gather import gather_experts
+from strata_core.testing.sync import HostReads
 from strata_core.plugin.placement import DeviceSlot, Placement
 
 CPU = torch.device("cpu")
@@ -115,30 +116,18 @@ def test_no_host_read_per_layer_in_a_gathered_window(engine_model, monkeypatch, 
     session = engine.new_session()
     engine.prefill(session, PROMPT)
     rows = engine.experts.rows_for(0)
-    inside, reads = [False], []
+    reads = HostReads(monkeypatch)
+    reads.watch(device_rows, "group_by_expert")
     real_rows = rows.rows
 
     def counted_rows(*args):
-        inside[0] = True
-        try:
+        with reads.counting():
             return real_rows(*args)
-        finally:
-            inside[0] = False
-
-    def counting(name, real):
-        def wrapper(*args, **kwargs):
-            if inside[0]:
-                reads.append(name)
-            return real(*args, **kwargs)
-        return wrapper
 
     monkeypatch.setattr(rows, "rows", counted_rows)
-    monkeypatch.setattr(device_rows, "group_by_expert", counting("group_by_expert", device_rows.group_by_expert))
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
     engine.decode_window([(session, 50)])
     engine.decode_window([(session, 51)])
     if gather:
-        assert reads == []
+        assert reads.reads == []
     else:
-        assert reads.count("group_by_expert") == 2 * engine.spec.n_layers
+        assert reads.reads.count("group_by_expert") == 2 * engine.spec.n_layers

@@ -16,6 +16,7 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
 from strata_core.plugin import DeviceSlot
 from strata_core.session import DecodeBatch
+from strata_core.testing.sync import HostReads
 
 PROMPT = list(range(5, 41))
 CPU2 = [DeviceSlot(0, torch.device("cpu")), DeviceSlot(1, torch.device("cpu"))]
@@ -89,26 +90,15 @@ def test_micro_batched_windows_equal_single_and_run_each_stage_per_micro_batch(m
 
 
 def _host_reads(engine: Engine, monkeypatch) -> list[str]:
-    """Tensor reads to the host made while a decode window runs (what a sync per layer would be)."""
-    reads, inside = [], [False]
-
-    def counting(name, real):
-        def wrapper(*args, **kwargs):
-            if inside[0]:
-                reads.append(name)
-            return real(*args, **kwargs)
-        return wrapper
-
-    monkeypatch.setattr(device_rows, "group_by_expert", counting("group_by_expert", device_rows.group_by_expert))
-    for name in ("tolist", "item", "__bool__", "__int__", "__float__", "cpu", "numpy"):
-        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    """Tensor reads to the host made while a decode window of two sessions runs."""
+    reads = HostReads(monkeypatch)
+    reads.watch(device_rows, "group_by_expert")
     sessions = [engine.new_session(), engine.new_session()]
     for session in sessions:
         engine.prefill(session, PROMPT[:12])
-    inside[0] = True
-    engine.decode_window([(sessions[0], 3), (sessions[1], 4)])
-    inside[0] = False
-    return reads
+    with reads.counting() as seen:
+        engine.decode_window([(sessions[0], 3), (sessions[1], 4)])
+    return seen
 
 
 @pytest.mark.parametrize("gather", [True, False])
