@@ -10,7 +10,7 @@ import torch
 from strata_core.engine import Engine
 from strata_core.errors import ConfigError
 from strata_core.phase_state import HandOffError
-from strata_core.plugin import ExpertSource, LayerPlacement, Placement, hookimpl
+from strata_core.plugin import CacheBudget, ExpertSource, LayerPlacement, Placement, hookimpl
 
 PROMPT = list(range(5, 45))
 
@@ -90,12 +90,15 @@ def test_logical_devices_each_get_a_cache_table_and_kv(model, monkeypatch):
     assert session.kv.home == {0: 0, 1: 0, 2: 1, 3: 1}
 
 
-def test_a_peer_source_serves_the_peers_experts_bit_for_bit(model, monkeypatch):
-    """Layers computed on slot 0 read slot 1's cache first: rows equal single's, counted as peer."""
-    chain = (ExpertSource.peer(1), ExpertSource.cache(0), ExpertSource.arena(0), ExpertSource.cpu())
+@pytest.mark.parametrize("compute", [False, True], ids=["weights-read-across", "rows-computed-there"])
+def test_a_peer_source_serves_the_peers_experts_bit_for_bit(model, monkeypatch, compute):
+    """Layers computed on slot 0 find slot 1's cache first: rows equal single's, counted as peer;
+    slot 1's own budget (3 slots) overrides --expert-cache."""
+    chain = (ExpertSource.peer(1, compute), ExpertSource.cache(0), ExpertSource.arena(0), ExpertSource.cpu())
     layers = tuple(LayerPlacement(0, chain) for _ in range(4))
-    placement = Placement(layers, layers, budgets={})
+    placement = Placement(layers, layers, budgets={1: CacheBudget(slots=3)})
     engine = _load(model, monkeypatch, placement, expert_cache=6)
+    assert engine.experts.tables[1].n_slots == 3 and engine.experts.tables[0].n_slots == 6
     single = Engine.load(model, max_context=128, expert_cache=0)
     assert torch.equal(engine.logits(PROMPT), single.logits(PROMPT))
     by_device = engine.telemetry.by_device()["cpu#0"]

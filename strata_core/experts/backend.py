@@ -147,9 +147,11 @@ def _chain(placement: Placement, phase: Phase, layer: int, caches: dict[int, Exp
     """The expert sources of ``layer`` in ``phase`` resolved to caches."""
     sources = placement.layers(phase)[layer].experts
     own = next((caches.get(s.device) for s in sources if s.kind == "cache"), None)
-    peers = tuple(caches[s.device] for s in sources if s.kind == "peer" and s.device in caches)
+    peers = [(caches[s.device], s.compute) for s in sources if s.kind == "peer" and s.device in caches]
     kinds = {s.kind for s in sources}
-    return Chain(own=own, peers=peers, link="arena" in kinds, cpu="cpu" in kinds)
+    return Chain(own=own, peers=tuple(cache for cache, _ in peers),
+                 computed=frozenset(id(cache) for cache, compute in peers if compute),
+                 link="arena" in kinds, cpu="cpu" in kinds)
 
 
 def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot],

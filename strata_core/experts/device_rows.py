@@ -6,7 +6,8 @@ For one MoE layer the routed (token, k) pairs are grouped by expert exactly as t
 bytes, whichever source holds them:
 
 * resident: the device's cache slot;
-* a peer's cache: its slot's bytes read across (the peer link), computed here;
+* a peer's cache: its slot's bytes read across (the peer link) and computed here, or (``computed``)
+  the inputs sent over and the rows computed on the peer;
 * prefill miss: streamed from the arena through the double-buffered ``StagingRing``;
 * decode miss: a ``--pcie-frac`` share read over the host link (the ring again), the rest computed
   on the CPU from the arena (on a worker thread when the device is a GPU).
@@ -49,17 +50,23 @@ __all__ = ["CachedExpertRows", "Chain", "MissSplit"]
 
 @dataclass(frozen=True)
 class Chain:
-    """One layer's expert sources resolved: the own cache, peers' caches read across, and whether
-    misses may go over the host link and to the CPU (both: decode splits them by ``--pcie-frac``)."""
+    """One layer's expert sources resolved: the own cache, peers' caches (in chain order) with
+    ``computed`` naming those whose rows are computed on the peer (the rest are read across), and
+    whether misses may go over the host link and to the CPU (both: decode splits by ``--pcie-frac``)."""
 
     own: ExpertCache | None
     peers: tuple[ExpertCache, ...] = ()
+    computed: frozenset[int] = frozenset()  # id() of the peers computing their own rows
     link: bool = True
     cpu: bool = True
 
     def caches(self) -> tuple[ExpertCache, ...]:
-        """Every cache the layer reads, in chain order."""
+        """Every cache the layer reads, the own one first, then the peers in chain order."""
         return ((self.own,) if self.own is not None else ()) + self.peers
+
+    def computes(self, cache: ExpertCache) -> bool:
+        """Whether ``cache``'s rows are computed on its own device (activations go over)."""
+        return id(cache) in self.computed
 
     def locate(self, layer: int, expert: int) -> tuple[ExpertCache, int] | None:
         """(cache, slot) of the first cache of the chain holding (layer, expert) visibly, or None."""
@@ -122,7 +129,7 @@ class CachedExpertRows:
         else:
             self.telemetry.routed += expert_ids.numel()
         order, experts, counts = group_by_expert(expert_ids)
-        if self.grouped and not self.decoding and chain.link:
+        if self.grouped and not self.decoding and chain.link and not chain.computed:
             return self._grouped(layer, hidden, k, order, experts, counts, chain).view(T, k, -1)
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
@@ -134,15 +141,16 @@ class CachedExpertRows:
         def run(expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
             start, end = groups[expert]
             pairs = order[start:end]  # [n]
-            x = hidden[pairs // k]  # [n, H]
-            out[pairs] = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes).to(out.dtype)
+            x = hidden[pairs // k].to(gate.device)  # [n, H] (over to a peer computing its rows)
+            out[pairs] = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes).to(self.device, out.dtype)
 
         n_link = self._link_share(len(missed), chain)
         on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden)
         chain.wait(layer, self.device)
         with self.telemetry.compute(self.device):
-            for expert, (cache, slot) in resident:  # a peer's bytes come across the peer link
-                run(expert, *(part.to(self.device) for part in cache.parts(layer, slot)))
+            for expert, (cache, slot) in resident:  # a peer's bytes come across, or its rows come back
+                parts = cache.parts(layer, slot)
+                run(expert, *(parts if chain.computes(cache) else (p.to(self.device) for p in parts)))
             self.ring.run(layer, missed[:n_link], lambda e, packed: run(e, *fmt.split(packed)))
         for pairs, rows in on_cpu:
             out[pairs] = rows.result().to(self.device, out.dtype)
