@@ -38,7 +38,6 @@ from strata_core.experts.cache import ExpertCache
 from strata_core.experts.device_rows import CachedExpertRows, Chain, MissSplit
 from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
-from strata_core.experts.rows import ExpertRows
 from strata_core.experts.sizing import cache_slots, check_dense_budget
 from strata_core.experts.table import ResidencyTable
 from strata_core.experts.telemetry import ExpertTelemetry

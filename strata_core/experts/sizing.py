@@ -18,10 +18,9 @@ import torch
 
 from strata_core.config import StrataSettings
 from strata_core.errors import BudgetError
-from strata_core.gguf.spec import ModelSpec
 from strata_core.plugin.placement import CacheBudget
 
-__all__ = ["available_bytes", "check_dense_budget", "cache_slots", "cap_prefill_chunk"]
+__all__ = ["available_bytes", "check_dense_budget", "cache_slots"]
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -86,10 +85,3 @@ def cache_slots(settings: StrataSettings, device: torch.device, slot_bytes: int,
     if n_ranked is not None and not settings.expert_cache_fill_all:
         fit = min(fit, n_ranked)
     return min(fit, n_candidates)
-
-
-def cap_prefill_chunk(settings: StrataSettings, spec: ModelSpec, budget_bytes: int, act_bytes: int = 4) -> int:
-    """``--prefill-chunk`` capped so the expert path's per-chunk buffers (the ``[T, k, H]`` rows,
-    the gathered inputs and outputs) take at most a quarter of ``budget_bytes``."""
-    per_token = (spec.n_experts_used + 3) * spec.hidden_size * act_bytes
-    return max(1, min(settings.prefill_chunk, budget_bytes // 4 // per_token))
