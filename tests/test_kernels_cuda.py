@@ -152,7 +152,8 @@ def test_sdpa_attention_on_cuda_matches_the_masked_matmul(T_, S, static):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_fused_norm_and_rope_match_the_torch_formulas(dtype, monkeypatch):
     """``rms_norm`` / ``norm_rope`` on CUDA (one Triton kernel each) against the torch formulas the CPU
-    runs, on the same device; positions up to 32K (fp32 angles of ~3e4 rad)."""
+    runs, on the same device; positions up to 32K: at ~3e4 rad a 1-ulp difference of a float32
+    frequency moves the angle by ~2e-3, hence 1e-3 in float32 (seen: 2.1e-4)."""
     from strata_core.model import ops
 
     gen = torch.Generator().manual_seed(7)
@@ -168,4 +169,4 @@ def test_fused_norm_and_rope_match_the_torch_formulas(dtype, monkeypatch):
              ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0)]
     for got, want in zip(fused, plain):
         assert got.dtype == dtype and got.shape == want.shape
-        assert rel(got, want) < (2e-4 if dtype == torch.float32 else 1e-2)
+        assert rel(got, want) < (1e-3 if dtype == torch.float32 else 1e-2)

@@ -56,11 +56,12 @@ if HAS_TRITON:
             a = (tl.load(w + i).to(tl.float32) * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             b = (tl.load(w + HALF + i).to(tl.float32) * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         p = tl.load(pos + row // heads).to(tl.float32)
-        exponent = (2 * i).to(tl.float32) / D
-        if LIBDEVICE:  # powf / cosf / sinf: the functions torch's CUDA kernels call
-            inv_freq = 1.0 / libdevice.pow(tl.full([HALF], theta, tl.float32), exponent)
+        if LIBDEVICE:  # IEEE divisions, powf / cosf / sinf: what torch's CUDA kernels compute
+            exponent = libdevice.div_rn((2 * i).to(tl.float32), tl.full([HALF], D, tl.float32))
+            inv_freq = libdevice.div_rn(tl.full([HALF], 1.0, tl.float32),
+                                        libdevice.pow(tl.full([HALF], theta, tl.float32), exponent))
         else:
-            inv_freq = 1.0 / tl.exp2(exponent * log2_theta)
+            inv_freq = 1.0 / tl.exp2((2 * i).to(tl.float32) / D * log2_theta)
         angle = p * inv_freq
         if LIBDEVICE:
             c = libdevice.cos(angle).to(dt).to(tl.float32)
@@ -86,7 +87,7 @@ if HAS_TRITON:
                        eps: float = 0.0) -> Tensor:
         """``x [T, heads, D]`` optionally RMS-normed per head, then NEOX-rotated at ``positions [T]``."""
         T, heads, D = x.shape
-        x = x.contiguous()
+        x, positions = x.contiguous(), positions.contiguous()
         out = torch.empty_like(x)
         if T:
             _norm_rope_kernel[(T * heads,)](
