@@ -28,6 +28,7 @@ from strata_core.model.ops import sdpa_attention
 from strata_core.ops import moe
 from strata_core.ops.gather import gather_experts
 from strata_core.ops.matmul import matmul
+from strata_core.ops.qdecode import block_geometry
 from strata_core.quant import dequantize, random_blocks
 from strata_core.quant.registry import dequantize_reference
 
@@ -43,7 +44,8 @@ def bench(fn) -> float:
 def layer_experts(qtype: T, n: int = E) -> tuple[torch.Tensor, ExpertFormat]:
     rng = np.random.default_rng(0)
     shapes = ((FF, H), (FF, H), (H, FF))
-    parts = [random_blocks(qtype, n * r * c // 256, rng, 0.05).reshape(n, -1) for r, c in shapes]
+    bs = block_geometry(qtype)[0]
+    parts = [random_blocks(qtype, n * r * c // bs, rng, 0.05).reshape(n, -1) for r, c in shapes]
     fmt = ExpertFormat((qtype,) * 3, shapes, tuple(p.shape[1] for p in parts))
     return torch.from_numpy(np.concatenate(parts, axis=1)), fmt
 

@@ -30,7 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
     engine = Engine.load(args.model, devices=["cuda:0"], arena="pinned", expert_cache=cache,
-                         max_context=args.context + args.windows + 8)
+                         max_context=max(args.context + args.windows + 8, args.prefill + 8))
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, engine.spec.vocab_size, (args.context + args.windows + 4,), generator=gen).tolist()
     session = engine.new_session()
