@@ -1,19 +1,17 @@
 """``create_app``: the Litestar application of the OpenAI-compatible API.
 
-The lifespan owns the engine (loaded from the settings unless one is given) and the scheduler and
-puts them on the typed :class:`StrataState`; handlers receive the :class:`GenerationService`
-through ``Provide``. With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``.
+The lifespan owns the :class:`~strata_core.server.loading.ServiceLoader` (the engine, loaded from
+the settings in the background unless one is given, and the scheduler) and puts it on the typed
+:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
-import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import anyio
 from litestar import Litestar, Router
 from litestar.datastructures import State
 from litestar.di import Provide
@@ -23,27 +21,25 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from strata_core.config import StrataSettings
-from strata_core.scheduler import Scheduler
 from strata_core.server.controllers import (
     ChatController, CompletionsController, LlamaServerController, ModelsController, SystemController,
 )  # fmt: skip
 from strata_core.server.errors import handle_exception
+from strata_core.server.loading import ServiceLoader
 from strata_core.server.service import GenerationService
 
 __all__ = ["StrataState", "create_app"]
-
-log = logging.getLogger(__name__)
 
 
 class StrataState(State):
     """What the lifespan puts on the application state."""
 
-    service: GenerationService
+    loader: ServiceLoader
 
 
 def provide_service(state: StrataState) -> GenerationService:
-    """The generation service of the running app."""
-    return state.service
+    """The generation service of the running app (ModelLoadingError, a 503, while it loads)."""
+    return state.loader.get()
 
 
 class BearerAuth(ASGIMiddleware):
@@ -61,31 +57,20 @@ class BearerAuth(ASGIMiddleware):
         await next_app(scope, receive, send)
 
 
-def create_app(settings: StrataSettings, engine: Any = None) -> Litestar:
-    """The API app for ``settings``; ``engine`` (already loaded) is used instead of loading one."""
+def create_app(settings: StrataSettings, engine: Any = None,
+               on_load_error: Callable[[BaseException], None] | None = None) -> Litestar:
+    """The API app for ``settings``; ``engine`` (already loaded) is served at once instead of loading
+    one in the background. ``on_load_error`` receives a failure to load the model."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        from strata_core.engine import Engine
-
-        owned = engine is None
-        live = await anyio.to_thread.run_sync(Engine.from_settings, settings) if owned else engine
-        scheduler = Scheduler(
-            live, parallel=settings.parallel, max_queue=settings.max_queue,
-            conv_cache=settings.conv_cache, conv_cache_bytes=int(settings.conv_cache_gib * 2**30),
-        )  # fmt: skip
-        scheduler.start()
-        service = GenerationService(live, scheduler, settings)
-        app.state.service = service
-        log.info("serving %s (%s) with strategy %s on %s: %d slots, queue %d, conversation cache %d",
-                 service.model_id, settings.model, settings.strategy, ",".join(settings.devices),
-                 settings.parallel, settings.max_queue, settings.conv_cache)
+        loader = ServiceLoader(settings, engine, on_load_error)
+        app.state.loader = loader
+        await loader.start()
         try:
             yield
         finally:
-            await anyio.to_thread.run_sync(scheduler.stop)
-            if owned:
-                live.close()
+            await loader.close()
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
     return Litestar(

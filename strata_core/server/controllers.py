@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
+from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
@@ -17,6 +18,7 @@ from strata_core.scheduler import RequestHandle
 from strata_core.server.responses import (
     Collected, cancel_on_disconnect, chat_completion, chat_stream, collect, completion, completion_stream,
 )  # fmt: skip
+from strata_core.server.errors import RETRY_AFTER_S
 from strata_core.server.service import GenerationService
 
 T = TypeVar("T")
@@ -117,15 +119,19 @@ class LlamaServerController(Controller):
 
 
 class SystemController(Controller):
-    """``/health`` (never needs the API key) and ``/metrics`` (Prometheus text)."""
+    """``/health`` (never needs the API key; 503 ``loading`` until the model is ready) and ``/metrics``."""
 
     path = "/"
     tags = ["system"]
 
-    @get("/health", operation_id="health", summary="Liveness and slot use")
-    async def health(self, service: NamedDependency[GenerationService]) -> s.Health:
+    @get("/health", operation_id="health", summary="Liveness and slot use; 503 while the model loads")
+    async def health(self, state: State) -> Response[s.Health]:
+        service = state.loader.service
+        if service is None:
+            return Response(s.Health("loading", 0, 0, 0, progress=0.0), status_code=503,
+                            headers={"Retry-After": RETRY_AFTER_S})
         stats = service.scheduler.stats
-        return s.Health("ok", service.scheduler.parallel - stats.active, stats.active, stats.waiting)
+        return Response(s.Health("ok", service.scheduler.parallel - stats.active, stats.active, stats.waiting))
 
     @get("/metrics", operation_id="metrics", media_type=MediaType.TEXT, summary="Prometheus metrics")
     async def metrics(self, service: NamedDependency[GenerationService]) -> Response[str]:

@@ -15,6 +15,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from strata_core.errors import InvalidParamError, StrataError
 from strata_core.requests import ContextLengthError, ServerBusyError
+from strata_core.server.loading import ModelLoadingError
 from strata_core.server.schemas import ErrorBody, ErrorDetail
 from strata_core.server.service import UnknownModelError
 
@@ -54,6 +55,8 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
         return _body(exc.status_code, str(exc.detail))
     if isinstance(exc, ServerBusyError):
         return _body(503, str(exc), code="server_busy")
+    if isinstance(exc, ModelLoadingError):
+        return _body(503, str(exc), code="model_loading")
     if isinstance(exc, UnknownModelError):
         return _body(404, str(exc), "model", "model_not_found")
     if isinstance(exc, InvalidParamError):

@@ -261,10 +261,11 @@ class ModelList(Struct):
 
 
 class Health(Struct):
-    status: Literal["ok"]
+    status: Literal["ok", "loading"]
     slots_idle: int
     slots_processing: int
     requests_queued: int
+    progress: float = 1.0  # of loading the model: 0 while it loads, 1 when it serves
 
 
 class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):

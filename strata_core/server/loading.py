@@ -1,0 +1,87 @@
+"""The model behind a server that already listens: it loads on a worker thread while ``/health``
+answers 503 ``{"status": "loading"}`` and the API answers 503 with ``Retry-After``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from strata_core.config import StrataSettings
+from strata_core.errors import StrataError
+from strata_core.scheduler import Scheduler
+from strata_core.server.service import GenerationService
+
+__all__ = ["ModelLoadingError", "ServiceLoader"]
+
+log = logging.getLogger(__name__)
+
+
+class ModelLoadingError(StrataError):
+    """The model is still loading (HTTP 503 with Retry-After)."""
+
+
+class ServiceLoader:
+    """Loads the engine (unless one is given), starts the scheduler, and hands out the service.
+
+    ``on_error`` receives a load failure (``strata serve`` stops the server and reports it).
+    """
+
+    def __init__(self, settings: StrataSettings, engine: Any = None,
+                 on_error: Callable[[BaseException], None] | None = None) -> None:
+        self.settings = settings
+        self.service: GenerationService | None = None
+        self.started = time.monotonic()
+        self._engine = engine
+        self._owned = engine is None
+        self._on_error = on_error
+        self._task: asyncio.Task[None] | None = None
+
+    def get(self) -> GenerationService:
+        """The running service; ModelLoadingError while the model loads."""
+        if self.service is None:
+            raise ModelLoadingError(f"the model is loading ({time.monotonic() - self.started:.0f} s so far); "
+                                    "retry shortly")
+        return self.service
+
+    async def start(self) -> None:
+        """A given engine is served at once; an owned one loads in the background."""
+        if self._owned:
+            self._task = asyncio.create_task(self._load())
+        else:
+            await self._load()
+
+    async def _load(self) -> None:
+        from strata_core.engine import Engine
+
+        settings = self.settings
+        try:
+            if self._owned:
+                self._engine = await anyio.to_thread.run_sync(Engine.from_settings, settings)
+        except Exception as error:  # noqa: BLE001 - reported to on_error, which stops the server
+            log.error("loading %s failed: %s", settings.model, error)
+            if self._on_error is not None:
+                self._on_error(error)
+            return
+        scheduler = Scheduler(
+            self._engine, parallel=settings.parallel, max_queue=settings.max_queue,
+            conv_cache=settings.conv_cache, conv_cache_bytes=int(settings.conv_cache_gib * 2**30),
+        )  # fmt: skip
+        scheduler.start()
+        self.service = GenerationService(self._engine, scheduler, settings)
+        log.info("serving %s (%s) with strategy %s on %s: %d slots, queue %d, conversation cache %d; loaded in %.1f s",
+                 self.service.model_id, settings.model, settings.strategy, ",".join(settings.devices),
+                 settings.parallel, settings.max_queue, settings.conv_cache, time.monotonic() - self.started)
+
+    async def close(self) -> None:
+        """Wait for a load under way, stop the scheduler, release an owned engine."""
+        if self._task is not None:
+            await self._task
+        if self.service is not None:
+            await anyio.to_thread.run_sync(self.service.scheduler.stop)
+        if self._owned and self._engine is not None:
+            self._engine.close()

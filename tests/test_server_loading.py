@@ -1,0 +1,58 @@
+"""The server listens before the model is loaded: /health is 503 "loading", the API 503 with
+Retry-After, until the engine is ready; a model that fails to load is reported, not served."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+from test_server_support import FakeEngine, serving
+
+from strata_core.config import StrataSettings
+from strata_core.engine import Engine
+from strata_core.errors import ModelFileError
+
+
+def test_health_says_loading_until_the_model_is_ready(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = threading.Event()
+
+    def slow_load(settings: StrataSettings) -> FakeEngine:
+        assert release.wait(20)
+        return FakeEngine()
+
+    monkeypatch.setattr(Engine, "from_settings", staticmethod(slow_load))
+    with serving(StrataSettings(model_alias="demo")) as (url, _):
+        try:
+            health = httpx.get(f"{url}/health")
+            assert health.status_code == 503 and health.headers["retry-after"] == "1"
+            assert health.json()["status"] == "loading" and health.json()["progress"] == 0.0
+            busy = httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": "x"})
+            assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_loading"
+        finally:
+            release.set()
+        for _ in range(1000):  # the loader thread hands the engine over within a few requests
+            ready = httpx.get(f"{url}/health", timeout=10)
+            if ready.status_code == 200:
+                break
+        assert ready.json()["status"] == "ok" and ready.json()["progress"] == 1.0
+        done = httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
+        assert done.status_code == 200
+
+
+def test_a_load_failure_goes_to_the_callback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(settings: StrataSettings) -> None:
+        raise ModelFileError("x.gguf: broken")
+
+    failures: list[BaseException] = []
+    reported = threading.Event()
+    monkeypatch.setattr(Engine, "from_settings", staticmethod(broken))
+    from strata_core.server import create_app
+    import test_server_support as support
+
+    monkeypatch.setattr(support, "create_app", lambda s, e=None: create_app(
+        s, e, on_load_error=lambda error: (failures.append(error), reported.set())))
+    with serving(StrataSettings(model_alias="demo")) as (url, _):
+        assert reported.wait(20)
+        assert httpx.get(f"{url}/health").json()["status"] == "loading"
+    assert [str(f) for f in failures] == ["x.gguf: broken"]
