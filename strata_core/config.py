@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
@@ -44,6 +44,26 @@ def config_file_path() -> Path | None:
     return DEFAULT_CONFIG_FILE if DEFAULT_CONFIG_FILE.is_file() else None
 
 
+class TomlFile(TomlConfigSettingsSource):
+    """The settings file, as one command sees it: only the keys the settings class has.
+
+    One file serves every command, so a key another command uses (``max_tokens`` of ``generate``)
+    is not an error for this one; the CLI rejects keys no command knows. A file that is not valid
+    TOML is a ConfigError naming it.
+    """
+
+    def __init__(self, settings_cls: type[BaseSettings], toml_file: Path) -> None:
+        self._fields = set(settings_cls.model_fields)
+        super().__init__(settings_cls, toml_file=toml_file)
+
+    def _read_file(self, file_path: Path) -> dict[str, Any]:  # type: ignore[override]
+        try:
+            data = super()._read_file(file_path)
+        except (OSError, ValueError) as error:  # tomllib.TOMLDecodeError is a ValueError
+            raise ConfigError(f"settings file {file_path}: {error}") from None
+        return {key: value for key, value in data.items() if key in self._fields}
+
+
 class StrataSettings(BaseSettings):
     """All Strata options (engine, residency, server, observers)."""
 
@@ -57,7 +77,8 @@ class StrataSettings(BaseSettings):
     )
 
     # --- model and topology -------------------------------------------------------------------
-    model: Path = Field(DEMO_MODEL, description="GGUF model file (default: the embedded demo model)")
+    model: Path = Field(DEMO_MODEL, description="GGUF model file, or the first part of a split one (-m; "
+                        "default: the embedded demo model)")
     strategy: str = Field("single", description="topology strategy (see `strata plugins`)")
     strategy_options: dict[str, str | int | float | bool] = Field(
         default_factory=dict, description="options of the selected strategy, validated by its model"
@@ -69,12 +90,12 @@ class StrataSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute dtype of activations (auto: float32 on CPU, bfloat16 on CUDA)"
     )
-    max_context: int = Field(4096, ge=16, description="tokens of KV cache per session (capped by the model)")
+    max_context: int = Field(4096, ge=16, description="tokens of KV cache per session, capped by the model (-c, --ctx-size)")
 
     # --- expert residency ----------------------------------------------------------------------
     arena: Literal["mmap", "pinned"] = Field("mmap", description="host copy of the expert weights")
     pin_limit_gib: float | None = Field(None, ge=0, description="cap on pinned arena memory (GiB)")
-    expert_cache: int | Literal["auto"] = Field(
+    expert_cache: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         "auto", description="device expert-cache slots per device, or auto"
     )
     expert_cache_gib: float | None = Field(None, ge=0, description="device expert-cache size in GiB")
@@ -139,5 +160,5 @@ class StrataSettings(BaseSettings):
         sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
         path = config_file_path()
         if path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=path))
+            sources.append(TomlFile(settings_cls, toml_file=path))
         return tuple(sources)

@@ -1,18 +1,23 @@
 """The ``strata`` command: subcommands parsed by pydantic-settings' own CLI support.
 
-Every subcommand is a :class:`~strata_core.config.StrataSettings` subclass, so each option is also
-a ``STRATA_*`` variable and a key of the TOML file (``--config FILE`` or ``STRATA_CONFIG``).
-A :class:`~strata_core.errors.StrataError` is printed without a traceback and exits with status 2.
+Every subcommand holds its share of :class:`~strata_core.config.StrataSettings` (cli/settings.py),
+so each of its options is also a ``STRATA_*`` variable and a key of the TOML file (``--config FILE``
+or ``STRATA_CONFIG``). Every user error (a StrataError, an invalid setting, an unknown flag) is one
+line on stderr and exit status 2.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import sys
+import typing
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-from pydantic_settings import CliApp, CliSubCommand, SettingsError
+from pydantic_settings import (
+    CliApp, CliImplicitFlag, CliSettingsSource, CliSubCommand, SettingsError, TomlConfigSettingsSource, get_subcommand,
+)  # fmt: skip
 
 from strata_core.cli.bench import BenchCommand
 from strata_core.cli.generate import GenerateCommand
@@ -21,8 +26,13 @@ from strata_core.cli.make_synthetic import MakeSyntheticCommand
 from strata_core.cli.plugins_cmd import PluginsCommand
 from strata_core.cli.profile import ProfileCommand
 from strata_core.cli.serve import ServeCommand
-from strata_core.config import CONFIG_FILE_ENV
-from strata_core.errors import StrataError
+from strata_core.config import CONFIG_FILE_ENV, StrataSettings, config_file_path
+from strata_core.errors import ConfigError, StrataError
+
+
+#: the short flags llama.cpp users type, as the long ones they stand for
+SHORT_FLAGS = {"-m": "--model", "-c": "--max-context", "--ctx-size": "--max-context", "-n": "--max-tokens",
+               "-p": "--prompt"}
 
 
 class Strata(BaseModel):
@@ -37,14 +47,43 @@ class Strata(BaseModel):
     profile: CliSubCommand[ProfileCommand] = Field(description="record expert usage over prompts")
     bench: CliSubCommand[BenchCommand] = Field(description="prefill and decode speed")
     make_synthetic: CliSubCommand[MakeSyntheticCommand] = Field(description="write a random model of real shapes")
+    version: CliImplicitFlag[bool] = Field(False, description="print the version and exit")
 
     def cli_cmd(self) -> None:
-        """Run the chosen subcommand."""
+        """Run the chosen subcommand (or print the version)."""
+        if self.version:
+            print(f"strata {importlib.metadata.version('strata')}")
+            return
+        if get_subcommand(self, is_required=False) is None:
+            raise ConfigError(f"a command is needed: {', '.join(command_names())} (strata COMMAND --help)")
         CliApp.run_subcommand(self)
 
 
-def _take_config_flag(argv: list[str]) -> list[str]:
-    """``--config FILE`` anywhere on the line sets ``STRATA_CONFIG`` (read before parsing)."""
+def command_names() -> list[str]:
+    """The subcommands as they are typed (``make-synthetic``)."""
+    return [name.replace("_", "-") for name, field in Strata.model_fields.items() if name != "version"]
+
+
+def _check_config_keys() -> None:
+    """Every key of the settings file must be a setting of some command (catches typos)."""
+    path = config_file_path()
+    if path is None:
+        return
+    try:
+        keys = set(TomlConfigSettingsSource(StrataSettings, toml_file=path).toml_data)
+    except (OSError, ValueError) as error:  # tomllib.TOMLDecodeError is a ValueError
+        raise ConfigError(f"settings file {path}: {error}") from None
+    known = set(StrataSettings.model_fields)
+    for name, field in Strata.model_fields.items():
+        if name != "version":
+            known |= set(typing.get_args(field.annotation)[0].model_fields)
+    if unknown := sorted(keys - known):
+        raise ConfigError(f"settings file {path}: unknown key(s) {', '.join(unknown)}")
+
+
+def _expand_args(argv: list[str]) -> list[str]:
+    """``--config FILE`` anywhere on the line sets ``STRATA_CONFIG`` (read before parsing); the
+    short flags of ``SHORT_FLAGS`` become their long names."""
     out = []
     it = iter(argv)
     for arg in it:
@@ -53,21 +92,36 @@ def _take_config_flag(argv: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             os.environ[CONFIG_FILE_ENV] = arg.split("=", 1)[1]
         else:
-            out.append(arg)
+            flag, eq, value = arg.partition("=")
+            out.append(SHORT_FLAGS.get(flag, flag) + eq + value if flag in SHORT_FLAGS else arg)
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``strata`` console script."""
+    """Entry point of the ``strata`` console script: 0 on success, 2 on a user error (one line)."""
     logging.basicConfig(level=os.environ.get("STRATA_LOG_LEVEL", "INFO"),
                         format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    args = _take_config_flag(list(sys.argv[1:] if argv is None else argv))
+    args = _expand_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        CliApp.run(Strata, cli_args=args, cli_exit_on_error=True)
+        _check_config_keys()
+        source = CliSettingsSource(Strata, cli_prog_name="strata", cli_exit_on_error=True, cli_kebab_case=True,
+                                   cli_implicit_flags=True, cli_avoid_json=True)
+        CliApp.run(Strata, cli_args=args, cli_settings_source=source)
     except StrataError as error:
         print(f"strata: error: {error}", file=sys.stderr)
         return 2
     except (SettingsError, ValidationError) as error:
-        print(f"strata: error: invalid settings: {error}", file=sys.stderr)
+        print(f"strata: error: invalid settings: {_one_line(error)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(error: Exception) -> str:
+    """A pydantic or settings error on one line: each problem as ``field: message``."""
+    if isinstance(error, ValidationError):
+        by_field: dict[str, list[str]] = {}
+        for problem in error.errors():
+            names = [str(part) for part in problem["loc"] if str(part).isidentifier()]  # not union tags
+            by_field.setdefault(names[-1] if names else "value", []).append(problem["msg"])
+        return "; ".join(f"{name}: {' or '.join(messages)}" for name, messages in by_field.items())
+    return " ".join(str(error).split())

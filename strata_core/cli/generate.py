@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import sys
+from typing import Any
 
 from pydantic import Field
 
-from strata_core.config import StrataSettings
+from strata_core.cli.settings import ENGINE, settings_with
+from strata_core.requests import Finished, GenerationRequest
 from strata_core.sampling import SamplingParams
+from strata_core.scheduler import Scheduler
 
 
-class GenerateCommand(StrataSettings):
+class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
     """Generate text after a prompt (streamed to stdout)."""
 
-    prompt: str = Field("Once upon a time", description="the prompt")
-    max_tokens: int = Field(64, ge=1, description="tokens to generate at most")
+    prompt: str = Field("Once upon a time", description="the prompt (-p)")
+    max_tokens: int = Field(64, ge=1, description="tokens to generate at most (-n)")
     temperature: float = Field(0.8, ge=0, description="0 = greedy")
     top_k: int = Field(40, ge=0, description="keep the k most likely tokens (0 = off)")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
@@ -24,19 +28,35 @@ class GenerateCommand(StrataSettings):
     chat: bool = Field(False, description="wrap the prompt in the model's chat template")
 
     def cli_cmd(self) -> None:
-        """Load the engine and stream the completion."""
+        """Load the engine and stream the completion; say so on stderr when the context filled up."""
         from strata_core.engine import Engine
 
-        engine = Engine.from_settings(self)
-        params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
-                                top_p=self.top_p, min_p=self.min_p,
-                                repetition_penalty=self.repetition_penalty, seed=self.seed)
-        prompt = self.prompt
-        if self.chat:
-            prompt = engine.chat.render([{"role": "user", "content": prompt}])
-        sys.stdout.write(self.prompt if not self.chat else "")
-        for piece in engine.stream(prompt, params):
-            sys.stdout.write(piece)
+        engine = Engine.from_settings(self.strata_settings())
+        try:
+            params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                                    top_p=self.top_p, min_p=self.min_p,
+                                    repetition_penalty=self.repetition_penalty, seed=self.seed)
+            prompt = engine.chat.render([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
+            sys.stdout.write("" if self.chat else self.prompt)
+            end = asyncio.run(_generate(engine, GenerationRequest(engine.tokenizer.encode(prompt), params)))
+            sys.stdout.write("\n")
+        finally:
+            engine.close()
+        if end.reason == "length" and end.prompt_tokens + end.completion_tokens > engine.max_context:
+            print(f"strata: stopped at the end of the context ({engine.max_context} tokens); "
+                  "a larger --max-context (-c) lets it go on", file=sys.stderr)
+
+
+async def _generate(engine: Any, request: GenerationRequest) -> Finished:
+    """Run ``request`` through a one-slot scheduler (the server's path), writing text as it comes."""
+    scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0)
+    scheduler.start()
+    try:
+        async for event in scheduler.submit(request):
+            if isinstance(event, Finished):
+                return event
+            sys.stdout.write(event.text)
             sys.stdout.flush()
-        sys.stdout.write("\n")
-        engine.close()
+    finally:
+        scheduler.stop()
+    raise RuntimeError("the generation ended without a Finished event")

@@ -10,7 +10,7 @@ from pydantic_settings import CliPositionalArg
 
 import torch
 
-from strata_core.config import StrataSettings
+from strata_core.cli.settings import settings_with
 from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
 from strata_core.gguf.reader import GGUFFile
@@ -25,10 +25,12 @@ def tensor_group(name: str) -> str:
     return parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
 
 
-def describe(path: Path, vram_gib: list[float], kv_tokens: int = 4096) -> str:
-    """The report ``strata info`` prints."""
+def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
+    """The report ``strata info`` prints; the KV cache is sized for the context the engine will use
+    (``max_context`` capped by the model's, as the engine caps it)."""
     gguf_file = GGUFFile.open(path)
     spec = load_model_spec(gguf_file)
+    kv_tokens = min(max_context, spec.context_length)
     groups: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     expert_bytes = dense_bytes = 0
     for ref in gguf_file.tensors.values():
@@ -44,11 +46,14 @@ def describe(path: Path, vram_gib: list[float], kv_tokens: int = 4096) -> str:
     one_gpu = tuple(LayerPlacement.local(0) for _ in range(spec.n_layers))
     on_gpu = dense_bytes_per_device(spec, Placement(one_gpu, one_gpu), {0: DeviceSlot(0, gpu)},
                                     torch.bfloat16, kv_tokens)[gpu]
+    parts = gguf_file.parts
     lines = [
-        f"file: {path}",
+        f"file: {path}" + (f" (split in {len(parts)} parts: {', '.join(Path(p).name for p in parts)})"
+                           if len(parts) > 1 else ""),
         f"architecture: {spec.architecture}",
         f"layers: {spec.n_layers}  hidden: {spec.hidden_size}  heads: {spec.n_heads} (kv {spec.n_kv_heads}, "
-        f"head dim {spec.head_dim})  vocab: {spec.vocab_size}  context: {spec.context_length}",
+        f"head dim {spec.head_dim})  vocab: {spec.vocab_size}",
+        f"context: {kv_tokens} tokens used (--max-context {max_context}; the model's is {spec.context_length})",
         f"experts: {spec.n_experts} per layer, top-{spec.n_experts_used}, expert FFN {spec.expert_ffn_size}"
         + (f", shared expert FFN {spec.shared_expert_ffn_size}" if spec.shared_expert_ffn_size else ""),
         "block types per tensor group:",
@@ -73,7 +78,7 @@ def describe(path: Path, vram_gib: list[float], kv_tokens: int = 4096) -> str:
     return "\n".join(lines)
 
 
-class InfoCommand(StrataSettings):
+class InfoCommand(settings_with(("max_context",))):
     """Show a GGUF model's architecture, block types, sizes and what fits in VRAM."""
 
     path: CliPositionalArg[Path]
@@ -82,4 +87,4 @@ class InfoCommand(StrataSettings):
 
     def cli_cmd(self) -> None:
         """Print the report."""
-        print(describe(self.path, self.vram_gib))
+        print(describe(self.path, self.vram_gib, self.max_context))

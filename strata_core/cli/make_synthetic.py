@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType
 from pydantic import Field
 from pydantic_settings import CliPositionalArg
 
-from strata_core.config import StrataSettings
+from strata_core.cli.settings import CommandSettings
 from strata_core.errors import ConfigError
 
 
@@ -19,7 +19,7 @@ def _qtype(name: str, option: str) -> GGMLQuantizationType:
         raise ConfigError(f"{option} {name!r} is not a GGML block type (e.g. Q4_K, IQ4_XS, Q8_0)") from None
 
 
-class MakeSyntheticCommand(StrataSettings):
+class MakeSyntheticCommand(CommandSettings):
     """Write a synthetic GGUF (real shapes of --preset, random but valid blocks) for benchmarks and tests."""
 
     out: CliPositionalArg[Path]

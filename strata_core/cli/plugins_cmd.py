@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from strata_core.cli.settings import PLUGINS, settings_with
 from strata_core.config import StrataSettings
 from strata_core.plugin.manager import build_plugin_manager
 
@@ -17,9 +18,9 @@ def list_strategies(settings: StrataSettings) -> str:
     return "\n".join(lines)
 
 
-class PluginsCommand(StrataSettings):
+class PluginsCommand(settings_with(PLUGINS)):
     """List the installed strategies and where they came from."""
 
     def cli_cmd(self) -> None:
         """Print the list."""
-        print(list_strategies(self))
+        print(list_strategies(self.strata_settings()))

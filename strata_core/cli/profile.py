@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from strata_core.config import StrataSettings
+from strata_core.cli.settings import ENGINE, settings_with
 from strata_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def read_prompts(path: Path) -> list[str]:
     return prompts
 
 
-class ProfileCommand(StrataSettings):
+class ProfileCommand(settings_with(ENGINE)):
     """Run prompts through the model and write a JSON expert-usage profile (for --expert-profile)."""
 
     prompts: Path = Field(..., description="prompt file: one prompt per line, or .jsonl")
@@ -47,8 +47,7 @@ class ProfileCommand(StrataSettings):
         prompts = read_prompts(self.prompts)
         if not prompts:
             raise ConfigError(f"--prompts {self.prompts}: no prompts")
-        settings = self.model_dump(exclude={"prompts", "out", "decode_tokens"})
-        engine = Engine.from_settings(StrataSettings(**settings))
+        engine = Engine.from_settings(self.strata_settings())
         try:
             for prompt in prompts:
                 engine.generate(prompt, max_tokens=max(self.decode_tokens, 1), temperature=0.0)

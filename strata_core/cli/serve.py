@@ -3,27 +3,54 @@
 from __future__ import annotations
 
 import logging
+import socket
 
-from strata_core.config import StrataSettings
+from strata_core.cli.settings import ENGINE, SERVER, settings_with
+from strata_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
-class ServeCommand(StrataSettings):
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, or a ConfigError saying why not (the port is taken...)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as error:
+        raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+class ServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
     """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
 
     Binds 127.0.0.1 unless --host says otherwise; --api-key (or STRATA_API_KEY) guards every route
-    but /health.
+    but /health. The port is bound first and the model loads in the background: /health answers
+    503 {"status": "loading"} until it is ready.
     """
 
     def cli_cmd(self) -> None:
-        """Load the engine (in the app's lifespan) and run uvicorn until interrupted."""
+        """Bind the port, start uvicorn, load the engine behind it; a load failure stops the server
+        and is raised here (one line and exit status 2 for a StrataError)."""
         import uvicorn
 
         from strata_core.server import create_app
 
         if self.host not in {"127.0.0.1", "localhost", "::1"} and self.api_key is None:
             log.warning("listening on %s without --api-key: anyone who can reach it may use the model", self.host)
+        sock = listen(self.host, self.port)
+        failures: list[BaseException] = []
+
+        def failed(error: BaseException) -> None:
+            failures.append(error)
+            server.should_exit = True
+
+        app = create_app(self.strata_settings(), on_load_error=failed)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
         log.info("strata serve: model %s, strategy %s, devices %s, %d slots, http://%s:%d/v1",
                  self.model, self.strategy, ",".join(self.devices), self.parallel, self.host, self.port)
-        uvicorn.run(create_app(self), host=self.host, port=self.port, log_level="info", timeout_graceful_shutdown=5)
+        server.run(sockets=[sock])
+        if failures:
+            raise failures[0]
