@@ -134,16 +134,20 @@ if HAS_TRITON:
         return tl.sum(tl.sum(acc, axis=2), axis=1)
 
     @triton.jit
+    def _program_rows(N, BN: tl.constexpr):
+        """Program (p, n): pair p, its rows ``[n*BN, (n+1)*BN)`` (clamped into ``[0, N)``) and which to keep."""
+        rows = tl.program_id(1) * BN + tl.arange(0, BN)
+        keep = rows < N
+        return tl.program_id(0), tl.where(keep, rows, 0).to(tl.int64), keep
+
+    @triton.jit
     def _gate_up_kernel(x, h, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
                         tab_g, tab_u, N, K, TOPK, UP_OFF, ROW_G, ROW_U,
                         QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, SUBG: tl.constexpr,
                         NTG: tl.constexpr, QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr,
                         SUBU: tl.constexpr, NTU: tl.constexpr, BN: tl.constexpr, BY_PAIR: tl.constexpr):
         """Program (p, n): ``h[p, n*BN:(n+1)*BN] = silu(gate x) * up x`` for pair p (float32)."""
-        p = tl.program_id(0)
-        rows = tl.program_id(1) * BN + tl.arange(0, BN)
-        keep = rows < N
-        rows = tl.where(keep, rows, 0).to(tl.int64)
+        p, rows, keep = _program_rows(N, BN)
         w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
         xrow = x + (p // TOPK).to(tl.int64) * K
         g = _rows_dot(w, ROW_G, rows, xrow, K, tab_g, QG, BSG, TSG, SUBG, NTG, BN)
@@ -156,10 +160,7 @@ if HAS_TRITON:
                      tab, N, K, DOWN_OFF, ROW, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
                      SUB: tl.constexpr, NT: tl.constexpr, BN: tl.constexpr, BY_PAIR: tl.constexpr):
         """Program (p, n): ``out[p, n*BN:(n+1)*BN] = down h[p]`` (``h`` float32 ``[P, K]``)."""
-        p = tl.program_id(0)
-        rows = tl.program_id(1) * BN + tl.arange(0, BN)
-        keep = rows < N
-        rows = tl.where(keep, rows, 0).to(tl.int64)
+        p, rows, keep = _program_rows(N, BN)
         w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
         acc = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, SUB, NT, BN)
         tl.store(out + p.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
