@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from strata_core.errors import ConfigError
@@ -25,6 +27,12 @@ def resolve_devices(names: list[str]) -> list[torch.device]:
             raise ConfigError(f"--devices: {name!r}: only cpu and cuda devices are supported")
         devices.append(device)
     return devices
+
+
+def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current CUDA device inside the block (kernels that launch on the current
+    device, Triton's among them, then run where their tensors are); nothing on the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def synchronize(device: torch.device) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from strata_core.chat import ChatTemplate
 from strata_core.config import StrataSettings
-from strata_core.devices import resolve_devices, to_device
+from strata_core.devices import device_scope, resolve_devices, to_device
 from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
 from strata_core.experts.sizing import check_dense_budget
@@ -164,11 +164,13 @@ class Engine:
 
     def embed(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Token embeddings ``[T, H]`` on ``device``."""
-        return self.model.embed(to_device(tokens, self.main.device)).to(device)
+        with device_scope(self.main.device):
+            return self.model.embed(to_device(tokens, self.main.device)).to(device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output norm + head on the main device: float32 logits ``[T, vocab]``."""
-        return self.model.head(hidden.to(self.main.device)).float()
+        with device_scope(self.main.device):
+            return self.model.head(hidden.to(self.main.device)).float()
 
     def _notify(self, layer: int, hidden: torch.Tensor) -> None:
         for observer in self.layer_observers:
@@ -200,7 +202,7 @@ class Engine:
         positions = to_device(torch.arange(session.n_tokens, n_ctx), device)
         rows = self.experts.rows_for(segment.device, "prompt")
         hidden = hidden.to(device)
-        with self._timed("prompt", segment):
+        with device_scope(device), self._timed("prompt", segment):
             for layer in segment.layers:
                 hidden = self.model.attention(layer, hidden, positions, session.kv, n_ctx)
                 hidden = self.model.moe(layer, hidden, rows)
@@ -218,7 +220,7 @@ class Engine:
         if static_positions is not None:  # the body of a graph capture: no timing events
             return self._decode_layers(segment, hidden, batch, static_positions)
         hidden = hidden.to(self.device_of(segment))
-        with self._timed("decode", segment):
+        with device_scope(hidden.device), self._timed("decode", segment):
             graphed = (self._decode_graphs().decode_segment(segment, hidden, batch)
                        if self.settings.cuda_graphs else None)
             return graphed if graphed is not None else self._decode_layers(segment, hidden, batch)

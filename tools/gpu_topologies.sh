@@ -15,14 +15,14 @@ fi
 [ -f $MODEL ] || (strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > /dev/null 2>&1 &)
 if [ -n "${TESTS:-}" ]; then
   nvidia-smi topo -m
-  timeout 180 python3 -m pytest -q -n 8 plugins examples tests/test_placement.py tests/test_cuda_graphs.py \
-    tests/test_decode_sync_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -15
+  timeout 180 python3 -m pytest -q -n 4 ${TESTS_PATHS:-plugins examples tests/test_placement.py \
+    tests/test_cuda_graphs.py tests/test_decode_sync_cuda.py} 2>&1 | tee "$OUT/tests.log" | tail -15
 fi
 while pgrep -f make-synthetic > /dev/null; do sleep 1; done
 for CACHE in $CACHES; do
-  for run in "single cuda:0" "layer_split cuda:0,cuda:1" "prefill_main cuda:0,cuda:1"; do
-    set -- $run
-    timeout 150 strata bench --model $MODEL --strategy "$1" --devices "$2" --expert-cache "$CACHE" --arena pinned \
+  for run in ${STRATEGIES:-single layer_split prefill_main}; do
+    devices=cuda:0,cuda:1; [ "$run" = single ] && devices=cuda:0
+    timeout 150 strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" --arena pinned \
       --cuda-graphs --prompts 8k --contexts 1k --decode-tokens 32 --repeats 2 --sessions 1,4 2>&1 \
       | tee -a "$OUT/bench-$CACHE.log" | grep -v "^INFO\|^WARNING" | tail -7
   done

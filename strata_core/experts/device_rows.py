@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata_core.devices import device_scope
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.gather import GATHER_COUNTS, fused_rows, gather_counts, pair_ffn
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
@@ -142,7 +143,9 @@ class CachedExpertRows:
             start, end = groups[expert]
             pairs = order[start:end]  # [n]
             x = hidden[pairs // k].to(gate.device)  # [n, H] (over to a peer computing its rows)
-            out[pairs] = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes).to(self.device, out.dtype)
+            with device_scope(gate.device):
+                rows = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes)
+            out[pairs] = rows.to(self.device, out.dtype)
 
         n_link = self._link_share(len(missed), chain)
         on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden)
