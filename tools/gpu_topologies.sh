@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8's GPU run (two GPUs): the topology plugins' CUDA tests, then `strata bench` for single,
 # layer_split and prefill_main with each of CACHES expert slots per device (1536: a budget that cannot
-# hold every expert; 6144: everything resident), decode at 1 and 4 sessions. Run from the repo root on
+# hold every expert; 6144: everything resident), decode at 1 and 4 sessions (PAIR: the two devices). Run from the repo root on
 # the device machine with the wheels of .whl carried: CACHES="1536 6144" TESTS=1 bash tools/gpu_topologies.sh
 set -x
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -21,7 +21,7 @@ fi
 while pgrep -f make-synthetic > /dev/null; do sleep 1; done
 for CACHE in $CACHES; do
   for run in ${STRATEGIES:-single layer_split prefill_main}; do
-    devices=cuda:0,cuda:1; [ "$run" = single ] && devices=cuda:0
+    devices=${PAIR:-cuda:0,cuda:1}; [ "$run" = single ] && devices=cuda:0
     timeout 150 strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" --arena pinned \
       --cuda-graphs --prompts 8k --contexts 1k --decode-tokens 32 --repeats 2 --sessions 1,4 2>&1 \
       | tee -a "$OUT/bench-$CACHE.log" | grep -v "^INFO\|^WARNING" | tail -7
