@@ -23,7 +23,7 @@ import os
 import torch
 from torch import Tensor
 
-from strata_core.ops.qdecode import HAS_TRITON
+from strata_core.ops.qdecode import HAS_TRITON, on_device
 
 __all__ = ["HAS_TRITON", "norm_rope_cuda", "rms_norm_cuda"]
 
@@ -79,8 +79,9 @@ if HAS_TRITON:
         out = torch.empty_like(x)
         rows = x.numel() // D
         if rows:
-            _rms_norm_kernel[(rows,)](x, weight, out, D, eps, BLOCK=triton.next_power_of_2(D),
-                                      num_warps=4 if D >= 1024 else 1)
+            with on_device(x.device):  # Triton launches on the current device
+                _rms_norm_kernel[(rows,)](x, weight, out, D, eps, BLOCK=triton.next_power_of_2(D),
+                                          num_warps=4 if D >= 1024 else 1)
         return out
 
     def norm_rope_cuda(x: Tensor, positions: Tensor, theta: float, weight: Tensor | None = None,
@@ -90,10 +91,11 @@ if HAS_TRITON:
         x, positions = x.contiguous(), positions.contiguous()
         out = torch.empty_like(x)
         if T:
-            _norm_rope_kernel[(T * heads,)](
-                x, weight if weight is not None else x, positions, out, heads, eps, float(theta), math.log2(theta),
-                D=D, HALF=D // 2, NORM=weight is not None, LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1",
-                num_warps=1)
+            with on_device(x.device):
+                _norm_rope_kernel[(T * heads,)](
+                    x, weight if weight is not None else x, positions, out, heads, eps, float(theta),
+                    math.log2(theta), D=D, HALF=D // 2, NORM=weight is not None,
+                    LIBDEVICE=os.environ.get("TRITON_INTERPRET") != "1", num_warps=1)
         return out
 
 else:

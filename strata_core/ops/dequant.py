@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, table
+from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, on_device, table
 
 __all__ = ["dequantize_cuda", "fallback_note"]
 
@@ -73,9 +73,10 @@ if HAS_TRITON:
         out = torch.empty(tuple(shape), dtype=dtype, device=raw.device)
         if n_blocks:
             nt = 1024 // sub  # 1024 values a program
-            _dequant_kernel[(triton.cdiv(n_blocks * (bs // sub), nt),)](
-                raw, out, table(qtype, raw.device), n_blocks * (bs // sub), blocks_per_row, row_stride,
-                NS=bs // sub, SUB=sub, TS=ts, QTYPE=int(qtype), NT=nt, num_warps=4)
+            with on_device(raw.device):  # Triton launches on the current device
+                _dequant_kernel[(triton.cdiv(n_blocks * (bs // sub), nt),)](
+                    raw, out, table(qtype, raw.device), n_blocks * (bs // sub), blocks_per_row, row_stride,
+                    NS=bs // sub, SUB=sub, TS=ts, QTYPE=int(qtype), NT=nt, num_warps=4)
         return out
 else:
     def dequantize_cuda(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.dtype) -> Tensor | None:

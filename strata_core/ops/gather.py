@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from strata_core.ops.qdecode import on_device
+
 __all__ = ["HAS_TRITON", "gather_counts_cuda", "gather_experts"]
 
 try:
@@ -113,8 +115,9 @@ if HAS_TRITON:
         their first pair."""
         P = slot.shape[0]
         out = torch.empty(4, dtype=torch.int64, device=slot.device)
-        _counts_kernel[(1,)](slot.contiguous(), expert.contiguous(), out, P, nbytes,
-                             BLOCK=max(16, triton.next_power_of_2(P)), num_warps=4)
+        with on_device(slot.device):  # Triton launches on the current device
+            _counts_kernel[(1,)](slot.contiguous(), expert.contiguous(), out, P, nbytes,
+                                 BLOCK=max(16, triton.next_power_of_2(P)), num_warps=4)
         return out
 else:
     gather_experts = torch.library.custom_op("strata::gather_experts", _reference, mutates_args=())

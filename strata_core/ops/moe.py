@@ -43,7 +43,7 @@ from torch import Tensor
 from strata_core.ops.dequant import fallback_note
 from strata_core.ops.gather import _reference as _gather_reference
 from strata_core.ops.matmul import matmul
-from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, table
+from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, on_device, table
 from strata_core.quant.registry import dequantize_reference
 
 __all__ = ["MISS_READ", "moe_pair_rows", "pair_ffn_reference"]
@@ -193,7 +193,8 @@ if HAS_TRITON:
             packed = gather_experts(slots, arena, slot, expert, sum(nbytes))  # [P, total] on the device
             xp = x[torch.arange(slot.shape[0], device=x.device) // topk]  # [P, H]
             return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes)).contiguous()
-        return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)
+        with on_device(x.device):  # Triton launches on the current device
+            return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)
 
     def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                     qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:

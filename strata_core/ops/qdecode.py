@@ -20,6 +20,7 @@ Users: :mod:`strata_core.ops.dequant` (blocks -> bf16/fp16/fp32) and :mod:`strat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import numpy as np
@@ -33,7 +34,7 @@ try:
 except ImportError:  # CPU-only torch: the references are the only kernels
     triton = None
 
-__all__ = ["HAS_TRITON", "KERNEL_TYPES", "SUB_SIZE", "block_geometry", "table"]
+__all__ = ["HAS_TRITON", "KERNEL_TYPES", "SUB_SIZE", "block_geometry", "on_device", "table"]
 
 HAS_TRITON = triton is not None
 
@@ -50,6 +51,12 @@ SUB_SIZE: dict[T, int] = {
     T.Q4_0: 32, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32, T.Q8_0: 32, T.IQ4_NL: 32, T.MXFP4: 32,
     T.Q2_K: 16, T.Q3_K: 16, T.Q6_K: 16, T.Q4_K: 32, T.Q5_K: 32, T.IQ4_XS: 32, T.IQ3_XXS: 32, T.IQ3_S: 32,
 }
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` current for a Triton launch (Triton launches on the current CUDA device, not the
+    tensors'); a no-op off CUDA (the Triton interpreter runs CPU tensors)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def block_geometry(qtype: int) -> tuple[int, int, int]:
