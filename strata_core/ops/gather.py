@@ -85,8 +85,10 @@ if HAS_TRITON:
         n_words = nbytes // word
         if P:
             grid = (P, triton.cdiv(n_words, _BLOCK))
-            wrap_triton(_gather_kernel)[grid](out.view(_WORDS[word]), slot, expert, slots.data_ptr(), slot_stride,
-                                              arena.data_ptr(), arena_stride, n_words, BLOCK=_BLOCK, num_warps=8)
+            with on_device(slots.device):  # Triton launches on the current device
+                wrap_triton(_gather_kernel)[grid](out.view(_WORDS[word]), slot, expert, slots.data_ptr(),
+                                                  slot_stride, arena.data_ptr(), arena_stride, n_words,
+                                                  BLOCK=_BLOCK, num_warps=8)
         return out
 
     gather_experts.register_kernel("cpu")(_reference)
