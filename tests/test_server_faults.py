@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import math
+import socket
 import threading
 import time
 
@@ -142,24 +145,34 @@ def test_tokenizing_does_not_stall_the_event_loop(route: str) -> None:
             slow.join()
 
 
+class _Endless(FakeEngine):
+    """Never samples an end token; ``generating`` is set at the first decode window."""
+
+    def __init__(self) -> None:
+        super().__init__(max_context=100_000)
+        self.generating = threading.Event()
+
+    def prefill(self, session, token_ids):  # type: ignore[no-untyped-def]
+        return self._no_eos(super().prefill(session, token_ids))
+
+    def decode_window(self, steps):  # type: ignore[no-untyped-def]
+        self.generating.set()
+        return self._no_eos(super().decode_window(steps))
+
+    def _no_eos(self, logits: torch.Tensor) -> torch.Tensor:
+        logits[..., sorted(self.tokenizer.eos_token_ids)] = -math.inf
+        return logits
+
+
 def test_a_cancelled_non_streamed_request_ends_its_handler() -> None:
-    engine = FakeEngine(max_context=100_000)
-    gate = threading.Event()
-    orig = engine.decode_window
-
-    def decode_window(steps):  # type: ignore[no-untyped-def]
-        gate.set()  # generation is under way
-        return orig(steps)
-
-    engine.decode_window = decode_window
+    engine = _Endless()
     with serving(StrataSettings(model_alias=MODEL, parallel=1), engine) as (url, server):
-        payload = {"model": MODEL, "prompt": "long", "max_tokens": 90_000, "stop": ["\u2603"]}
-
-        def client() -> None:
-            with httpx.Client() as c, c.stream("POST", f"{url}/v1/completions", json=payload, timeout=20):
-                assert gate.wait(10)  # hang up while the request generates
-
-        client()
+        body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 90_000}).encode()
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            assert engine.generating.wait(10)  # hang up while the request generates
         _wait_until(lambda: not server.server_state.tasks, "the handler task to end")
         _ok(url)
 
