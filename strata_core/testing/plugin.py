@@ -10,7 +10,9 @@ Fixtures:
   topology runs on logical devices.
 
 :func:`strata_core.testing.sync.no_host_sync` checks on CUDA that a decode window enqueues its
-work without a host synchronisation.
+work without a host synchronisation; :class:`strata_core.testing.sync.HostReads` counts host reads on
+any device; :func:`strata_core.testing.residency.check_tiers` checks that no two device slots' caches
+hold the same expert.
 """
 
 from __future__ import annotations

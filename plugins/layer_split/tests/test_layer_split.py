@@ -16,6 +16,7 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
 from strata_core.plugin import DeviceSlot
 from strata_core.session import DecodeBatch
+from strata_core.testing.residency import check_tiers
 from strata_core.testing.sync import HostReads
 
 PROMPT = list(range(5, 41))
@@ -136,13 +137,8 @@ def test_caches_never_hold_an_expert_twice_also_after_adaptation(model, cut, cac
     engine.prefill(session, PROMPT[:10])
     for token in windows:
         engine.decode_window([(session, token)])
-        held = [entry for table in engine.experts.tables.values() for entry in table.resident()]
-        assert len(held) == len(set(held))
-        for slot, table in engine.experts.tables.items():
-            table.check()
-            assert table.n_resident <= cache
-            layers = engine.segments["decode"][slot].layers
-            assert all(layer in layers for layer, _ in table.resident())
+        check_tiers(engine)
+        assert all(table.n_resident <= cache for table in engine.experts.tables.values())
 
 
 CUDA_PAIRS = ([["cuda:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.device_count() > 1 else [])

@@ -13,6 +13,7 @@ from strata_prefill_main import plugin as prefill_main
 
 from strata_core.engine import Engine
 from strata_core.plugin import DeviceSlot, hookimpl
+from strata_core.testing.residency import check_tiers
 
 PROMPT = list(range(5, 41))
 CHECKS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -122,6 +123,19 @@ def test_the_later_stage_caches_its_own_layers_only(model):
     engine = _engine(model, 2, expert_cache=16)
     assert {l for l, _ in engine.experts.tables[0].resident()} == {0, 1}
     assert {l for l, _ in engine.experts.tables[1].resident()} == {2, 3}
+
+
+@CHECKS
+@given(cut=st.integers(1, 3), cache=st.integers(1, 12), swaps=st.integers(1, 4), peer_read=st.booleans(),
+       turns=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 255)), min_size=1, max_size=3))
+def test_tiers_stay_disjoint_through_prompts_and_adaptation(model, cut, cache, swaps, peer_read, turns):
+    """Prompts (masked or read across) and decode windows that adapt both caches, interleaved."""
+    engine = _engine(model, cut, peer_read, expert_cache=cache, adapt_swaps=swaps)
+    session = engine.new_session()
+    for length, token in turns:
+        engine.prefill(session, PROMPT[:length])
+        engine.decode_window([(session, token)])
+        check_tiers(engine)
 
 
 def test_the_widest_host_link_becomes_main(monkeypatch, caplog):
