@@ -16,6 +16,7 @@ class Layout:
     """Where things are in a valid GGUF: integer slots of the header, its end, and each key's record."""
 
     slots: tuple[tuple[int, int], ...]  # (offset, size) of every integer of the header
+    tensor_slots: tuple[tuple[int, int], ...]  # the dims, type and offset of every tensor info
     header_end: int  # start of the (aligned) data section
     keys: dict[str, tuple[int, int]]  # key -> (start, end) of its record
     alignment: int
@@ -32,10 +33,15 @@ def layout(path: Path) -> Layout:
             if part.dtype.kind in "ui" and part.dtype.itemsize > 1:
                 start = part.ctypes.data - base
                 slots += [(start + i * part.dtype.itemsize, part.dtype.itemsize) for i in range(min(part.size, 64))]
+    tensor_slots = []
+    for t in reader.tensors:
+        for part in t.field.parts[3:]:  # dims, type, offset
+            start = part.ctypes.data - base
+            tensor_slots += [(start + i * part.dtype.itemsize, part.dtype.itemsize) for i in range(part.size)]
     for name, field in reader.fields.items():
         if not name.startswith("GGUF."):
             keys[name] = (field.offset, max(p.ctypes.data - base + p.nbytes for p in field.parts))
-    return Layout(tuple(slots), int(reader.data_offset), keys, int(reader.alignment))
+    return Layout(tuple(slots), tuple(tensor_slots), int(reader.data_offset), keys, int(reader.alignment))
 
 
 def set_int(data: bytes, slot: tuple[int, int], value: int) -> bytes:

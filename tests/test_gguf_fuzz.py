@@ -28,11 +28,18 @@ BAD_VALUES = [None, 0, -1, 1, 2, 3, 7, 2**40, "12", "", 1e-30, 1e30, math.nan, m
               ["a"]]
 
 
+class Original(tuple):
+    """(file bytes, layout, scratch folder), shown briefly in hypothesis' reports."""
+
+    def __repr__(self) -> str:
+        return f"<tiny model, {len(self[0])} bytes>"
+
+
 @pytest.fixture(scope="module")
 def original(tiny_model_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory,
              one_thread: None) -> tuple[bytes, Layout, Path]:
     path = tiny_model_factory(expert_type="Q8_0")
-    return path.read_bytes(), layout(path), tmp_path_factory.mktemp("fuzz")
+    return Original((path.read_bytes(), layout(path), tmp_path_factory.mktemp("fuzz")))
 
 
 def outcome(data: bytes, folder: Path) -> str:
@@ -61,7 +68,7 @@ FUZZ = settings(max_examples=40, suppress_health_check=[HealthCheck.function_sco
 @given(st.data())
 def test_integer_fields_of_header_and_tensor_infos(original: tuple[bytes, Layout, Path], data: st.DataObject) -> None:
     raw, where, folder = original
-    slot = data.draw(st.sampled_from(where.slots), label="slot")
+    slot = data.draw(st.sampled_from(where.slots) | st.sampled_from(where.tensor_slots), label="slot")
     old = int.from_bytes(raw[slot[0] : slot[0] + slot[1]], "little")
     value = data.draw(st.one_of(st.sampled_from(INTERESTING), st.integers(-64, 64).map(lambda d: old + d)), "value")
     outcome(set_int(raw, slot, value), folder)
