@@ -22,7 +22,7 @@ def test_health_says_loading_until_the_model_is_ready(monkeypatch: pytest.Monkey
         return FakeEngine()
 
     monkeypatch.setattr(Engine, "from_settings", staticmethod(slow_load))
-    with serving(StrataSettings(model_alias="demo")) as (url, _):
+    with serving(StrataSettings(model_alias="demo"), ready=False) as (url, _):
         try:
             health = httpx.get(f"{url}/health")
             assert health.status_code == 503 and health.headers["retry-after"] == "1"
@@ -52,7 +52,7 @@ def test_a_load_failure_goes_to_the_callback(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(support, "create_app", lambda s, e=None: create_app(
         s, e, on_load_error=lambda error: (failures.append(error), reported.set())))
-    with serving(StrataSettings(model_alias="demo")) as (url, _):
+    with serving(StrataSettings(model_alias="demo"), ready=False) as (url, _):
         assert reported.wait(20)
         assert httpx.get(f"{url}/health").json()["status"] == "loading"
     assert [str(f) for f in failures] == ["x.gguf: broken"]

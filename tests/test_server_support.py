@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import httpx
 import torch
 import uvicorn
 
@@ -214,8 +215,9 @@ def live_server(settings: StrataSettings, engine: Any = None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def serving(settings: StrataSettings, engine: Any = None) -> Iterator[tuple[str, uvicorn.Server]]:
-    """Like ``live_server``, yielding the base URL and the running ``uvicorn.Server``."""
+def serving(settings: StrataSettings, engine: Any = None, ready: bool = True) -> Iterator[tuple[str, uvicorn.Server]]:
+    """Like ``live_server``, yielding the base URL and the running ``uvicorn.Server``; with ``ready``
+    once the model has loaded (``/health`` is no longer 503 loading)."""
     port = free_port()
     config = uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=port, log_level="warning",
                             timeout_graceful_shutdown=2)
@@ -226,6 +228,10 @@ def serving(settings: StrataSettings, engine: Any = None) -> Iterator[tuple[str,
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    while ready and httpx.get(f"http://127.0.0.1:{port}/health").status_code == 503:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the model did not load")
         time.sleep(0.02)
     try:
         yield f"http://127.0.0.1:{port}", server
