@@ -117,3 +117,12 @@ def test_info_shows_the_parts_of_a_split_model(strata, model: Path, tmp_path: Pa
     assert out.returncode == 0, out.stderr
     assert f"split in {len(parts)} parts: {', '.join(p.name for p in parts)}" in out.stdout
     assert "context: 512 tokens used (--max-context 100000; the model's is 512)" in out.stdout
+
+
+def test_generate_without_a_tokenizer_is_one_line(strata, tmp_path: Path) -> None:
+    from strata_core.gguf.tiny import tiny_hf_model
+    from strata_core.gguf.writer import write_gguf
+
+    path = tmp_path / "no-tokenizer.gguf"
+    write_gguf(tiny_hf_model("qwen3moe", seed=1), path)
+    one_line_error(strata("generate", "-m", str(path)), str(path), "no tokenizer")

@@ -9,6 +9,7 @@ from typing import Any
 from pydantic import Field
 
 from strata_core.cli.settings import ENGINE, settings_with
+from strata_core.errors import ConfigError
 from strata_core.requests import Finished, GenerationRequest
 from strata_core.sampling import SamplingParams
 from strata_core.scheduler import Scheduler
@@ -33,6 +34,8 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
 
         engine = Engine.from_settings(self.strata_settings())
         try:
+            if engine.tokenizer is None:
+                raise ConfigError(f"{self.model} has no tokenizer: it cannot generate text")
             params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                                     top_p=self.top_p, min_p=self.min_p,
                                     repetition_penalty=self.repetition_penalty, seed=self.seed)
