@@ -3,6 +3,7 @@ status 2 (in `serve` too), short flags, --version, the context note, `info` on s
 
 from __future__ import annotations
 
+import logging
 import socket
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ def strata(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, 
     """``strata(*args, env={...})`` runs the command in this process: its exit status and output."""
 
     def run(*args: str, env: dict[str, str] | None = None) -> SimpleNamespace:
+        handlers = list(logging.root.handlers)
         with monkeypatch.context() as patch:
             for key, value in (env or {}).items():
                 patch.setenv(key, value)
@@ -25,6 +27,8 @@ def strata(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, 
                 code = main(list(args))
             except SystemExit as exit_:  # argparse: --help, unknown flags
                 code = exit_.code
+            finally:  # main's log handler writes to this test's captured stderr: drop it
+                logging.root.handlers[:] = handlers
         out, err = capsys.readouterr()
         return SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
