@@ -113,8 +113,13 @@ class Engine:
         return cls.from_settings(StrataSettings(**values))
 
     @classmethod
-    def from_settings(cls, settings: StrataSettings) -> Engine:
-        """Load the model named by ``settings`` (validated before any weight is read)."""
+    def from_settings(cls, settings: StrataSettings, progress: Callable[[float], None] | None = None) -> Engine:
+        """Load the model named by ``settings`` (validated before any weight is read).
+
+        ``progress`` is called with the fraction loaded (0 to 1) as the dense weights, the arena
+        and the expert caches come in (the server's ``/health`` reports it).
+        """
+        report = progress or (lambda fraction: None)
         plugins = build_plugin_manager(settings)
         selected = plugins.select_strategy(settings.strategy, settings.strategy_options)
         devices = tuple(DeviceSlot(i, d) for i, d in enumerate(resolve_devices(settings.devices)))
@@ -139,9 +144,12 @@ class Engine:
         for phase in PHASES:
             for layer, placed in enumerate(placement.layers(phase)):
                 layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
+        report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = MoEModel(spec, dense)
-        experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes)
+        report(0.2)
+        experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,
+                                       progress=lambda fraction: report(0.2 + 0.79 * fraction))
         has_tokenizer = "tokenizer.ggml.tokens" in gguf_file.metadata
         if not has_tokenizer:
             log.warning("%s has no tokenizer: only token ids can be used", settings.model)
@@ -150,6 +158,7 @@ class Engine:
                      ChatTemplate.from_gguf(gguf_file.metadata))
         for slot in experts.tables:
             plugins.hook.strata_residency(engine=engine, event=ResidencyEvent("plan", devices[slot]))
+        report(1.0)
         return engine
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 
+from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.errors import ConfigError
 from strata_core.phase_state import HandOffError
@@ -147,3 +148,9 @@ def test_dbg_handoff_catches_a_copy_that_lands_nothing(model, monkeypatch):
     checked = _load(model, monkeypatch, placement, hooks={"strata_hand_off": lossy}, dbg_handoff=True)
     with pytest.raises(HandOffError, match="layer 2 from slot 0 to 1: the K rows read back differ"):
         checked.prefill(checked.new_session(), PROMPT)
+
+
+def test_load_reports_progress_up_to_one(model):
+    seen = []
+    Engine.from_settings(StrataSettings(model=model, arena="pinned", max_context=64), progress=seen.append)
+    assert seen == sorted(seen) and seen[0] > 0 and seen[-1] == 1.0 and len(seen) > 4  # per pinned layer too

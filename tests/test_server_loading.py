@@ -17,16 +17,21 @@ from strata_core.errors import ModelFileError
 def test_health_says_loading_until_the_model_is_ready(monkeypatch: pytest.MonkeyPatch) -> None:
     release = threading.Event()
 
-    def slow_load(settings: StrataSettings) -> FakeEngine:
+    reported = threading.Event()
+
+    def slow_load(settings: StrataSettings, progress) -> FakeEngine:
+        progress(0.4)  # the dense weights are in, the arena is coming
+        reported.set()
         assert release.wait(20)
         return FakeEngine()
 
     monkeypatch.setattr(Engine, "from_settings", staticmethod(slow_load))
     with serving(StrataSettings(model_alias="demo"), ready=False) as (url, _):
         try:
+            assert reported.wait(20)
             health = httpx.get(f"{url}/health")
             assert health.status_code == 503 and health.headers["retry-after"] == "1"
-            assert health.json()["status"] == "loading" and health.json()["progress"] == 0.0
+            assert health.json()["status"] == "loading" and health.json()["progress"] == 0.4
             busy = httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": "x"})
             assert busy.status_code == 503 and busy.json()["error"]["code"] == "model_loading"
         finally:
@@ -41,7 +46,7 @@ def test_health_says_loading_until_the_model_is_ready(monkeypatch: pytest.Monkey
 
 
 def test_a_load_failure_goes_to_the_callback(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken(settings: StrataSettings) -> None:
+    def broken(settings: StrataSettings, progress) -> None:
         raise ModelFileError("x.gguf: broken")
 
     failures: list[BaseException] = []

@@ -12,6 +12,8 @@ Without an accelerator the "pinned" copy is ordinary RAM (page-locking needs a d
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import logging
 from dataclasses import dataclass
 
@@ -60,7 +62,7 @@ class Arena:
     """Host addresses of every (layer, expert): mmap views, or pinned packed copies up to a cap."""
 
     def __init__(self, weights: ExpertWeights, n_layers: int, n_experts: int, mode: str = "mmap",
-                 pin_limit_bytes: int | None = None):
+                 pin_limit_bytes: int | None = None, progress: Callable[[float], None] | None = None):
         self.weights = weights
         self.n_layers, self.n_experts = n_layers, n_experts
         self.formats = [ExpertFormat.of(weights.blocks(layer, 0)) for layer in range(n_layers)]
@@ -68,11 +70,11 @@ class Arena:
         self.total_bytes = sum(f.total for f in self.formats) * n_experts
         self._packed: list[torch.Tensor | None] = [None] * n_layers  # [E, packed] per pinned layer
         if mode == "pinned":
-            self._pin(pin_limit_bytes)
+            self._pin(pin_limit_bytes, progress or (lambda fraction: None))
         log.info("arena: %s, %.2f GiB of experts (%d layers x %d), %.2f GiB pinned", mode,
                  self.total_bytes / GIB, n_layers, n_experts, self.pinned_bytes / GIB)
 
-    def _pin(self, limit: int | None) -> None:
+    def _pin(self, limit: int | None, progress: Callable[[float], None]) -> None:
         pin = can_pin()
         if not pin:
             log.info("arena: no accelerator, the pinned arena is ordinary RAM")
@@ -91,6 +93,7 @@ class Arena:
                 self._packed[layer] = buf
                 budget -= size
                 bar.update(size)
+                progress((layer + 1) / self.n_layers)
 
     @property
     def pinned_bytes(self) -> int:

@@ -27,6 +27,7 @@ bit-exact reference) on the CPU.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -154,18 +155,22 @@ def _chain(placement: Placement, phase: Phase, layer: int, caches: dict[int, Exp
 
 
 def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot],
-                         settings: StrataSettings, dense_bytes_per_device: dict[torch.device, int]) -> ExpertBackend:
+                         settings: StrataSettings, dense_bytes_per_device: dict[torch.device, int],
+                         progress: Callable[[float], None] | None = None) -> ExpertBackend:
     """Load the arena, size and fill each device slot's cache, and build its rows per phase.
 
     :param slots: the device slots by index.
     :param dense_bytes_per_device: bytes of everything else each torch device holds (dense weights,
         KV cache, prompt buffers), whether already allocated or not.
+    :param progress: called with the fraction done (the arena is most of it, then each cache).
     """
+    report = progress or (lambda fraction: None)
     torch_devices = {slots[i].device for i in placement.devices_used()}
     dense = {d: dense_bytes_per_device.get(d, 0) for d in torch_devices}
     check_dense_budget(settings, dense)  # fails before the arena is loaded
     pin_limit = None if settings.pin_limit_gib is None else int(settings.pin_limit_gib * GIB)
-    arena = Arena(weights, spec.n_layers, spec.n_experts, settings.arena, pin_limit)
+    arena = Arena(weights, spec.n_layers, spec.n_experts, settings.arena, pin_limit,
+                  progress=lambda fraction: report(0.8 * fraction))
     left = check_dense_budget(settings, dense)  # again: the arena may have taken host RAM
     order, used = _fill_order(settings, spec)
     telemetry = ExpertTelemetry()
@@ -189,6 +194,7 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
         cache = ExpertCache(arena, copiers[slot], n_slots, name=str(slots[slot]))
         cache.fill(mine)
         caches[slot] = cache
+        report(0.8 + 0.2 * len(caches) / len(served))
     rows: dict[tuple[Phase, int], CachedExpertRows] = {}
     adapters: dict[int, Adapter] = {}
     for slot in sorted(computing):

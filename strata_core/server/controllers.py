@@ -128,7 +128,7 @@ class SystemController(Controller):
     async def health(self, state: State) -> Response[s.Health]:
         service = state.loader.service
         if service is None:
-            return Response(s.Health("loading", 0, 0, 0, progress=0.0), status_code=503,
+            return Response(s.Health("loading", 0, 0, 0, progress=state.loader.progress), status_code=503,
                             headers={"Retry-After": RETRY_AFTER_S})
         stats = service.scheduler.stats
         return Response(s.Health("ok", service.scheduler.parallel - stats.active, stats.active, stats.waiting))

@@ -35,6 +35,7 @@ class ServiceLoader:
                  on_error: Callable[[BaseException], None] | None = None) -> None:
         self.settings = settings
         self.service: GenerationService | None = None
+        self.progress = 0.0  # fraction of the model loaded (reported by /health)
         self.started = time.monotonic()
         self._engine = engine
         self._owned = engine is None
@@ -47,6 +48,10 @@ class ServiceLoader:
             raise ModelLoadingError(f"the model is loading ({time.monotonic() - self.started:.0f} s so far); "
                                     "retry shortly")
         return self.service
+
+    def _loaded(self, fraction: float) -> None:
+        """Progress callback of the engine's load (on the loading thread)."""
+        self.progress = round(fraction, 3)
 
     async def start(self) -> None:
         """A given engine is served at once; an owned one loads in the background."""
@@ -61,7 +66,7 @@ class ServiceLoader:
         settings = self.settings
         try:
             if self._owned:
-                self._engine = await anyio.to_thread.run_sync(Engine.from_settings, settings)
+                self._engine = await anyio.to_thread.run_sync(Engine.from_settings, settings, self._loaded)
         except Exception as error:  # noqa: BLE001 - reported to on_error, which stops the server
             log.error("loading %s failed: %s", settings.model, error)
             if self._on_error is not None:
