@@ -143,8 +143,10 @@ def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: 
     after an untimed :func:`warm_up`."""
     need = max(prompts + [c + steps for c in contexts])
     if need > engine.max_context:
-        raise ConfigError(f"the bench needs {need} tokens of context, the engine has {engine.max_context} "
-                          "(raise --max-context, or lower --prompts / --contexts)")
+        model_limit = engine.max_context == engine.spec.context_length
+        raise ConfigError(f"the bench needs {need} tokens of context, the engine has {engine.max_context} ("
+                          + ("the model's context length; lower --prompts / --contexts)" if model_limit else
+                             "raise --max-context, or lower --prompts / --contexts)"))
     warm_up(engine, min(max(prompts, default=64), engine.settings.prefill_chunk))
     results = [bench_prefill(engine, n, repeats) for n in prompts]
     results += [bench_decode(engine, c, steps, repeats, n) for c in contexts for n in sessions]

@@ -53,3 +53,11 @@ def test_decode_bench_runs_every_session_in_each_window(tmp_path, monkeypatch):
     one, three = run_bench(engine, [], [8], repeats=1, steps=3, sessions=(1, 3))
     assert widths[-6:] == [1, 1, 1, 3, 3, 3] and (one.sessions, three.sessions) == (1, 3) and three.tok_s > 0
     engine.close()
+
+
+def test_lengths_beyond_the_context_are_skipped_or_clamped():
+    from strata_core.cli.bench import fitting_lengths
+
+    assert fitting_lengths([512, 8192], [256, 4096], 32, 1024) == ([512], [256])
+    assert fitting_lengths([8192, 32768], [1024, 32768], 32, 1024) == ([1024], [992])  # none fit: the longest
+    assert fitting_lengths([], [2048], 32, 1024) == ([], [992])

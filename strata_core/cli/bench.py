@@ -13,6 +13,26 @@ from strata_core.config import StrataSettings
 log = logging.getLogger(__name__)
 
 
+def fitting_lengths(prompts: list[int], contexts: list[int], decode_tokens: int,
+                    max_context: int) -> tuple[list[int], list[int]]:
+    """The prompt and decode-context lengths that fit in ``max_context`` tokens; the others are
+    skipped with a note. When none of a kind fits, the longest that does is measured instead."""
+    fit_prompts = [n for n in prompts if n <= max_context]
+    fit_contexts = [c for c in contexts if c + decode_tokens <= max_context]
+    skipped = [f"prefill {n}" for n in prompts if n not in fit_prompts]
+    skipped += [f"decode @{c}" for c in contexts if c not in fit_contexts]
+    if skipped:
+        log.warning("bench: skipped %s: beyond the context of %d tokens", ", ".join(skipped), max_context)
+    if prompts and not fit_prompts:
+        fit_prompts = [max_context]
+    if contexts and not fit_contexts and max_context > decode_tokens:
+        fit_contexts = [max_context - decode_tokens]
+    if fit_prompts != [n for n in prompts if n <= max_context] or fit_contexts != [
+            c for c in contexts if c + decode_tokens <= max_context]:
+        log.warning("bench: measuring prefill %s and decode @%s instead", fit_prompts, fit_contexts)
+    return fit_prompts, fit_contexts
+
+
 class BenchCommand(StrataSettings):
     """Measure prefill tok/s at prompt lengths and decode tok/s at context lengths (median of runs)."""
 
@@ -34,6 +54,7 @@ class BenchCommand(StrataSettings):
         settings = self.model_dump(exclude={"prompts", "contexts", "decode_tokens", "sessions", "repeats", "json_file"})
         settings["max_context"] = max(self.max_context, need)
         engine = Engine.from_settings(StrataSettings(**settings))
+        prompts, contexts = fitting_lengths(prompts, contexts, self.decode_tokens, engine.max_context)
         try:
             setup = {"model": self.model.name, "devices": ",".join(self.devices), "machine": machine_name(
                 list(dict.fromkeys(slot.device for slot in engine.devices))), "arena": self.arena, "expert_cache": self.expert_cache,
