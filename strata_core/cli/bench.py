@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from strata_core.config import StrataSettings
+from strata_core.cli.settings import ENGINE, settings_with
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ def fitting_lengths(prompts: list[int], contexts: list[int], decode_tokens: int,
     return fit_prompts, fit_contexts
 
 
-class BenchCommand(StrataSettings):
+class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
     """Measure prefill tok/s at prompt lengths and decode tok/s at context lengths (median of runs)."""
 
     prompts: str = Field("8k,32k", description="prompt lengths for prefill, e.g. 512,8k,32k")
@@ -51,9 +51,7 @@ class BenchCommand(StrataSettings):
 
         prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
         need = max(prompts + [c + self.decode_tokens for c in contexts])
-        settings = self.model_dump(exclude={"prompts", "contexts", "decode_tokens", "sessions", "repeats", "json_file"})
-        settings["max_context"] = max(self.max_context, need)
-        engine = Engine.from_settings(StrataSettings(**settings))
+        engine = Engine.from_settings(self.strata_settings(max_context=max(self.max_context, need)))
         prompts, contexts = fitting_lengths(prompts, contexts, self.decode_tokens, engine.max_context)
         try:
             setup = {"model": self.model.name, "devices": ",".join(self.devices), "machine": machine_name(
