@@ -109,6 +109,7 @@ class Scheduler:
         # The engine's counters as last read by the worker (after every engine call that moves
         # them): the base of the next request's figures, and what /metrics shows.
         self.telemetry: dict[str, Any] = dict(engine.telemetry.snapshot())
+        self.experts_by_device: dict[str, dict[str, int]] = engine.telemetry.by_device()
         self._slots = [_Slot() for _ in range(parallel)]
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
@@ -294,8 +295,10 @@ class Scheduler:
                 self._free(slot)
 
     def _read_telemetry(self) -> dict[str, Any]:
-        """Read the engine's counters (once per engine call that moves them) and keep them."""
+        """Read the engine's counters (once per engine call that moves them) and keep them, with the
+        expert groups each device slot served by source (``experts_by_device``, for ``/metrics``)."""
         self.telemetry = dict(self.engine.telemetry.snapshot())
+        self.experts_by_device = self.engine.telemetry.by_device()
         return self.telemetry
 
     def _isolate(self, jobs: list[_Job], before: list[int]) -> list[tuple[_Job, torch.Tensor]]:

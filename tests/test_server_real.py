@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from test_server_support import live_server
@@ -115,3 +116,14 @@ def test_timings_report_each_request_s_expert_traffic(model_path: Path) -> None:
     experts = out.model_extra["timings"]["experts"]
     assert experts["prompt"]["hit_rate"] == 0.0 and experts["prompt"]["bytes_streamed"] > 0
     assert experts["decode"]["bytes_streamed"] > 0 and experts["decode"]["compute_ms"] > 0
+
+
+def test_metrics_count_each_device_slot_s_experts(model_path: Path) -> None:
+    with live_server(_settings(model_path, strategy="layer_split", devices=["cpu", "cpu"], expert_cache=2)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        client.completions.create(model=MODEL, prompt="The experts", max_tokens=3, temperature=0)
+        metrics = httpx.get(f"{url}/metrics").text
+    served = {line.split("{")[1].split("}")[0]: float(line.split()[-1])
+              for line in metrics.splitlines() if line.startswith("strata_experts_served_total{")}
+    for device in ("cpu#0", "cpu#1"):
+        assert served[f'device="{device}",source="resident"'] > 0 and served[f'device="{device}",source="streamed"'] > 0

@@ -130,7 +130,8 @@ class FakeEngine:
         self.prefilled: list[int] = []  # tokens computed by each prefill call, in order
         self.windows: list[int] = []  # batch size of each decode window
         self.live: set[int] = set()
-        self.telemetry = SimpleNamespace(snapshot=lambda: {"expert_hits": 3, "expert_misses": 1, "bytes_streamed": 42})
+        self.telemetry = SimpleNamespace(snapshot=lambda: {"expert_hits": 3, "expert_misses": 1, "bytes_streamed": 42},
+                                         by_device=lambda: {"cpu#0": {"resident": 3, "streamed": 1}})
         self._thread: threading.Thread | None = None
 
     def _check_thread(self) -> None:

@@ -42,4 +42,10 @@ def render(scheduler: Scheduler) -> str:
     lines = []
     for name, kind, doc, value in rows:
         lines += [f"# HELP strata_{name} {doc}", f"# TYPE strata_{name} {kind}", f"strata_{name} {float(value)!r}"]
+    by_device = scheduler.experts_by_device
+    if by_device:
+        lines += ["# HELP strata_experts_served_total (layer, expert) groups served, per device slot and source",
+                  "# TYPE strata_experts_served_total counter"]
+        lines += [f'strata_experts_served_total{{device="{device}",source="{source}"}} {float(n)!r}'
+                  for device, counts in sorted(by_device.items()) for source, n in counts.items()]
     return "\n".join(lines) + "\n"
