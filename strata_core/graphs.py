@@ -73,7 +73,8 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """The CUDA graphs of one engine's decode segments, keyed by (B, segment, session ids).
+    """The CUDA graphs of one engine's decode segments, keyed by (B, segment, session ids); called
+    with the segment's device current (``Engine.decode_segment``), where it captures and replays.
 
     ``decode_segment(segment, hidden, batch)`` replays (capturing first where needed) and returns the
     segment's output ``[B, H]``, or None when it must run eagerly (the reason is logged once).
@@ -175,8 +176,7 @@ class DecodeGraphs:
             self._say(reason)
             return None
         try:
-            with torch.cuda.device(hidden.device):
-                entry = self.entry(segment, batch, hidden)
+            entry = self.entry(segment, batch, hidden)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for good
             self.failed = f"capture failed ({type(exc).__name__}: {exc})"
             log.warning("cuda graphs: %s; decode runs eagerly from now on", self.failed)
@@ -184,8 +184,7 @@ class DecodeGraphs:
             return None
         entry.hidden.copy_(hidden)
         entry.positions.copy_(batch.positions.pin_memory(), non_blocking=True)
-        with torch.cuda.device(hidden.device):
-            entry.graph.replay()
+        entry.graph.replay()
         self._account(entry)
         return entry.out.clone()
 
@@ -207,7 +206,7 @@ class DecodeGraphs:
         for cache in caches:  # swaps still landing: wait now, not inside the capture
             for layer in layers:
                 cache.wait_layer(layer, device)
-        usages = _usages(engine)
+        usages = engine.experts.usages()
         host_before = _read_host(engine)
         counts_before = [u.counts.clone() for u in usages]
 
@@ -241,20 +240,16 @@ class DecodeGraphs:
 
 # --- host-side counters a window bumps (measured at capture, added per replay) ---------------------
 
-def _usages(engine: Engine) -> list:
-    return engine.experts.usages()
-
-
 def _read_host(engine: Engine) -> dict[str, int]:
     t = engine.telemetry
     out = {"routed": t.routed, "bytes_copied": t.bytes_copied, "swaps": t.swaps}
     out.update({f"experts.{k}": v for k, v in t.experts.items()})
-    out.update({f"usage.{i}": u.tokens for i, u in enumerate(_usages(engine))})
+    out.update({f"usage.{i}": u.tokens for i, u in enumerate(engine.experts.usages())})
     return out
 
 
 def _write_host(engine: Engine, values: dict[str, int]) -> None:
-    t, usages = engine.telemetry, _usages(engine)
+    t, usages = engine.telemetry, engine.experts.usages()
     for name, value in values.items():
         if name.startswith("experts."):
             t.experts[name.split(".", 1)[1]] = value

@@ -69,13 +69,15 @@ class Chain:
         """Whether ``cache``'s rows are computed on its own device (activations go over)."""
         return id(cache) in self.computed
 
-    def locate(self, layer: int, expert: int) -> tuple[ExpertCache, int] | None:
-        """(cache, slot) of the first cache of the chain holding (layer, expert) visibly, or None."""
+    def holders(self, layer: int, experts: list[int]) -> list[tuple[ExpertCache, int] | None]:
+        """Per expert of ``layer``, (cache, slot) of the first cache of the chain holding it visibly,
+        or None (a miss); one read of each cache's host table row."""
+        found: list[tuple[ExpertCache, int] | None] = [None] * len(experts)
         for cache in self.caches():
-            slot = cache.table.slot(layer, expert)
-            if slot >= 0:
-                return cache, slot
-        return None
+            for i, slot in enumerate(cache.table.host[layer, experts].tolist()):
+                if found[i] is None and slot >= 0:
+                    found[i] = (cache, slot)
+        return found
 
     def wait(self, layer: int, device: torch.device) -> None:
         """Make ``device``'s stream wait for swaps into ``layer`` still landing in any of the caches."""
@@ -135,7 +137,7 @@ class CachedExpertRows:
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
         groups = {e: (end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
-        found = {e: chain.locate(layer, e) for e in groups}
+        found = dict(zip(groups, chain.holders(layer, list(groups))))
         resident = [(e, where) for e, where in found.items() if where is not None]
         missed = [e for e, where in found.items() if where is None]
 
@@ -177,11 +179,7 @@ class CachedExpertRows:
         from ``group_by_expert``); the host reads the routing once, nothing waits per expert."""
         fmt, own = self.arena.formats[layer], chain.own
         ids, sizes = torch.stack([experts.long(), counts]).tolist()  # the host read of this layer
-        holder: list[tuple[ExpertCache, int] | None] = [None] * len(ids)  # first cache holding each
-        for cache in chain.caches():
-            for i, slot_id in enumerate(cache.table.host[layer, ids].tolist()):
-                if holder[i] is None and slot_id >= 0:
-                    holder[i] = (cache, slot_id)
+        holder = chain.holders(layer, ids)  # first cache holding each distinct expert
         slot = own.table.mirror[layer][experts] if own is not None else None  # [n] own slots on the device
         groups = expert_groups(sizes, self.group_experts)
         misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]

@@ -3,9 +3,9 @@
 A cache may hold only some layers; the layers of one cache may sit on different device slots. Each
 layer has a *home* slot (where compute reads and writes it now); a hand-off (``move``) copies the
 committed rows to another slot and parks the old tensors there for the way back, so a session that
-goes back and forth between a prompt and a decode placement allocates each tensor once. ``attention`` writes K/V at the token positions it computes;
-the caller commits them with ``advance`` once every layer has run, so ``n_tokens`` is the number of
-positions all layers hold.
+goes back and forth between a prompt and a decode placement allocates each tensor once.
+``attention`` writes K/V at the token positions it computes; the caller commits them with
+``advance`` once every layer has run, so ``n_tokens`` is the number of positions all layers hold.
 """
 
 from __future__ import annotations
