@@ -1,13 +1,13 @@
-"""Make tests/data/qwen3moe_llamacpp/: a tiny random HF Qwen3-MoE and the GGUF llama.cpp's converter makes of it.
+"""Make tests/data/<arch>_llamacpp/: a tiny random HF model and the GGUFs llama.cpp's converter makes of it.
 
-Writes ``config.json`` + ``model.safetensors`` (the HF model) and ``model-f32.gguf`` (written by
-llama.cpp's own ``convert_hf_to_gguf.py --outtype f32``). Tests only read these committed files;
-they never run the converter.
+Writes ``config.json`` + ``model.safetensors`` (the HF model) and ``model-<outtype>.gguf`` for each
+of the architecture's outtypes (written by llama.cpp's own ``convert_hf_to_gguf.py --outtype ...``).
+Tests only read these committed files; they never run the converter.
 
 Made with the llama.cpp vendored in llama-cpp-python 0.3.36 (vendor/llama.cpp, gguf-py from the
 same tree), run as::
 
-    /work/venv/bin/python tools/make_llamacpp_fixture.py \\
+    .venv/bin/python tools/make_llamacpp_fixture.py --arch qwen3moe \\
         --llama-cpp /tmp/lcpp/llama_cpp_python-0.3.36/vendor/llama.cpp
 
 The converter needs a tokenizer: a tiny byte-level BPE (``tokenizers``) with a Qwen2 tokenizer
@@ -25,12 +25,40 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-OUT_DIR = REPO / "tests" / "data" / "qwen3moe_llamacpp"
-TINY = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-            num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=64, num_hidden_layers=2)
+
+
+@dataclass(frozen=True)
+class Fixture:
+    """One architecture's tiny model: HF config overrides, converter outtypes and extra converter flags."""
+
+    tiny: dict[str, Any]
+    outtypes: tuple[str, ...] = ("f32",)
+    convert_args: tuple[str, ...] = ()
+    seed: int = 0
+
+
+FIXTURES = {
+    "qwen3moe": Fixture(dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                             intermediate_size=64, num_hidden_layers=2)),
+    # two Gated DeltaNet layers around one gated full-attention layer (explicit layer_types, so the
+    # GGUF carries qwen3next.attention.recurrent_layers); tied embeddings keep the files small
+    "qwen3next": Fixture(dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8,
+                              shared_expert_intermediate_size=16, intermediate_size=64, num_hidden_layers=3,
+                              layer_types=["linear_attention", "full_attention", "linear_attention"],
+                              tie_word_embeddings=True),
+                         outtypes=("f32", "q8_0"), convert_args=("--no-mtp",)),
+    # MLA with q LoRA, one leading dense-FFN layer then two MoE layers (shared expert, sigmoid router
+    # with correction bias, group-limited top-k), YaRN RoPE; V2-Lite: direct q, softmax, no YaRN
+    "deepseek3": Fixture({}),
+    "deepseek2lite": Fixture({}),
+}
 
 # run inside the child: patch the pre-tokenizer lookup, then call the converter's main()
 _CONVERT = """
@@ -63,27 +91,31 @@ def make_tokenizer(out: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", required=True, choices=sorted(FIXTURES), help="GGUF architecture name")
     ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree")
-    ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
     from strata_core.gguf.tiny import tiny_hf_model
 
+    fixture = FIXTURES[args.arch]
+    out_dir = REPO / "tests" / "data" / f"{args.arch}_llamacpp"
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = Path(tmp) / "hf"
         hf_dir.mkdir()
         vocab = make_tokenizer(hf_dir)
-        model = tiny_hf_model("qwen3moe", seed=args.seed, vocab_size=vocab, **TINY)
+        model = tiny_hf_model(args.arch, seed=fixture.seed, vocab_size=vocab, **fixture.tiny)
         model.save_pretrained(hf_dir)
-        gguf_path = Path(tmp) / "model-f32.gguf"
         env = dict(os.environ, PYTHONPATH=f"{args.llama_cpp / 'gguf-py'}{os.pathsep}{args.llama_cpp}")
-        subprocess.run([sys.executable, "-c", _CONVERT, str(hf_dir), "--outtype", "f32",
-                        "--outfile", str(gguf_path)], env=env, check=True, cwd=args.llama_cpp)
-        OUT_DIR.mkdir(parents=True, exist_ok=True)
-        shutil.copy(gguf_path, OUT_DIR / "model-f32.gguf")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        for outtype in fixture.outtypes:
+            gguf_path = Path(tmp) / f"model-{outtype}.gguf"
+            subprocess.run([sys.executable, "-c", _CONVERT, str(hf_dir), "--outtype", outtype,
+                            "--outfile", str(gguf_path), *fixture.convert_args],
+                           env=env, check=True, cwd=args.llama_cpp)
+            shutil.copy(gguf_path, out_dir / gguf_path.name)
         for name in ("config.json", "model.safetensors"):
-            shutil.copy(hf_dir / name, OUT_DIR / name)
-    for f in sorted(OUT_DIR.iterdir()):
+            shutil.copy(hf_dir / name, out_dir / name)
+    for f in sorted(out_dir.iterdir()):
         print(f"{f.relative_to(REPO)}: {f.stat().st_size} bytes")
 
 
