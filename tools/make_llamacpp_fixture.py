@@ -56,7 +56,7 @@ FIXTURES = {
                          outtypes=("f32", "q8_0"), convert_args=("--no-mtp",)),
     # MLA with q LoRA, one leading dense-FFN layer then two MoE layers (shared expert, sigmoid router
     # with correction bias, group-limited top-k), YaRN RoPE; V2-Lite: direct q, softmax, no YaRN
-    "deepseek3": Fixture({}),
+    "deepseek3": Fixture({}, outtypes=("f32", "q8_0")),
     "deepseek2lite": Fixture({}),
 }
 
