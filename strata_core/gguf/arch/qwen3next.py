@@ -1,0 +1,210 @@
+"""qwen3next (Qwen3-Next-80B-A3B): Gated DeltaNet linear-attention layers and gated full-attention
+layers, every layer followed by routed experts plus a sigmoid-gated shared expert.
+
+llama.cpp semantics (src/models/qwen3next.cpp, src/models/delta-net-base.cpp, llama-model.cpp, the
+converter's ``Qwen3NextModel`` in conversion/qwen.py):
+
+- layer ``il`` is a Gated DeltaNet ("recurrent") layer when ``attention.recurrent_layers`` (a
+  per-layer bool array) says so, else when ``(il + 1) % full_attention_interval != 0`` (interval
+  default 4): layers 3, 7, 11... are full attention;
+- ``nextn_predict_layers`` trailing blocks are the multi-token-prediction head: loaded by
+  llama.cpp, never run by the main graph; Strata ignores them (``block_count`` counts them);
+- full attention: ``attn_q`` projects to ``[n_heads, 2 * head_dim]`` per token, the first half the
+  query and the second a gate: the attention output is multiplied by ``sigmoid(gate)`` before
+  ``attn_output``; q/k RMSNorm over head_dim, then NEOX RoPE over the first
+  ``rope.dimension_count`` dims of each head (Qwen3-Next: a quarter), the rest passes through;
+- Gated DeltaNet (``ssm.*`` keys: ``group_count`` key heads, ``time_step_rank`` value heads,
+  ``state_size`` key head dim, ``inner_size`` = value heads x value head dim, ``conv_kernel``):
+  ``attn_qkv`` -> a depthwise causal convolution (``ssm_conv1d``, kernel ``conv_kernel`` over the
+  previous ``conv_kernel - 1`` inputs, the *conv state*) -> SiLU -> q, k, v; q and k L2-normed
+  (``x / sqrt(sum x^2 + rms_eps)``) and repeated per value head (value head j reads key head
+  ``j // (v_heads / k_heads)``); ``ssm_ba`` gives per key head ``[beta x r, alpha x r]``;
+  ``beta = sigmoid(b)``, log decay ``g = softplus(alpha + ssm_dt.bias) * ssm_a`` (``ssm_a`` is
+  ``-exp(A_log)``, converted); the delta rule over the per-head ``[k_dim, v_dim]`` *ssm state*
+  ``S``: ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q / sqrt(k_dim)``; then
+  ``rms_norm(o, ssm_norm) * silu(attn_gate x)`` and ``ssm_out``;
+- norms: the converter adds 1 to the zero-centred HF norms, so every norm is a plain RMSNorm;
+  ``post_attention_norm`` is the MoE block's norm;
+- MoE: softmax router, top-k, weights always renormalised (``norm_w`` true), the shared expert
+  scaled by ``sigmoid(ffn_gate_inp_shexp . x)``; ``output.weight`` may be absent (tied).
+The legacy ``ssm_in`` layout (one fused qkvz projection) is not supported: reconvert the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from gguf import Keys as K
+
+from strata_core.errors import ModelFileError, UnsupportedError
+from strata_core.gguf.arch.base import Architecture, Shape, _Metadata, layers_present
+from strata_core.gguf.spec import ModelSpec, StateTensor
+
+__all__ = ["ARCH", "Qwen3NextArchitecture", "Qwen3NextSpec"]
+
+RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
+#: llama.cpp's default when neither recurrent_layers nor full_attention_interval is in the file
+DEFAULT_FULL_ATTENTION_INTERVAL = 4
+
+
+@dataclass(frozen=True)
+class Qwen3NextSpec(ModelSpec):
+    """``ModelSpec`` plus the layer pattern, the partial RoPE and the Gated DeltaNet shapes."""
+
+    recurrent: tuple[bool, ...]  # per layer: a Gated DeltaNet layer (else gated full attention)
+    rope_dim: int  # RoPE rotates the first rope_dim dims of each head
+    conv_kernel: int  # the causal convolution's width (its state holds conv_kernel - 1 inputs)
+    gdn_k_heads: int  # key (and query) heads of a Gated DeltaNet layer
+    gdn_v_heads: int  # value heads (a multiple of gdn_k_heads)
+    gdn_head_dim: int  # key head dim == value head dim
+    mtp_layers: int  # trailing multi-token-prediction blocks in the file (not run)
+
+    @property
+    def gdn_key_dim(self) -> int:
+        return self.gdn_k_heads * self.gdn_head_dim
+
+    @property
+    def gdn_value_dim(self) -> int:
+        return self.gdn_v_heads * self.gdn_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v."""
+        return 2 * self.gdn_key_dim + self.gdn_value_dim
+
+    def layer_state(self, layer: int) -> dict[str, StateTensor]:
+        """A Gated DeltaNet layer keeps its conv state ``[conv_kernel - 1, conv_dim]`` and its ssm state
+        ``[v_heads, head_dim, head_dim]`` (float32, fixed size, updated in place); a full-attention
+        layer K/V rows."""
+        if not self.recurrent[layer]:
+            return super().layer_state(layer)
+        return {"conv": StateTensor((self.conv_kernel - 1, self.conv_dim), per_token=False, dtype=torch.float32),
+                "ssm": StateTensor((self.gdn_v_heads, self.gdn_head_dim, self.gdn_head_dim), per_token=False,
+                                   dtype=torch.float32)}
+
+    def info_lines(self) -> list[str]:
+        """The architecture-specific lines of ``strata info``."""
+        gdn = [i for i, r in enumerate(self.recurrent) if r]
+        recurrent_bytes = sum(t.nbytes(0, torch.float32) for i in gdn for t in self.layer_state(i).values())
+        full = [i for i, r in enumerate(self.recurrent) if not r]
+        return [f"Gated DeltaNet on {len(gdn)} of {self.n_layers} layers, gated full attention on "
+                f"{', '.join(map(str, full)) or 'none'}; RoPE on {self.rope_dim} of {self.head_dim} head dims",
+                f"recurrent state per session: {recurrent_bytes / 2**20:.2f} MiB (conv + ssm, float32; "
+                f"K/V only on the {len(full)} full-attention layers)"]
+
+
+def _recurrent_layers(metadata: Mapping[str, Any], m: _Metadata, arch: str, n_all: int, n_layers: int,
+                      path: str) -> tuple[bool, ...]:
+    """llama.cpp's ``is_recr``: the per-layer bool array (``n_all`` entries, the MTP blocks included),
+    else every layer but each ``full_attention_interval``-th."""
+    key = RECURRENT_LAYERS.format(arch=arch)
+    if key in metadata:
+        value = metadata[key]
+        if not isinstance(value, list) or len(value) != n_all or not all(isinstance(v, bool) for v in value):
+            raise ModelFileError(f"{path}: metadata key {key!r} must be {n_all} booleans, got {value!r:.80}")
+        return tuple(value[:n_layers])
+    interval = m.int(K.LLM.FULL_ATTENTION_INTERVAL, DEFAULT_FULL_ATTENTION_INTERVAL)
+    return tuple((i + 1) % interval != 0 for i in range(n_layers))
+
+
+@dataclass(frozen=True)
+class Qwen3NextArchitecture(Architecture):
+    """qwen3next: the base's routed + shared experts, two kinds of token mixer (see the module doc)."""
+
+    def spec_from_metadata(self, metadata: Mapping[str, Any], tensors: Mapping[str, Any],
+                           path: str) -> Qwen3NextSpec:
+        """The base spec (its partial-RoPE check skipped: read here) plus the layer pattern and the
+        Gated DeltaNet shapes; ``n_layers`` excludes the MTP blocks."""
+        a = self.name
+        rope_key = K.Rope.DIMENSION_COUNT.format(arch=a)
+        base = super().spec_from_metadata({k: v for k, v in metadata.items() if k != rope_key}, tensors, path)
+        m = _Metadata(metadata, a, path)
+        rope_dim = m.int(K.Rope.DIMENSION_COUNT, base.head_dim)
+        if rope_dim > base.head_dim or rope_dim % 2:
+            raise ModelFileError(f"{path}: {rope_key} is {rope_dim}, expected an even number <= head_dim "
+                                 f"{base.head_dim}")
+        mtp = m.int(K.LLM.NEXTN_PREDICT_LAYERS, 0, minimum=0)
+        n_layers = base.n_layers - mtp
+        if n_layers < 1:
+            raise ModelFileError(f"{path}: {a}.nextn_predict_layers {mtp} leaves no layers of {base.n_layers}")
+        k_heads, v_heads = m.int(K.SSM.GROUP_COUNT), m.int(K.SSM.TIME_STEP_RANK)
+        head_dim, inner = m.int(K.SSM.STATE_SIZE), m.int(K.SSM.INNER_SIZE)
+        if v_heads % k_heads:
+            raise ModelFileError(f"{path}: {a}.ssm.time_step_rank {v_heads} (value heads) is not a multiple of "
+                                 f"{a}.ssm.group_count {k_heads} (key heads)")
+        if inner != v_heads * head_dim:
+            raise UnsupportedError(f"{path}: {a}.ssm.inner_size {inner} != value heads {v_heads} x state_size "
+                                   f"{head_dim} (value head dim != key head dim is not supported)")
+        return Qwen3NextSpec(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)} | {"n_layers": n_layers},
+            recurrent=_recurrent_layers(metadata, m, a, base.n_layers, n_layers, path),
+            rope_dim=rope_dim,
+            conv_kernel=m.int(K.SSM.CONV_KERNEL, minimum=2),
+            gdn_k_heads=k_heads,
+            gdn_v_heads=v_heads,
+            gdn_head_dim=head_dim,
+            mtp_layers=mtp,
+        )
+
+    def model(self, spec: ModelSpec, dense: Any) -> Any:
+        """A ``Qwen3NextModel``."""
+        from strata_core.model.qwen3next import Qwen3NextModel  # the model package imports this one
+
+        return Qwen3NextModel(spec, dense)
+
+    def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, Shape]:
+        """``post_attention_norm`` before the MoE; a gated attention layer's ``attn_q`` is twice the
+        query size (query + gate); a Gated DeltaNet layer has no attention tensors but its own."""
+        assert isinstance(spec, Qwen3NextSpec)
+        H, p = spec.hidden_size, f"blk.{layer}."
+        out = super().layer_tensors(spec, layer)
+        del out[p + "ffn_norm.weight"]
+        out[p + "post_attention_norm.weight"] = (H,)
+        if not spec.recurrent[layer]:
+            out[p + "attn_q.weight"] = (2 * spec.q_size, H)
+            return out
+        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                     "attn_q_norm.weight", "attn_k_norm.weight"):
+            del out[p + name]
+        return out | {
+            p + "attn_qkv.weight": (spec.conv_dim, H),
+            p + "attn_gate.weight": (spec.gdn_value_dim, H),
+            p + "ssm_conv1d.weight": (spec.conv_dim, spec.conv_kernel),
+            p + "ssm_dt.bias": (spec.gdn_v_heads,),
+            p + "ssm_a": (spec.gdn_v_heads,),
+            p + "ssm_ba.weight": (2 * spec.gdn_v_heads, H),
+            p + "ssm_norm.weight": (spec.gdn_head_dim,),
+            p + "ssm_out.weight": (H, spec.gdn_value_dim),
+        }
+
+    def validate(self, gguf_file: Any, spec: ModelSpec) -> None:
+        """The base checks over the layers that run; the MTP blocks only need to be present; a legacy
+        fused ``ssm_in`` file is refused with advice."""
+        assert isinstance(spec, Qwen3NextSpec)
+        present = layers_present(gguf_file.tensors)
+        n_all = spec.n_layers + spec.mtp_layers
+        if present != set(range(n_all)):
+            raise ModelFileError(f"{gguf_file.path}: {self.name}.block_count is {n_all} but the file has "
+                                 f"tensors of layers {sorted(present)[:4]}...")
+        legacy = [i for i in range(spec.n_layers) if spec.recurrent[i] and f"blk.{i}.ssm_in.weight" in gguf_file.tensors]
+        if legacy:
+            raise UnsupportedError(f"{gguf_file.path}: layer {legacy[0]} has the legacy fused 'ssm_in' projection; "
+                                   "reconvert the model with a current llama.cpp convert_hf_to_gguf.py")
+        super().validate(_RunLayers(gguf_file, spec.n_layers), spec)
+
+
+class _RunLayers:
+    """A GGUF file seen through only its first ``n_layers`` blocks (the MTP blocks hidden)."""
+
+    def __init__(self, gguf_file: Any, n_layers: int) -> None:
+        self.path = gguf_file.path
+        self.tensor = gguf_file.tensor
+        self.tensors = {name: t for name, t in gguf_file.tensors.items()
+                        if not name.startswith("blk.") or int(name.split(".")[1]) < n_layers}
+
+
+ARCH = Qwen3NextArchitecture(name="qwen3next", has_qk_norm=True, has_attn_bias=False, has_shared_expert=True,
+                             norm_topk_default=True, output_optional=True)
