@@ -31,9 +31,9 @@ import torch
 
 from strata_core.experts.arena import ExpertFormat
 from strata_core.ops.gather import HAS_TRITON, gather_counts_cuda
-from strata_core.ops.moe import moe_pair_rows, pair_ffn_reference
+from strata_core.ops.moe import moe_decode, moe_pair_rows, pair_ffn_reference
 
-__all__ = ["GATHER_COUNTS", "fused_rows", "gather_counts", "pair_ffn"]
+__all__ = ["GATHER_COUNTS", "fused_decode", "fused_rows", "gather_counts", "pair_ffn"]
 
 #: The telemetry counters ``gather_counts`` returns, in order.
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
@@ -53,6 +53,15 @@ def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, s
     shapes = [n for shape in fmt.shapes for n in shape]
     return moe_pair_rows(hidden, slots, arena, slot, expert, k, [int(q) for q in fmt.qtypes], shapes,
                          list(fmt.nbytes))
+
+
+def fused_decode(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
+                 expert: torch.Tensor, weights: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
+    """The routed output ``[T, H]`` of the pairs of :func:`fused_rows` combined with ``weights [T, k]``
+    (``combine_rows``) through ``strata::moe_decode``: on CUDA the down launch sums the rows."""
+    shapes = [n for shape in fmt.shapes for n in shape]
+    return moe_decode(hidden, slots, arena, slot, expert, weights, weights.shape[1], [int(q) for q in fmt.qtypes],
+                      shapes, list(fmt.nbytes))
 
 
 def gather_counts(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, nbytes: int) -> torch.Tensor:

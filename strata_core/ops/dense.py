@@ -44,18 +44,15 @@ if HAS_TRITON:
         tl.store(out + row * D + offs, (wt * y).to(out.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _norm_rope_kernel(x, w, pos, out, heads, eps, theta, log2_theta, D: tl.constexpr, HALF: tl.constexpr,
-                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # token * heads + head
+    def _norm_rope_halves(a, b, w, p, eps, theta, log2_theta, dt: tl.constexpr, D: tl.constexpr,
+                          HALF: tl.constexpr, NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """One head's halves ``a``, ``b`` (float32 ``[HALF]``) RMS-normed with ``w`` (if ``NORM``), rounded
+        to ``dt`` as the torch formula rounds, then rotated at position ``p``: float32 ``(a', b')``."""
         i = tl.arange(0, HALF)
-        a = tl.load(x + row * D + i).to(tl.float32)
-        b = tl.load(x + row * D + HALF + i).to(tl.float32)
-        dt = out.dtype.element_ty
         if NORM:
             r = 1.0 / tl.sqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / D + eps)
             a = (tl.load(w + i).to(tl.float32) * (a * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
             b = (tl.load(w + HALF + i).to(tl.float32) * (b * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        p = tl.load(pos + row // heads).to(tl.float32)
         if LIBDEVICE:  # IEEE divisions, powf / cosf / sinf: what torch's CUDA kernels compute
             exponent = libdevice.div_rn((2 * i).to(tl.float32), tl.full([HALF], D, tl.float32))
             inv_freq = libdevice.div_rn(tl.full([HALF], 1.0, tl.float32),
@@ -69,8 +66,20 @@ if HAS_TRITON:
         else:  # the interpreter (TRITON_INTERPRET=1) has no libdevice
             c = tl.cos(angle).to(dt).to(tl.float32)
             s = tl.sin(angle).to(dt).to(tl.float32)
-        tl.store(out + row * D + i, (a * c - b * s).to(dt))
-        tl.store(out + row * D + HALF + i, (b * c + a * s).to(dt))
+        return a * c - b * s, b * c + a * s
+
+    @triton.jit
+    def _norm_rope_kernel(x, w, pos, out, heads, eps, theta, log2_theta, D: tl.constexpr, HALF: tl.constexpr,
+                          NORM: tl.constexpr, LIBDEVICE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # token * heads + head
+        i = tl.arange(0, HALF)
+        a = tl.load(x + row * D + i).to(tl.float32)
+        b = tl.load(x + row * D + HALF + i).to(tl.float32)
+        dt = out.dtype.element_ty
+        p = tl.load(pos + row // heads).to(tl.float32)
+        a, b = _norm_rope_halves(a, b, w, p, eps, theta, log2_theta, dt, D, HALF, NORM, LIBDEVICE)
+        tl.store(out + row * D + i, a.to(dt))
+        tl.store(out + row * D + HALF + i, b.to(dt))
 
     def rms_norm_cuda(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """RMSNorm of ``x [..., D]`` (contiguous) over the last dim, in ``x.dtype``."""

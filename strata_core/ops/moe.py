@@ -28,6 +28,11 @@ kernels (``"direct"``). No host read of the routing either way: one fixed launch
 layer, capturable in a CUDA graph. Formats outside ``KERNEL_TYPES`` run the reference on the
 device (logged once).
 
+``moe_decode(x, slots, arena, slot, expert, weights, topk, qtypes, shapes, nbytes) -> [T, H]`` is the
+same with the rows combined: ``sum_j weights[t, j] * row(t * topk + j)`` (``combine_rows``); on CUDA
+its down launch sums a token's pairs in registers in that fixed order (grid tokens x H/BN), so a
+decode layer's routed output takes two launches and no ``[P, H]`` rows.
+
 Tolerance against the reference: float32 within a relative 1e-5 (summation order), bf16 within
 2e-2 (tests/test_kernels_cuda.py).
 """
@@ -46,7 +51,7 @@ from strata_core.ops.matmul import matmul
 from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, on_device, table
 from strata_core.quant.registry import dequantize_reference
 
-__all__ = ["MISS_READ", "moe_pair_rows", "pair_ffn_reference"]
+__all__ = ["MISS_READ", "moe_decode", "moe_pair_rows", "pair_ffn_reference"]
 
 #: How the CUDA kernel reads a miss from a pinned host arena: "staged" or "direct" (module doc).
 MISS_READ = "staged"
@@ -85,6 +90,20 @@ def _reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Te
     packed = _gather_reference(slots, arena.to(slots.device), slot, expert, sum(nbytes))  # [P, total]
     xp = x[torch.arange(slot.shape[0], device=x.device) // topk]  # [P, H]
     return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes)).contiguous()
+
+
+def _decode_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
+                      topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
+    """The oracle of ``moe_decode``: the rows of :func:`_reference`, combined by ``combine_rows``."""
+    from strata_core.experts.rows import combine_rows  # experts import the ops
+
+    rows = _reference(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)  # [P, H]
+    return combine_rows(rows.view(x.shape[0], topk, -1), weights).contiguous()
+
+
+def _decode_fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
+                 topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
+    return x.new_empty((x.shape[0], shapes[4]))
 
 
 def _fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
@@ -165,6 +184,20 @@ if HAS_TRITON:
         acc = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, SUB, NT, BN)
         tl.store(out + p.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
 
+    @triton.jit
+    def _down_combine_kernel(h, out, weights, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
+                             tab, N, K, DOWN_OFF, ROW, TOPK, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+                             SUB: tl.constexpr, NT: tl.constexpr, BN: tl.constexpr, BY_PAIR: tl.constexpr):
+        """Program (t, n): ``out[t, n*BN:(n+1)*BN] = sum_j weights[t*TOPK + j] * down h[t*TOPK + j]``."""
+        t, rows, keep = _program_rows(N, BN)
+        acc = tl.zeros([BN], dtype=tl.float32)
+        for j in range(TOPK):
+            p = t * TOPK + j
+            w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
+            r = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, SUB, NT, BN)
+            acc += tl.load(weights + p).to(tl.float32) * r
+        tl.store(out + t.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
+
     #: Values a program decodes per step (rows x sub-blocks x sub-block size); rows per program.
     _TILE, _BN = 4096, 16
 
@@ -196,31 +229,70 @@ if HAS_TRITON:
         with on_device(x.device):  # Triton launches on the current device
             return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)
 
-    def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
-        """The two Triton launches (and the staging copy of misses in a host arena)."""
-        slot, expert, x = slot.contiguous(), expert.contiguous(), x.contiguous()
-        (F_, H), _, (H2, F2) = _shapes(shapes)
+    def _gate_up(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+                 qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> tuple[Tensor, tuple, bool]:
+        """The misses staged (a host arena) and ``silu(gate x) * up x`` of every pair: float32 ``[P, F]``,
+        the weight sources of the down launch and whether they are staged rows."""
+        (F_, H), _, _ = _shapes(shapes)
         P, total = slot.shape[0], sum(nbytes)
-        out = torch.empty((P, H2), dtype=x.dtype, device=x.device)
-        if P == 0:
-            return out
         staged = not (arena.device == slots.device or MISS_READ == "direct")
         miss = _stage_misses(slots, arena, slot, expert, total) if staged else arena
         src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
         h = torch.empty((P, F_), dtype=torch.float32, device=x.device)  # [P, F]
-        (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu), (bsd, tsd, subd, ntd) = (_steps(q) for q in qtypes)
+        (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu) = (_steps(q) for q in qtypes[:2])
         _gate_up_kernel[(P, triton.cdiv(F_, _BN))](
             x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, topk,
             nbytes[0], nbytes[0] // F_, nbytes[1] // F_,
             QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg,
             QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=_BN, BY_PAIR=staged, num_warps=4)
-        _down_kernel[(P, triton.cdiv(H2, _BN))](
-            h, out, *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1], nbytes[2] // H2,
-            QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN, BY_PAIR=staged, num_warps=4)
+        return h, src, staged
+
+    def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
+                    weights: Tensor | None = None) -> Tensor:
+        """The two Triton launches (and the staging copy of misses in a host arena); the rows
+        ``[P, H]``, or with ``weights [T, topk]`` their combination ``[T, H]``."""
+        slot, expert, x = slot.contiguous(), expert.contiguous(), x.contiguous()
+        _, _, (H2, F2) = _shapes(shapes)
+        P = slot.shape[0]
+        out = torch.empty((P if weights is None else x.shape[0], H2), dtype=x.dtype, device=x.device)
+        if P == 0:
+            return out.zero_()
+        h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)
+        bsd, tsd, subd, ntd = _steps(qtypes[2])
+        if weights is None:
+            _down_kernel[(P, triton.cdiv(H2, _BN))](
+                h, out, *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1], nbytes[2] // H2,
+                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN, BY_PAIR=staged, num_warps=4)
+        else:
+            _down_combine_kernel[(x.shape[0], triton.cdiv(H2, _BN))](
+                h, out, weights.contiguous(), *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1],
+                nbytes[2] // H2, topk,
+                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN, BY_PAIR=staged, num_warps=4)
         return out
+
+    def _decode_any(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
+                    topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int]) -> Tensor:
+        """``moe_decode`` on CUDA: the rows combined in the down launch; the reference's combination of
+        the fallback rows for formats without a decoder."""
+        if not all(int(q) in KERNEL_TYPES for q in qtypes):
+            from strata_core.experts.rows import combine_rows
+
+            rows = _moe_any(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)
+            return combine_rows(rows.view(x.shape[0], topk, -1), weights).contiguous()
+        with on_device(x.device):
+            return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, weights)
+
 
 moe_pair_rows = torch.library.custom_op("strata::moe_pair_rows", _reference, mutates_args=(), schema=_SCHEMA)
 moe_pair_rows.register_fake(_fake)
 if HAS_TRITON:  # opaque like strata::dequantize: the CUDA kernel may fall back to the reference
     moe_pair_rows.register_kernel("cuda")(_moe_any)
+
+moe_decode = torch.library.custom_op(
+    "strata::moe_decode", _decode_reference, mutates_args=(),
+    schema=("(Tensor x, Tensor slots, Tensor arena, Tensor slot, Tensor expert, Tensor weights, int topk, "
+            "int[] qtypes, int[] shapes, int[] nbytes) -> Tensor"))
+moe_decode.register_fake(_decode_fake)
+if HAS_TRITON:
+    moe_decode.register_kernel("cuda")(_decode_any)

@@ -1,0 +1,106 @@
+"""The fused decode ops (strata_core/ops/decode.py, ``strata::moe_decode``): CPU references, fakes, opcheck.
+
+The CUDA kernels are compared with these references in tests/test_decode_ops_cuda.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from strata_core.model.ops import rms_norm
+from strata_core.ops.decode import add_rms_norm, decode_attention, kv_table, rope_kv_write, route_topk
+from strata_core.ops.moe import moe_decode, moe_pair_rows
+from test_kernels import experts, op_args
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_add_rms_norm_is_the_sum_then_the_norm():
+    gen = torch.Generator().manual_seed(0)
+    h, d, w = torch.randn(3, 48, generator=gen), torch.randn(3, 48, generator=gen), torch.rand(48, generator=gen) + 0.5
+    total, normed = add_rms_norm(h, d, w, 1e-6)
+    assert torch.equal(total, h + d) and torch.equal(normed, rms_norm(h + d, w, 1e-6))
+    torch.library.opcheck(torch.ops.strata.add_rms_norm.default, (h, d, w, 1e-6))
+
+
+@pytest.mark.parametrize("norm, scale", [(True, 1.0), (False, 2.5)])
+def test_route_topk_picks_the_largest_probabilities(norm, scale):
+    logits = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
+    ids, weights = route_topk(logits, 4, norm, scale, 6e-5)
+    probs = torch.softmax(logits, -1)
+    assert ids.dtype == torch.int64 and ids.shape == (5, 4)
+    picked = probs.gather(1, ids)
+    assert torch.all(picked[:, :-1] >= picked[:, 1:])  # largest first
+    assert torch.all(picked[:, -1:] >= probs.scatter(1, ids, -1.0).max(-1, keepdim=True).values)
+    want = (picked / picked.sum(-1, keepdim=True) if norm else picked) * scale
+    torch.testing.assert_close(weights, want)
+    torch.library.opcheck(torch.ops.strata.route_topk.default, (logits, 4, norm, scale, 6e-5))
+
+
+def _caches(B: int, S: int, nkv: int, D: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return ([torch.randn(S, nkv, D, generator=gen) for _ in range(B)],
+            [torch.randn(S, nkv, D, generator=gen) for _ in range(B)])
+
+
+def test_rope_kv_write_writes_each_session_at_its_position():
+    B, nh, nkv, D, S = 3, 4, 2, 16, 12
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
+    qn, kn = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+    positions = torch.tensor([0, 7, 11])
+    keys, values = _caches(B, S, nkv, D, 3)
+    before = [k.clone() for k in keys]
+    q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, keys, values, None)
+    assert q.shape == (B, nh, D)
+    for b, p in enumerate(positions.tolist()):
+        v = qkv[b, (nh + nkv) * D:].view(nkv, D)
+        assert torch.equal(values[b][p], v)
+        assert not torch.equal(keys[b][p], before[b][p])
+        untouched = torch.arange(S) != p
+        assert torch.equal(keys[b][untouched], before[b][untouched])
+        # position 0 rotates by nothing: q is the normed input
+        if p == 0:
+            torch.testing.assert_close(q[b], rms_norm(qkv[b, :nh * D].view(nh, D), qn, 1e-6))
+    torch.library.opcheck(torch.ops.strata.rope_kv_write.default,
+                          (qkv, positions, qn, None, 1e4, 1e-6, nh, nkv, *_caches(B, S, nkv, D, 4), None))
+
+
+def test_decode_attention_attends_causally_over_each_sessions_cache():
+    B, nh, nkv, D, S = 2, 4, 2, 16, 10
+    q = torch.randn(B, nh, D, generator=torch.Generator().manual_seed(5))
+    keys, values = _caches(B, S, nkv, D, 6)
+    positions = torch.tensor([3, 9])
+    out = decode_attention(q, positions, keys, values, None)
+    for b, p in enumerate(positions.tolist()):
+        k = keys[b][:p + 1].repeat_interleave(nh // nkv, dim=1).transpose(0, 1)  # [nh, S, D]
+        v = values[b][:p + 1].repeat_interleave(nh // nkv, dim=1).transpose(0, 1)
+        want = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], k, v)  # [nh, 1, D]
+        torch.testing.assert_close(out[b], want.reshape(-1))
+    garbage = [k.clone() for k in keys]
+    garbage[0][4:] = 1e4  # rows after a session's position are never read
+    assert torch.equal(decode_attention(q, positions, garbage, values, None), out)
+    torch.library.opcheck(torch.ops.strata.decode_attention.default, (q, positions, keys, values, None))
+
+
+def test_kv_table_holds_the_cache_addresses():
+    keys, values = _caches(2, 4, 1, 16, 7)
+    table = kv_table(keys, values)
+    assert table.tolist() == [[k.data_ptr(), v.data_ptr()] for k, v in zip(keys, values)]
+
+
+def test_moe_decode_is_the_combined_pair_rows():
+    packed, fmt = experts((T.Q4_K, T.Q8_0, T.Q6_K), 256, 64, 6)
+    slots = torch.zeros(4, packed.shape[1], dtype=torch.uint8)
+    slots[:3] = packed[:3]
+    expert = torch.tensor([0, 4, 2, 5, 1, 3])
+    slot = torch.where(expert < 3, expert, -1)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(8))
+    weights = torch.rand(3, 2, generator=torch.Generator().manual_seed(9))
+    args = op_args(x, slots, packed, slot, expert, 2, fmt)
+    rows = moe_pair_rows(*args).view(3, 2, -1)
+    got = moe_decode(*args[:5], weights, *args[5:])
+    assert torch.equal(got, (rows * weights[..., None]).sum(1))
+    torch.library.opcheck(torch.ops.strata.moe_decode.default, (*args[:5], weights, *args[5:]))
