@@ -11,6 +11,10 @@ The engine calls, in order::
     backend.telemetry.reset() / .snapshot()                # per request
     backend.close()
 
+A peer source that computes its rows gets a ``PeerLane`` per computing slot (experts/peer.py).
+Adaptation (``--adapt-swaps``, or the placement's ``adapt_swaps`` per slot) runs for every cache,
+also one no slot computes with (a peer tier), on the routing counts of the slot reading it.
+
 Which experts a device slot caches: the layers whose expert chain (in either phase) names its cache,
 as its own or as a peer's. Caches are filled in the placement's ``fill_order`` (then by slot index)
 from the profile's rank order (or ``default_order``); an expert is never cached twice. A slot's
@@ -37,6 +41,7 @@ from strata_core.experts.adapt import Adapter
 from strata_core.experts.arena import GIB, Arena
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.device_rows import CachedExpertRows, Chain, MissSplit
+from strata_core.experts.peer import PeerLane
 from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.sizing import cache_slots, check_dense_budget
@@ -47,7 +52,7 @@ from strata_core.experts.weights import ExpertWeights
 from strata_core.errors import ConfigError
 from strata_core.gguf.spec import ModelSpec
 from strata_core.ops.gather import HAS_TRITON
-from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
+from strata_core.plugin.placement import PHASES, DeviceSlot, ExpertSource, Phase, Placement
 
 __all__ = ["ExpertBackend", "build_expert_backend"]
 
@@ -143,15 +148,40 @@ def _room(left: dict[torch.device, int], slots: dict[int, DeviceSlot], slot: int
     return left[device] // sharing
 
 
-def _chain(placement: Placement, phase: Phase, layer: int, caches: dict[int, ExpertCache]) -> Chain:
-    """The expert sources of ``layer`` in ``phase`` resolved to caches."""
-    sources = placement.layers(phase)[layer].experts
+def _chain(placement: Placement, phase: Phase, layer: int, caches: dict[int, ExpertCache],
+           lanes: dict[tuple[int, ExpertSource], PeerLane]) -> Chain:
+    """The expert sources of ``layer`` in ``phase`` resolved to caches (and the lanes of the peers
+    that compute their rows, ``lanes`` by (computing slot, source))."""
+    placed = placement.layers(phase)[layer]
+    sources = placed.experts
     own = next((caches.get(s.device) for s in sources if s.kind == "cache"), None)
-    peers = [(caches[s.device], s.compute) for s in sources if s.kind == "peer" and s.device in caches]
+    peers = [s for s in sources if s.kind == "peer" and s.device in caches]
     kinds = {s.kind for s in sources}
-    return Chain(own=own, peers=tuple(cache for cache, _ in peers),
-                 computed=frozenset(id(cache) for cache, compute in peers if compute),
+    return Chain(own=own, peers=tuple(caches[s.device] for s in peers),
+                 lanes=tuple(lanes[(placed.device, s)] for s in peers if s.compute),
                  link="arena" in kinds, cpu="cpu" in kinds)
+
+
+def _lanes(placement: Placement, slots: dict[int, DeviceSlot], caches: dict[int, ExpertCache],
+           copiers: dict[int, ArenaCopier], settings: StrataSettings,
+           spec: ModelSpec) -> dict[tuple[int, ExpertSource], PeerLane]:
+    """One lane per (computing slot, peer source that computes its rows) of the placement."""
+    lanes: dict[tuple[int, ExpertSource], PeerLane] = {}
+    for phase in PHASES:
+        for placed in placement.layers(phase):
+            for s in placed.experts:
+                if s.kind == "peer" and s.compute and s.device in caches and (placed.device, s) not in lanes:
+                    rows = s.rows or max(settings.prefill_chunk * spec.n_experts_used // 2, 1)
+                    lanes[(placed.device, s)] = PeerLane(slots[placed.device].device, caches[s.device],
+                                                         copiers[s.device], MissSplit(s.stream), rows,
+                                                         str(slots[s.device]))
+    return lanes
+
+
+def _readers(placement: Placement, slot: int) -> list[int]:
+    """The computing slots whose chains read ``slot``'s cache (in either phase), in index order."""
+    return sorted({placed.device for phase in PHASES for placed in placement.layers(phase)
+                   if any(s.cache_device == slot for s in placed.experts)})
 
 
 def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot],
@@ -178,6 +208,7 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
                 if any(d.type != "cpu" for d in torch_devices) and settings.pcie_frac < 1 else None)
     computing = {placed.device for phase in PHASES for placed in placement.layers(phase)}
     prompting = {placed.device for placed in placement.prompt}  # the others need no prompt buffers
+    prompting |= {s.device for placed in placement.prompt for s in placed.experts if s.kind == "peer" and s.compute}
     copiers = {i: ArenaCopier(arena, slots[i].device, telemetry) for i in sorted(computing | set(placement.cached_layers()))}
     served = placement.cached_layers()
     caches: dict[int, ExpertCache] = {}
@@ -196,22 +227,26 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
         caches[slot] = cache
         report(0.8 + 0.2 * len(caches) / len(served))
     rows: dict[tuple[Phase, int], CachedExpertRows] = {}
-    adapters: dict[int, Adapter] = {}
+    lanes = _lanes(placement, slots, caches, copiers, settings, spec)
+    usages: dict[int, UsageCounter] = {}
     for slot in sorted(computing):
-        usage = UsageCounter(spec.n_layers, spec.n_experts, slots[slot].device)
+        usage = usages[slot] = UsageCounter(spec.n_layers, spec.n_experts, slots[slot].device)
         ring = StagingRing(copiers[slot])
         for phase in PHASES:
             layers = [l for l, placed in enumerate(placement.layers(phase)) if placed.device == slot]
             if not layers:
                 continue
-            chains = {l: _chain(placement, phase, l, caches) for l in layers}
+            chains = {l: _chain(placement, phase, l, caches, lanes) for l in layers}
             rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry, MissSplit(settings.pcie_frac),
                                                    cpu_pool, name=str(slots[slot]))
             rows[(phase, slot)].gather = (slots[slot].device.type == "cuda" and HAS_TRITON and arena.all_pinned
                                           and settings.pcie_frac == 1.0)
-        if settings.adapt_swaps and slot in caches:
+    adapters: dict[int, Adapter] = {}
+    for slot, cache in caches.items():
+        swaps = placement.adapt_swaps.get(slot, settings.adapt_swaps)
+        readers = [slot] if slot in usages else _readers(placement, slot)
+        if swaps and readers:
             others = tuple(c for s, c in caches.items() if s != slot and served[s] & served[slot])
-            adapters[slot] = Adapter(caches[slot], usage, telemetry, settings.adapt_swaps, others=others,
-                                     layers=served[slot])
+            adapters[slot] = Adapter(cache, usages[readers[0]], telemetry, swaps, others=others, layers=served[slot])
     telemetry.reset()  # the fill is not a request
     return ExpertBackend(arena, caches, rows, adapters, telemetry, cpu_pool)

@@ -2,6 +2,11 @@
 
 Slots are filled from the arena in a rank order at start (``fill``) and swapped during decode
 (``swap``). On the CPU the slots are plain host tensors, so every mechanism runs in CI.
+
+One more row than the table's slots is allocated and left zero (``zero_slot``): an expert whose
+packed bytes are all zero has zero weights in every block format, so a pair pointed at it gets a
+zero row and reads nothing from host memory (the decode gather skips the pairs another device
+serves this way, experts/peer.py).
 """
 
 from __future__ import annotations
@@ -27,13 +32,20 @@ class ExpertCache:
     def __init__(self, arena: Arena, copier: ArenaCopier, n_slots: int, name: str = ""):
         self.arena, self.copier, self.device = arena, copier, copier.device
         self.name = name or str(self.device)  # the device slot, e.g. cuda:0#1
-        self.slots = torch.empty((n_slots, arena.slot_bytes), dtype=torch.uint8, device=self.device)  # [S, B]
+        self.padded = torch.empty((n_slots + 1, arena.slot_bytes), dtype=torch.uint8, device=self.device)  # [S+1, B]
+        self.padded[n_slots].zero_()
+        self.slots = self.padded[:n_slots]  # [S, B]
         self.table = ResidencyTable(arena.n_layers, arena.n_experts, n_slots, self.device)
         self._landing: dict[int, list[torch.cuda.Event]] = {}  # layer -> copies of swaps in flight
 
     @property
     def n_slots(self) -> int:
         return self.slots.shape[0]
+
+    @property
+    def zero_slot(self) -> int:
+        """The row of ``padded`` that is all zero (a pair pointed there gets a zero row)."""
+        return self.n_slots
 
     def parts(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate, up, down) views of ``slot`` holding an expert of ``layer``."""

@@ -6,9 +6,10 @@ For one MoE layer the routed (token, k) pairs are grouped by expert exactly as t
 bytes, whichever source holds them:
 
 * resident: the device's cache slot;
-* a peer's cache: its slot's bytes read across (the peer link) and computed here, or (``computed``)
-  the inputs sent over and the rows computed on the peer;
-* prefill miss: streamed from the arena through the double-buffered ``StagingRing``;
+* a peer's cache: its slot's bytes read across (the peer link) and computed here, or (a peer with
+  a lane, experts/peer.py) the inputs sent over and the rows computed on the peer;
+* prefill miss: streamed from the arena through the double-buffered ``StagingRing``; a computing
+  peer's ``stream`` share of them over the peer's own host link, computed there;
 * decode miss: a ``--pcie-frac`` share read over the host link (the ring again), the rest computed
   on the CPU from the arena (on a worker thread when the device is a GPU).
 
@@ -20,23 +21,29 @@ With ``gather`` set (the backend sets it on CUDA when every arena layer is pinne
 ``--pcie-frac`` is 1; tests force it on the CPU), a decode window takes the decode gather instead
 (gather.py): the routed pairs' experts are found from the device mirror of the residency table,
 read from the slots or zero-copy from the pinned arena, and computed per pair, so the host never
-reads the routing and nothing synchronises per layer.
+reads the routing and nothing synchronises per layer. A peer's pairs take the same kernel: a
+computing peer's on the peer (its side stream, enqueued first), a read-across peer's here from its
+bytes copied over; this device points those pairs at its zero slot, and the rows are merged by pair.
 
 With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill chunk takes the
 grouped prefill instead of the loop per expert (grouped.py): per group of at most ``group_experts``
 experts, one index_select from the slots, the misses through the staging ring, one ``dequantize``
-per matrix and grouped products. Its rows agree with the reference within float tolerance, not
+per matrix and grouped products; the experts of a computing peer (and its share of the misses) are
+cut into the peer's own compact groups and computed there at the same time. Its rows agree with the reference within float tolerance, not
 bit for bit, which is why the CPU (the bit-exact reference) keeps the loop.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from strata_core.devices import device_scope
+from strata_core.devices import device_scope, to_device
+from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.gather import GATHER_COUNTS, fused_rows, gather_counts, pair_ffn
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
@@ -46,18 +53,21 @@ from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
 from strata_core.ops.gather import gather_experts
 
-__all__ = ["CachedExpertRows", "Chain", "MissSplit"]
+if TYPE_CHECKING:
+    from strata_core.experts.peer import PeerLane
+
+__all__ = ["CachedExpertRows", "Chain", "MissSplit", "grouped_rows", "pairs_of"]
 
 
 @dataclass(frozen=True)
 class Chain:
-    """One layer's expert sources resolved: the own cache, peers' caches (in chain order) with
-    ``computed`` naming those whose rows are computed on the peer (the rest are read across), and
-    whether misses may go over the host link and to the CPU (both: decode splits by ``--pcie-frac``)."""
+    """One layer's expert sources resolved: the own cache, peers' caches (in chain order), the lanes
+    of the peers that compute their own rows (the rest are read across), and whether misses may go
+    over the host link and to the CPU (both: decode splits by ``--pcie-frac``)."""
 
     own: ExpertCache | None
     peers: tuple[ExpertCache, ...] = ()
-    computed: frozenset[int] = frozenset()  # id() of the peers computing their own rows
+    lanes: tuple[PeerLane, ...] = ()  # the peers computing their own rows (activations go over)
     link: bool = True
     cpu: bool = True
 
@@ -65,9 +75,13 @@ class Chain:
         """Every cache the layer reads, the own one first, then the peers in chain order."""
         return ((self.own,) if self.own is not None else ()) + self.peers
 
+    def lane(self, cache: ExpertCache) -> PeerLane | None:
+        """The lane of ``cache`` when its rows are computed on its own device (activations go over)."""
+        return next((lane for lane in self.lanes if lane.cache is cache), None)
+
     def computes(self, cache: ExpertCache) -> bool:
         """Whether ``cache``'s rows are computed on its own device (activations go over)."""
-        return id(cache) in self.computed
+        return self.lane(cache) is not None
 
     def holders(self, layer: int, experts: list[int]) -> list[tuple[ExpertCache, int] | None]:
         """Per expert of ``layer``, (cache, slot) of the first cache of the chain holding it visibly,
@@ -123,8 +137,8 @@ class CachedExpertRows:
         """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t."""
         self.usage.add(layer, expert_ids)
         chain = self.chains[layer]
-        if self.gather and self.decoding and chain.own is not None and not chain.peers:
-            return self._gathered(layer, hidden, expert_ids, chain.own)
+        if self.gather and self.decoding and chain.own is not None:
+            return self._gathered(layer, hidden, expert_ids, chain)
         T, k = expert_ids.shape
         fmt = self.arena.formats[layer]
         if chain.own is not None:
@@ -132,7 +146,7 @@ class CachedExpertRows:
         else:
             self.telemetry.routed += expert_ids.numel()
         order, experts, counts = group_by_expert(expert_ids)
-        if self.grouped and not self.decoding and chain.link and not chain.computed:
+        if self.grouped and not self.decoding and chain.link:
             return self._grouped(layer, hidden, k, order, experts, counts, chain).view(T, k, -1)
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
@@ -150,19 +164,24 @@ class CachedExpertRows:
             out[pairs] = rows.to(self.device, out.dtype)
 
         n_link = self._link_share(len(missed), chain)
+        link, away = self._away(missed[:n_link], chain)
         on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden)
         chain.wait(layer, self.device)
         with self.telemetry.compute(self.device):
             for expert, (cache, slot) in resident:  # a peer's bytes come across, or its rows come back
                 parts = cache.parts(layer, slot)
                 run(expert, *(parts if chain.computes(cache) else (p.to(self.device) for p in parts)))
-            self.ring.run(layer, missed[:n_link], lambda e, packed: run(e, *fmt.split(packed)))
+            self.ring.run(layer, link, lambda e, packed: run(e, *fmt.split(packed)))
+            for lane, streamed in away:  # over the peer's own host link, computed there
+                lane.ring().run(layer, streamed, lambda e, packed: run(e, *fmt.split(packed)))
         for pairs, rows in on_cpu:
             out[pairs] = rows.result().to(self.device, out.dtype)
         n_peer = sum(1 for _, (cache, _) in resident if cache is not chain.own)
         self.telemetry.count(self.name, {"resident": len(resident) - n_peer, "peer": n_peer,
-                                         "pcie" if self.decoding else "streamed": n_link,
+                                         "pcie" if self.decoding else "streamed": len(link),
                                          "cpu": len(missed) - n_link})
+        for lane, streamed in away:
+            self.telemetry.count(lane.name, {"streamed": len(streamed)})
         return out.view(T, k, -1)
 
     def _link_share(self, n_missed: int, chain: Chain) -> int:
@@ -173,66 +192,135 @@ class CachedExpertRows:
             return 0
         return self.split.take(n_missed) if self.decoding else n_missed
 
+    def _away(self, link: list[int], chain: Chain) -> tuple[list[int], list[tuple[PeerLane, list[int]]]]:
+        """A prompt layer's link misses split: each computing peer's ``stream`` share (the last ones,
+        streamed over the peer's own host link and computed there), and the rest over this device's."""
+        away = []
+        for lane in chain.lanes if not self.decoding else ():
+            n = lane.split.take(len(link))
+            if n:
+                away.append((lane, link[len(link) - n:]))
+                link = link[:len(link) - n]
+        return link, away
+
     def _grouped(self, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, experts: torch.Tensor,
                  counts: torch.Tensor, chain: Chain) -> torch.Tensor:
         """``[T*k, H]`` rows of a prefill chunk through the grouped prefill (``order``/``experts``/``counts``
-        from ``group_by_expert``); the host reads the routing once, nothing waits per expert."""
-        fmt, own = self.arena.formats[layer], chain.own
+        from ``group_by_expert``); the host reads the routing once, nothing waits per expert. The
+        experts a computing peer holds, and its share of the misses, go to that peer (enqueued first,
+        so its groups overlap this device's)."""
+        fmt = self.arena.formats[layer]
         ids, sizes = torch.stack([experts.long(), counts]).tolist()  # the host read of this layer
         holder = chain.holders(layer, ids)  # first cache holding each distinct expert
-        slot = own.table.mirror[layer][experts] if own is not None else None  # [n] own slots on the device
-        groups = expert_groups(sizes, self.group_experts)
-        misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
-        from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)
-                       if holder[i] is not None and holder[i][0] is not own] for g in groups]
+        link, away = self._away([i for i, where in enumerate(holder) if where is None], chain)
+        taken = {id(lane): [i for i, where in enumerate(holder) if where is not None and where[0] is lane.cache]
+                 for lane in chain.lanes}
+        for lane, streamed in away:
+            taken[id(lane)] = sorted(taken[id(lane)] + streamed)
+        out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
+        chain.wait(layer, self.device)
+        elsewhere: set[int] = set()
+        for lane in chain.lanes:
+            if taken[id(lane)]:
+                self._on_peer(lane, layer, hidden, k, order, ids, sizes, holder, taken[id(lane)], out)
+                elsewhere.update(taken[id(lane)])
+                self.telemetry.count(lane.name, {"streamed": sum(1 for i in taken[id(lane)] if holder[i] is None)})
+        here = [i for i in range(len(ids)) if i not in elsewhere]
+        mine = order if not elsewhere else pairs_of(order, sizes, here)
         if self._group_ring is None or self._group_ring.buffers.shape[1] < self.group_experts:
             self._group_ring = StagingRing(self.ring.copier, rows=self.group_experts)
-        out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
 
-        def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
-            g = groups[j]
-            packed = staged[:g.last - g.first]  # [g, B]
-            if slot is not None and len(misses[j]) + len(from_peers[j]) < g.last - g.first:
-                group_slot = slot[g.first:g.last]  # [g]: one index_select from the own slots
-                hit = own.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
-                packed = torch.where((group_slot < 0)[:, None], packed, hit)
-            for row, cache, slot_id in from_peers[j]:  # read across the peer link
-                packed[row] = cache.slots[slot_id].to(self.device, non_blocking=True)
-            weights = dequantize_experts(packed, fmt, hidden.dtype)
-            pairs = order[g.start:g.end]  # [n_g]
-            out[pairs] = grouped_ffn(hidden[pairs // k], *weights, counts[g.first:g.last],
-                                     max(sizes[g.first:g.last]))
+        def store(at: slice, rows: torch.Tensor) -> None:
+            out[mine[at]] = rows
 
-        chain.wait(layer, self.device)
         with self.telemetry.compute(self.device):
-            self._group_ring.run_batches(layer, misses, consume)
-        n_missed, n_peer = sum(map(len, misses)), sum(map(len, from_peers))
-        self.telemetry.count(self.name, {"resident": len(ids) - n_missed - n_peer, "peer": n_peer,
+            n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, mine, [ids[i] for i in here],
+                                            [sizes[i] for i in here], [holder[i] for i in here], chain.own,
+                                            self._group_ring, store, self.group_experts)
+        for lane in chain.lanes:
+            lane.join()
+        n_lanes = sum(1 for i in elsewhere if holder[i] is not None)
+        self.telemetry.count(self.name, {"resident": len(here) - n_missed - n_peer, "peer": n_peer + n_lanes,
                                          "streamed": n_missed})
         return out
 
-    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                  cache: ExpertCache) -> torch.Tensor:
-        """``[T, k, H]`` through the decode gather from ``cache`` and the pinned arena: a fixed
-        sequence of device ops, no host read."""
+    def _on_peer(self, lane: PeerLane, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
+                 sizes: list[int], holder: list, chosen: list[int], out: torch.Tensor) -> None:
+        """Enqueue on ``lane``'s peer the grouped rows of the distinct experts ``chosen`` (indices into
+        ``ids``): in compact groups of at most ``lane.rows`` pairs, its misses over its own link, each
+        group's rows written back into ``out`` as soon as they are computed."""
+        pairs = pairs_of(order, sizes, chosen)  # [n] on this device
+        with lane.enqueue():
+            lane.cache.wait_layer(layer, lane.device)
+            there = pairs.to(lane.device)
+
+            def store(at: slice, rows: torch.Tensor) -> None:  # this group's rows go back now
+                out[pairs[at]] = rows.to(self.device)
+
+            grouped_rows(layer, self.arena.formats[layer], hidden.to(lane.device), k, there, [ids[i] for i in chosen],
+                         [sizes[i] for i in chosen], [holder[i] for i in chosen], lane.cache, lane.ring(self.group_experts),
+                         store, self.group_experts, lane.rows)
+
+    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain) -> torch.Tensor:
+        """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read.
+
+        The own cache and the pinned arena serve each pair, except the pairs a peer of the chain
+        holds: a computing peer's are computed there (enqueued first, on its side stream), a read-across
+        peer's bytes come over and are computed here; this device points them at its zero slot."""
         T, k = expert_ids.shape
-        fmt, resident = self.arena.formats[layer], cache.table.mirror[layer]  # resident [E]
+        own = chain.own
+        fmt, resident = self.arena.formats[layer], own.table.mirror[layer]  # resident [E]
+        arena = self.arena.layer_buffer(layer)
         expert = expert_ids.reshape(-1)  # [P], P = T*k
         slot = resident[expert]  # [P], -1 = miss
+        taken = slot >= 0
+        served: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pairs a peer serves [P], their rows [P, H])
+        for cache in chain.peers:
+            lane = chain.lane(cache)
+            if lane is not None:  # activations go over, rows come back
+                with lane.enqueue():
+                    cache.wait_layer(layer, lane.device)
+                    there = expert.to(lane.device)
+                    held = cache.table.mirror[layer][there]  # [P]
+                    mine = (held >= 0) & ~taken.to(lane.device)
+                    rows = self._pair_rows(hidden.to(lane.device), cache.padded, arena,
+                                           torch.where(mine, held, cache.zero_slot), there, fmt)
+                    served.append((mine.to(self.device), rows.to(self.device)))
+            else:  # the peer's bytes come across the peer link
+                held = cache.table.mirror[layer].to(self.device)[expert]  # [P]
+                mine = (held >= 0) & ~taken
+                cache.wait_layer(layer, cache.device)
+                packed = cache.padded.index_select(0, torch.where(mine, held, cache.zero_slot).to(cache.device))
+                across = torch.arange(expert.numel(), device=self.device)  # pair p reads row p
+                served.append((mine, self._pair_rows(hidden, packed.to(self.device), arena, across, expert, fmt)))
+            taken = taken | served[-1][0]
+        if served:
+            slot = torch.where(taken & (slot < 0), own.zero_slot, slot)  # the peers' pairs: a zero row here
         self.telemetry.routed += T * k
         self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
-        cache.wait_layer(layer, self.device)
-        if self.device.type == "cuda":  # one fused op: misses staged, FFN straight from the quantized blocks
-            with self.telemetry.compute(self.device):
-                rows = fused_rows(hidden, cache.slots, self.arena.layer_buffer(layer), slot, expert, fmt)
-            return rows.view(T, k, -1)
-        with self.telemetry.timed("copy", self.device):
-            packed = gather_experts(cache.slots, self.arena.layer_buffer(layer), slot, expert,
-                                    fmt.total)  # [P, total]
-        with self.telemetry.compute(self.device):
-            x = hidden[:, None, :].expand(T, k, hidden.shape[-1]).reshape(T * k, -1)  # [P, H]
-            rows = pair_ffn(x, packed, fmt)  # [P, H]
+        own.wait_layer(layer, self.device)
+        rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt)  # [P, H]
+        for lane in chain.lanes:
+            lane.join()
+        for mine, peer_rows in served:
+            rows = torch.where(mine[:, None], peer_rows, rows)
+            self.telemetry.add_counts(("experts_peer",), mine.sum().reshape(1))
         return rows.view(T, k, -1)
+
+    def _pair_rows(self, hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
+                   expert: torch.Tensor, fmt) -> torch.Tensor:
+        """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k``) on ``hidden``'s device, each
+        read from ``slots[slot[p]]`` or, where ``slot[p] < 0``, ``arena[expert[p]]``."""
+        T = hidden.shape[0]
+        device = hidden.device
+        if device.type == "cuda":  # one fused op: misses staged, FFN straight from the quantized blocks
+            with self.telemetry.compute(device):
+                return fused_rows(hidden, slots, arena, slot, expert, fmt)
+        with self.telemetry.timed("copy", device):
+            packed = gather_experts(slots, arena, slot, expert, fmt.total)  # [P, total]
+        with self.telemetry.compute(device):
+            x = hidden[:, None, :].expand(T, slot.shape[0] // T, hidden.shape[-1]).reshape(slot.shape[0], -1)
+            return pair_ffn(x, packed, fmt)  # [P, H]
 
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
                     order: torch.Tensor, k: int, hidden: torch.Tensor) -> list[tuple[torch.Tensor, Future]]:
@@ -251,3 +339,48 @@ class CachedExpertRows:
                 fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes)
             jobs.append((pairs, fut))
         return jobs
+
+
+def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
+    """The entries of ``order`` (pairs sorted by expert, ``sizes[i]`` for the i-th distinct expert) of
+    the distinct experts ``chosen`` (ascending), in order; the index is built on the host."""
+    n = torch.tensor(sizes)  # [G]
+    starts = (n.cumsum(0) - n)[chosen]  # [C]
+    picked = n[chosen]  # [C]
+    index = torch.repeat_interleave(starts - (picked.cumsum(0) - picked), picked) + torch.arange(int(picked.sum()))
+    return order[to_device(index, order.device)]
+
+
+def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
+                 sizes: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
+                 ring: StagingRing, store: Callable[[slice, torch.Tensor], None], group_experts: int,
+                 group_rows: int = 0) -> tuple[int, int]:
+    """The grouped prefill of the distinct experts ``ids`` (ascending, ``sizes[i]`` pairs each) on
+    ``x``'s device: ``order [sum(sizes)]`` (on that device) are their pairs sorted by expert, pair p
+    being token ``p // k`` of ``x [T, H]``. Per group of at most ``group_experts`` experts (and
+    ``group_rows`` pairs, where > 0; a group has one expert at least): resident experts by one
+    index_select from ``own``'s slots, a peer's (``holder``) read across, misses (``holder`` None)
+    through ``ring``; then ``store(slice of order, rows)``. Returns (misses, experts read across)."""
+    device = x.device
+    slot = own.table.mirror[layer][to_device(torch.tensor(ids), device)] if own is not None else None  # [n]
+    counts = to_device(torch.tensor(sizes), device)  # [n]
+    groups = expert_groups(sizes, group_experts, group_rows)
+    misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
+    from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)
+                   if holder[i] is not None and holder[i][0] is not own] for g in groups]
+
+    def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
+        g = groups[j]
+        packed = staged[:g.last - g.first]  # [g, B]
+        if slot is not None and len(misses[j]) + len(from_peers[j]) < g.last - g.first:
+            group_slot = slot[g.first:g.last]  # [g]: one index_select from the own slots
+            hit = own.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
+            packed = torch.where((group_slot < 0)[:, None], packed, hit)
+        for row, cache, slot_id in from_peers[j]:  # read across the peer link
+            packed[row] = cache.slots[slot_id].to(device, non_blocking=True)
+        weights = dequantize_experts(packed, fmt, x.dtype)
+        at = slice(g.start, g.end)
+        store(at, grouped_ffn(x[order[at] // k], *weights, counts[g.first:g.last], max(sizes[g.first:g.last])))
+
+    ring.run_batches(layer, misses, consume)
+    return sum(map(len, misses)), sum(map(len, from_peers))

@@ -51,14 +51,17 @@ class ExpertGroup(NamedTuple):
     end: int
 
 
-def expert_groups(counts: list[int], limit: int = GROUP_EXPERTS) -> list[ExpertGroup]:
-    """Cut the distinct experts (``counts[i]`` pairs routed to the i-th) into groups of ``<= limit``."""
-    groups, start = [], 0
-    for first in range(0, len(counts), limit):
-        last = min(first + limit, len(counts))
-        end = start + sum(counts[first:last])
+def expert_groups(counts: list[int], limit: int = GROUP_EXPERTS, rows: int = 0) -> list[ExpertGroup]:
+    """Cut the distinct experts (``counts[i]`` pairs routed to the i-th) into groups of ``<= limit``
+    experts and, where ``rows > 0``, ``<= rows`` pairs (a group has one expert at least)."""
+    groups, first, start = [], 0, 0
+    while first < len(counts):
+        last, end = first + 1, start + counts[first]
+        while last < len(counts) and last - first < limit and (rows <= 0 or end + counts[last] - start <= rows):
+            end += counts[last]
+            last += 1
         groups.append(ExpertGroup(first, last, start, end))
-        start = end
+        first, start = last, end
     return groups
 
 

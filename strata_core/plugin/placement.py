@@ -46,7 +46,11 @@ class ExpertSource:
 
     * ``cache``: the computing device's own cache slots (``device`` is that slot);
     * ``peer``: another device slot's cache; its weights are read across the peer link and the rows
-      computed here, or with ``compute=True`` the activations go over and the peer computes the rows;
+      computed here, or with ``compute=True`` the activations go over and the peer computes the rows
+      (on a stream of its own, experts/peer.py). A computing peer may also take ``stream``, a share
+      (0..1) of the computing device's prompt misses, streamed over the peer's own host link and
+      computed there, and ``rows``, the most (token, k) pairs of its compact prompt buffers
+      (0: ``--prefill-chunk`` x top-k / 2);
     * ``arena``: the host arena over ``device``'s host link (copied, or read zero-copy in decode);
     * ``cpu``: computed on the CPU from the arena.
     """
@@ -54,6 +58,8 @@ class ExpertSource:
     kind: SourceKind
     device: int | None = None
     compute: bool = False
+    stream: float = 0.0
+    rows: int = 0
 
     @classmethod
     def cache(cls, device: int) -> ExpertSource:
@@ -61,9 +67,10 @@ class ExpertSource:
         return cls("cache", device)
 
     @classmethod
-    def peer(cls, device: int, compute: bool = False) -> ExpertSource:
-        """The cache of another device slot: weights read across, or rows computed there."""
-        return cls("peer", device, compute)
+    def peer(cls, device: int, compute: bool = False, stream: float = 0.0, rows: int = 0) -> ExpertSource:
+        """The cache of another device slot: weights read across, or rows computed there (``compute``),
+        then also ``stream`` of the prompt misses, in compact buffers of ``rows`` pairs."""
+        return cls("peer", device, compute, stream, rows)
 
     @classmethod
     def arena(cls, device: int) -> ExpertSource:
@@ -130,6 +137,9 @@ class Placement:
     :param budgets: per device slot, a cache budget overriding ``--expert-cache``.
     :param fill_order: device slots in the order their caches are filled from the profile (the
         rest follow in index order); an expert is never cached twice.
+    :param adapt_swaps: per device slot, experts swapped into its cache per decode window,
+        overriding ``--adapt-swaps`` (a cache no computing slot owns adapts to the routing of the
+        slots whose chains read it).
     """
 
     prompt: tuple[LayerPlacement, ...]
@@ -137,6 +147,7 @@ class Placement:
     main: int = 0
     budgets: Mapping[int, CacheBudget] = field(default_factory=dict)
     fill_order: tuple[int, ...] = ()
+    adapt_swaps: Mapping[int, int] = field(default_factory=dict)
 
     @classmethod
     def stages(cls, stages: Sequence[tuple[int, range]], main: int | None = None,
@@ -207,6 +218,10 @@ class Placement:
             check_device(slot, "a cache budget")
         for slot in self.fill_order:
             check_device(slot, "the fill order")
+        for slot, swaps in self.adapt_swaps.items():
+            check_device(slot, "an adapt-swaps entry")
+            if swaps < 0:
+                raise ConfigError(f"placement: adapt swaps of slot {slot} cannot be negative ({swaps})")
         for phase in PHASES:
             layers = self.layers(phase)
             if len(layers) != n_layers:
@@ -227,3 +242,9 @@ class Placement:
                                           f"device's ({placed.device}), not {source.device}; use a peer source")
                     if source.kind == "peer" and source.device == placed.device:
                         raise ConfigError(f"placement: {where}: a peer source names the computing device itself")
+                    if (source.stream or source.rows) and not (source.kind == "peer" and source.compute):
+                        raise ConfigError(f"placement: {where}: stream and rows belong to a peer that computes "
+                                          f"its rows, not to {source}")
+                    if not 0 <= source.stream <= 1 or source.rows < 0:
+                        raise ConfigError(f"placement: {where}: a peer's stream share must be in [0, 1] and its "
+                                          f"rows >= 0, not {source.stream} and {source.rows}")

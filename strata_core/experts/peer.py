@@ -1,0 +1,101 @@
+"""Rows computed on a peer device slot (``ExpertSource.peer(d, compute=True)``): activations go over,
+rows come back.
+
+A :class:`PeerLane` joins a computing device slot (the *home*) to one peer whose cache its chains
+read with ``compute=True``. Work for the peer is enqueued inside ``lane.enqueue()``: on CUDA it runs
+on a side stream of the peer, after an event recorded on the home stream (the layer's routing), and
+the rows come back on a side stream of the home device; the home stream waits for them only where
+it combines them (``lane.join()``, an event), so the peer's rows overlap the home's own and nothing
+waits on the host. On the CPU the same code runs in order, so CI runs every branch but the events.
+
+What the lane computes (``CachedExpertRows``, device_rows.py, drives it):
+
+* decode (the decode gather): the pairs whose expert the peer holds go through the same pair kernel
+  as the home's, from the peer's slots; the pairs it does not serve point at its cache's zero slot
+  (cache.py), and the home points the pairs the peer serves at its own zero slot, so neither reads
+  an expert twice nor anything from host memory for them;
+* prompts (the grouped prefill and the loop per expert): the rows of the experts the peer holds,
+  and of ``stream`` (a share, ``split``) of the home's misses, streamed over the peer's own host link
+  through its own staging ring, in compact groups of at most ``rows`` (token, k) pairs; each group's
+  rows go back as soon as they are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+
+from strata_core.devices import device_scope
+from strata_core.experts.grouped import GROUP_EXPERTS
+from strata_core.experts.transfer import ArenaCopier, StagingRing
+
+if TYPE_CHECKING:
+    from strata_core.experts.cache import ExpertCache
+    from strata_core.experts.device_rows import MissSplit
+
+__all__ = ["PeerLane"]
+
+
+class PeerLane:
+    """A home device slot's way to one peer that computes rows: the peer's cache, its side streams,
+    its share of the home's prompt misses and its compact-buffer size.
+
+    :param home: the torch device of the computing slot.
+    :param cache: the peer's cache.
+    :param copier: the peer's arena copier (its own host link).
+    :param split: the deterministic share of the home's prompt misses the peer streams.
+    :param rows: the most (token, k) pairs of one compact prompt group on the peer.
+    :param name: the peer's device slot name (telemetry).
+    """
+
+    def __init__(self, home: torch.device, cache: ExpertCache, copier: ArenaCopier, split: MissSplit, rows: int,
+                 name: str):
+        self.home, self.cache, self.device = home, cache, cache.device
+        self.copier, self.split, self.rows, self.name = copier, split, rows, name
+        self._rings: dict[int, StagingRing] = {}
+        cuda = home.type == "cuda" and self.device.type == "cuda"
+        self._peer_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._home_stream = torch.cuda.Stream(home) if cuda else None
+        self._done: list[torch.cuda.Event] = []
+
+    def ring(self, rows: int = 1) -> StagingRing:
+        """The peer's staging ring with ``rows`` experts per buffer (allocated on first use)."""
+        if rows not in self._rings:
+            self._rings[rows] = StagingRing(self.copier, rows=rows)
+        return self._rings[rows]
+
+    def group_ring(self) -> StagingRing:
+        """The ring of the peer's compact prompt groups (``GROUP_EXPERTS`` experts a buffer)."""
+        return self.ring(GROUP_EXPERTS)
+
+    @contextmanager
+    def enqueue(self) -> Iterator[None]:
+        """Enqueue the block's work for the peer after the home's work so far, on the side streams
+        (CUDA; in order on the CPU). Copies to the peer inside run on the home's side stream, copies
+        back on the peer's, and the home's side stream waits for them; ``join()`` makes the home's
+        current stream wait for all of it."""
+        if self._peer_stream is None:
+            with device_scope(self.device):
+                yield
+            return
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.home))
+        self._home_stream.wait_event(ready)
+        self._peer_stream.wait_event(ready)
+        with torch.cuda.stream(self._home_stream), torch.cuda.stream(self._peer_stream):
+            yield
+        for stream in (self._home_stream, self._peer_stream):  # both: on cuda:0,cuda:0 they are one device
+            done = torch.cuda.Event()
+            done.record(stream)
+            self._done.append(done)
+
+    def join(self) -> None:
+        """Make the home's current stream wait for everything enqueued for the peer (no host wait)."""
+        if self._done:
+            current = torch.cuda.current_stream(self.home)
+            for done in self._done:
+                current.wait_event(done)
+            self._done.clear()
