@@ -57,7 +57,7 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
             setup = {"model": self.model.name, "devices": ",".join(self.devices), "machine": machine_name(
                 list(dict.fromkeys(slot.device for slot in engine.devices))), "arena": self.arena, "expert_cache": self.expert_cache,
                 "resident": sum(t.n_resident for t in engine.experts.tables.values()),
-                "experts": engine.spec.n_layers * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
+                "experts": len(engine.spec.moe_layers) * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
                 "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats,
                 "strategy": self.strategy, "sessions": self.sessions}
             link = host_to_device_gbps(engine.main.device)

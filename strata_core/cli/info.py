@@ -40,7 +40,7 @@ def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
             expert_bytes += ref.nbytes
         else:
             dense_bytes += ref.nbytes
-    n_expert_total = spec.n_layers * spec.n_experts
+    n_expert_total = len(spec.moe_layers) * spec.n_experts
     per_expert = expert_bytes / max(n_expert_total, 1)
     gpu = torch.device("cuda", 0)
     one_gpu = tuple(LayerPlacement.local(0) for _ in range(spec.n_layers))

@@ -65,14 +65,17 @@ class Arena:
                  pin_limit_bytes: int | None = None, progress: Callable[[float], None] | None = None):
         self.weights = weights
         self.n_layers, self.n_experts = n_layers, n_experts
-        self.formats = [ExpertFormat.of(weights.blocks(layer, 0)) for layer in range(n_layers)]
-        self.slot_bytes = max(f.total for f in self.formats)  # one slot fits any layer's expert
-        self.total_bytes = sum(f.total for f in self.formats) * n_experts
+        self.moe_layers = weights.spec.moe_layers  # the layers with experts; the others' formats are None
+        self.formats: list[ExpertFormat | None] = [
+            ExpertFormat.of(weights.blocks(layer, 0)) if layer in self.moe_layers else None for layer in range(n_layers)]
+        moe_formats = [f for f in self.formats if f is not None]
+        self.slot_bytes = max(f.total for f in moe_formats)  # one slot fits any layer's expert
+        self.total_bytes = sum(f.total for f in moe_formats) * n_experts
         self._packed: list[torch.Tensor | None] = [None] * n_layers  # [E, packed] per pinned layer
         if mode == "pinned":
             self._pin(pin_limit_bytes, progress or (lambda fraction: None))
         log.info("arena: %s, %.2f GiB of experts (%d layers x %d), %.2f GiB pinned", mode,
-                 self.total_bytes / GIB, n_layers, n_experts, self.pinned_bytes / GIB)
+                 self.total_bytes / GIB, len(self.moe_layers), n_experts, self.pinned_bytes / GIB)
 
     def _pin(self, limit: int | None, progress: Callable[[float], None]) -> None:
         pin = can_pin()
@@ -81,19 +84,20 @@ class Arena:
         budget = self.total_bytes if limit is None else limit
         with tqdm(total=min(budget, self.total_bytes), unit="B", unit_scale=True, desc="pinning experts",
                   leave=False, disable=self.total_bytes < GIB) as bar:
-            for layer in range(self.n_layers):
-                size = self.formats[layer].total * self.n_experts
+            for done, layer in enumerate(self.moe_layers, 1):
+                fmt = self.formats[layer]
+                size = fmt.total * self.n_experts
                 if size > budget:
                     log.info("arena: pin limit reached at layer %d; layers %d.. stream through staging",
                              layer, layer)
                     break
-                buf = torch.empty((self.n_experts, self.formats[layer].total), dtype=torch.uint8, pin_memory=pin)
+                buf = torch.empty((self.n_experts, fmt.total), dtype=torch.uint8, pin_memory=pin)
                 for expert in range(self.n_experts):
                     self.pack_into(layer, expert, buf[expert])
                 self._packed[layer] = buf
                 budget -= size
                 bar.update(size)
-                progress((layer + 1) / self.n_layers)
+                progress(done / len(self.moe_layers))
 
     @property
     def pinned_bytes(self) -> int:
@@ -101,8 +105,8 @@ class Arena:
 
     @property
     def all_pinned(self) -> bool:
-        """Whether every layer is a pinned packed buffer (what the decode gather needs)."""
-        return all(p is not None for p in self._packed)
+        """Whether every MoE layer is a pinned packed buffer (what the decode gather needs)."""
+        return all(self._packed[layer] is not None for layer in self.moe_layers)
 
     def layer_buffer(self, layer: int) -> torch.Tensor | None:
         """The pinned packed experts ``[n_experts, total]`` of ``layer`` (contiguous), or None if not pinned."""

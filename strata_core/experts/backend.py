@@ -133,12 +133,12 @@ class ExpertBackend:
 def _fill_order(settings: StrataSettings, spec: ModelSpec) -> tuple[list[tuple[int, int]], list[tuple[int, int]] | None]:
     """(full fill order, the profile's routed experts or None without a profile)."""
     if settings.expert_profile is None:
-        return default_order(spec.n_layers, spec.n_experts), None
+        return default_order(spec.n_layers, spec.n_experts, spec.moe_layers), None
     profile = UsageProfile.load(settings.expert_profile, spec.n_layers, spec.n_experts)
-    used = profile.rank(only_used=True)
+    used = profile.rank(only_used=True, layers=spec.moe_layers)
     log.info("expert profile %s: %d of %d experts routed over %d tokens", settings.expert_profile,
-             len(used), spec.n_layers * spec.n_experts, profile.tokens)
-    return profile.rank(), used
+             len(used), len(spec.moe_layers) * spec.n_experts, profile.tokens)
+    return profile.rank(layers=spec.moe_layers), used
 
 
 def _room(left: dict[torch.device, int], slots: dict[int, DeviceSlot], slot: int) -> int:
@@ -230,7 +230,7 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
     lanes = _lanes(placement, slots, caches, copiers, settings, spec)
     usages: dict[int, UsageCounter] = {}
     for slot in sorted(computing):
-        usage = usages[slot] = UsageCounter(spec.n_layers, spec.n_experts, slots[slot].device)
+        usage = usages[slot] = UsageCounter(spec.n_layers, spec.n_experts, slots[slot].device, spec.moe_layers[0])
         ring = StagingRing(copiers[slot])
         for phase in PHASES:
             layers = [l for l, placed in enumerate(placement.layers(phase)) if placed.device == slot]

@@ -10,12 +10,14 @@ File format (JSON, written by ``strata profile``)::
 Fill order (``rank``): by count, highest first; ties broken by (layer, expert) ascending.
 Default order without a profile (``default_order``): round-robin over layers by expert id,
 ``(0,0), (1,0), ..., (L-1,0), (0,1), ...`` so every layer gets the same share of the cache.
+Both orders cover only the layers given (a model's MoE layers: a dense-FFN layer has no experts).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -40,14 +42,19 @@ class UsageProfile:
     def empty(cls, n_layers: int, n_experts: int, model: str = "") -> "UsageProfile":
         return cls(torch.zeros((n_layers, n_experts), dtype=torch.int64), 0, model)
 
-    def rank(self, only_used: bool = False) -> list[tuple[int, int]]:
-        """(layer, expert) by count descending, ties by (layer, expert); ``only_used`` drops zeros."""
+    def rank(self, only_used: bool = False, layers: Iterable[int] | None = None) -> list[tuple[int, int]]:
+        """(layer, expert) by count descending, ties by (layer, expert); ``only_used`` drops zeros;
+        ``layers`` (all if None) keeps only those layers' entries."""
         n_layers, n_experts = self.counts.shape
         flat = self.counts.flatten()  # [L*E], index = layer * E + expert
         # stable sort of -count keeps index order among ties
         order = torch.sort(-flat, stable=True).indices
         if only_used:
             order = order[flat[order] > 0]
+        if layers is not None:
+            keep = torch.zeros(n_layers, dtype=torch.bool)
+            keep[list(layers)] = True
+            order = order[keep[order // n_experts]]
         return [(int(i) // n_experts, int(i) % n_experts) for i in order]
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -80,21 +87,23 @@ class UsageProfile:
 class UsageCounter:
     """Routing counts accumulated on the computing device (no host read until ``profile()``)."""
 
-    def __init__(self, n_layers: int, n_experts: int, device: torch.device):
+    def __init__(self, n_layers: int, n_experts: int, device: torch.device, first_layer: int = 0):
         self.counts = torch.zeros((n_layers, n_experts), dtype=torch.int64, device=device)  # [L, E]
         self.tokens = 0
+        self.first_layer = first_layer  # the first MoE layer: its routings count the tokens
 
     def add(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Count the routings ``expert_ids [T, k]`` of ``layer``."""
         flat = expert_ids.reshape(-1)  # [T*k]
         self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
-        if layer == 0:
+        if layer == self.first_layer:
             self.tokens += expert_ids.shape[0]
 
     def profile(self, model: str = "") -> UsageProfile:
         return UsageProfile(self.counts.to("cpu", copy=True), self.tokens, model)
 
 
-def default_order(n_layers: int, n_experts: int) -> list[tuple[int, int]]:
-    """The fill order without a profile: round-robin over layers by expert id."""
-    return [(layer, expert) for expert in range(n_experts) for layer in range(n_layers)]
+def default_order(n_layers: int, n_experts: int, layers: Iterable[int] | None = None) -> list[tuple[int, int]]:
+    """The fill order without a profile: round-robin over ``layers`` (all if None) by expert id."""
+    layers = list(range(n_layers) if layers is None else layers)
+    return [(layer, expert) for expert in range(n_experts) for layer in layers]

@@ -30,18 +30,21 @@ class ExpertBlocks:
 
 
 class ExpertWeights:
-    """Expert tensors of a GGUF file, per layer as (gate, up, down) TensorRefs."""
+    """Expert tensors of a GGUF file, per layer as (gate, up, down) TensorRefs (none for a layer
+    outside ``spec.moe_layers``)."""
 
     def __init__(self, gguf_file: GGUFFile, spec: ModelSpec):
         arch = get_architecture(spec.architecture, gguf_file.path)
         self.spec = spec
-        self.layers: list[tuple[TensorRef, TensorRef, TensorRef]] = []
+        self.layers: list[tuple[TensorRef, ...]] = []
         for layer in range(spec.n_layers):
             refs = tuple(gguf_file.tensor(n, s) for n, s in arch.expert_tensors(spec, layer).items())
-            self.layers.append(refs)  # type: ignore[arg-type]
+            self.layers.append(refs)
 
     def blocks(self, layer: int, expert: int) -> ExpertBlocks:
         """Raw blocks of (layer, expert): views into the mmap, no copy."""
+        if not self.layers[layer]:
+            raise ValueError(f"layer {layer} has no routed experts (a dense-FFN layer)")
         gate, up, down = self.layers[layer]
         return ExpertBlocks(
             gate=gate.expert_raw(expert), up=up.expert_raw(expert), down=down.expert_raw(expert),

@@ -13,7 +13,8 @@ __all__ = ["ModelSpec", "load_model_spec"]
 class ModelSpec:
     """Hyper-parameters of one MoE model, as llama.cpp interprets its GGUF file.
 
-    Every layer is an attention block followed by an MoE block (no dense-FFN layers).
+    Every layer is an attention block followed by an FFN block: routed experts in ``moe_layers``
+    (every layer here; an architecture with dense-FFN layers narrows it), a dense FFN elsewhere.
     """
 
     architecture: str
@@ -39,6 +40,11 @@ class ModelSpec:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_ffn_size > 0
+
+    @property
+    def moe_layers(self) -> range:
+        """The layers with routed experts (what the arena, caches, profile and placements cover)."""
+        return range(self.n_layers)
 
     @property
     def q_size(self) -> int:
