@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
+from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.weights import ExpertWeights
 from strata_core.quant import quant_matmul
 
@@ -29,19 +29,21 @@ class ExpertRows(Protocol):
     :param hidden: ``[T, H]`` normed hidden states (the MoE input)
     :param expert_ids: ``[T, k]`` routed expert ids
     :param weights: ``[T, k]`` routing weights (already normalised/scaled)
+    :param ffn: the layer's activation and expert biases on ``hidden``'s device (default: plain SiLU)
     :return: ``[T, H]`` = ``combine_rows(rows, weights)``
     """
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor: ...
+                 weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor: ...
 
 
 def expert_ffn(x: torch.Tensor, gate_raw: torch.Tensor, up_raw: torch.Tensor, down_raw: torch.Tensor,
-               qtypes: QTypes, shapes: Shapes) -> torch.Tensor:
-    """One expert's SiLU-gated FFN on ``x [n, H]`` from raw blocks: ``down(silu(gate x) * up x)``."""
+               qtypes: QTypes, shapes: Shapes, ffn: ExpertFFN = SILU, expert: int = 0) -> torch.Tensor:
+    """Expert ``expert``'s gated FFN on ``x [n, H]`` from raw blocks: ``down(silu(gate x) * up x)``,
+    or as ``ffn`` says (its activation, the expert's biases)."""
     g = quant_matmul(x, gate_raw, qtypes[0], shapes[0])  # [n, F]
     u = quant_matmul(x, up_raw, qtypes[1], shapes[1])  # [n, F]
-    return quant_matmul(F.silu(g) * u, down_raw, qtypes[2], shapes[2])  # [n, H]
+    return ffn.post(quant_matmul(ffn.hidden(g, u, expert), down_raw, qtypes[2], shapes[2]), expert)  # [n, H]
 
 
 def combine_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,8 @@ class DequantExpertRows:
     def __init__(self, expert_weights: ExpertWeights):
         self.expert_weights = expert_weights
 
-    def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+             ffn: ExpertFFN = SILU) -> torch.Tensor:
         """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t."""
         T, k = expert_ids.shape
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
@@ -79,10 +82,10 @@ class DequantExpertRows:
             b = self.expert_weights.blocks(layer, expert)
             x = hidden[pairs // k]  # [n, H]
             out[pairs] = expert_ffn(x, b.gate.to(hidden.device), b.up.to(hidden.device),
-                                    b.down.to(hidden.device), b.qtypes, b.shapes).to(out.dtype)
+                                    b.down.to(hidden.device), b.qtypes, b.shapes, ffn, expert).to(out.dtype)
             start += n
         return out.view(T, k, -1)
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
-        return combine_rows(self.rows(layer, hidden, expert_ids), weights)
+                 weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
+        return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)

@@ -17,7 +17,8 @@ __all__ = ["tiny_config", "tiny_hf_model"]
 
 
 def tiny_config(arch: str, **overrides: Any):
-    """An HF config for a tiny ``arch`` ("qwen3moe", "qwen2moe" or "qwen3next") model; ``overrides`` win."""
+    """An HF config for a tiny ``arch`` ("qwen3moe", "qwen2moe", "qwen3next", "gpt-oss" or one of
+    ``DEEPSEEK``) model; ``overrides`` win."""
     from transformers import Qwen2MoeConfig, Qwen3MoeConfig, Qwen3NextConfig
 
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -36,6 +37,15 @@ def tiny_config(arch: str, **overrides: Any):
             linear_num_value_heads=4) | overrides))
     if arch in DEEPSEEK:  # MLA, a leading dense-FFN layer, shared expert, YaRN RoPE
         return _deepseek_config(arch, overrides)
+    if arch == "gpt-oss":  # sinks, sliding window 4 on layers 0, 2..., YaRN (floored dims, as llama.cpp)
+        from transformers import GptOssConfig
+
+        yarn = dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                    truncate=True, original_max_position_embeddings=4096)
+        gpt_oss = dict(num_local_experts=common["num_experts"], intermediate_size=32, head_dim=16,
+                       sliding_window=4, rope_parameters=yarn, max_position_embeddings=131072)
+        common = {k: v for k, v in common.items() if k not in ("num_experts", "moe_intermediate_size")}
+        return GptOssConfig(**(common | gpt_oss | overrides))
     raise ValueError(f"no tiny config for {arch!r}")
 
 
@@ -68,12 +78,13 @@ def _deepseek_config(arch: str, overrides: dict[str, Any]):
 @torch.no_grad()
 def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
     """A seeded tiny HF ``arch`` ForCausalLM in float32 eval mode with non-degenerate weights."""
-    from transformers import (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Qwen2MoeForCausalLM,
+    from transformers import (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, GptOssForCausalLM, Qwen2MoeForCausalLM,
                               Qwen3MoeForCausalLM, Qwen3NextForCausalLM)
 
     cfg = tiny_config(arch, **overrides)
     cls = {"qwen3moe": Qwen3MoeForCausalLM, "qwen2moe": Qwen2MoeForCausalLM, "qwen3next": Qwen3NextForCausalLM,
-           "deepseek3": DeepseekV3ForCausalLM, "deepseek2lite": DeepseekV2ForCausalLM}[arch]
+           "deepseek3": DeepseekV3ForCausalLM, "deepseek2lite": DeepseekV2ForCausalLM,
+           "gpt-oss": GptOssForCausalLM}[arch]
     torch.manual_seed(seed)
     model = cls(cfg).float().eval()
     gen = torch.Generator().manual_seed(seed)
@@ -84,11 +95,16 @@ def tiny_hf_model(arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module
         elif p.ndim == 1 and "norm" in name:
             centre = 0.0 if zero_centred and "linear_attn.norm" not in name else 1.0
             p.copy_(centre + 0.2 * torch.randn(p.shape, generator=gen))
-        elif p.ndim == 1:  # biases
+        elif name.endswith("sinks"):  # gpt-oss attention sinks: logits of the size of the scores
+            p.copy_(torch.randn(p.shape, generator=gen))
+        elif p.ndim == 1 or name.endswith("_bias"):  # biases (gpt-oss experts': [E, n])
             p.copy_(0.1 * torch.randn(p.shape, generator=gen))
         else:
-            fan_in = p.shape[-1]
-            gain = 2.0 if name.endswith("mlp.gate.weight") else 1.0  # sharper router
+            fan_in = p.shape[-2] if name.endswith(("experts.gate_up_proj", "experts.down_proj")) and \
+                arch == "gpt-oss" else p.shape[-1]  # gpt-oss experts are [E, in, out]
+            gain = 2.0 if name.endswith(("mlp.gate.weight", "mlp.router.weight")) else 1.0  # sharper router
+            if arch == "gpt-oss" and name.endswith("experts.gate_up_proj"):
+                gain = 3.0  # some gate/up values beyond swiglu_oai's clamp at 7
             p.copy_(gain * torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
     for name, b in model.named_buffers():
         if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection-only router bias

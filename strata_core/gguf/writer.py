@@ -13,6 +13,7 @@ routing variants round-trip (llama.cpp ignores that key for these architectures)
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any, Iterator
 
 import gguf
@@ -23,7 +24,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from strata_core.errors import UnsupportedError
 from strata_core.quant import dequantize, quantize
 
-__all__ = ["HF_ARCHITECTURES", "write_gguf", "hf_to_gguf_tensors", "dequantized_hf_state_dict"]
+__all__ = ["HF_ARCHITECTURES", "write_gguf", "hf_to_gguf_tensors", "dequantized_hf_state_dict", "requantize_gguf"]
 
 Q = GGMLQuantizationType
 
@@ -177,3 +178,33 @@ def dequantized_hf_state_dict(gguf_file: Any, template: dict[str, torch.Tensor])
         merged = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]  # gate_up: [E, 2F, H]
         out[hf_name] = merged.reshape(t.shape)
     return out
+
+
+def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], choose: Callable[[str], Q | None],
+                    file_type: gguf.LlamaFileType | None = None) -> None:
+    """Copy the GGUF ``src`` to ``dst`` with every tensor for which ``choose(name)`` names a block type
+    dequantized and re-encoded in it (``quantize``); metadata and the other tensors are copied as
+    they are, ``general.file_type`` set to ``file_type`` when given. How the llama.cpp fixtures get
+    variants the converter cannot write (MXFP4 or K-quant experts)."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = int(file_type) if field.name == "general.file_type" and file_type is not None else field.contents()
+        sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
+    for t in reader.tensors:
+        qtype = choose(t.name)
+        if qtype is None or qtype == t.tensor_type:
+            raw = None if t.tensor_type in (Q.F32, Q.F16) else t.tensor_type
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=raw)
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))  # torch order, row length last
+        values = dequantize(torch.from_numpy(np.array(t.data).view(np.uint8)), t.tensor_type, shape)
+        w.add_tensor(t.name, quantize(values.numpy(), qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

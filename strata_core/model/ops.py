@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 
 from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
+from strata_core.ops.matmul import matmul
 
-__all__ = ["DEVICE_FUSED", "DEVICE_SDPA", "apply_rope", "norm_rope", "rms_norm", "rope_cos_sin", "sdpa_attention"]
+__all__ = ["DEVICE_FUSED", "DEVICE_SDPA", "apply_rope", "masked_attention", "norm_rope", "rms_norm", "rope_cos_sin",
+           "sdpa_attention"]
 
 #: Fused Triton RMSNorm / QK-norm+RoPE kernels on CUDA (False: the torch formulas everywhere).
 DEVICE_FUSED = True
@@ -23,12 +25,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """NEOX-style RoPE tables ``cos, sin [T, head_dim]`` for ``positions [T]`` (float32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                .float() / head_dim))  # [D/2]
-    angles = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
+                 mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """NEOX-style RoPE tables ``cos, sin [T, head_dim]`` for ``positions [T]`` (float32).
+
+    ``inv_freq [head_dim / 2]`` replaces the plain ``theta ** (-2i / head_dim)`` angles (a scaled
+    RoPE, e.g. YaRN); ``mscale`` multiplies both tables (YaRN's attention factor)."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
+                                    .float() / head_dim))  # [D/2]
+    angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
     emb = torch.cat((angles, angles), dim=-1)  # [T, D]
+    if mscale != 1.0:
+        return emb.cos() * mscale, emb.sin() * mscale
     return emb.cos(), emb.sin()
 
 
@@ -53,6 +62,36 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, weight: to
         x = rms_norm(x, weight, eps)
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta)  # [T, D]
     return apply_rope(x, cos, sin)
+
+
+def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal GQA attention as masked products over all ``S`` cached positions: ``[T, nh*D]``.
+
+    :param q: ``[T, nh, D]`` queries (RoPE applied); ``keys``/``values``: ``[S, nkv, D]``
+    :param positions: ``[T]`` the queries' positions; key ``s`` is visible when ``s <= position``
+        (and ``position - s < window`` when a window is given: llama.cpp's standard sliding window)
+    :param sinks: ``[nh]`` a learned logit per head joining each softmax's denominator only
+        (gpt-oss's attention sinks)
+
+    Every query row sees the same shapes whatever T is, so logits are bit-identical across chunk
+    and batch sizes (what the CPU path relies on); the scores ``[nh, T, S]`` are in memory.
+    """
+    T, nh, D = q.shape
+    S, nkv = keys.shape[0], keys.shape[1]
+    rep = nh // nkv
+    keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
+    values = values.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
+    scores = matmul(q.transpose(0, 1), keys.transpose(1, 2)) * D ** -0.5  # [nh, T, S]
+    offset = positions[:, None] - torch.arange(S, device=q.device)[None, :]  # [T, S]
+    visible = offset >= 0 if window is None else (offset >= 0) & (offset < window)  # [T, S]
+    scores = scores.masked_fill(~visible, float("-inf")).float()
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)  # [nh, T, S]
+    else:
+        sink = sinks.float()[:, None, None].expand(nh, T, 1)  # [nh, T, 1]
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [nh, T, S]
+    return matmul(probs.to(q.dtype), values).transpose(0, 1).reshape(T, nh * D)  # [T, nh*D]
 
 
 #: Device attention through torch SDPA (``sdpa_attention``); False = the CPU's masked matmul everywhere.

@@ -16,8 +16,8 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.model.kvcache import KVCache
 from strata_core.model import ops
-from strata_core.model.ops import apply_rope, norm_rope, rms_norm, rope_cos_sin, sdpa_attention
-from strata_core.ops.matmul import linear, matmul
+from strata_core.model.ops import apply_rope, masked_attention, norm_rope, rms_norm, rope_cos_sin, sdpa_attention
+from strata_core.ops.matmul import linear, rowwise
 from strata_core.model.weights import DenseWeights
 
 __all__ = ["MoEModel"]
@@ -29,15 +29,21 @@ _MIN_WEIGHT_SUM = 6.103515625e-5
 class MoEModel:
     """A Qwen-style MoE transformer: ``spec`` + ``weights`` (dense, float); stateless per call."""
 
+    #: the layer's norm before the MoE block (llama.cpp's qwen3next and gpt-oss: "post_attention_norm.weight")
+    ffn_norm = "ffn_norm.weight"
+
     def __init__(self, spec: ModelSpec, weights: DenseWeights):
         self.spec = spec
         self.weights = weights
 
     @classmethod
     def load(cls, gguf_file: GGUFFile, dtype: torch.dtype = torch.float32) -> "MoEModel":
-        """Read the spec and dequantize the dense weights of ``gguf_file`` (CPU)."""
+        """Read the spec and dequantize the dense weights of ``gguf_file`` (CPU): the forward of the
+        file's architecture (``Architecture.model``)."""
+        from strata_core.gguf.arch import get_architecture
+
         spec = load_model_spec(gguf_file)
-        return cls(spec, DenseWeights.load(gguf_file, spec, dtype))
+        return get_architecture(spec.architecture).model(spec, DenseWeights.load(gguf_file, spec, dtype))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [T]`` -> hidden ``[T, H]`` on the embedding's device."""
@@ -60,9 +66,20 @@ class MoEModel:
         positions to be the last ``T`` of ``n_ctx`` (what prefill chunks and decode windows are);
         the CPU keeps the masked matmul over the whole cache (bit-identical logits).
         """
-        s, w = self.spec, self.weights.at(layer, h.device)
-        T = h.shape[0]
-        x = rms_norm(h, w["attn_norm.weight"], s.rms_norm_eps)  # [T, H]
+        w = self.weights.at(layer, h.device)
+        positions = positions.to(h.device)
+        x = rms_norm(h, w["attn_norm.weight"], self.spec.rms_norm_eps)  # [T, H]
+        q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
+        kv.write(layer, positions, k=k, v=v)
+        out = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
+        out = linear(out, w["attn_output.weight"])  # [T, H]
+        return h + (out + w["attn_output.bias"] if "attn_output.bias" in w else out)
+
+    def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Queries ``[T, nh, D]``, keys and values ``[T, nkv, D]`` of normed ``x [T, H]``: the
+        projections (and biases), the q/k norm and RoPE (``rope``) at ``positions`` (on x's device)."""
+        s, w = self.spec, self.weights.at(layer, x.device)
+        T = x.shape[0]
         q = linear(x, w["attn_q.weight"])  # [T, nh*D]
         k = linear(x, w["attn_k.weight"])  # [T, nkv*D]
         v = linear(x, w["attn_v.weight"])  # [T, nkv*D]
@@ -71,43 +88,45 @@ class MoEModel:
         q = q.view(T, s.n_heads, s.head_dim)  # [T, nh, D]
         k = k.view(T, s.n_kv_heads, s.head_dim)  # [T, nkv, D]
         v = v.view(T, s.n_kv_heads, s.head_dim)  # [T, nkv, D]
-        positions = positions.to(h.device)
-        if h.device.type != "cpu":  # QK-norm and RoPE fused per tensor (one kernel each on CUDA)
+        if s.has_qk_norm and x.device.type == "cpu":  # on CUDA fused with RoPE (``rope``)
+            q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
+            k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps)
+        q, k = self.rope(layer, q, k, positions)
+        return q, k, v
+
+    def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q``, ``k`` rotated at ``positions``; off the CPU the q/k norm and RoPE are fused per
+        tensor (one kernel each on CUDA), on the CPU the norm was applied by ``qkv``."""
+        s = self.spec
+        if q.device.type != "cpu":
+            w = self.weights.at(layer, q.device)
             q = norm_rope(q, positions, s.rope_theta, w["attn_q_norm.weight"] if s.has_qk_norm else None,
                           s.rms_norm_eps)
             k = norm_rope(k, positions, s.rope_theta, w["attn_k_norm.weight"] if s.has_qk_norm else None,
                           s.rms_norm_eps)
-        else:
-            if s.has_qk_norm:
-                q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
-                k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps)
-            cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        kv.write(layer, positions, k, v)
-        if h.device.type != "cpu" and ops.DEVICE_SDPA:  # flash / cuDNN / memory-efficient kernels
+            return q, k
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,
+               static: bool) -> torch.Tensor:
+        """``[T, nh*D]``: causal attention of ``q [T, nh, D]`` over the layer's cached K/V (see ``attention``)."""
+        if q.device.type != "cpu" and ops.DEVICE_SDPA:  # flash / cuDNN / memory-efficient kernels
             if static:
                 n_ctx = kv.max_tokens
             elif n_ctx is None:
                 n_ctx = int(positions.max()) + 1
             keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
-            out = sdpa_attention(q, keys, values, positions, static)  # [T, nh*D]
-            return h + linear(out, w["attn_output.weight"])  # [T, H]
+            return sdpa_attention(q, keys, values, positions, static)
         # On the CPU attend over the whole cache (masked) so every query sees the same shapes
         # whatever the chunk or batch: logits are then bit-identical across both.
-        if h.device.type == "cpu" or static:
+        if q.device.type == "cpu" or static:
             n_ctx = kv.max_tokens
         elif n_ctx is None:
             n_ctx = int(positions.max()) + 1
         keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
-        rep = s.n_heads // s.n_kv_heads
-        keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
-        values = values.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
-        scores = matmul(q.transpose(0, 1), keys.transpose(1, 2)) * s.head_dim ** -0.5  # [nh, T, S]
-        visible = torch.arange(n_ctx, device=h.device)[None, :] <= positions[:, None]  # [T, S]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)  # [nh, T, S]
-        out = matmul(probs, values).transpose(0, 1).reshape(T, s.q_size)  # [T, nh*D]
-        return h + linear(out, w["attn_output.weight"])  # [T, H]
+        return masked_attention(q, keys, values, positions)
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router for normed ``x [T, H]``: ``(expert_ids [T, k], weights [T, k])``.
@@ -127,12 +146,12 @@ class MoEModel:
     def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """``h + moe(rms_norm(h))`` for ``h [T, H]``: routed experts via ``expert_rows`` (+ shared expert)."""
         s, w = self.spec, self.weights.at(layer, h.device)
-        x = rms_norm(h, w["ffn_norm.weight"], s.rms_norm_eps)  # [T, H]
+        x = rms_norm(h, w[self.ffn_norm], s.rms_norm_eps)  # [T, H]
         ids, weights = self.route(layer, x)  # [T, k], [T, k]
         out = expert_rows(layer, x, ids, weights)  # [T, H]
         if s.has_shared_expert:
-            gate = torch.sigmoid(linear(x, w["ffn_gate_inp_shexp.weight"][None, :]))  # [T, 1]
-            ffn = F.silu(linear(x, w["ffn_gate_shexp.weight"])) * linear(x, w["ffn_up_shexp.weight"])  # [T, Fs]
+            gate = rowwise(torch.sigmoid, linear(x, w["ffn_gate_inp_shexp.weight"][None, :]))  # [T, 1]
+            ffn = rowwise(F.silu, linear(x, w["ffn_gate_shexp.weight"])) * linear(x, w["ffn_up_shexp.weight"])  # [T, Fs]
             out = out + gate * linear(ffn, w["ffn_down_shexp.weight"])  # [T, H]
         return h + out
 

@@ -132,9 +132,7 @@ class Architecture:
             raise UnsupportedError(f"{path}: {a}.attention.value_length differs from key_length")
         if m.int(K.Rope.DIMENSION_COUNT, head_dim) != head_dim:
             raise UnsupportedError(f"{path}: partial RoPE ({a}.rope.dimension_count != head_dim) is not supported")
-        if m.str(K.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
-                m.float(K.Rope.SCALING_FACTOR, 0.0, positive=False) not in (0.0, 1.0):
-            raise UnsupportedError(f"{path}: RoPE scaling ({a}.rope.scaling.*) is not supported")
+        self.check_rope_scaling(m, path)
         n_experts = m.int(K.LLM.EXPERT_COUNT)
         n_used = m.int(K.LLM.EXPERT_USED_COUNT)
         if n_used > n_experts:
@@ -172,6 +170,20 @@ class Architecture:
             has_attn_bias=self.has_attn_bias,
             tied_embeddings="output.weight" not in tensors,
         )
+
+    def model(self, spec: ModelSpec, dense: Any) -> Any:
+        """The forward of this architecture over ``dense`` (DenseWeights): a ``MoEModel`` here; an
+        architecture with another attention or routing returns its subclass."""
+        from strata_core.model.transformer import MoEModel  # the model package imports this one
+
+        return MoEModel(spec, dense)
+
+    def check_rope_scaling(self, m: _Metadata, path: str) -> None:
+        """Reject RoPE scaling the forward does not apply (here: any); an architecture that applies
+        one (gpt-oss: YaRN) overrides this and reads the keys into its spec."""
+        if m.str(K.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
+                m.float(K.Rope.SCALING_FACTOR, 0.0, positive=False) not in (0.0, 1.0):
+            raise UnsupportedError(f"{path}: RoPE scaling ({self.name}.rope.scaling.*) is not supported")
 
     # -- tensors --------------------------------------------------------------------------------
     def global_tensors(self, spec: ModelSpec) -> dict[str, Shape]:

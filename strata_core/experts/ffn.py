@@ -1,0 +1,81 @@
+"""``ExpertFFN``: what one layer's experts compute beyond the plain SiLU-gated FFN.
+
+An expert is ``down(act(gate x + bg, up x + bu)) + bd``. Qwen-style models have no biases and
+``act = silu(g) * u`` (``SILU``, the default everywhere); gpt-oss has per-expert biases and
+``swiglu_oai``. The biases are small dense per-layer tensors (``[E, F]``, ``[E, F]``, ``[E, H]``)
+that live with the layer's dense weights on each device computing it, indexed by expert id; every
+expert path (the per-expert loop, the grouped prefill, the decode gather) applies them through
+``pre`` / ``glu`` / ``post`` with the ids of its rows, so the rows of one expert get the same
+elementwise ops wherever they are computed (bit-identical on the CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["ACTIVATIONS", "ExpertFFN", "SILU"]
+
+#: The gated activations an expert FFN may use.
+ACTIVATIONS = ("silu", "swiglu_oai")
+
+
+@dataclass(frozen=True)
+class ExpertFFN:
+    """The activation and optional per-expert biases of one layer's experts (on one device).
+
+    :param activation: ``"silu"``: ``silu(g) * u``; ``"swiglu_oai"``: ``min(g, limit) *
+        sigmoid(alpha * min(g, limit)) * (clamp(u, -limit, limit) + 1)`` (llama.cpp's
+        ``ggml_swiglu_oai``, gpt-oss)
+    :param gate_bias: ``[E, F]`` added to ``gate x`` (None: no bias); ``up_bias`` the same for up
+    :param down_bias: ``[E, H]`` added to the expert's output
+    """
+
+    activation: str = "silu"
+    gate_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"unknown expert activation {self.activation!r} (known: {', '.join(ACTIVATIONS)})")
+
+    @property
+    def plain(self) -> bool:
+        """SiLU without biases: what the fused decode kernel computes."""
+        return self.activation == "silu" and self.gate_bias is None and self.up_bias is None \
+            and self.down_bias is None
+
+    def pre(self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``g, u [n, F]`` (the gate and up products of rows of expert(s) ``experts``: one id or ``[n]``)
+        with their biases added."""
+        if self.gate_bias is not None:
+            g = g + self.gate_bias[experts].to(g.device, g.dtype)
+        if self.up_bias is not None:
+            u = u + self.up_bias[experts].to(u.device, u.dtype)
+        return g, u
+
+    def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """The gated activation of ``g, u [..., F]``."""
+        if self.activation == "silu":
+            return F.silu(g) * u
+        g = g.clamp(max=self.limit)
+        return g * torch.sigmoid(g * self.alpha) * (u.clamp(-self.limit, self.limit) + 1)
+
+    def post(self, y: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
+        """``y [n, H]`` (the down product) with the down bias of expert(s) ``experts`` added."""
+        if self.down_bias is None:
+            return y
+        return y + self.down_bias[experts].to(y.device, y.dtype)
+
+    def hidden(self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
+        """``glu(pre(g, u))``: the down product's input."""
+        return self.glu(*self.pre(g, u, experts))
+
+
+#: The plain SiLU-gated FFN without biases.
+SILU = ExpertFFN()
