@@ -344,11 +344,12 @@ class Engine:
         for session in batch.sessions:
             place_state(self, session, "decode")
         self.experts.begin_window()
+        logits = None
         try:
             with masked_phase(self, "decode"):
                 logits = self.hook.strata_decode_window(engine=self, batch=batch)
-        finally:
-            for slot, entries in self.experts.end_window().items():
+        finally:  # a failed window leaves the caches as they were (no adaptation)
+            for slot, entries in self.experts.end_window(adapt=logits is not None).items():
                 self.hook.strata_residency(engine=self, event=ResidencyEvent("adapt", self.devices[slot],
                                                                              tuple(entries)))
         for session, token in steps:

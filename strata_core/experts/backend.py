@@ -105,11 +105,13 @@ class ExpertBackend:
         for rows in self._all_rows():
             rows.grouped = on
 
-    def end_window(self) -> dict[int, list[tuple[int, int]]]:
-        """Leave the decode window and run ``--adapt-swaps`` adaptation (asynchronous copies);
-        returns the experts swapped in per device slot."""
+    def end_window(self, adapt: bool = True) -> dict[int, list[tuple[int, int]]]:
+        """Leave the decode window and run ``--adapt-swaps`` adaptation (asynchronous copies; not
+        after a failed window, ``adapt=False``); returns the experts swapped in per device slot."""
         for rows in self._all_rows():
             rows.decoding = False
+        if not adapt:
+            return {}
         swapped = {slot: adapter.end_window() for slot, adapter in self._adapters.items()}
         return {slot: entries for slot, entries in swapped.items() if entries}
 

@@ -2,7 +2,8 @@
 
 Order of precedence for one device slot:
 
-0. the placement's ``CacheBudget`` for the slot (slots or GiB), where the strategy gives one;
+0. the placement's ``CacheBudget`` for the slot (slots, GiB, or auto with its own reserve), where
+   the strategy gives one;
 1. ``--expert-cache N``: N slots (at most one per expert the device serves);
 2. ``--expert-cache-gib X``: as many slots as fit in X GiB;
 3. ``auto``: free device memory minus the dense part (weights, KV, prompt buffers: what the
@@ -74,6 +75,9 @@ def cache_slots(settings: StrataSettings, device: torch.device, slot_bytes: int,
     if budget is None and isinstance(settings.expert_cache, int):
         return min(settings.expert_cache, n_candidates)
     fit = left_bytes // slot_bytes
+    if budget is not None and budget.reserve_mib is not None:  # auto, with the slot's own reserve
+        fit = max(left_bytes + (settings.reserve_mib - budget.reserve_mib) * MIB, 0) // slot_bytes
+        budget = None
     gib, what = (budget.gib, "the strategy's cache budget") if budget is not None else (
         settings.expert_cache_gib, "--expert-cache-gib")
     if gib is not None:

@@ -107,15 +107,17 @@ class LayerPlacement:
 
 @dataclass(frozen=True)
 class CacheBudget:
-    """A device slot's expert-cache budget, in slots or GiB (overrides ``--expert-cache``)."""
+    """A device slot's expert-cache budget, overriding ``--expert-cache``: ``slots``, ``gib``, or
+    ``reserve_mib`` (auto sizing that leaves this much of the device free instead of ``--reserve-mib``)."""
 
     slots: int | None = None
     gib: float | None = None
+    reserve_mib: int | None = None
 
     def __post_init__(self) -> None:
-        if (self.slots is None) == (self.gib is None):
-            raise ConfigError("a cache budget is either slots or GiB, exactly one of them")
-        if (self.slots or 0) < 0 or (self.gib or 0) < 0:
+        if sum(v is not None for v in (self.slots, self.gib, self.reserve_mib)) != 1:
+            raise ConfigError("a cache budget is slots, GiB or a reserve in MiB, exactly one of them")
+        if (self.slots or 0) < 0 or (self.gib or 0) < 0 or (self.reserve_mib or 0) < 0:
             raise ConfigError(f"a cache budget cannot be negative: {self}")
 
 

@@ -1,0 +1,183 @@
+"""peer_tier on logical devices: single's logits bit for bit with the union of both tiers, tiers
+disjoint (also under adaptation) and within budget, a failing peer fails only its request."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strata_core.engine import Engine
+from strata_core.experts.peer import PeerLane
+from strata_core.testing.residency import check_tiers
+
+PROMPT = list(range(5, 41))
+CHECKS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory):
+    return tiny_model_factory(n_layers=4, expert_type="Q8_0")
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """single's logits of PROMPT, of three greedy windows after it, and its greedy continuation."""
+    single = Engine.load(model, max_context=128, expert_cache=0)
+    return single.logits(PROMPT), _windows(single, 3), single.generate(PROMPT, max_tokens=6, temperature=0)
+
+
+def _windows(engine: Engine, n: int) -> list[torch.Tensor]:
+    """Logits of ``n`` greedy decode windows after PROMPT."""
+    session = engine.new_session()
+    token, out = int(engine.prefill(session, PROMPT).argmax()), []
+    for _ in range(n):
+        logits = engine.decode_window([(session, token)])
+        token = int(logits[0].argmax())
+        out.append(logits)
+    engine.release_session(session)
+    return out
+
+
+def _tier(model, devices=("cpu", "cpu"), **options) -> Engine:
+    settings_ = {k: options.pop(k) for k in list(options) if not k.startswith("peer_")}
+    return Engine.load(model, strategy="peer_tier", devices=list(devices), max_context=128, arena="pinned",
+                       strategy_options=options, **settings_)
+
+
+def _held(engine: Engine, slot: int) -> set[tuple[int, int]]:
+    return set(engine.experts.tables[slot].resident())
+
+
+@CHECKS
+@given(primary=st.integers(0, 16), peer=st.integers(1, 16), chunk=st.integers(1, 40),
+       stream=st.sampled_from([0.0, 0.35, 1.0]), rows=st.sampled_from([-1, 0, 3]), gather=st.booleans(),
+       grouped=st.booleans())
+def test_logits_equal_single_holding_the_union(model, reference, primary, peer, chunk, stream, rows, gather,
+                                               grouped):
+    """Random tier sizes, chunks and stream shares, the decode gather and the grouped prefill on or off:
+    prompt and window logits equal single's bit for bit (the grouped prefill within float tolerance),
+    the tiers are disjoint and their union is what single caches with both budgets."""
+    engine = _tier(model, expert_cache=primary, prefill_chunk=chunk, peer_slots=peer, peer_stream_frac=stream,
+                   peer_prefill_rows=rows)
+    engine.experts.use_gather(gather)
+    engine.experts.use_grouped_prefill(grouped)
+    logits = engine.logits(PROMPT)
+    if grouped:
+        torch.testing.assert_close(logits, reference[0], rtol=1e-4, atol=1e-4)
+    else:
+        assert torch.equal(logits, reference[0])
+        assert all(torch.equal(a, b) for a, b in zip(_windows(engine, 3), reference[1]))
+    union = Engine.load(model, max_context=128, expert_cache=primary + peer)
+    assert not _held(engine, 0) & _held(engine, 1)
+    assert _held(engine, 0) | _held(engine, 1) == _held(union, 0)
+    assert engine.experts.tables[1].n_slots == min(peer, 4 * 8 - len(_held(engine, 0)))
+
+
+def test_greedy_output_equals_single_and_the_peer_serves(model, reference):
+    engine = _tier(model, expert_cache=4, peer_slots=6, peer_stream_frac=0.5)
+    assert engine.generate(PROMPT, max_tokens=6, temperature=0) == reference[2]
+    by_device = engine.telemetry.by_device()
+    assert by_device["cpu#0"]["peer"] > 0 and by_device["cpu#1"]["streamed"] > 0
+
+
+def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
+    """The decode gather sends the peer its pairs through the lane (once per MoE layer), and the
+    prompt's grouped path too; with peer_prefill_rows=0 the prompt reads the peer's cache across."""
+    entered = []
+    real = PeerLane.enqueue
+    monkeypatch.setattr(PeerLane, "enqueue", lambda lane: entered.append(lane.name) or real(lane))
+    engine = _tier(model, expert_cache=4, peer_slots=6)
+    engine.experts.use_gather(True)
+    engine.experts.use_grouped_prefill(True)
+    session = engine.new_session()
+    engine.prefill(session, PROMPT)
+    prompt = len(entered)
+    engine.decode_window([(session, 3)])
+    assert 0 < prompt <= 4 and len(entered) - prompt == 4 and set(entered) == {"cpu#1"}
+    entered.clear()
+    across = _tier(model, expert_cache=4, peer_slots=6, peer_prefill_rows=0)
+    across.experts.use_grouped_prefill(True)
+    across.prefill(across.new_session(), PROMPT)
+    assert entered == [] and across.telemetry.by_device()["cpu#0"]["peer"] > 0
+
+
+@CHECKS
+@given(primary=st.integers(1, 12), peer=st.integers(1, 12), swaps=st.integers(0, 3), peer_swaps=st.integers(-1, 3),
+       turns=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 255), st.integers(1, 3)), min_size=1, max_size=3))
+def test_tiers_stay_disjoint_and_within_budget_under_adaptation(model, primary, peer, swaps, peer_swaps, turns):
+    """Random adaptation sequences (prompts, windows, both caches swapping): never one expert in both
+    tiers, each within its budget, the peer adapting only where asked."""
+    engine = _tier(model, expert_cache=primary, adapt_swaps=swaps, peer_slots=peer, peer_adapt_swaps=peer_swaps)
+    peer_before = _held(engine, 1)
+    session = engine.new_session()
+    for length, token, windows in turns:
+        engine.prefill(session, PROMPT[:length])
+        for step in range(windows):
+            engine.decode_window([(session, (token + step) % 256)])
+            check_tiers(engine)
+    assert engine.experts.tables[0].n_resident <= primary and engine.experts.tables[1].n_resident <= peer
+    if (swaps if peer_swaps < 0 else peer_swaps) == 0:
+        assert _held(engine, 1) == peer_before
+
+
+@pytest.mark.parametrize("where", ["prompt", "window"])
+def test_a_failing_peer_fails_the_request_and_the_next_one_runs(model, reference, monkeypatch, where):
+    """An exception in the peer's rows ends the request with it; the tables are as before, the
+    tiers disjoint, and the next request gives single's output."""
+    engine = _tier(model, expert_cache=4, peer_slots=6, adapt_swaps=1)
+    engine.experts.use_gather(True)
+    engine.experts.use_grouped_prefill(True)
+    session = engine.new_session()
+    if where == "window":
+        engine.prefill(session, PROMPT)
+    before = {slot: table.host.clone() for slot, table in engine.experts.tables.items()}
+    real = PeerLane.enqueue
+
+    def failing(lane):
+        raise RuntimeError("the peer's rows failed")
+
+    monkeypatch.setattr(PeerLane, "enqueue", failing)
+    with pytest.raises(RuntimeError, match="the peer's rows failed"):
+        if where == "window":
+            engine.decode_window([(session, 3)])
+        else:
+            engine.prefill(session, PROMPT)
+    monkeypatch.setattr(PeerLane, "enqueue", real)
+    assert all(torch.equal(table.host, before[slot]) for slot, table in engine.experts.tables.items())
+    check_tiers(engine)
+    engine.release_session(session)
+    engine.experts.use_grouped_prefill(False)
+    assert torch.equal(engine.logits(PROMPT), reference[0])
+    assert engine.generate(PROMPT, max_tokens=6, temperature=0) == reference[2]
+
+
+def test_bad_device_counts_are_named(model):
+    from strata_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="peer_tier: --devices names the primary and the peer"):
+        Engine.load(model, strategy="peer_tier", devices=["cpu"], max_context=128)
+
+
+CUDA_PAIRS = ([["cuda:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.device_count() > 1 else [])
+              if torch.cuda.is_available() else [])
+
+
+@pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
+def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices):
+    from strata_core.testing.sync import no_host_sync
+
+    options = dict(max_context=128, dtype="float32", arena="pinned")
+    want = Engine.load(model, devices=devices[:1], expert_cache=10, **options)
+    engine = Engine.load(model, strategy="peer_tier", devices=devices, expert_cache=4,
+                         strategy_options={"peer_slots": 6, "peer_stream_frac": 0.5}, **options)
+    prompt = list(range(5, 90))
+    assert engine.generate(prompt, max_tokens=8, temperature=0) == want.generate(prompt, max_tokens=8, temperature=0)
+    torch.testing.assert_close(engine.logits(prompt), want.logits(prompt), rtol=1e-3, atol=1e-3)
+    session = engine.new_session()
+    engine.prefill(session, prompt)
+    engine.decode_window([(session, 3)])
+    with no_host_sync():
+        engine.decode_window([(session, 4)])
