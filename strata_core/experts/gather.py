@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from strata_core.experts.arena import ExpertFormat
+from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.ops.gather import HAS_TRITON, gather_counts_cuda
 from strata_core.ops.moe import moe_decode, moe_pair_rows, pair_ffn_reference
 
@@ -39,10 +40,11 @@ __all__ = ["GATHER_COUNTS", "fused_decode", "fused_rows", "gather_counts", "pair
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
 
 
-def pair_ffn(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
+def pair_ffn(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU,
+             expert: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``[P, H]``: pair p's expert (packed bytes ``packed[p]``, ``[P, >= total]``) on ``x[p]`` (``[P, H]``),
-    ``down(silu(gate x) * up x)``."""
-    return pair_ffn_reference(x, *fmt.split(packed), fmt.qtypes, fmt.shapes)
+    ``down(silu(gate x) * up x)``, or as ``ffn`` says with the biases of ``expert [P]``."""
+    return pair_ffn_reference(x, *fmt.split(packed), fmt.qtypes, fmt.shapes, ffn, expert)
 
 
 def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,

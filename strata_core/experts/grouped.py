@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from strata_core.experts.arena import ExpertFormat
+from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.quant import dequantize
 
 __all__ = ["GROUP_EXPERTS", "ExpertGroup", "workspace_bytes", "dequantize_experts", "expert_groups", "grouped_ffn", "padded_index"]
@@ -91,24 +91,29 @@ def _use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                counts: torch.Tensor, max_count: int, grouped_mm: bool | None = None) -> torch.Tensor:
-    """``down_e(silu(gate_e x) * up_e x)`` for every pair: rows ``[n, H]``.
+                counts: torch.Tensor, max_count: int, grouped_mm: bool | None = None,
+                ffn: ExpertFFN = SILU, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """``down_e(silu(gate_e x) * up_e x)`` for every pair (or as ``ffn`` says): rows ``[n, H]``.
 
     :param x: ``[n, H]`` the pairs' inputs, sorted by expert (expert e owns ``counts[e]`` rows)
     :param gate: ``[G, F, H]``; ``up``: ``[G, F, H]``; ``down``: ``[G, H, F]`` (same dtype as ``x``)
     :param counts: ``[G]`` pairs per expert, on the device, all > 0
     :param max_count: ``max(counts)`` (known on the host)
     :param grouped_mm: force ``torch._grouped_mm`` on or off (default: where it applies)
+    :param ffn: the activation and expert biases; ``experts [G]`` (on the device) the group's expert
+        ids, which index the biases (needed when ``ffn`` has biases)
     """
     if grouped_mm if grouped_mm is not None else _use_grouped_mm(x, gate, up, down):
         offs = counts.cumsum(0).to(torch.int32)  # [G] end row of each expert
+        ids = experts if experts is None else torch.repeat_interleave(experts, counts, output_size=x.shape[0])  # [n]
 
         def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)  # [n, out]
 
-        return product(F.silu(product(x, gate)) * product(x, up), down)
+        return ffn.post(product(ffn.hidden(product(x, gate), product(x, up), ids), down), ids)
     G, H = counts.numel(), x.shape[-1]
+    ids = experts if experts is None else experts[:, None]  # [G, 1]: a bias row per expert
     rows = padded_index(counts, max_count, x.shape[0])  # [n]
     xp = x.new_zeros(G * max_count, H).index_copy_(0, rows, x).view(G, max_count, H)  # [G, M, H]
-    h = F.silu(xp @ gate.transpose(1, 2)) * (xp @ up.transpose(1, 2))  # [G, M, F]
-    return (h @ down.transpose(1, 2)).reshape(G * max_count, H)[rows]  # [n, H]
+    h = ffn.hidden(xp @ gate.transpose(1, 2), xp @ up.transpose(1, 2), ids)  # [G, M, F]
+    return ffn.post(h @ down.transpose(1, 2), ids).reshape(G * max_count, H)[rows]  # [n, H]

@@ -42,9 +42,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.ops.dequant import fallback_note
 from strata_core.ops.gather import _reference as _gather_reference
 from strata_core.ops.matmul import matmul
@@ -68,11 +68,12 @@ def _pair_linear(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) -> Te
 
 
 def pair_ffn_reference(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: Sequence[int],
-                       shapes: Sequence[Sequence[int]]) -> Tensor:
-    """Rows ``[P, H]``: pair p's expert (blocks ``gate[p]``, ``up[p]``, ``down[p]``) on ``x[p]`` (``[P, H]``)."""
+                       shapes: Sequence[Sequence[int]], ffn: ExpertFFN = SILU, expert: Tensor | None = None) -> Tensor:
+    """Rows ``[P, H]``: pair p's expert (blocks ``gate[p]``, ``up[p]``, ``down[p]``) on ``x[p]`` (``[P, H]``);
+    ``ffn`` other than plain SiLU: its activation and the biases of ``expert [P]`` (as ``expert_ffn``)."""
     g = _pair_linear(x, gate, qtypes[0], shapes[0])  # [P, F]
     u = _pair_linear(x, up, qtypes[1], shapes[1])  # [P, F]
-    return _pair_linear(F.silu(g) * u, down, qtypes[2], shapes[2])  # [P, H]
+    return ffn.post(_pair_linear(ffn.hidden(g, u, expert), down, qtypes[2], shapes[2]), expert)  # [P, H]
 
 
 def _split(packed: Tensor, nbytes: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:

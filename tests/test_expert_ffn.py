@@ -1,0 +1,76 @@
+"""``ExpertFFN`` (expert biases + swiglu_oai, gpt-oss) in every expert path on the CPU: the grouped
+products agree with the reference ``expert_ffn`` within tolerance, the decode gather's per-pair rows
+are its bits; swiglu_oai is llama.cpp's formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata_core.config import StrataSettings
+from strata_core.experts.backend import build_expert_backend
+from strata_core.experts.ffn import SILU, ExpertFFN
+from strata_core.experts.gather import pair_ffn
+from strata_core.experts.grouped import dequantize_experts, grouped_ffn
+from strata_core.experts.rows import expert_ffn
+from strata_core.plugin.placement import DeviceSlot, Placement
+
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _arena(synthetic):
+    weights, spec, _ = synthetic
+    placement = Placement.stages([(0, range(spec.n_layers))])
+    return build_expert_backend(weights, spec, placement, {0: DeviceSlot(0, CPU)}, StrataSettings(), {CPU: 0}).arena
+
+
+def _biased(spec, dtype=torch.float32) -> ExpertFFN:
+    gen = torch.Generator().manual_seed(1)
+    E, F, H = spec.n_experts, spec.expert_ffn_size, spec.hidden_size
+    return ExpertFFN("swiglu_oai", *(torch.randn(n, m, generator=gen).to(dtype) for n, m in ((E, F), (E, F), (E, H))))
+
+
+def test_swiglu_oai_is_llamacpps_formula():
+    g = torch.tensor([-9.0, -1.0, 0.5, 6.9, 7.0, 12.0])
+    u = torch.tensor([-12.0, 3.0, -0.5, 8.0, -7.5, 0.25])
+    x, y = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+    want = x / (1 + torch.exp(-1.702 * x)) * (y + 1)  # ggml_compute_forward_swiglu_oai_f32
+    torch.testing.assert_close(ExpertFFN("swiglu_oai").glu(g, u), want)
+    with pytest.raises(ValueError, match="unknown expert activation 'gelu'"):
+        ExpertFFN("gelu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_ffn_applies_biases_and_activation_like_expert_ffn(synthetic, dtype):
+    _, spec, _ = synthetic
+    arena = _arena(synthetic)
+    fmt = arena.formats[0]
+    experts, counts = [3, 0, 9, 15], [4, 1, 17, 6]
+    ffn = _biased(spec, dtype)
+    packed = torch.stack([torch.cat([p.reshape(-1) for p in arena.parts(0, e)]) for e in experts])  # [G, total]
+    x = torch.randn(sum(counts), spec.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)  # [n, H]
+    got = grouped_ffn(x, *dequantize_experts(packed, fmt, dtype), torch.tensor(counts), max(counts),
+                      ffn=ffn, experts=torch.tensor(experts))
+    want = torch.cat([expert_ffn(xs, *arena.parts(0, e), fmt.qtypes, fmt.shapes, ffn, e)
+                      for e, xs in zip(experts, x.split(counts))])  # [n, H]
+    plain = torch.cat([expert_ffn(xs, *arena.parts(0, e), fmt.qtypes, fmt.shapes, SILU, e)
+                       for e, xs in zip(experts, x.split(counts))])
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+    assert not torch.allclose(got.float(), plain.float(), rtol=0.1, atol=0.1 * want.abs().max().item())
+
+
+def test_pair_rows_are_expert_ffn_bits_with_biases(synthetic):
+    _, spec, _ = synthetic
+    arena = _arena(synthetic)
+    fmt = arena.formats[1]
+    ffn = _biased(spec)
+    expert = torch.tensor([5, 2, 5, 11, 0, 2])  # [P]
+    x = torch.randn(expert.numel(), spec.hidden_size, generator=torch.Generator().manual_seed(2))  # [P, H]
+    packed = torch.stack([torch.cat([p.reshape(-1) for p in arena.parts(1, int(e))]) for e in expert])  # [P, total]
+    got = pair_ffn(x, packed, fmt, ffn, expert)
+    for p, e in enumerate(expert.tolist()):
+        want = expert_ffn(x[p:p + 1], *arena.parts(1, e), fmt.qtypes, fmt.shapes, ffn, e)  # [1, H]
+        assert torch.equal(got[p:p + 1], want)
