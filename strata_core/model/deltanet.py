@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from strata_core.ops.matmul import rowwise
+
 __all__ = ["CHUNK", "causal_conv", "delta_rule", "delta_rule_chunked", "delta_rule_recurrent", "l2_norm"]
 
 #: tokens per chunk of the chunked form (transformers' and fla's default)
@@ -45,7 +47,7 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     for j in range(1, K):
         out = out + window[j:j + T] * w[:, j]  # [T, C]
     state.copy_(window[T:])
-    return F.silu(out).to(x.dtype)
+    return rowwise(F.silu, out).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,18 +64,18 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     T, Dk = q.shape[0], q.shape[-1]
     q = (q.float() * Dk ** -0.5).contiguous()
     k, v = k.float().contiguous(), v.float().contiguous()
-    decay = g.float().exp().contiguous()  # [T, Hv]
+    decay = rowwise(torch.exp, g.float())  # [T, Hv]
     beta = beta.float().contiguous()
     s = state
-    out = []
+    out = v.new_empty(v.shape)  # [T, Hv, Dv]
     for t in range(T):
         s = s * decay[t][:, None, None]  # [Hv, Dk, Dv]
         kt = k[t][:, :, None]  # [Hv, Dk, 1]
         delta = (v[t] - (s * kt).sum(1)) * beta[t][:, None]  # [Hv, Dv]
         s = s + kt * delta[:, None, :]
-        out.append((s * q[t][:, :, None]).sum(1))  # [Hv, Dv]
+        out[t] = (s * q[t][:, :, None]).sum(1)
     state.copy_(s)
-    return torch.stack(out)  # [T, Hv, Dv]
+    return out
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

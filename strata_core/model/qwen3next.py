@@ -18,7 +18,7 @@ from strata_core.model.deltanet import causal_conv, delta_rule, l2_norm
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
 from strata_core.model.transformer import MoEModel
-from strata_core.ops.matmul import linear
+from strata_core.ops.matmul import linear, rowwise
 
 __all__ = ["Qwen3NextModel"]
 
@@ -53,7 +53,7 @@ class Qwen3NextModel(MoEModel):
         q, k = self.rope(layer, q, k, positions)
         kv.write(layer, positions, k=k, v=v)
         out = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
-        return linear(out * torch.sigmoid(gate), w["attn_output.weight"])  # [T, H]
+        return linear(out * rowwise(torch.sigmoid, gate), w["attn_output.weight"])  # [T, H]
 
     def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +73,9 @@ class Qwen3NextModel(MoEModel):
         q = l2_norm(q.reshape(T, Hk, Dh), s.rms_norm_eps)  # [T, Hk, Dh]
         k = l2_norm(k.reshape(T, Hk, Dh), s.rms_norm_eps)
         ba = linear(x, w["ssm_ba.weight"]).view(T, Hk, 2 * r).float()  # per key head: [beta x r, alpha x r]
-        beta = torch.sigmoid(ba[..., :r].reshape(T, Hv))  # [T, Hv]
-        g = F.softplus(ba[..., r:].reshape(T, Hv) + w["ssm_dt.bias"].float()) * w["ssm_a"].float()  # [T, Hv]
+        beta = rowwise(torch.sigmoid, ba[..., :r].reshape(T, Hv))  # [T, Hv]
+        g = rowwise(F.softplus, ba[..., r:].reshape(T, Hv) + w["ssm_dt.bias"].float()) * w["ssm_a"].float()  # [T, Hv]
         o = delta_rule(q, k, v.reshape(T, Hv, Dh), g, beta, kv.state(layer, "ssm"), Hk)  # [T, Hv, Dh] f32
         z = linear(x, w["attn_gate.weight"]).view(T, Hv, Dh)  # [T, Hv, Dh]
-        o = rms_norm(o.to(x.dtype), w["ssm_norm.weight"], s.rms_norm_eps) * F.silu(z.float()).to(x.dtype)
+        o = rms_norm(o.to(x.dtype), w["ssm_norm.weight"], s.rms_norm_eps) * rowwise(F.silu, z.float()).to(x.dtype)
         return linear(o.reshape(T, s.gdn_value_dim), w["ssm_out.weight"])  # [T, H]

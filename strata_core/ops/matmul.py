@@ -6,14 +6,23 @@ Padding the row count to a multiple of :data:`ROW_TILE` keeps every product on t
 each output row is computed by the same kernel in the same order whatever the other rows are: this
 is what makes logits bit-identical across chunk sizes, decode batches and topologies on the CPU
 (tests/test_batch_invariance.py checks it). On other devices the products are plain.
+
+Elementwise transcendental functions (exp, sigmoid, softplus, SiLU) have the same problem in a
+smaller way: the CPU kernel computes whole SIMD vectors with one implementation and the leftover
+tail with the scalar one, which may round differently. ``rowwise`` pads each row so every element
+of a row goes through the vector code, whatever the number of rows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16
+#: row width ``rowwise`` pads to: a multiple of the widest CPU kernel step (2 AVX-512 vectors of float32)
+LANE_TILE = 64
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -32,3 +41,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     out = matmul(x.reshape(-1, x.shape[-1]), weight.T)  # [M, out]
     return out.reshape(*lead, weight.shape[0])
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn``; on the CPU each element's value is independent of the other
+    rows of ``x`` (the last dim padded to :data:`LANE_TILE`, so no row meets the scalar tail)."""
+    if x.device.type != "cpu":
+        return fn(x)
+    n = x.shape[-1]
+    return fn(F.pad(x, (0, (-n) % LANE_TILE)))[..., :n]
