@@ -45,6 +45,7 @@ import torch
 from strata_core.devices import device_scope, to_device
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.cache import ExpertCache
+from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import GATHER_COUNTS, fused_rows, gather_counts, pair_ffn
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
 from strata_core.experts.profile import UsageCounter
@@ -130,15 +131,17 @@ class CachedExpertRows:
         self._group_ring: StagingRing | None = None
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
-                 weights: torch.Tensor) -> torch.Tensor:
-        return combine_rows(self.rows(layer, hidden, expert_ids), weights)  # [T, H]
+                 weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
+        return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)  # [T, H]
 
-    def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t."""
+    def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
+             ffn: ExpertFFN = SILU) -> torch.Tensor:
+        """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t (an FFN as
+        ``ffn`` says: its activation, the biases on this device)."""
         self.usage.add(layer, expert_ids)
         chain = self.chains[layer]
         if self.gather and self.decoding and chain.own is not None:
-            return self._gathered(layer, hidden, expert_ids, chain)
+            return self._gathered(layer, hidden, expert_ids, chain, ffn)
         T, k = expert_ids.shape
         fmt = self.arena.formats[layer]
         if chain.own is not None:
@@ -147,7 +150,7 @@ class CachedExpertRows:
             self.telemetry.routed += expert_ids.numel()
         order, experts, counts = group_by_expert(expert_ids)
         if self.grouped and not self.decoding and chain.link:
-            return self._grouped(layer, hidden, k, order, experts, counts, chain).view(T, k, -1)
+            return self._grouped(layer, hidden, k, order, experts, counts, chain, ffn).view(T, k, -1)
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
         groups = {e: (end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
@@ -160,12 +163,12 @@ class CachedExpertRows:
             pairs = order[start:end]  # [n]
             x = hidden[pairs // k].to(gate.device)  # [n, H] (over to a peer computing its rows)
             with device_scope(gate.device):
-                rows = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes)
+                rows = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes, ffn, expert)
             out[pairs] = rows.to(self.device, out.dtype)
 
         n_link = self._link_share(len(missed), chain)
         link, away = self._away(missed[:n_link], chain)
-        on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden)
+        on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
         chain.wait(layer, self.device)
         with self.telemetry.compute(self.device):
             for expert, (cache, slot) in resident:  # a peer's bytes come across, or its rows come back
@@ -204,7 +207,7 @@ class CachedExpertRows:
         return link, away
 
     def _grouped(self, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, experts: torch.Tensor,
-                 counts: torch.Tensor, chain: Chain) -> torch.Tensor:
+                 counts: torch.Tensor, chain: Chain, ffn: ExpertFFN) -> torch.Tensor:
         """``[T*k, H]`` rows of a prefill chunk through the grouped prefill (``order``/``experts``/``counts``
         from ``group_by_expert``); the host reads the routing once, nothing waits per expert. The
         experts a computing peer holds, and its share of the misses, go to that peer (enqueued first,
@@ -222,7 +225,7 @@ class CachedExpertRows:
         elsewhere: set[int] = set()
         for lane in chain.lanes:
             if taken[id(lane)]:
-                self._on_peer(lane, layer, hidden, k, order, ids, sizes, holder, taken[id(lane)], out)
+                self._on_peer(lane, layer, hidden, k, order, ids, sizes, holder, taken[id(lane)], out, ffn)
                 elsewhere.update(taken[id(lane)])
                 self.telemetry.count(lane.name, {"streamed": sum(1 for i in taken[id(lane)] if holder[i] is None)})
         here = [i for i in range(len(ids)) if i not in elsewhere]
@@ -236,7 +239,7 @@ class CachedExpertRows:
         with self.telemetry.compute(self.device):
             n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, mine, [ids[i] for i in here],
                                             [sizes[i] for i in here], [holder[i] for i in here], chain.own,
-                                            self._group_ring, store, self.group_experts)
+                                            self._group_ring, store, self.group_experts, ffn=ffn)
         for lane in chain.lanes:
             lane.join()
         n_lanes = sum(1 for i in elsewhere if holder[i] is not None)
@@ -245,7 +248,7 @@ class CachedExpertRows:
         return out
 
     def _on_peer(self, lane: PeerLane, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
-                 sizes: list[int], holder: list, chosen: list[int], out: torch.Tensor) -> None:
+                 sizes: list[int], holder: list, chosen: list[int], out: torch.Tensor, ffn: ExpertFFN) -> None:
         """Enqueue on ``lane``'s peer the grouped rows of the distinct experts ``chosen`` (indices into
         ``ids``): in compact groups of at most ``lane.rows`` pairs, its misses over its own link, each
         group's rows written back into ``out`` as soon as they are computed."""
@@ -259,9 +262,9 @@ class CachedExpertRows:
 
             grouped_rows(layer, self.arena.formats[layer], hidden.to(lane.device), k, there, [ids[i] for i in chosen],
                          [sizes[i] for i in chosen], [holder[i] for i in chosen], lane.cache, lane.ring(self.group_experts),
-                         store, self.group_experts, lane.rows)
+                         store, self.group_experts, lane.rows, ffn)
 
-    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain) -> torch.Tensor:
+    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN) -> torch.Tensor:
         """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read.
 
         The own cache and the pinned arena serve each pair, except the pairs a peer of the chain
@@ -284,7 +287,7 @@ class CachedExpertRows:
                     held = cache.table.mirror[layer][there]  # [P]
                     mine = (held >= 0) & ~taken.to(lane.device)
                     rows = self._pair_rows(hidden.to(lane.device), cache.padded, arena,
-                                           torch.where(mine, held, cache.zero_slot), there, fmt)
+                                           torch.where(mine, held, cache.zero_slot), there, fmt, ffn)
                     served.append((mine.to(self.device), rows.to(self.device)))
             else:  # the peer's bytes come across the peer link
                 held = cache.table.mirror[layer].to(self.device)[expert]  # [P]
@@ -292,14 +295,15 @@ class CachedExpertRows:
                 cache.wait_layer(layer, cache.device)
                 packed = cache.padded.index_select(0, torch.where(mine, held, cache.zero_slot).to(cache.device))
                 across = torch.arange(expert.numel(), device=self.device)  # pair p reads row p
-                served.append((mine, self._pair_rows(hidden, packed.to(self.device), arena, across, expert, fmt)))
+                served.append((mine, self._pair_rows(hidden, packed.to(self.device), arena, across, expert, fmt,
+                                                     ffn)))
             taken = taken | served[-1][0]
         if served:
             slot = torch.where(taken & (slot < 0), own.zero_slot, slot)  # the peers' pairs: a zero row here
         self.telemetry.routed += T * k
         self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
         own.wait_layer(layer, self.device)
-        rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt)  # [P, H]
+        rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]
         for lane in chain.lanes:
             lane.join()
         for mine, peer_rows in served:
@@ -308,22 +312,24 @@ class CachedExpertRows:
         return rows.view(T, k, -1)
 
     def _pair_rows(self, hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
-                   expert: torch.Tensor, fmt) -> torch.Tensor:
+                   expert: torch.Tensor, fmt, ffn: ExpertFFN = SILU) -> torch.Tensor:
         """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k``) on ``hidden``'s device, each
-        read from ``slots[slot[p]]`` or, where ``slot[p] < 0``, ``arena[expert[p]]``."""
+        read from ``slots[slot[p]]`` or, where ``slot[p] < 0``, ``arena[expert[p]]``. The fused CUDA op
+        computes plain SiLU experts only; others (gpt-oss) gather the bytes and take ``pair_ffn`` there."""
         T = hidden.shape[0]
         device = hidden.device
-        if device.type == "cuda":  # one fused op: misses staged, FFN straight from the quantized blocks
+        if device.type == "cuda" and ffn.plain:  # one fused op: misses staged, FFN straight from the blocks
             with self.telemetry.compute(device):
                 return fused_rows(hidden, slots, arena, slot, expert, fmt)
         with self.telemetry.timed("copy", device):
             packed = gather_experts(slots, arena, slot, expert, fmt.total)  # [P, total]
         with self.telemetry.compute(device):
             x = hidden[:, None, :].expand(T, slot.shape[0] // T, hidden.shape[-1]).reshape(slot.shape[0], -1)
-            return pair_ffn(x, packed, fmt)  # [P, H]
+            return pair_ffn(x, packed, fmt, ffn, expert)  # [P, H]
 
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
-                    order: torch.Tensor, k: int, hidden: torch.Tensor) -> list[tuple[torch.Tensor, Future]]:
+                    order: torch.Tensor, k: int, hidden: torch.Tensor,
+                    ffn: ExpertFFN) -> list[tuple[torch.Tensor, Future]]:
         """Start the CPU rows of ``experts`` from the arena; returns (pairs, future rows) per expert."""
         fmt = self.arena.formats[layer]
         jobs = []
@@ -334,9 +340,9 @@ class CachedExpertRows:
             parts = self.arena.parts(layer, expert)
             if self.cpu_pool is None:
                 fut: Future = Future()
-                fut.set_result(expert_ffn(x, *parts, fmt.qtypes, fmt.shapes))
+                fut.set_result(expert_ffn(x, *parts, fmt.qtypes, fmt.shapes, ffn, expert))
             else:
-                fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes)
+                fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes, ffn, expert)
             jobs.append((pairs, fut))
         return jobs
 
@@ -354,16 +360,18 @@ def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.
 def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
                  sizes: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
                  ring: StagingRing, store: Callable[[slice, torch.Tensor], None], group_experts: int,
-                 group_rows: int = 0) -> tuple[int, int]:
+                 group_rows: int = 0, ffn: ExpertFFN = SILU) -> tuple[int, int]:
     """The grouped prefill of the distinct experts ``ids`` (ascending, ``sizes[i]`` pairs each) on
     ``x``'s device: ``order [sum(sizes)]`` (on that device) are their pairs sorted by expert, pair p
     being token ``p // k`` of ``x [T, H]``. Per group of at most ``group_experts`` experts (and
     ``group_rows`` pairs, where > 0; a group has one expert at least): resident experts by one
     index_select from ``own``'s slots, a peer's (``holder``) read across, misses (``holder`` None)
-    through ``ring``; then ``store(slice of order, rows)``. Returns (misses, experts read across)."""
+    through ``ring``; then ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
+    Returns (misses, experts read across)."""
     device = x.device
     slot = own.table.mirror[layer][to_device(torch.tensor(ids), device)] if own is not None else None  # [n]
     counts = to_device(torch.tensor(sizes), device)  # [n]
+    expert_ids = None if ffn.plain else to_device(torch.tensor(ids), device)  # [n]: index the biases
     groups = expert_groups(sizes, group_experts, group_rows)
     misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
     from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)
@@ -380,7 +388,8 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
             packed[row] = cache.slots[slot_id].to(device, non_blocking=True)
         weights = dequantize_experts(packed, fmt, x.dtype)
         at = slice(g.start, g.end)
-        store(at, grouped_ffn(x[order[at] // k], *weights, counts[g.first:g.last], max(sizes[g.first:g.last])))
+        store(at, grouped_ffn(x[order[at] // k], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),
+                              ffn=ffn, experts=None if expert_ids is None else expert_ids[g.first:g.last]))
 
     ring.run_batches(layer, misses, consume)
     return sum(map(len, misses)), sum(map(len, from_peers))

@@ -51,13 +51,9 @@ class ExpertFFN:
             and self.down_bias is None
 
     def pre(self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``g, u [n, F]`` (the gate and up products of rows of expert(s) ``experts``: one id or ``[n]``)
-        with their biases added."""
-        if self.gate_bias is not None:
-            g = g + self.gate_bias[experts].to(g.device, g.dtype)
-        if self.up_bias is not None:
-            u = u + self.up_bias[experts].to(u.device, u.dtype)
-        return g, u
+        """``g, u [n, F]`` (the gate and up products of rows of expert(s) ``experts``: one id or ``[n]``,
+        on any device) with their biases added."""
+        return _biased(g, self.gate_bias, experts), _biased(u, self.up_bias, experts)
 
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The gated activation of ``g, u [..., F]``."""
@@ -68,13 +64,19 @@ class ExpertFFN:
 
     def post(self, y: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
         """``y [n, H]`` (the down product) with the down bias of expert(s) ``experts`` added."""
-        if self.down_bias is None:
-            return y
-        return y + self.down_bias[experts].to(y.device, y.dtype)
+        return _biased(y, self.down_bias, experts)
 
     def hidden(self, g: torch.Tensor, u: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
         """``glu(pre(g, u))``: the down product's input."""
         return self.glu(*self.pre(g, u, experts))
+
+
+def _biased(y: torch.Tensor, bias: torch.Tensor | None, experts: torch.Tensor | int) -> torch.Tensor:
+    """``y`` plus the rows ``experts`` of ``bias`` (indexed where the bias lives, added on y's device)."""
+    if bias is None:
+        return y
+    index = experts.to(bias.device) if isinstance(experts, torch.Tensor) else experts
+    return y + bias[index].to(y.device, y.dtype)
 
 
 #: The plain SiLU-gated FFN without biases.
