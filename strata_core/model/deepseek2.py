@@ -31,7 +31,7 @@ from strata_core.model.ops import rms_norm
 from strata_core.model.rope import apply_rope_interleaved, scaled_inv_freq
 from strata_core.model.transformer import _MIN_WEIGHT_SUM, MoEModel
 from strata_core.model.weights import DenseWeights
-from strata_core.ops.matmul import linear, matmul
+from strata_core.ops.matmul import linear, matmul, rowwise
 
 __all__ = ["DeepseekModel", "swiglu"]
 
@@ -41,7 +41,7 @@ ABSORBED_MAX_ROWS = 64
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """A SiLU-gated FFN ``down(silu(gate x) * up x)`` of ``x [T, H]`` (dense weights)."""
-    return linear(F.silu(linear(x, gate)) * linear(x, up), down)
+    return linear(rowwise(F.silu, linear(x, gate)) * linear(x, up), down)
 
 
 class DeepseekModel(MoEModel):
@@ -129,7 +129,7 @@ class DeepseekModel(MoEModel):
         """``(ids [T, k], weights [T, k])`` as llama.cpp's ``build_moe_ffn`` for deepseek2."""
         s, w = self.spec, self.weights.at(layer, x.device)
         logits = linear(x, w["ffn_gate_inp.weight"]).float()  # [T, E]
-        probs = torch.softmax(logits, dim=-1) if s.gating == "softmax" else torch.sigmoid(logits)  # [T, E]
+        probs = torch.softmax(logits, dim=-1) if s.gating == "softmax" else rowwise(torch.sigmoid, logits)  # [T, E]
         choice = probs + w["exp_probs_b.bias"].float() if s.has_probs_bias else probs  # [T, E]
         if s.expert_groups > 1:
             T, G = choice.shape[0], s.expert_groups

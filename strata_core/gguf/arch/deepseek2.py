@@ -146,8 +146,9 @@ class DeepseekArchitecture(Architecture):
         kv_lora = m.int(K.Attention.KV_LORA_RANK)
         q_lora = m.int(K.Attention.Q_LORA_RANK) if "blk.0.attn_q_a.weight" in tensors else 0
         n_dense = m.int(K.LLM.LEADING_DENSE_BLOCK_COUNT, 0, minimum=0)
-        if n_dense > n_layers:
-            raise ModelFileError(f"{path}: {a}.leading_dense_block_count {n_dense} > block_count {n_layers}")
+        if n_dense >= n_layers:
+            raise UnsupportedError(f"{path}: {a}.leading_dense_block_count {n_dense} leaves no MoE layer of "
+                                   f"{n_layers} (a dense model)")
         n_experts = m.int(K.LLM.EXPERT_COUNT)
         n_used = m.int(K.LLM.EXPERT_USED_COUNT)
         if n_used > n_experts:

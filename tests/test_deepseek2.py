@@ -1,0 +1,220 @@
+"""deepseek2 (MLA): the GGUF llama.cpp's converter makes of a tiny random HF DeepSeek-V3 (committed
+fixture, see tools/make_llamacpp_fixture.py --arch deepseek3) gives transformers' logits at every
+position with F32 and the converter's Q8_0 (+F16) tensors; a synthetic deepseek2 with Q4_K experts
+gives the logits of transformers on its dequantized weights; the session state is the latent and the
+rope key per token; the leading dense layer never reaches the expert paths; layer_split on two
+logical CPUs gives single's logits bit for bit."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strata_core.engine import Engine
+from strata_core.experts.rows import DequantExpertRows
+from strata_core.experts.weights import ExpertWeights
+from strata_core.gguf.arch.deepseek2 import DeepseekSpec
+from strata_core.gguf.reader import GGUFFile
+from strata_core.model import KVCache, MoEModel
+from strata_core.model.deepseek2 import DeepseekModel
+from strata_core.model.rope import scaled_inv_freq
+from strata_core.quant import dequantize
+
+DATA = Path(__file__).parent / "data" / "deepseek3_llamacpp"
+T = 16
+PROMPT = list(range(3, 27))
+
+
+def _tokens(spec) -> torch.Tensor:
+    return torch.randint(0, spec.vocab_size, (T,), generator=torch.Generator().manual_seed(0))  # [T]
+
+
+def _logits(model: MoEModel, f: GGUFFile, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    tokens = _tokens(model.spec) if tokens is None else tokens
+    with torch.no_grad():
+        return model.forward(tokens, KVCache.for_spec(model.spec, 32),
+                             DequantExpertRows(ExpertWeights(f, model.spec)))  # [T, V]
+
+
+def hf_state_dict(f: GGUFFile, spec: DeepseekSpec) -> dict[str, torch.Tensor]:
+    """The HF DeepseekV3 state dict of a deepseek2 GGUF (dequantized): the inverse of llama.cpp's
+    converter (``attn_k_b``/``attn_v_b`` joined back into ``kv_b_proj``, experts stacked)."""
+    def load(name: str) -> torch.Tensor:
+        ref = f.tensors[name]
+        return dequantize(ref.raw(), ref.qtype, ref.shape).float()
+
+    out = {"model.embed_tokens.weight": load("token_embd.weight"), "model.norm.weight": load("output_norm.weight"),
+           "lm_head.weight": load("output.weight" if "output.weight" in f.tensors else "token_embd.weight")}
+    names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+             "attn_q_a": "self_attn.q_a_proj", "attn_q_a_norm": "self_attn.q_a_layernorm",
+             "attn_q_b": "self_attn.q_b_proj", "attn_q": "self_attn.q_proj",
+             "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa", "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+             "ffn_down": "mlp.down_proj", "ffn_gate_inp": "mlp.gate", "ffn_down_exps": "mlp.experts.down_proj",
+             "ffn_gate_shexp": "mlp.shared_experts.gate_proj", "ffn_up_shexp": "mlp.shared_experts.up_proj",
+             "ffn_down_shexp": "mlp.shared_experts.down_proj"}
+    for i in range(spec.n_layers):
+        blk, hf = f"blk.{i}.", f"model.layers.{i}."
+        for short, long in names.items():
+            if blk + short + ".weight" in f.tensors:
+                suffix = "" if short.endswith("_exps") else ".weight"
+                out[hf + long + suffix] = load(blk + short + ".weight")
+        k_b, v_b = load(blk + "attn_k_b.weight"), load(blk + "attn_v_b.weight")  # [nh, C, nope], [nh, v, C]
+        out[hf + "self_attn.kv_b_proj.weight"] = torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(-1, k_b.shape[1])
+        if i in spec.moe_layers:
+            out[hf + "mlp.experts.gate_up_proj"] = torch.cat(
+                (load(blk + "ffn_gate_exps.weight"), load(blk + "ffn_up_exps.weight")), dim=1)  # [E, 2F, H]
+            if spec.has_probs_bias:
+                out[hf + "mlp.gate.e_score_correction_bias"] = load(blk + "exp_probs_b.bias")
+    return out
+
+
+def _hf(state: dict[str, torch.Tensor] | None = None, config=None) -> torch.nn.Module:
+    from transformers import DeepseekV3ForCausalLM
+
+    if config is None:
+        hf = DeepseekV3ForCausalLM.from_pretrained(DATA, attn_implementation="eager", dtype=torch.float32)
+    else:
+        hf = DeepseekV3ForCausalLM(config).float()
+    if state is not None:
+        missing, unexpected = hf.load_state_dict(state, strict=False)
+        assert not unexpected and all("rotary" in m for m in missing), (missing, unexpected)
+    return hf.eval()
+
+
+def test_llamacpp_f32_matches_transformers_and_the_mapping_inverts():
+    f = GGUFFile.open(DATA / "model-f32.gguf")
+    model = MoEModel.load(f)
+    spec = model.spec
+    assert isinstance(model, DeepseekModel) and isinstance(spec, DeepseekSpec)
+    assert (spec.n_layers, spec.moe_layers, spec.q_lora_rank, spec.kv_lora_rank) == (3, range(1, 3), 16, 32)
+    assert (spec.gating, spec.has_probs_bias, spec.expert_groups, spec.expert_groups_used) == ("sigmoid", True, 4, 2)
+    assert (spec.rope_scaling, spec.rope_factor, spec.rope_orig_ctx, spec.yarn_log_mul) == (
+        "yarn", 4.0, 4096, pytest.approx(1.0))
+    assert spec.norm_topk_prob and spec.expert_weights_scale == 2.5
+    hf = _hf()
+    original = hf.state_dict()
+    mapped = hf_state_dict(f, spec)
+    assert mapped.keys() == original.keys()
+    assert all(torch.equal(mapped[k], original[k]) for k in original)
+    with torch.no_grad():
+        ref = hf(_tokens(spec)[None]).logits[0]  # [T, V]
+    ours = _logits(model, f)
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_llamacpp_q8_0_matches_transformers_on_its_weights():
+    f = GGUFFile.open(DATA / "model-q8_0.gguf")
+    types = {ref.qtype for ref in f.tensors.values()}
+    assert {Q.Q8_0, Q.F16} <= types  # the converter keeps rows of 16 in F16 (attn_k_b, ffn_down_exps)
+    model = MoEModel.load(f)
+    with torch.no_grad():
+        ref = _hf(hf_state_dict(f, model.spec))(_tokens(model.spec)[None]).logits[0]  # [T, V]
+    assert (_logits(model, f) - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("change", [dict(has_probs_bias=False), dict(expert_groups=1), dict(gating="softmax"),
+                                    dict(rope_scaling="none"), dict(yarn_log_mul=0.0), dict(norm_topk_prob=False)])
+def test_each_routing_and_rope_feature_changes_the_logits(change):
+    """The comparisons above would fail without each feature: dropping one moves the logits."""
+    f = GGUFFile.open(DATA / "model-f32.gguf")
+    model = MoEModel.load(f)
+    tokens = torch.arange(T) * 17 % model.spec.vocab_size
+    changed = DeepseekModel(dataclasses.replace(model.spec, **change), model.weights)
+    assert (_logits(changed, f, tokens) - _logits(model, f, tokens)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("factor, orig, mscale_all_dim, dim", [(40.0, 4096, 1.0, 64), (4.0, 4096, 0.707, 16),
+                                                               (40.0, 4096, 0.707, 64)])
+def test_yarn_matches_transformers(factor, orig, mscale_all_dim, dim):
+    """Frequencies, the cos/sin magnitude and the score scale as transformers' DeepseekV3 computes
+    them for mscale == mscale_all_dim (every released config; DeepSeek-V3: factor 40, dim 64)."""
+    from transformers import DeepseekV3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_apply_mscale
+
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=factor, original_max_position_embeddings=orig,
+                mscale=mscale_all_dim, mscale_all_dim=mscale_all_dim, beta_fast=32, beta_slow=1)
+    config = DeepseekV3Config(qk_rope_head_dim=dim, qk_nope_head_dim=128, rope_parameters=rope)
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    assert torch.allclose(scaled_inv_freq(dim, 10000.0, "yarn", factor, orig), inv_freq, rtol=1e-6, atol=0)
+    spec = dataclasses.replace(MoEModel.load(GGUFFile.open(DATA / "model-f32.gguf")).spec, head_dim=128 + dim,
+                               qk_rope_dim=dim, rope_factor=factor, rope_orig_ctx=orig, yarn_log_mul=mscale_all_dim)
+    assert spec.rope_mscale == pytest.approx(attention_scaling, rel=1e-6)
+    assert spec.kq_scale == pytest.approx(yarn_apply_mscale(rope, (128 + dim) ** -0.5), rel=1e-6)
+
+
+def test_yarn_without_log_multiplier_scales_the_scores_as_llama_cpp():
+    """No ``yarn_log_multiplier``: llama.cpp scales cos/sin and the scores by ``1 + 0.1 ln(factor)``
+    (transformers would scale only cos/sin); the file means what llama.cpp makes of it."""
+    spec = dataclasses.replace(MoEModel.load(GGUFFile.open(DATA / "model-f32.gguf")).spec, yarn_log_mul=0.0)
+    mscale = 1 + 0.1 * math.log(spec.rope_factor)
+    assert spec.rope_mscale == pytest.approx(mscale)
+    assert spec.kq_scale == pytest.approx(mscale * mscale / math.sqrt(spec.head_dim))
+
+
+def test_the_session_state_is_the_latent_and_the_rope_key():
+    spec = MoEModel.load(GGUFFile.open(DATA / "model-f32.gguf")).spec
+    per_layer = spec.kv_lora_rank + spec.qk_rope_dim  # what llama.cpp's MLA cache holds per token
+    assert spec.state_bytes(1, torch.bfloat16) == spec.n_layers * per_layer * 2
+    expanded = spec.n_layers * spec.n_heads * (spec.head_dim + spec.v_head_dim) * 2  # K and V per head
+    assert spec.state_bytes(1, torch.bfloat16) < expanded
+    kv = KVCache.for_spec(spec, 8)
+    assert {n: tuple(t.shape) for n, t in kv.tensors[0].items()} == {"latent": (8, 32), "rope": (8, 16)}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.load(DATA / "model-q8_0.gguf", max_context=64, expert_cache=4)
+
+
+def test_the_dense_layer_has_no_experts_anywhere(engine):
+    """The arena, the caches and the routing counts cover layers 1 and 2 only."""
+    backend = engine.experts
+    assert backend.arena.formats[0] is None and backend.arena.formats[1] is not None
+    for cache in backend.caches.values():
+        assert bool((cache.table.host[0] < 0).all()) and int((cache.table.host >= 0).sum()) == 4
+    engine.logits(PROMPT[:9])
+    counts = backend.usage_profile().counts
+    assert counts[0].sum() == 0 and counts[1].sum() == counts[2].sum() == 9 * engine.spec.n_experts_used
+    assert backend.usage_profile().tokens >= 9
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    return engine.logits(PROMPT)
+
+
+@given(chunk=st.integers(1, len(PROMPT)))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_logits_do_not_depend_on_the_chunk_size(engine, reference, chunk):
+    engine.settings.prefill_chunk = chunk
+    try:
+        assert torch.equal(engine.logits(PROMPT), reference)
+    finally:
+        engine.settings.prefill_chunk = 8192
+
+
+def test_decode_window_rows_do_not_depend_on_the_batch(engine, reference):
+    cut = [5, 11, 20]
+    sessions = [engine.new_session() for _ in cut]
+    for session, n in zip(sessions, cut):
+        engine.prefill(session, PROMPT[:n])
+    batched = engine.decode_window([(s, PROMPT[n]) for s, n in zip(sessions, cut)])
+    for row, n in zip(batched, cut):
+        assert torch.equal(row, reference[n])
+
+
+def test_layer_split_on_two_cpus_gives_singles_logits(engine):
+    split = Engine.load(DATA / "model-q8_0.gguf", strategy="layer_split", devices=["cpu", "cpu"], max_context=64,
+                        expert_cache=4)
+    assert torch.equal(split.logits(PROMPT), engine.logits(PROMPT))
+    assert math.isfinite(float(split.logits(PROMPT[:3]).sum()))
