@@ -9,11 +9,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from strata_core.engine import Engine
+from strata_core.experts.profile import default_order
 from strata_core.experts.peer import PeerLane
 from strata_core.testing.residency import check_tiers
 
 PROMPT = list(range(5, 41))
-CHECKS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+CHECKS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +42,8 @@ def _windows(engine: Engine, n: int) -> list[torch.Tensor]:
 
 
 def _tier(model, devices=("cpu", "cpu"), **options) -> Engine:
-    settings_ = {k: options.pop(k) for k in list(options) if not k.startswith("peer_")}
-    return Engine.load(model, strategy="peer_tier", devices=list(devices), max_context=128, arena="pinned",
+    settings_ = {"arena": "pinned"} | {k: options.pop(k) for k in list(options) if not k.startswith("peer_")}
+    return Engine.load(model, strategy="peer_tier", devices=list(devices), max_context=128,
                        strategy_options=options, **settings_)
 
 
@@ -69,9 +70,8 @@ def test_logits_equal_single_holding_the_union(model, reference, primary, peer, 
     else:
         assert torch.equal(logits, reference[0])
         assert all(torch.equal(a, b) for a, b in zip(_windows(engine, 3), reference[1]))
-    union = Engine.load(model, max_context=128, expert_cache=primary + peer)
     assert not _held(engine, 0) & _held(engine, 1)
-    assert _held(engine, 0) | _held(engine, 1) == _held(union, 0)
+    assert _held(engine, 0) | _held(engine, 1) == set(default_order(4, 8)[:primary + peer])  # single's, both budgets
     assert engine.experts.tables[1].n_slots == min(peer, 4 * 8 - len(_held(engine, 0)))
 
 
@@ -105,11 +105,12 @@ def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
 
 @CHECKS
 @given(primary=st.integers(1, 12), peer=st.integers(1, 12), swaps=st.integers(0, 3), peer_swaps=st.integers(-1, 3),
-       turns=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 255), st.integers(1, 3)), min_size=1, max_size=3))
+       turns=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 255), st.integers(1, 3)), min_size=1, max_size=2))
 def test_tiers_stay_disjoint_and_within_budget_under_adaptation(model, primary, peer, swaps, peer_swaps, turns):
     """Random adaptation sequences (prompts, windows, both caches swapping): never one expert in both
     tiers, each within its budget, the peer adapting only where asked."""
-    engine = _tier(model, expert_cache=primary, adapt_swaps=swaps, peer_slots=peer, peer_adapt_swaps=peer_swaps)
+    engine = _tier(model, expert_cache=primary, adapt_swaps=swaps, peer_slots=peer, peer_adapt_swaps=peer_swaps,
+                   arena="mmap")
     peer_before = _held(engine, 1)
     session = engine.new_session()
     for length, token, windows in turns:
