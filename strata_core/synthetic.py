@@ -14,7 +14,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass, replace
-from typing import Iterator
+from typing import ClassVar, Iterator
 
 import gguf
 import numpy as np
@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from strata_core.errors import ConfigError
 from strata_core.quant import bytes_for, random_blocks
+from strata_core.synthetic_deepseek2 import DEEPSEEK_PRESETS, DeepseekPreset
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
 
@@ -31,8 +32,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Preset:
-    """The shapes of one qwen3moe-architecture model."""
+    """The shapes of one qwen3moe-architecture model (another architecture's preset is a class with
+    the same ``architecture`` / ``n_layers`` / ``vocab`` / ``context`` / ``tensors`` / ``add_metadata``)."""
 
+    architecture: ClassVar[str] = "qwen3moe"
     n_layers: int
     n_experts: int
     n_experts_used: int
@@ -45,12 +48,53 @@ class Preset:
     context: int = 40960
     rope_theta: float = 1_000_000.0
 
+    def tensors(self, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tuple[int, ...], Q, float]]:
+        """(name, torch-order shape, block type, value scale) of every tensor, in file order."""
+        p = self
+        H, F, E = p.hidden, p.expert_ffn, p.n_experts
+        q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
+        yield "token_embd.weight", (p.vocab, H), dense_type, 1.0
+        yield "output_norm.weight", (H,), Q.F32, 1.0
+        yield "output.weight", (p.vocab, H), dense_type, 2 / math.sqrt(H)
+        for i in range(p.n_layers):
+            b = f"blk.{i}."
+            yield b + "attn_norm.weight", (H,), Q.F32, 1.0
+            yield b + "attn_q.weight", (q, H), dense_type, 2 / math.sqrt(H)
+            yield b + "attn_k.weight", (kv, H), dense_type, 2 / math.sqrt(H)
+            yield b + "attn_v.weight", (kv, H), dense_type, 2 / math.sqrt(H)
+            yield b + "attn_output.weight", (H, q), dense_type, 2 / math.sqrt(q)
+            yield b + "attn_q_norm.weight", (p.head_dim,), Q.F32, 1.0
+            yield b + "attn_k_norm.weight", (p.head_dim,), Q.F32, 1.0
+            yield b + "ffn_norm.weight", (H,), Q.F32, 1.0
+            yield b + "ffn_gate_inp.weight", (E, H), Q.F32, 4 / math.sqrt(H)
+            yield b + "ffn_gate_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
+            yield b + "ffn_up_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
+            yield b + "ffn_down_exps.weight", (E, H, F), expert_type, 2 / math.sqrt(F)
 
-PRESETS: dict[str, Preset] = {
+    def add_metadata(self, w: gguf.GGUFWriter) -> None:
+        """The architecture's hyper-parameter keys."""
+        p = self
+        w.add_block_count(p.n_layers)
+        w.add_context_length(p.context)
+        w.add_embedding_length(p.hidden)
+        w.add_feed_forward_length(p.expert_ffn * p.n_experts_used)
+        w.add_head_count(p.n_heads)
+        w.add_head_count_kv(p.n_kv_heads)
+        w.add_key_length(p.head_dim)
+        w.add_value_length(p.head_dim)
+        w.add_rope_freq_base(p.rope_theta)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_expert_count(p.n_experts)
+        w.add_expert_used_count(p.n_experts_used)
+        w.add_expert_feed_forward_length(p.expert_ffn)
+
+
+PRESETS: dict[str, Preset | DeepseekPreset] = {
     "qwen3-30b-a3b": Preset(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
     "qwen3-235b-a22b": Preset(94, 128, 8, 4096, 1536, 64, 4, 128, 151936),
     "small": Preset(8, 64, 8, 512, 256, 8, 2, 64, 4096, context=8192),
     "tiny": Preset(2, 16, 4, 256, 256, 4, 2, 64, 512, context=2048),
+    **DEEPSEEK_PRESETS,
 }
 
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -75,26 +119,8 @@ class _BlockPool:
 
 
 def _tensors(p: Preset, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tuple[int, ...], Q, float]]:
-    """(name, torch-order shape, block type, value scale) of every tensor, in file order."""
-    H, F, E = p.hidden, p.expert_ffn, p.n_experts
-    q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
-    yield "token_embd.weight", (p.vocab, H), dense_type, 1.0
-    yield "output_norm.weight", (H,), Q.F32, 1.0
-    yield "output.weight", (p.vocab, H), dense_type, 2 / math.sqrt(H)
-    for i in range(p.n_layers):
-        b = f"blk.{i}."
-        yield b + "attn_norm.weight", (H,), Q.F32, 1.0
-        yield b + "attn_q.weight", (q, H), dense_type, 2 / math.sqrt(H)
-        yield b + "attn_k.weight", (kv, H), dense_type, 2 / math.sqrt(H)
-        yield b + "attn_v.weight", (kv, H), dense_type, 2 / math.sqrt(H)
-        yield b + "attn_output.weight", (H, q), dense_type, 2 / math.sqrt(q)
-        yield b + "attn_q_norm.weight", (p.head_dim,), Q.F32, 1.0
-        yield b + "attn_k_norm.weight", (p.head_dim,), Q.F32, 1.0
-        yield b + "ffn_norm.weight", (H,), Q.F32, 1.0
-        yield b + "ffn_gate_inp.weight", (E, H), Q.F32, 4 / math.sqrt(H)
-        yield b + "ffn_gate_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
-        yield b + "ffn_up_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
-        yield b + "ffn_down_exps.weight", (E, H, F), expert_type, 2 / math.sqrt(F)
+    """(name, torch-order shape, block type, value scale) of every tensor of ``p``, in file order."""
+    return p.tensors(expert_type, dense_type)
 
 
 def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
@@ -102,19 +128,7 @@ def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
     from strata_core.tokenizer import train_byte_level_bpe
 
     w.add_name(f"strata-synthetic-{name}")
-    w.add_block_count(p.n_layers)
-    w.add_context_length(p.context)
-    w.add_embedding_length(p.hidden)
-    w.add_feed_forward_length(p.expert_ffn * p.n_experts_used)
-    w.add_head_count(p.n_heads)
-    w.add_head_count_kv(p.n_kv_heads)
-    w.add_key_length(p.head_dim)
-    w.add_value_length(p.head_dim)
-    w.add_rope_freq_base(p.rope_theta)
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_expert_count(p.n_experts)
-    w.add_expert_used_count(p.n_experts_used)
-    w.add_expert_feed_forward_length(p.expert_ffn)
+    p.add_metadata(w)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_string("strata.synthetic.expert_type", expert_type.name)
     text = ["the quick brown fox jumps over the lazy dog", "strata streams experts from host memory",
@@ -152,7 +166,7 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
         preset = replace(preset, n_layers=n_layers)
     rng = np.random.default_rng(seed)
     specs = list(_tensors(preset, expert_type, dense_type))
-    w = gguf.GGUFWriter(os.fspath(path), "qwen3moe")
+    w = gguf.GGUFWriter(os.fspath(path), preset.architecture)
     _metadata(w, name, preset, expert_type)
     total = 0
     for tname, shape, qtype, _scale in specs:

@@ -218,3 +218,42 @@ def test_layer_split_on_two_cpus_gives_singles_logits(engine):
                         expert_cache=4)
     assert torch.equal(split.logits(PROMPT), engine.logits(PROMPT))
     assert math.isfinite(float(split.logits(PROMPT[:3]).sum()))
+
+
+def _hf_config(spec: DeepseekSpec):
+    """The transformers DeepseekV3Config of a deepseek2 spec (sigmoid router, YaRN, q LoRA)."""
+    from transformers import DeepseekV3Config
+
+    rope = dict(rope_type="yarn", rope_theta=spec.rope_theta, factor=spec.rope_factor,
+                original_max_position_embeddings=spec.rope_orig_ctx, mscale=spec.yarn_log_mul,
+                mscale_all_dim=spec.yarn_log_mul, beta_fast=32, beta_slow=1)
+    return DeepseekV3Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.dense_ffn_size,
+        moe_intermediate_size=spec.expert_ffn_size, num_hidden_layers=spec.n_layers, first_k_dense_replace=spec.n_dense_lead,
+        num_attention_heads=spec.n_heads, num_key_value_heads=spec.n_heads,
+        n_shared_experts=spec.shared_expert_ffn_size // spec.expert_ffn_size, n_routed_experts=spec.n_experts,
+        num_experts_per_tok=spec.n_experts_used, n_group=spec.expert_groups, topk_group=spec.expert_groups_used,
+        routed_scaling_factor=spec.expert_weights_scale, norm_topk_prob=spec.norm_topk_prob,
+        q_lora_rank=spec.q_lora_rank, kv_lora_rank=spec.kv_lora_rank, qk_nope_head_dim=spec.qk_nope_dim,
+        qk_rope_head_dim=spec.qk_rope_dim, v_head_dim=spec.v_head_dim, rms_norm_eps=spec.rms_norm_eps,
+        max_position_embeddings=spec.context_length, rope_parameters=rope, num_mtp_layers=0,
+        tie_word_embeddings=False, attn_implementation="eager")
+
+
+def test_synthetic_deepseek_with_q4_k_experts_matches_transformers(tmp_path):
+    """``make-synthetic --preset deepseek-tiny``: Q4_K experts, Q8_0 dense, the shapes of
+    deepseek-v3-small at test size; transformers on its dequantized weights gives the same logits."""
+    from strata_core.synthetic import write_synthetic
+
+    path = tmp_path / "deepseek-tiny.gguf"
+    write_synthetic(path, "deepseek-tiny", expert_type=Q.Q4_K, dense_type=Q.Q8_0, progress=False)
+    f = GGUFFile.open(path)
+    model = MoEModel.load(f)
+    spec = model.spec
+    assert f.tensors["blk.1.ffn_down_exps.weight"].qtype == Q.Q4_K and spec.moe_layers == range(1, 2)
+    tokens = torch.arange(T) * 31 % spec.vocab_size
+    with torch.no_grad():
+        ref = _hf(hf_state_dict(f, spec), _hf_config(spec))(tokens[None]).logits[0]  # [T, V]
+    ours = _logits(model, f, tokens)
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
