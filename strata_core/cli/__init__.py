@@ -20,6 +20,7 @@ from pydantic_settings import (
 )  # fmt: skip
 
 from strata_core.cli.bench import BenchCommand
+from strata_core.cli.gate import GateCommand
 from strata_core.cli.generate import GenerateCommand
 from strata_core.cli.info import InfoCommand
 from strata_core.cli.make_synthetic import MakeSyntheticCommand
@@ -46,6 +47,7 @@ class Strata(BaseModel):
     serve: CliSubCommand[ServeCommand] = Field(description="OpenAI-compatible HTTP server")
     profile: CliSubCommand[ProfileCommand] = Field(description="record expert usage over prompts")
     bench: CliSubCommand[BenchCommand] = Field(description="prefill and decode speed")
+    gate: CliSubCommand[GateCommand] = Field(description="exactness gate: greedy output of each strategy vs single")
     make_synthetic: CliSubCommand[MakeSyntheticCommand] = Field(description="write a random model of real shapes")
     version: CliImplicitFlag[bool] = Field(False, description="print the version and exit")
 
