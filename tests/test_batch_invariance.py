@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -11,11 +13,16 @@ from strata_core.engine import Engine
 from strata_core.ops.matmul import linear
 
 PROMPT = list(range(3, 40))
+#: gpt-oss (sinks, a sliding window of 4, biased swiglu_oai experts in MXFP4; tests/test_gpt_oss.py)
+GPT_OSS = Path(__file__).parent / "data" / "gpt-oss_llamacpp" / "model-mxfp4.gguf"
+#: Qwen3-Next (Gated DeltaNet recurrent state + gated attention; tests/test_qwen3next.py)
+QWEN3NEXT = Path(__file__).parent / "data" / "qwen3next_llamacpp" / "model-q8_0.gguf"
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model_factory):
-    return Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=64)
+@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next"])
+def engine(request, tiny_model_factory):
+    path = {"gpt-oss": GPT_OSS, "qwen3next": QWEN3NEXT}.get(request.param) or tiny_model_factory(expert_type="Q8_0")
+    return Engine.load(path, max_context=64)
 
 
 @pytest.fixture(scope="module")
