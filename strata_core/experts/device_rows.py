@@ -254,6 +254,7 @@ class CachedExpertRows:
         group's rows written back into ``out`` as soon as they are computed."""
         pairs = pairs_of(order, sizes, chosen)  # [n] on this device
         with lane.enqueue():
+            lane.hold(pairs)  # read by the side streams after this call returns
             lane.cache.wait_layer(layer, lane.device)
             there = pairs.to(lane.device)
 
@@ -282,6 +283,7 @@ class CachedExpertRows:
             lane = chain.lane(cache)
             if lane is not None:  # activations go over, rows come back
                 with lane.enqueue():
+                    lane.hold(taken)  # replaced below while the side stream may still read it
                     cache.wait_layer(layer, lane.device)
                     there = expert.to(lane.device)
                     held = cache.table.mirror[layer][there]  # [P]

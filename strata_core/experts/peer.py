@@ -60,6 +60,7 @@ class PeerLane:
         self._peer_stream = torch.cuda.Stream(self.device) if cuda else None
         self._home_stream = torch.cuda.Stream(home) if cuda else None
         self._done: list[torch.cuda.Event] = []
+        self._held: list[torch.Tensor] = []
 
     def ring(self, rows: int = 1) -> StagingRing:
         """The peer's staging ring with ``rows`` experts per buffer (allocated on first use)."""
@@ -92,8 +93,14 @@ class PeerLane:
             done.record(stream)
             self._done.append(done)
 
+    def hold(self, *tensors: torch.Tensor) -> None:
+        """Keep tensors of the home's stream that the side streams read alive until ``join()`` (their
+        memory must not be reused before the side streams have read it)."""
+        self._held.extend(tensors)
+
     def join(self) -> None:
         """Make the home's current stream wait for everything enqueued for the peer (no host wait)."""
+        self._held.clear()
         if self._done:
             current = torch.cuda.current_stream(self.home)
             for done in self._done:
