@@ -32,6 +32,8 @@ from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.graphs import DecodeGraphs
 from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
+from strata_core.model.fused_decode import decode_layers as fused_decode_layers, fused_reason
+from strata_core.model.fused_decode import kv_tables as fused_kv_tables
 from strata_core.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
@@ -235,10 +237,16 @@ class Engine:
             return graphed if graphed is not None else self._decode_layers(segment, hidden, batch)
 
     def _decode_layers(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch,
-                       static_positions: torch.Tensor | None = None) -> torch.Tensor:
+                       static_positions: torch.Tensor | None = None,
+                       kv_tables: torch.Tensor | None = None) -> torch.Tensor:
         static = static_positions is not None
         positions = static_positions if static else to_device(batch.positions, hidden.device)  # [B]
         rows = self.experts.rows_for(segment.device, "decode")
+        if fused_reason(self.model, hidden.device) is None:  # few fused launches a layer (fused_decode.py)
+            if kv_tables is None:
+                kv_tables = to_device(fused_kv_tables(batch.sessions, segment.layers), hidden.device)
+            return fused_decode_layers(self.model, segment.layers, hidden, positions, batch.sessions, rows,
+                                       kv_tables, self._notify if self.layer_observers else None)
         for layer in segment.layers:
             hidden = torch.cat([
                 self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
@@ -268,6 +276,11 @@ class Engine:
     def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """One decode window through the decode placement's segments, then the head."""
         segments = self.segments["decode"]
+        if self.settings.cuda_graphs and len(segments) == 1 and self.stage_times is None:
+            with device_scope(self.device_of(segments[0])):  # embedding, layers and head in one replay
+                logits = self._decode_graphs().decode_step(segments[0], batch)
+            if logits is not None:
+                return logits
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [B, H]
         for segment in segments:
             hidden = self.decode_segment(segment, hidden, batch)

@@ -23,6 +23,13 @@ session (its tensors dropped), a moved one (new tensors) or a new set of session
 truncating or restoring a session keeps its tensors, so its graph stays valid. At most
 ``max_graphs`` graphs are kept (least recently used first out); dead sessions' graphs are purged.
 
+Where the segment's layers take the fused decode path (model/fused_decode.py: the plain Qwen-style
+model on CUDA) the graph is *shared*: the kernels reach each session's KV through an address table
+(``[layers, B, 2]``), a static buffer refilled from pinned memory before each replay, so the cache
+key is (B, layers) alone and a new session replays the graph captured for another. With a single
+decode segment on the main device the whole window is one graph (``decode_step``: embedding,
+layers, head; ``Engine.run_decode``), one per batch size; the output is the float32 logits.
+
 Telemetry inside the graph (``ExpertTelemetry.capturing``): no CUDA timing events (copy/compute
 seconds are not measured for replayed windows, so the bench's link GB/s reads 0); the gather's
 device counters are in-place adds into graph-owned tensors that each replay recomputes, folded into
@@ -46,6 +53,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from strata_core.devices import to_device
+from strata_core.model.fused_decode import fused_reason, kv_tables
+
 if TYPE_CHECKING:
     from strata_core.engine import Engine
     from strata_core.plugin.placement import Segment
@@ -55,7 +65,7 @@ __all__ = ["DecodeGraphs"]
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int, int, int, tuple[int, ...]]  # (B, device slot, first layer, stop layer, session ids)
+Key = tuple[int, int, int, int, tuple[int, ...], bool]  # (B, device slot, first, stop layer, session ids, whole step)
 
 
 @dataclass
@@ -63,13 +73,15 @@ class _Graph:
     """One captured window: the graph and the static tensors it reads and writes."""
 
     graph: Any  # torch.cuda.CUDAGraph (or a test fake with replay())
-    hidden: torch.Tensor  # [B, H] static input
+    hidden: torch.Tensor | None  # [B, H] static input (None: a whole-step graph embeds ``tokens``)
     positions: torch.Tensor  # [B] int64 static input
     out: torch.Tensor  # [B, H] static output (in the graph's pool)
     sink: dict = field(default_factory=dict)  # (counter names, device) -> int64 counts of one replay
     host_delta: dict[str, int] = field(default_factory=dict)  # host counters one window adds
     signature: tuple = ()
     sessions: tuple[weakref.ref, ...] = ()
+    tables: torch.Tensor | None = None  # [layers, B, 2] static KV address tables (session-independent graphs)
+    tokens: torch.Tensor | None = None  # [B] static token ids (a whole-step graph: embedding to logits)
 
 
 class DecodeGraphs:
@@ -83,7 +95,7 @@ class DecodeGraphs:
     def __init__(self, engine: Engine, max_graphs: int = 4, warmup: int = 2):
         self.engine, self.max_graphs, self.warmup = engine, max_graphs, warmup
         self._graphs: OrderedDict[Key, _Graph] = OrderedDict()
-        self._warm: set[tuple[int, int, int, int]] = set()
+        self._warm: set[tuple[int, int, int, int, bool]] = set()
         self._said: set[str] = set()
         self.failed: str | None = None  # a capture failed: eager from then on
         self.captures = 0
@@ -117,10 +129,16 @@ class DecodeGraphs:
 
     # --- the cache -------------------------------------------------------------------------------
 
+    def shared(self, segment: Segment) -> bool:
+        """Whether a graph of ``segment`` serves any sessions: its layers take the fused path, which
+        reaches the KV through address tables refilled before each replay (model/fused_decode.py)."""
+        return fused_reason(self.engine.model, self.engine.devices[segment.device].device) is None
+
     @staticmethod
-    def key(segment: Segment, batch: DecodeBatch) -> Key:
+    def key(segment: Segment, batch: DecodeBatch, shared: bool = False, step: bool = False) -> Key:
         layers = segment.layers
-        return (len(batch.sessions), segment.device, layers.start, layers.stop, tuple(s.id for s in batch.sessions))
+        ids = () if shared else tuple(s.id for s in batch.sessions)
+        return (len(batch.sessions), segment.device, layers.start, layers.stop, ids, step)
 
     @staticmethod
     def signature(layers: range, sessions: tuple[Session, ...]) -> tuple | None:
@@ -136,7 +154,7 @@ class DecodeGraphs:
 
     def invalidate(self, session: Session | None = None) -> None:
         """Drop the graphs of ``session`` (every graph if None)."""
-        for key in [k for k in self._graphs if session is None or session.id in k[4]]:
+        for key in [k for k in self._graphs if session is None or session.id in k[4]]:  # shared ones stay
             del self._graphs[key]
 
     def _purge(self) -> None:
@@ -146,19 +164,22 @@ class DecodeGraphs:
             if any(s is None or not s.kv.k for s in alive):
                 del self._graphs[key]
 
-    def entry(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
-        """The graph of this segment's window: the cached one if still valid, else a new capture."""
+    def entry(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor | None, shared: bool = False,
+              step: bool = False) -> _Graph:
+        """The graph of this segment's window (of the whole step with ``step``): the cached one if still
+        valid, else a new capture. A ``shared`` graph is valid for any sessions."""
         self._purge()
-        key, sig = self.key(segment, batch), self.signature(segment.layers, batch.sessions)
+        key = self.key(segment, batch, shared, step)
+        sig = () if shared else self.signature(segment.layers, batch.sessions)
         entry = self._graphs.get(key)
         if entry is not None and entry.signature == sig:
             self._graphs.move_to_end(key)
             return entry
         self._graphs.pop(key, None)
-        entry = self._capture(segment, batch, hidden)
+        entry = self._capture(segment, batch, hidden, shared, step)
         self.captures += 1
         entry.signature = sig
-        entry.sessions = tuple(weakref.ref(s) for s in batch.sessions)
+        entry.sessions = () if shared else tuple(weakref.ref(s) for s in batch.sessions)
         self._graphs[key] = entry
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
@@ -175,15 +196,45 @@ class DecodeGraphs:
         if reason is not None:
             self._say(reason)
             return None
+        entry = self._entry_or_none(segment, batch, hidden, self.shared(segment))
+        if entry is None:
+            return None
+        entry.hidden.copy_(hidden)
+        return self._replay(entry, segment, batch)
+
+    def decode_step(self, segment: Segment, batch: DecodeBatch) -> torch.Tensor | None:
+        """Float32 logits ``[B, V]`` of the whole window (embedding, ``segment``: the decode placement's
+        only one, head) by one graph replay, or None: run it the other way (the reason is logged once)."""
+        engine = self.engine
+        if self.why_not(segment, batch) is not None:
+            return None  # no graph at all: the segment path says why
+        reason = fused_reason(engine.model, engine.main.device)
+        if engine.devices[segment.device].device != engine.main.device:
+            reason = "the embedding and head live on another device than the decode layers"
+        if reason is not None:
+            self._say(f"no whole-step graph: {reason}")
+            return None
+        entry = self._entry_or_none(segment, batch, None, True, step=True)
+        if entry is None:
+            return None
+        entry.tokens.copy_(batch.tokens.pin_memory(), non_blocking=True)
+        return self._replay(entry, segment, batch)
+
+    def _entry_or_none(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor | None, shared: bool,
+                       step: bool = False) -> _Graph | None:
         try:
-            entry = self.entry(segment, batch, hidden)
+            return self.entry(segment, batch, hidden, shared, step)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for good
             self.failed = f"capture failed ({type(exc).__name__}: {exc})"
             log.warning("cuda graphs: %s; decode runs eagerly from now on", self.failed)
             self._graphs.clear()
             return None
-        entry.hidden.copy_(hidden)
+
+    def _replay(self, entry: _Graph, segment: Segment, batch: DecodeBatch) -> torch.Tensor:
+        """Refill the static inputs (positions, the KV address tables), replay, account; the output's copy."""
         entry.positions.copy_(batch.positions.pin_memory(), non_blocking=True)
+        if entry.tables is not None:
+            entry.tables.copy_(kv_tables(batch.sessions, segment.layers).pin_memory(), non_blocking=True)
         entry.graph.replay()
         self._account(entry)
         return entry.out.clone()
@@ -197,11 +248,15 @@ class DecodeGraphs:
 
     # --- capture ---------------------------------------------------------------------------------
 
-    def _capture(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor) -> _Graph:
-        engine, device, layers = self.engine, hidden.device, segment.layers
-        static_hidden = hidden.clone()
+    def _capture(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor | None, shared: bool = False,
+                 step: bool = False) -> _Graph:
+        engine, layers = self.engine, segment.layers
+        device = engine.devices[segment.device].device
+        static_hidden = hidden.clone() if hidden is not None else None
         static_positions = torch.empty(len(batch), dtype=torch.int64, device=device)
         static_positions.copy_(batch.positions.pin_memory(), non_blocking=True)
+        tables = to_device(kv_tables(batch.sessions, layers), device) if shared else None
+        tokens = to_device(batch.tokens, device) if step else None
         caches = engine.experts.caches.values()
         for cache in caches:  # swaps still landing: wait now, not inside the capture
             for layer in layers:
@@ -211,11 +266,16 @@ class DecodeGraphs:
         counts_before = [u.counts.clone() for u in usages]
 
         def body() -> torch.Tensor:
+            if step:
+                h = engine.model.embed(tokens)  # [B, H]
+                return engine.model.head(engine._decode_layers(segment, h, batch, static_positions, tables)).float()
+            if tables is not None:
+                return engine._decode_layers(segment, static_hidden, batch, static_positions, tables)
             return engine.decode_segment(segment, static_hidden, batch, static_positions=static_positions)
 
         sink: dict = {}
         try:
-            warm = (len(batch), segment.device, layers.start, layers.stop)
+            warm = (len(batch), segment.device, layers.start, layers.stop, step)
             if warm not in self._warm:
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
@@ -233,9 +293,10 @@ class DecodeGraphs:
             delta = {k: v - host_mid[k] for k, v in _read_host(engine).items()}
         finally:
             _write_host(engine, host_before)
-        log.info("cuda graphs: captured a decode window of %d session(s) over %s layers %d..%d",
-                 len(batch), engine.devices[segment.device], layers.start, layers.stop - 1)
-        return _Graph(graph, static_hidden, static_positions, out, sink, delta)
+        log.info("cuda graphs: captured a decode %s of %d session(s) over %s layers %d..%d%s",
+                 "step (embedding to logits)" if step else "window", len(batch), engine.devices[segment.device],
+                 layers.start, layers.stop - 1, ", for any sessions" if shared else "")
+        return _Graph(graph, static_hidden, static_positions, out, sink, delta, tables=tables, tokens=tokens)
 
 
 # --- host-side counters a window bumps (measured at capture, added per replay) ---------------------

@@ -24,7 +24,7 @@ def test_info_reports_architecture_sizes_and_fit(model):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "architecture: qwen3moe" in out
-    assert "experts: 8 per layer, top-2" in out
+    assert "experts: 8 per layer in 2 of 2 layers, top-2" in out
     assert "ffn_up_exps" in out and "Q8_0" in out
     assert "does not fit" in out and "dense + 16 of 16 experts" in out
     assert "dequantized to bf16" in out

@@ -69,7 +69,7 @@ class _CountingGraphs(DecodeGraphs):
     def __init__(self, max_graphs: int = 4):
         super().__init__(engine=None, max_graphs=max_graphs)  # type: ignore[arg-type]
 
-    def _capture(self, layers, batch, hidden):
+    def _capture(self, layers, batch, hidden, shared=False, step=False):
         return _Graph(graph=None, hidden=hidden, positions=batch.positions, out=hidden)
 
 
@@ -94,7 +94,23 @@ def test_capture_cache_is_keyed_by_sessions_and_batch_size():
     graphs.entry(layers, _batch(b, a), hidden)  # another order: another graph
     assert graphs.captures == 4 and len(graphs) == 4
     assert graphs.entry(layers, _batch(a, b), hidden) is not None and graphs.captures == 4
-    assert DecodeGraphs.key(layers, _batch(a, b)) == (2, 0, 0, 2, (a.id, b.id))
+    assert DecodeGraphs.key(layers, _batch(a, b)) == (2, 0, 0, 2, (a.id, b.id), False)
+
+
+def test_shared_graphs_serve_any_sessions():
+    """A graph reaching the KV through address tables is keyed by (B, layers, step) alone."""
+    graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
+    a, b = _session(), _session()
+    first = graphs.entry(layers, _batch(a), hidden, shared=True)
+    assert graphs.entry(layers, _batch(b), hidden, shared=True) is first  # another session: the same graph
+    a.kv.release()
+    del a
+    assert graphs.entry(layers, _batch(b), hidden, shared=True) is first and len(graphs) == 1  # never purged
+    graphs.entry(layers, _batch(b, _session()), hidden, shared=True)  # B = 2
+    graphs.entry(layers, _batch(b), hidden, shared=True, step=True)  # the whole step: its own graph
+    assert graphs.captures == 3 and len(graphs) == 3
+    graphs.invalidate(b)
+    assert len(graphs) == 3
 
 
 def test_capture_cache_invalidation():
@@ -188,7 +204,11 @@ def test_replayed_windows_make_no_host_sync_and_a_new_session_set_captures_again
     other = engine.new_session()
     engine.prefill(other, list(range(9, 20)))
     engine.decode_window([(session, token), (other, 3)])
-    assert graphs.captures == 2
+    assert graphs.captures == 2  # B = 2
     engine.release_session(other)
-    engine.decode_window([(session, token)])
-    assert graphs.captures == 2 and len(graphs) == 1  # the released session's graph is purged
+    third = engine.new_session()
+    engine.prefill(third, list(range(30, 41)))
+    with no_host_sync():  # a new session replays the graph of B = 1 (address tables), no capture
+        engine.decode_window([(third, 5)])
+    assert graphs.captures == 2 and len(graphs) == 2
+    assert all(key[4] == () and key[5] for key in graphs._graphs)  # shared whole-step graphs

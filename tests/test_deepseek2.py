@@ -167,6 +167,10 @@ def test_the_session_state_is_the_latent_and_the_rope_key():
     assert spec.state_bytes(1, torch.bfloat16) == spec.n_layers * per_layer * 2
     expanded = spec.n_layers * spec.n_heads * (spec.head_dim + spec.v_head_dim) * 2  # K and V per head
     assert spec.state_bytes(1, torch.bfloat16) < expanded
+    from strata_core.cli.info import describe
+
+    assert f"KV per token: {spec.n_layers * per_layer * 2} bytes in bf16 (latent [32] + rope [16] x 3 layers)" \
+        in describe(DATA / "model-f32.gguf", [24.0], 64)
     kv = KVCache.for_spec(spec, 8)
     assert {n: tuple(t.shape) for n, t in kv.tensors[0].items()} == {"latent": (8, 32), "rope": (8, 16)}
 

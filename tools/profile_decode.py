@@ -1,10 +1,12 @@
 """Where a decode token's time goes: torch profiler over eager decode windows on CUDA.
 
-    python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144]
+    python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144] [--cuda-graphs]
 
 Prints wall ms per token, GPU kernel ms per token (sum of kernel times), kernel launches per token,
 and the kernels with the most total time, grouped by name. The wall/GPU ratio says whether the
-host (launches, Python) or the device bounds the step.
+host (launches, Python) or the device bounds the step. With ``--cuda-graphs`` the windows are
+replayed graphs (captured during the warm-up), and the host time of a window's Python (until the
+replay is enqueued) is printed too.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ def main() -> None:
     parser.add_argument("--expert-cache", default="6144")
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--prefill", type=int, default=0, help="also profile one prompt of this many tokens")
+    parser.add_argument("--cuda-graphs", action="store_true", help="profile replayed CUDA graphs")
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
     engine = Engine.load(args.model, devices=["cuda:0"], arena="pinned", expert_cache=cache,
-                         max_context=max(args.context + args.windows + 8, args.prefill + 8))
+                         max_context=max(args.context + args.windows + 8, args.prefill + 8),
+                         cuda_graphs=args.cuda_graphs)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, engine.spec.vocab_size, (args.context + args.windows + 4,), generator=gen).tolist()
     session = engine.new_session()
@@ -39,13 +43,25 @@ def main() -> None:
         engine.decode_window([(session, t)])
     torch.cuda.synchronize()
     steps = tokens[args.context + 4:]
+    host = time.perf_counter()
+    for t in steps:  # unprofiled: the host's time to enqueue a window, then the device's
+        engine.decode_window([(session, t)])
+    host = (time.perf_counter() - host) / len(steps)
+    torch.cuda.synchronize()
+    engine.release_session(session)
+    session = engine.new_session()
+    engine.prefill(session, tokens[:args.context])
+    engine.decode_window([(session, tokens[args.context])])
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for t in steps:
             engine.decode_window([(session, t)])
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / len(steps)
-    report(prof, len(steps), wall, f"decode @{args.context}, eager, expert cache {args.expert_cache}", args.top)
+    mode = "replayed graphs" if args.cuda_graphs else "eager"
+    print(f"host time to enqueue a window: {host * 1e3:.2f} ms")
+    report(prof, len(steps), wall, f"decode @{args.context}, {mode}, expert cache {args.expert_cache}", args.top)
     engine.release_session(session)
     if args.prefill:
         session = engine.new_session()

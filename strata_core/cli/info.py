@@ -25,6 +25,22 @@ def tensor_group(name: str) -> str:
     return parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
 
 
+def state_line(spec) -> str:
+    """KV bytes per token (bf16, every layer's per-token state from ``ModelSpec.layer_state``), the
+    per-layer layouts, and the fixed-size recurrent state of a session, if any."""
+    per_token = recurrent = 0
+    layouts: dict[str, int] = defaultdict(int)
+    for layer in range(spec.n_layers):
+        state = spec.layer_state(layer)
+        per_token += sum(t.nbytes(1, torch.bfloat16) for t in state.values() if t.per_token)
+        recurrent += sum(t.nbytes(1, torch.bfloat16) for t in state.values() if not t.per_token)
+        layouts[" + ".join(f"{name} {list(t.shape)}" + ("" if t.per_token else " (recurrent)")
+                           for name, t in state.items())] += 1
+    shown = "; ".join(f"{layout} x {n} layers" for layout, n in layouts.items())
+    extra = f", plus {recurrent / 2**20:.2f} MiB of recurrent state per session" if recurrent else ""
+    return f"KV per token: {per_token} bytes in bf16 ({shown}){extra}"
+
+
 def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
     """The report ``strata info`` prints; the KV cache is sized for the context the engine will use
     (``max_context`` capped by the model's, as the engine caps it)."""
@@ -54,8 +70,11 @@ def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
         f"layers: {spec.n_layers}  hidden: {spec.hidden_size}  heads: {spec.n_heads} (kv {spec.n_kv_heads}, "
         f"head dim {spec.head_dim})  vocab: {spec.vocab_size}",
         f"context: {kv_tokens} tokens used (--max-context {max_context}; the model's is {spec.context_length})",
-        f"experts: {spec.n_experts} per layer, top-{spec.n_experts_used}, expert FFN {spec.expert_ffn_size}"
+        state_line(spec),
+        f"experts: {spec.n_experts} per layer in {len(spec.moe_layers)} of {spec.n_layers} layers, "
+        f"top-{spec.n_experts_used}, expert FFN {spec.expert_ffn_size}"
         + (f", shared expert FFN {spec.shared_expert_ffn_size}" if spec.shared_expert_ffn_size else ""),
+        *spec.info_lines(),
         "block types per tensor group:",
     ]
     for group in sorted(groups):

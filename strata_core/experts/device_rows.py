@@ -46,7 +46,7 @@ from strata_core.devices import device_scope, to_device
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.experts.gather import GATHER_COUNTS, fused_rows, gather_counts, pair_ffn
+from strata_core.experts.gather import GATHER_COUNTS, fused_decode, fused_rows, gather_counts, pair_ffn
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
@@ -132,6 +132,11 @@ class CachedExpertRows:
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
+        chain = self.chains[layer]
+        if (hidden.device.type == "cuda" and self.gather and self.decoding and chain.own is not None
+                and not chain.peers and ffn.plain):  # one op: the rows combined in its down launch (strata::moe_decode)
+            self.usage.add(layer, expert_ids)
+            return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
         return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)  # [T, H]
 
     def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
@@ -265,8 +270,10 @@ class CachedExpertRows:
                          [sizes[i] for i in chosen], [holder[i] for i in chosen], lane.cache, lane.ring(self.group_experts),
                          store, self.group_experts, lane.rows, ffn)
 
-    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN) -> torch.Tensor:
-        """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read.
+    def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN,
+                  weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read; with
+        ``weights`` (CUDA, no peer in the chain) the combined ``[T, H]`` instead.
 
         The own cache and the pinned arena serve each pair, except the pairs a peer of the chain
         holds: a computing peer's are computed there (enqueued first, on its side stream), a read-across
@@ -305,6 +312,9 @@ class CachedExpertRows:
         self.telemetry.routed += T * k
         self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
         own.wait_layer(layer, self.device)
+        if weights is not None:
+            with self.telemetry.compute(self.device):
+                return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt)  # [T, H]
         rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]
         for lane in chain.lanes:
             lane.join()

@@ -46,6 +46,10 @@ class ModelSpec:
         """The layers with routed experts (what the arena, caches, profile and placements cover)."""
         return range(self.n_layers)
 
+    def info_lines(self) -> list[str]:
+        """The architecture-specific lines of ``strata info`` (none here)."""
+        return []
+
     @property
     def q_size(self) -> int:
         return self.n_heads * self.head_dim

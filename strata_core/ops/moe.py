@@ -200,12 +200,14 @@ if HAS_TRITON:
         tl.store(out + t.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
 
     #: Values a program decodes per step (rows x sub-blocks x sub-block size); rows per program.
-    _TILE, _BN = 4096, 16
+    #: (rows per program of gate_up, of down, of the combining down: its grid is 8x smaller for top-8,
+    #: hence fewer rows a program to keep the SMs busy; measured on the H200, BENCHMARKS.md)
+    _TILE, _BN_GATE_UP, _BN, _BN_COMBINE = 4096, 8, 16, 4
 
-    def _steps(qtype: int) -> tuple[int, int, int, int]:
-        """(block size, type size, sub-block size, sub-blocks per step) of ``qtype``."""
+    def _steps(qtype: int, bn: int = _BN) -> tuple[int, int, int, int]:
+        """(block size, type size, sub-block size, sub-blocks per step) of ``qtype`` for ``bn`` rows a program."""
         bs, ts, sub = block_geometry(qtype)
-        return bs, ts, sub, max(bs // sub, _TILE // (_BN * sub))
+        return bs, ts, sub, max(bs // sub, _TILE // (bn * sub))
 
     def _stage_misses(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, total: int) -> Tensor:
         """``[P, total]`` on the device: missed pairs' experts copied from the arena (resident rows unwritten)."""
@@ -240,12 +242,12 @@ if HAS_TRITON:
         miss = _stage_misses(slots, arena, slot, expert, total) if staged else arena
         src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
         h = torch.empty((P, F_), dtype=torch.float32, device=x.device)  # [P, F]
-        (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu) = (_steps(q) for q in qtypes[:2])
-        _gate_up_kernel[(P, triton.cdiv(F_, _BN))](
+        (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu) = (_steps(q, _BN_GATE_UP) for q in qtypes[:2])
+        _gate_up_kernel[(P, triton.cdiv(F_, _BN_GATE_UP))](
             x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, topk,
             nbytes[0], nbytes[0] // F_, nbytes[1] // F_,
             QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg,
-            QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=_BN, BY_PAIR=staged, num_warps=4)
+            QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=_BN_GATE_UP, BY_PAIR=staged, num_warps=4)
         return h, src, staged
 
     def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
@@ -260,16 +262,17 @@ if HAS_TRITON:
         if P == 0:
             return out.zero_()
         h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes)
-        bsd, tsd, subd, ntd = _steps(qtypes[2])
         if weights is None:
+            bsd, tsd, subd, ntd = _steps(qtypes[2])
             _down_kernel[(P, triton.cdiv(H2, _BN))](
                 h, out, *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1], nbytes[2] // H2,
                 QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN, BY_PAIR=staged, num_warps=4)
         else:
-            _down_combine_kernel[(x.shape[0], triton.cdiv(H2, _BN))](
+            bsd, tsd, subd, ntd = _steps(qtypes[2], _BN_COMBINE)
+            _down_combine_kernel[(x.shape[0], triton.cdiv(H2, _BN_COMBINE))](
                 h, out, weights.contiguous(), *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1],
                 nbytes[2] // H2, topk,
-                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN, BY_PAIR=staged, num_warps=4)
+                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN_COMBINE, BY_PAIR=staged, num_warps=4)
         return out
 
     def _decode_any(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,

@@ -1,0 +1,120 @@
+"""A decode window's layers as few fused launches (issue 7): the CUDA path of ``Engine._decode_layers``.
+
+The eager layer loop runs ~35 kernels a layer for one token (norms, three projections, RoPE, the
+KV index writes, the attention mask, the router's softmax / top-k / renormalisation, the rows and
+their combination, residual adds, the concatenation of the sessions). Here a layer of a window of
+B sessions is
+
+    add_rms_norm -> QKV (one product) -> rope_kv_write -> decode_attention -> output product
+    -> add_rms_norm -> router product -> route_topk -> expert rows (strata::moe_decode on CUDA)
+
+with every session in one launch each (the ``strata::`` ops of strata_core/ops/decode.py); the
+residual adds ride in the next norm, and the last one closes the segment. The sessions' caches are
+reached through an address table (``kv_tables``: ``[layers, B, 2]`` int64 on the device), which a
+CUDA graph of the window keeps as a static buffer refilled before each replay (graphs.py), so a new
+session does not capture again.
+
+Applies to the plain Qwen-style ``MoEModel`` (no shared expert, no output bias) with a head dim
+the kernels serve; anything else keeps the eager loop (``fused_reason`` says why). On the CPU the
+same ops run their references, which is how CI checks this path against the eager loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from strata_core.experts.rows import ExpertRows
+from strata_core.model.ops import rms_norm
+from strata_core.model.transformer import _MIN_WEIGHT_SUM  # llama.cpp's clamp of the top-k weight sum
+from strata_core.ops.decode import add_rms_norm, decode_attention, fused_decode_supported, rope_kv_write, route_topk
+from strata_core.ops.matmul import linear
+from strata_core.session import Session
+
+__all__ = ["decode_layers", "fused_reason", "kv_tables"]
+
+_QKV = ("attn_q", "attn_k", "attn_v")
+
+
+def fused_reason(model, device: torch.device) -> str | None:
+    """Why ``model``'s decode layers on ``device`` cannot take the fused path, or None when they can."""
+    from strata_core.model.transformer import MoEModel
+
+    s = model.spec
+    if device.type != "cuda":
+        return f"the decode runs on {device}, not a CUDA device"
+    if type(model) is not MoEModel:
+        return f"the {s.architecture} forward has layers of its own"
+    if s.has_shared_expert:
+        return "the model has a shared expert"
+    if not fused_decode_supported(s.head_dim):
+        return f"no fused kernels for head dim {s.head_dim} (or no Triton)"
+    return None
+
+
+def _layer_caches(sessions: Sequence[Session], layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each session's whole K and V cache of ``layer`` (``[max_tokens, n_kv_heads, D]`` views)."""
+    pairs = [session.kv.read(layer, session.kv.max_tokens) for session in sessions]
+    return [k for k, _ in pairs], [v for _, v in pairs]
+
+
+def kv_tables(sessions: Sequence[Session], layers: range) -> torch.Tensor:
+    """int64 ``[len(layers), B, 2]`` on the host: the addresses of each session's K and V cache per layer."""
+    rows = []
+    for layer in layers:
+        keys, values = _layer_caches(sessions, layer)
+        rows.append([[k.data_ptr(), v.data_ptr()] for k, v in zip(keys, values)])
+    return torch.tensor(rows, dtype=torch.int64).view(len(layers), len(sessions), 2)
+
+
+def _qkv(model, layer: int, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layer's q, k and v projections as one ``[(nh + 2 nkv) D, H]`` matrix (and bias): built once
+    per (layer, device), the three weights then become views of it (no second copy)."""
+    cache = model.__dict__.setdefault("_fused_qkv", {})
+    key = (layer, w["attn_q.weight"].device)
+    if key not in cache:
+        fused = {}
+        for part in ("weight", "bias"):
+            names = [f"{n}.{part}" for n in _QKV]
+            if names[0] in w:
+                fused[part] = torch.cat([w[n] for n in names])
+                for name, view in zip(names, fused[part].split([w[n].shape[0] for n in names])):
+                    w[name] = view
+        cache[key] = (fused["weight"], fused.get("bias"))
+    return cache[key]
+
+
+def decode_layers(model, layers: range, hidden: torch.Tensor, positions: torch.Tensor, sessions: Sequence[Session],
+                  rows: ExpertRows, tables: torch.Tensor | None,
+                  observe: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+    """``hidden [B, H]`` (one token of each of ``sessions`` at ``positions [B]`` on its device) after
+    ``layers``; writes their K/V. ``tables`` (``kv_tables`` on the device, or None: each op builds its
+    own) is how the kernels reach the caches; ``observe(layer, hidden)`` is called after each layer."""
+    s = model.spec
+    eps = s.rms_norm_eps
+    delta = None
+    for i, layer in enumerate(layers):
+        w = model.weights.at(layer, hidden.device)
+        if delta is None:
+            x = rms_norm(hidden, w["attn_norm.weight"], eps)
+        else:
+            hidden, x = add_rms_norm(hidden, delta, w["attn_norm.weight"], eps)
+        weight, bias = _qkv(model, layer, w)
+        qkv = linear(x, weight)  # [B, (nh + 2 nkv) D]
+        if bias is not None:
+            qkv = qkv + bias
+        keys, values = _layer_caches(sessions, layer)
+        table = tables[i] if tables is not None else None
+        q = rope_kv_write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
+                          w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
+                          s.n_kv_heads, keys, values, table)  # [B, nh, D]
+        out = decode_attention(q, positions, keys, values, table)  # [B, nh D]
+        hidden, x = add_rms_norm(hidden, linear(out, w["attn_output.weight"]), w["ffn_norm.weight"], eps)
+        logits = linear(x, w["ffn_gate_inp.weight"])  # [B, E]
+        ids, weights = route_topk(logits, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale,
+                                  _MIN_WEIGHT_SUM)
+        delta = rows(layer, x, ids, weights)  # [B, H] (float32 weights: the CUDA kernel reads them so)
+        if observe is not None:
+            observe(layer, hidden + delta)
+    return hidden if delta is None else hidden + delta
