@@ -68,12 +68,14 @@ class ConvCache:
         self.nbytes += nbytes
         return True
 
-    def best(self, tokens: Sequence[int]) -> tuple[int | None, int]:
-        """The key of the entry sharing the longest prefix with ``tokens`` and that length."""
+    def best(self, tokens: Sequence[int], whole: bool = False) -> tuple[int | None, int]:
+        """The key of the entry sharing the longest prefix with ``tokens`` and that length; with
+        ``whole`` only entries that are a prefix of ``tokens`` in full count (a recurrent state
+        cannot be cut back to a shorter prefix)."""
         best_key, best_len = None, 0
         for key, entry in self._entries.items():
             n = common_prefix(entry.tokens, tokens)
-            if n > best_len:
+            if n > best_len and (not whole or n == len(entry.tokens)):
                 best_key, best_len = key, n
         return best_key, best_len
 

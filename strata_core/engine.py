@@ -27,6 +27,7 @@ from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
 from strata_core.experts.sizing import check_dense_budget
 from strata_core.experts.weights import ExpertWeights
+from strata_core.gguf.arch import get_architecture
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.graphs import DecodeGraphs
@@ -148,7 +149,7 @@ class Engine:
                 layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
-        model = MoEModel(spec, dense)
+        model = get_architecture(spec.architecture).model(spec, dense)
         report(0.2)
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,
                                        progress=lambda fraction: report(0.2 + 0.79 * fraction))

@@ -142,12 +142,12 @@ class DecodeGraphs:
 
     @staticmethod
     def signature(layers: range, sessions: tuple[Session, ...]) -> tuple | None:
-        """Addresses of the KV tensors a graph of ``sessions`` reads and writes; None if released."""
+        """Addresses of the state tensors a graph of ``sessions`` reads and writes; None if released."""
         out = []
         for session in sessions:
             kv = session.kv
             try:
-                out.append((kv.max_tokens, *((kv.k[i].data_ptr(), kv.v[i].data_ptr()) for i in layers)))
+                out.append((kv.max_tokens, *(t.data_ptr() for i in layers for t in kv.tensors[i].values())))
             except KeyError:
                 return None
         return tuple(out)
@@ -161,7 +161,7 @@ class DecodeGraphs:
         """Drop graphs whose sessions are gone or released."""
         for key, entry in list(self._graphs.items()):
             alive = [ref() for ref in entry.sessions]
-            if any(s is None or not s.kv.k for s in alive):
+            if any(s is None or not s.kv.tensors for s in alive):
                 del self._graphs[key]
 
     def entry(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor | None, shared: bool = False,

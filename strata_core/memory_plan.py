@@ -13,7 +13,7 @@ from strata_core.plugin.placement import PHASES, DeviceSlot, Placement
 
 def dense_bytes_per_device(spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot], dtype: torch.dtype,
                            kv_tokens: int) -> dict[torch.device, int]:
-    """Bytes of dequantized dense weights plus one session's KV cache (``kv_tokens`` positions) on
+    """Bytes of dequantized dense weights plus one session's state (KV rows for ``kv_tokens`` positions) on
     each torch device of ``placement``: the embedding and head on the main slot's device; a layer's
     weights once per torch device computing it, its KV once per device slot computing it (in
     either phase: a hand-off keeps both copies)."""
@@ -21,11 +21,10 @@ def dense_bytes_per_device(spec: ModelSpec, placement: Placement, slots: dict[in
     item = torch.empty((), dtype=dtype).element_size()
     sizes: dict[torch.device, int] = {slots[i].device: 0 for i in placement.devices_used()}
     sizes[slots[placement.main].device] += sum(math.prod(shape) for shape in arch.global_tensors(spec).values()) * item
-    kv_per_layer = 2 * kv_tokens * spec.n_kv_heads * spec.head_dim * item
     weights_on = {(layer, slots[p.device].device) for phase in PHASES for layer, p in enumerate(placement.layers(phase))}
     kv_on = {(layer, p.device) for phase in PHASES for layer, p in enumerate(placement.layers(phase))}
     for layer, device in weights_on:
         sizes[device] += sum(math.prod(shape) for shape in arch.layer_tensors(spec, layer).values()) * item
-    for _layer, slot in kv_on:
-        sizes[slots[slot].device] += kv_per_layer
+    for layer, slot in kv_on:
+        sizes[slots[slot].device] += sum(t.nbytes(kv_tokens, dtype) for t in spec.layer_state(layer).values())
     return sizes

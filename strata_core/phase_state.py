@@ -95,12 +95,13 @@ def place_state(engine: Engine, session: Session, phase: Phase) -> int:
 
 def _verify(session: Session, layers: range, src: int, dst: int) -> None:
     """Read the destination back and compare it with the source, row for row."""
-    kv, n = session.kv, session.kv.n_tokens
+    kv = session.kv
     for layer in layers:
         before = kv.parked(layer, src)
         if kv.home[layer] != dst or before is None:
             raise HandOffError(f"hand-off of layer {layer} to slot {dst}: the state is not there")
-        for name, moved, source in (("K", kv.k[layer], before[0]), ("V", kv.v[layer], before[1])):
-            if not torch.equal(moved[:n].cpu(), source[:n].cpu()):
-                raise HandOffError(f"hand-off of layer {layer} from slot {src} to {dst}: the {name} rows "
-                                   "read back differ from the source (a copy that landed nothing?)")
+        sources = kv.committed(layer, before)
+        for name, moved in kv.committed(layer).items():
+            if not torch.equal(moved.cpu(), sources[name].cpu()):
+                raise HandOffError(f"hand-off of layer {layer} from slot {src} to {dst}: its {name!r} state "
+                                   "read back differs from the source (a copy that landed nothing?)")

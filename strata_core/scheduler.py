@@ -231,12 +231,15 @@ class Scheduler:
     def _place(self, job: _Job, idle: list[_Slot]) -> tuple[_Slot, int]:
         """Give ``job`` an idle slot and a session holding the longest known prefix of its prompt."""
         prompt = job.request.prompt
+        rewindable = self.engine.spec.rewindable  # else a held state is reused whole or not at all
         live, live_n = idle[0], 0
         for s in idle:  # a session is reused in place when it is mostly this prompt's prefix
-            n = common_prefix(s.session.tokens, prompt) if s.session else 0
-            if n > live_n and 2 * n >= s.session.n_tokens:
+            if s.session is None:
+                continue
+            n = common_prefix(s.session.tokens, prompt[:-1])
+            if n > live_n and 2 * n >= s.session.n_tokens and (rewindable or n == s.session.n_tokens):
                 live, live_n = s, n
-        key, cache_n = self.cache.best(prompt)
+        key, cache_n = self.cache.best(prompt[:-1], whole=not rewindable)
         if live_n > 0 and live_n >= cache_n:
             slot, cached = live, live_n
         else:
@@ -247,8 +250,7 @@ class Scheduler:
                 slot.session, cached = self.engine.restore_session(snapshot), cache_n
             else:
                 slot.session, cached = self.engine.new_session(), 0
-        cached = min(cached, len(prompt) - 1)  # the last prompt token is computed for its logits
-        if slot.session.n_tokens > cached:
+        if slot.session.n_tokens > cached:  # the last prompt token is always computed, for its logits
             slot.session.truncate(cached)
         slot.job, job.session = job, slot.session
         return slot, cached

@@ -66,4 +66,4 @@ class SessionSnapshot:
     @property
     def nbytes(self) -> int:
         """Host bytes held."""
-        return sum(t.numel() * t.element_size() for part in (self.kv.k, self.kv.v) for t in part.values())
+        return self.kv.nbytes

@@ -12,6 +12,7 @@ from strata_core.engine import Engine
 from strata_core.testing.sync import no_host_sync
 from strata_core.graphs import DecodeGraphs, _Graph
 from strata_core.plugin.placement import Segment
+from strata_core.gguf.spec import StateTensor
 from strata_core.model import KVCache
 from strata_core.session import DecodeBatch, Session
 
@@ -74,7 +75,8 @@ class _CountingGraphs(DecodeGraphs):
 
 
 def _session(max_tokens: int = 8) -> Session:
-    return Session(kv=KVCache(range(2), max_tokens, n_kv_heads=1, head_dim=4))
+    row = StateTensor((1, 4))
+    return Session(kv=KVCache(range(2), max_tokens, {i: {"k": row, "v": row} for i in range(2)}))
 
 
 def _batch(*sessions: Session) -> DecodeBatch:
@@ -120,7 +122,7 @@ def test_capture_cache_invalidation():
     a.truncate(0)  # truncation keeps the KV tensors: still valid
     a.kv.restore(a.kv.snapshot())  # so does a restore into the same tensors
     assert graphs.entry(layers, _batch(a), hidden) is first
-    a.kv.k[1] = a.kv.k[1].clone()  # a moved layer: new tensors -> capture again
+    a.kv.tensors[1] = dict(a.kv.tensors[1], k=a.kv.tensors[1]["k"].clone())  # a moved layer: new tensors -> capture again
     second = graphs.entry(layers, _batch(a), hidden)
     assert second is not first and graphs.captures == 2
     graphs.entry(layers, _batch(a, b), hidden)

@@ -140,13 +140,13 @@ def test_dbg_handoff_catches_a_copy_that_lands_nothing(model, monkeypatch):
     def lossy(engine, session, layers, src, dst):  # moves the home, drops the rows
         session.kv.move(layers, dst.index, dst.device)
         for layer in layers:
-            session.kv.k[layer].zero_()
+            session.kv.tensors[layer]["k"].zero_()
         return True
 
     quiet = _load(model, monkeypatch, placement, hooks={"strata_hand_off": lossy})
     quiet.prefill(quiet.new_session(), PROMPT)  # not checked: silently wrong
     checked = _load(model, monkeypatch, placement, hooks={"strata_hand_off": lossy}, dbg_handoff=True)
-    with pytest.raises(HandOffError, match="layer 2 from slot 0 to 1: the K rows read back differ"):
+    with pytest.raises(HandOffError, match="layer 2 from slot 0 to 1: its 'k' state read back differs"):
         checked.prefill(checked.new_session(), PROMPT)
 
 

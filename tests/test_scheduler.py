@@ -139,8 +139,10 @@ def test_context_limits() -> None:
 
 
 @pytest.mark.parametrize("conv_cache", [0, 1, 2])
-def test_conversation_cache_reuses_the_prefix(conv_cache: int) -> None:
-    engine = FakeEngine(step_delay=0.0)
+@pytest.mark.parametrize("rewindable", [True, False])
+def test_conversation_cache_reuses_the_prefix(conv_cache: int, rewindable: bool) -> None:
+    """The next turn extends the whole cached conversation, so a recurrent state is reused too."""
+    engine = FakeEngine(step_delay=0.0, rewindable=rewindable)
     scheduler = _scheduler(engine, parallel=1, conv_cache=conv_cache)
     first = _request("first turn", 6)
     reply = [t for t in greedy_reference(first.prompt, 6) if t not in FakeTokenizer.eos_token_ids]
@@ -163,8 +165,11 @@ def test_conversation_cache_reuses_the_prefix(conv_cache: int) -> None:
     assert len(scheduler.cache) == (1 if conv_cache else 0)  # "something else" was displaced in turn
 
 
-def test_idle_slot_keeps_its_session_for_the_next_turn() -> None:
-    engine = FakeEngine()
+@pytest.mark.parametrize("rewindable", [True, False])
+def test_idle_slot_keeps_its_session_for_the_next_turn(rewindable: bool) -> None:
+    """The next turn reuses the prompt part of the idle session; a recurrent state (not rewindable)
+    holds the generated tokens too, so it cannot be cut back to the prompt and starts afresh."""
+    engine = FakeEngine(rewindable=rewindable)
     scheduler = _scheduler(engine, parallel=2, conv_cache=0)
     first = _request("hello there", 4)
 
@@ -176,4 +181,4 @@ def test_idle_slot_keeps_its_session_for_the_next_turn() -> None:
         end = asyncio.run(main())
     finally:
         scheduler.stop()
-    assert end.timings.cache_n == len(first.prompt)
+    assert end.timings.cache_n == (len(first.prompt) if rewindable else 0)

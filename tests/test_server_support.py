@@ -87,13 +87,14 @@ class FakeChat:
 class FakeSession:
     tokens: list[int] = field(default_factory=list)
     released: bool = False
+    rewindable: bool = True  # False: a recurrent state, cut back only to 0
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
 
     def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.n_tokens:
+        if not 0 <= n <= self.n_tokens or (not self.rewindable and 0 < n < self.n_tokens):
             raise ValueError(f"cannot truncate {self.n_tokens} tokens to {n}")
         del self.tokens[n:]
 
@@ -119,9 +120,9 @@ def fake_logits(history: list[int]) -> torch.Tensor:
 class FakeEngine:
     """The Engine API on deterministic fake logits; ``step_delay`` seconds per engine call."""
 
-    def __init__(self, max_context: int = 256, step_delay: float = 0.0) -> None:
+    def __init__(self, max_context: int = 256, step_delay: float = 0.0, rewindable: bool = True) -> None:
         self.max_context = max_context
-        self.spec = SimpleNamespace(vocab_size=VOCAB, context_length=max_context)
+        self.spec = SimpleNamespace(vocab_size=VOCAB, context_length=max_context, rewindable=rewindable)
         self.settings = StrataSettings()
         self.tokenizer = FakeTokenizer()
         self.chat = FakeChat()
@@ -146,7 +147,7 @@ class FakeEngine:
 
     def new_session(self) -> FakeSession:
         self._check_thread()
-        session = FakeSession()
+        session = FakeSession(rewindable=self.spec.rewindable)
         self.live.add(id(session))
         return session
 

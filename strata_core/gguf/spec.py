@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
 
 from strata_core.gguf.vocab import check_tokenizer_metadata
 
-__all__ = ["ModelSpec", "load_model_spec"]
+__all__ = ["ModelSpec", "StateTensor", "load_model_spec"]
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One named tensor of a layer's session state (what ``KVCache`` allocates, hands off and snapshots).
+
+    ``per_token``: a ``[max_tokens, *shape]`` tensor whose row i belongs to position i (K, V, an MLA
+    latent); otherwise a fixed-size recurrent state of ``shape`` that compute updates in place (a
+    linear-attention layer's convolution or ssm state), which cannot be rewound to an earlier position.
+    """
+
+    shape: tuple[int, ...]
+    per_token: bool = True
+    dtype: torch.dtype | None = None  # None: the cache's dtype
+
+    def nbytes(self, max_tokens: int, dtype: torch.dtype) -> int:
+        """Bytes of the tensor in a cache of ``max_tokens`` positions with compute dtype ``dtype``."""
+        item = torch.empty((), dtype=self.dtype or dtype).element_size()
+        return math.prod(self.shape) * item * (max_tokens if self.per_token else 1)
 
 
 @dataclass(frozen=True)
@@ -57,6 +79,25 @@ class ModelSpec:
     @property
     def kv_size(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    def layer_state(self, layer: int) -> dict[str, StateTensor]:
+        """The session state ``layer`` keeps, by name: here K and V rows of ``[n_kv_heads, head_dim]``.
+
+        An architecture with other state (a latent KV, a recurrent state) overrides this in its
+        ModelSpec subclass; the cache, hand-offs, snapshots and memory plan follow it.
+        """
+        row = StateTensor((self.n_kv_heads, self.head_dim))
+        return {"k": row, "v": row}
+
+    @property
+    def rewindable(self) -> bool:
+        """Whether a session's state can be cut back to any earlier position (no recurrent state)."""
+        return all(t.per_token for layer in range(self.n_layers) for t in self.layer_state(layer).values())
+
+    def state_bytes(self, max_tokens: int, dtype: torch.dtype) -> int:
+        """Bytes of one session's state over every layer for ``max_tokens`` positions."""
+        return sum(t.nbytes(max_tokens, dtype) for layer in range(self.n_layers)
+                   for t in self.layer_state(layer).values())
 
 
 def load_model_spec(gguf_file) -> ModelSpec:
