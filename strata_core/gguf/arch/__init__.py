@@ -6,12 +6,12 @@ Adding an architecture = a new module defining ``ARCH`` + one line in ``_MODULES
 from __future__ import annotations
 
 from strata_core.errors import UnsupportedError
-from strata_core.gguf.arch import gpt_oss, qwen2moe, qwen3moe
+from strata_core.gguf.arch import deepseek2, gpt_oss, qwen2moe, qwen3moe, qwen3next
 from strata_core.gguf.arch.base import Architecture
 
 __all__ = ["Architecture", "ARCHITECTURES", "get_architecture"]
 
-_MODULES = (qwen3moe, qwen2moe, gpt_oss)
+_MODULES = (qwen3moe, qwen2moe, gpt_oss, qwen3next, deepseek2)
 
 ARCHITECTURES: dict[str, Architecture] = {m.ARCH.name: m.ARCH for m in _MODULES}
 
