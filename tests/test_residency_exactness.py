@@ -3,6 +3,8 @@ with or without adaptation, and whatever the prompt chunk size (prefill and deco
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -24,8 +26,10 @@ def run(engine: Engine) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.fixture(scope="module")
-def model(tiny_model_factory):
+@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss"])
+def model(request, tiny_model_factory):
+    if request.param == "gpt-oss":  # sinks, a sliding window, biased swiglu_oai experts in MXFP4
+        return Path(__file__).parent / "data" / "gpt-oss_llamacpp" / "model-mxfp4.gguf"
     return tiny_model_factory(expert_type="Q4_0")
 
 
