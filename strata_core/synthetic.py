@@ -24,6 +24,7 @@ from tqdm import tqdm
 from strata_core.errors import ConfigError
 from strata_core.quant import bytes_for, random_blocks
 from strata_core.synthetic_deepseek2 import DEEPSEEK_PRESETS, DeepseekPreset
+from strata_core.synthetic_qwen3next import QWEN3NEXT_PRESETS, Qwen3NextPreset
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
 
@@ -89,12 +90,13 @@ class Preset:
         w.add_expert_feed_forward_length(p.expert_ffn)
 
 
-PRESETS: dict[str, Preset | DeepseekPreset] = {
+PRESETS: dict[str, Preset | DeepseekPreset | Qwen3NextPreset] = {
     "qwen3-30b-a3b": Preset(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
     "qwen3-235b-a22b": Preset(94, 128, 8, 4096, 1536, 64, 4, 128, 151936),
     "small": Preset(8, 64, 8, 512, 256, 8, 2, 64, 4096, context=8192),
     "tiny": Preset(2, 16, 4, 256, 256, 4, 2, 64, 512, context=2048),
     **DEEPSEEK_PRESETS,
+    **QWEN3NEXT_PRESETS,
 }
 
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -139,9 +141,9 @@ def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
 
 def _value(qtype: Q, shape: tuple[int, ...], scale: float, rng: np.random.Generator,
            pools: dict[tuple[Q, float], _BlockPool]) -> np.ndarray:
-    if qtype == Q.F32:  # norms (about 1) and the router
-        base = 1.0 if len(shape) == 1 else 0.0
-        return (base + scale * rng.standard_normal(shape, dtype=np.float32) * (0.1 if base else 1.0)).astype(np.float32)
+    if qtype == Q.F32:  # norms (about 1; a negative scale: about -1) and the router
+        base = math.copysign(1.0, scale) if len(shape) == 1 else 0.0
+        return (base + abs(scale) * rng.standard_normal(shape, dtype=np.float32) * (0.1 if base else 1.0)).astype(np.float32)
     pool = pools.get((qtype, scale))
     if pool is None:
         pool = pools[(qtype, scale)] = _BlockPool(qtype, scale, rng)

@@ -24,7 +24,8 @@ class MakeSyntheticCommand(CommandSettings):
 
     out: CliPositionalArg[Path]
     preset: str = Field("qwen3-30b-a3b", description="model shapes: qwen3-30b-a3b, qwen3-235b-a22b, small, tiny, "
-                        "deepseek-v3-small (DeepSeek-V3 widths, 4 layers), deepseek-tiny")
+                        "deepseek-v3-small (DeepSeek-V3 widths, 4 layers), deepseek-tiny, qwen3-next-80b-a3b (48 layers: "
+                        "--layers 12 builds in seconds), qwen3-next-tiny")
     expert_type: str = Field("Q4_K", description="block type of the experts (Q4_K, IQ4_XS, Q8_0, ...)")
     dense_type: str = Field("Q8_0", description="block type of the dense matrices")
     layers: int | None = Field(None, ge=1, description="fewer layers than the preset (same widths)")

@@ -86,14 +86,12 @@ class Qwen3NextSpec(ModelSpec):
                                    dtype=torch.float32)}
 
     def info_lines(self) -> list[str]:
-        """The architecture-specific lines of ``strata info``."""
-        gdn = [i for i, r in enumerate(self.recurrent) if r]
-        recurrent_bytes = sum(t.nbytes(0, torch.float32) for i in gdn for t in self.layer_state(i).values())
+        """The architecture-specific line of ``strata info`` (the state sizes are on its KV line)."""
         full = [i for i, r in enumerate(self.recurrent) if not r]
-        return [f"Gated DeltaNet on {len(gdn)} of {self.n_layers} layers, gated full attention on "
-                f"{', '.join(map(str, full)) or 'none'}; RoPE on {self.rope_dim} of {self.head_dim} head dims",
-                f"recurrent state per session: {recurrent_bytes / 2**20:.2f} MiB (conv + ssm, float32; "
-                f"K/V only on the {len(full)} full-attention layers)"]
+        return [f"Gated DeltaNet on {self.n_layers - len(full)} of {self.n_layers} layers ({self.gdn_k_heads} key / "
+                f"{self.gdn_v_heads} value heads of {self.gdn_head_dim}, conv {self.conv_kernel}), gated full "
+                f"attention on layers {', '.join(map(str, full)) or 'none'}; RoPE on {self.rope_dim} of "
+                f"{self.head_dim} head dims" + (f"; {self.mtp_layers} MTP block(s) not run" if self.mtp_layers else "")]
 
 
 def _recurrent_layers(metadata: Mapping[str, Any], m: _Metadata, arch: str, n_all: int, n_layers: int,
