@@ -27,7 +27,6 @@ llama.cpp semantics (src/models/openai-moe.cpp, llama-model.cpp, llama-context.c
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -40,8 +39,6 @@ from strata_core.gguf.spec import ModelSpec
 
 __all__ = ["ARCH", "GptOssArchitecture", "GptOssSpec"]
 
-#: llama.cpp's hparams defaults, the only values it uses for gpt-oss
-YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0
 #: the swiglu_oai constants of llama.cpp's graph (``LLM_FFN_SWIGLU_OAI_MOE``)
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
@@ -65,29 +62,19 @@ class GptOssSpec(ModelSpec):
     @property
     def rope_mscale(self) -> float:
         """What cos and sin are multiplied by (llama.cpp's effective ``mscale``)."""
+        from strata_core.model.rope import yarn_get_mscale  # the model package imports this one
+
         if self.rope_scaling != "yarn":
             return self.rope_attn_factor
-        return self.rope_attn_factor * (1.0 + 0.1 * math.log(self.rope_factor) if self.rope_factor > 1.0 else 1.0)
+        return self.rope_attn_factor * yarn_get_mscale(self.rope_factor)
 
     def rope_inv_freq(self, layer: int) -> torch.Tensor:
-        """``[head_dim / 2]`` float32 angle per position of each rotated pair of ``layer``."""
-        D = self.head_dim
+        """``[head_dim / 2]`` float32 angle per position of each rotated pair of ``layer`` (llama.cpp's
+        YaRN with its fixed betas)."""
+        from strata_core.model.rope import scaled_inv_freq  # the model package imports this one
+
         base = self.rope_theta_swa if self.swa_layers[layer] else self.rope_theta
-        extrap = 1.0 / (base ** (torch.arange(0, D, 2, dtype=torch.int64).float() / D))  # [D/2]
-        if self.rope_scaling == "none" or self.rope_factor == 1.0:
-            return extrap
-        interp = extrap / self.rope_factor
-        if self.rope_scaling == "linear":
-            return interp
-
-        def corr_dim(beta: float) -> float:  # ggml_rope_yarn_corr_dim
-            return D * math.log(self.rope_orig_ctx / (beta * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(0.0, math.floor(corr_dim(YARN_BETA_FAST)))
-        high = min(D - 1.0, math.ceil(corr_dim(YARN_BETA_SLOW)))
-        y = (torch.arange(D // 2, dtype=torch.float32) - low) / max(0.001, high - low)
-        ramp = 1.0 - y.clamp(0.0, 1.0)  # [D/2]: 1 = extrapolate (high frequencies), 0 = interpolate
-        return interp * (1 - ramp) + extrap * ramp
+        return scaled_inv_freq(self.head_dim, base, self.rope_scaling, self.rope_factor, self.rope_orig_ctx)
 
     def info_lines(self) -> list[str]:
         """The architecture-specific lines of ``strata info``."""
