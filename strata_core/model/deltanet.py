@@ -17,23 +17,35 @@ Shapes: ``q, k [T, Hv, Dk]`` (L2-normed, already repeated to the value heads), `
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
 from strata_core.ops.matmul import rowwise
 
-__all__ = ["CHUNK", "causal_conv", "delta_rule", "delta_rule_chunked", "delta_rule_recurrent", "l2_norm"]
+__all__ = ["CHUNK", "causal_conv", "delta_rule", "delta_rule_chunked", "delta_rule_recurrent", "fla_chunk",
+           "l2_norm"]
 
 #: tokens per chunk of the chunked form (transformers' and fla's default)
 CHUNK = 64
 
-try:  # optional: flash-linear-attention's Triton kernels (pip install strata[fla])
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk
-except ImportError:  # pragma: no cover - depends on the environment
-    _fla_chunk = None
+#: the chunked prompt form off the CPU: "fla" (flash-linear-attention's kernel, when it imports),
+#: "torch" (``delta_rule_chunked``) or "recurrent" (token by token); tests and benchmarks switch it
+DEVICE_CHUNKED = "fla"
 
-#: the chunked prompt form on CUDA: "fla" when installed, else "torch" (tests switch it)
-DEVICE_CHUNKED = "fla" if _fla_chunk is not None else "torch"
+
+@functools.cache
+def fla_chunk() -> Callable[..., Any] | None:
+    """``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` if flash-linear-attention (``fla-core``,
+    an optional dependency: ``pip install strata[fla]``) imports, else None (imported on first use)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
 
 
 def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -67,7 +79,7 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     decay = rowwise(torch.exp, g.float())  # [T, Hv]
     beta = beta.float().contiguous()
     s = state
-    out = v.new_empty(v.shape)  # [T, Hv, Dv]
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # [T, Hv, Dv]
     for t in range(T):
         s = s * decay[t][:, None, None]  # [Hv, Dk, Dv]
         kt = k[t][:, :, None]  # [Hv, Dk, 1]
@@ -121,10 +133,12 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
     rep = v.shape[1] // k_heads
     if q.device.type == "cpu" or q.shape[0] == 1 or DEVICE_CHUNKED == "recurrent":
         return delta_rule_recurrent(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)
-    if DEVICE_CHUNKED == "fla" and _fla_chunk is not None:
-        out, final = _fla_chunk(q[None].to(v.dtype), k[None].to(v.dtype), v[None], g[None].float(),
-                                beta[None].to(v.dtype), scale=q.shape[-1] ** -0.5, initial_state=state[None],
-                                output_final_state=True)
-        state.copy_(final[0])
-        return out[0].float()
-    return delta_rule_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)
+    kernel = fla_chunk() if DEVICE_CHUNKED == "fla" else None
+    if kernel is None:
+        return delta_rule_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)
+    dtype = v.dtype  # the kernel reads [B, T, H, D] rows contiguous; it repeats the key heads itself
+    out, final = kernel(q[None].to(dtype).contiguous(), k[None].to(dtype).contiguous(), v[None].contiguous(),
+                        g[None].float().contiguous(), beta[None].to(dtype).contiguous(), scale=q.shape[-1] ** -0.5,
+                        initial_state=state[None], output_final_state=True)
+    state.copy_(final[0])
+    return out[0].float()

@@ -45,7 +45,7 @@ class Qwen3NextModel(MoEModel):
         s, w = self.spec, self.weights.at(layer, x.device)
         T, D = x.shape[0], s.head_dim
         qg = linear(x, w["attn_q.weight"]).view(T, s.n_heads, 2 * D)  # [T, nh, 2D]: query | gate
-        q, gate = qg[..., :D], qg[..., D:].reshape(T, s.q_size)
+        q, gate = qg[..., :D].contiguous(), qg[..., D:].reshape(T, s.q_size)
         k = linear(x, w["attn_k.weight"]).view(T, s.n_kv_heads, D)  # [T, nkv, D]
         v = linear(x, w["attn_v.weight"]).view(T, s.n_kv_heads, D)  # [T, nkv, D]
         q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
