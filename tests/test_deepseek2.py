@@ -217,11 +217,26 @@ def test_decode_window_rows_do_not_depend_on_the_batch(engine, reference):
         assert torch.equal(row, reference[n])
 
 
-def test_layer_split_on_two_cpus_gives_singles_logits(engine):
-    split = Engine.load(DATA / "model-q8_0.gguf", strategy="layer_split", devices=["cpu", "cpu"], max_context=64,
-                        expert_cache=4)
-    assert torch.equal(split.logits(PROMPT), engine.logits(PROMPT))
-    assert math.isfinite(float(split.logits(PROMPT[:3]).sum()))
+@pytest.mark.parametrize("strategy, cut", [("layer_split", 1), ("layer_split", 2), ("prefill_main", 1)])
+def test_topologies_equal_single_bit_for_bit(engine, reference, strategy, cut):
+    """Cut 1 puts the dense layer alone on the first slot; prefill_main hands the latent state off
+    after every prompt segment (checked by --dbg-handoff)."""
+    other = Engine.load(DATA / "model-q8_0.gguf", strategy=strategy, devices=["cpu", "cpu"], max_context=64,
+                        expert_cache=4, prefill_chunk=7, strategy_options={"split": str(cut)}, dbg_handoff=True)
+    assert torch.equal(other.logits(PROMPT), reference)
+    assert other.generate(PROMPT, max_tokens=4, temperature=0) == engine.generate(PROMPT, max_tokens=4, temperature=0)
+
+
+def test_conversation_cache_round_trip_and_rewind(engine, reference):
+    """The latent state survives save/restore bit for bit and, being per token, can be cut back."""
+    session = engine.new_session()
+    engine.prefill(session, PROMPT[:15])
+    restored = engine.restore_session(engine.save_session(session))
+    for name in ("latent", "rope"):
+        assert torch.equal(session.kv.committed(1)[name], restored.kv.committed(1)[name])
+    assert torch.equal(engine.prefill(restored, PROMPT[15:], all_logits=True), reference[15:])
+    session.truncate(9)
+    assert torch.equal(engine.prefill(session, PROMPT[9:], all_logits=True), reference[9:])
 
 
 def _hf_config(spec: DeepseekSpec):
@@ -261,3 +276,21 @@ def test_synthetic_deepseek_with_q4_k_experts_matches_transformers(tmp_path):
     ours = _logits(model, f, tokens)
     assert ref.abs().max() > 1.0
     assert (ours - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
+
+
+def test_v2_lite_direct_q_and_softmax_router_match_transformers():
+    """DeepSeek-V2-Lite's form (committed fixture deepseek2lite_llamacpp): q straight from ``attn_q``
+    (no q LoRA), softmax router without groups or bias, weights not renormalised, no YaRN."""
+    from transformers import DeepseekV2ForCausalLM
+
+    lite = DATA.parent / "deepseek2lite_llamacpp"
+    f = GGUFFile.open(lite / "model-f32.gguf")
+    model = MoEModel.load(f)
+    spec = model.spec
+    assert (spec.q_lora_rank, spec.gating, spec.has_probs_bias, spec.expert_groups) == (0, "softmax", False, 1)
+    assert (spec.norm_topk_prob, spec.rope_scaling, spec.moe_layers) == (False, "none", range(1, 2))
+    hf = DeepseekV2ForCausalLM.from_pretrained(lite, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(_tokens(spec)[None]).logits[0]  # [T, V]
+    assert ref.abs().max() > 1.0
+    assert (_logits(model, f) - ref).abs().max().item() <= 1e-4

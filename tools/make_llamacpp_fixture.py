@@ -62,7 +62,7 @@ FIXTURES = {
     # MLA with q LoRA, one leading dense-FFN layer then two MoE layers (shared expert, sigmoid router
     # with correction bias, group-limited top-k), YaRN RoPE; V2-Lite: direct q, softmax, no YaRN
     "deepseek3": Fixture({}, outtypes=("f32", "q8_0")),
-    "deepseek2lite": Fixture({}),
+    "deepseek2lite": Fixture(dict(num_hidden_layers=2)),
     # one sliding-window layer (window 4) and one full layer; 4 experts keep the F32 file under 300 KB;
     # the harmony chat template and its special tokens; MXFP4 experts as gpt-oss ships them
     "gpt-oss": Fixture(dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
