@@ -2,7 +2,7 @@
 # Issue 9's GPU run (two GPUs): the peer_tier / gpu1_experts CUDA tests, `strata bench` for single and
 # the four two-device strategies with CACHE expert slots per device (2048 of 6,144: a third), and
 # `strata gate` across all of them. Run from the repo root on the device machine with .whl carried:
-#   TESTS=1 bash tools/gpu_peer_tier.sh          (PAIR=cuda:0,cuda:0 on one GPU; PROMPTS="8k 32k")
+#   TESTS=1 bash tools/gpu_peer_tier.sh   (PAIR=cuda:0,cuda:0 on one GPU; LONG: strategies also at 32K)
 set -x
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=/tmp/site
@@ -15,19 +15,18 @@ fi
 [ -f $MODEL ] || (strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > /dev/null 2>&1 &)
 if [ -n "${TESTS:-}" ]; then
   nvidia-smi topo -m
-  timeout ${TEST_S:-100} python3 -m pytest -q -x -k cuda plugins/peer_tier plugins/gpu1_experts 2>&1 \
+  timeout ${TEST_S:-90} python3 -m pytest -q -k cuda plugins/peer_tier plugins/gpu1_experts 2>&1 \
     | tee "$OUT/tests.log" | tail -15
 fi
 while pgrep -f make-synthetic > /dev/null; do sleep 1; done
-for PROMPT in ${PROMPTS:-8k}; do
-  for run in ${STRATEGIES:-single peer_tier gpu1_experts layer_split prefill_main}; do
-    devices=$PAIR; [ "$run" = single ] && devices=cuda:0
-    timeout ${BENCH_S:-80} strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" \
-      --arena pinned --cuda-graphs --prompts "$PROMPT" --contexts 1k --decode-tokens 32 --repeats 2 --sessions 1,4 \
-      --max-context 33000 2>&1 | tee -a "$OUT/bench-$PROMPT.log" | grep -v "^INFO\|^WARNING" | tail -5
-  done
-done
 if [ -z "${NO_GATE:-}" ]; then
-  timeout ${GATE_S:-150} strata gate --model $MODEL --devices "$PAIR" --arena pinned --cuda-graphs --experts 4032 \
-    --tokens ${GATE_TOKENS:-16} --max-context 512 2>&1 | tee "$OUT/gate.log" | grep -v "^INFO\|^WARNING"
+  timeout ${GATE_S:-120} strata gate --model $MODEL --devices "$PAIR" --arena pinned --cuda-graphs --experts 4032 \
+    --tokens ${GATE_TOKENS:-12} --max-context 512 2>&1 | tee "$OUT/gate.log" | grep -v "^INFO\|^WARNING"
 fi
+for run in ${STRATEGIES:-single peer_tier gpu1_experts layer_split prefill_main}; do
+  devices=$PAIR; [ "$run" = single ] && devices=cuda:0
+  prompts=8k; case " ${LONG:-single peer_tier} " in *" $run "*) prompts=8k,32k;; esac
+  timeout ${BENCH_S:-80} strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" \
+    --arena pinned --cuda-graphs --prompts "$prompts" --contexts 1k --decode-tokens 32 --repeats 2 --sessions 1,4 \
+    --max-context 33000 2>&1 | tee -a "$OUT/bench.log" | grep -v "^INFO\|^WARNING" | tail -6
+done
