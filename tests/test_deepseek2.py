@@ -294,3 +294,22 @@ def test_v2_lite_direct_q_and_softmax_router_match_transformers():
         ref = hf(_tokens(spec)[None]).logits[0]  # [T, V]
     assert ref.abs().max() > 1.0
     assert (_logits(model, f) - ref).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("T, S", [(12, 12), (5, 20)])
+def test_expanded_form_equals_absorbed_form(T, S):
+    """The GPU's prompt form (per-head K/V through SDPA, values padded) computes what the absorbed
+    form computes, for a whole prompt and for a chunk after cached positions."""
+    f = GGUFFile.open(DATA / "model-f32.gguf")
+    model = MoEModel.load(f)
+    s, w = model.spec, model.weights.at(1, "cpu")
+    g = torch.Generator().manual_seed(T)
+    q_nope = torch.randn(T, s.n_heads, s.qk_nope_dim, generator=g, dtype=torch.float64)
+    q_rope = torch.randn(T, s.n_heads, s.qk_rope_dim, generator=g, dtype=torch.float64)
+    cached = (torch.randn(S, s.kv_lora_rank, generator=g, dtype=torch.float64),
+              torch.randn(S, s.qk_rope_dim, generator=g, dtype=torch.float64))
+    w64 = {k: v.double() for k, v in w.items()}
+    absorbed = model._absorbed(w64, q_nope, q_rope, torch.arange(S - T, S), cached)  # [T, nh, v]
+    expanded = model._expanded(w64, q_nope, q_rope, cached)
+    assert absorbed.shape == expanded.shape == (T, s.n_heads, s.v_head_dim)
+    assert torch.allclose(absorbed, expanded, rtol=1e-5, atol=1e-6)  # the softmax runs in float32
