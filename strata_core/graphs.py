@@ -39,7 +39,7 @@ replay; the routing counts of the usage profile are in-place ``index_add_`` on t
 
 Capture: the first graph of a (B, layers) is preceded by ``warmup`` eager windows on a side stream
 (lazy initialisation, Triton compilation; torch.cuda.graphs' advice). They rewrite the same KV rows
-with the same values, and their telemetry is discarded. Capturing synchronises the device once per
+with the same values; a recurrent state they advance is put back; their telemetry is discarded. Capturing synchronises the device once per
 new set of sessions; a replay does not synchronise.
 """
 
@@ -114,9 +114,10 @@ class DecodeGraphs:
         if not (rows.gather and rows.decoding):
             return (f"the decode gather is off on {slot} (it needs --arena pinned with every layer "
                     "pinned, --pcie-frac 1 and Triton)")
-        if any(rows.chains[layer].own is None or rows.chains[layer].peers for layer in segment.layers):
-            return f"a layer of {slot} reads a peer's cache or no cache of its own (no gather there)"
-        if engine.settings.adapt_swaps:
+        if any(rows.chains[layer].own is None or not all(map(rows.chains[layer].computes, rows.chains[layer].peers))
+               for layer in segment.layers):  # a peer computing its rows is on events only (experts/peer.py)
+            return f"a layer of {slot} reads a peer's cache across or has no cache of its own (no gather there)"
+        if engine.settings.adapt_swaps or any(engine.placement.adapt_swaps.values()):
             return "--adapt-swaps changes the expert cache between windows"
         if engine.layer_observers:
             return "layer observers (e.g. --dbg-nan) run host code after each layer"
@@ -277,12 +278,17 @@ class DecodeGraphs:
         try:
             warm = (len(batch), segment.device, layers.start, layers.stop, step)
             if warm not in self._warm:
+                # a recurrent state (Gated DeltaNet) would advance once per warm-up window: kept aside
+                states = [t for s in batch.sessions for i in layers for t in s.kv.recurrent(i).values()]
+                kept = [t.clone() for t in states]
                 side = torch.cuda.Stream(device)
                 side.wait_stream(torch.cuda.current_stream(device))
                 with engine.telemetry.capturing({}), torch.cuda.stream(side):
                     for _ in range(self.warmup):
                         body()
                 torch.cuda.current_stream(device).wait_stream(side)
+                for state, copy in zip(states, kept):
+                    state.copy_(copy)
                 for usage, counts in zip(usages, counts_before):
                     usage.counts.copy_(counts)  # the warm-up's routings are not usage
                 self._warm.add(warm)

@@ -92,6 +92,10 @@ class KVCache:
         """``layer``'s recurrent state ``name`` (compute updates it in place)."""
         return self.tensors[layer][name]
 
+    def recurrent(self, layer: int) -> LayerTensors:
+        """``layer``'s fixed-size recurrent state tensors by name (none for a layer of rows only)."""
+        return {name: t for name, t in self.tensors[layer].items() if not self._layout[layer][name].per_token}
+
     def advance(self, n: int) -> None:
         """Commit ``n`` more positions (after every layer has written them)."""
         if self.n_tokens + n > self.max_tokens:
