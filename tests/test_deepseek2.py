@@ -198,7 +198,7 @@ def reference(engine):
 
 
 @given(chunk=st.integers(1, len(PROMPT)))
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_logits_do_not_depend_on_the_chunk_size(engine, reference, chunk):
     engine.settings.prefill_chunk = chunk
     try:
@@ -217,7 +217,7 @@ def test_decode_window_rows_do_not_depend_on_the_batch(engine, reference):
         assert torch.equal(row, reference[n])
 
 
-@pytest.mark.parametrize("strategy, cut", [("layer_split", 1), ("layer_split", 2), ("prefill_main", 1)])
+@pytest.mark.parametrize("strategy, cut", [("layer_split", 1), ("prefill_main", 2)])
 def test_topologies_equal_single_bit_for_bit(engine, reference, strategy, cut):
     """Cut 1 puts the dense layer alone on the first slot; prefill_main hands the latent state off
     after every prompt segment (checked by --dbg-handoff)."""
