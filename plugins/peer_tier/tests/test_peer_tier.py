@@ -167,10 +167,12 @@ CUDA_PAIRS = ([["cuda:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.dev
 
 @pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
 @pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
-def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices, graphs):
+    """Eager, and with the peer's work captured in the window's CUDA graph (replays without a host sync)."""
     from strata_core.testing.sync import no_host_sync
 
-    options = dict(max_context=128, dtype="float32", arena="pinned")
+    options = dict(max_context=128, dtype="float32", arena="pinned", cuda_graphs=graphs)
     want = Engine.load(model, devices=devices[:1], expert_cache=10, **options)
     engine = Engine.load(model, strategy="peer_tier", devices=devices, expert_cache=4,
                          strategy_options={"peer_slots": 6, "peer_stream_frac": 0.5}, **options)
@@ -182,3 +184,5 @@ def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices)
     engine.decode_window([(session, 3)])
     with no_host_sync():
         engine.decode_window([(session, 4)])
+    if graphs:
+        assert engine._decode_graphs().failed is None and len(engine._decode_graphs()) > 0
