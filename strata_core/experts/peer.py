@@ -105,7 +105,8 @@ class PeerLane:
         if self.device == self.home or not torch.cuda.is_current_stream_capturing():
             return contextlib.nullcontext()
         if self._pool is None:
-            self._pool = torch.cuda.MemPool()
+            with torch.cuda.device(self.device):  # a pool belongs to the device current at its creation
+                self._pool = torch.cuda.MemPool()
         return torch.cuda.use_mem_pool(self._pool, device=self.device)
 
     def hold(self, *tensors: torch.Tensor) -> None:
