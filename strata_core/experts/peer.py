@@ -81,11 +81,13 @@ class PeerLane:
         """Enqueue the block's work for the peer after the home's work so far, on the side streams
         (CUDA; in order on the CPU). Copies to the peer inside run on the home's side stream, copies
         back on the peer's, and the home's side stream waits for them; ``join()`` makes the home's
-        current stream wait for all of it."""
+        current stream wait for all of it. A lane is entered once per layer, then joined."""
         if self._peer_stream is None:
             with device_scope(self.device):
                 yield
             return
+        self._done.clear()  # left by a layer that failed before its join (a failed capture's events)
+        self._held.clear()
         pool = self._captured()  # asked on the home stream, before the side streams join
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.home))
