@@ -13,20 +13,21 @@ if ! python3 -c "import strata_peer_tier" 2> /dev/null; then
     -e plugins/peer_tier -e plugins/gpu1_experts > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 fi
 [ -f $MODEL ] || (strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > /dev/null 2>&1 &)
-if [ -n "${TESTS:-}" ]; then
-  nvidia-smi topo -m
-  timeout ${TEST_S:-90} python3 -m pytest -q -k cuda plugins/peer_tier plugins/gpu1_experts 2>&1 \
-    | tee "$OUT/tests.log" | tail -15
+if [ -n "${TESTS:-}" ]; then  # beside the gate (both check correctness; the benches run alone after)
+  nvidia-smi topo -m > "$OUT/topo.txt"
+  timeout ${TEST_S:-120} python3 -m pytest -q -k cuda plugins/peer_tier plugins/gpu1_experts > "$OUT/tests.log" 2>&1 &
 fi
 while pgrep -f make-synthetic > /dev/null; do sleep 1; done
 if [ -z "${NO_GATE:-}" ]; then
-  timeout ${GATE_S:-120} strata gate --model $MODEL --devices "$PAIR" --arena pinned --cuda-graphs --experts 4032 \
+  timeout ${GATE_S:-140} strata gate --model $MODEL --devices "$PAIR" --arena pinned --cuda-graphs --experts 4032 \
     --tokens ${GATE_TOKENS:-12} --max-context 512 2>&1 | tee "$OUT/gate.log" | grep -v "^INFO\|^WARNING"
 fi
+wait
+[ -f "$OUT/tests.log" ] && tail -12 "$OUT/tests.log"
 for run in ${STRATEGIES:-single peer_tier gpu1_experts layer_split prefill_main}; do
   devices=$PAIR; [ "$run" = single ] && devices=cuda:0
   prompts=8k; case " ${LONG:-single peer_tier} " in *" $run "*) prompts=8k,32k;; esac
-  timeout ${BENCH_S:-80} strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" \
+  timeout ${BENCH_S:-70} strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" \
     --arena pinned --cuda-graphs --prompts "$prompts" --contexts 1k --decode-tokens 32 --repeats 2 --sessions 1,4 \
     --max-context 33000 2>&1 | tee -a "$OUT/bench.log" | grep -v "^INFO\|^WARNING" | tail -6
 done
