@@ -24,6 +24,7 @@ from tqdm import tqdm
 from strata_core.errors import ConfigError
 from strata_core.quant import bytes_for, random_blocks
 from strata_core.synthetic_deepseek2 import DEEPSEEK_PRESETS, DeepseekPreset
+from strata_core.synthetic_gpt_oss import GPT_OSS_PRESETS, GptOssPreset
 from strata_core.synthetic_qwen3next import QWEN3NEXT_PRESETS, Qwen3NextPreset
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
@@ -90,13 +91,14 @@ class Preset:
         w.add_expert_feed_forward_length(p.expert_ffn)
 
 
-PRESETS: dict[str, Preset | DeepseekPreset | Qwen3NextPreset] = {
+PRESETS: dict[str, Preset | DeepseekPreset | Qwen3NextPreset | GptOssPreset] = {
     "qwen3-30b-a3b": Preset(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
     "qwen3-235b-a22b": Preset(94, 128, 8, 4096, 1536, 64, 4, 128, 151936),
     "small": Preset(8, 64, 8, 512, 256, 8, 2, 64, 4096, context=8192),
     "tiny": Preset(2, 16, 4, 256, 256, 4, 2, 64, 512, context=2048),
     **DEEPSEEK_PRESETS,
     **QWEN3NEXT_PRESETS,
+    **GPT_OSS_PRESETS,
 }
 
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -151,11 +153,12 @@ def _value(qtype: Q, shape: tuple[int, ...], scale: float, rng: np.random.Genera
     return pool.take(n_blocks).reshape(*shape[:-1], -1)
 
 
-def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, expert_type: Q = Q.Q4_K,
+def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, expert_type: Q | None = None,
                     dense_type: Q = Q.Q8_0, n_layers: int | None = None, seed: int = 0,
                     progress: bool = True) -> int:
     """Write a synthetic model of ``preset`` to ``path``; returns the file size in bytes.
 
+    ``expert_type`` None: the preset's ``expert_type`` if it names one (gpt-oss: MXFP4), else Q4_K.
     ``n_layers`` overrides the preset's layer count (a shorter model of the same width).
     """
     if isinstance(preset, str):
@@ -166,6 +169,8 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
         name = "custom"
     if n_layers is not None:
         preset = replace(preset, n_layers=n_layers)
+    if expert_type is None:
+        expert_type = getattr(preset, "expert_type", Q.Q4_K)
     rng = np.random.default_rng(seed)
     specs = list(_tensors(preset, expert_type, dense_type))
     w = gguf.GGUFWriter(os.fspath(path), preset.architecture)

@@ -126,3 +126,27 @@ def test_chat_template_renders_harmony():
     ids = tokenizer.encode("<|start|>assistant<|channel|>final<|message|>", add_special_tokens=False)
     tokens = metadata["tokenizer.ggml.tokens"]
     assert [tokens[i] for i in ids if tokens[i].startswith("<|")] == ["<|start|>", "<|channel|>", "<|message|>"]
+
+
+def test_synthetic_presets_have_gpt_oss_shapes_and_info_shows_the_window(tmp_path):
+    """``make-synthetic --preset gpt-oss-120b`` has the real shapes (MXFP4 experts by default);
+    ``gpt-oss-tiny`` loads, generates, and ``strata info`` reports the sliding window."""
+    from strata_core.cli.info import describe
+    from strata_core.engine import Engine
+    from strata_core.synthetic import PRESETS, _tensors, write_synthetic
+
+    preset = PRESETS["gpt-oss-120b"]
+    shapes = {name: (shape, qtype) for name, shape, qtype, _ in _tensors(preset, preset.expert_type,
+                                                                        GGMLQuantizationType.Q8_0)}
+    assert sum(name.endswith("ffn_gate_exps.weight") for name in shapes) == 36
+    assert shapes["blk.35.ffn_gate_exps.weight"] == ((128, 2880, 2880), GGMLQuantizationType.MXFP4)
+    assert shapes["blk.0.ffn_down_exps.bias"] == ((128, 2880), GGMLQuantizationType.F32)
+    assert shapes["blk.0.attn_q.weight"][0] == (64 * 64, 2880) and shapes["blk.0.attn_sinks.weight"][0] == (64,)
+    path = tmp_path / "gpt-oss-tiny.gguf"
+    write_synthetic(path, "gpt-oss-tiny", progress=False)
+    spec = MoEModel.load(GGUFFile.open(path)).spec
+    assert (spec.sliding_window, spec.swa_layers, spec.rope_scaling) == (8, (True, False), "yarn")
+    assert GGUFFile.open(path).tensors["blk.1.ffn_up_exps.weight"].qtype == GGMLQuantizationType.MXFP4
+    assert len(Engine.load(path, max_context=64).generate("hello", max_tokens=4, temperature=0)) > 0
+    report = describe(path, [8.0], max_context=64)
+    assert "sliding window: 8 tokens on 1 of 2 layers (0), the others full attention; attention sinks" in report

@@ -52,7 +52,7 @@ def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
     for ref in gguf_file.tensors.values():
         group = tensor_group(ref.name)
         groups[group][ref.qtype.name] += ref.nbytes
-        if group.endswith("_exps"):
+        if group.endswith("_exps") and ref.name.endswith(".weight"):  # (gpt-oss's expert biases are dense)
             expert_bytes += ref.nbytes
         else:
             dense_bytes += ref.nbytes

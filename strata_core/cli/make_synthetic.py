@@ -25,8 +25,10 @@ class MakeSyntheticCommand(CommandSettings):
     out: CliPositionalArg[Path]
     preset: str = Field("qwen3-30b-a3b", description="model shapes: qwen3-30b-a3b, qwen3-235b-a22b, small, tiny, "
                         "deepseek-v3-small (DeepSeek-V3 widths, 4 layers), deepseek-tiny, qwen3-next-80b-a3b (48 layers: "
-                        "--layers 12 builds in seconds), qwen3-next-tiny")
-    expert_type: str = Field("Q4_K", description="block type of the experts (Q4_K, IQ4_XS, Q8_0, ...)")
+                        "--layers 12 builds in seconds), qwen3-next-tiny, gpt-oss-120b (36 layers: --layers 8 builds "
+                        "in seconds), gpt-oss-20b, gpt-oss-tiny")
+    expert_type: str | None = Field(None, description="block type of the experts (Q4_K, IQ4_XS, Q8_0, ...; "
+                                    "default: Q4_K, MXFP4 for gpt-oss)")
     dense_type: str = Field("Q8_0", description="block type of the dense matrices")
     layers: int | None = Field(None, ge=1, description="fewer layers than the preset (same widths)")
     seed: int = Field(0, description="random seed")
@@ -38,7 +40,8 @@ class MakeSyntheticCommand(CommandSettings):
         from strata_core.synthetic import write_synthetic
 
         start = time.perf_counter()
-        size = write_synthetic(self.out, self.preset, expert_type=_qtype(self.expert_type, "--expert-type"),
+        expert_type = None if self.expert_type is None else _qtype(self.expert_type, "--expert-type")
+        size = write_synthetic(self.out, self.preset, expert_type=expert_type,
                                dense_type=_qtype(self.dense_type, "--dense-type"), n_layers=self.layers,
                                seed=self.seed)
         seconds = time.perf_counter() - start
