@@ -203,3 +203,31 @@ def test_causal_conv_continues_its_state():
     out = torch.cat([causal_conv(x[:2], state, weight), causal_conv(x[2:], state, weight)])
     assert (out - ref).abs().max() <= 1e-6
     assert torch.equal(state, x[-3:])
+
+
+def test_synthetic_80b_preset_has_the_real_shapes():
+    from gguf import GGMLQuantizationType as Q
+
+    from strata_core.synthetic import PRESETS, _tensors
+
+    shapes = {name: shape for name, shape, _, _ in _tensors(PRESETS["qwen3-next-80b-a3b"], Q.Q4_K, Q.Q8_0)}
+    assert sum(name.endswith("attn_qkv.weight") for name in shapes) == 36  # 3 of every 4 of 48 layers
+    assert "blk.3.attn_qkv.weight" not in shapes and shapes["blk.3.attn_q.weight"] == (2 * 16 * 256, 2048)
+    assert shapes["blk.0.attn_qkv.weight"] == (2 * 16 * 128 + 32 * 128, 2048)
+    assert shapes["blk.0.ssm_ba.weight"] == (64, 2048) and shapes["blk.0.ssm_conv1d.weight"] == (8192, 4)
+    assert shapes["blk.47.ffn_gate_exps.weight"] == (512, 512, 2048)
+    assert shapes["blk.47.ffn_down_shexp.weight"] == (2048, 512)
+
+
+def test_synthetic_tiny_preset_runs(tmp_path):
+    from strata_core.engine import Engine
+    from strata_core.synthetic import write_synthetic
+
+    path = tmp_path / "q3n.gguf"
+    write_synthetic(path, "qwen3-next-tiny", progress=False)
+    engine = Engine.load(path, max_context=64)
+    spec = engine.spec
+    assert isinstance(spec, Qwen3NextSpec) and spec.recurrent == (True, True, True, False)
+    assert (engine.model.weights.at(0, "cpu")["ssm_a"] < 0).all()  # decays, not growths
+    logits = engine.logits(list(range(3, 40)))
+    assert torch.isfinite(logits).all() and logits.std() > 0
