@@ -313,3 +313,23 @@ def test_expanded_form_equals_absorbed_form(T, S):
     expanded = model._expanded(w64, q_nope, q_rope, cached)
     assert absorbed.shape == expanded.shape == (T, s.n_heads, s.v_head_dim)
     assert torch.allclose(absorbed, expanded, rtol=1e-5, atol=1e-6)  # the softmax runs in float32
+
+
+def test_served_completions_reuse_the_latent_prefix(engine):
+    """Through the HTTP API: a second turn reuses the cached latent rows of the first (a per-token state
+    can be cut back), and each answer equals the engine's greedy tokens run alone."""
+    import openai
+    from test_server_support import live_server
+
+    from strata_core.config import StrataSettings
+
+    first = PROMPT[:12]
+    second = first + [7, 8, 9]
+    settings = StrataSettings(model=DATA / "model-q8_0.gguf", model_alias="ds", max_context=64, parallel=1,
+                              conv_cache=2, expert_cache=4)
+    with live_server(settings) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        answers = [client.completions.create(model="ds", prompt=p, max_tokens=3, temperature=0) for p in (first, second)]
+    for prompt, answer in zip((first, second), answers):
+        assert answer.choices[0].text == engine.generate(prompt, max_tokens=3, temperature=0)
+    assert answers[1].model_extra["timings"]["cache_n"] == len(first)
