@@ -84,22 +84,14 @@ class Qwen3NextPreset:
             yield b + "ffn_down_exps.weight", (E, H, F), expert_type, 2 / math.sqrt(F)
 
     def add_metadata(self, w: gguf.GGUFWriter) -> None:
-        """The architecture's hyper-parameter keys (the layer pattern by interval, no per-layer array)."""
+        """The keys of a qwen3moe preset of the same sizes, plus the shared expert, the partial RoPE and
+        the Gated DeltaNet keys (the layer pattern by interval, no per-layer array)."""
+        from strata_core.synthetic import Preset  # that module imports this one
+
         p = self
-        w.add_block_count(p.n_layers)
-        w.add_context_length(p.context)
-        w.add_embedding_length(p.hidden)
-        w.add_feed_forward_length(p.expert_ffn * p.n_experts_used)
-        w.add_head_count(p.n_heads)
-        w.add_head_count_kv(p.n_kv_heads)
-        w.add_key_length(p.head_dim)
-        w.add_value_length(p.head_dim)
-        w.add_rope_freq_base(p.rope_theta)
+        Preset(p.n_layers, p.n_experts, p.n_experts_used, p.hidden, p.expert_ffn, p.n_heads, p.n_kv_heads,
+               p.head_dim, p.vocab, context=p.context, rope_theta=p.rope_theta).add_metadata(w)
         w.add_rope_dimension_count(p.rope_dim)
-        w.add_layer_norm_rms_eps(1e-6)
-        w.add_expert_count(p.n_experts)
-        w.add_expert_used_count(p.n_experts_used)
-        w.add_expert_feed_forward_length(p.expert_ffn)
         w.add_expert_shared_feed_forward_length(p.shared_ffn)
         w.add_ssm_conv_kernel(p.conv_kernel)
         w.add_ssm_state_size(p.gdn_head_dim)
