@@ -91,6 +91,17 @@ def test_each_gpt_oss_feature_changes_the_logits(change: str):
     assert (_logits(model, f) - reference).abs().max().item() > 1e-2
 
 
+def test_attention_in_query_blocks_gives_the_same_bits(monkeypatch):
+    """A prompt whose scores exceed ``SCORES_BYTES`` is attended in blocks of queries: same logits."""
+    from strata_core.model import gpt_oss
+
+    f = GGUFFile.open(DATA / "model-f32.gguf")
+    model = MoEModel.load(f)
+    whole = _logits(model, f)
+    monkeypatch.setattr(gpt_oss, "SCORES_BYTES", 4 * model.spec.n_heads * 32 * 3)  # 3 queries a block
+    assert torch.equal(_logits(model, f), whole)
+
+
 def test_gate_values_reach_the_swiglu_clamp(monkeypatch):
     """Some gate and up values of the fixture's forward lie beyond swiglu_oai's limit, so the clamp is
     exercised by the comparison."""

@@ -5,9 +5,10 @@ per-head sinks and a sliding window on alternate layers, the output projection's
 the base), ``post_attention_norm`` before the MoE, a biased router whose softmax runs over the
 top-k logits, and experts with biases and ``swiglu_oai`` (an ``ExpertFFN`` handed to the rows).
 
-Attention runs as masked products over the whole cache on every device (``masked_attention``:
-torch's fused SDPA has no sinks); on the CPU that keeps logits bit-identical across chunk and batch
-sizes, and on a GPU it is graph-capturable (no shape depends on the step).
+Attention runs as masked products on every device (``masked_attention``: torch's fused SDPA has no
+sinks): on the CPU over the whole cache, which keeps logits bit-identical across chunk and batch
+sizes; on a GPU over the positions written so far (the whole cache in a captured decode window),
+a long prompt chunk in blocks of queries.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.matmul import linear
 
-__all__ = ["GptOssModel"]
+__all__ = ["SCORES_BYTES", "GptOssModel"]
+
+#: Largest float32 score tensor ``[nh, queries, S]`` one attention call makes.
+SCORES_BYTES = 1 << 30
 
 
 class GptOssModel(MoEModel):
@@ -47,10 +51,18 @@ class GptOssModel(MoEModel):
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,
                static: bool) -> torch.Tensor:
-        """``[T, nh*D]``: the sinks and the layer's window in the softmax, over the whole cache."""
-        keys, values = kv.read(layer, kv.max_tokens)  # [S, nkv, D]
+        """``[T, nh*D]``: the sinks and the layer's window in the softmax (``masked_attention`` over
+        ``masked_context`` positions), in blocks of queries whose float32 scores stay under
+        ``SCORES_BYTES`` (a long prompt chunk)."""
+        keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # [S, nkv, D]
         sinks = self.weights.at(layer, q.device)["attn_sinks.weight"]  # [nh]
-        return masked_attention(q, keys, values, positions, self.spec.window(layer), sinks)
+        window = self.spec.window(layer)
+        T, nh = q.shape[0], q.shape[1]
+        block = max(1, SCORES_BYTES // (4 * nh * keys.shape[0]))  # rows are independent: the same bits
+        if block >= T:
+            return masked_attention(q, keys, values, positions, window, sinks)
+        return torch.cat([masked_attention(q[i:i + block], keys, values, positions[i:i + block], window, sinks)
+                          for i in range(0, T, block)])  # [T, nh*D]
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(ids [T, k], weights [T, k])``: top-k of the biased logits, softmax over those k."""

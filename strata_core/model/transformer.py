@@ -119,14 +119,18 @@ class MoEModel:
                 n_ctx = int(positions.max()) + 1
             keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
             return sdpa_attention(q, keys, values, positions, static)
-        # On the CPU attend over the whole cache (masked) so every query sees the same shapes
-        # whatever the chunk or batch: logits are then bit-identical across both.
-        if q.device.type == "cpu" or static:
-            n_ctx = kv.max_tokens
-        elif n_ctx is None:
-            n_ctx = int(positions.max()) + 1
-        keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
+        keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # [S, nkv, D]
         return masked_attention(q, keys, values, positions)
+
+    @staticmethod
+    def masked_context(q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,
+                       static: bool) -> int:
+        """How many cached positions the masked attention reads: on the CPU the whole cache, so every
+        query sees the same shapes whatever the chunk or batch (logits bit-identical across both), and
+        in a static (captured) window; else ``n_ctx`` (read from ``positions`` when not given)."""
+        if q.device.type == "cpu" or static:
+            return kv.max_tokens
+        return n_ctx if n_ctx is not None else int(positions.max()) + 1
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router for normed ``x [T, H]``: ``(expert_ids [T, k], weights [T, k])``.
