@@ -29,12 +29,17 @@ def _form(monkeypatch, form: str) -> None:
     monkeypatch.setattr(deltanet, "DEVICE_CHUNKED", form)
 
 
+#: float32 through fla's Triton kernels takes TF32 products (10-bit mantissas): a wider tolerance
+FLA_FLOAT32 = 1e-2
+
+
 @needs_cuda
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
 def test_chunked_delta_rule_on_cuda_matches_the_recurrent_form(monkeypatch, form, dtype, rel):
     """Qwen3-Next-80B's shapes: 16 key heads, 32 value heads of 128; a state carried in."""
     _form(monkeypatch, form)
+    rel = max(rel, FLA_FLOAT32) if form == "fla" else rel
     gen = torch.Generator(device="cuda").manual_seed(0)
     T, Hk, Hv, D = 300, 16, 32, 128
     q, k = (l2_norm(torch.randn(T, Hk, D, device="cuda", generator=gen), 1e-6) for _ in range(2))
@@ -54,6 +59,7 @@ def test_chunked_delta_rule_on_cuda_matches_the_recurrent_form(monkeypatch, form
 @pytest.mark.parametrize("dtype, rel", [("float32", 2e-3), ("bfloat16", 6e-2)])
 def test_engine_on_cuda_matches_the_cpu(monkeypatch, form, dtype, rel):
     _form(monkeypatch, form)
+    rel = max(rel, FLA_FLOAT32) if form == "fla" else rel
     cpu = Engine.load(DATA / "model-q8_0.gguf", max_context=256)
     gpu = Engine.load(DATA / "model-q8_0.gguf", devices=["cuda:0"], max_context=256, dtype=dtype, expert_cache=8,
                       prefill_chunk=100, arena="pinned")
