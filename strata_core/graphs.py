@@ -3,9 +3,11 @@
 Decode is host-bound (BENCHMARKS.md: ~200 ms of host per token while the GPU is busy ~56 ms); a
 replayed graph launches a whole segment (a device slot's contiguous layers of the decode placement)
 with one call, so a placement over several devices gets one graph per segment. What is captured is
-``Engine.decode_segment`` only (attention + MoE of every layer of the segment), never a hook: the
-strategy's ``strata_decode_window`` (and every observer wrapping it) runs as before, embeds the
-tokens and runs the head eagerly around the replays.
+the layers of ``Engine.decode_segment`` (attention + MoE of every layer of the segment), never a
+hook: the strategy's ``strata_decode_window`` (and every observer wrapping it) runs as before,
+embeds the tokens and runs the head around the replays; only ``Engine.run_decode`` (the default
+window of a placement with one decode segment) replays the embedding and head inside the graph
+too (``decode_step``, below).
 
 Where the shapes allow, and only there: the segment on a CUDA device, the decode gather on for
 every layer of it (it has no host read: ``--arena pinned`` with every layer pinned, ``--pcie-frac 1``,
