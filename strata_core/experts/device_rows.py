@@ -362,7 +362,7 @@ class CachedExpertRows:
 def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
     """The entries of ``order`` (pairs sorted by expert, ``sizes[i]`` for the i-th distinct expert) of
     the distinct experts ``chosen`` (ascending), in order; the index is built on the host."""
-    n = torch.tensor(sizes)  # [G]
+    n = torch.tensor(sizes, dtype=torch.long)  # [G]
     starts = (n.cumsum(0) - n)[chosen]  # [C]
     picked = n[chosen]  # [C]
     index = torch.repeat_interleave(starts - (picked.cumsum(0) - picked), picked) + torch.arange(int(picked.sum()))
@@ -381,9 +381,10 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
     through ``ring``; then ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
     Returns (misses, experts read across)."""
     device = x.device
-    slot = own.table.mirror[layer][to_device(torch.tensor(ids), device)] if own is not None else None  # [n]
-    counts = to_device(torch.tensor(sizes), device)  # [n]
-    expert_ids = None if ffn.plain else to_device(torch.tensor(ids), device)  # [n]: index the biases
+    experts = to_device(torch.tensor(ids, dtype=torch.long), device)  # [n] (long also when empty)
+    slot = own.table.mirror[layer][experts] if own is not None else None  # [n]
+    counts = to_device(torch.tensor(sizes, dtype=torch.long), device)  # [n]
+    expert_ids = None if ffn.plain else experts  # [n]: index the biases
     groups = expert_groups(sizes, group_experts, group_rows)
     misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
     from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from strata_core.engine import Engine
@@ -52,6 +52,7 @@ def _held(engine: Engine, slot: int) -> set[tuple[int, int]]:
 
 
 @CHECKS
+@example(primary=0, peer=16, chunk=40, stream=1.0, rows=-1, gather=False, grouped=True)  # the peer computes all
 @given(primary=st.integers(0, 16), peer=st.integers(1, 16), chunk=st.integers(4, 40),
        stream=st.sampled_from([0.0, 0.35, 1.0]), rows=st.sampled_from([-1, 0, 3]), gather=st.booleans(),
        grouped=st.booleans())
