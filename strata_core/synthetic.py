@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, replace
-from typing import ClassVar, Iterator
+from dataclasses import replace
+from typing import Iterator
 
 import gguf
 import numpy as np
@@ -25,70 +25,12 @@ from strata_core.errors import ConfigError
 from strata_core.quant import bytes_for, random_blocks
 from strata_core.synthetic_deepseek2 import DEEPSEEK_PRESETS, DeepseekPreset
 from strata_core.synthetic_gpt_oss import GPT_OSS_PRESETS, GptOssPreset
+from strata_core.synthetic_preset import Preset
 from strata_core.synthetic_qwen3next import QWEN3NEXT_PRESETS, Qwen3NextPreset
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Preset:
-    """The shapes of one qwen3moe-architecture model (another architecture's preset is a class with
-    the same ``architecture`` / ``n_layers`` / ``vocab`` / ``context`` / ``tensors`` / ``add_metadata``)."""
-
-    architecture: ClassVar[str] = "qwen3moe"
-    n_layers: int
-    n_experts: int
-    n_experts_used: int
-    hidden: int
-    expert_ffn: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    vocab: int
-    context: int = 40960
-    rope_theta: float = 1_000_000.0
-
-    def tensors(self, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tuple[int, ...], Q, float]]:
-        """(name, torch-order shape, block type, value scale) of every tensor, in file order."""
-        p = self
-        H, F, E = p.hidden, p.expert_ffn, p.n_experts
-        q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
-        yield "token_embd.weight", (p.vocab, H), dense_type, 1.0
-        yield "output_norm.weight", (H,), Q.F32, 1.0
-        yield "output.weight", (p.vocab, H), dense_type, 2 / math.sqrt(H)
-        for i in range(p.n_layers):
-            b = f"blk.{i}."
-            yield b + "attn_norm.weight", (H,), Q.F32, 1.0
-            yield b + "attn_q.weight", (q, H), dense_type, 2 / math.sqrt(H)
-            yield b + "attn_k.weight", (kv, H), dense_type, 2 / math.sqrt(H)
-            yield b + "attn_v.weight", (kv, H), dense_type, 2 / math.sqrt(H)
-            yield b + "attn_output.weight", (H, q), dense_type, 2 / math.sqrt(q)
-            yield b + "attn_q_norm.weight", (p.head_dim,), Q.F32, 1.0
-            yield b + "attn_k_norm.weight", (p.head_dim,), Q.F32, 1.0
-            yield b + "ffn_norm.weight", (H,), Q.F32, 1.0
-            yield b + "ffn_gate_inp.weight", (E, H), Q.F32, 4 / math.sqrt(H)
-            yield b + "ffn_gate_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
-            yield b + "ffn_up_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
-            yield b + "ffn_down_exps.weight", (E, H, F), expert_type, 2 / math.sqrt(F)
-
-    def add_metadata(self, w: gguf.GGUFWriter) -> None:
-        """The architecture's hyper-parameter keys."""
-        p = self
-        w.add_block_count(p.n_layers)
-        w.add_context_length(p.context)
-        w.add_embedding_length(p.hidden)
-        w.add_feed_forward_length(p.expert_ffn * p.n_experts_used)
-        w.add_head_count(p.n_heads)
-        w.add_head_count_kv(p.n_kv_heads)
-        w.add_key_length(p.head_dim)
-        w.add_value_length(p.head_dim)
-        w.add_rope_freq_base(p.rope_theta)
-        w.add_layer_norm_rms_eps(1e-6)
-        w.add_expert_count(p.n_experts)
-        w.add_expert_used_count(p.n_experts_used)
-        w.add_expert_feed_forward_length(p.expert_ffn)
 
 
 PRESETS: dict[str, Preset | DeepseekPreset | Qwen3NextPreset | GptOssPreset] = {

@@ -14,81 +14,57 @@ from typing import ClassVar, Iterator
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+from strata_core.synthetic_preset import Preset, TensorSpec
+
 __all__ = ["GPT_OSS_PRESETS", "GptOssPreset"]
 
 
 @dataclass(frozen=True)
-class GptOssPreset:
-    """The shapes of one gpt-oss model (see ``strata_core.synthetic.Preset`` for the protocol)."""
+class GptOssPreset(Preset):
+    """The shapes of one gpt-oss model: ``Preset``'s fields with gpt-oss-120b's widths as defaults,
+    the sliding window and the YaRN scaling."""
 
     architecture: ClassVar[str] = "gpt-oss"
     expert_type: ClassVar[Q] = Q.MXFP4  # the block type of the experts unless one is asked for
-    n_layers: int
-    n_experts: int
-    n_experts_used: int
     hidden: int = 2880
     expert_ffn: int = 2880
     n_heads: int = 64
     n_kv_heads: int = 8
     head_dim: int = 64
     vocab: int = 201088
-    sliding_window: int = 128
     context: int = 131072
     rope_theta: float = 150000.0
+    sliding_window: int = 128
     rope_factor: float = 32.0
     rope_orig_ctx: int = 4096
 
-    def tensors(self, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tuple[int, ...], Q, float]]:
+    def tensors(self, expert_type: Q, dense_type: Q) -> Iterator[TensorSpec]:
         """(name, torch-order shape, block type, value scale) of every tensor, in file order; 1-D
         tensors (norms, biases, sinks) are about 1, the experts' biases about 0."""
         p, H = self, self.hidden
         E, F = p.n_experts, p.expert_ffn
-        q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
-        yield "token_embd.weight", (p.vocab, H), dense_type, 1.0
-        yield "output_norm.weight", (H,), Q.F32, 1.0
-        yield "output.weight", (p.vocab, H), dense_type, 2 / math.sqrt(H)
+        yield from p.global_tensors(dense_type)
         for i in range(p.n_layers):
             b = f"blk.{i}."
-            yield b + "attn_norm.weight", (H,), Q.F32, 1.0
-            yield b + "attn_q.weight", (q, H), dense_type, 2 / math.sqrt(H)
-            yield b + "attn_q.bias", (q,), Q.F32, 0.1
-            yield b + "attn_k.weight", (kv, H), dense_type, 2 / math.sqrt(H)
-            yield b + "attn_k.bias", (kv,), Q.F32, 0.1
-            yield b + "attn_v.weight", (kv, H), dense_type, 2 / math.sqrt(H)
-            yield b + "attn_v.bias", (kv,), Q.F32, 0.1
-            yield b + "attn_output.weight", (H, q), dense_type, 2 / math.sqrt(q)
-            yield b + "attn_output.bias", (H,), Q.F32, 0.1
+            yield from p.attention_tensors(i, dense_type)
+            for name, size in (("attn_q", p.n_heads * p.head_dim), ("attn_k", p.n_kv_heads * p.head_dim),
+                               ("attn_v", p.n_kv_heads * p.head_dim), ("attn_output", H)):
+                yield b + name + ".bias", (size,), Q.F32, 0.1
             yield b + "attn_sinks.weight", (p.n_heads,), Q.F32, 1.0
             yield b + "post_attention_norm.weight", (H,), Q.F32, 1.0
             yield b + "ffn_gate_inp.weight", (E, H), Q.F32, 4 / math.sqrt(H)
             yield b + "ffn_gate_inp.bias", (E,), Q.F32, 0.1
-            yield b + "ffn_gate_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
-            yield b + "ffn_gate_exps.bias", (E, F), Q.F32, 0.1
-            yield b + "ffn_up_exps.weight", (E, F, H), expert_type, 2 / math.sqrt(H)
-            yield b + "ffn_up_exps.bias", (E, F), Q.F32, 0.1
-            yield b + "ffn_down_exps.weight", (E, H, F), expert_type, 2 / math.sqrt(F)
-            yield b + "ffn_down_exps.bias", (E, H), Q.F32, 0.1
+            yield from p.expert_tensors(i, expert_type)
+            for name, size in (("ffn_gate_exps", F), ("ffn_up_exps", F), ("ffn_down_exps", H)):
+                yield b + name + ".bias", (E, size), Q.F32, 0.1
 
     def add_metadata(self, w: gguf.GGUFWriter) -> None:
-        """The architecture's hyper-parameter keys (as llama.cpp's converter writes gpt-oss's)."""
-        p = self
-        w.add_block_count(p.n_layers)
-        w.add_context_length(p.context)
-        w.add_embedding_length(p.hidden)
-        w.add_feed_forward_length(p.expert_ffn)
-        w.add_head_count(p.n_heads)
-        w.add_head_count_kv(p.n_kv_heads)
-        w.add_key_length(p.head_dim)
-        w.add_value_length(p.head_dim)
-        w.add_rope_freq_base(p.rope_theta)
+        """``Preset``'s keys plus the sliding window and YaRN (as llama.cpp's converter writes gpt-oss's)."""
+        super().add_metadata(w)
+        w.add_sliding_window(self.sliding_window)
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        w.add_rope_scaling_factor(p.rope_factor)
-        w.add_rope_scaling_orig_ctx_len(p.rope_orig_ctx)
-        w.add_layer_norm_rms_eps(1e-5)
-        w.add_sliding_window(p.sliding_window)
-        w.add_expert_count(p.n_experts)
-        w.add_expert_used_count(p.n_experts_used)
-        w.add_expert_feed_forward_length(p.expert_ffn)
+        w.add_rope_scaling_factor(self.rope_factor)
+        w.add_rope_scaling_orig_ctx_len(self.rope_orig_ctx)
 
 
 GPT_OSS_PRESETS: dict[str, GptOssPreset] = {
