@@ -309,6 +309,9 @@ class Scheduler:
             try:
                 if job.session.n_tokens != n:
                     raise RuntimeError("the decode window failed after this request's step")
+                if not self.engine.spec.rewindable:  # a retry would advance the state a second time
+                    raise RuntimeError("the decode window failed after some layers updated this request's "
+                                       "recurrent state")
                 rows.append((job, self.engine.decode_window([(job.session, job.pending)])[0]))
             except Exception as exc:  # noqa: BLE001
                 self._fail_in_slot(next(s for s in self._slots if s.job is job), exc)

@@ -95,3 +95,46 @@ def test_server_reuses_only_whole_recurrent_prefixes(single):
         assert answer.choices[0].text == single.tokenizer.decode(_greedy(single, prompt, 4))
     assert answers[1].model_extra["timings"]["cache_n"] == len(first) + 3  # the last reply token was never fed
     assert answers[2].model_extra["timings"]["cache_n"] == 0
+
+
+def test_a_failed_decode_window_is_not_retried_over_an_advanced_state():
+    """A decode window that fails after its first layers ran has advanced their recurrent state: a
+    retry of each request alone (exact for K/V, which it rewrites) would advance it twice. Every
+    request of such a window fails instead; none answers wrongly."""
+    import asyncio
+
+    from strata_core.requests import Delta, GenerationRequest
+    from strata_core.sampling import SamplingParams
+    from strata_core.scheduler import Scheduler
+
+    engine = Engine.load(MODEL, max_context=CONTEXT)
+    prompts = [PROMPT[:9], PROMPT[5:20]]
+    alone = [engine.tokenizer.decode(_greedy(engine, p, 4)) for p in prompts]
+    moe, failed = engine.model.moe, []
+
+    def failing_once(layer, h, rows):  # the first two-session window fails after layer 0 ran
+        if layer == 1 and h.shape[0] == 2 and not failed:
+            failed.append(layer)
+            raise RuntimeError("device fault")
+        return moe(layer, h, rows)
+
+    engine.model.moe = failing_once
+    scheduler = Scheduler(engine, parallel=2, max_queue=4, conv_cache=0, conv_cache_bytes=0)
+    scheduler.start()
+
+    async def one(prompt: list[int]) -> str:
+        text = ""
+        async for event in scheduler.submit(GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=4))):
+            text += event.text if isinstance(event, Delta) else ""
+        return text
+
+    async def main() -> list:
+        return await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert failed
+    for result, want in zip(results, alone):
+        assert isinstance(result, Exception) or result == want
