@@ -74,3 +74,21 @@ def test_pair_rows_are_expert_ffn_bits_with_biases(synthetic):
     for p, e in enumerate(expert.tolist()):
         want = expert_ffn(x[p:p + 1], *arena.parts(1, e), fmt.qtypes, fmt.shapes, ffn, e)  # [1, H]
         assert torch.equal(got[p:p + 1], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pair_rows_of_the_gpu_path_agree_with_the_reference(synthetic, dtype):
+    """``pair_ffn_grouped`` (what a GPU's decode gather runs for biased experts) is ``pair_ffn``'s rows
+    within float tolerance."""
+    from strata_core.experts.gather import pair_ffn_grouped
+
+    _, spec, _ = synthetic
+    arena = _arena(synthetic)
+    fmt = arena.formats[0]
+    ffn = _biased(spec, dtype)
+    expert = torch.tensor([5, 2, 5, 11, 0, 2, 15, 7])  # [P]
+    x = torch.randn(expert.numel(), spec.hidden_size, generator=torch.Generator().manual_seed(3)).to(dtype)
+    packed = torch.stack([torch.cat([p.reshape(-1) for p in arena.parts(0, int(e))]) for e in expert])
+    got, want = pair_ffn_grouped(x, packed, fmt, ffn, expert), pair_ffn(x, packed, fmt, ffn, expert)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())

@@ -46,7 +46,8 @@ from strata_core.devices import device_scope, to_device
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.experts.gather import GATHER_COUNTS, fused_decode, fused_rows, gather_counts, pair_ffn
+from strata_core.experts.gather import (GATHER_COUNTS, fused_decode, fused_rows, gather_counts, pair_ffn,
+                                       pair_ffn_grouped)
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
@@ -327,7 +328,8 @@ class CachedExpertRows:
                    expert: torch.Tensor, fmt, ffn: ExpertFFN = SILU) -> torch.Tensor:
         """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k``) on ``hidden``'s device, each
         read from ``slots[slot[p]]`` or, where ``slot[p] < 0``, ``arena[expert[p]]``. The fused CUDA op
-        computes plain SiLU experts only; others (gpt-oss) gather the bytes and take ``pair_ffn`` there."""
+        computes plain SiLU experts only; others (gpt-oss) gather the bytes and take ``pair_ffn_grouped``
+        there (``pair_ffn``, the bit-exact reference, on the CPU)."""
         T = hidden.shape[0]
         device = hidden.device
         if device.type == "cuda" and ffn.plain:  # one fused op: misses staged, FFN straight from the blocks
@@ -337,7 +339,7 @@ class CachedExpertRows:
             packed = gather_experts(slots, arena, slot, expert, fmt.total)  # [P, total]
         with self.telemetry.compute(device):
             x = hidden[:, None, :].expand(T, slot.shape[0] // T, hidden.shape[-1]).reshape(slot.shape[0], -1)
-            return pair_ffn(x, packed, fmt, ffn, expert)  # [P, H]
+            return (pair_ffn_grouped if device.type == "cuda" else pair_ffn)(x, packed, fmt, ffn, expert)  # [P, H]
 
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
                     order: torch.Tensor, k: int, hidden: torch.Tensor,

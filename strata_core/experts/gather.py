@@ -31,10 +31,11 @@ import torch
 
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
+from strata_core.experts.grouped import dequantize_experts, grouped_ffn
 from strata_core.ops.gather import HAS_TRITON, gather_counts_cuda
 from strata_core.ops.moe import moe_decode, moe_pair_rows, pair_ffn_reference
 
-__all__ = ["GATHER_COUNTS", "fused_decode", "fused_rows", "gather_counts", "pair_ffn"]
+__all__ = ["GATHER_COUNTS", "fused_decode", "fused_rows", "gather_counts", "pair_ffn", "pair_ffn_grouped"]
 
 #: The telemetry counters ``gather_counts`` returns, in order.
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
@@ -45,6 +46,16 @@ def pair_ffn(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat, ffn: Expe
     """Rows ``[P, H]``: pair p's expert (packed bytes ``packed[p]``, ``[P, >= total]``) on ``x[p]`` (``[P, H]``),
     ``down(silu(gate x) * up x)``, or as ``ffn`` says with the biases of ``expert [P]``."""
     return pair_ffn_reference(x, *fmt.split(packed), fmt.qtypes, fmt.shapes, ffn, expert)
+
+
+def pair_ffn_grouped(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN,
+                     expert: torch.Tensor) -> torch.Tensor:
+    """``pair_ffn``'s rows as the grouped prefill computes them (a GPU's path for experts the fused
+    kernel does not serve, gpt-oss's): every pair's blocks dequantized at once in ``x``'s dtype
+    (``dequantize_experts``: Triton on CUDA), then ``grouped_ffn`` with one row per pair. Within
+    float tolerance of ``pair_ffn``; no host read."""
+    ones = torch.ones_like(expert)  # [P]: each pair its own group of one row
+    return grouped_ffn(x, *dequantize_experts(packed, fmt, x.dtype), ones, 1, ffn=ffn, experts=expert)
 
 
 def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
