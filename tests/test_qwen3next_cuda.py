@@ -35,7 +35,7 @@ FLA_FLOAT32 = 1e-2
 
 @needs_cuda
 @pytest.mark.parametrize("form", FORMS)
-@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)], ids=["float32", "bfloat16"])
 def test_chunked_delta_rule_on_cuda_matches_the_recurrent_form(monkeypatch, form, dtype, rel):
     """Qwen3-Next-80B's shapes: 16 key heads, 32 value heads of 128; a state carried in."""
     _form(monkeypatch, form)
