@@ -17,11 +17,14 @@ PROMPT = list(range(3, 40))
 GPT_OSS = Path(__file__).parent / "data" / "gpt-oss_llamacpp" / "model-mxfp4.gguf"
 #: Qwen3-Next (Gated DeltaNet recurrent state + gated attention; tests/test_qwen3next.py)
 QWEN3NEXT = Path(__file__).parent / "data" / "qwen3next_llamacpp" / "model-q8_0.gguf"
+#: deepseek2 (MLA on a latent state, a leading dense layer, grouped sigmoid router; tests/test_deepseek2.py)
+DEEPSEEK2 = Path(__file__).parent / "data" / "deepseek3_llamacpp" / "model-q8_0.gguf"
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next"])
+@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next", "deepseek2"])
 def engine(request, tiny_model_factory):
-    path = {"gpt-oss": GPT_OSS, "qwen3next": QWEN3NEXT}.get(request.param) or tiny_model_factory(expert_type="Q8_0")
+    path = ({"gpt-oss": GPT_OSS, "qwen3next": QWEN3NEXT, "deepseek2": DEEPSEEK2}.get(request.param)
+            or tiny_model_factory(expert_type="Q8_0"))
     return Engine.load(path, max_context=64)
 
 

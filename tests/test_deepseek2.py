@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from strata_core.engine import Engine
 from strata_core.experts.rows import DequantExpertRows
@@ -195,26 +193,6 @@ def test_the_dense_layer_has_no_experts_anywhere(engine):
 @pytest.fixture(scope="module")
 def reference(engine):
     return engine.logits(PROMPT)
-
-
-@given(chunk=st.integers(1, len(PROMPT)))
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_logits_do_not_depend_on_the_chunk_size(engine, reference, chunk):
-    engine.settings.prefill_chunk = chunk
-    try:
-        assert torch.equal(engine.logits(PROMPT), reference)
-    finally:
-        engine.settings.prefill_chunk = 8192
-
-
-def test_decode_window_rows_do_not_depend_on_the_batch(engine, reference):
-    cut = [5, 11, 20]
-    sessions = [engine.new_session() for _ in cut]
-    for session, n in zip(sessions, cut):
-        engine.prefill(session, PROMPT[:n])
-    batched = engine.decode_window([(s, PROMPT[n]) for s, n in zip(sessions, cut)])
-    for row, n in zip(batched, cut):
-        assert torch.equal(row, reference[n])
 
 
 @pytest.mark.parametrize("strategy, cut", [("layer_split", 1), ("prefill_main", 2)])

@@ -26,12 +26,14 @@ def run(engine: Engine) -> torch.Tensor:
     return torch.cat(rows)
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next"])
+@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next", "deepseek2"])
 def model(request, tiny_model_factory):
     if request.param == "gpt-oss":  # sinks, a sliding window, biased swiglu_oai experts in MXFP4
         return Path(__file__).parent / "data" / "gpt-oss_llamacpp" / "model-mxfp4.gguf"
     if request.param == "qwen3next":  # Gated DeltaNet state, gated attention, a shared expert; 12 experts
         return Path(__file__).parent / "data" / "qwen3next_llamacpp" / "model-q8_0.gguf"
+    if request.param == "deepseek2":  # MLA latent state, a dense layer 0, grouped sigmoid router; 16 experts
+        return Path(__file__).parent / "data" / "deepseek3_llamacpp" / "model-q8_0.gguf"
     return tiny_model_factory(expert_type="Q4_0")
 
 
