@@ -16,6 +16,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from strata_core.engine import Engine
+from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.arch.deepseek2 import DeepseekSpec
@@ -311,3 +312,26 @@ def test_served_completions_reuse_the_latent_prefix(engine):
     for prompt, answer in zip((first, second), answers):
         assert answer.choices[0].text == engine.generate(prompt, max_tokens=3, temperature=0)
     assert answers[1].model_extra["timings"]["cache_n"] == len(first)
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    ({"attention.key_length_mla": None}, UnsupportedError, "attn_kv_b"),  # a file from before the split
+    ({"expert_gating_func": 3}, UnsupportedError, "expert_gating_func"),
+    ({"expert_group_count": 3}, ModelFileError, "expert_group_count"),
+    ({"leading_dense_block_count": 3}, UnsupportedError, "no MoE layer"),
+    ({"rope.dimension_count": 15}, ModelFileError, "dimension_count"),
+    ({"attention.kv_lora_rank": None}, ModelFileError, "kv_lora_rank"),
+    ({"rope.scaling.type": "longrope"}, UnsupportedError, "scaling.type"),
+])
+def test_bad_metadata_is_named(changes, error, match):
+    from strata_core.gguf.arch.deepseek2 import ARCH
+
+    f = GGUFFile.open(DATA / "model-f32.gguf")
+    meta = dict(f.metadata)
+    for key, value in changes.items():
+        if value is None:
+            meta.pop("deepseek2." + key)
+        else:
+            meta["deepseek2." + key] = value
+    with pytest.raises(error, match=match):
+        ARCH.spec_from_metadata(meta, f.tensors, f.path)
