@@ -31,6 +31,19 @@ _EOG_TEXTS = frozenset(
     }
 )  # fmt: skip
 
+
+
+def _harmony_end(tokens: list[str], eog: set[int]) -> set[int]:
+    """The id of ``<|end|>`` when it must not end generation: llama.cpp's o200k_harmony (gpt-oss) rule,
+    an EOG set holding ``<|return|>`` and ``<|call|>`` (or ``<|calls|>`` and ``<|flush|>``) drops
+    ``<|end|>``, which only closes a message (the analysis channel) before the final answer."""
+    texts = {tokens[i]: i for i in eog if 0 <= i < len(tokens)}
+    call = "<|call|>" in texts or "<|calls|>" in texts
+    if "<|end|>" in texts and call and ("<|return|>" in texts or "<|flush|>" in texts):
+        return {texts["<|end|>"]}
+    return set()
+
+
 # GGUF key suffix (after "tokenizer.") -> the name transformers' converter expects.
 _GGUF_TOKENIZER_KEYS = {
     "ggml.model": "tokenizer_type",
@@ -112,6 +125,7 @@ class Tokenizer:
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         eog = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
         eog |= {int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata}
+        eog -= _harmony_end(tokens, eog)
         return cls(
             backend,
             vocab_size=len(tokens),

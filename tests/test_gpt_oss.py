@@ -137,6 +137,9 @@ def test_chat_template_renders_harmony():
     ids = tokenizer.encode("<|start|>assistant<|channel|>final<|message|>", add_special_tokens=False)
     tokens = metadata["tokenizer.ggml.tokens"]
     assert [tokens[i] for i in ids if tokens[i].startswith("<|")] == ["<|start|>", "<|channel|>", "<|message|>"]
+    # as llama.cpp: <|return|> and <|call|> end generation, <|end|> (closing the analysis message) does not
+    assert {tokens[i] for i in tokenizer.eos_token_ids} >= {"<|return|>", "<|call|>"}
+    assert "<|end|>" not in {tokens[i] for i in tokenizer.eos_token_ids}
 
 
 def test_synthetic_presets_have_gpt_oss_shapes_and_info_shows_the_window(tmp_path):
