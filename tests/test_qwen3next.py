@@ -231,3 +231,13 @@ def test_synthetic_tiny_preset_runs(tmp_path):
     assert (engine.model.weights.at(0, "cpu")["ssm_a"] < 0).all()  # decays, not growths
     logits = engine.logits(list(range(3, 40)))
     assert torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_info_shows_the_layer_pattern_and_the_recurrent_state():
+    from strata_core.cli.info import describe
+
+    text = describe(DATA / "model-q8_0.gguf", [24.0])
+    assert ("conv [3, 64] (recurrent) + ssm [4, 8, 8] (recurrent) x 2 layers; k [2, 16] + v [2, 16] x 1 layers), "
+            "plus 0.00 MiB of recurrent state per session") in text  # 3.5 KiB: two layers' float32 state
+    assert "Gated DeltaNet on 2 of 3 layers" in text and "gated full attention on layers 1" in text
+    assert "RoPE on 4 of 16 head dims" in text
