@@ -315,7 +315,7 @@ def test_served_completions_reuse_the_latent_prefix(engine):
 
 
 @pytest.mark.parametrize("changes, error, match", [
-    ({"attention.key_length_mla": None}, UnsupportedError, "attn_kv_b"),  # a file from before the split
+    ({"attention.key_length_mla": None}, ModelFileError, "key_length_mla"),
     ({"expert_gating_func": 3}, UnsupportedError, "expert_gating_func"),
     ({"expert_group_count": 3}, ModelFileError, "expert_group_count"),
     ({"leading_dense_block_count": 3}, UnsupportedError, "no MoE layer"),
@@ -335,3 +335,49 @@ def test_bad_metadata_is_named(changes, error, match):
             meta["deepseek2." + key] = value
     with pytest.raises(error, match=match):
         ARCH.spec_from_metadata(meta, f.tensors, f.path)
+
+
+def _pre_split_copy(src: Path, dst: Path) -> Path:
+    """``src`` as a converter before llama.cpp's MLA split wrote it: one ``attn_kv_b`` per layer, head
+    sizes in ``key_length``/``value_length``, as many kv heads as heads, no ``*_mla`` keys."""
+    import gguf
+    import numpy as np
+
+    reader, f = gguf.GGUFReader(src), GGUFFile.open(src)
+    spec = MoEModel.load(f).spec
+    changed = {"deepseek2.attention.key_length": spec.head_dim, "deepseek2.attention.value_length": spec.v_head_dim,
+               "deepseek2.attention.head_count_kv": spec.n_heads}
+    w = gguf.GGUFWriter(str(dst), "deepseek2")
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name.endswith("_mla"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(name, changed.get(name, field.contents()), field.types[0], sub)
+    for name, ref in f.tensors.items():
+        if name.endswith("attn_v_b.weight"):
+            continue
+        data = ref.data.view(np.float32).reshape(ref.shape)
+        if name.endswith("attn_k_b.weight"):  # [nh, C, nope] + [nh, v, C] -> [nh * (nope + v), C]
+            v_b = f.tensors[name.replace("attn_k_b", "attn_v_b")].data.view(np.float32).reshape(
+                f.tensors[name.replace("attn_k_b", "attn_v_b")].shape)
+            name, data = name.replace("attn_k_b", "attn_kv_b"), np.concatenate(
+                (data.transpose(0, 2, 1), v_b), axis=1).reshape(-1, spec.kv_lora_rank)
+        w.add_tensor(name, np.ascontiguousarray(data))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dst
+
+
+def test_files_from_before_the_mla_split_give_the_same_logits(tmp_path):
+    """An older deepseek2 GGUF (one ``attn_kv_b``, what unsplit DeepSeek-V3/R1 files in circulation
+    have; llama.cpp runs them through its non-MLA graph) loads with the same latent state and logits."""
+    old = GGUFFile.open(_pre_split_copy(DATA / "model-f32.gguf", tmp_path / "pre-split.gguf"))
+    assert "blk.1.attn_kv_b.weight" in old.tensors and "blk.1.attn_k_b.weight" not in old.tensors
+    model = MoEModel.load(old)
+    assert not model.spec.split_kv_b and model.spec.layer_state(0) == MoEModel.load(
+        GGUFFile.open(DATA / "model-f32.gguf")).spec.layer_state(0)
+    with torch.no_grad():
+        ref = _hf()(_tokens(model.spec)[None]).logits[0]  # [T, V]
+    assert (_logits(model, old) - ref).abs().max().item() <= 1e-4

@@ -92,20 +92,28 @@ class DeepseekModel(MoEModel):
             out = self._expanded(w, q_nope, q_rope, kv.read(layer, n_ctx, "latent", "rope"))
         return h + linear(out.reshape(T, s.n_heads * s.v_head_dim), w["attn_output.weight"])  # [T, H]
 
+    def _kv_b(self, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's ``k_b [nh, C, nope]`` and ``v_b [nh, v, C]`` (views of an older file's ``attn_kv_b``)."""
+        if "attn_kv_b.weight" not in w:
+            return w["attn_k_b.weight"], w["attn_v_b.weight"]
+        s = self.spec
+        kv_b = w["attn_kv_b.weight"].view(s.n_heads, s.qk_nope_dim + s.v_head_dim, s.kv_lora_rank)
+        return kv_b[:, :s.qk_nope_dim].transpose(1, 2), kv_b[:, s.qk_nope_dim:]
+
     def _absorbed(self, w: dict[str, torch.Tensor], q_nope: torch.Tensor, q_rope: torch.Tensor,
                   positions: torch.Tensor, cached: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``[T, nh, v]``: MQA over the latent cache (``cached``: latent ``[S, C]``, rope ``[S, r]``),
         causal by ``positions``."""
         latent, rope = (t.to(q_nope.dtype) for t in cached)
-        S = latent.shape[0]
-        q_abs = matmul(q_nope.transpose(0, 1), w["attn_k_b.weight"].transpose(1, 2))  # [nh, T, C]
+        S, (k_b, v_b) = latent.shape[0], self._kv_b(w)
+        q_abs = matmul(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [nh, T, C]
         query = torch.cat((q_abs, q_rope.transpose(0, 1)), dim=-1)  # [nh, T, C + r]
         keys = torch.cat((latent, rope), dim=-1)  # [S, C + r]
         scores = matmul(query, keys.T) * self.spec.kq_scale  # [nh, T, S]
         visible = torch.arange(S, device=positions.device)[None, :] <= positions[:, None]  # [T, S]
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")).float(), dim=-1)  # [nh, T, S]
         attended = matmul(probs.to(latent.dtype), latent)  # [nh, T, C]
-        return matmul(attended, w["attn_v_b.weight"].transpose(1, 2)).transpose(0, 1)  # [T, nh, v]
+        return matmul(attended, v_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, v]
 
     def _expanded(self, w: dict[str, torch.Tensor], q_nope: torch.Tensor, q_rope: torch.Tensor,
                   cached: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -116,9 +124,10 @@ class DeepseekModel(MoEModel):
         s = self.spec
         latent, rope = (t.to(q_nope.dtype) for t in cached)
         S, T, nh = latent.shape[0], q_nope.shape[0], s.n_heads
-        k_nope = matmul(latent, w["attn_k_b.weight"])  # [nh, S, nope]
+        k_b, v_b = self._kv_b(w)
+        k_nope = matmul(latent, k_b)  # [nh, S, nope]
         keys = torch.cat((k_nope, rope[None].expand(nh, S, s.qk_rope_dim)), dim=-1)  # [nh, S, Dk]
-        values = matmul(latent, w["attn_v_b.weight"].transpose(1, 2))  # [nh, S, v]
+        values = matmul(latent, v_b.transpose(1, 2))  # [nh, S, v]
         values = F.pad(values, (0, max(0, s.head_dim - s.v_head_dim)))  # [nh, S, max(Dk, v)]
         query = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1)  # [nh, T, Dk]
         mask = {"is_causal": True} if T == S else {"attn_mask": causal_lower_right(T, S)}

@@ -9,7 +9,9 @@ llama.cpp semantics (src/models/deepseek2.cpp, ``llama_model_deepseek2::load_arc
   rope key (``rope.dimension_count``). Per head, ``attn_k_b [kv_lora, nope]`` absorbs the nope query
   into latent space and ``attn_v_b [v, kv_lora]`` expands the attended latent into the value
   (``attention.value_length_mla``). Only the latent and the rope key are kept per token. Files from
-  converters before the ``attn_k_b``/``attn_v_b`` split (one ``attn_kv_b``) are refused.
+  converters before that split (one ``attn_kv_b [heads * (nope + v), kv_lora]``, head sizes in
+  ``attention.key_length``/``value_length``, no ``*_mla`` keys; llama.cpp then runs its non-MLA graph,
+  the same product) are read too: ``attn_k_b``/``attn_v_b`` are views of ``attn_kv_b``.
 - RoPE is llama.cpp's "normal" type (adjacent pairs) over the rope part only, with YaRN when
   ``rope.scaling.type`` is yarn (``ext_factor`` 1, beta 32/1 fixed: the GGUF's beta keys are not
   read). The scores are scaled by ``mscale^2 / sqrt(key_length_mla)`` with ``mscale = attn_factor_org
@@ -58,6 +60,7 @@ class DeepseekSpec(ModelSpec):
     qk_nope_dim: int
     qk_rope_dim: int
     v_head_dim: int
+    split_kv_b: bool  # attn_k_b + attn_v_b (current converters); False: one attn_kv_b (older files)
     n_dense_lead: int  # leading layers with a dense FFN instead of experts
     dense_ffn_size: int  # their FFN width
     gating: str  # "softmax" or "sigmoid"
@@ -134,11 +137,11 @@ class DeepseekArchitecture(Architecture):
         n_layers = m.int(K.LLM.BLOCK_COUNT)
         hidden = m.int(K.LLM.EMBEDDING_LENGTH)
         n_heads = m.int(K.Attention.HEAD_COUNT)
-        if K.Attention.KEY_LENGTH_MLA.format(arch=a) not in metadata or "blk.0.attn_kv_b.weight" in tensors:
-            raise UnsupportedError(f"{path}: a deepseek2 file without attn_k_b/attn_v_b (converted before "
-                                   f"llama.cpp split attn_kv_b for MLA) is not supported; convert it again")
-        k_mla = m.int(K.Attention.KEY_LENGTH_MLA)
-        v_mla = m.int(K.Attention.VALUE_LENGTH_MLA)
+        split = K.Attention.KEY_LENGTH_MLA.format(arch=a) in metadata  # llama.cpp's is_mla()
+        if not split and "blk.0.attn_kv_b.weight" not in tensors:
+            raise ModelFileError(f"{path}: {a}.attention.key_length_mla is missing (and there is no attn_kv_b)")
+        k_mla = m.int(K.Attention.KEY_LENGTH_MLA if split else K.Attention.KEY_LENGTH)
+        v_mla = m.int(K.Attention.VALUE_LENGTH_MLA if split else K.Attention.VALUE_LENGTH)
         rope = m.int(K.Rope.DIMENSION_COUNT)
         if rope % 2 or rope >= k_mla:
             raise ModelFileError(f"{path}: {a}.rope.dimension_count {rope} must be even and below "
@@ -185,7 +188,7 @@ class DeepseekArchitecture(Architecture):
             expert_weights_scale=scale if scale != 0.0 else 1.0,
             has_qk_norm=False, has_attn_bias=False, tied_embeddings="output.weight" not in tensors,
             q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_dim=k_mla - rope, qk_rope_dim=rope,
-            v_head_dim=v_mla, n_dense_lead=n_dense,
+            v_head_dim=v_mla, split_kv_b=split, n_dense_lead=n_dense,
             dense_ffn_size=m.int(K.LLM.FEED_FORWARD_LENGTH) if n_dense else 0,
             gating=_GATING[gating_id], has_probs_bias=f"blk.{n_layers - 1}.exp_probs_b.bias" in tensors,
             expert_groups=groups, expert_groups_used=groups_used,
@@ -208,10 +211,13 @@ class DeepseekArchitecture(Architecture):
         out = {p + "attn_norm.weight": (H,),
                p + "attn_kv_a_mqa.weight": (spec.kv_lora_rank + spec.qk_rope_dim, H),
                p + "attn_kv_a_norm.weight": (spec.kv_lora_rank,),
-               p + "attn_k_b.weight": (nh, spec.kv_lora_rank, spec.qk_nope_dim),
-               p + "attn_v_b.weight": (nh, spec.v_head_dim, spec.kv_lora_rank),
                p + "attn_output.weight": (H, nh * spec.v_head_dim),
                p + "ffn_norm.weight": (H,)}
+        if spec.split_kv_b:
+            out |= {p + "attn_k_b.weight": (nh, spec.kv_lora_rank, spec.qk_nope_dim),
+                    p + "attn_v_b.weight": (nh, spec.v_head_dim, spec.kv_lora_rank)}
+        else:
+            out[p + "attn_kv_b.weight"] = (nh * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank)
         if spec.q_lora_rank:
             out |= {p + "attn_q_a.weight": (spec.q_lora_rank, H), p + "attn_q_a_norm.weight": (spec.q_lora_rank,),
                     p + "attn_q_b.weight": (nh * spec.head_dim, spec.q_lora_rank)}
