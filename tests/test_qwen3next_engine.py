@@ -97,7 +97,7 @@ def test_server_reuses_only_whole_recurrent_prefixes(single):
     assert answers[2].model_extra["timings"]["cache_n"] == 0
 
 
-def test_a_failed_decode_window_is_not_retried_over_an_advanced_state():
+def test_a_failed_decode_window_is_not_retried_over_an_advanced_state(single, monkeypatch):
     """A decode window that fails after its first layers ran has advanced their recurrent state: a
     retry of each request alone (exact for K/V, which it rewrites) would advance it twice. Every
     request of such a window fails instead; none answers wrongly."""
@@ -107,7 +107,7 @@ def test_a_failed_decode_window_is_not_retried_over_an_advanced_state():
     from strata_core.sampling import SamplingParams
     from strata_core.scheduler import Scheduler
 
-    engine = Engine.load(MODEL, max_context=CONTEXT)
+    engine = single
     prompts = [PROMPT[:9], PROMPT[5:20]]
     alone = [engine.tokenizer.decode(_greedy(engine, p, 4)) for p in prompts]
     moe, failed = engine.model.moe, []
@@ -118,7 +118,7 @@ def test_a_failed_decode_window_is_not_retried_over_an_advanced_state():
             raise RuntimeError("device fault")
         return moe(layer, h, rows)
 
-    engine.model.moe = failing_once
+    monkeypatch.setattr(engine.model, "moe", failing_once)
     scheduler = Scheduler(engine, parallel=2, max_queue=4, conv_cache=0, conv_cache_bytes=0)
     scheduler.start()
 
