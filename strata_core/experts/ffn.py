@@ -22,7 +22,7 @@ __all__ = ["ACTIVATIONS", "ExpertFFN", "SILU"]
 ACTIVATIONS = ("silu", "swiglu_oai")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # holds tensors: compared by identity
 class ExpertFFN:
     """The activation and optional per-expert biases of one layer's experts (on one device).
 
