@@ -19,7 +19,7 @@ if [ -n "${TESTS:-}" ]; then  # beside the gate (both check correctness; the ben
 fi
 while pgrep -f make-synthetic > /dev/null; do sleep 1; done
 if [ -z "${NO_GATE:-}" ]; then
-  timeout ${GATE_S:-140} strata gate --model $MODEL --devices "$PAIR" --arena pinned --cuda-graphs --experts 4032 \
+  timeout ${GATE_S:-120} strata gate --model $MODEL --devices "$PAIR" --arena pinned --cuda-graphs --experts 4032 \
     --tokens ${GATE_TOKENS:-12} --max-context 512 2>&1 | tee "$OUT/gate.log" | grep -v "^INFO\|^WARNING"
 fi
 wait
@@ -27,7 +27,7 @@ wait
 for run in ${STRATEGIES:-single peer_tier gpu1_experts layer_split prefill_main}; do
   devices=$PAIR; [ "$run" = single ] && devices=cuda:0
   prompts=8k; case " ${LONG:-single peer_tier} " in *" $run "*) prompts=8k,32k;; esac
-  timeout ${BENCH_S:-70} strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" \
+  timeout ${BENCH_S:-60} strata bench --model $MODEL --strategy "$run" --devices "$devices" --expert-cache "$CACHE" \
     --arena pinned --cuda-graphs --prompts "$prompts" --contexts 1k --decode-tokens 32 --repeats 2 --sessions 1,4 \
     --max-context 33000 2>&1 | tee -a "$OUT/bench.log" | grep -v "^INFO\|^WARNING" | tail -6
 done
