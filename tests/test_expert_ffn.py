@@ -92,3 +92,39 @@ def test_pair_rows_of_the_gpu_path_agree_with_the_reference(synthetic, dtype):
     got, want = pair_ffn_grouped(x, packed, fmt, ffn, expert), pair_ffn(x, packed, fmt, ffn, expert)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     assert got.dtype == dtype and torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
+
+
+def _op_case(spec, arena, fmt, ffn):
+    """Args of ``moe_pair_rows`` for 3 tokens x top-2 over a cache holding 3 of the layer's experts."""
+    from strata_core.ops.moe import ffn_args
+
+    gen = torch.Generator().manual_seed(4)
+    held = torch.tensor([5, 2, 9])
+    cache = torch.stack([torch.cat([p.reshape(-1) for p in arena.parts(0, int(e))]) for e in held])  # [3, total]
+    expert = torch.tensor([5, 0, 2, 7, 9, 5])  # [P]
+    slot = torch.tensor([0, -1, 1, -1, 2, 0])
+    layer = torch.stack([torch.cat([p.reshape(-1) for p in arena.parts(0, e)]) for e in range(spec.n_experts)])
+    x = torch.randn(3, spec.hidden_size, generator=gen)  # [T, H]
+    args = (x, cache, layer, slot, expert, 2, [int(q) for q in fmt.qtypes], [n for s in fmt.shapes for n in s],
+            list(fmt.nbytes))
+    return args, ffn_args(ffn), expert, cache, layer
+
+
+def test_moe_ops_apply_the_biases_and_activation(synthetic):
+    """``moe_pair_rows`` / ``moe_decode`` with an ExpertFFN: the CPU kernels are the gather then
+    ``pair_ffn`` with it (bit for bit), and their schema passes opcheck."""
+    from strata_core.experts.rows import combine_rows
+    from strata_core.ops.gather import gather_experts
+    from strata_core.ops.moe import moe_decode, moe_pair_rows
+
+    _, spec, _ = synthetic
+    arena = _arena(synthetic)
+    fmt, ffn = arena.formats[0], _biased(spec)
+    args, kwargs, expert, cache, layer = _op_case(spec, arena, fmt, ffn)
+    rows = moe_pair_rows(*args, **kwargs)
+    packed = gather_experts(cache, layer, args[3], expert, fmt.total)
+    assert torch.equal(rows, pair_ffn(args[0].repeat_interleave(2, 0), packed, fmt, ffn, expert))
+    weights = torch.rand(3, 2, generator=torch.Generator().manual_seed(5))
+    combined = moe_decode(*args[:5], weights, *args[5:], **kwargs)
+    assert torch.equal(combined, combine_rows(rows.view(3, 2, -1), weights))
+    torch.library.opcheck(torch.ops.strata.moe_pair_rows.default, args, kwargs)

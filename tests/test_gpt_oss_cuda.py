@@ -1,14 +1,19 @@
-"""gpt-oss on a CUDA device against the CPU: prompts (grouped prefill with expert biases and
-swiglu_oai, misses streamed), decode windows (the decode gather with the biased experts: the fused
-SiLU kernel is not used for them) eager and captured as CUDA graphs. The model is
-``make-synthetic --preset gpt-oss-tiny`` (MXFP4 experts, Q8_0 dense, window 8, sinks, YaRN)."""
+"""gpt-oss on a CUDA device against the CPU: the fused decode kernels with expert biases and
+swiglu_oai against their CPU reference; prompts (grouped prefill with the biases, misses streamed),
+decode windows (the decode gather: the fused kernels, or ``pair_ffn_grouped`` with ``FUSED_FFN`` off)
+eager and captured as CUDA graphs. The model is ``make-synthetic --preset gpt-oss-tiny`` (MXFP4
+experts, Q8_0 dense, window 8, sinks, YaRN)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from strata_core.engine import Engine
+from strata_core.experts import device_rows
+from strata_core.experts.ffn import ExpertFFN
+from strata_core.ops.moe import ffn_args, moe_decode, moe_pair_rows
 from strata_core.synthetic import write_synthetic
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -35,9 +40,43 @@ def _windows(engine: Engine, prompt_lens: list[int], steps: int) -> list[torch.T
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype, rel", [("float32", 2e-3), ("bfloat16", 6e-2)])
-@pytest.mark.parametrize("arena", ["mmap", "pinned"])  # pinned: decode windows take the decode gather
-def test_prompt_and_decode_on_cuda_match_the_cpu(model, dtype, rel, arena):
+@pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_fused_kernels_apply_biases_and_swiglu_oai(dtype, rel):
+    """MXFP4 experts of hidden 256 / FFN 256: ``moe_pair_rows`` and ``moe_decode`` on CUDA (misses in
+    a pinned host arena staged) against their CPU reference, with and without the ExpertFFN."""
+    from gguf import GGMLQuantizationType as Q
+
+    from strata_core.quant import random_blocks
+
+    rng, gen = np.random.default_rng(0), torch.Generator().manual_seed(0)
+    E, H, F, T, k = 8, 256, 256, 3, 4
+    parts = [random_blocks(Q.MXFP4, E * F * H // 32, rng, 0.1).reshape(E, -1) for _ in range(3)]
+    layer = torch.from_numpy(np.concatenate(parts, axis=1))  # [E, total]
+    held = torch.tensor([1, 4, 6])
+    expert = torch.randint(0, E, (T * k,), generator=gen)
+    slot = torch.where(torch.isin(expert, held), (expert[:, None] == held).int().argmax(1), -1)
+    x, weights = torch.randn(T, H, generator=gen), torch.rand(T, k, generator=gen)
+    ffn = ExpertFFN("swiglu_oai", *(torch.randn(E, n, generator=gen) for n in (F, F, H)))
+    args = [int(Q.MXFP4)] * 3, [F, H, F, H, H, F], [p.shape[1] for p in parts]
+    for f in (ExpertFFN(), ffn):
+        want_rows = moe_pair_rows(x, layer[held], layer, slot, expert, k, *args, **ffn_args(f))
+        want = moe_decode(x, layer[held], layer, slot, expert, weights, k, *args, **ffn_args(f))
+        cuda = ffn_args(ExpertFFN(f.activation, *(None if b is None else b.cuda().to(dtype)
+                                                  for b in (f.gate_bias, f.up_bias, f.down_bias))))
+        dev = (x.cuda().to(dtype), layer[held].cuda(), layer.pin_memory(), slot.cuda(), expert.cuda())
+        assert _close(moe_pair_rows(*dev, k, *args, **cuda), want_rows, rel)
+        assert _close(moe_decode(*dev, weights.cuda().to(dtype), k, *args, **cuda), want, rel)
+
+
+@needs_cuda
+@pytest.mark.parametrize("arena, fused, dtype, rel", [
+    ("mmap", True, "bfloat16", 6e-2),  # decode by the loop per expert
+    ("pinned", True, "bfloat16", 6e-2),  # the decode gather: the biased experts in the fused kernels
+    ("pinned", True, "float32", 2e-3),
+    ("pinned", False, "bfloat16", 6e-2),  # the decode gather through pair_ffn_grouped
+])
+def test_prompt_and_decode_on_cuda_match_the_cpu(model, dtype, rel, arena, fused, monkeypatch):
+    monkeypatch.setattr(device_rows, "FUSED_FFN", fused)
     cpu = Engine.load(model, max_context=128)
     gpu = Engine.load(model, devices=["cuda:0"], max_context=128, dtype=dtype, expert_cache=12, arena=arena)
     reference = cpu.logits(PROMPT)

@@ -58,7 +58,11 @@ from strata_core.ops.gather import gather_experts
 if TYPE_CHECKING:
     from strata_core.experts.peer import PeerLane
 
-__all__ = ["CachedExpertRows", "Chain", "MissSplit", "grouped_rows", "pairs_of"]
+__all__ = ["FUSED_FFN", "CachedExpertRows", "Chain", "MissSplit", "grouped_rows", "pairs_of"]
+
+#: The fused CUDA decode kernels compute experts with biases / swiglu_oai too (gpt-oss); False: those
+#: take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
+FUSED_FFN = True
 
 
 @dataclass(frozen=True)
@@ -135,7 +139,7 @@ class CachedExpertRows:
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
         chain = self.chains[layer]
         if (hidden.device.type == "cuda" and self.gather and self.decoding and chain.own is not None
-                and not chain.peers and ffn.plain):  # one op: the rows combined in its down launch (strata::moe_decode)
+                and not chain.peers and (ffn.plain or FUSED_FFN)):  # one op: the rows combined in its down launch (strata::moe_decode)
             self.usage.add(layer, expert_ids)
             return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
         return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)  # [T, H]
@@ -315,7 +319,7 @@ class CachedExpertRows:
         own.wait_layer(layer, self.device)
         if weights is not None:
             with self.telemetry.compute(self.device):
-                return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt)  # [T, H]
+                return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt, ffn)  # [T, H]
         rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]
         for lane in chain.lanes:
             lane.join()
@@ -327,14 +331,14 @@ class CachedExpertRows:
     def _pair_rows(self, hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
                    expert: torch.Tensor, fmt, ffn: ExpertFFN = SILU) -> torch.Tensor:
         """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k``) on ``hidden``'s device, each
-        read from ``slots[slot[p]]`` or, where ``slot[p] < 0``, ``arena[expert[p]]``. The fused CUDA op
-        computes plain SiLU experts only; others (gpt-oss) gather the bytes and take ``pair_ffn_grouped``
-        there (``pair_ffn``, the bit-exact reference, on the CPU)."""
+        read from ``slots[slot[p]]`` or, where ``slot[p] < 0``, ``arena[expert[p]]``: on CUDA the fused op
+        (biased / swiglu_oai experts too, unless ``FUSED_FFN`` is off: then ``pair_ffn_grouped``), on the
+        CPU ``pair_ffn`` (the bit-exact reference)."""
         T = hidden.shape[0]
         device = hidden.device
-        if device.type == "cuda" and ffn.plain:  # one fused op: misses staged, FFN straight from the blocks
+        if device.type == "cuda" and (ffn.plain or FUSED_FFN):  # one fused op: misses staged, FFN from the blocks
             with self.telemetry.compute(device):
-                return fused_rows(hidden, slots, arena, slot, expert, fmt)
+                return fused_rows(hidden, slots, arena, slot, expert, fmt, ffn)
         with self.telemetry.timed("copy", device):
             packed = gather_experts(slots, arena, slot, expert, fmt.total)  # [P, total]
         with self.telemetry.compute(device):

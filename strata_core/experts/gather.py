@@ -33,7 +33,7 @@ from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, grouped_ffn
 from strata_core.ops.gather import HAS_TRITON, gather_counts_cuda
-from strata_core.ops.moe import moe_decode, moe_pair_rows, pair_ffn_reference
+from strata_core.ops.moe import ffn_args, moe_decode, moe_pair_rows, pair_ffn_reference
 
 __all__ = ["GATHER_COUNTS", "fused_decode", "fused_rows", "gather_counts", "pair_ffn", "pair_ffn_grouped"]
 
@@ -59,22 +59,23 @@ def pair_ffn_grouped(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat, f
 
 
 def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
-               expert: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
+               expert: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU) -> torch.Tensor:
     """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k`` of ``hidden [T, H]``) through
-    ``strata::moe_pair_rows``: the weights read from ``slots`` or the layer's ``arena [E, total]``."""
+    ``strata::moe_pair_rows``: the weights read from ``slots`` or the layer's ``arena [E, total]``;
+    ``ffn``'s biases and activation applied in the kernels."""
     k = slot.shape[0] // hidden.shape[0]
     shapes = [n for shape in fmt.shapes for n in shape]
     return moe_pair_rows(hidden, slots, arena, slot, expert, k, [int(q) for q in fmt.qtypes], shapes,
-                         list(fmt.nbytes))
+                         list(fmt.nbytes), **ffn_args(ffn))
 
 
 def fused_decode(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
-                 expert: torch.Tensor, weights: torch.Tensor, fmt: ExpertFormat) -> torch.Tensor:
+                 expert: torch.Tensor, weights: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU) -> torch.Tensor:
     """The routed output ``[T, H]`` of the pairs of :func:`fused_rows` combined with ``weights [T, k]``
     (``combine_rows``) through ``strata::moe_decode``: on CUDA the down launch sums the rows."""
     shapes = [n for shape in fmt.shapes for n in shape]
     return moe_decode(hidden, slots, arena, slot, expert, weights, weights.shape[1], [int(q) for q in fmt.qtypes],
-                      shapes, list(fmt.nbytes))
+                      shapes, list(fmt.nbytes), **ffn_args(ffn))
 
 
 def gather_counts(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, nbytes: int) -> torch.Tensor:
