@@ -14,7 +14,7 @@ if ! python3 -c "import strata_core" 2> /dev/null; then
 fi
 [ -f $MODEL ] || (start=$(date +%s); strata make-synthetic --preset deepseek-v3-small --layers $LAYERS \
   --expert-type Q4_K $MODEL > "$OUT/ds-make.log" 2>&1; echo "make-synthetic: $(( $(date +%s) - start )) s" >> "$OUT/ds-make.log") &
-timeout 90 python3 -m pytest -q -x tests/test_deepseek2_cuda.py 2>&1 | tee "$OUT/ds-tests.log" | tail -15
+timeout 90 python3 -m pytest -q tests/test_deepseek2_cuda.py 2>&1 | tee "$OUT/ds-tests.log" | tail -15
 while pgrep -f "make-synthetic --preset deepseek" > /dev/null; do sleep 1; done
 tail -2 "$OUT/ds-make.log"
 timeout 10 strata info $MODEL 2>&1 | tee "$OUT/ds-info.log" | sed -n 2,8p
