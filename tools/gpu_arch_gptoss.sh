@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 11, gpt-oss on one H200 (~60 s of work alone; timeouts with room for three scripts sharing one GPU): the gpt-oss CUDA tests (prompt, decode gather and CUDA
+# Issue 11, gpt-oss on one H200 (~60 s of work alone; timeouts leave room for three scripts sharing
+# one GPU): the gpt-oss CUDA tests (fused kernels with biases, prompt, decode gather and CUDA
 # graphs against the CPU), then `strata bench` on the gpt-oss-120b preset with 4 of its 36 layers (512
 # MXFP4 experts of 13.2 MB, ~8 GB), 256 of them cached (the rest streamed / read over the host link);
 # a 1k prompt, decode at a 512-token context for 1 and 4 sessions.
