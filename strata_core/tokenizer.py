@@ -74,7 +74,11 @@ def _convert_gguf_tokenizer(architecture: str, spec: dict[str, Any]):
     except ImportError:
         from transformers.integrations.ggml import convert_gguf_tokenizer
 
+        from transformers.integrations.ggml import GGUF_TO_FAST_CONVERTERS
+
         architecture = _GGML_CONVERTER_NAMES.get(architecture, architecture)
+        if architecture not in GGUF_TO_FAST_CONVERTERS:  # e.g. deepseek2, gpt-oss before transformers knew them
+            architecture = "gpt2"  # the generic byte-level BPE converter ("gpt2" is all Strata reads)
     return convert_gguf_tokenizer(architecture, spec)
 
 

@@ -166,3 +166,22 @@ def test_demo_model_tokenizer(name: str) -> None:
     assert ids[0] == 1 and ids[-2] == 2
     assert len(ids) < len(text) // 2  # the BPE learned the corpus' words
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize(("architecture", "converter"), [("qwen3moe", "qwen3_moe"), ("deepseek2", "gpt2"),
+                                                         ("gpt-oss", "gpt2")])
+def test_older_transformers_convert_any_architecture(architecture: str, converter: str, monkeypatch) -> None:
+    """Before 5.20 transformers keyed its GGUF tokenizer converters by HF model type and knew no
+    deepseek2 or gpt-oss: those take the generic byte-level BPE converter instead of failing."""
+    import sys
+    import types
+
+    from strata_core import tokenizer as module
+
+    asked = []
+    ggml = types.ModuleType("transformers.integrations.ggml")
+    ggml.GGUF_TO_FAST_CONVERTERS = {"qwen3_moe": object, "gpt2": object}
+    ggml.convert_gguf_tokenizer = lambda arch, spec: asked.append(arch) or ("backend", {})
+    monkeypatch.setitem(sys.modules, "transformers.integrations.gguf", None)  # import fails as on 4.x
+    monkeypatch.setitem(sys.modules, "transformers.integrations.ggml", ggml)
+    assert module._convert_gguf_tokenizer(architecture, {}) == ("backend", {}) and asked == [converter]
