@@ -101,6 +101,7 @@ class DecodeGraphs:
         self._said: set[str] = set()
         self.failed: str | None = None  # a capture failed: eager from then on
         self.captures = 0
+        self._capture_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     # --- where graphs apply ----------------------------------------------------------------------
 
@@ -251,6 +252,14 @@ class DecodeGraphs:
 
     # --- capture ---------------------------------------------------------------------------------
 
+    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """A capture stream of ``device``. ``torch.cuda.graph``'s default is one stream for the whole
+        process, made on the device current at its first use: a second GPU's segment captured on it
+        ran with the first GPU current and the capture failed (cudaErrorStreamCaptureInvalidated)."""
+        if device not in self._capture_streams:
+            self._capture_streams[device] = torch.cuda.Stream(device)
+        return self._capture_streams[device]
+
     def _capture(self, segment: Segment, batch: DecodeBatch, hidden: torch.Tensor | None, shared: bool = False,
                  step: bool = False) -> _Graph:
         engine, layers = self.engine, segment.layers
@@ -296,7 +305,7 @@ class DecodeGraphs:
                 self._warm.add(warm)
             host_mid = _read_host(engine)
             graph = torch.cuda.CUDAGraph()
-            with engine.telemetry.capturing(sink), torch.cuda.graph(graph):
+            with engine.telemetry.capturing(sink), torch.cuda.graph(graph, stream=self._capture_stream(device)):
                 out = body()
             delta = {k: v - host_mid[k] for k, v in _read_host(engine).items()}
         finally:
