@@ -15,7 +15,7 @@ if ! python3 -c "import strata_core" 2> /dev/null; then
     > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
 fi
 [ -f $MODEL ] || (strata make-synthetic --preset gpt-oss-120b --layers 4 $MODEL > "$OUT/oss-make.log" 2>&1 &)
-timeout 90 python3 -m pytest -q tests/test_gpt_oss_cuda.py 2>&1 | tee "$OUT/oss-tests.log" | tail -15
+timeout 90 python3 -m pytest -q --tb=short tests/test_gpt_oss_cuda.py 2>&1 | tee "$OUT/oss-tests.log" | tail -15
 while pgrep -f "make-synthetic --preset gpt-oss" > /dev/null; do sleep 1; done
 tail -1 "$OUT/oss-make.log"; ls -la $MODEL
 timeout 20 strata info $MODEL 2>&1 | tee "$OUT/oss-info.log" | grep -v "^  " | tail -8
