@@ -164,3 +164,19 @@ def test_synthetic_presets_have_gpt_oss_shapes_and_info_shows_the_window(tmp_pat
     assert len(Engine.load(path, max_context=64).generate("hello", max_tokens=4, temperature=0)) > 0
     report = describe(path, [8.0], max_context=64)
     assert "sliding window: 8 tokens on 1 of 2 layers (0), the others full attention; attention sinks" in report
+
+
+def test_sliding_window_pattern_as_llama_cpp_reads_it():
+    """``attention.sliding_window_pattern``: absent = 2 (layers 0, 2, ... slide), an integer n (layer il
+    slides when il % n < n - 1; 0: every layer), or one bool per layer; anything else is an error."""
+    from strata_core.errors import ModelFileError
+    from strata_core.gguf.arch.gpt_oss import _swa_layers
+
+    key = "gpt-oss.attention.sliding_window_pattern"
+    assert _swa_layers({}, "gpt-oss", 4, "f") == (True, False, True, False)
+    assert _swa_layers({key: 3}, "gpt-oss", 6, "f") == (True, True, False, True, True, False)
+    assert _swa_layers({key: 0}, "gpt-oss", 3, "f") == (True, True, True)
+    assert _swa_layers({key: [False, True, True]}, "gpt-oss", 3, "f") == (False, True, True)
+    for bad in ([True, False], "2", -1):
+        with pytest.raises(ModelFileError, match="sliding_window_pattern"):
+            _swa_layers({key: bad}, "gpt-oss", 3, "f")
