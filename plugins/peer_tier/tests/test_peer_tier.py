@@ -170,7 +170,8 @@ CUDA_PAIRS = ([["cuda:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.dev
 @pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices, graphs):
-    """Eager, and with the peer's work captured in the window's CUDA graph (replays without a host sync)."""
+    """Eager, and under --cuda-graphs (single's windows graphed; a peer's segment stays eager: captured,
+    its greedy tokens differed on two H200s)."""
     from strata_core.testing.sync import no_host_sync
 
     options = dict(max_context=128, dtype="float32", arena="pinned", cuda_graphs=graphs)
@@ -186,4 +187,4 @@ def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices,
     with no_host_sync():
         engine.decode_window([(session, 4)])
     if graphs:
-        assert engine._decode_graphs().failed is None and len(engine._decode_graphs()) > 0
+        assert len(engine._decode_graphs()) == 0 and len(want._decode_graphs()) > 0
