@@ -63,7 +63,7 @@ class ExpertCache:
         if self.copier.stream is not None:
             self.copier.stream.synchronize()  # start-up only: slots are complete before any compute
         log.info("expert cache %s: %d of %d experts resident (%d slots, %.2f GiB)", self.name,
-                 self.table.n_resident, self.arena.n_layers * self.arena.n_experts, self.n_slots,
+                 self.table.n_resident, len(self.arena.moe_layers) * self.arena.n_experts, self.n_slots,
                  self.slots.numel() / GIB)
         return len(todo)
 
