@@ -325,7 +325,8 @@ class CachedExpertRows:
             lane.join()
         for mine, peer_rows in served:
             rows = torch.where(mine[:, None], peer_rows, rows)
-            self.telemetry.add_counts(("experts_peer",), mine.sum().reshape(1))
+            distinct = resident.new_zeros(resident.shape, dtype=torch.bool).scatter_(0, expert, mine)  # [E]
+            self.telemetry.add_counts(("experts_peer",), distinct.sum().reshape(1))  # (layer, expert)s a peer served
         return rows.view(T, k, -1)
 
     def _pair_rows(self, hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
