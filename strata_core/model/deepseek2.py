@@ -29,7 +29,7 @@ from strata_core.model import ops
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import rms_norm
 from strata_core.model.rope import apply_rope_interleaved, scaled_inv_freq
-from strata_core.model.transformer import _MIN_WEIGHT_SUM, MoEModel
+from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.matmul import linear, matmul, rowwise
 
@@ -148,12 +148,7 @@ class DeepseekModel(MoEModel):
             dropped = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, best, False)  # [T, G]
             choice = grouped.masked_fill(dropped[..., None], float("-inf")).view(T, -1)  # [T, E]
         ids = choice.topk(s.n_experts_used, dim=-1).indices  # [T, k]
-        weights = probs.gather(1, ids)  # [T, k]
-        if s.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
-        if s.expert_weights_scale != 1.0:
-            weights = weights * s.expert_weights_scale
-        return ids, weights.to(x.dtype)
+        return ids, self.finish_weights(probs.gather(1, ids)).to(x.dtype)  # [T, k], [T, k]
 
     def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """``h + ffn(rms_norm(h))``: the dense FFN of a leading layer, else routed + shared experts."""

@@ -141,11 +141,17 @@ class MoEModel:
         logits = linear(x, self.weights.at(layer, x.device)["ffn_gate_inp.weight"])  # [T, E]
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, s.n_experts_used, dim=-1)  # [T, k]
+        return ids, self.finish_weights(weights).to(x.dtype)
+
+    def finish_weights(self, weights: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' weights ``[T, k]`` renormalised (``norm_topk_prob``, the sum clamped as
+        llama.cpp clamps it) and scaled (``expert_weights_scale``)."""
+        s = self.spec
         if s.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(_MIN_WEIGHT_SUM)
         if s.expert_weights_scale != 1.0:
             weights = weights * s.expert_weights_scale
-        return ids, weights.to(x.dtype)
+        return weights
 
     def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """``h + moe(rms_norm(h))`` for ``h [T, H]``: routed experts via ``expert_rows`` (+ shared expert)."""
