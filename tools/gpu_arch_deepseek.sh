@@ -17,7 +17,7 @@ fi
 timeout 90 python3 -m pytest -q tests/test_deepseek2_cuda.py 2>&1 | tee "$OUT/ds-tests.log" | tail -15
 while pgrep -f "make-synthetic --preset deepseek" > /dev/null; do sleep 1; done
 tail -2 "$OUT/ds-make.log"
-timeout 10 strata info $MODEL 2>&1 | tee "$OUT/ds-info.log" | sed -n 2,8p
+timeout 40 strata info $MODEL 2>&1 | tee "$OUT/ds-info.log" | sed -n 2,8p
 for CACHE in ${CACHES:-128}; do
   timeout 100 strata bench --model $MODEL --devices cuda:0 --expert-cache $CACHE --arena pinned --cuda-graphs \
     --prompts 2k --contexts 1k --decode-tokens 16 --repeats 1 --sessions 1,4 2>&1 \
