@@ -154,3 +154,29 @@ def test_load_reports_progress_up_to_one(model):
     seen = []
     Engine.from_settings(StrataSettings(model=model, arena="pinned", max_context=64), progress=seen.append)
     assert seen == sorted(seen) and seen[0] > 0 and seen[-1] == 1.0 and len(seen) > 4  # per pinned layer too
+
+
+def test_peer_stream_rows_and_adapt_swaps_are_validated():
+    def placement(source, **kwargs) -> Placement:
+        layers = (LayerPlacement(0, (ExpertSource.cache(0), source, ExpertSource.arena(0))),) * 2
+        return Placement(layers, layers, **kwargs)
+
+    placement(ExpertSource.peer(1, compute=True, stream=0.35, rows=64)).validate(2, 2)
+    with pytest.raises(ConfigError, match="stream and rows belong to a peer that computes its rows"):
+        placement(ExpertSource.peer(1, stream=0.5)).validate(2, 2)
+    with pytest.raises(ConfigError, match="stream share must be in \\[0, 1\\]"):
+        placement(ExpertSource.peer(1, compute=True, stream=1.5)).validate(2, 2)
+    with pytest.raises(ConfigError, match="adapt swaps of slot 1 cannot be negative"):
+        placement(ExpertSource.peer(1), adapt_swaps={1: -1}).validate(2, 2)
+    with pytest.raises(ConfigError, match="exactly one of them"):
+        CacheBudget(slots=3, reserve_mib=100)
+
+
+def test_a_reserve_budget_sizes_auto_with_the_slot_s_own_reserve():
+    from strata_core.experts.sizing import MIB, cache_slots
+
+    settings = StrataSettings(reserve_mib=512)
+    left = 10 * 1024 * MIB  # after the dense part and --reserve-mib
+    more = cache_slots(settings, torch.device("cpu"), MIB, 100_000, None, left, CacheBudget(reserve_mib=0))
+    less = cache_slots(settings, torch.device("cpu"), MIB, 100_000, None, left, CacheBudget(reserve_mib=1024))
+    assert (more, less) == (10 * 1024 + 512, 10 * 1024 - 512)
