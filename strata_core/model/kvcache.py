@@ -116,11 +116,6 @@ class KVCache:
             raise ValueError(f"cannot rewind recurrent state from {self.n_tokens} to {n} positions")
         self.n_tokens = n
 
-    def reusable(self, n: int) -> int:
-        """How many of the first ``n`` held positions a new request can keep: all of them if the cache
-        can be truncated, else ``n`` only when it is every position held (a recurrent state is never rewound)."""
-        return n if self.can_truncate or n == self.n_tokens else 0
-
     def release(self) -> None:
         """Drop the tensors (their memory returns to the allocator); the cache is empty after."""
         self.n_tokens = 0
