@@ -68,16 +68,16 @@ def _hf_state_from_gguf(path: Path, config) -> dict[str, torch.Tensor]:
     return out
 
 
-def _hf_model(tmp_path: Path, gguf_name: str):
-    """transformers' Qwen3-Next with the weights of the GGUF ``gguf_name`` (dequantized by gguf-py)."""
+def _hf_model(tmp_path: Path, gguf_name: str, data: Path = DATA):
+    """transformers' Qwen3-Next with the weights of the GGUF ``data / gguf_name`` (dequantized by gguf-py)."""
     from safetensors.torch import save_file
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     if gguf_name == "model-f32.gguf":
-        return Qwen3NextForCausalLM.from_pretrained(DATA, attn_implementation="eager", dtype=torch.float32).eval()
-    config = Qwen3NextConfig.from_pretrained(DATA)
+        return Qwen3NextForCausalLM.from_pretrained(data, attn_implementation="eager", dtype=torch.float32).eval()
+    config = Qwen3NextConfig.from_pretrained(data)
     config.save_pretrained(tmp_path)
-    save_file({k: v.contiguous() for k, v in _hf_state_from_gguf(DATA / gguf_name, config).items()},
+    save_file({k: v.contiguous() for k, v in _hf_state_from_gguf(data / gguf_name, config).items()},
               tmp_path / "model.safetensors")
     return Qwen3NextForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
 
@@ -93,6 +93,36 @@ def test_llamacpp_gguf_matches_transformers(gguf_name, tmp_path):
     assert spec.tied_embeddings and spec.norm_topk_prob and spec.has_shared_expert
     hf = _hf_model(tmp_path, gguf_name)
     tokens = torch.randint(0, spec.vocab_size, (70,), generator=torch.Generator().manual_seed(0))  # [T] > one chunk
+    with torch.no_grad():
+        ours = model.forward(tokens, KVCache.for_spec(spec, 80), DequantExpertRows(ExpertWeights(f, spec)))
+        ref = hf(tokens[None]).logits[0]  # [T, V]
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_llamacpp_q4_k_m_matches_transformers(tmp_path):
+    """The K-quant fixture (hidden 256; tools/make_llamacpp_fixture.py --arch qwen3next-q4_k_m: the
+    converter's F32 file given llama-quantize Q4_K_M's tensor types, encoded by ggml's own quantizer):
+    Q4_K experts, projections and GDN qkv/gate, Q6_K tied embedding and attn_v, the fallbacks of rows
+    too short for 256 (Q5_0 / Q8_0 ffn_down_exps, Q5_0 attn_output / ssm_out, F16 ffn_down_shexp).
+    transformers runs on gguf-py's dequantization of the same file, so both sides see the same
+    weights (Strata's dequantization is gguf-py's bit for bit, tests/test_quant.py) and the bound is the
+    float32 one of the F32 test (measured 4.5e-6). Against the unquantized weights no bound would be
+    tight: Q4_K's ~7% weight error moves this random model's logits by up to 3.9 (of 4.2)."""
+    from gguf import GGMLQuantizationType as Q
+
+    data = DATA.parent / "qwen3next-q4_k_m_llamacpp"
+    f = GGUFFile.open(data / "model-q4_k_m.gguf")
+    qtypes = {name: t.qtype for name, t in f.tensors.items()}
+    assert (qtypes["blk.0.ffn_gate_exps.weight"], qtypes["blk.1.attn_q.weight"], qtypes["blk.0.attn_qkv.weight"],
+            qtypes["token_embd.weight"], qtypes["blk.1.attn_v.weight"]) == (Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q6_K)
+    assert (qtypes["blk.0.ffn_down_exps.weight"], qtypes["blk.1.ffn_down_exps.weight"],
+            qtypes["blk.0.ffn_down_shexp.weight"]) == (Q.Q5_0, Q.Q8_0, Q.F16)
+    model = MoEModel.load(f)
+    spec = model.spec
+    assert (spec.hidden_size, spec.n_layers, spec.recurrent) == (256, 2, (True, False))
+    hf = _hf_model(tmp_path, "model-q4_k_m.gguf", data)
+    tokens = torch.randint(0, spec.vocab_size, (70,), generator=torch.Generator().manual_seed(1))  # [T] > one chunk
     with torch.no_grad():
         ours = model.forward(tokens, KVCache.for_spec(spec, 80), DequantExpertRows(ExpertWeights(f, spec)))
         ref = hf(tokens[None]).logits[0]  # [T, V]

@@ -181,11 +181,13 @@ def dequantized_hf_state_dict(gguf_file: Any, template: dict[str, torch.Tensor])
 
 
 def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], choose: Callable[[str], Q | None],
-                    file_type: gguf.LlamaFileType | None = None) -> None:
+                    file_type: gguf.LlamaFileType | None = None,
+                    encode: Callable[[np.ndarray, Q], np.ndarray] = quantize) -> None:
     """Copy the GGUF ``src`` to ``dst`` with every tensor for which ``choose(name)`` names a block type
-    dequantized and re-encoded in it (``quantize``); metadata and the other tensors are copied as
-    they are, ``general.file_type`` set to ``file_type`` when given. How the llama.cpp fixtures get
-    variants the converter cannot write (MXFP4 or K-quant experts)."""
+    dequantized and re-encoded in it (``encode``: float32 ``[..., row]`` -> uint8 ``[..., row bytes]``,
+    by default ``quantize``); metadata and the other tensors are copied as they are,
+    ``general.file_type`` set to ``file_type`` when given. How the llama.cpp fixtures get variants the
+    converter cannot write (MXFP4 experts; K-quants with ggml's own encoder)."""
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
@@ -203,7 +205,7 @@ def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], ch
             continue
         shape = tuple(int(d) for d in reversed(t.shape))  # torch order, row length last
         values = dequantize(torch.from_numpy(np.array(t.data).view(np.uint8)), t.tensor_type, shape)
-        w.add_tensor(t.name, quantize(values.numpy(), qtype), raw_dtype=qtype)
+        w.add_tensor(t.name, encode(values.numpy(), qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
