@@ -1,10 +1,12 @@
 """Where a decode token's time goes: torch profiler over eager decode windows on CUDA.
 
     python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144] [--cuda-graphs]
+        [--strategy NAME --devices cuda:0,cuda:1] [--prefill 8192]
 
 Prints wall ms per token, GPU kernel ms per token (sum of kernel times), kernel launches per token,
 and the kernels with the most total time, grouped by name. The wall/GPU ratio says whether the
-host (launches, Python) or the device bounds the step. With ``--cuda-graphs`` the windows are
+host (launches, Python) or the device bounds the step. With several devices (a strategy's), the
+kernel time of each device is printed too: whether the second device works beside the first. With ``--cuda-graphs`` the windows are
 replayed graphs (captured during the warm-up), and the host time of a window's Python (until the
 replay is enqueued) is printed too.
 """
@@ -30,9 +32,14 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=14)
     parser.add_argument("--prefill", type=int, default=0, help="also profile one prompt of this many tokens")
     parser.add_argument("--cuda-graphs", action="store_true", help="profile replayed CUDA graphs")
+    parser.add_argument("--strategy", default="single")
+    parser.add_argument("--devices", default="cuda:0")
+    parser.add_argument("--warm-prefill", action="store_true",
+                        help="prefill one prompt of --prefill tokens unprofiled first (compiles, rings)")
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
-    engine = Engine.load(args.model, devices=["cuda:0"], arena="pinned", expert_cache=cache,
+    engine = Engine.load(args.model, strategy=args.strategy, devices=args.devices.split(","), arena="pinned",
+                         expert_cache=cache,
                          max_context=max(args.context + args.windows + 8, args.prefill + 8),
                          cuda_graphs=args.cuda_graphs)
     gen = torch.Generator().manual_seed(0)
@@ -64,6 +71,11 @@ def main() -> None:
     report(prof, len(steps), wall, f"decode @{args.context}, {mode}, expert cache {args.expert_cache}", args.top)
     engine.release_session(session)
     if args.prefill:
+        if args.warm_prefill:
+            session = engine.new_session()
+            engine.prefill(session, torch.randint(0, engine.spec.vocab_size, (args.prefill,), generator=gen).tolist())
+            torch.cuda.synchronize()
+            engine.release_session(session)
         session = engine.new_session()
         prompt = torch.randint(0, engine.spec.vocab_size, (args.prefill,), generator=gen).tolist()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -77,12 +89,16 @@ def main() -> None:
 def report(prof, n: int, wall: float, title: str, top: int) -> None:
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
+    per_device: dict[int, float] = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             totals[e.name] += e.device_time
             counts[e.name] += 1
+            per_device[e.device_index] += e.device_time
     gpu = sum(totals.values()) / n / 1e3
     print(f"{title}: wall {wall * 1e3:.2f} ms, GPU kernels {gpu:.2f} ms, {sum(counts.values()) / n:.0f} kernels")
+    if len(per_device) > 1:
+        print("  kernel ms per device: " + ", ".join(f"cuda:{d} {us / n / 1e3:.2f}" for d, us in sorted(per_device.items())))
     for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {us / n / 1e3:8.3f} ms  {counts[name] / n:6.0f}x  {name[:110]}")
 
