@@ -32,10 +32,12 @@ class ContextLengthError(RequestError):
 @dataclass
 class GenerationRequest:
     """One generation: prompt token ids, and how to sample and when to stop (``max_tokens``,
-    ``stop``, ``logprobs`` of the params; ``max_tokens=None`` runs until the context is full)."""
+    ``stop``, ``logprobs`` of the params; ``max_tokens=None`` runs until the context is full).
+    ``keep_special_tokens``: the text keeps control tokens (a harmony reply's channel markers)."""
 
     prompt: list[int]
     params: SamplingParams
+    keep_special_tokens: bool = False
 
 
 @dataclass

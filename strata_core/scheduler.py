@@ -138,8 +138,9 @@ class Scheduler:
         if n > self.max_context:
             raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}")
         handle = RequestHandle(self, asyncio.get_running_loop())
-        job = _Job(request, handle, Sampler(request.params), self.engine.tokenizer.stream_decoder(),
-                   StopMatcher(request.params.stop), list(request.prompt))  # fmt: skip
+        decoder = self.engine.tokenizer.stream_decoder(skip_special_tokens=not request.keep_special_tokens)
+        job = _Job(request, handle, Sampler(request.params), decoder, StopMatcher(request.params.stop),
+                   list(request.prompt))
         with self._lock:  # counted last: nothing can fail between counting and queueing
             if self._in_flight >= self.parallel + self.max_queue:
                 raise ServerBusyError(

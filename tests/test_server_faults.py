@@ -236,11 +236,11 @@ def test_submit_that_fails_before_queueing_leaks_no_slot() -> None:
     broken = {"n": 0}
     orig = engine.tokenizer.stream_decoder
 
-    def stream_decoder():  # type: ignore[no-untyped-def]
+    def stream_decoder(skip_special_tokens=True):  # type: ignore[no-untyped-def]
         broken["n"] += 1
         if broken["n"] <= 3:
             raise RuntimeError("no decoder")
-        return orig()
+        return orig(skip_special_tokens)
 
     engine.tokenizer.stream_decoder = stream_decoder
     scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0)

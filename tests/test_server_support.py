@@ -50,7 +50,7 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - N_SPECIAL for i in ids if i >= N_SPECIAL).decode(errors="replace")
 
-    def stream_decoder(self) -> FakeStreamDecoder:
+    def stream_decoder(self, skip_special_tokens: bool = True) -> FakeStreamDecoder:
         return FakeStreamDecoder()
 
 

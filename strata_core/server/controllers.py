@@ -56,9 +56,10 @@ class ChatController(Controller):
     async def create(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
         handle = await service.chat(data)
-        chunks = chat_stream(service.model_id, handle, data) if data.stream else None
+        harmony = service.harmony
+        chunks = chat_stream(service.model_id, handle, data, harmony) if data.stream else None
         return await _respond(request, handle, chunks,
-                              lambda out: chat_completion(service.model_id, out, data.logprobs))
+                              lambda out: chat_completion(service.model_id, out, data.logprobs, harmony))
 
 
 class CompletionsController(Controller):

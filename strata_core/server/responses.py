@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 from litestar import Request
 
+from strata_core.harmony import HarmonyParser, Piece, parse
 from strata_core.requests import Delta, Finished, TokenLogprob
 from strata_core.scheduler import RequestHandle
 from strata_core.server import schemas as s
@@ -96,11 +97,15 @@ def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> s.Complet
     )  # fmt: skip
 
 
-def chat_completion(model: str, out: Collected, logprobs: bool) -> s.ChatCompletion:
-    """A non-streamed chat completion."""
+def chat_completion(model: str, out: Collected, logprobs: bool, harmony: bool = False) -> s.ChatCompletion:
+    """A non-streamed chat completion; a ``harmony`` reply's analysis channel is its ``reasoning_content``."""
     assert out.end is not None
-    choice = s.ChatChoice(0, s.AssistantMessage(out.text), out.end.reason,
-                          chat_logprobs(out.logprobs) if logprobs else None)
+    if harmony:
+        reasoning, content = parse(out.text)
+        message = s.AssistantMessage(content, reasoning_content=reasoning or msgspec.UNSET)
+    else:
+        message = s.AssistantMessage(out.text)
+    choice = s.ChatChoice(0, message, out.end.reason, chat_logprobs(out.logprobs) if logprobs else None)
     return s.ChatCompletion(new_id("chatcmpl"), int(time.time()), model, [choice], usage=usage(out.end),
                             timings=timings(out.end))
 
@@ -118,14 +123,14 @@ def _sse(payload: msgspec.Struct | bytes) -> bytes:
 
 
 async def _events(handle: RequestHandle, first: Callable[[], bytes | None],
-                  delta: Callable[[Delta], bytes], last: Callable[[Finished], list[bytes]]) -> AsyncIterator[bytes]:
+                  delta: Callable[[Delta], list[bytes]], last: Callable[[Finished], list[bytes]]) -> AsyncIterator[bytes]:
     """SSE bytes of a generation; an error after the start becomes an error event."""
     try:
         head = first()
         if head:
             yield head
         async for event in handle:
-            for chunk in [delta(event)] if isinstance(event, Delta) else last(event):
+            for chunk in delta(event) if isinstance(event, Delta) else last(event):
                 yield chunk
     except Exception as exc:  # noqa: BLE001 - the status line is sent; report in the stream
         yield _sse(s.encode(error_body(exc)[1]))
@@ -134,23 +139,40 @@ async def _events(handle: RequestHandle, first: Callable[[], bytes | None],
     yield b"data: [DONE]\n\n"
 
 
-def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest) -> AsyncIterator[bytes]:
-    """The SSE stream of a chat completion."""
+def _piece_delta(piece: Piece) -> s.ChatDelta:
+    return s.ChatDelta(reasoning_content=piece.text) if piece.kind == "reasoning" else s.ChatDelta(content=piece.text)
+
+
+def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest,
+                harmony: bool = False) -> AsyncIterator[bytes]:
+    """The SSE stream of a chat completion; a ``harmony`` reply's text is split as it streams into
+    ``reasoning_content`` and ``content`` deltas (one chunk each; a delta of header tokens alone
+    sends nothing, or an empty delta with its logprobs)."""
     cid, created = new_id("chatcmpl"), int(time.time())
+    parser = HarmonyParser() if harmony else None
 
     def chunk(delta: s.ChatDelta, reason: str | None = None, lps: list[TokenLogprob] | None = None,
               end: Finished | None = None) -> bytes:
         choice = s.ChatChunkChoice(0, delta, reason, chat_logprobs(lps) if body.logprobs and lps else None)
         return _sse(s.ChatCompletionChunk(cid, created, model, [choice], timings=timings(end) if end else None))
 
+    def delta(d: Delta) -> list[bytes]:
+        if parser is None:
+            return [chunk(s.ChatDelta(content=d.text), lps=d.logprobs)]
+        deltas = [_piece_delta(p) for p in parser.feed(d.text)]
+        if not deltas and not (body.logprobs and d.logprobs):
+            return []
+        deltas = deltas or [s.ChatDelta()]
+        return [chunk(deltas[0], lps=d.logprobs)] + [chunk(x) for x in deltas[1:]]
+
     def last(end: Finished) -> list[bytes]:
-        out = [chunk(s.ChatDelta(), end.reason, end=end)]
+        out = [chunk(_piece_delta(p)) for p in parser.finish()] if parser is not None else []
+        out.append(chunk(s.ChatDelta(), end.reason, end=end))
         if body.stream_options and body.stream_options.include_usage:
             out.append(_sse(s.ChatCompletionChunk(cid, created, model, [], usage=usage(end))))
         return out
 
-    return _events(handle, lambda: chunk(s.ChatDelta(role="assistant", content="")),
-                   lambda d: chunk(s.ChatDelta(content=d.text), lps=d.logprobs), last)
+    return _events(handle, lambda: chunk(s.ChatDelta(role="assistant", content="")), delta, last)
 
 
 def completion_stream(model: str, handle: RequestHandle, body: s.CompletionRequest) -> AsyncIterator[bytes]:
@@ -158,11 +180,11 @@ def completion_stream(model: str, handle: RequestHandle, body: s.CompletionReque
     cid, created = new_id("cmpl"), int(time.time())
     offset = 0
 
-    def delta(d: Delta) -> bytes:
+    def delta(d: Delta) -> list[bytes]:
         nonlocal offset
         lps = completion_logprobs(d.logprobs, offset) if body.logprobs is not None else None
         offset += len(d.text)
-        return _sse(s.Completion(cid, created, model, [s.CompletionChoice(0, d.text, None, lps)]))
+        return [_sse(s.Completion(cid, created, model, [s.CompletionChoice(0, d.text, None, lps)]))]
 
     def last(end: Finished) -> list[bytes]:
         out = [_sse(s.Completion(cid, created, model, [s.CompletionChoice(0, "", end.reason)], timings=timings(end)))]

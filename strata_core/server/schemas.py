@@ -95,6 +95,7 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an earlier reply's reasoning, as llama.cpp's server takes it
 
     def text(self) -> str:
         """The message's text, content parts joined."""
@@ -186,6 +187,7 @@ class CompletionLogprobs(Struct):
 class AssistantMessage(Struct):
     content: str
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # a harmony reply's analysis channel
 
 
 class ChatChoice(Struct):
@@ -208,6 +210,7 @@ class ChatCompletion(Struct):
 class ChatDelta(Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(Struct):

@@ -14,6 +14,7 @@ import anyio
 
 from strata_core.config import StrataSettings
 from strata_core.errors import InvalidParamError, RequestError
+from strata_core.harmony import uses_harmony
 from strata_core.requests import GenerationRequest
 from strata_core.sampling import SamplingParams
 from strata_core.scheduler import RequestHandle, Scheduler
@@ -51,6 +52,14 @@ def _check_supported(body: Any) -> None:
             raise InvalidParamError("best_of > 1 is not supported", "best_of", "unsupported_value")
 
 
+def _reasoning(text: str | None, harmony: bool) -> dict[str, str]:
+    """An earlier reply's reasoning for the chat template: ``reasoning_content``, and for harmony also
+    ``thinking`` (what gpt-oss's template reads; llama.cpp copies it the same way)."""
+    if not text:
+        return {}
+    return {"reasoning_content": text, "thinking": text} if harmony else {"reasoning_content": text}
+
+
 class GenerationService:
     """The engine and scheduler behind the API, and the name the model is served under."""
 
@@ -65,6 +74,12 @@ class GenerationService:
         """Raise UnknownModelError unless ``name`` is the served model (its alias, stem or file name)."""
         if name not in {self.model_id, self.settings.model.stem, self.settings.model.name}:
             raise UnknownModelError(f"the model {name!r} does not exist; this server serves {self.model_id!r}")
+
+    @property
+    def harmony(self) -> bool:
+        """Whether replies are harmony (gpt-oss's chat template): their text keeps the channel markers
+        and the chat responses split it into reasoning_content and content."""
+        return uses_harmony(self.engine.chat.source)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, computed on a worker thread."""
@@ -81,14 +96,17 @@ class GenerationService:
         _check_supported(body)
         if body.top_logprobs and not body.logprobs:
             raise InvalidParamError("top_logprobs needs logprobs set to true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in body.messages]
+        harmony = self.harmony
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
+                     **_reasoning(m.reasoning_content, harmony)} for m in body.messages]
 
         def render_and_encode() -> list[int]:
             return self.engine.tokenizer.encode(self.engine.chat.render(messages, add_generation_prompt=True))
 
         prompt = await anyio.to_thread.run_sync(render_and_encode)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return self._submit(body, prompt, body.max_completion_tokens or body.max_tokens or body.n_predict, k)
+        return self._submit(body, prompt, body.max_completion_tokens or body.max_tokens or body.n_predict, k,
+                            keep_special_tokens=harmony)
 
     async def complete(self, body: CompletionRequest) -> RequestHandle:
         """Submit a text completion of a string or of token ids."""
@@ -119,7 +137,8 @@ class GenerationService:
             out.append((int(key), bias))
         return tuple(out)
 
-    def _submit(self, body: Any, prompt: list[int], max_tokens: int | None, logprobs: int | None) -> RequestHandle:
+    def _submit(self, body: Any, prompt: list[int], max_tokens: int | None, logprobs: int | None,
+                keep_special_tokens: bool = False) -> RequestHandle:
         limit = self.scheduler.max_context
         if max_tokens is not None and max_tokens > limit:
             raise InvalidParamError(f"max_tokens is {max_tokens} but the context holds {limit} tokens", "max_tokens")
@@ -131,4 +150,4 @@ class GenerationService:
             presence_penalty=body.presence_penalty, seed=body.seed, max_tokens=max_tokens, stop=body.stops(),
             logprobs=logprobs, logit_bias=self._logit_bias(body),
         )  # fmt: skip
-        return self.scheduler.submit(GenerationRequest(prompt, params))
+        return self.scheduler.submit(GenerationRequest(prompt, params, keep_special_tokens))
