@@ -267,7 +267,7 @@ def test_info_shows_the_layer_pattern_and_the_recurrent_state():
     from strata_core.cli.info import describe
 
     text = describe(DATA / "model-q8_0.gguf", [24.0])
-    assert ("conv [3, 64] (recurrent) + ssm [4, 8, 8] (recurrent) x 2 layers; k [2, 16] + v [2, 16] x 1 layers), "
-            "plus 0.00 MiB of recurrent state per session") in text  # 3.5 KiB: two layers' float32 state
+    assert ("KV per token: 128 bytes in bf16 (k [2, 16] + v [2, 16] x 1 layers), plus 3.5 KiB of recurrent "
+            "state per session (conv [3, 64] float32 + ssm [4, 8, 8] float32 x 2 layers)") in text
     assert "Gated DeltaNet on 2 of 3 layers" in text and "gated full attention on layers 1" in text
     assert "RoPE on 4 of 16 head dims" in text

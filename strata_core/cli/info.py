@@ -25,20 +25,30 @@ def tensor_group(name: str) -> str:
     return parts[2] if parts[0] == "blk" and len(parts) > 2 else parts[0]
 
 
+def _size(n: int) -> str:
+    """``n`` bytes in MiB, or in KiB below one MiB."""
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def _layout(name: str, t) -> str:
+    """``k [2, 16]``; a tensor of its own dtype says it: ``ssm [4, 8, 8] float32``."""
+    return f"{name} {list(t.shape)}" + (f" {str(t.dtype).removeprefix('torch.')}" if t.dtype else "")
+
+
 def state_line(spec) -> str:
-    """KV bytes per token (bf16, every layer's per-token state from ``ModelSpec.layer_state``), the
-    per-layer layouts, and the fixed-size recurrent state of a session, if any."""
-    per_token = recurrent = 0
-    layouts: dict[str, int] = defaultdict(int)
+    """KV bytes per token (bf16, every layer's per-token state from ``ModelSpec.layer_state``) with the
+    per-layer layouts, and the fixed-size recurrent state of a session, if any, with its layouts."""
+    sizes = {True: 0, False: 0}  # per_token -> bytes (per token / per session)
+    layouts: dict[bool, dict[str, int]] = {True: defaultdict(int), False: defaultdict(int)}
     for layer in range(spec.n_layers):
-        state = spec.layer_state(layer)
-        per_token += sum(t.nbytes(1, torch.bfloat16) for t in state.values() if t.per_token)
-        recurrent += sum(t.nbytes(1, torch.bfloat16) for t in state.values() if not t.per_token)
-        layouts[" + ".join(f"{name} {list(t.shape)}" + ("" if t.per_token else " (recurrent)")
-                           for name, t in state.items())] += 1
-    shown = "; ".join(f"{layout} x {n} layers" for layout, n in layouts.items())
-    extra = f", plus {recurrent / 2**20:.2f} MiB of recurrent state per session" if recurrent else ""
-    return f"KV per token: {per_token} bytes in bf16 ({shown}){extra}"
+        for per_token in (True, False):
+            part = {name: t for name, t in spec.layer_state(layer).items() if t.per_token == per_token}
+            if part:
+                sizes[per_token] += sum(t.nbytes(1, torch.bfloat16) for t in part.values())
+                layouts[per_token][" + ".join(_layout(name, t) for name, t in part.items())] += 1
+    shown = {k: "; ".join(f"{layout} x {n} layers" for layout, n in v.items()) for k, v in layouts.items()}
+    extra = f", plus {_size(sizes[False])} of recurrent state per session ({shown[False]})" if sizes[False] else ""
+    return f"KV per token: {sizes[True]} bytes in bf16 ({shown[True]}){extra}"
 
 
 def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
