@@ -10,15 +10,19 @@ Attention has two exact forms of the same product:
 - *absorbed* (what llama.cpp runs): each head's nope query is taken into latent space through
   ``attn_k_b``, the scores are one MQA product of ``[q_absorbed, q_rope]`` with ``[latent, rope]``
   over the cached positions, the attended latent goes through ``attn_v_b``. The cache is read
-  once for all heads; the scores ``[heads, T, S]`` are in memory, so it serves the CPU (always, over
+  once for all heads; the torch form has the scores ``[heads, T, S]`` in memory; it serves the CPU (always, over
   the whole cache: logits bit-identical across chunk and batch sizes), decode windows and captured
-  graphs (``static``: the whole capacity, masked on the device).
+  graphs (``static``: the whole capacity, masked on the device). Its attention over the cache is the
+  ``strata::mla_attention`` op (strata_core/ops/mla.py): on the CPU the torch form, on CUDA a Triton
+  flash-decoding kernel that reads the latent and rope rows in place (``MLA_KERNEL``).
 - *expanded* (prompt chunks on a GPU): per-head keys ``[latent attn_k_b, rope]`` and values
   ``latent attn_v_b`` of the chunk's visible positions go through torch's fused SDPA (values padded
   to the key width so the flash kernel takes them), so no ``[heads, T, S]`` scores are in memory.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -32,11 +36,15 @@ from strata_core.model.rope import apply_rope_interleaved, scaled_inv_freq
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.matmul import linear, matmul, rowwise
+from strata_core.ops.mla import mla_attention, mla_reference
 
 __all__ = ["DeepseekModel", "swiglu"]
 
 #: chunks of more query rows than this use the expanded form on a GPU (fused SDPA)
 ABSORBED_MAX_ROWS = 64
+#: the absorbed form attends through ``strata::mla_attention`` (the Triton kernel on CUDA); False
+#: (``STRATA_MLA_KERNEL=0``): its torch reference on every device
+MLA_KERNEL = os.environ.get("STRATA_MLA_KERNEL", "1") != "0"
 
 
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -105,14 +113,10 @@ class DeepseekModel(MoEModel):
         """``[T, nh, v]``: MQA over the latent cache (``cached``: latent ``[S, C]``, rope ``[S, r]``),
         causal by ``positions``."""
         latent, rope = (t.to(q_nope.dtype) for t in cached)
-        S, (k_b, v_b) = latent.shape[0], self._kv_b(w)
+        k_b, v_b = self._kv_b(w)
         q_abs = matmul(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [nh, T, C]
-        query = torch.cat((q_abs, q_rope.transpose(0, 1)), dim=-1)  # [nh, T, C + r]
-        keys = torch.cat((latent, rope), dim=-1)  # [S, C + r]
-        scores = matmul(query, keys.T) * self.spec.kq_scale  # [nh, T, S]
-        visible = torch.arange(S, device=positions.device)[None, :] <= positions[:, None]  # [T, S]
-        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")).float(), dim=-1)  # [nh, T, S]
-        attended = matmul(probs.to(latent.dtype), latent)  # [nh, T, C]
+        attend = mla_attention if MLA_KERNEL else mla_reference
+        attended = attend(q_abs, q_rope.transpose(0, 1), latent, rope, positions, self.spec.kq_scale)  # [nh, T, C]
         return matmul(attended, v_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, v]
 
     def _expanded(self, w: dict[str, torch.Tensor], q_nope: torch.Tensor, q_rope: torch.Tensor,
