@@ -82,6 +82,17 @@ def _hf_model(tmp_path: Path, gguf_name: str, data: Path = DATA):
     return Qwen3NextForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
 
 
+def _logit_diff(f: GGUFFile, model: MoEModel, hf, seed: int) -> float:
+    """Max |Strata - transformers| over the logits of 70 random tokens (more than one prompt chunk)."""
+    spec = model.spec
+    tokens = torch.randint(0, spec.vocab_size, (70,), generator=torch.Generator().manual_seed(seed))  # [T]
+    with torch.no_grad():
+        ours = model.forward(tokens, KVCache.for_spec(spec, 80), DequantExpertRows(ExpertWeights(f, spec)))
+        ref = hf(tokens[None]).logits[0]  # [T, V]
+    assert ref.abs().max() > 1.0
+    return (ours - ref).abs().max().item()
+
+
 @pytest.mark.parametrize("gguf_name", ["model-f32.gguf", "model-q8_0.gguf"])
 def test_llamacpp_gguf_matches_transformers(gguf_name, tmp_path):
     f = GGUFFile.open(DATA / gguf_name)
@@ -91,13 +102,7 @@ def test_llamacpp_gguf_matches_transformers(gguf_name, tmp_path):
     assert (spec.n_layers, spec.recurrent, spec.rope_dim, spec.head_dim) == (3, (True, False, True), 4, 16)
     assert (spec.gdn_k_heads, spec.gdn_v_heads, spec.gdn_head_dim, spec.conv_kernel) == (2, 4, 8, 4)
     assert spec.tied_embeddings and spec.norm_topk_prob and spec.has_shared_expert
-    hf = _hf_model(tmp_path, gguf_name)
-    tokens = torch.randint(0, spec.vocab_size, (70,), generator=torch.Generator().manual_seed(0))  # [T] > one chunk
-    with torch.no_grad():
-        ours = model.forward(tokens, KVCache.for_spec(spec, 80), DequantExpertRows(ExpertWeights(f, spec)))
-        ref = hf(tokens[None]).logits[0]  # [T, V]
-    assert ref.abs().max() > 1.0
-    assert (ours - ref).abs().max().item() <= 1e-4
+    assert _logit_diff(f, model, _hf_model(tmp_path, gguf_name), seed=0) <= 1e-4
 
 
 def test_llamacpp_q4_k_m_matches_transformers(tmp_path):
@@ -121,13 +126,7 @@ def test_llamacpp_q4_k_m_matches_transformers(tmp_path):
     model = MoEModel.load(f)
     spec = model.spec
     assert (spec.hidden_size, spec.n_layers, spec.recurrent) == (256, 2, (True, False))
-    hf = _hf_model(tmp_path, "model-q4_k_m.gguf", data)
-    tokens = torch.randint(0, spec.vocab_size, (70,), generator=torch.Generator().manual_seed(1))  # [T] > one chunk
-    with torch.no_grad():
-        ours = model.forward(tokens, KVCache.for_spec(spec, 80), DequantExpertRows(ExpertWeights(f, spec)))
-        ref = hf(tokens[None]).logits[0]  # [T, V]
-    assert ref.abs().max() > 1.0
-    assert (ours - ref).abs().max().item() <= 1e-4
+    assert _logit_diff(f, model, _hf_model(tmp_path, "model-q4_k_m.gguf", data), seed=1) <= 1e-4
 
 
 def test_hf_weights_from_gguf_undo_the_converter():
