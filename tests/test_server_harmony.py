@@ -42,6 +42,7 @@ class HarmonyEngine(FakeEngine):
         self.spec.vocab_size = self.tokenizer.vocab_size
         self.script = self.tokenizer.encode(REPLY) + self.tokenizer.encode("<|return|>")
         self.starts: dict[int, int] = {}  # session -> its length after the prompt
+        self.prompts: list[list[int]] = []  # each request's whole prompt
 
     def _logits(self, session: FakeSession) -> torch.Tensor:
         logits = torch.zeros(self.spec.vocab_size)
@@ -52,6 +53,7 @@ class HarmonyEngine(FakeEngine):
         self._live(session)
         session.tokens.extend(token_ids)
         self.starts[id(session)] = session.n_tokens
+        self.prompts.append(list(session.tokens))
         return self._logits(session)
 
     def decode_window(self, steps: list[tuple[FakeSession, int]]) -> torch.Tensor:
@@ -116,6 +118,14 @@ def test_stop_strings_and_max_tokens_cut_the_channels(client: openai.OpenAI, eng
     reasoning = short.choices[0].message.reasoning_content
     assert short.choices[0].finish_reason == "length" and short.choices[0].message.content == ""
     assert REASONING.startswith(reasoning) and 0 < len(reasoning) < len(REASONING)
+
+
+@pytest.mark.parametrize("effort, line", [(None, "Reasoning: medium"), ("high", "Reasoning: high"),
+                                          ("low", "Reasoning: low")])
+def test_reasoning_effort_reaches_the_template(client: openai.OpenAI, engine: HarmonyEngine, effort, line) -> None:
+    extra = {} if effort is None else {"reasoning_effort": effort}
+    client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1, temperature=0, extra_body=extra)
+    assert line in engine.tokenizer.decode(engine.prompts[-1], skip_special_tokens=False)
 
 
 def test_text_completions_are_unchanged(base_url: str, engine: HarmonyEngine) -> None:

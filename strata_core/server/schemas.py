@@ -107,6 +107,9 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
 class ChatCompletionRequest(_Request, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
+    # OpenAI's field, as llama-server reads it: the chat template's reasoning_effort (gpt-oss's
+    # "Reasoning: high"); "none" renders with enable_thinking false instead
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 

@@ -60,6 +60,14 @@ def _reasoning(text: str | None, harmony: bool) -> dict[str, str]:
     return {"reasoning_content": text, "thinking": text} if harmony else {"reasoning_content": text}
 
 
+def _template_args(effort: str | None) -> dict[str, Any]:
+    """The chat template's variables for OpenAI's ``reasoning_effort``, as llama-server maps it:
+    ``reasoning_effort`` (gpt-oss's template reads it), or ``enable_thinking`` false for "none"."""
+    if effort is None:
+        return {}
+    return {"enable_thinking": False} if effort == "none" else {"reasoning_effort": effort}
+
+
 class GenerationService:
     """The engine and scheduler behind the API, and the name the model is served under."""
 
@@ -100,8 +108,11 @@ class GenerationService:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
                      **_reasoning(m.reasoning_content, harmony)} for m in body.messages]
 
+        template_args = _template_args(body.reasoning_effort)
+
         def render_and_encode() -> list[int]:
-            return self.engine.tokenizer.encode(self.engine.chat.render(messages, add_generation_prompt=True))
+            return self.engine.tokenizer.encode(self.engine.chat.render(messages, add_generation_prompt=True,
+                                                                        **template_args))
 
         prompt = await anyio.to_thread.run_sync(render_and_encode)
         k = (body.top_logprobs or 0) if body.logprobs else None
