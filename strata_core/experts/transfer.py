@@ -38,6 +38,25 @@ class ArenaCopier:
                           for _ in range(host_depth)]
             self._host_done = [None] * host_depth
 
+    def copy_rows(self, layer: int, batch: Sequence[tuple[int, int]], dst: torch.Tensor) -> None:
+        """Enqueue the copies of ``batch``'s ``(row, expert)``s of ``layer`` into those rows of ``dst``
+        (``[R, >= packed]`` uint8 on the device). From a pinned layer on CUDA: one DMA per expert
+        and one pair of timing events for the batch (the host's cost per expert is what bounds a
+        prompt's misses: it runs between a layer's routing and its first group), else ``copy`` each."""
+        layer_buffer = self.arena.layer_buffer(layer) if self.cuda else None
+        if layer_buffer is None or not batch:
+            for row, expert in batch:
+                self.copy(layer, expert, dst[row])
+            return
+        n = self.arena.formats[layer].total
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            for row, expert in batch:
+                dst[row, :n].copy_(layer_buffer[expert], non_blocking=True)
+            end.record()
+        self.telemetry.add_copy_events(n * len(batch), start, end)
+
     def copy(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         """Enqueue the copy of (layer, expert) into ``dst`` (``[>= packed]`` uint8 on the device)."""
         n = self.arena.formats[layer].total
@@ -104,7 +123,6 @@ class StagingRing:
     def _issue(self, layer: int, batch: Sequence[tuple[int, int]], i: int) -> None:
         if self.cuda:
             self.copier.stream.wait_event(self._free[i])  # compute is done reading buffer i
-        for row, expert in batch:
-            self.copier.copy(layer, expert, self.buffers[i, row])
+        self.copier.copy_rows(layer, batch, self.buffers[i])
         if self.cuda:
             self._ready[i].record(self.copier.stream)
