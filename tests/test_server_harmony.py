@@ -1,5 +1,6 @@
 """gpt-oss replies through the OpenAI server: the harmony text is split into ``reasoning_content`` (the
-analysis channel) and ``content`` (the final channel), whole and streamed, as llama.cpp's server does.
+analysis channel) and ``content`` (the final channel), whole and streamed, as llama.cpp's server does;
+``strata generate --chat`` writes the reasoning to stderr and the answer to stdout.
 
 The engine is the fake one with the gpt-oss fixture's tokenizer (harmony special tokens) and chat
 template, its logits scripted so greedy sampling emits a harmony reply; the scheduler, the stream
@@ -7,6 +8,7 @@ decoder, stop strings and the responses are the real ones."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +19,12 @@ import torch
 from test_server_support import FakeEngine, FakeSession, live_server
 
 from strata_core.chat import ChatTemplate
+from strata_core.cli.generate import _generate
 from strata_core.config import StrataSettings
 from strata_core.gguf.reader import GGUFFile
+from strata_core.harmony import HarmonyParser
+from strata_core.requests import GenerationRequest
+from strata_core.sampling import SamplingParams
 from strata_core.tokenizer import Tokenizer
 
 GPT_OSS = Path(__file__).parent / "data" / "gpt-oss_llamacpp" / "model-f32.gguf"
@@ -132,3 +138,12 @@ def test_text_completions_are_unchanged(base_url: str, engine: HarmonyEngine) ->
     r = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 200,
                                                         "temperature": 0})
     assert r.json()["choices"][0]["text"] == engine.tokenizer.decode(engine.script)  # special tokens skipped
+
+
+def test_generate_cli_writes_reasoning_to_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    engine = HarmonyEngine()
+    prompt = engine.tokenizer.encode(engine.chat.render([{"role": "user", "content": "hi"}]))
+    request = GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=200), keep_special_tokens=True)
+    end = asyncio.run(_generate(engine, request, HarmonyParser()))
+    out = capsys.readouterr()
+    assert (out.err, out.out) == (REASONING, CONTENT) and end.reason == "stop"

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from strata_core.cli.settings import ENGINE, settings_with
 from strata_core.errors import ConfigError
+from strata_core.harmony import HarmonyParser, Piece, uses_harmony
 from strata_core.requests import Finished, GenerationRequest
 from strata_core.sampling import SamplingParams
 from strata_core.scheduler import Scheduler
@@ -26,7 +27,8 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
     min_p: float = Field(0.05, ge=0, le=1, description="drop tokens below min_p x the top probability")
     repetition_penalty: float = Field(1.0, gt=0, description="penalty for repeated tokens (1 = off)")
     seed: int | None = Field(None, description="sampling seed")
-    chat: bool = Field(False, description="wrap the prompt in the model's chat template")
+    chat: bool = Field(False, description="wrap the prompt in the model's chat template (a harmony reply's "
+                                          "reasoning goes to stderr, its answer to stdout)")
 
     def cli_cmd(self) -> None:
         """Load the engine and stream the completion; say so on stderr when the context filled up."""
@@ -41,7 +43,9 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
                                     repetition_penalty=self.repetition_penalty, seed=self.seed)
             prompt = engine.chat.render([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
             sys.stdout.write("" if self.chat else self.prompt)
-            end = asyncio.run(_generate(engine, GenerationRequest(engine.tokenizer.encode(prompt), params)))
+            harmony = self.chat and uses_harmony(engine.chat.source)
+            request = GenerationRequest(engine.tokenizer.encode(prompt), params, keep_special_tokens=harmony)
+            end = asyncio.run(_generate(engine, request, HarmonyParser() if harmony else None))
             sys.stdout.write("\n")
         finally:
             engine.close()
@@ -50,16 +54,24 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
                   "a larger --max-context (-c) lets it go on", file=sys.stderr)
 
 
-async def _generate(engine: Any, request: GenerationRequest) -> Finished:
-    """Run ``request`` through a one-slot scheduler (the server's path), writing text as it comes."""
+async def _generate(engine: Any, request: GenerationRequest, harmony: HarmonyParser | None = None) -> Finished:
+    """Run ``request`` through a one-slot scheduler (the server's path), writing text as it comes;
+    with ``harmony`` the reply's reasoning goes to stderr and its content to stdout."""
     scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0)
     scheduler.start()
     try:
         async for event in scheduler.submit(request):
             if isinstance(event, Finished):
+                _write(harmony.finish() if harmony else [])
                 return event
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
+            _write(harmony.feed(event.text) if harmony else [Piece("content", event.text)])
     finally:
         scheduler.stop()
     raise RuntimeError("the generation ended without a Finished event")
+
+
+def _write(pieces: list[Piece]) -> None:
+    for piece in pieces:
+        out = sys.stderr if piece.kind == "reasoning" else sys.stdout
+        out.write(piece.text)
+        out.flush()
