@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_core.chat import ChatTemplate
+from strata_core.cli.info import describe
 from strata_core.gguf.reader import GGUFFile
 from strata_core.harmony import MAX_HEADER, HarmonyParser, Piece, parse, uses_harmony
 
@@ -66,8 +67,9 @@ def test_marker_text_is_held_until_it_is_known():
 
 @pytest.mark.parametrize("fixture, harmony", [("gpt-oss_llamacpp", True), ("qwen3next_llamacpp", False)])
 def test_detection_from_the_template(fixture, harmony):
-    metadata = GGUFFile.open(DATA / fixture / "model-f32.gguf").metadata
-    assert uses_harmony(ChatTemplate.from_gguf(metadata).source) is harmony
+    path = DATA / fixture / "model-f32.gguf"
+    assert uses_harmony(ChatTemplate.from_gguf(GGUFFile.open(path).metadata).source) is harmony
+    assert ("chat template: harmony" in describe(path, [8.0])) is harmony  # strata info says it
 
 
 _PART = st.sampled_from([

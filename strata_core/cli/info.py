@@ -15,6 +15,7 @@ from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
+from strata_core.harmony import uses_harmony
 
 GIB = 1 << 30
 
@@ -85,6 +86,8 @@ def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
         f"top-{spec.n_experts_used}, expert FFN {spec.expert_ffn_size}"
         + (f", shared expert FFN {spec.shared_expert_ffn_size}" if spec.shared_expert_ffn_size else ""),
         *spec.info_lines(),
+        *(["chat template: harmony (the server answers with reasoning_content and content)"]
+          if uses_harmony(str(gguf_file.metadata.get("tokenizer.chat_template") or "")) else []),
         "block types per tensor group:",
     ]
     for group in sorted(groups):
