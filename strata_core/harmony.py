@@ -21,6 +21,8 @@ from dataclasses import dataclass
 __all__ = ["MAX_HEADER", "HarmonyParser", "Piece", "parse", "uses_harmony"]
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
+RECIPIENT = "to="  # a first message's header may open with its recipient (" to=functions.f<|channel|>...")
+HEADER_OPENINGS = (START, CHANNEL, RECIPIENT)
 MAX_HEADER = 256
 
 
@@ -48,7 +50,7 @@ def _word_after(header: str, marker: str) -> str | None:
 
 def _sink(header: str) -> str:
     """Where a message's body goes: "reasoning", "content" or "drop" (a message to a recipient)."""
-    recipient = _word_after(header, " to=")
+    recipient = _word_after(" " + header, " " + RECIPIENT)
     if recipient is not None and recipient != "assistant":  # gpt-oss-20b's stray " to=assistant" is no call
         return "drop"
     return "reasoning" if _word_after(header, CHANNEL) == "analysis" else "content"
@@ -107,8 +109,8 @@ class HarmonyParser:
     def _header(self, final: bool) -> bool:
         """Read a header at the start of the buffer; False when more text is needed."""
         lead = self._buf.lstrip()
-        if not lead.startswith((START, CHANNEL)):
-            if not lead or (not final and (START.startswith(lead) or CHANNEL.startswith(lead))):
+        if not lead.startswith(HEADER_OPENINGS):
+            if not lead or (not final and any(opening.startswith(lead) for opening in HEADER_OPENINGS)):
                 return False  # may still become a header (at the end: only white space, dropped)
             self._sink = "content"  # not a header: a body without one
             return True

@@ -31,6 +31,9 @@ NEXT = "<|end|><|start|>assistant"
     # a message to a recipient (an unsolicited tool call) gives nothing
     ("<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{\"city\": 1}" + NEXT
      + "<|channel|>final<|message|>ok", "", "ok"),
+    # the recipient in the first message's role header (its "<|start|>assistant" ends the prompt)
+    (" to=functions.f<|channel|>commentary json<|message|>{}" + NEXT + "<|channel|>final<|message|>x", "", "x"),
+    ("too plain", "", "too plain"),
     (ANALYSIS + "cut by max_tokens", "cut by max_tokens", ""),  # no final message yet
     (ANALYSIS + "r" + NEXT + "<|channel|>fin", "r", ""),  # an unfinished header gives nothing
     ("plain text from a model that ignores the format", "", "plain text from a model that ignores the format"),
@@ -74,7 +77,8 @@ def test_detection_from_the_template(fixture, harmony):
 
 _PART = st.sampled_from([
     "<|channel|>", "<|message|>", "<|end|>", "<|start|>", "assistant", "analysis", "final", "commentary",
-    " to=functions.f", " to=assistant", "<|constrain|>", "json", "<|", "|>", "<", " ", "\n", "text", "é",
+    " to=functions.f", " to=assistant", "to", "=", "<|constrain|>", "json", "<|", "|>", "<", " ", "\n", "text",
+    "é",
 ])
 
 
