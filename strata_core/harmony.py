@@ -88,13 +88,12 @@ class HarmonyParser:
                 if not self._header(final):
                     break
                 continue
-            at = self._buf.find(END)
+            sink, at = self._sink, self._buf.find(END)
             if at >= 0:
-                body, self._buf, sink = self._buf[:at], self._buf[at + len(END):], self._sink
-                self._sink = None
+                body, self._buf, self._sink = self._buf[:at], self._buf[at + len(END):], None
             else:
-                keep = 0 if final else _held_prefix(self._buf, END)
-                body, self._buf, sink = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:], self._sink
+                cut = len(self._buf) - (0 if final else _held_prefix(self._buf, END))
+                body, self._buf = self._buf[:cut], self._buf[cut:]
             if body and sink != "drop":
                 if out and out[-1].kind == sink:
                     out[-1] = Piece(sink, out[-1].text + body)
