@@ -7,6 +7,8 @@
   from the pinned arena (a Triton kernel on CUDA; see :mod:`strata_core.ops.gather`)
 - ``strata::moe_pair_rows(...)``: every routed pair's expert FFN straight from the quantized blocks
   in a slot or the arena (fused Triton decode kernels on CUDA; see :mod:`strata_core.ops.moe`)
+- ``strata::mla_attention(...)``: deepseek2's multi-head latent attention over the latent cache
+  (Triton flash decoding on CUDA; see :mod:`strata_core.ops.mla`, imported by the deepseek2 model)
 
 :mod:`strata_core.ops.qdecode` holds the per-format block decoding every Triton kernel shares;
 :mod:`strata_core.ops.matmul` the batch-invariant CPU products the model uses.
