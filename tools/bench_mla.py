@@ -60,7 +60,7 @@ def main() -> None:
     for r in rows:
         detail = r.get("error") or f"{r['us']:9.1f} us {r['GB/s']:7.0f} GB/s" + (
             f"  max |kernel - torch| {r['max_diff_vs_torch']:.1e}" if "max_diff_vs_torch" in r else "")
-        print(f"MLA decode, 128 heads, context {r['context']:>6}: {r['form']:<34} {detail}", flush=True)
+        print(f"MLA decode, {NH} heads, context {r['context']:>6}: {r['form']:<34} {detail}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
