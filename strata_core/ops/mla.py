@@ -22,7 +22,8 @@ cache's dtype.
   fastest grid axis so the blocks of one slice read the same latent rows together (L2). The grid
   does not depend on ``positions`` (read on the device), so a captured CUDA graph replays it for any
   step. Scores and sums are float32; bf16 caches take bf16 products with float32 accumulation, float32
-  caches IEEE float32 products.
+  caches IEEE float32 products. The blocking (``BLOCK_H``, ``BLOCK_N``, ``SPLITS``, ``WARPS``) is
+  read at each call; tools/bench_mla.py times a few others.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ mla_attention = torch.library.custom_op(
     schema="(Tensor q_lat, Tensor q_rope, Tensor latent, Tensor rope, Tensor positions, float scale) -> Tensor")
 mla_attention.register_fake(_mla_fake)
 
-#: Heads per program, cache rows per tile, and the slices the visible rows split into.
-BLOCK_H, SPLITS = 16, 32
+#: Heads per program, cache rows per tile, the slices the visible rows split into, warps per program.
+#: At DeepSeek-V3's C = 512 for sm_90 (offline ptxas): 214 registers a thread, no spills, 39 KB of
+#: shared memory in bf16 (199 registers, 73 KB in float32); BLOCK_N = 32 spills at 4 warps.
+BLOCK_H, BLOCK_N, SPLITS, WARPS = 16, 16, 32, 4
 
 if HAS_TRITON:
     import triton
@@ -161,7 +164,6 @@ if HAS_TRITON:
         if rope.shape[0] != S:
             raise ValueError(f"mla_attention: latent has {S} rows, rope {rope.shape[0]}")
         ieee = latent.dtype == torch.float32 or _INTERPRET
-        block_n = 16 if ieee else 32  # a float32 latent tile takes twice the shared memory
         rows = T * nh * SPLITS
         m = torch.empty((rows,), dtype=torch.float32, device=latent.device)
         l = torch.empty_like(m)
@@ -171,8 +173,8 @@ if HAS_TRITON:
             _mla_split_kernel[(triton.cdiv(nh, BLOCK_H), SPLITS, T)](
                 q_lat, q_rope, latent, rope, positions.contiguous(), m, l, acc, nh, S, scale,
                 q_lat.stride(0), q_lat.stride(1), q_rope.stride(0), q_rope.stride(1), latent.stride(0),
-                rope.stride(0), C=C, CP=cp, R=R, RP=rp, BLOCK_H=BLOCK_H, BLOCK_N=block_n, SPLITS=SPLITS,
-                IEEE=ieee, num_warps=4, num_stages=1 if ieee else 2)
+                rope.stride(0), C=C, CP=cp, R=R, RP=rp, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, SPLITS=SPLITS,
+                IEEE=ieee, num_warps=WARPS, num_stages=1 if ieee else 2)
             _mla_merge_kernel[(T * nh,)](m, l, acc, out, nh, T, C=C, CP=cp, SPLITS=SPLITS, num_warps=4)
         return out
 
