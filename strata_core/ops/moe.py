@@ -43,8 +43,10 @@ Tolerance against the reference: float32 within a relative 1e-5 (summation order
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+from gguf.constants import GGMLQuantizationType as T
 from torch import Tensor
 
 from strata_core.experts.ffn import ACTIVATIONS, SILU, ExpertFFN
@@ -54,10 +56,50 @@ from strata_core.ops.matmul import matmul
 from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, on_device, table
 from strata_core.quant.registry import dequantize_reference
 
-__all__ = ["MISS_READ", "ffn_args", "moe_decode", "moe_pair_rows", "pair_ffn_reference"]
+__all__ = ["CONFIG", "MISS_READ", "LaunchConfig", "ffn_args", "moe_decode", "moe_pair_rows", "pair_ffn_reference"]
 
 #: How the CUDA kernel reads a miss from a pinned host arena: "staged" or "direct" (module doc).
 MISS_READ = "staged"
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How the CUDA kernels are launched (read on the host at each launch; a sweep sets :data:`CONFIG`).
+
+    ``design``: ``"loop"`` — gate_up programs (pair, BN rows) loop over K; the combining down's programs
+    (token, BN rows) loop over the token's pairs; ``"split"`` — gate_up programs (pair, BN rows, K split)
+    store float32 partial gate / up products (``split_k`` of them, summed and activated in a fixed order
+    where the down launch loads ``h``; ``split_k == 1``: activated in place), and the down programs
+    (token, BN rows) decode every pair of the token at once (``[pairs, BN, sub-blocks, SUB]`` tiles),
+    combined over the pairs in a fixed order; Q4_K matrices whose bytes are 16-byte aligned are read
+    as 16-byte loads of their nibbles (``fast_q4k``). Both are deterministic (no atomics).
+    ``tile``: values a program decodes per step; ``bn_*``: rows per program of the gate_up, down
+    (``moe_pair_rows``) and combining down (``moe_decode``) launches; ``warps_*``: their num_warps.
+    """
+
+    design: str = "loop"
+    tile: int = 4096
+    bn_gate_up: int = 8
+    bn_down: int = 16
+    bn_combine: int = 4
+    warps_gate_up: int = 4
+    warps_down: int = 4
+    warps_combine: int = 4
+    split_k: int = 1
+    fast_q4k: bool = True
+
+    def __post_init__(self) -> None:
+        if self.design not in ("loop", "split"):
+            raise ValueError(f"LaunchConfig.design: {self.design!r} is neither 'loop' nor 'split'")
+        for name in ("tile", "bn_gate_up", "bn_down", "bn_combine", "warps_gate_up", "warps_down",
+                     "warps_combine", "split_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"LaunchConfig.{name}: {v} is not a power of two")
+
+
+#: The launch configuration of the CUDA kernels (tools/moe_sweep.py times alternatives).
+CONFIG = LaunchConfig()
 
 #: the optional arguments of both ops: the experts' biases (``[E, F]``, ``[E, F]``, ``[E, H]``, indexed
 #: by ``expert[p]``) and the activation (``ACTIVATIONS`` index: 0 silu, 1 swiglu_oai with alpha, limit)
@@ -137,7 +179,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from strata_core.ops.gather import _BLOCK as _GATHER_BLOCK, _WORDS, _gather_kernel, gather_experts
-    from strata_core.ops.qdecode import decode
+    from strata_core.ops.qdecode import _f16, _q4_k_scale_min, decode
 
     @triton.jit
     def _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR: tl.constexpr):
@@ -187,6 +229,16 @@ if HAS_TRITON:
         return tl.load(b + e * n + rows, mask=keep, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _act(g, u, OAI: tl.constexpr, ALPHA, LIMIT):
+        """``silu(g) * u``, or swiglu_oai (``alpha``, ``limit``) with ``OAI``."""
+        if OAI:
+            g = tl.minimum(g, LIMIT)
+            v = g / (1.0 + tl.exp(-ALPHA * g)) * (tl.minimum(tl.maximum(u, -LIMIT), LIMIT) + 1.0)
+        else:
+            v = g / (1.0 + tl.exp(-g)) * u
+        return v
+
+    @triton.jit
     def _gate_up_kernel(x, h, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
                         tab_g, tab_u, N, K, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias, up_bias, expert_ptr, ALPHA, LIMIT,
                         QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr, SUBG: tl.constexpr,
@@ -203,12 +255,7 @@ if HAS_TRITON:
         if BIAS:
             g += _bias(gate_bias, expert_ptr, p, N, rows, keep)
             u += _bias(up_bias, expert_ptr, p, N, rows, keep)
-        if OAI:
-            g = tl.minimum(g, LIMIT)
-            out = g / (1.0 + tl.exp(-ALPHA * g)) * (tl.minimum(tl.maximum(u, -LIMIT), LIMIT) + 1.0)
-        else:
-            out = g / (1.0 + tl.exp(-g)) * u
-        tl.store(h + p.to(tl.int64) * N + rows, out, mask=keep)
+        tl.store(h + p.to(tl.int64) * N + rows, _act(g, u, OAI, ALPHA, LIMIT), mask=keep)
 
     @triton.jit
     def _down_kernel(h, out, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
@@ -242,15 +289,160 @@ if HAS_TRITON:
             acc += tl.load(weights + p).to(tl.float32) * r
         tl.store(out + t.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
 
-    #: Values a program decodes per step (rows x sub-blocks x sub-block size); rows per program.
-    #: (rows per program of gate_up, of down, of the combining down: its grid is 8x smaller for top-8,
-    #: hence fewer rows a program to keep the SMs busy; measured on the H200, BENCHMARKS.md)
-    _TILE, _BN_GATE_UP, _BN, _BN_COMBINE = 4096, 8, 16, 4
+    @triton.jit
+    def _x_tile(xp, k, mask, HS: tl.constexpr, PK, gbp, ubp, BIAS: tl.constexpr, OAI: tl.constexpr, ALPHA, LIMIT):
+        """Float32 activations ``k`` of the rows at ``xp``: the values themselves (``HS == 0``), or ``h``
+        from ``HS`` partial gate / up products ``PK`` apart (gates first), summed in split order, the
+        biases at ``gbp`` / ``ubp`` added with ``BIAS``, then activated (``_act``)."""
+        if HS == 0:
+            v = tl.load(xp + k, mask=mask, other=0.0).to(tl.float32)
+        else:
+            g = tl.load(xp + k, mask=mask, other=0.0)
+            u = tl.load(xp + HS * PK + k, mask=mask, other=0.0)
+            for s in tl.static_range(1, HS):
+                g += tl.load(xp + s * PK + k, mask=mask, other=0.0)
+                u += tl.load(xp + (HS + s) * PK + k, mask=mask, other=0.0)
+            if BIAS:
+                g += tl.load(gbp + k, mask=mask, other=0.0).to(tl.float32)
+                u += tl.load(ubp + k, mask=mask, other=0.0).to(tl.float32)
+            v = tl.where(mask, _act(g, u, OAI, ALPHA, LIMIT), 0.0)
+        return v
 
-    def _steps(qtype: int, bn: int = _BN) -> tuple[int, int, int, int]:
-        """(block size, type size, sub-block size, sub-blocks per step) of ``qtype`` for ``bn`` rows a program."""
+    @triton.jit
+    def _tile_dot(rp, xp, kb_lo, kb_hi, tab, HS: tl.constexpr, PK, gbp, ubp, BIAS: tl.constexpr, OAI: tl.constexpr,
+                  ALPHA, LIMIT, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr,
+                  NT: tl.constexpr, FAST: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+        """``[A, B]`` float32: the rows starting at byte pointers ``rp [A, B, 1, 1]`` (blocks ``kb_lo`` to
+        ``kb_hi``) dotted with the activations of ``xp [A or 1, 1, 1, 1]`` (``_x_tile``). A step decodes
+        ``[A, B, NT, SUB]`` values; with ``FAST`` (Q4_K, 16-byte aligned rows) ``NT`` 64-value chunks as
+        16-byte loads of their 32 bytes of nibbles (low nibbles: sub-block 2c, high: 2c + 1), the
+        sub-blocks' mins applied to the sums of their activations."""
+        wv = tl.arange(0, SUB)[None, None, None, :]
+        if FAST:  # per-(row, chunk) values as [A, B, NT]: a layout without a size-1 dim spreads their loads
+            t = tl.arange(0, NT)[None, None, :]
+            c = t % 4
+            r3 = tl.reshape(rp, [A, B, 1])
+            xq = xp + tl.zeros([A, B, 1, 1], dtype=tl.int64)  # x at full shape: its loads take q's layout
+            acc = tl.zeros([A, B, NT], dtype=tl.float32)
+            for kb0 in range(kb_lo, kb_hi, NT // 4):
+                blk = kb0 + t // 4  # [1, 1, NT]
+                valid = blk < kb_hi
+                blk = tl.where(valid, blk, kb_lo)
+                b = r3 + blk * TS  # [A, B, NT]
+                qp = tl.max_contiguous(tl.multiple_of((b + 16 + c * 32)[:, :, :, None] + wv, [1, 1, 1, 16]),
+                                       [1, 1, 1, 32])
+                q = tl.load(qp, mask=valid[:, :, :, None], other=0).to(tl.int32)  # [A, B, NT, 32]
+                xo = (blk * BS + c * 64)[:, :, :, None] + wv  # [1, 1, NT, 32]
+                xl = _x_tile(xq, xo, valid[:, :, :, None], HS, PK, gbp, ubp, BIAS, OAI, ALPHA, LIMIT)
+                xh = _x_tile(xq, xo + 32, valid[:, :, :, None], HS, PK, gbp, ubp, BIAS, OAI, ALPHA, LIMIT)
+                sl = tl.sum((q & 15).to(tl.float32) * xl, axis=3)  # [A, B, NT]
+                sh = tl.sum((q >> 4).to(tl.float32) * xh, axis=3)
+                sc0, mn0 = _q4_k_scale_min(b + 4, 2 * c)
+                sc1, mn1 = _q4_k_scale_min(b + 4, 2 * c + 1)
+                mins = mn0 * tl.sum(xl, axis=3) + mn1 * tl.sum(xh, axis=3)  # [A, B, NT]
+                acc += tl.where(valid, _f16(b) * (sc0 * sl + sc1 * sh) - _f16(b + 2) * mins, 0.0)
+            out = tl.sum(acc, axis=2)
+        else:
+            NS: tl.constexpr = BS // SUB
+            t = tl.arange(0, NT)[None, None, :, None]
+            acc = tl.zeros([A, B, NT, SUB], dtype=tl.float32)
+            j = t % NS
+            for kb0 in range(kb_lo, kb_hi, NT // NS):
+                blk = kb0 + t // NS  # [1, 1, NT, 1]
+                valid = blk < kb_hi
+                blk = tl.where(valid, blk, kb_lo)
+                vals = decode(rp + blk * TS, j, wv, tab, QT)  # [A, B, NT, SUB]
+                xv = _x_tile(xp, blk * BS + j * SUB + wv, valid, HS, PK, gbp, ubp, BIAS, OAI, ALPHA, LIMIT)
+                acc += vals * xv
+            out = tl.sum(tl.sum(acc, axis=3), axis=2)
+        return out
+
+    @triton.jit
+    def _gate_up_split_kernel(x, gu, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
+                              tab_g, tab_u, N, K, KS, PN, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias, up_bias, expert_ptr,
+                              ALPHA, LIMIT, QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr,
+                              SUBG: tl.constexpr, NTG: tl.constexpr, FASTG: tl.constexpr, QU: tl.constexpr,
+                              BSU: tl.constexpr, TSU: tl.constexpr, SUBU: tl.constexpr, NTU: tl.constexpr,
+                              FASTU: tl.constexpr, BN: tl.constexpr, BY_PAIR: tl.constexpr, BIAS: tl.constexpr,
+                              OAI: tl.constexpr, SPLIT: tl.constexpr):
+        """Program (p, n, s): pair p's gate and up rows ``[n*BN, (n+1)*BN)`` over the values
+        ``[s*KS, (s+1)*KS)``: with ``SPLIT == 1`` ``gu[p, rows] = silu(gate x) * up x`` (``_act``, the
+        biases first with ``BIAS``); else the partial products ``gu[s, p, rows]`` and
+        ``gu[SPLIT + s, p, rows]`` (``PN`` = pairs x N apart) for the down launch to sum."""
+        p, rows, keep = _program_rows(N, BN)
+        s = tl.program_id(2)
+        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
+        xp = x + (p // TOPK).to(tl.int64) * K
+        r4 = rows[None, :, None, None]
+        g = _tile_dot(w + r4 * ROW_G, xp, s * (KS // BSG), tl.minimum((s + 1) * (KS // BSG), K // BSG), tab_g,
+                      0, 0, x, x, False, False, ALPHA, LIMIT, QG, BSG, TSG, SUBG, NTG, FASTG, 1, BN)
+        u = _tile_dot(w + UP_OFF + r4 * ROW_U, xp, s * (KS // BSU), tl.minimum((s + 1) * (KS // BSU), K // BSU),
+                      tab_u, 0, 0, x, x, False, False, ALPHA, LIMIT, QU, BSU, TSU, SUBU, NTU, FASTU, 1, BN)
+        g = tl.reshape(g, [BN])
+        u = tl.reshape(u, [BN])
+        out = gu + p.to(tl.int64) * N + rows
+        if SPLIT == 1:
+            if BIAS:
+                g += _bias(gate_bias, expert_ptr, p, N, rows, keep)
+                u += _bias(up_bias, expert_ptr, p, N, rows, keep)
+            tl.store(out, _act(g, u, OAI, ALPHA, LIMIT), mask=keep)
+        else:
+            tl.store(out + s * PN, g, mask=keep)
+            tl.store(out + (SPLIT + s) * PN, u, mask=keep)
+
+    @triton.jit
+    def _down_split_kernel(h, out, weights, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
+                           tab, N, K, P, PK, DOWN_OFF, ROW, TOPK, gate_bias, up_bias, down_bias, expert_ptr, ALPHA,
+                           LIMIT, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr,
+                           NT: tl.constexpr, FAST: tl.constexpr, J: tl.constexpr, BN: tl.constexpr,
+                           BY_PAIR: tl.constexpr, GU_BIAS: tl.constexpr, BIAS: tl.constexpr, OAI: tl.constexpr,
+                           HS: tl.constexpr, COMBINE: tl.constexpr):
+        """Program (g, n): rows ``[n*BN, (n+1)*BN)`` of ``down h`` for J pairs at once: with ``COMBINE``
+        token g's pairs ``g*TOPK + j`` (``j < TOPK <= J``), stored as ``out[g, rows] = sum_j weights[p_j] *
+        row_j`` summed in pair order; else pairs ``g*J + j`` stored as their rows. ``h``: float32
+        ``[P, K]`` (``HS == 0``), or ``HS`` partial gate / up products (``_x_tile``), their biases added
+        with ``GU_BIAS``; the down bias with ``BIAS``."""
+        g, rows, keep = _program_rows(N, BN)
+        jj = tl.arange(0, J)
+        if COMBINE:
+            pv = jj < TOPK
+            p = g.to(tl.int64) * TOPK + tl.where(pv, jj, 0)
+        else:
+            p = g.to(tl.int64) * J + jj
+            pv = p < P
+            p = tl.where(pv, p, 0)
+        w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)  # [J]
+        e = tl.load(expert_ptr + p).to(tl.int64)[:, None, None, None]
+        rp = w[:, None, None, None] + DOWN_OFF + rows[None, :, None, None] * ROW  # [J, BN, 1, 1]
+        r = _tile_dot(rp, h + p[:, None, None, None] * K, 0, K // BS, tab, HS, PK, gate_bias + e * K,
+                      up_bias + e * K, GU_BIAS, OAI, ALPHA, LIMIT, QT, BS, TS, SUB, NT, FAST, J, BN)  # [J, BN]
+        if BIAS:
+            r += tl.load(down_bias + tl.reshape(e, [J, 1]) * N + rows[None, :], mask=keep[None, :],
+                         other=0.0).to(tl.float32)
+        if COMBINE:
+            wt = tl.load(weights + p, mask=pv, other=0.0).to(tl.float32)
+            acc = tl.sum(tl.where(pv[:, None], r * wt[:, None], 0.0), axis=0)  # [BN]
+            tl.store(out + g.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
+        else:
+            tl.store(out + p[:, None] * N + rows[None, :], r.to(out.dtype.element_ty),
+                     mask=pv[:, None] & keep[None, :])
+
+    def _steps(qtype: int, rows: int) -> tuple[int, int, int, int]:
+        """(block size, type size, sub-block size, sub-blocks per step) of ``qtype`` for ``rows`` rows a
+        program (``CONFIG.tile`` values a step, at least one block)."""
         bs, ts, sub = block_geometry(qtype)
-        return bs, ts, sub, max(bs // sub, _TILE // (bn * sub))
+        return bs, ts, sub, max(bs // sub, CONFIG.tile // (rows * sub))
+
+    def _fast_steps(qtype: int, rows: int, offset: int, row_bytes: int, src: tuple) -> tuple[int, int, int, int, bool]:
+        """``_steps`` of the split design, and whether the matrix at byte ``offset`` of an expert is read by
+        16-byte loads (Q4_K with ``CONFIG.fast_q4k`` and every address 16-byte aligned; then a step is
+        ``NT`` 64-value chunks, at least one block)."""
+        fast = (CONFIG.fast_q4k and int(qtype) == int(T.Q4_K)
+                and all(v % 16 == 0 for v in (offset, row_bytes, *src[2:])))
+        if not fast:
+            return (*_steps(qtype, rows), False)
+        bs, ts, _ = block_geometry(qtype)
+        return bs, ts, 32, max(4, CONFIG.tile // (rows * 64)), True
 
     def _stage_misses(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, total: int) -> Tensor:
         """``[P, total]`` on the device: missed pairs' experts copied from the arena (resident rows unwritten)."""
@@ -289,17 +481,43 @@ if HAS_TRITON:
         staged = not (arena.device == slots.device or MISS_READ == "direct")
         miss = _stage_misses(slots, arena, slot, expert, total) if staged else arena
         src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
-        h = torch.empty((P, F_), dtype=torch.float32, device=x.device)  # [P, F]
-        (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu) = (_steps(q, _BN_GATE_UP) for q in qtypes[:2])
-        _gate_up_kernel[(P, triton.cdiv(F_, _BN_GATE_UP))](
+        gate_up = _gate_up_split if CONFIG.design == "split" else _gate_up_loop
+        return gate_up(x, src, staged, topk, qtypes, F_, H, nbytes, ffn), src, staged
+
+    def _gate_up_loop(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequence[int], F_: int, H: int,
+                      nbytes: Sequence[int], ffn: ExpertFFN) -> Tensor:
+        """The loop design's gate_up launch (``LaunchConfig``): ``h [P, F]``."""
+        h = torch.empty((src[0].shape[0], F_), dtype=torch.float32, device=x.device)  # [P, F]
+        bn = CONFIG.bn_gate_up
+        (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu) = (_steps(q, bn) for q in qtypes[:2])
+        _gate_up_kernel[(h.shape[0], triton.cdiv(F_, bn))](
             x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, topk,
-            nbytes[0], nbytes[0] // F_, nbytes[1] // F_, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), expert,
+            nbytes[0], nbytes[0] // F_, nbytes[1] // F_, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), src[1],
             float(ffn.alpha), float(ffn.limit),
             QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg,
-            QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=_BN_GATE_UP, BY_PAIR=staged,
-            BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai", num_warps=4)
-        return h, src, staged
+            QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=bn, BY_PAIR=staged,
+            BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai", num_warps=CONFIG.warps_gate_up)
+        return h
 
+    def _gate_up_split(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequence[int], F_: int, H: int,
+                       nbytes: Sequence[int], ffn: ExpertFFN) -> Tensor:
+        """The split design's gate_up launch: ``h [P, F]`` (``split_k == 1``) or the partial products
+        ``[2 * split_k, P, F]`` (gates, then ups)."""
+        P, bn, S = src[0].shape[0], CONFIG.bn_gate_up, CONFIG.split_k
+        h = torch.empty((P, F_) if S == 1 else (2 * S, P, F_), dtype=torch.float32, device=x.device)
+        bsg, tsg, subg, ntg, fastg = _fast_steps(qtypes[0], bn, 0, nbytes[0] // F_, src)
+        bsu, tsu, subu, ntu, fastu = _fast_steps(qtypes[1], bn, nbytes[0], nbytes[1] // F_, src)
+        unit = max(bsg, bsu)
+        ks = triton.cdiv(triton.cdiv(H, S), unit) * unit  # values of a split, whole blocks of both
+        _gate_up_split_kernel[(P, triton.cdiv(F_, bn), S)](
+            x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, ks, P * F_, topk,
+            nbytes[0], nbytes[0] // F_, nbytes[1] // F_, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), src[1],
+            float(ffn.alpha), float(ffn.limit),
+            QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg, FASTG=fastg,
+            QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, FASTU=fastu, BN=bn, BY_PAIR=staged,
+            BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai", SPLIT=S,
+            num_warps=CONFIG.warps_gate_up)
+        return h
     def _or(bias: Tensor | None, dummy: Tensor) -> Tensor:
         """``bias`` made contiguous, or ``dummy`` for a kernel pointer argument that is not read."""
         return dummy if bias is None else bias.to(dummy.device).contiguous()
@@ -318,20 +536,44 @@ if HAS_TRITON:
             return out.zero_()
         h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn)
         down = (_or(ffn.down_bias, h), expert)
-        if weights is None:
-            bsd, tsd, subd, ntd = _steps(qtypes[2])
-            _down_kernel[(P, triton.cdiv(H2, _BN))](
+        if CONFIG.design == "split":
+            _down_split(h, out, weights, src, staged, topk, qtypes, H2, F2, nbytes, ffn)
+        elif weights is None:
+            bn = CONFIG.bn_down
+            bsd, tsd, subd, ntd = _steps(qtypes[2], bn)
+            _down_kernel[(P, triton.cdiv(H2, bn))](
                 h, out, *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1], nbytes[2] // H2, *down,
-                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN, BY_PAIR=staged,
-                BIAS=ffn.down_bias is not None, num_warps=4)
+                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=bn, BY_PAIR=staged,
+                BIAS=ffn.down_bias is not None, num_warps=CONFIG.warps_down)
         else:
-            bsd, tsd, subd, ntd = _steps(qtypes[2], _BN_COMBINE)
-            _down_combine_kernel[(x.shape[0], triton.cdiv(H2, _BN_COMBINE))](
+            bn = CONFIG.bn_combine
+            bsd, tsd, subd, ntd = _steps(qtypes[2], bn)
+            _down_combine_kernel[(x.shape[0], triton.cdiv(H2, bn))](
                 h, out, weights.contiguous(), *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1],
                 nbytes[2] // H2, topk, *down,
-                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=_BN_COMBINE, BY_PAIR=staged,
-                BIAS=ffn.down_bias is not None, num_warps=4)
+                QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=bn, BY_PAIR=staged,
+                BIAS=ffn.down_bias is not None, num_warps=CONFIG.warps_combine)
         return out
+
+    def _down_split(h: Tensor, out: Tensor, weights: Tensor | None, src: tuple, staged: bool, topk: int,
+                    qtypes: Sequence[int], H2: int, F2: int, nbytes: Sequence[int], ffn: ExpertFFN) -> None:
+        """The split design's down launch into ``out``: the rows of every pair (``weights`` None; a program
+        per pair and ``bn_down`` rows), or each token's pairs at once, combined (``bn_combine`` rows)."""
+        P = src[0].shape[0]
+        combine = weights is not None
+        J = triton.next_power_of_2(topk) if combine else 1
+        bn = CONFIG.bn_combine if combine else CONFIG.bn_down
+        off = nbytes[0] + nbytes[1]
+        bsd, tsd, subd, ntd, fast = _fast_steps(qtypes[2], J * bn, off, nbytes[2] // H2, src)
+        programs = out.shape[0] if combine else P
+        _down_split_kernel[(programs, triton.cdiv(H2, bn))](
+            h, out, weights.contiguous() if combine else h, *src, table(qtypes[2], h.device), H2, F2, P, P * F2,
+            off, nbytes[2] // H2, topk, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), _or(ffn.down_bias, h), src[1],
+            float(ffn.alpha), float(ffn.limit),
+            QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, FAST=fast, J=J, BN=bn, BY_PAIR=staged,
+            GU_BIAS=h.dim() == 3 and ffn.gate_bias is not None, BIAS=ffn.down_bias is not None,
+            OAI=ffn.activation == "swiglu_oai", HS=0 if h.dim() == 2 else h.shape[0] // 2, COMBINE=combine,
+            num_warps=CONFIG.warps_combine if combine else CONFIG.warps_down)
 
     def _decode_any(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
                     topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
