@@ -8,8 +8,10 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.ops.decode import add_rms_norm, decode_attention, kv_table, rope_kv_write, route_topk
+from strata_core.ops import moe
 from strata_core.ops.moe import moe_decode
 from test_kernels import experts, op_args
+from test_kernels_cuda import _moe_case, rel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -90,20 +92,57 @@ def test_decode_attention_replays_in_a_graph_for_other_caches():
     assert _rel(out, want) <= 1e-5
 
 
-@pytest.mark.parametrize("where", ["resident", "staged"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_decode_kernel(where, dtype):
-    packed, fmt = experts((T.Q4_K, T.Q4_K, T.Q6_K), 2048, 768, 8)
-    slots = torch.zeros(8, packed.shape[1], dtype=torch.uint8)
-    slots[:8] = packed
+def _moe_decode_case(where: str, dtype: torch.dtype, qtypes=(T.Q4_K, T.Q4_K, T.Q6_K), **ffn):
+    """``moe_decode`` on CUDA (8 experts of 2048 x 768, 3 tokens, top-4; misses staged from a pinned
+    arena with ``where == "staged"``), then on the CPU (the reference); ``ffn``: biases and activation."""
+    packed, fmt = experts(qtypes, 2048, 768, 8)
+    slots = packed.clone()
     T_, k = 3, 4
     expert = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 7, 3, 1, 0])
     slot = expert.clone() if where == "resident" else torch.where(expert % 2 == 0, expert, -1)
     x = torch.randn(T_, 2048, generator=torch.Generator().manual_seed(6)).to(dtype)
     weights = torch.rand(T_, k, generator=torch.Generator().manual_seed(7)).to(dtype)
     arena = packed.pin_memory()
+    rest = op_args(x, slots, packed, slot, expert, k, fmt)[6:]
+    cuda_ffn = {n: v.cuda() if isinstance(v, torch.Tensor) else v for n, v in ffn.items()}
     got = moe_decode(*op_args(x.cuda(), slots.cuda(), arena, slot.cuda(), expert.cuda(), k, fmt)[:5],
-                     weights.cuda(), k, *op_args(x, slots, packed, slot, expert, k, fmt)[6:])
-    want = moe_decode(*op_args(x, slots, packed, slot, expert, k, fmt)[:5], weights,
-                      *op_args(x, slots, packed, slot, expert, k, fmt)[5:])
+                     weights.cuda(), k, *rest, **cuda_ffn)
+    want = moe_decode(*op_args(x, slots, packed, slot, expert, k, fmt)[:5], weights, k, *rest, **ffn)
+    return got, want
+
+
+@pytest.mark.parametrize("where", ["resident", "staged"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_decode_kernel(where, dtype):
+    got, want = _moe_decode_case(where, dtype)
     assert _rel(got, want) <= TOL[dtype]
+
+
+SPLIT = moe.LaunchConfig(design="split")
+
+
+@pytest.mark.parametrize("config", [SPLIT, moe.LaunchConfig(design="split", split_k=2, bn_combine=2)],
+                         ids=["split", "split2"])
+@pytest.mark.parametrize("qtypes", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0,) * 3], ids=lambda q: q[-1].name)
+@pytest.mark.parametrize("where", ["resident", "staged"])
+def test_moe_decode_split_design_matches_the_reference_and_repeats(config, qtypes, where, monkeypatch):
+    """The split design (LaunchConfig): within the float32 tolerance, bit-identical when run again."""
+    monkeypatch.setattr(moe, "CONFIG", config)
+    got, want = _moe_decode_case(where, torch.float32, qtypes)
+    assert _rel(got, want) <= TOL[torch.float32]
+    assert torch.equal(got, _moe_decode_case(where, torch.float32, qtypes)[0])
+
+
+@pytest.mark.parametrize("config", [SPLIT, moe.LaunchConfig(design="split", split_k=4, fast_q4k=False, tile=1024)],
+                         ids=["split", "split4-decoded"])
+def test_moe_split_design_biases_and_rows(config, monkeypatch):
+    """The split design with swiglu_oai and the experts' biases (gpt-oss), and the uncombined rows of
+    ``moe_pair_rows``."""
+    monkeypatch.setattr(moe, "CONFIG", config)
+    gen = torch.Generator().manual_seed(8)
+    biases = dict(gate_bias=torch.randn(8, 768, generator=gen) * 0.1, up_bias=torch.randn(8, 768, generator=gen) * 0.1,
+                  down_bias=torch.randn(8, 2048, generator=gen) * 0.1, act=1, alpha=1.702, limit=7.0)
+    got, want = _moe_decode_case("staged", torch.float32, (T.Q4_K,) * 3, **biases)
+    assert _rel(got, want) <= TOL[torch.float32]
+    args, rows_want = _moe_case((T.Q4_K, T.Q4_K, T.Q6_K), 512, 256, torch.float32, "device")
+    assert rel(moe.moe_pair_rows(*args), rows_want) < 1e-5
