@@ -46,24 +46,23 @@ C = moe.LaunchConfig
 VARIANTS: list[C] = [
     C(),
     C(design="split"),
+    C(design="split", bn_combine=2),
+    C(tile=2048, warps_gate_up=8, warps_combine=8),
     C(design="split", split_k=2),
     C(design="split", bn_gate_up=4),
     C(design="split", bn_gate_up=16),
     C(design="split", bn_gate_up=16, split_k=2),
-    C(design="split", bn_gate_up=4, split_k=2, warps_gate_up=2),
     C(design="split", tile=2048),
     C(design="split", tile=8192, warps_gate_up=8, warps_combine=8),
     C(design="split", bn_combine=1),
-    C(design="split", bn_combine=2),
     C(design="split", bn_combine=8),
     C(design="split", bn_combine=2, warps_combine=8),
-    C(design="split", bn_combine=8, warps_combine=8),
+    C(design="split", bn_combine=1, tile=2048),
     C(design="split", bn_gate_up=16, warps_gate_up=8, bn_combine=2, tile=2048),
-    C(design="split", split_k=4, bn_gate_up=16),
+    C(design="split", bn_gate_up=4, bn_combine=2),
+    C(design="split", warps_gate_up=8, bn_combine=2, warps_combine=8, tile=8192),
     C(design="split", fast_q4k=False),
-    C(tile=2048, warps_gate_up=8, warps_combine=8),
     C(bn_gate_up=4, bn_combine=2),
-    C(design="split", bn_gate_up=8, bn_combine=4, warps_gate_up=2, warps_combine=2),
 ]
 TOL = 2e-2  # bf16, relative Frobenius error against the CPU reference (tests/test_kernels_cuda.py)
 
@@ -165,7 +164,13 @@ def main() -> None:
                     continue
                 moe.CONFIG = cfg
                 call = moe.moe_decode if not small else moe._decode_any  # the CUDA kernel on CPU tensors
-                got = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
+                try:
+                    got = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
+                except Exception as exc:  # a variant that does not compile: reported, the others go on
+                    print(f"{qname} T={tokens} {name}: FAILED {exc!r}"[:400], flush=True)
+                    rows.append(dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),
+                                     error=repr(exc)[:2000], ok=False, deterministic=False))
+                    continue
                 again = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
                 err = ((got.double().cpu() - want.double()).norm() / want.double().norm()).item()
                 row = dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),

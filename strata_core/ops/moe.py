@@ -36,6 +36,9 @@ same with the rows combined: ``sum_j weights[t, j] * row(t * topk + j)`` (``comb
 its down launch sums a token's pairs in registers in that fixed order (grid tokens x H/BN), so a
 decode layer's routed output takes two launches and no ``[P, H]`` rows.
 
+How the launches split the work (rows per program, K splits, warps; the "loop" design described
+above or the "split" design) is :data:`CONFIG` (:class:`LaunchConfig`); tools/moe_sweep.py times them.
+
 Tolerance against the reference: float32 within a relative 1e-5 (summation order), bf16 within
 2e-2 (tests/test_kernels_cuda.py).
 """
@@ -273,11 +276,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _down_combine_kernel(h, out, weights, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
-                             tab, N, K, DOWN_OFF, ROW, TOPK, down_bias, expert_ptr, QT: tl.constexpr,
+                             tab, N, K, DOWN_OFF, ROW, TOPK, down_bias, expert_ptr, served, rows_buf, QT: tl.constexpr,
                              BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr, NT: tl.constexpr,
-                             BN: tl.constexpr, BY_PAIR: tl.constexpr, BIAS: tl.constexpr):
+                             BN: tl.constexpr, BY_PAIR: tl.constexpr, BIAS: tl.constexpr, SERVED: tl.constexpr,
+                             ROWS_OUT: tl.constexpr):
         """Program (t, n): ``out[t, n*BN:(n+1)*BN] = sum_j weights[t*TOPK + j] * down h[t*TOPK + j]`` (each
-        row with its expert's down bias with ``BIAS``)."""
+        row with its expert's down bias with ``BIAS``); with ``SERVED`` the float32 row of a pair whose
+        ``served`` flag is set is ``rows_buf``'s (computed elsewhere); with ``ROWS_OUT`` the rows are
+        stored in ``rows_buf`` (float32 ``[P, N]``) instead of combined (``_served``)."""
         t, rows, keep = _program_rows(N, BN)
         acc = tl.zeros([BN], dtype=tl.float32)
         for j in range(TOPK):
@@ -286,8 +292,15 @@ if HAS_TRITON:
             r = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, SUB, NT, BN)
             if BIAS:
                 r += _bias(down_bias, expert_ptr, p, N, rows, keep)
-            acc += tl.load(weights + p).to(tl.float32) * r
-        tl.store(out + t.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
+            at = rows_buf + p.to(tl.int64) * N + rows
+            if SERVED:
+                r = tl.where(tl.load(served + p) != 0, tl.load(at, mask=keep, other=0.0), r)
+            if ROWS_OUT:
+                tl.store(at, r, mask=keep)
+            else:
+                acc += tl.load(weights + p).to(tl.float32) * r
+        if not ROWS_OUT:
+            tl.store(out + t.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
 
     @triton.jit
     def _x_tile(xp, k, mask, HS: tl.constexpr, PK, gbp, ubp, BIAS: tl.constexpr, OAI: tl.constexpr, ALPHA, LIMIT):
@@ -396,12 +409,15 @@ if HAS_TRITON:
                            LIMIT, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr,
                            NT: tl.constexpr, FAST: tl.constexpr, J: tl.constexpr, BN: tl.constexpr,
                            BY_PAIR: tl.constexpr, GU_BIAS: tl.constexpr, BIAS: tl.constexpr, OAI: tl.constexpr,
-                           HS: tl.constexpr, COMBINE: tl.constexpr):
+                           HS: tl.constexpr, COMBINE: tl.constexpr, served, rows_buf, SERVED: tl.constexpr,
+                           ROWS_OUT: tl.constexpr):
         """Program (g, n): rows ``[n*BN, (n+1)*BN)`` of ``down h`` for J pairs at once: with ``COMBINE``
         token g's pairs ``g*TOPK + j`` (``j < TOPK <= J``), stored as ``out[g, rows] = sum_j weights[p_j] *
         row_j`` summed in pair order; else pairs ``g*J + j`` stored as their rows. ``h``: float32
         ``[P, K]`` (``HS == 0``), or ``HS`` partial gate / up products (``_x_tile``), their biases added
-        with ``GU_BIAS``; the down bias with ``BIAS``."""
+        with ``GU_BIAS``; the down bias with ``BIAS``. ``SERVED`` / ``ROWS_OUT`` (with ``COMBINE``): the
+        float32 rows of ``rows_buf`` taken in place of the served pairs' / the rows stored there instead
+        of combined, as in ``_down_combine_kernel``."""
         g, rows, keep = _program_rows(N, BN)
         jj = tl.arange(0, J)
         if COMBINE:
@@ -420,9 +436,16 @@ if HAS_TRITON:
             r += tl.load(down_bias + tl.reshape(e, [J, 1]) * N + rows[None, :], mask=keep[None, :],
                          other=0.0).to(tl.float32)
         if COMBINE:
-            wt = tl.load(weights + p, mask=pv, other=0.0).to(tl.float32)
-            acc = tl.sum(tl.where(pv[:, None], r * wt[:, None], 0.0), axis=0)  # [BN]
-            tl.store(out + g.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
+            at = rows_buf + p[:, None] * N + rows[None, :]  # [J, BN]
+            if SERVED:
+                taken = tl.load(served + p, mask=pv, other=0) != 0
+                r = tl.where(taken[:, None], tl.load(at, mask=pv[:, None] & keep[None, :], other=0.0), r)
+            if ROWS_OUT:
+                tl.store(at, r, mask=pv[:, None] & keep[None, :])
+            else:
+                wt = tl.load(weights + p, mask=pv, other=0.0).to(tl.float32)
+                acc = tl.sum(tl.where(pv[:, None], r * wt[:, None], 0.0), axis=0)  # [BN]
+                tl.store(out + g.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
         else:
             tl.store(out + p[:, None] * N + rows[None, :], r.to(out.dtype.element_ty),
                      mask=pv[:, None] & keep[None, :])
@@ -524,20 +547,30 @@ if HAS_TRITON:
 
     def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                     qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
-                    weights: Tensor | None = None, ffn: ExpertFFN = SILU) -> Tensor:
+                    weights: Tensor | None = None, ffn: ExpertFFN = SILU, served: Tensor | None = None,
+                    served_rows: Tensor | None = None, rows_out: bool = False) -> Tensor:
         """The two Triton launches (and the staging copy of misses in a host arena); the rows
         ``[P, H]``, or with ``weights [T, topk]`` their combination ``[T, H]``; ``ffn``'s biases and
-        activation applied in the launches."""
+        activation applied in the launches. With ``weights``: ``served [P]`` / ``served_rows [P, H]``
+        float32 rows taken in place of the flagged pairs' own, or (``rows_out``) the float32 rows
+        ``[P, H]`` the combination would sum, returned instead (``moe_decode_rows``)."""
         slot, expert, x = slot.contiguous(), expert.contiguous(), x.contiguous()
         _, _, (H2, F2) = _shapes(shapes)
         P = slot.shape[0]
-        out = torch.empty((P if weights is None else x.shape[0], H2), dtype=x.dtype, device=x.device)
+        out = (torch.empty((P, H2), dtype=torch.float32, device=x.device) if rows_out else
+               torch.empty((P if weights is None else x.shape[0], H2), dtype=x.dtype, device=x.device))
         if P == 0:
             return out.zero_()
         h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn)
         down = (_or(ffn.down_bias, h), expert)
+        if rows_out:
+            modes = dict(served=h, rows_buf=out, SERVED=False, ROWS_OUT=True)
+        elif served is not None:
+            modes = dict(served=served.contiguous(), rows_buf=served_rows.contiguous(), SERVED=True, ROWS_OUT=False)
+        else:  # the kernels' served-rows arguments, unread
+            modes = dict(served=h, rows_buf=h, SERVED=False, ROWS_OUT=False)
         if CONFIG.design == "split":
-            _down_split(h, out, weights, src, staged, topk, qtypes, H2, F2, nbytes, ffn)
+            _down_split(h, out, weights, src, staged, topk, qtypes, H2, F2, nbytes, ffn, modes)
         elif weights is None:
             bn = CONFIG.bn_down
             bsd, tsd, subd, ntd = _steps(qtypes[2], bn)
@@ -550,22 +583,25 @@ if HAS_TRITON:
             bsd, tsd, subd, ntd = _steps(qtypes[2], bn)
             _down_combine_kernel[(x.shape[0], triton.cdiv(H2, bn))](
                 h, out, weights.contiguous(), *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1],
-                nbytes[2] // H2, topk, *down,
+                nbytes[2] // H2, topk, *down, modes["served"], modes["rows_buf"],
                 QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=bn, BY_PAIR=staged,
-                BIAS=ffn.down_bias is not None, num_warps=CONFIG.warps_combine)
+                BIAS=ffn.down_bias is not None, SERVED=modes["SERVED"], ROWS_OUT=modes["ROWS_OUT"],
+                num_warps=CONFIG.warps_combine)
         return out
 
     def _down_split(h: Tensor, out: Tensor, weights: Tensor | None, src: tuple, staged: bool, topk: int,
-                    qtypes: Sequence[int], H2: int, F2: int, nbytes: Sequence[int], ffn: ExpertFFN) -> None:
+                    qtypes: Sequence[int], H2: int, F2: int, nbytes: Sequence[int], ffn: ExpertFFN,
+                    modes: dict) -> None:
         """The split design's down launch into ``out``: the rows of every pair (``weights`` None; a program
-        per pair and ``bn_down`` rows), or each token's pairs at once, combined (``bn_combine`` rows)."""
+        per pair and ``bn_down`` rows), or each token's pairs at once, combined (``bn_combine`` rows);
+        ``modes``: the served-rows arguments of the kernel (``_moe_triton``)."""
         P = src[0].shape[0]
         combine = weights is not None
         J = triton.next_power_of_2(topk) if combine else 1
         bn = CONFIG.bn_combine if combine else CONFIG.bn_down
         off = nbytes[0] + nbytes[1]
         bsd, tsd, subd, ntd, fast = _fast_steps(qtypes[2], J * bn, off, nbytes[2] // H2, src)
-        programs = out.shape[0] if combine else P
+        programs = weights.shape[0] if combine else P
         _down_split_kernel[(programs, triton.cdiv(H2, bn))](
             h, out, weights.contiguous() if combine else h, *src, table(qtypes[2], h.device), H2, F2, P, P * F2,
             off, nbytes[2] // H2, topk, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), _or(ffn.down_bias, h), src[1],
@@ -573,7 +609,7 @@ if HAS_TRITON:
             QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, FAST=fast, J=J, BN=bn, BY_PAIR=staged,
             GU_BIAS=h.dim() == 3 and ffn.gate_bias is not None, BIAS=ffn.down_bias is not None,
             OAI=ffn.activation == "swiglu_oai", HS=0 if h.dim() == 2 else h.shape[0] // 2, COMBINE=combine,
-            num_warps=CONFIG.warps_combine if combine else CONFIG.warps_down)
+            **modes, num_warps=CONFIG.warps_combine if combine else CONFIG.warps_down)
 
     def _decode_any(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
                     topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
