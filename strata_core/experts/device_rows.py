@@ -23,7 +23,8 @@ With ``gather`` set (the backend sets it on CUDA when every arena layer is pinne
 read from the slots or zero-copy from the pinned arena, and computed per pair, so the host never
 reads the routing and nothing synchronises per layer. A peer's pairs take the same kernel: a
 computing peer's on the peer (its side stream, enqueued first), a read-across peer's here from its
-bytes copied over; this device points those pairs at its zero slot, and the rows are merged by pair.
+bytes copied over; this device points those pairs at its zero slot, and the rows are merged by pair
+(on CUDA ``moe_decode`` takes the peers' float32 rows in place of its own and combines them all).
 
 With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill chunk takes the
 grouped prefill instead of the loop per expert (grouped.py): per group of at most ``group_experts``
@@ -46,8 +47,8 @@ from strata_core.devices import device_scope, to_device
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.experts.gather import (GATHER_COUNTS, fused_decode, fused_rows, gather_counts, pair_ffn,
-                                       pair_ffn_grouped)
+from strata_core.experts.gather import (GATHER_COUNTS, fused_decode, fused_decode_rows, fused_rows, gather_counts,
+                                       pair_ffn, pair_ffn_grouped)
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
@@ -139,7 +140,7 @@ class CachedExpertRows:
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
         chain = self.chains[layer]
         if (hidden.device.type == "cuda" and self.gather and self.decoding and chain.own is not None
-                and not chain.peers and (ffn.plain or FUSED_FFN)):  # one op: the rows combined in its down launch (strata::moe_decode)
+                and (ffn.plain or FUSED_FFN)):  # one op: the rows combined in its down launch (strata::moe_decode)
             self.usage.add(layer, expert_ids)
             return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
         return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)  # [T, H]
@@ -278,11 +279,14 @@ class CachedExpertRows:
     def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read; with
-        ``weights`` (CUDA, no peer in the chain) the combined ``[T, H]`` instead.
+        ``weights`` (CUDA) the combined ``[T, H]`` instead.
 
         The own cache and the pinned arena serve each pair, except the pairs a peer of the chain
         holds: a computing peer's are computed there (enqueued first, on its side stream), a read-across
-        peer's bytes come over and are computed here; this device points them at its zero slot."""
+        peer's bytes come over and are computed here; this device points them at its zero slot. With
+        ``weights`` the peers' rows are float32 rows of ``strata::moe_decode_rows`` (the arithmetic of
+        ``moe_decode`` before it combines) that the home's ``moe_decode`` takes in place of its own
+        for those pairs, so the combination, and the output, are bit for bit ``single``'s."""
         T, k = expert_ids.shape
         own = chain.own
         fmt, resident = self.arena.formats[layer], own.table.mirror[layer]  # resident [E]
@@ -291,6 +295,7 @@ class CachedExpertRows:
         slot = resident[expert]  # [P], -1 = miss
         taken = slot >= 0
         served: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pairs a peer serves [P], their rows [P, H])
+        rows_of = self._pair_rows if weights is None else self._decode_rows  # rows to merge, or to combine
         for cache in chain.peers:
             lane = chain.lane(cache)
             if lane is not None:  # activations go over, rows come back
@@ -300,8 +305,8 @@ class CachedExpertRows:
                     there = expert.to(lane.device)
                     held = cache.table.mirror[layer][there]  # [P]
                     mine = (held >= 0) & ~taken.to(lane.device)
-                    rows = self._pair_rows(hidden.to(lane.device), cache.padded, arena,
-                                           torch.where(mine, held, cache.zero_slot), there, fmt, ffn)
+                    rows = rows_of(hidden.to(lane.device), cache.padded, arena,
+                                   torch.where(mine, held, cache.zero_slot), there, fmt, ffn)
                     served.append((mine.to(self.device), rows.to(self.device)))
             else:  # the peer's bytes come across the peer link
                 held = cache.table.mirror[layer].to(self.device)[expert]  # [P]
@@ -309,24 +314,29 @@ class CachedExpertRows:
                 cache.wait_layer(layer, cache.device)
                 packed = cache.padded.index_select(0, torch.where(mine, held, cache.zero_slot).to(cache.device))
                 across = torch.arange(expert.numel(), device=self.device)  # pair p reads row p
-                served.append((mine, self._pair_rows(hidden, packed.to(self.device), arena, across, expert, fmt,
-                                                     ffn)))
+                served.append((mine, rows_of(hidden, packed.to(self.device), arena, across, expert, fmt, ffn)))
             taken = taken | served[-1][0]
         if served:
             slot = torch.where(taken & (slot < 0), own.zero_slot, slot)  # the peers' pairs: a zero row here
         self.telemetry.routed += T * k
         self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
         own.wait_layer(layer, self.device)
-        if weights is not None:
-            with self.telemetry.compute(self.device):
-                return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt, ffn)  # [T, H]
-        rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]
+        if weights is None:
+            rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]
         for lane in chain.lanes:
             lane.join()
-        for mine, peer_rows in served:
-            rows = torch.where(mine[:, None], peer_rows, rows)
+        by_peer, peer_rows = None, None  # [P], [P, H]: the pairs the peers serve and their rows
+        for mine, theirs in served:
+            by_peer = mine if by_peer is None else by_peer | mine
+            peer_rows = theirs if peer_rows is None else torch.where(mine[:, None], theirs, peer_rows)
             distinct = resident.new_zeros(resident.shape, dtype=torch.bool).scatter_(0, expert, mine)  # [E]
             self.telemetry.add_counts(("experts_peer",), distinct.sum().reshape(1))  # (layer, expert)s a peer served
+        if weights is not None:
+            with self.telemetry.compute(self.device):
+                return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt, ffn, by_peer,
+                                    peer_rows)  # [T, H]
+        if by_peer is not None:
+            rows = torch.where(by_peer[:, None], peer_rows, rows)
         return rows.view(T, k, -1)
 
     def _pair_rows(self, hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
@@ -345,6 +355,13 @@ class CachedExpertRows:
         with self.telemetry.compute(device):
             x = hidden[:, None, :].expand(T, slot.shape[0] // T, hidden.shape[-1]).reshape(slot.shape[0], -1)
             return (pair_ffn_grouped if device.type == "cuda" else pair_ffn)(x, packed, fmt, ffn, expert)  # [P, H]
+
+    def _decode_rows(self, hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
+                     expert: torch.Tensor, fmt, ffn: ExpertFFN = SILU) -> torch.Tensor:
+        """Float32 rows ``[P, H]`` of the pairs as ``fused_decode`` computes them before it combines them
+        (``strata::moe_decode_rows``), on ``hidden``'s device: a peer's share of a CUDA decode layer."""
+        with self.telemetry.compute(hidden.device):
+            return fused_decode_rows(hidden, slots, arena, slot, expert, fmt, ffn)
 
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
                     order: torch.Tensor, k: int, hidden: torch.Tensor,

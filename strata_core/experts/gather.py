@@ -33,9 +33,10 @@ from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, grouped_ffn
 from strata_core.ops.gather import HAS_TRITON, gather_counts_cuda
-from strata_core.ops.moe import ffn_args, moe_decode, moe_pair_rows, pair_ffn_reference
+from strata_core.ops.moe import ffn_args, moe_decode, moe_decode_rows, moe_pair_rows, pair_ffn_reference
 
-__all__ = ["GATHER_COUNTS", "fused_decode", "fused_rows", "gather_counts", "pair_ffn", "pair_ffn_grouped"]
+__all__ = ["GATHER_COUNTS", "fused_decode", "fused_decode_rows", "fused_rows", "gather_counts", "pair_ffn",
+           "pair_ffn_grouped"]
 
 #: The telemetry counters ``gather_counts`` returns, in order.
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
@@ -70,12 +71,25 @@ def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, s
 
 
 def fused_decode(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
-                 expert: torch.Tensor, weights: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU) -> torch.Tensor:
+                 expert: torch.Tensor, weights: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU,
+                 served: torch.Tensor | None = None, served_rows: torch.Tensor | None = None) -> torch.Tensor:
     """The routed output ``[T, H]`` of the pairs of :func:`fused_rows` combined with ``weights [T, k]``
-    (``combine_rows``) through ``strata::moe_decode``: on CUDA the down launch sums the rows."""
+    (``combine_rows``) through ``strata::moe_decode``: on CUDA the down launch sums the rows; the pairs
+    flagged in ``served [P]`` take their float32 rows from ``served_rows [P, H]`` (:func:`fused_decode_rows`
+    on a peer)."""
     shapes = [n for shape in fmt.shapes for n in shape]
     return moe_decode(hidden, slots, arena, slot, expert, weights, weights.shape[1], [int(q) for q in fmt.qtypes],
-                      shapes, list(fmt.nbytes), **ffn_args(ffn))
+                      shapes, list(fmt.nbytes), **ffn_args(ffn), served=served, served_rows=served_rows)
+
+
+def fused_decode_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
+                      expert: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU) -> torch.Tensor:
+    """Float32 rows ``[P, H]`` of the pairs of :func:`fused_rows` exactly as :func:`fused_decode` computes
+    them before it combines them (``strata::moe_decode_rows``)."""
+    k = slot.shape[0] // hidden.shape[0]
+    shapes = [n for shape in fmt.shapes for n in shape]
+    return moe_decode_rows(hidden, slots, arena, slot, expert, k, [int(q) for q in fmt.qtypes], shapes,
+                           list(fmt.nbytes), **ffn_args(ffn))
 
 
 def gather_counts(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, nbytes: int) -> torch.Tensor:

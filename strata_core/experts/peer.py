@@ -7,9 +7,10 @@ on a side stream of the peer, after an event recorded on the home stream (the la
 the rows come back on a side stream of the home device; the home stream waits for them only where
 it combines them (``lane.join()``, an event), so the peer's rows overlap the home's own and nothing
 waits on the host. On the CPU the same code runs in order, so CI runs every branch but the events.
-Windows with a peer run eagerly under ``--cuda-graphs``: captured with the peer's work in the graph
-(its allocations in a pool of its own), the greedy tokens differed from eager ones on two H200s
-(issue 9's run), so graphs.py keeps such segments eager until that is understood.
+Because only events order the work, a decode window with peers is captured as one CUDA graph with
+the peer's kernels and copies in it (graphs.py); the peer's allocations inside a capture go to a
+pool of the lane's own. (The decode rows of a peer are combined in the home's ``moe_decode`` launch
+with the home's, in its fixed pair order: device_rows.py; the greedy tokens then equal ``single``'s.)
 
 What the lane computes (``CachedExpertRows``, device_rows.py, drives it):
 
@@ -25,6 +26,7 @@ What the lane computes (``CachedExpertRows``, device_rows.py, drives it):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -64,6 +66,7 @@ class PeerLane:
         self._home_stream = torch.cuda.Stream(home) if cuda else None
         self._done: list[torch.cuda.Event] = []
         self._held: list[torch.Tensor] = []
+        self._pool = None  # torch.cuda.MemPool of the peer's allocations inside graph captures
 
     def ring(self, rows: int = 1) -> StagingRing:
         """The peer's staging ring with ``rows`` experts per buffer (allocated on first use)."""
@@ -87,16 +90,28 @@ class PeerLane:
             return
         self._done.clear()  # left by a layer that failed before its join (a failed capture's events)
         self._held.clear()
+        pool = self._captured()  # asked on the home stream, before the side streams join
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.home))
         self._home_stream.wait_event(ready)
         self._peer_stream.wait_event(ready)
-        with torch.cuda.stream(self._home_stream), torch.cuda.stream(self._peer_stream):
+        with torch.cuda.stream(self._home_stream), torch.cuda.stream(self._peer_stream), pool:
             yield
         for stream in (self._home_stream, self._peer_stream):  # both: on cuda:0,cuda:0 they are one device
             done = torch.cuda.Event()
             done.record(stream)
             self._done.append(done)
+
+    def _captured(self) -> contextlib.AbstractContextManager:
+        """Inside a CUDA-graph capture of the home stream (graphs.py), the peer's allocations go to a
+        pool this lane keeps for as long as it lives (the graph's own pool is the home device's); the
+        home's side stream joins the capture, so its allocations are in the graph's pool already."""
+        if self.device == self.home or not torch.cuda.is_current_stream_capturing():
+            return contextlib.nullcontext()
+        if self._pool is None:
+            with torch.cuda.device(self.device):  # a pool belongs to the device current at its creation
+                self._pool = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(self._pool, device=self.device)
 
     def hold(self, *tensors: torch.Tensor) -> None:
         """Keep tensors of the home's stream that the side streams read alive until ``join()`` (their

@@ -36,6 +36,13 @@ same with the rows combined: ``sum_j weights[t, j] * row(t * topk + j)`` (``comb
 its down launch sums a token's pairs in registers in that fixed order (grid tokens x H/BN), so a
 decode layer's routed output takes two launches and no ``[P, H]`` rows.
 
+Rows computed on another device (a peer tier, experts/device_rows.py) join that combination exactly:
+``moe_decode_rows(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes) -> [P, H]`` float32 is
+the combining launch storing each pair's row instead of summing it (the same tiles, the same
+arithmetic), and ``moe_decode(..., served=[P] bool, served_rows=[P, H] float32)`` takes those rows in
+place of its own for the flagged pairs, so the output is bit for bit that of one device holding every
+expert, whichever device computed which row (tests/test_moe_served.py).
+
 How the launches split the work (rows per program, K splits, warps; the "loop" design described
 above or the "split" design) is :data:`CONFIG` (:class:`LaunchConfig`); tools/moe_sweep.py times them.
 
@@ -59,7 +66,8 @@ from strata_core.ops.matmul import matmul
 from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, on_device, table
 from strata_core.quant.registry import dequantize_reference
 
-__all__ = ["CONFIG", "MISS_READ", "LaunchConfig", "ffn_args", "moe_decode", "moe_pair_rows", "pair_ffn_reference"]
+__all__ = ["CONFIG", "MISS_READ", "LaunchConfig", "ffn_args", "moe_decode", "moe_decode_rows", "moe_pair_rows",
+           "pair_ffn_reference"]
 
 #: How the CUDA kernel reads a miss from a pinned host arena: "staged" or "direct" (module doc).
 MISS_READ = "staged"
@@ -158,18 +166,41 @@ def _reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Te
     return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes), _ffn(*ffn), expert).contiguous()
 
 
-def _decode_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
-                      topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
-    """The oracle of ``moe_decode``: the rows of :func:`_reference`, combined by ``combine_rows``."""
+def _combined(rows: Tensor, weights: Tensor, served: Tensor | None, served_rows: Tensor | None) -> Tensor:
+    """``combine_rows`` of ``rows [P, H]`` (a pair flagged in ``served [P]``: its row of ``served_rows``)."""
     from strata_core.experts.rows import combine_rows  # experts import the ops
 
-    rows = _reference(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn)  # [P, H]
-    return combine_rows(rows.view(x.shape[0], topk, -1), weights).contiguous()
+    if served is not None:
+        rows = torch.where(served[:, None], served_rows.to(rows.dtype), rows)
+    return combine_rows(rows.view(weights.shape[0], weights.shape[1], -1), weights).contiguous()
+
+
+def _decode_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
+                      topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
+                      gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
+                      act: int = 0, alpha: float = 1.702, limit: float = 7.0, served: Tensor | None = None,
+                      served_rows: Tensor | None = None) -> Tensor:
+    """The oracle of ``moe_decode``: the rows of :func:`_reference` (the ``served`` pairs' taken from
+    ``served_rows``), combined by ``combine_rows``."""
+    rows = _reference(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, gate_bias, up_bias, down_bias,
+                      act, alpha, limit)  # [P, H]
+    return _combined(rows, weights, served, served_rows)
 
 
 def _decode_fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
-                 topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+                 topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *args) -> Tensor:
     return x.new_empty((x.shape[0], shapes[4]))
+
+
+def _rows_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+    """The oracle of ``moe_decode_rows``: the rows of :func:`_reference` in float32."""
+    return _reference(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn).float()
+
+
+def _rows_fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+               qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+    return x.new_empty((slot.shape[0], shapes[4]), dtype=torch.float32)
 
 
 def _fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
@@ -612,16 +643,32 @@ if HAS_TRITON:
             **modes, num_warps=CONFIG.warps_combine if combine else CONFIG.warps_down)
 
     def _decode_any(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
-                    topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
-        """``moe_decode`` on CUDA: the rows combined in the down launch; the reference's combination of
-        the fallback rows for formats without a decoder."""
+                    topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
+                    gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
+                    act: int = 0, alpha: float = 1.702, limit: float = 7.0, served: Tensor | None = None,
+                    served_rows: Tensor | None = None) -> Tensor:
+        """``moe_decode`` on CUDA: the rows combined in the down launch (the ``served`` pairs' rows taken
+        from ``served_rows``); the reference's combination of the fallback rows for formats without a
+        decoder."""
+        ffn = (gate_bias, up_bias, down_bias, act, alpha, limit)
         if not all(int(q) in KERNEL_TYPES for q in qtypes):
-            from strata_core.experts.rows import combine_rows
-
-            rows = _moe_any(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn)
-            return combine_rows(rows.view(x.shape[0], topk, -1), weights).contiguous()
+            return _combined(_moe_any(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn), weights,
+                             served, served_rows)
         with on_device(x.device):
-            return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, weights, _ffn(*ffn))
+            return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, weights, _ffn(*ffn),
+                               None if served is None else served.view(torch.uint8), served_rows)
+
+    def _rows_any(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+                  qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+        """``moe_decode_rows`` on CUDA: the combining down launch storing its float32 rows instead of
+        summing them (the same arithmetic, row for row); the fallback rows in float32 for formats
+        without a decoder."""
+        if not all(int(q) in KERNEL_TYPES for q in qtypes):
+            return _moe_any(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn).float()
+        unread = torch.empty((x.shape[0], topk), dtype=torch.float32, device=x.device)  # the combination's shape
+        with on_device(x.device):
+            return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, unread, _ffn(*ffn),
+                               rows_out=True)
 
 
 moe_pair_rows = torch.library.custom_op("strata::moe_pair_rows", _reference, mutates_args=(), schema=_SCHEMA)
@@ -632,7 +679,13 @@ if HAS_TRITON:  # opaque like strata::dequantize: the CUDA kernel may fall back 
 moe_decode = torch.library.custom_op(
     "strata::moe_decode", _decode_reference, mutates_args=(),
     schema=("(Tensor x, Tensor slots, Tensor arena, Tensor slot, Tensor expert, Tensor weights, int topk, "
-            f"int[] qtypes, int[] shapes, int[] nbytes, {_FFN_ARGS}) -> Tensor"))
+            f"int[] qtypes, int[] shapes, int[] nbytes, {_FFN_ARGS}, Tensor? served=None, "
+            "Tensor? served_rows=None) -> Tensor"))
 moe_decode.register_fake(_decode_fake)
 if HAS_TRITON:
     moe_decode.register_kernel("cuda")(_decode_any)
+
+moe_decode_rows = torch.library.custom_op("strata::moe_decode_rows", _rows_reference, mutates_args=(), schema=_SCHEMA)
+moe_decode_rows.register_fake(_rows_fake)
+if HAS_TRITON:
+    moe_decode_rows.register_kernel("cuda")(_rows_any)

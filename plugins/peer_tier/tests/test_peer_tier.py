@@ -170,8 +170,7 @@ CUDA_PAIRS = ([["cuda:0", "cuda:0"]] + ([["cuda:0", "cuda:1"]] if torch.cuda.dev
 @pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices, graphs):
-    """Eager, and under --cuda-graphs (single's windows graphed; a peer's segment stays eager: captured,
-    its greedy tokens differed on two H200s)."""
+    """Eager, and with the peer's work captured in the window's CUDA graph (replays without a host sync)."""
     from strata_core.testing.sync import no_host_sync
 
     options = dict(max_context=128, dtype="float32", arena="pinned", cuda_graphs=graphs)
@@ -187,4 +186,21 @@ def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices,
     with no_host_sync():
         engine.decode_window([(session, 4)])
     if graphs:
-        assert len(engine._decode_graphs()) == 0 and len(want._decode_graphs()) > 0
+        assert engine._decode_graphs().failed is None and len(engine._decode_graphs()) > 0
+
+
+@pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
+def test_on_cuda_bf16_decode_logits_are_single_bit_for_bit(model, devices):
+    """The peer's rows join the home's combination in ``moe_decode`` (served rows), so even in bf16 every
+    decode step's logits are those of one device holding the union, graphed windows included. (From
+    an empty session: every position decoded, none prefilled: the grouped prefill is only close.)"""
+    options = dict(max_context=128, dtype="bfloat16", arena="pinned", cuda_graphs=True)
+    want = Engine.load(model, devices=devices[:1], expert_cache=10, **options)
+    engine = Engine.load(model, strategy="peer_tier", devices=devices, expert_cache=4,
+                         strategy_options={"peer_slots": 6}, **options)
+    sessions = [(e, e.new_session()) for e in (want, engine)]
+    for token in (5, 7, 11, 13, 17, 19):
+        got, expected = (e.decode_window([(session, token)]) for e, session in reversed(sessions))
+        assert torch.equal(got, expected)
+    assert engine._decode_graphs().failed is None and len(engine._decode_graphs()) > 0
