@@ -11,7 +11,8 @@ too (``decode_step``, below).
 
 Where the shapes allow, and only there: the segment on a CUDA device, the decode gather on for
 every layer of it (it has no host read: ``--arena pinned`` with every layer pinned, ``--pcie-frac 1``,
-Triton, an own cache in every layer: a peer's work rides in the graph, experts/peer.py), no ``--adapt-swaps`` (it changes the cache between windows on a copy stream) and no layer observers
+Triton, an own cache in every layer and no peer read across: a computing peer's work rides in the graph,
+experts/peer.py), no ``--adapt-swaps`` (it changes the cache between windows on a copy stream) and no layer observers
 (``--dbg-nan`` reads each layer on the host). Anywhere else the window runs eagerly and the reason
 is logged once.
 
@@ -117,8 +118,9 @@ class DecodeGraphs:
         if not (rows.gather and rows.decoding):
             return (f"the decode gather is off on {slot} (it needs --arena pinned with every layer "
                     "pinned, --pcie-frac 1 and Triton)")
-        if any(rows.chains[layer].own is None for layer in segment.layers):
-            return f"a layer of {slot} has no expert cache of its own (no decode gather there)"
+        if any(rows.chains[layer].own is None or not all(map(rows.chains[layer].computes, rows.chains[layer].peers))
+               for layer in segment.layers):  # a peer computing its rows is on events only (experts/peer.py)
+            return f"a layer of {slot} reads a peer's cache across or has no cache of its own"
         if engine.settings.adapt_swaps or any(engine.placement.adapt_swaps.values()):
             return "--adapt-swaps changes the expert cache between windows"
         if engine.layer_observers:

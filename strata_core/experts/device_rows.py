@@ -299,15 +299,18 @@ class CachedExpertRows:
         for cache in chain.peers:
             lane = chain.lane(cache)
             if lane is not None:  # activations go over, rows come back
+                # which pairs the peer serves: on this stream, before the lane's work is enqueued (this
+                # stream reads them before it joins the lane: made on a side stream, a replayed graph
+                # read the previous replay's, with no edge to order them)
+                held = cache.table.mirror[layer].to(self.device)[expert]  # [P]
+                mine = (held >= 0) & ~taken
                 with lane.enqueue():
-                    lane.hold(taken)  # replaced below while the side stream may still read it
+                    lane.hold(held, mine)  # read by the side streams after this call returns
                     cache.wait_layer(layer, lane.device)
-                    there = expert.to(lane.device)
-                    held = cache.table.mirror[layer][there]  # [P]
-                    mine = (held >= 0) & ~taken.to(lane.device)
-                    rows = rows_of(hidden.to(lane.device), cache.padded, arena,
-                                   torch.where(mine, held, cache.zero_slot), there, fmt, ffn)
-                    served.append((mine.to(self.device), rows.to(self.device)))
+                    peer_slot = torch.where(mine, held, cache.zero_slot).to(lane.device)
+                    rows = rows_of(hidden.to(lane.device), cache.padded, arena, peer_slot, expert.to(lane.device),
+                                   fmt, ffn)
+                    served.append((mine, rows.to(self.device)))
             else:  # the peer's bytes come across the peer link
                 held = cache.table.mirror[layer].to(self.device)[expert]  # [P]
                 mine = (held >= 0) & ~taken
