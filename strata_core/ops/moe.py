@@ -86,13 +86,15 @@ class LaunchConfig:
     as 16-byte loads of their nibbles (``fast_q4k``). Both are deterministic (no atomics).
     ``tile``: values a program decodes per step; ``bn_*``: rows per program of the gate_up, down
     (``moe_pair_rows``) and combining down (``moe_decode``) launches; ``warps_*``: their num_warps.
+    Defaults: the sweep's choice on the H200 (tools/moe_sweep.py, BENCHMARKS.md): ``split`` with 8 rows
+    a combining program, 110 us a Q4_K layer for one token (loop: 108) and 123 for four (loop: 253).
     """
 
-    design: str = "loop"
+    design: str = "split"
     tile: int = 4096
     bn_gate_up: int = 8
     bn_down: int = 16
-    bn_combine: int = 4
+    bn_combine: int = 8
     warps_gate_up: int = 4
     warps_down: int = 4
     warps_combine: int = 4
