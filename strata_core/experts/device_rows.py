@@ -299,13 +299,11 @@ class CachedExpertRows:
         for cache in chain.peers:
             lane = chain.lane(cache)
             if lane is not None:  # activations go over, rows come back
-                # which pairs the peer serves: on this stream, before the lane's work is enqueued (this
-                # stream reads them before it joins the lane: made on a side stream, a replayed graph
-                # read the previous replay's, with no edge to order them)
-                held = cache.table.mirror[layer].to(self.device)[expert]  # [P]
-                mine = (held >= 0) & ~taken
                 with lane.enqueue():
-                    lane.hold(held, mine)  # read by the side streams after this call returns
+                    lane.hold(taken)  # replaced below while the side stream may still read it
+                    held = cache.table.mirror[layer].to(self.device)[expert]  # [P]: the peer's slots, here
+                    mine = (held >= 0) & ~taken
+                    lane.hand_over()  # this stream reads ``mine`` before it joins the lane
                     cache.wait_layer(layer, lane.device)
                     peer_slot = torch.where(mine, held, cache.zero_slot).to(lane.device)
                     rows = rows_of(hidden.to(lane.device), cache.padded, arena, peer_slot, expert.to(lane.device),

@@ -66,6 +66,7 @@ class PeerLane:
         self._home_stream = torch.cuda.Stream(home) if cuda else None
         self._done: list[torch.cuda.Event] = []
         self._held: list[torch.Tensor] = []
+        self._outer: torch.cuda.Stream | None = None  # the home's stream when ``enqueue()`` was entered
         self._pool = None  # torch.cuda.MemPool of the peer's allocations inside graph captures
 
     def ring(self, rows: int = 1) -> StagingRing:
@@ -91,8 +92,9 @@ class PeerLane:
         self._done.clear()  # left by a layer that failed before its join (a failed capture's events)
         self._held.clear()
         pool = self._captured()  # asked on the home stream, before the side streams join
+        self._outer = torch.cuda.current_stream(self.home)
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.home))
+        ready.record(self._outer)
         self._home_stream.wait_event(ready)
         self._peer_stream.wait_event(ready)
         with torch.cuda.stream(self._home_stream), torch.cuda.stream(self._peer_stream), pool:
@@ -112,6 +114,17 @@ class PeerLane:
             with torch.cuda.device(self.device):  # a pool belongs to the device current at its creation
                 self._pool = torch.cuda.MemPool()
         return torch.cuda.use_mem_pool(self._pool, device=self.device)
+
+    def hand_over(self) -> None:
+        """Inside ``enqueue()``: make the home's own stream wait for the work enqueued in the block so far
+        (a small result it reads before ``join()``, e.g. which pairs the peer serves). Without it a
+        replayed graph has no edge from that work to its reader, which then read the previous replay's
+        (issue 9's runs: peer_tier's graphed greedy text left single's after 4 tokens)."""
+        if self._peer_stream is None:
+            return
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.home))  # the side stream current for the home here
+        self._outer.wait_event(done)
 
     def hold(self, *tensors: torch.Tensor) -> None:
         """Keep tensors of the home's stream that the side streams read alive until ``join()`` (their
