@@ -18,6 +18,7 @@ Shapes: ``q, k [T, Hv, Dk]`` (L2-normed, already repeated to the value heads), `
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,8 @@ from strata_core.ops.matmul import rowwise
 
 __all__ = ["CHUNK", "causal_conv", "delta_rule", "delta_rule_chunked", "delta_rule_recurrent", "fla_chunk",
            "l2_norm"]
+
+log = logging.getLogger(__name__)
 
 #: tokens per chunk of the chunked form (transformers' and fla's default)
 CHUNK = 64
@@ -44,7 +47,9 @@ def fla_chunk() -> Callable[..., Any] | None:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
+        log.info("gated deltanet prompts: fla-core is not installed, the torch chunked form runs")
         return None
+    log.info("gated deltanet prompts: fla-core's chunk_gated_delta_rule")
     return chunk_gated_delta_rule
 
 
