@@ -1,12 +1,14 @@
 """gpt-oss: the GGUF llama.cpp's converter makes of a tiny random HF GptOss (committed fixture, see
-tools/make_llamacpp_fixture.py --arch gpt-oss) gives transformers' logits at every position, with
-F32 and MXFP4 experts; its chat template renders the harmony format."""
+tools/make_llamacpp_fixture.py --arch gpt-oss) gives transformers' logits at every position: F32, Q8_0,
+MXFP4 experts, and a hidden-256 variant quantized as llama-quantize Q4_K_M (--arch gpt-oss-q4_k_m); its
+chat template renders the harmony format."""
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -17,7 +19,6 @@ from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model import KVCache, MoEModel
 from strata_core.model.gpt_oss import GptOssModel
-from strata_core.quant import dequantize
 from strata_core.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data" / "gpt-oss_llamacpp"
@@ -28,23 +29,46 @@ def _tokens(spec) -> torch.Tensor:
     return torch.randint(0, spec.vocab_size, (T,), generator=torch.Generator().manual_seed(0))  # [T]
 
 
-def _hf_reference(f: GGUFFile) -> torch.nn.Module:
-    """The HF model of the fixture, its experts replaced by the GGUF's dequantized ones (gate and up
-    interleaved back into ``gate_up_proj [E, H, 2F]``, ``down_proj [E, F, H]``)."""
-    from transformers import GptOssForCausalLM
+def _hf_state_from_gguf(path: Path) -> dict[str, torch.Tensor]:
+    """The HF state dict holding gguf-py's dequantization of every tensor of ``path``, the converter's
+    transformations undone: the experts' gate and up (and their biases) interleaved back into
+    ``gate_up_proj [E, H, 2F]``, the expert matrices transposed back to ``[E, in, out]``."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
 
-    hf = GptOssForCausalLM.from_pretrained(DATA, attn_implementation="eager", dtype=torch.float32).eval()
-    for i, layer in enumerate(hf.model.layers):
-        def load(name: str) -> torch.Tensor:
-            ref = f.tensors[f"blk.{i}.{name}"]
-            return dequantize(ref.raw(), ref.qtype, ref.shape).float()
+    tensors = {t.name: torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
+               for t in GGUFReader(path).tensors}
+    out = {"model.embed_tokens.weight": tensors.pop("token_embd.weight"),
+           "lm_head.weight": tensors.pop("output.weight"), "model.norm.weight": tensors.pop("output_norm.weight")}
+    names = {"attn_norm.weight": "input_layernorm.weight", "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "attn_sinks.weight": "self_attn.sinks", "ffn_gate_inp.weight": "mlp.router.weight",
+             "ffn_gate_inp.bias": "mlp.router.bias", "ffn_down_exps.bias": "mlp.experts.down_proj_bias"}
+    for proj, hf in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
+        names |= {f"attn_{proj}.{kind}": f"self_attn.{hf}_proj.{kind}" for kind in ("weight", "bias")}
+    layers = {int(name.split(".")[1]) for name in tensors}
+    for layer in sorted(layers):
+        t = {n.removeprefix(f"blk.{layer}."): v for n, v in tensors.items() if n.startswith(f"blk.{layer}.")}
+        p = f"model.layers.{layer}."
+        out |= {p + hf: t[name] for name, hf in names.items()}
+        gate, up = t["ffn_gate_exps.weight"].transpose(1, 2), t["ffn_up_exps.weight"].transpose(1, 2)  # [E, H, F]
+        out[p + "mlp.experts.gate_up_proj"] = torch.stack((gate, up), dim=-1).flatten(-2)  # [E, H, 2F]
+        out[p + "mlp.experts.gate_up_proj_bias"] = torch.stack(
+            (t["ffn_gate_exps.bias"], t["ffn_up_exps.bias"]), dim=-1).flatten(-2)  # [E, 2F]
+        out[p + "mlp.experts.down_proj"] = t["ffn_down_exps.weight"].transpose(1, 2)  # [E, F, H]
+    return out
 
-        experts = layer.mlp.experts
-        with torch.no_grad():
-            experts.gate_up_proj[..., ::2] = load("ffn_gate_exps.weight").transpose(1, 2)
-            experts.gate_up_proj[..., 1::2] = load("ffn_up_exps.weight").transpose(1, 2)
-            experts.down_proj.copy_(load("ffn_down_exps.weight").transpose(1, 2))
-    return hf
+
+def _hf_reference(data: Path, name: str) -> torch.nn.Module:
+    """transformers' GptOss with the weights of the GGUF ``data / name``: the committed HF checkpoint for
+    the F32 file, gguf-py's dequantization of the file for the others."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    if name == "model-f32.gguf":
+        return GptOssForCausalLM.from_pretrained(data, attn_implementation="eager", dtype=torch.float32).eval()
+    hf = GptOssForCausalLM._from_config(GptOssConfig.from_pretrained(data), attn_implementation="eager",
+                                        dtype=torch.float32)
+    hf.load_state_dict(_hf_state_from_gguf(data / name), strict=True)
+    return hf.eval()
 
 
 def _logits(model: MoEModel, f: GGUFFile) -> torch.Tensor:
@@ -53,8 +77,22 @@ def _logits(model: MoEModel, f: GGUFFile) -> torch.Tensor:
                              DequantExpertRows(ExpertWeights(f, model.spec)))  # [T, V]
 
 
-@pytest.mark.parametrize("name, expert_type", [("model-f32.gguf", "F32"), ("model-mxfp4.gguf", "MXFP4")])
-def test_llamacpp_gguf_matches_transformers(name: str, expert_type: str):
+def _logit_diff(data: Path, name: str) -> float:
+    """Max |Strata - transformers| over the logits at every position, both on the weights of ``data / name``."""
+    f = GGUFFile.open(data / name)
+    model = MoEModel.load(f)
+    with torch.no_grad():
+        ref = _hf_reference(data, name)(_tokens(model.spec)[None]).logits[0]  # [T, V]
+    assert ref.abs().max() > 1.0
+    return (_logits(model, f) - ref).abs().max().item()
+
+
+@pytest.mark.parametrize("name, expert_type, dense_type", [("model-f32.gguf", "F32", "F32"),
+                                                           ("model-mxfp4.gguf", "MXFP4", "F32"),
+                                                           ("model-q8_0.gguf", "Q8_0", "Q8_0")])
+def test_llamacpp_gguf_matches_transformers(name: str, expert_type: str, dense_type: str):
+    """The converter's F32 and Q8_0 files and the MXFP4 one: transformers runs on the same weights (the
+    HF checkpoint, or gguf-py's dequantization of the file)."""
     f = GGUFFile.open(DATA / name)
     model = MoEModel.load(f)
     spec = model.spec
@@ -63,12 +101,43 @@ def test_llamacpp_gguf_matches_transformers(name: str, expert_type: str):
     assert spec.swa_layers == (True, False)  # llama.cpp's default pattern 2: even layers slide
     assert (spec.rope_scaling, spec.rope_factor, spec.rope_orig_ctx) == ("yarn", 32.0, 4096)
     assert f.tensors["blk.0.ffn_up_exps.weight"].qtype == GGMLQuantizationType[expert_type]
-    hf = _hf_reference(f)
-    with torch.no_grad():
-        ref = hf(_tokens(spec)[None]).logits[0]  # [T, V]
-    ours = _logits(model, f)
-    assert ref.abs().max() > 1.0
-    assert (ours - ref).abs().max().item() <= 1e-4
+    for dense in ("token_embd.weight", "output.weight", "blk.1.attn_q.weight", "blk.0.attn_output.weight"):
+        assert f.tensors[dense].qtype == GGMLQuantizationType[dense_type]
+    assert f.tensors["blk.0.ffn_gate_inp.weight"].qtype == GGMLQuantizationType.F32  # routers stay F32
+    assert _logit_diff(DATA, name) <= 1e-4
+
+
+def test_llamacpp_q4_k_m_matches_transformers():
+    """The K-quant fixture (hidden 256; tools/make_llamacpp_fixture.py --arch gpt-oss-q4_k_m: the
+    converter's F32 file given llama-quantize Q4_K_M's tensor types, encoded by ggml's own quantizer):
+    Q4_K expert gate/up, token embedding and attention q/k/v, Q6_K output and the last layer's attn_v, and
+    the fallbacks of rows too short for 256 (Q5_0 attn_output and first ffn_down_exps, Q8_0 for the last
+    layer's Q6_K ffn_down_exps); routers, biases, sinks and norms F32. transformers runs on gguf-py's
+    dequantization of the same file, so the bound is the float32 one of the F32 test."""
+    from gguf import GGMLQuantizationType as Q
+
+    data = DATA.parent / "gpt-oss-q4_k_m_llamacpp"
+    f = GGUFFile.open(data / "model-q4_k_m.gguf")
+    expected = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K, "blk.0.ffn_gate_inp.weight": Q.F32,
+                "blk.0.attn_sinks.weight": Q.F32, "blk.0.ffn_gate_exps.bias": Q.F32, "blk.0.attn_q.bias": Q.F32}
+    for layer, v_type, down_type in ((0, Q.Q4_K, Q.Q5_0), (1, Q.Q6_K, Q.Q8_0)):
+        expected |= {f"blk.{layer}.{name}": qtype for name, qtype in (
+            ("attn_q.weight", Q.Q4_K), ("attn_k.weight", Q.Q4_K), ("attn_v.weight", v_type),
+            ("attn_output.weight", Q.Q5_0), ("ffn_gate_exps.weight", Q.Q4_K), ("ffn_up_exps.weight", Q.Q4_K),
+            ("ffn_down_exps.weight", down_type))}
+    assert {name: f.tensors[name].qtype for name in expected} == expected
+    spec = MoEModel.load(f).spec
+    assert (spec.hidden_size, spec.n_layers, spec.n_experts, spec.swa_layers) == (256, 2, 4, (True, False))
+    assert _logit_diff(data, "model-q4_k_m.gguf") <= 1e-4
+
+
+def test_hf_weights_from_gguf_undo_the_converter():
+    """The helper above is the inverse of the converter: on the F32 file it gives back the HF checkpoint."""
+    from safetensors.torch import load_file
+
+    ours, ref = _hf_state_from_gguf(DATA / "model-f32.gguf"), load_file(DATA / "model.safetensors")
+    assert ours.keys() == ref.keys()
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)
 
 
 @pytest.mark.parametrize("change", ["no window", "unscaled rope", "no sinks", "silu experts"])

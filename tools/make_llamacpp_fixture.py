@@ -56,6 +56,9 @@ class Fixture:
     hf_weights: bool = True  # commit model.safetensors (a K-quant variant's F32 weights are too large)
 
 
+_HARMONY_TOKENS = ("<|return|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                   "<|constrain|>", "<|call|>", "<|startoftext|>")
+
 FIXTURES = {
     "qwen3moe": Fixture(dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                              num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -87,10 +90,17 @@ FIXTURES = {
     # the harmony chat template and its special tokens; MXFP4 experts as gpt-oss ships them
     "gpt-oss": Fixture(dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
                             num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
-                       special_tokens=("<|return|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>",
-                                       "<|channel|>", "<|constrain|>", "<|call|>", "<|startoftext|>"),
+                       outtypes=("f32", "q8_0"), special_tokens=_HARMONY_TOKENS,
                        chat_template="models/templates/openai-gpt-oss-120b.jinja",
                        requant=(("mxfp4", "MXFP4"),)),
+    # the same architecture at hidden 256, so the rows of every projection from the hidden state (q/k/v,
+    # expert gate/up, embedding, output) fill K-quant blocks: llama-quantize Q4_K_M of the converter's F32
+    # file (experts are Q4_K, not MXFP4: the source is unquantized); expert width 32 keeps the file small,
+    # so ffn_down and attn_output (rows of 32 and 64) take Q4_K_M's Q5_0 / Q8_0 fallbacks
+    "gpt-oss-q4_k_m": Fixture(dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                   num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2),
+                              outtypes=(), special_tokens=_HARMONY_TOKENS, llama_quant="Q4_K_M", model="gpt-oss",
+                              hf_weights=False),
 }
 
 # run inside the child: patch the pre-tokenizer lookup, then call the converter's main()
