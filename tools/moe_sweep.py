@@ -45,9 +45,12 @@ C = moe.LaunchConfig
 #: The variants, the current default first; others than Q4_K get the first ``--others``.
 VARIANTS: list[C] = [
     C(),
-    C(design="split"),
+    C(design="loop", bn_combine=4),
+    C(design="split-loop", bn_combine=4),
+    C(design="split-loop", bn_combine=2),
     C(design="split", bn_combine=2),
-    C(tile=2048, warps_gate_up=8, warps_combine=8),
+    C(design="loop", bn_combine=4, tile=2048, warps_gate_up=8, warps_combine=8),
+    C(design="split", bn_combine=4),
     C(design="split", split_k=2),
     C(design="split", bn_gate_up=4),
     C(design="split", bn_gate_up=16),
@@ -55,14 +58,13 @@ VARIANTS: list[C] = [
     C(design="split", tile=2048),
     C(design="split", tile=8192, warps_gate_up=8, warps_combine=8),
     C(design="split", bn_combine=1),
-    C(design="split", bn_combine=8),
     C(design="split", bn_combine=2, warps_combine=8),
     C(design="split", bn_combine=1, tile=2048),
     C(design="split", bn_gate_up=16, warps_gate_up=8, bn_combine=2, tile=2048),
     C(design="split", bn_gate_up=4, bn_combine=2),
     C(design="split", warps_gate_up=8, bn_combine=2, warps_combine=8, tile=8192),
     C(design="split", fast_q4k=False),
-    C(bn_gate_up=4, bn_combine=2),
+    C(design="loop", bn_gate_up=4, bn_combine=2),
 ]
 TOL = 2e-2  # bf16, relative Frobenius error against the CPU reference (tests/test_kernels_cuda.py)
 

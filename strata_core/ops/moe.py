@@ -83,7 +83,9 @@ class LaunchConfig:
     where the down launch loads ``h``; ``split_k == 1``: activated in place), and the down programs
     (token, BN rows) decode every pair of the token at once (``[pairs, BN, sub-blocks, SUB]`` tiles),
     combined over the pairs in a fixed order; Q4_K matrices whose bytes are 16-byte aligned are read
-    as 16-byte loads of their nibbles (``fast_q4k``). Both are deterministic (no atomics).
+    as 16-byte loads of their nibbles (``fast_q4k``); ``"split-loop"`` — the split design's gate_up
+    (``split_k`` 1) with the loop design's down launches (the sweep showed the split gate_up ~2x faster
+    and the loop's combining down faster for one token). All are deterministic (no atomics).
     ``tile``: values a program decodes per step; ``bn_*``: rows per program of the gate_up, down
     (``moe_pair_rows``) and combining down (``moe_decode``) launches; ``warps_*``: their num_warps.
     Defaults: the sweep's choice on the H200 (tools/moe_sweep.py, BENCHMARKS.md): ``split`` with 8 rows
@@ -102,8 +104,10 @@ class LaunchConfig:
     fast_q4k: bool = True
 
     def __post_init__(self) -> None:
-        if self.design not in ("loop", "split"):
-            raise ValueError(f"LaunchConfig.design: {self.design!r} is neither 'loop' nor 'split'")
+        if self.design not in ("loop", "split", "split-loop"):
+            raise ValueError(f"LaunchConfig.design: {self.design!r} is not 'loop', 'split' or 'split-loop'")
+        if self.design == "split-loop" and self.split_k != 1:
+            raise ValueError("LaunchConfig: the loop design's down launch takes activated h (split_k 1)")
         for name in ("tile", "bn_gate_up", "bn_down", "bn_combine", "warps_gate_up", "warps_down",
                      "warps_combine", "split_k"):
             v = getattr(self, name)
@@ -537,7 +541,7 @@ if HAS_TRITON:
         staged = not (arena.device == slots.device or MISS_READ == "direct")
         miss = _stage_misses(slots, arena, slot, expert, total) if staged else arena
         src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
-        gate_up = _gate_up_split if CONFIG.design == "split" else _gate_up_loop
+        gate_up = _gate_up_loop if CONFIG.design == "loop" else _gate_up_split
         return gate_up(x, src, staged, topk, qtypes, F_, H, nbytes, ffn), src, staged
 
     def _gate_up_loop(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequence[int], F_: int, H: int,
