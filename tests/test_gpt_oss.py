@@ -112,8 +112,9 @@ def test_llamacpp_q4_k_m_matches_transformers():
     converter's F32 file given llama-quantize Q4_K_M's tensor types, encoded by ggml's own quantizer):
     Q4_K expert gate/up, token embedding and attention q/k/v, Q6_K output and the last layer's attn_v, and
     the fallbacks of rows too short for 256 (Q5_0 attn_output and first ffn_down_exps, Q8_0 for the last
-    layer's Q6_K ffn_down_exps); routers, biases, sinks and norms F32. transformers runs on gguf-py's
-    dequantization of the same file, so the bound is the float32 one of the F32 test."""
+    layer's Q6_K ffn_down_exps); routers, biases, sinks and norms F32 (llama.cpp's llama-quantize Q4_K_M
+    gives the same tensors, bytes included: the tool's --llama-quantize check). transformers runs on
+    gguf-py's dequantization of the same file, so the bound is the float32 one of the F32 test."""
     from gguf import GGMLQuantizationType as Q
 
     data = DATA.parent / "gpt-oss-q4_k_m_llamacpp"

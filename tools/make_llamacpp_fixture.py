@@ -9,6 +9,8 @@ K-quant variants (``Fixture.llama_quant``): the converter cannot write K-quants,
 tensor types for the file type (``llama_quant_types``: a port of ``src/llama-quant.cpp`` for what a
 tiny MoE model meets) and encodes each tensor with ggml's own ``ggml_quantize_chunk``, from
 ``ggml.c`` + ``ggml-quants.c`` of the same tree compiled into a small shared library (gcc, g++).
+Where a ``llama-quantize`` of the tree is built (``cmake --build <build> --target llama-quantize``),
+``--llama-quantize <binary>`` checks that it gives the variant the same tensors, types and bytes.
 
 Made with the llama.cpp vendored in llama-cpp-python 0.3.36 (vendor/llama.cpp, gguf-py from the
 same tree), run as::
@@ -251,10 +253,26 @@ def ggml_encoder(llama_cpp: Path, build: Path):
     return encode
 
 
+def check_llama_quantize(binary: Path, f32: Path, ours: Path, ftype: str, tmp: Path) -> None:
+    """Run llama.cpp's own ``llama-quantize`` on ``f32`` and raise unless its file holds the tensors of
+    ``ours`` with the same types and bytes (the files differ only in the order of the tensors)."""
+    from gguf import GGUFReader
+
+    theirs = tmp / "llama-quantize.gguf"
+    subprocess.run([str(binary), str(f32), str(theirs), ftype, "1"], check=True, capture_output=True)
+    tensors = [{t.name: (t.tensor_type, t.data.tobytes()) for t in GGUFReader(path).tensors} for path in (theirs, ours)]
+    differ = sorted(name for name in tensors[0].keys() | tensors[1].keys() if tensors[0].get(name) != tensors[1].get(name))
+    if differ:
+        raise RuntimeError(f"{binary} {ftype} does not give {ours.name}'s tensors {differ}")
+    print(f"{binary.name} {ftype}: the same {len(tensors[0])} tensors, types and bytes as {ours.name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", required=True, choices=sorted(FIXTURES), help="GGUF architecture name")
     ap.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp source tree")
+    ap.add_argument("--llama-quantize", type=Path, help="a llama-quantize binary of that tree: check that it "
+                    "gives a K-quant variant the same tensors")
     args = ap.parse_args()
 
     from gguf import GGMLQuantizationType, GGUFReader, LlamaFileType
@@ -293,8 +311,11 @@ def main() -> None:
             arch = reader.fields["general.architecture"].contents()
             types = llama_quant_types([(t.name, tuple(int(d) for d in t.shape)) for t in reader.tensors],
                                       int(reader.fields[f"{arch}.expert_count"].contents()), fixture.llama_quant)
-            requantize_gguf(f32, out_dir / f"model-{fixture.llama_quant.lower()}.gguf", types.get,
-                            LlamaFileType[f"MOSTLY_{fixture.llama_quant}"], ggml_encoder(args.llama_cpp, build))
+            quantized = out_dir / f"model-{fixture.llama_quant.lower()}.gguf"
+            requantize_gguf(f32, quantized, types.get, LlamaFileType[f"MOSTLY_{fixture.llama_quant}"],
+                            ggml_encoder(args.llama_cpp, build))
+            if args.llama_quantize is not None:
+                check_llama_quantize(args.llama_quantize, f32, quantized, fixture.llama_quant, Path(tmp))
         for name in ("config.json", "model.safetensors") if fixture.hf_weights else ("config.json",):
             shutil.copy(hf_dir / name, out_dir / name)
     for f in sorted(out_dir.iterdir()):
