@@ -37,7 +37,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.experts.arena import ExpertFormat
-from strata_core.ops import moe
+from strata_core.ops import moe, moe_triton
 from strata_core.ops.qdecode import block_geometry
 from strata_core.quant import random_blocks
 
@@ -82,7 +82,8 @@ def layer(qtype: T, hidden: int, ffn: int, n: int) -> tuple[torch.Tensor, Expert
 def label(cfg: C) -> str:
     """The fields of ``cfg`` that differ from the defaults (``default`` for none)."""
     base = C()
-    diff = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(C) if getattr(cfg, f.name) != getattr(base, f.name)]
+    diff = [f"{f.name}={getattr(cfg, f.name)}" for f in dataclasses.fields(C)
+            if getattr(cfg, f.name) != getattr(base, f.name)]
     return " ".join(diff) or "default"
 
 
@@ -101,7 +102,7 @@ def _warm(qname: str, cfgs: list[C], tokens: list[int], topk: int) -> None:
             x = torch.zeros((t, 2048), dtype=torch.bfloat16, device=dev)
             w = torch.zeros((t, topk), dtype=torch.bfloat16, device=dev)
             moe.moe_decode(x, slots, slots, route, route, w, topk, *op)
-            moe._gate_up(x, slots, slots, route, route, topk, *op)
+            moe_triton._gate_up(x, slots, slots, route, route, topk, *op)
     torch.cuda.synchronize()
 
 
@@ -165,7 +166,7 @@ def main() -> None:
                     skipped.append(f"{qname} T={tokens} {name}")
                     continue
                 moe.CONFIG = cfg
-                call = moe.moe_decode if not small else moe._decode_any  # the CUDA kernel on CPU tensors
+                call = moe.moe_decode if not small else moe_triton.decode_cuda  # the CUDA kernel on CPU tensors
                 try:
                     got = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
                 except Exception as exc:  # a variant that does not compile: reported, the others go on
@@ -186,7 +187,7 @@ def main() -> None:
 
                     def gate_up():
                         r = next(cycle)
-                        return moe._gate_up(xd, slots, slots, r, r, K, *op)
+                        return moe_triton._gate_up(xd, slots, slots, r, r, K, *op)
 
                     ms = triton.testing.do_bench(full, warmup=10, rep=60, return_mode="median")
                     ms_gu = triton.testing.do_bench(gate_up, warmup=10, rep=40, return_mode="median")
@@ -213,7 +214,8 @@ def main() -> None:
         # the variant with the least total time over the token counts it ran at all of
         n = max(len(v) for v in by.values())
         best = min((v for v in by.values() if len(v) == n), key=lambda v: sum(r["us"] for r in v))[0]
-        print(f"\nfastest Q4_K variant (sum over token counts): {best['variant']}\n  LaunchConfig{tuple(best['config'].items())}")
+        print(f"\nfastest Q4_K variant (sum over token counts): {best['variant']}\n"
+              f"  LaunchConfig{tuple(best['config'].items())}")
     if skipped:
         print(f"skipped (budget {args.budget:.0f} s): {len(skipped)}: " + "; ".join(skipped))
     print(f"total {time.monotonic() - start:.0f} s")

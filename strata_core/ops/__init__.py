@@ -6,7 +6,8 @@
 - ``strata::gather_experts(...)``: routed experts' packed bytes from device slots or, zero-copy,
   from the pinned arena (a Triton kernel on CUDA; see :mod:`strata_core.ops.gather`)
 - ``strata::moe_pair_rows(...)``: every routed pair's expert FFN straight from the quantized blocks
-  in a slot or the arena (fused Triton decode kernels on CUDA; see :mod:`strata_core.ops.moe`)
+  in a slot or the arena, and ``moe_decode`` / ``moe_decode_rows`` (fused Triton decode kernels on CUDA:
+  :mod:`strata_core.ops.moe_triton`; see :mod:`strata_core.ops.moe`)
 - ``strata::mla_attention(...)``: deepseek2's multi-head latent attention over the latent cache
   (Triton flash decoding on CUDA; see :mod:`strata_core.ops.mla`, imported by the deepseek2 model)
 
