@@ -301,8 +301,7 @@ class CachedExpertRows:
             if lane is not None:  # activations go over, rows come back
                 with lane.enqueue():
                     lane.hold(taken)  # replaced below while the side stream may still read it
-                    held = cache.table.mirror[layer].to(self.device)[expert]  # [P]: the peer's slots, here
-                    mine = (held >= 0) & ~taken
+                    held, mine = _served_by(cache, layer, expert, taken)  # on a side stream of this device
                     lane.hand_over()  # this stream reads ``mine`` before it joins the lane
                     cache.wait_layer(layer, lane.device)
                     peer_slot = torch.where(mine, held, cache.zero_slot).to(lane.device)
@@ -310,8 +309,7 @@ class CachedExpertRows:
                                    fmt, ffn)
                     served.append((mine, rows.to(self.device)))
             else:  # the peer's bytes come across the peer link
-                held = cache.table.mirror[layer].to(self.device)[expert]  # [P]
-                mine = (held >= 0) & ~taken
+                held, mine = _served_by(cache, layer, expert, taken)
                 cache.wait_layer(layer, cache.device)
                 packed = cache.padded.index_select(0, torch.where(mine, held, cache.zero_slot).to(cache.device))
                 across = torch.arange(expert.numel(), device=self.device)  # pair p reads row p
@@ -382,6 +380,15 @@ class CachedExpertRows:
                 fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes, ffn, expert)
             jobs.append((pairs, fut))
         return jobs
+
+
+def _served_by(cache: ExpertCache, layer: int, expert: torch.Tensor,
+               taken: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A peer cache's slot of each pair's expert (``expert [P]`` of ``layer``; -1: not held) and the
+    pairs it serves (it holds them and ``taken`` says no earlier source does), both ``[P]`` on
+    ``expert``'s device."""
+    held = cache.table.mirror[layer].to(expert.device)[expert]  # [P]
+    return held, (held >= 0) & ~taken
 
 
 def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:

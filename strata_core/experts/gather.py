@@ -59,15 +59,18 @@ def pair_ffn_grouped(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat, f
     return grouped_ffn(x, *dequantize_experts(packed, fmt, x.dtype), ones, 1, ffn=ffn, experts=expert)
 
 
+def _format_args(fmt: ExpertFormat) -> tuple[list[int], list[int], list[int]]:
+    """The ``qtypes``, flat ``shapes`` and ``nbytes`` arguments of the MoE ops for experts of ``fmt``."""
+    return [int(q) for q in fmt.qtypes], [n for shape in fmt.shapes for n in shape], list(fmt.nbytes)
+
+
 def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
                expert: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU) -> torch.Tensor:
     """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k`` of ``hidden [T, H]``) through
     ``strata::moe_pair_rows``: the weights read from ``slots`` or the layer's ``arena [E, total]``;
     ``ffn``'s biases and activation applied in the kernels."""
     k = slot.shape[0] // hidden.shape[0]
-    shapes = [n for shape in fmt.shapes for n in shape]
-    return moe_pair_rows(hidden, slots, arena, slot, expert, k, [int(q) for q in fmt.qtypes], shapes,
-                         list(fmt.nbytes), **ffn_args(ffn))
+    return moe_pair_rows(hidden, slots, arena, slot, expert, k, *_format_args(fmt), **ffn_args(ffn))
 
 
 def fused_decode(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
@@ -77,9 +80,8 @@ def fused_decode(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor,
     (``combine_rows``) through ``strata::moe_decode``: on CUDA the down launch sums the rows; the pairs
     flagged in ``served [P]`` take their float32 rows from ``served_rows [P, H]`` (:func:`fused_decode_rows`
     on a peer)."""
-    shapes = [n for shape in fmt.shapes for n in shape]
-    return moe_decode(hidden, slots, arena, slot, expert, weights, weights.shape[1], [int(q) for q in fmt.qtypes],
-                      shapes, list(fmt.nbytes), **ffn_args(ffn), served=served, served_rows=served_rows)
+    return moe_decode(hidden, slots, arena, slot, expert, weights, weights.shape[1], *_format_args(fmt),
+                      **ffn_args(ffn), served=served, served_rows=served_rows)
 
 
 def fused_decode_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
@@ -87,9 +89,7 @@ def fused_decode_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Te
     """Float32 rows ``[P, H]`` of the pairs of :func:`fused_rows` exactly as :func:`fused_decode` computes
     them before it combines them (``strata::moe_decode_rows``)."""
     k = slot.shape[0] // hidden.shape[0]
-    shapes = [n for shape in fmt.shapes for n in shape]
-    return moe_decode_rows(hidden, slots, arena, slot, expert, k, [int(q) for q in fmt.qtypes], shapes,
-                           list(fmt.nbytes), **ffn_args(ffn))
+    return moe_decode_rows(hidden, slots, arena, slot, expert, k, *_format_args(fmt), **ffn_args(ffn))
 
 
 def gather_counts(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, nbytes: int) -> torch.Tensor:
