@@ -1,19 +1,21 @@
 """Where a decode token's time goes: torch profiler over eager decode windows on CUDA.
 
     python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144] [--cuda-graphs]
-        [--strategy NAME --devices cuda:0,cuda:1] [--prefill 8192]
+        [--strategy NAME --devices cuda:0,cuda:1] [--prefill 8192] [--moe-config design=split-loop,bn_combine=4]
 
 Prints wall ms per token, GPU kernel ms per token (sum of kernel times), kernel launches per token,
 and the kernels with the most total time, grouped by name. The wall/GPU ratio says whether the
 host (launches, Python) or the device bounds the step. With several devices (a strategy's), the
 kernel time of each device is printed too: whether the second device works beside the first. With ``--cuda-graphs`` the windows are
 replayed graphs (captured during the warm-up), and the host time of a window's Python (until the
-replay is enqueued) is printed too.
+replay is enqueued) is printed too, with the unprofiled ms a token. ``--moe-config`` overrides fields of the
+MoE kernels' ``LaunchConfig`` (strata_core/ops/moe.py) to compare designs end to end.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections import defaultdict
 
@@ -21,6 +23,20 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from strata_core.engine import Engine
+from strata_core.ops import moe
+
+
+def launch_config(spec: str, base: moe.LaunchConfig) -> moe.LaunchConfig:
+    """``base`` with the fields of ``spec`` (``name=value,...``) replaced."""
+    fields = {f.name: f.type for f in dataclasses.fields(moe.LaunchConfig)}
+    changes = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise SystemExit(f"--moe-config: {name!r} is not a LaunchConfig field ({', '.join(fields)})")
+        kind = fields[name]
+        changes[name] = (value == "True" if kind == "bool" else int(value) if kind == "int" else value)
+    return dataclasses.replace(base, **changes)
 
 
 def main() -> None:
@@ -36,6 +52,8 @@ def main() -> None:
     parser.add_argument("--devices", default="cuda:0")
     parser.add_argument("--warm-prefill", action="store_true",
                         help="prefill one prompt of --prefill tokens unprofiled first (compiles, rings)")
+    parser.add_argument("--moe-config", action="append",
+                        help="LaunchConfig fields to override: name=value,... (repeat: each profiled in turn)")
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
     engine = Engine.load(args.model, strategy=args.strategy, devices=args.devices.split(","), arena="pinned",
@@ -44,32 +62,13 @@ def main() -> None:
                          cuda_graphs=args.cuda_graphs)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, engine.spec.vocab_size, (args.context + args.windows + 4,), generator=gen).tolist()
-    session = engine.new_session()
-    engine.prefill(session, tokens[:args.context])
-    for t in tokens[args.context:args.context + 4]:  # warm-up: compiles, plans
-        engine.decode_window([(session, t)])
-    torch.cuda.synchronize()
-    steps = tokens[args.context + 4:]
-    host = time.perf_counter()
-    for t in steps:  # unprofiled: the host's time to enqueue a window, then the device's
-        engine.decode_window([(session, t)])
-    host = (time.perf_counter() - host) / len(steps)
-    torch.cuda.synchronize()
-    engine.release_session(session)
-    session = engine.new_session()
-    engine.prefill(session, tokens[:args.context])
-    engine.decode_window([(session, tokens[args.context])])
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for t in steps:
-            engine.decode_window([(session, t)])
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - start) / len(steps)
-    mode = "replayed graphs" if args.cuda_graphs else "eager"
-    print(f"host time to enqueue a window: {host * 1e3:.2f} ms")
-    report(prof, len(steps), wall, f"decode @{args.context}, {mode}, expert cache {args.expert_cache}", args.top)
-    engine.release_session(session)
+    default = moe.CONFIG
+    for spec in args.moe_config or [""]:
+        moe.CONFIG = launch_config(spec, default)
+        print(f"MoE kernels: {moe.CONFIG}")
+        if args.cuda_graphs:
+            engine._decode_graphs().invalidate()  # recaptured with this configuration's launches
+        profile_decode(engine, tokens, args)
     if args.prefill:
         if args.warm_prefill:
             session = engine.new_session()
@@ -84,6 +83,39 @@ def main() -> None:
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
         report(prof, 1, wall, f"prefill {args.prefill} (per prompt)", args.top)
+
+
+def profile_decode(engine: Engine, tokens: list[int], args: argparse.Namespace) -> None:
+    """Profile ``args.windows`` decode windows of one session after a prompt of ``args.context`` tokens."""
+    session = engine.new_session()
+    engine.prefill(session, tokens[:args.context])
+    for t in tokens[args.context:args.context + 4]:  # warm-up: compiles, plans
+        engine.decode_window([(session, t)])
+    torch.cuda.synchronize()
+    steps = tokens[args.context + 4:]
+    host = time.perf_counter()
+    for t in steps:  # unprofiled: the host's time to enqueue a window, then the device's
+        engine.decode_window([(session, t)])
+    enqueued = time.perf_counter()
+    torch.cuda.synchronize()
+    unprofiled = (time.perf_counter() - host) / len(steps)
+    host = (enqueued - host) / len(steps)
+    engine.release_session(session)
+    session = engine.new_session()
+    engine.prefill(session, tokens[:args.context])
+    engine.decode_window([(session, tokens[args.context])])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for t in steps:
+            engine.decode_window([(session, t)])
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / len(steps)
+    mode = "replayed graphs" if args.cuda_graphs else "eager"
+    print(f"host time to enqueue a window: {host * 1e3:.2f} ms; unprofiled {unprofiled * 1e3:.3f} ms a token "
+          f"({1 / unprofiled:.1f} tok/s)")
+    report(prof, len(steps), wall, f"decode @{args.context}, {mode}, expert cache {args.expert_cache}", args.top)
+    engine.release_session(session)
 
 
 def report(prof, n: int, wall: float, title: str, top: int) -> None:
