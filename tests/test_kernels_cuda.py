@@ -123,15 +123,24 @@ def test_moe_pair_rows_replays_in_a_cuda_graph_with_new_routing():
 
 
 @pytest.mark.parametrize("P", [1, 8, 40, 300])
-def test_gather_counts_kernel_equals_the_torch_counts(P):
-    from strata_core.experts.gather import gather_counts
+def test_pair_bookkeeping_kernel_equals_the_torch_ops(P):
+    """One launch (slots, usage, telemetry) gives the integers of the CPU's torch ops, added in place."""
+    from strata_core.experts.gather import count_pairs, lookup_slots
 
     gen = torch.Generator().manual_seed(P)
-    resident = torch.where(torch.rand(128, generator=gen) < 0.4, torch.arange(128), -1)
+    resident = torch.where(torch.rand(128, generator=gen) < 0.4, torch.arange(128), -1).to(torch.int32)
     expert = torch.randint(0, 128, (P,), generator=gen)
-    want = gather_counts(resident[expert], expert, resident, 12345)  # the CPU's torch ops
-    got = gather_counts(resident[expert].to(DEV), expert.to(DEV), resident.to(DEV), 12345)
-    assert got.tolist() == want.tolist()
+    usage, counters = torch.randint(0, 99, (128,), generator=gen), torch.tensor([5, 6, 7, 8])
+    on = [t.to(DEV) for t in (expert, resident, usage, counters)]
+    want = lookup_slots(expert, resident, usage, counters, 12345)  # the CPU's torch ops
+    got = lookup_slots(*on, 12345)
+    assert got.dtype == want.dtype and got.tolist() == want.tolist()
+    assert on[2].tolist() == usage.tolist() and on[3].tolist() == counters.tolist()
+    by_peer = (torch.rand(128, generator=gen) < 0.5)[expert]  # a peer serves these experts' pairs
+    redirected = torch.where((want < 0) & by_peer, 0, want).to(torch.int32)  # its pairs: a zero slot here
+    count_pairs(redirected, expert, resident, counters, 777)
+    count_pairs(redirected.to(DEV), on[0], on[1], on[3], 777)
+    assert on[3].tolist() == counters.tolist()
 
 
 @pytest.mark.parametrize("T_, S, static", [(1, 300, False), (1, 300, True), (64, 64, False), (40, 300, False)])

@@ -47,8 +47,8 @@ from strata_core.devices import device_scope, to_device
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.cache import ExpertCache
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.experts.gather import (GATHER_COUNTS, fused_decode, fused_decode_rows, fused_rows, gather_counts,
-                                       pair_ffn, pair_ffn_grouped)
+from strata_core.experts.gather import (GATHER_COUNTS, count_pairs, fused_decode, fused_decode_rows, fused_rows,
+                                       lookup_slots, pair_ffn, pair_ffn_grouped)
 from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
@@ -141,7 +141,6 @@ class CachedExpertRows:
         chain = self.chains[layer]
         if (hidden.device.type == "cuda" and self.gather and self.decoding and chain.own is not None
                 and (ffn.plain or FUSED_FFN)):  # one op: the rows combined in its down launch (strata::moe_decode)
-            self.usage.add(layer, expert_ids)
             return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
         return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)  # [T, H]
 
@@ -149,10 +148,10 @@ class CachedExpertRows:
              ffn: ExpertFFN = SILU) -> torch.Tensor:
         """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t (an FFN as
         ``ffn`` says: its activation, the biases on this device)."""
-        self.usage.add(layer, expert_ids)
         chain = self.chains[layer]
         if self.gather and self.decoding and chain.own is not None:
             return self._gathered(layer, hidden, expert_ids, chain, ffn)
+        self.usage.add(layer, expert_ids)
         T, k = expert_ids.shape
         fmt = self.arena.formats[layer]
         if chain.own is not None:
@@ -279,7 +278,8 @@ class CachedExpertRows:
     def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
         """``[T, k, H]`` through the decode gather: a fixed sequence of device ops, no host read; with
-        ``weights`` (CUDA) the combined ``[T, H]`` instead.
+        ``weights`` (CUDA) the combined ``[T, H]`` instead. The pairs' slots, the usage counts and the
+        telemetry are one launch on CUDA (``lookup_slots``) when no peer serves the layer.
 
         The own cache and the pinned arena serve each pair, except the pairs a peer of the chain
         holds: a computing peer's are computed there (enqueued first, on its side stream), a read-across
@@ -292,8 +292,10 @@ class CachedExpertRows:
         fmt, resident = self.arena.formats[layer], own.table.mirror[layer]  # resident [E]
         arena = self.arena.layer_buffer(layer)
         expert = expert_ids.reshape(-1)  # [P], P = T*k
-        slot = resident[expert]  # [P], -1 = miss
-        taken = slot >= 0
+        counters = self.telemetry.accumulator(GATHER_COUNTS, expert.device)
+        usage = self.usage.row(layer, T)
+        slot = lookup_slots(expert, resident, usage, None if chain.peers else counters, fmt.total)  # [P], -1 = miss
+        taken = slot >= 0 if chain.peers else None
         served: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pairs a peer serves [P], their rows [P, H])
         rows_of = self._pair_rows if weights is None else self._decode_rows  # rows to merge, or to combine
         for cache in chain.peers:
@@ -315,10 +317,10 @@ class CachedExpertRows:
                 across = torch.arange(expert.numel(), device=self.device)  # pair p reads row p
                 served.append((mine, rows_of(hidden, packed.to(self.device), arena, across, expert, fmt, ffn)))
             taken = taken | served[-1][0]
-        if served:
+        if chain.peers:
             slot = torch.where(taken & (slot < 0), own.zero_slot, slot)  # the peers' pairs: a zero row here
+            count_pairs(slot, expert, resident, counters, fmt.total)
         self.telemetry.routed += T * k
-        self.telemetry.add_counts(GATHER_COUNTS, gather_counts(slot, expert, resident, fmt.total))
         own.wait_layer(layer, self.device)
         if weights is None:
             rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]

@@ -19,7 +19,7 @@ one row of a pair to a 16-row tile, the gemm path the reference's grouped produc
 expert takes; each output row then has the same bits as in the reference (``DequantExpertRows``),
 and the dtype casts follow ``expert_ffn`` step by step.
 
-Telemetry (``gather_counts``) is counted per layer on the device and read only in
+Telemetry (``count_pairs``) is counted per layer on the device and read only in
 ``ExpertTelemetry.snapshot()``: pairs that hit, distinct (layer, expert) resident / read over the
 link (as the host path counts them), and bytes read over the link, ``missed pairs * total`` (each
 missed pair reads its own copy: the gather does not deduplicate, which would need a host read).
@@ -32,13 +32,13 @@ import torch
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, grouped_ffn
-from strata_core.ops.gather import HAS_TRITON, gather_counts_cuda
+from strata_core.ops.gather import HAS_TRITON, pair_bookkeeping_cuda
 from strata_core.ops.moe import ffn_args, moe_decode, moe_decode_rows, moe_pair_rows, pair_ffn_reference
 
-__all__ = ["GATHER_COUNTS", "fused_decode", "fused_decode_rows", "fused_rows", "gather_counts", "pair_ffn",
+__all__ = ["GATHER_COUNTS", "count_pairs", "fused_decode", "fused_decode_rows", "fused_rows", "lookup_slots", "pair_ffn",
            "pair_ffn_grouped"]
 
-#: The telemetry counters ``gather_counts`` returns, in order.
+#: The telemetry counters ``count_pairs`` adds, in order.
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
 
 
@@ -92,20 +92,39 @@ def fused_decode_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Te
     return moe_decode_rows(hidden, slots, arena, slot, expert, k, *_format_args(fmt), **ffn_args(ffn))
 
 
-def gather_counts(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, nbytes: int) -> torch.Tensor:
-    """The ``GATHER_COUNTS`` of one layer as int64 ``[4]`` on the device.
+def lookup_slots(expert: torch.Tensor, resident: torch.Tensor, usage: torch.Tensor,
+                 counters: torch.Tensor | None = None, nbytes: int = 0) -> torch.Tensor:
+    """The slot ``[P]`` of each pair's expert (``expert [P]``; ``resident [E]`` is the layer's row of the
+    residency mirror, -1 = miss), each routing added to ``usage [E]`` (int64, in place) and, with
+    ``counters``, the pairs' :func:`count_pairs` too. On CUDA one launch
+    (``strata_core.ops.gather.pair_bookkeeping_cuda``) where torch takes five."""
+    if expert.device.type == "cuda" and HAS_TRITON:
+        return pair_bookkeeping_cuda(expert, resident, usage=usage, counters=counters, nbytes=nbytes)
+    slot = resident[expert]  # [P]
+    usage.index_add_(0, expert, torch.ones_like(expert))
+    if counters is not None:
+        count_pairs(slot, expert, resident, counters, nbytes)
+    return slot
 
-    :param slot: ``[P]`` slot of each pair's expert, -1 = miss
+
+def count_pairs(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, counters: torch.Tensor,
+                nbytes: int) -> None:
+    """Add the ``GATHER_COUNTS`` of one layer's pairs to ``counters`` (int64 ``[4]`` on the device, in place):
+    pairs that hit, distinct experts resident in the own cache, distinct experts missed, missed bytes.
+
+    :param slot: ``[P]`` slot of each pair's expert, -1 = miss (a peer's pairs point at a zero slot: they
+        are neither resident nor missed)
     :param expert: ``[P]`` expert of each pair
     :param resident: ``[E]`` the layer's row of the residency mirror
     :param nbytes: packed bytes of one expert of the layer
 
-    On CUDA one Triton launch (``strata_core.ops.gather.gather_counts_cuda``) instead of a dozen
-    small torch kernels per layer; the same integers.
+    On CUDA one Triton launch (``pair_bookkeeping_cuda``) instead of a dozen small torch kernels;
+    the same integers.
     """
     if slot.device.type == "cuda" and HAS_TRITON:
-        return gather_counts_cuda(slot, expert, nbytes)
+        pair_bookkeeping_cuda(expert, resident, slot=slot, counters=counters, nbytes=nbytes)
+        return
     hit = slot >= 0  # [P]
     routed = torch.zeros_like(resident, dtype=torch.bool).index_fill_(0, expert, True)  # [E]
-    in_slot = resident >= 0  # [E]
-    return torch.stack([hit.sum(), (routed & in_slot).sum(), (routed & ~in_slot).sum(), (~hit).sum() * nbytes])
+    missed = torch.zeros_like(routed).index_fill_(0, expert[~hit], True)  # [E]
+    counters.add_(torch.stack([hit.sum(), (routed & (resident >= 0)).sum(), missed.sum(), (~hit).sum() * nbytes]))

@@ -95,9 +95,14 @@ class UsageCounter:
     def add(self, layer: int, expert_ids: torch.Tensor) -> None:
         """Count the routings ``expert_ids [T, k]`` of ``layer``."""
         flat = expert_ids.reshape(-1)  # [T*k]
-        self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
+        self.row(layer, expert_ids.shape[0]).index_add_(0, flat, torch.ones_like(flat))
+
+    def row(self, layer: int, n_tokens: int) -> torch.Tensor:
+        """The counts ``[E]`` of ``layer``, for the caller to add the routings of ``n_tokens`` tokens to
+        (in place, on the device)."""
         if layer == self.first_layer:
-            self.tokens += expert_ids.shape[0]
+            self.tokens += n_tokens
+        return self.counts[layer]
 
     def profile(self, model: str = "") -> UsageProfile:
         return UsageProfile(self.counts.to("cpu", copy=True), self.tokens, model)

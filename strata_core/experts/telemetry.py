@@ -2,14 +2,14 @@
 
 CUDA timings are pairs of events resolved only in ``snapshot()`` (once per request, never on
 the compute path); CPU timings are wall-clock spans. Counters known only on the device (hits;
-everything the decode gather counts) are accumulated there (``add_counts``: a tensor add, no host
-read) and read in ``snapshot()``.
+everything the decode gather counts) are accumulated there (``add_counts``, or a kernel adding into
+``accumulator()``: no host read) and read in ``snapshot()``.
 
 CUDA-graph capture (graphs.py) runs the decode under ``capturing(sink)``: ``timed()`` records no
 events there (a graph replays its work without the Python that would append event pairs, and timing
-events are not capture-safe), and ``add_counts`` adds in place into tensors of ``sink`` that the
-graph owns, so each replay recomputes one window's counts; the graph runner folds them in after
-each replay. Outside ``capturing`` nothing changes.
+events are not capture-safe), and the counters accumulate into tensors of ``sink`` that the graph
+owns (made, zeroed, inside the capture), so each replay recomputes one window's counts; the graph
+runner folds them in after each replay. Outside ``capturing`` nothing changes.
 """
 
 from __future__ import annotations
@@ -63,16 +63,17 @@ class ExpertTelemetry:
     def add_counts(self, names: tuple[str, ...], values: torch.Tensor) -> None:
         """Add ``values [len(names)]`` (integers on the computing device) to the counters ``names``
         (``expert_hits``, ``experts_<source>``, ``bytes_streamed``); no host read until ``snapshot()``."""
-        key = (names, values.device)
-        if self._sink is not None:  # inside a graph capture (or its warm-up): in place, graph-owned
-            held = self._sink.get(key)
-            if held is None:
-                self._sink[key] = values.to(torch.int64, copy=True)
-            else:
-                held.add_(values)
-            return
-        acc = self._device.get(key)
-        self._device[key] = values.to(torch.int64) if acc is None else acc + values
+        self.accumulator(names, values.device).add_(values)
+
+    def accumulator(self, names: tuple[str, ...], device: torch.device) -> torch.Tensor:
+        """The int64 ``[len(names)]`` tensor on ``device`` that device code adds the counters ``names`` to,
+        in place (a kernel may add to it directly); inside ``capturing`` one the graph owns, zeroed at
+        the start of each replay."""
+        key = (names, device)
+        held = self._sink if self._sink is not None else self._device
+        if key not in held:
+            held[key] = torch.zeros(len(names), dtype=torch.int64, device=device)
+        return held[key]
 
     def add_copy(self, nbytes: int, seconds: float) -> None:
         self.bytes_copied += nbytes
@@ -105,8 +106,8 @@ class ExpertTelemetry:
 
     @contextmanager
     def capturing(self, sink: dict[tuple[tuple[str, ...], torch.device], torch.Tensor]) -> Iterator[None]:
-        """Inside the block ``add_counts`` accumulates into ``sink`` (in place after the first add of a
-        key) and ``timed()`` records nothing: the mode of a CUDA-graph capture and its warm-up."""
+        """Inside the block the counters accumulate into ``sink`` (its tensors made inside the block) and
+        ``timed()`` records nothing: the mode of a CUDA-graph capture and its warm-up."""
         previous, self._sink = self._sink, sink
         try:
             yield

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from strata_core.ops.qdecode import on_device
 
-__all__ = ["HAS_TRITON", "gather_counts_cuda", "gather_experts"]
+__all__ = ["HAS_TRITON", "gather_experts", "pair_bookkeeping_cuda"]
 
 try:
     import triton
@@ -94,37 +94,62 @@ if HAS_TRITON:
     gather_experts.register_kernel("cpu")(_reference)
 
     @triton.jit
-    def _counts_kernel(slot_ptr, expert_ptr, out_ptr, P, nbytes, BLOCK: tl.constexpr):
-        """One program: hits, distinct routed experts resident / not, missed pairs * nbytes."""
+    def _bookkeeping_kernel(expert_ptr, resident_ptr, slot_ptr, usage_ptr, counters_ptr, P, nbytes,
+                            LOOKUP: tl.constexpr, USAGE: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        """One program over the P pairs. ``LOOKUP``: ``slot = resident[expert]`` (else ``slot`` is read);
+        ``USAGE``: ``usage[expert] += 1``; ``COUNT``: ``counters [4] +=`` hits, distinct routed experts
+        resident / missed (at their first pair), missed pairs * nbytes."""
         p = tl.arange(0, BLOCK)
         keep = p < P
-        s = tl.load(slot_ptr + p, mask=keep, other=0)
-        e = tl.load(expert_ptr + p, mask=keep, other=-1)
-        earlier = tl.zeros([BLOCK], dtype=tl.int32)  # pairs q < p routed to the same expert
-        for q in range(0, P):
-            eq = tl.load(expert_ptr + q)
-            earlier += ((e == eq) & (q < p)).to(tl.int32)
-        first = keep & (earlier == 0)
-        hit = keep & (s >= 0)
-        tl.store(out_ptr + 0, tl.sum(hit.to(tl.int64), axis=0))
-        tl.store(out_ptr + 1, tl.sum((first & (s >= 0)).to(tl.int64), axis=0))
-        tl.store(out_ptr + 2, tl.sum((first & (s < 0)).to(tl.int64), axis=0))
-        tl.store(out_ptr + 3, tl.sum((keep & (s < 0)).to(tl.int64), axis=0) * nbytes)
+        e = tl.load(expert_ptr + p, mask=keep, other=0)
+        r = tl.load(resident_ptr + e, mask=keep, other=-1)
+        if LOOKUP:
+            s = r
+            tl.store(slot_ptr + p, s, mask=keep)
+        else:
+            s = tl.load(slot_ptr + p, mask=keep, other=0)
+        if USAGE:
+            tl.atomic_add(usage_ptr + e, tl.full([BLOCK], 1, tl.int64), mask=keep)
+        if COUNT:
+            e = tl.where(keep, e, -1)
+            earlier = tl.zeros([BLOCK], dtype=tl.int32)  # pairs q < p routed to the same expert
+            for q in range(0, P):
+                eq = tl.load(expert_ptr + q)
+                earlier += ((e == eq) & (q < p)).to(tl.int32)
+            first = keep & (earlier == 0)
+            hit = keep & (s >= 0)
+            tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + tl.sum(hit.to(tl.int64), axis=0))
+            tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + tl.sum((first & (r >= 0)).to(tl.int64), axis=0))
+            tl.store(counters_ptr + 2, tl.load(counters_ptr + 2) + tl.sum((first & (s < 0)).to(tl.int64), axis=0))
+            tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + tl.sum((keep & (s < 0)).to(tl.int64), axis=0) * nbytes)
 
-    def gather_counts_cuda(slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
-        """The decode gather's four telemetry counters (experts/gather.py ``GATHER_COUNTS``) in one launch:
-        int64 ``[4]``. A pair's slot is its expert's residency, so distinct experts are counted at
-        their first pair."""
-        P = slot.shape[0]
-        out = torch.empty(4, dtype=torch.int64, device=slot.device)
-        with on_device(slot.device):  # Triton launches on the current device
-            _counts_kernel[(1,)](slot.contiguous(), expert.contiguous(), out, P, nbytes,
-                                 BLOCK=max(16, triton.next_power_of_2(P)), num_warps=4)
-        return out
+    def pair_bookkeeping_cuda(expert: Tensor, resident: Tensor, slot: Tensor | None = None,
+                              usage: Tensor | None = None, counters: Tensor | None = None, nbytes: int = 0) -> Tensor:
+        """A decode layer's bookkeeping of its pairs ``expert [P]`` in one launch; returns ``slot [P]``.
+
+        Without ``slot`` each pair's is looked up in the layer's residency row ``resident [E]``
+        (``resident[expert]``); ``usage [E]`` int64 gets each routing added; ``counters`` int64 ``[4]``
+        gets the decode gather's telemetry (experts/gather.py ``GATHER_COUNTS``) added: hits, distinct
+        experts resident / missed (all pairs of an expert have its slot, so each counts at its first
+        pair), missed pairs * ``nbytes``. In place, stream-ordered (no host read)."""
+        expert = expert.contiguous()
+        P = expert.shape[0]
+        lookup = slot is None
+        if lookup:
+            slot = torch.empty(P, dtype=resident.dtype, device=expert.device)
+        if P:
+            with on_device(expert.device):  # Triton launches on the current device
+                _bookkeeping_kernel[(1,)](expert, resident, slot.contiguous(), usage if usage is not None else expert,
+                                          counters if counters is not None else expert, P, nbytes,
+                                          LOOKUP=lookup, USAGE=usage is not None,
+                                          COUNT=counters is not None, BLOCK=max(16, triton.next_power_of_2(P)),
+                                          num_warps=4)
+        return slot
 else:
     gather_experts = torch.library.custom_op("strata::gather_experts", _reference, mutates_args=())
 
-    def gather_counts_cuda(slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
-        raise RuntimeError("gather_counts_cuda needs Triton")
+    def pair_bookkeeping_cuda(expert: Tensor, resident: Tensor, slot: Tensor | None = None,
+                              usage: Tensor | None = None, counters: Tensor | None = None, nbytes: int = 0) -> Tensor:
+        raise RuntimeError("pair_bookkeeping_cuda needs Triton")
 
 gather_experts.register_fake(_fake)
