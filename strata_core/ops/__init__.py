@@ -8,6 +8,8 @@
 - ``strata::moe_pair_rows(...)``: every routed pair's expert FFN straight from the quantized blocks
   in a slot or the arena, and ``moe_decode`` / ``moe_decode_rows`` (fused Triton decode kernels on CUDA:
   :mod:`strata_core.ops.moe_triton`; see :mod:`strata_core.ops.moe`)
+- ``strata::q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor``: ``x @ W.T`` read straight from a
+  repacked Q8_0 matrix (decode's dense products on CUDA; see :mod:`strata_core.ops.dense_q8`)
 - ``strata::mla_attention(...)``: deepseek2's multi-head latent attention over the latent cache
   (Triton flash decoding on CUDA; see :mod:`strata_core.ops.mla`, imported by the deepseek2 model)
 
@@ -20,6 +22,6 @@ Triton is optional: without it every op is a plain custom op with its reference.
 package before any graph capture.
 """
 
-from strata_core.ops import gather, moe, quant
+from strata_core.ops import dense_q8, gather, moe, quant
 
-__all__ = ["gather", "moe", "quant"]
+__all__ = ["dense_q8", "gather", "moe", "quant"]

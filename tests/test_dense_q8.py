@@ -1,0 +1,140 @@
+"""``strata::q8_linear`` (strata_core/ops/dense_q8.py): the repacked Q8_0 layout against gguf-py's
+dequantizer, the CPU reference against ``linear`` on the dequantized matrix, and the Triton kernel
+against the reference within the documented tolerance (float32: 1e-5 of the largest output; bf16:
+1e-2, one rounding of the output) on CUDA, or on the CPU under the Triton interpreter:
+``TRITON_INTERPRET=1 PYTHONPATH=<a CPU triton> pytest tests/test_dense_q8.py``."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+from gguf.constants import GGMLQuantizationType as T
+
+from strata_core.ops import dense_q8
+from strata_core.ops.dense_q8 import Q8Config, Q8Matrix, q8_bytes, q8_linear, repack_q8_0
+from strata_core.ops.matmul import linear
+from strata_core.quant import random_blocks
+
+needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dense_q8.HAS_TRITON),
+                                reason="needs CUDA and Triton")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and dense_q8.HAS_TRITON
+KERNEL_DEVICES = [pytest.param("cuda", marks=needs_cuda),
+                  pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def _q8(N: int, K: int, seed: int) -> tuple[torch.Tensor, Q8Matrix]:
+    """Random Q8_0 bytes of an ``[N, K]`` matrix and their repacked matrix."""
+    raw = torch.from_numpy(random_blocks(T.Q8_0, N * K // 32, np.random.default_rng(seed))).reshape(-1)
+    return raw, repack_q8_0(raw, (N, K))
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    assert torch.isfinite(got).all()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("N, K", [(1, 32), (37, 96), (5, 2048)])
+def test_repack_round_trips_to_the_reference_dequantization(N, K):
+    """Every value of the repacked matrix is gguf-py's value of the block it came from, bit for bit;
+    the codes and scales hold the blocks' bytes and the matrix takes the GGUF's bytes."""
+    raw, m = _q8(N, K, N * K)
+    want = quants.dequantize(raw.numpy(), T.Q8_0).reshape(N, K)
+    assert m.codes.dtype == torch.int8 and m.scales.dtype == torch.float16
+    assert m.codes.is_contiguous() and m.scales.is_contiguous() and m.shape == (N, K)
+    assert torch.equal(m.dequantize(), torch.from_numpy(np.ascontiguousarray(want, dtype=np.float32)))
+    blocks = raw.view(-1, 34)
+    assert torch.equal(m.codes.view(torch.uint8).reshape(-1, 32), blocks[:, 2:])
+    assert torch.equal(m.scales.reshape(-1, 1).view(torch.uint8), blocks[:, :2])
+    assert m.nbytes == raw.numel() == q8_bytes((N, K))
+
+
+def test_cat_and_split_keep_the_rows():
+    parts = [_q8(n, 64, n)[1] for n in (3, 5, 2)]
+    whole = Q8Matrix.cat(parts)
+    assert torch.equal(whole.dequantize(), torch.cat([p.dequantize() for p in parts]))
+    for a, b in zip(whole.split([3, 5, 2]), parts):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+
+
+def test_repack_rejects_a_shape_that_does_not_fit_the_bytes():
+    raw, _ = _q8(4, 64, 0)
+    with pytest.raises(ValueError, match="whole 32-value blocks"):
+        repack_q8_0(raw, (8, 33))
+    with pytest.raises(ValueError, match="takes 340 bytes"):
+        repack_q8_0(raw, (5, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 8])
+def test_reference_is_linear_on_the_dequantized_matrix(dtype, M):
+    _, m = _q8(19, 256, M)
+    x = torch.randn(M, 256, generator=torch.Generator().manual_seed(M)).to(dtype)
+    got = q8_linear(x, m.codes, m.scales)
+    assert got.dtype == dtype and got.shape == (M, 19)
+    assert torch.equal(got, linear(x.float(), m.dequantize()).to(dtype))
+
+
+def test_op_rejects_mismatched_operands():
+    _, m = _q8(4, 64, 1)
+    with pytest.raises(ValueError, match="do not make one"):
+        q8_linear(torch.randn(2, 32), m.codes, m.scales)
+    with pytest.raises(ValueError, match="int8 and scales float16"):
+        q8_linear(torch.randn(2, 64), m.codes, m.scales.float())
+
+
+def test_opcheck_on_cpu():
+    _, m = _q8(6, 128, 2)
+    torch.library.opcheck(torch.ops.strata.q8_linear.default, (torch.randn(3, 128), m.codes, m.scales))
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 5120, 2048), (4, 2048, 4096), (16, 128, 2048), (1, 151936, 2048),
+                                     (3, 7, 96), (0, 4, 64)])
+def test_launch_bounds_a_step(M, N, K):
+    """A step's products fit the configured bound, a program takes at most ``max_bn`` rows, and a
+    row's read per step covers the whole row or at least ``products / (MB * max_bn)`` values."""
+    config = Q8Config()
+    mb, bn, nb = config.launch(M, N, K)
+    assert mb * bn * nb * 32 <= config.products and bn <= config.max_bn and mb <= config.max_mb
+    assert nb * 32 >= min(K, config.products // (mb * config.max_bn))
+
+
+def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config: Q8Config | None):
+    _, m = _q8(N, K, N + K)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    want = q8_linear(x, m.codes, m.scales)  # the CPU reference
+    dev = m.to(device)
+    got = dense_q8.q8_linear_triton(x.to(device), dev.codes, dev.scales, config)
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert _rel(got, want) <= TOL[dtype], (M, N, K, dtype, config)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("N, K", [(37, 96), (129, 1024)])
+def test_kernel_matches_the_reference(device, dtype, M, N, K):
+    """N not a multiple of the rows a program takes, K not a multiple of a step (96: 3 blocks), M
+    beyond one tile of x rows (8 > max_mb), with the default launch and with small tiles."""
+    for config in (None, Q8Config(products=256, bn=2, max_mb=2), Q8Config(products=128, bn=4)):
+        _kernel_case(device, dtype, M, N, K, config)
+
+
+@needs_cuda
+@pytest.mark.parametrize("M, N, K", [(1, 5120, 2048), (4, 2048, 4096), (1, 128, 2048), (16, 151936, 256)])
+def test_kernel_matches_the_reference_at_decode_shapes(M, N, K):
+    _kernel_case("cuda", torch.bfloat16, M, N, K, None)
+
+
+@needs_cuda
+def test_opcheck_on_cuda():
+    _, m = _q8(300, 512, 3)
+    dev = m.to("cuda")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.library.opcheck(torch.ops.strata.q8_linear.default,
+                              (torch.randn(3, 512).to(dtype).cuda(), dev.codes, dev.scales))
