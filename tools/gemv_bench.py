@@ -1,0 +1,157 @@
+"""Time ``strata::q8_linear``'s Triton kernel against cuBLAS's bf16 ``x @ W.T`` at the dense decode
+shapes of Qwen3-30B-A3B (issue 7).
+
+    python tools/gemv_bench.py [--tokens 1,4] [--budget 45] [--json PATH] [--small]
+
+Shapes ``[N, K]``: the fused QKV product ``[5120, 2048]``, the attention output ``[2048, 4096]``, the
+router ``[128, 2048]`` and the output head ``[151936, 2048]``, each at M = 1 and 4 rows of bf16 x.
+Each is timed with ``triton.testing.do_bench`` (median of single calls; do_bench also clears the L2
+between calls) while the calls rotate over copies of the weights whose total exceeds four times the
+H200's 60 MB L2, so no call finds its weights in the L2. Rows: cuBLAS bf16 on the bf16 dequantized
+matrix, then the Q8_0 kernel with each launch configuration of :data:`VARIANTS` (the default
+:data:`strata_core.ops.dense_q8.CONFIG` first); each kernel output is checked against the float32
+product on the dequantized matrix (bf16 tolerance of tests/test_dense_q8.py: 1e-2 of the largest
+output). Printed as a table (us, GB/s of weight bytes read: Q8_0 34 bytes per 32 values, bf16 2 a
+value) and written to ``$OUT/gemv_bench.json`` (or ``--json``). Variants other than the default not
+reached within ``--budget`` seconds are listed as skipped. Needs CUDA and Triton (``--help`` works
+anywhere); ``--small`` runs tiny shapes on the CPU under the Triton interpreter (``TRITON_INTERPRET=1``
+and a CPU triton on the path), a check of the tool, not a measurement.
+
+Make the winner the default: set its fields as the defaults of ``Q8Config`` in
+strata_core/ops/dense_q8.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+#: The dense decode products of Qwen3-30B-A3B: name -> (N, K).
+SHAPES = {"qkv": (5120, 2048), "attn_output": (2048, 4096), "router": (128, 2048), "head": (151936, 2048)}
+#: ``--small``: shapes for the interpreter.
+SMALL_SHAPES = {"qkv": (80, 64), "router": (8, 96)}
+#: Bytes of weights the copies of one shape add up to at least (four times the H200's L2).
+ROTATE_BYTES = 4 * 60 * 10**6
+
+
+def _variants():
+    from strata_core.ops.dense_q8 import CONFIG, Q8Config
+
+    return [CONFIG, Q8Config(products=4096), Q8Config(products=16384, warps=8), Q8Config(programs=512),
+            Q8Config(programs=4096), Q8Config(max_bn=4), Q8Config(warps=2)]
+
+
+def _copies(t, nbytes: int, clone, total: int) -> list:
+    """``t`` and ``clone(t)``s, enough that their bytes reach ``total``."""
+    return [t] + [clone(t) for _ in range(max(1, math.ceil(total / nbytes)) - 1)]
+
+
+def _rotating(fn, operands: list):
+    """A no-argument callable calling ``fn(*operands[i])`` with the next i each call."""
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(operands)
+        return fn(*operands[state["i"]])
+    return call
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", default="1,4", help="rows of x (decode sessions), comma-separated")
+    parser.add_argument("--budget", type=float, default=45.0,
+                        help="seconds; variants other than the default past it are skipped")
+    parser.add_argument("--small", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--json", help="output path (default: $OUT/gemv_bench.json, else ./gemv_bench.json)")
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+    from gguf.constants import GGMLQuantizationType as T
+
+    from strata_core.ops import dense_q8
+    from strata_core.quant import random_blocks
+
+    if args.small and not (os.environ.get("TRITON_INTERPRET") == "1" and dense_q8.HAS_TRITON):
+        raise SystemExit("gemv_bench --small needs TRITON_INTERPRET=1 and Triton")
+    if not args.small and not (torch.cuda.is_available() and dense_q8.HAS_TRITON):
+        raise SystemExit("gemv_bench needs a CUDA device and Triton")
+    import triton
+
+    start = time.perf_counter()
+    dev = torch.device("cpu" if args.small else "cuda:0")
+    shapes = SMALL_SHAPES if args.small else SHAPES
+    tokens = [int(t) for t in args.tokens.split(",")]
+    variants = _variants()
+    rows, skipped = [], []
+
+    def bench(fn) -> float:
+        if args.small:  # one call's wall time: a check that the timed callable runs
+            t0 = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t0) * 1e6
+        return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3  # us
+
+    for name, (N, K) in shapes.items():
+        raw = torch.from_numpy(random_blocks(T.Q8_0, N * K // 32, np.random.default_rng(N), scale=0.05))
+        q8 = dense_q8.repack_q8_0(raw.reshape(-1).to(dev), (N, K))
+        exact = q8.dequantize()  # [N, K] float32
+        bf16 = exact.to(torch.bfloat16)
+        total = 2 * bf16.nbytes if args.small else ROTATE_BYTES
+        q8s = _copies(q8, q8.nbytes, lambda m: dense_q8.Q8Matrix(m.codes.clone(), m.scales.clone()), total)
+        bf16s = _copies(bf16, bf16.nbytes, torch.clone, total)
+        for M in tokens:
+            x = torch.randn(M, K, device=dev, generator=torch.Generator(dev).manual_seed(M)).to(torch.bfloat16)
+            want = x.float() @ exact.T  # [M, N]
+            us = bench(_rotating(lambda w: x @ w.T, [(w,) for w in bf16s]))
+            rows.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas-bf16", config=None, us=us,
+                             gbps=bf16.nbytes / us / 1e3, copies=len(bf16s), rel_err=None))
+            for config in variants:
+                if config is not variants[0] and time.perf_counter() - start > args.budget:
+                    skipped.append(dict(shape=name, M=M, config=dataclasses.asdict(config)))
+                    continue
+                got = dense_q8.q8_linear_triton(x, q8.codes, q8.scales, config)
+                err = float((got.float() - want).abs().max() / want.abs().max())
+                us = bench(_rotating(lambda c, s: dense_q8.q8_linear_triton(x, c, s, config),
+                                     [(m.codes, m.scales) for m in q8s]))
+                rows.append(dict(shape=name, N=N, K=K, M=M, kernel="q8_0", config=dataclasses.asdict(config),
+                                 launch=config.launch(M, N, K), us=us, gbps=q8.nbytes / us / 1e3, copies=len(q8s),
+                                 rel_err=err, ok=err <= 1e-2))
+        del q8s, bf16s, exact, bf16, q8
+        torch.cuda.empty_cache()
+
+    defaults = dataclasses.asdict(dense_q8.Q8Config())
+    print(f"{'shape':12} {'M':>2} {'kernel':12} {'launch (MB,BN,NB)':18} {'config (vs defaults)':28} {'us':>8} "
+          f"{'GB/s':>7} {'err':>8}")
+    for r in rows:
+        cfg = "" if r["config"] is None else (
+            ",".join(f"{k}={v}" for k, v in r["config"].items() if defaults[k] != v) or "defaults")
+        launch = "" if r["config"] is None else str(tuple(r["launch"]))
+        err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}" + ("" if r["ok"] else " BAD")
+        print(f"{r['shape']:12} {r['M']:>2} {r['kernel']:12} {launch:18} {cfg:28} {r['us']:8.2f} {r['gbps']:7.0f} "
+              f"{err:>8}")
+    for shape in shapes:
+        for M in tokens:
+            mine = [r for r in rows if r["shape"] == shape and r["M"] == M]
+            base = next(r["us"] for r in mine if r["kernel"] == "cublas-bf16")
+            best = min((r for r in mine if r["kernel"] == "q8_0" and r["ok"]), key=lambda r: r["us"], default=None)
+            if best is not None:
+                print(f"best {shape} M={M}: {best['us']:.2f} us ({best['gbps']:.0f} GB/s) vs cuBLAS bf16 "
+                      f"{base:.2f} us: x{base / best['us']:.2f}  config {best['config']}")
+    if skipped:
+        print(f"skipped (past --budget {args.budget:g} s): {len(skipped)} runs")
+    out = Path(args.json or Path(os.environ.get("OUT", ".")) / "gemv_bench.json")
+    device = "cpu (interpreter)" if args.small else torch.cuda.get_device_name(dev)
+    out.write_text(json.dumps(dict(device=device, rows=rows, skipped=skipped,
+                                   seconds=time.perf_counter() - start), indent=1))
+    print(f"wrote {out} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
