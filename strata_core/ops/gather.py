@@ -113,9 +113,10 @@ if HAS_TRITON:
         if COUNT:
             e = tl.where(keep, e, -1)
             earlier = tl.zeros([BLOCK], dtype=tl.int32)  # pairs q < p routed to the same expert
-            for q in range(0, P):
-                eq = tl.load(expert_ptr + q)
-                earlier += ((e == eq) & (q < p)).to(tl.int32)
+            for q0 in range(0, P, 16):  # 16 pairs q at a time against all p
+                q = q0 + tl.arange(0, 16)
+                eq = tl.load(expert_ptr + q, mask=q < P, other=-2)
+                earlier += tl.sum(((e[:, None] == eq[None, :]) & (q[None, :] < p[:, None])).to(tl.int32), axis=1)
             first = keep & (earlier == 0)
             hit = keep & (s >= 0)
             tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + tl.sum(hit.to(tl.int64), axis=0))

@@ -86,15 +86,17 @@ class LaunchConfig:
     and the loop's combining down faster for one token). All are deterministic (no atomics).
     ``tile``: values a program decodes per step; ``bn_*``: rows per program of the gate_up, down
     (``moe_pair_rows``) and combining down (``moe_decode``) launches; ``warps_*``: their num_warps.
-    Defaults: the sweep's choice on the H200 (tools/moe_sweep.py, BENCHMARKS.md): ``split`` with 8 rows
-    a combining program, 110 us a Q4_K layer for one token (loop: 108) and 123 for four (loop: 253).
+    Defaults: the fastest in the engine on the H200 (``tools/profile_decode.py --moe-config``, one decode
+    token of the 30B shapes, every expert resident, BENCHMARKS.md): ``split`` with 4 rows a gate_up
+    program (15.4 us a layer against 16.2 with 8) and 16 a combining program (11.8 against 13.2 with 8;
+    the loop design's combining down took 33). tools/moe_sweep.py times one layer alone.
     """
 
     design: str = "split"
     tile: int = 4096
-    bn_gate_up: int = 8
+    bn_gate_up: int = 4
     bn_down: int = 16
-    bn_combine: int = 8
+    bn_combine: int = 16
     warps_gate_up: int = 4
     warps_down: int = 4
     warps_combine: int = 4
