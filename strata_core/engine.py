@@ -33,7 +33,7 @@ from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.graphs import DecodeGraphs
 from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
-from strata_core.model.fused_decode import decode_layers as fused_decode_layers, fused_reason
+from strata_core.model.fused_decode import decode_layers as fused_decode_layers, fused_reason, place_q8_copies
 from strata_core.model.fused_decode import kv_tables as fused_kv_tables
 from strata_core.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.plugin.events import ResidencyEvent
@@ -150,6 +150,7 @@ class Engine:
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = get_architecture(spec.architecture).model(spec, dense)
+        dense_bytes = place_q8_copies(model, gguf_file, settings, placement, slots, dense_bytes)
         report(0.2)
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,
                                        progress=lambda fraction: report(0.2 + 0.79 * fraction))

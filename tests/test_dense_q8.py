@@ -6,6 +6,7 @@ against the reference within the documented tolerance (float32: 1e-5 of the larg
 
 from __future__ import annotations
 
+import logging
 import os
 
 import numpy as np
@@ -14,6 +15,9 @@ import torch
 from gguf import quants
 from gguf.constants import GGMLQuantizationType as T
 
+from strata_core.engine import Engine
+from strata_core.model import fused_decode, weights as weights_module
+from strata_core.model.fused_decode import kv_tables
 from strata_core.ops import dense_q8
 from strata_core.ops.dense_q8 import Q8Config, Q8Matrix, q8_bytes, q8_linear, repack_q8_0
 from strata_core.ops.matmul import linear
@@ -138,3 +142,78 @@ def test_opcheck_on_cuda():
     for dtype in (torch.float32, torch.bfloat16):
         torch.library.opcheck(torch.ops.strata.q8_linear.default,
                               (torch.randn(3, 512).to(dtype).cuda(), dev.codes, dev.scales))
+
+
+# --- the fused decode path reading the copies (model/fused_decode.py) ------------------------------
+
+def _q8_engine(path, monkeypatch, on: bool) -> Engine:
+    """An engine on the CPU that, with ``on``, places the Q8_0 copies as it would on a CUDA device taking
+    the fused path (``fused_reason`` answers None for the CPU while it loads)."""
+    monkeypatch.setattr(fused_decode, "fused_reason", lambda model, device: None)
+    monkeypatch.setattr(fused_decode, "DENSE_Q8", on)
+    engine = Engine.load(path, devices=["cpu"], max_context=64, dtype="float32")
+    monkeypatch.undo()
+    return engine
+
+
+def _counting(monkeypatch) -> list:
+    calls: list = []
+    real = weights_module.q8_linear
+
+    def count(x, codes, scales):
+        calls.append(tuple(codes.shape))
+        return real(x, codes, scales)
+    monkeypatch.setattr(weights_module, "q8_linear", count)
+    return calls
+
+
+def test_load_places_and_counts_the_q8_copies(tiny_model_factory, monkeypatch, caplog):
+    """Every Q8_0 decode product of every layer and the head get a copy, logged with their bytes, and
+    the bytes join the dense part the expert cache is sized after; with ``DENSE_Q8`` off: none."""
+    path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
+    caplog.set_level(logging.INFO, logger=fused_decode.__name__)
+    engine = _q8_engine(path, monkeypatch, True)
+    w, spec = engine.model.weights, engine.spec
+    names = [n for n in fused_decode.Q8_LAYER_NAMES
+             if engine.gguf_file.tensor(f"blk.0.{n}").qtype == T.Q8_0]
+    assert {"attn_q.weight", "attn_output.weight"} <= set(names)
+    for layer in range(spec.n_layers):
+        mats = w.q8_at(layer, "cpu")
+        assert sorted(mats) == sorted(names)
+        for name, m in mats.items():
+            assert torch.equal(m.dequantize(), w.at(layer, "cpu")[name])
+    assert torch.equal(w.q8_at(None, "cpu")["output.weight"].dequantize(), w.globals["output.weight"])
+    expected = sum(m.nbytes for layer in [None, *range(spec.n_layers)] for m in w.q8_at(layer, "cpu").values())
+    assert f"Q8_0 copies of the dense decode products (strata::q8_linear): {expected / 2**30:.2f} GiB " \
+           f"({expected} bytes)" in caplog.text
+    assert _q8_engine(path, monkeypatch, False).model.weights.q8_at(0, "cpu") == {}
+
+
+def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch):
+    """The fused layers and the head read the Q8_0 copies (q8_linear: the QKV, output and router
+    products of each layer, then the head) and, on the CPU where the op is the float32 reference,
+    give the logits of the float copies bit for bit."""
+    path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
+    prompts = [list(range(5, 30)), list(range(40, 52))]
+    outs = []
+    for on in (False, True):
+        engine = _q8_engine(path, monkeypatch, on)
+        sessions = [engine.new_session() for _ in prompts]
+        for session, prompt in zip(sessions, prompts):
+            engine.prefill(session, prompt)
+        (segment,) = engine.segments["decode"]
+        hidden = engine.embed(torch.tensor([3, 9]), torch.device("cpu"))
+        positions = torch.tensor([len(p) for p in prompts])
+        rows = engine.experts.rows_for(segment.device, "decode")
+        calls = _counting(monkeypatch)
+        h = fused_decode.decode_layers(engine.model, segment.layers, hidden, positions, sessions, rows,
+                                       kv_tables(sessions, segment.layers))
+        outs.append(engine.model.head(h))
+        monkeypatch.undo()
+        if on:
+            per_layer = len(engine.model.weights.q8_at(0, "cpu"))  # q, k and v are one product
+            assert len(calls) == engine.spec.n_layers * (per_layer - 2) + 1
+            assert calls[-1] == (engine.spec.vocab_size, engine.spec.hidden_size)
+        else:
+            assert calls == []
+    assert torch.equal(outs[1], outs[0])

@@ -14,6 +14,12 @@ reached through an address table (``kv_tables``: ``[layers, B, 2]`` int64 on the
 CUDA graph of the window keeps as a static buffer refilled before each replay (graphs.py), so a new
 session does not capture again.
 
+Where the GGUF stores them as Q8_0, the QKV, attention output and router products (and the head)
+read repacked Q8_0 copies of their weights (``strata::q8_linear``: 1.06 bytes a value where the bf16
+copy is 2; issue 7), built once per (layer, device) at load by :func:`place_q8_copies` and counted
+with the dense part before the expert cache is sized; the float copies stay for prompts and the eager
+paths. :data:`DENSE_Q8` switches this off (read at load).
+
 Applies to the plain Qwen-style ``MoEModel`` (no shared expert, no output bias) with a head dim
 the kernels serve; anything else keeps the eager loop (``fused_reason`` says why). On the CPU the
 same ops run their references, which is how CI checks this path against the eager loop.
@@ -21,20 +27,34 @@ same ops run their references, which is how CI checks this path against the eage
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import torch
 
+from strata_core.config import StrataSettings
 from strata_core.experts.rows import ExpertRows
+from strata_core.experts.sizing import GIB, check_dense_budget
+from strata_core.gguf.reader import GGUFFile
 from strata_core.model.ops import rms_norm
 from strata_core.model.transformer import _MIN_WEIGHT_SUM  # llama.cpp's clamp of the top-k weight sum
+from strata_core.model.weights import dense_product, q8_sources
 from strata_core.ops.decode import add_rms_norm, decode_attention, fused_decode_supported, rope_kv_write, route_topk
-from strata_core.ops.matmul import linear
+from strata_core.ops.dense_q8 import Q8Matrix
+from strata_core.plugin.placement import DeviceSlot, Placement
 from strata_core.session import Session
 
-__all__ = ["decode_layers", "fused_reason", "kv_tables"]
+__all__ = ["DENSE_Q8", "decode_layers", "fused_reason", "kv_tables", "place_q8_copies"]
+
+log = logging.getLogger(__name__)
 
 _QKV = ("attn_q", "attn_k", "attn_v")
+
+#: Read the decode products' Q8_0 weights with ``strata::q8_linear`` (repacked copies made at load).
+DENSE_Q8 = True
+#: The layer weights and globals whose Q8_0 copies the fused path reads.
+Q8_LAYER_NAMES = (*(f"{n}.weight" for n in _QKV), "attn_output.weight", "ffn_gate_inp.weight")
+Q8_GLOBAL_NAMES = ("output.weight",)
 
 
 def fused_reason(model, device: torch.device) -> str | None:
@@ -68,11 +88,39 @@ def kv_tables(sessions: Sequence[Session], layers: range) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).view(len(layers), len(sessions), 2)
 
 
-def _qkv(model, layer: int, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The layer's q, k and v projections as one ``[(nh + 2 nkv) D, H]`` matrix (and bias): built once
-    per (layer, device), the three weights then become views of it (no second copy)."""
+def place_q8_copies(model, gguf_file: GGUFFile, settings: StrataSettings, placement: Placement,
+                    slots: dict[int, DeviceSlot], dense_bytes: dict[torch.device, int]) -> dict[torch.device, int]:
+    """Put Q8_0 copies of the decode products' weights (:data:`Q8_LAYER_NAMES` where ``gguf_file`` stores
+    them as Q8_0) on the CUDA device computing each layer in the decode placement, if its layers take
+    the fused path, and of the head (:data:`Q8_GLOBAL_NAMES`) on the main device if it does; first
+    checks that they fit with the dense part (``dense_bytes``: BudgetError before any copy); logs their
+    bytes. Returns ``dense_bytes`` plus those bytes: what the expert cache's sizing must leave.
+    Nothing when :data:`DENSE_Q8` is off."""
+    if not DENSE_Q8:
+        return dense_bytes
+    where = {(layer, slots[p.device].device) for layer, p in enumerate(placement.layers("decode"))}
+    where.add((None, slots[placement.main].device))
+    where = {(layer, d) for layer, d in where if fused_reason(model, d) is None}
+    sources = q8_sources(gguf_file, model.spec, Q8_LAYER_NAMES, Q8_GLOBAL_NAMES) if where else {}
+    extra = model.weights.q8_bytes(sources, where)
+    if not extra:
+        return dense_bytes
+    total = {d: dense_bytes.get(d, 0) + extra.get(d, 0) for d in {*dense_bytes, *extra}}
+    check_dense_budget(settings, total)
+    model.weights.place_q8(sources, where)
+    for device, n in sorted(extra.items(), key=lambda item: str(item[0])):
+        log.info("%s: Q8_0 copies of the dense decode products (strata::q8_linear): %.2f GiB (%d bytes)",
+                 device, n / GIB, n)
+    return total
+
+
+def _qkv(model, layer: int, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, Q8Matrix | None]:
+    """The layer's q, k and v projections as one ``[(nh + 2 nkv) D, H]`` matrix (and bias, and its Q8_0
+    copy where the layer has one on this device): built once per (layer, device), the three weights
+    (and copies) then become views of it (no second copy)."""
     cache = model.__dict__.setdefault("_fused_qkv", {})
-    key = (layer, w["attn_q.weight"].device)
+    device = w["attn_q.weight"].device
+    key = (layer, device)
     if key not in cache:
         fused = {}
         for part in ("weight", "bias"):
@@ -81,7 +129,13 @@ def _qkv(model, layer: int, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
                 fused[part] = torch.cat([w[n] for n in names])
                 for name, view in zip(names, fused[part].split([w[n].shape[0] for n in names])):
                     w[name] = view
-        cache[key] = (fused["weight"], fused.get("bias"))
+        q8 = model.weights.q8_at(layer, device)
+        names = [f"{n}.weight" for n in _QKV]
+        if all(n in q8 for n in names):
+            fused["q8"] = Q8Matrix.cat([q8[n] for n in names])
+            for name, view in zip(names, fused["q8"].split([q8[n].shape[0] for n in names])):
+                q8[name] = view
+        cache[key] = (fused["weight"], fused.get("bias"), fused.get("q8"))
     return cache[key]
 
 
@@ -100,8 +154,8 @@ def decode_layers(model, layers: range, hidden: torch.Tensor, positions: torch.T
             x = rms_norm(hidden, w["attn_norm.weight"], eps)
         else:
             hidden, x = add_rms_norm(hidden, delta, w["attn_norm.weight"], eps)
-        weight, bias = _qkv(model, layer, w)
-        qkv = linear(x, weight)  # [B, (nh + 2 nkv) D]
+        weight, bias, q8 = _qkv(model, layer, w)
+        qkv = dense_product(x, weight, q8)  # [B, (nh + 2 nkv) D]
         if bias is not None:
             qkv = qkv + bias
         keys, values = _layer_caches(sessions, layer)
@@ -110,8 +164,9 @@ def decode_layers(model, layers: range, hidden: torch.Tensor, positions: torch.T
                           w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
                           s.n_kv_heads, keys, values, table)  # [B, nh, D]
         out = decode_attention(q, positions, keys, values, table)  # [B, nh D]
-        hidden, x = add_rms_norm(hidden, linear(out, w["attn_output.weight"]), w["ffn_norm.weight"], eps)
-        logits = linear(x, w["ffn_gate_inp.weight"])  # [B, E]
+        hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer),
+                                 w["ffn_norm.weight"], eps)
+        logits = model.weights.product(x, "ffn_gate_inp.weight", layer)  # [B, E]
         ids, weights = route_topk(logits, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale,
                                   _MIN_WEIGHT_SUM)
         delta = rows(layer, x, ids, weights)  # [B, H] (float32 weights: the CUDA kernel reads them so)

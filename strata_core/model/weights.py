@@ -2,19 +2,63 @@
 
 A layer may be placed on several devices (a prompt placement computing it on one device, a decode
 placement on another); each device holds its own copy.
+
+Where the GGUF stores a dense matrix as Q8_0, a device may also hold it repacked for
+``strata::q8_linear`` (:class:`~strata_core.ops.dense_q8.Q8Matrix`, ~half the bytes of bf16): the
+decode products read those (model/fused_decode.py, issue 7), everything else the float copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
+from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.errors import ConfigError
 from strata_core.gguf.arch import get_architecture
+from strata_core.ops.dense_q8 import Q8Matrix, q8_bytes, q8_linear, repack_q8_0
+from strata_core.ops.matmul import linear
 from strata_core.quant import dequantize
-from strata_core.gguf.reader import GGUFFile
+from strata_core.gguf.reader import GGUFFile, TensorRef
 from strata_core.gguf.spec import ModelSpec
 
-__all__ = ["DenseWeights"]
+__all__ = ["DenseWeights", "Q8Sources", "dense_product", "q8_sources"]
+
+#: Q8_0 matrices by (layer, name); layer None: a global tensor (``output.weight``)
+Q8Sources = dict[tuple[int | None, str], TensorRef]
+
+#: Most rows of x a product reads from a Q8_0 copy (``strata::q8_linear`` is built for decode's
+#: few sessions); more rows (a prompt's) multiply the float copy.
+Q8_MAX_ROWS = 16
+
+
+def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None) -> torch.Tensor:
+    """``x [..., in] @ weight.T``: from ``q8`` (the same matrix's Q8_0 copy, ``strata::q8_linear``) for
+    at most :data:`Q8_MAX_ROWS` rows of x, else from ``weight`` (``linear``)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if q8 is not None and 0 < rows <= Q8_MAX_ROWS:
+        out = q8_linear(x.reshape(rows, x.shape[-1]), q8.codes, q8.scales)  # [rows, out]
+        return out.reshape(*x.shape[:-1], q8.shape[0])
+    return linear(x, weight)
+
+
+def q8_sources(gguf_file: GGUFFile, spec: ModelSpec, layer_names: Iterable[str],
+               global_names: Iterable[str]) -> Q8Sources:
+    """The tensors of ``layer_names`` (in every layer) and ``global_names`` that ``gguf_file`` stores as
+    2-D Q8_0 matrices (a tied ``output.weight``: ``token_embd.weight``'s blocks)."""
+    arch = get_architecture(spec.architecture, gguf_file.path)
+    found: Q8Sources = {}
+    wanted = [(None, n, n, arch.global_tensors(spec)) for n in global_names]
+    wanted += [(i, n, f"blk.{i}.{n}", arch.layer_tensors(spec, i)) for i in range(spec.n_layers) for n in layer_names]
+    for layer, name, full, tensors in wanted:
+        if name == "output.weight" and spec.tied_embeddings:
+            full = "token_embd.weight"
+        if full in tensors and len(tensors[full]) == 2:
+            ref = gguf_file.tensor(full, tensors[full])
+            if ref.qtype == T.Q8_0:
+                found[(layer, name)] = ref
+    return found
 
 
 class DenseWeights:
@@ -32,6 +76,8 @@ class DenseWeights:
         cpu = torch.device("cpu")
         self._copies: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {
             (i, cpu): tensors for i, tensors in enumerate(layers)}
+        #: repacked Q8_0 copies by (layer or None for the globals, device) -> name -> matrix
+        self._q8: dict[tuple[int | None, torch.device], dict[str, Q8Matrix]] = {}
 
     @classmethod
     def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> "DenseWeights":
@@ -72,3 +118,39 @@ class DenseWeights:
         for name, tensor in self.globals.items():
             self.globals[name] = moved.setdefault(id(tensor), tensor.to(globals_device))
         return self
+
+    def _q8_targets(self, sources: Q8Sources, where: Iterable[tuple[int | None, torch.device]]
+                    ) -> list[tuple[int | None, str, torch.device]]:
+        """``(layer, name, device)`` of each source whose ``(layer, device)`` is in ``where`` (layer None:
+        the globals, on the head's device) and whose layer is placed there."""
+        where = {(layer, torch.device(d)) for layer, d in where}
+        head = self.globals["output.weight"].device if "output.weight" in self.globals else None
+        return [(layer, name, d) for (layer, name) in sources for (at, d) in sorted(where, key=str)
+                if at == layer and ((layer is None and d == head) or (layer, d) in self._copies)]
+
+    def q8_bytes(self, sources: Q8Sources, where: Iterable[tuple[int | None, torch.device]]) -> dict[torch.device, int]:
+        """Bytes :meth:`place_q8` would put on each device (devices given nothing: absent)."""
+        sizes: dict[torch.device, int] = {}
+        for layer, name, device in self._q8_targets(sources, where):
+            sizes[device] = sizes.get(device, 0) + q8_bytes(sources[(layer, name)].shape)
+        return sizes
+
+    def place_q8(self, sources: Q8Sources, where: Iterable[tuple[int | None, torch.device]]) -> "DenseWeights":
+        """Repack each of ``sources`` onto the devices ``where`` names for its layer (``(layer, device)``
+        pairs; layer None: the globals, on the head's device), once; :meth:`q8_at` finds them. Returns self."""
+        for layer, name, device in self._q8_targets(sources, where):
+            mats = self._q8.setdefault((layer, device), {})
+            if name not in mats:
+                ref = sources[(layer, name)]
+                mats[name] = repack_q8_0(ref.raw().to(device), ref.shape)
+        return self
+
+    def q8_at(self, layer: int | None, device: torch.device | str) -> dict[str, Q8Matrix]:
+        """Layer ``layer``'s (None: the globals') Q8_0 copies on ``device`` by name (empty if none)."""
+        return self._q8.get((layer, torch.device(device)), {})
+
+    def product(self, x: torch.Tensor, name: str, layer: int | None = None) -> torch.Tensor:
+        """``x [..., in] @ W.T`` for layer ``layer``'s (None: the global) weight ``name`` on x's device
+        (:func:`dense_product`: its Q8_0 copy there for few rows, else the float copy)."""
+        weight = self.globals[name] if layer is None else self.at(layer, x.device)[name]
+        return dense_product(x, weight, self.q8_at(layer, x.device).get(name))
