@@ -217,3 +217,39 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch):
         else:
             assert calls == []
     assert torch.equal(outs[1], outs[0])
+
+
+def _greedy(engine: Engine, prompts: list[list[int]], windows: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Greedy decode of the prompts in one batch: each window's logits ``[B, V]`` and the tokens."""
+    sessions = [engine.new_session() for _ in prompts]
+    tokens = [int(engine.prefill(s, p).argmax()) for s, p in zip(sessions, prompts)]
+    seqs, logits = [[t] for t in tokens], []
+    for _ in range(windows):
+        rows = engine.decode_window(list(zip(sessions, tokens)))
+        logits.append(rows.cpu())
+        tokens = [int(r.argmax()) for r in rows]
+        for seq, t in zip(seqs, tokens):
+            seq.append(t)
+    return logits, seqs
+
+
+@needs_cuda
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_decode_through_the_q8_copies(tiny_model_factory, monkeypatch, graphs):
+    """On CUDA the engine places the copies by itself (``DENSE_Q8``) and its greedy decode, eager or
+    replayed as graphs, gives the float32 engine's tokens with logits within 1e-4 (same values,
+    another summation order)."""
+    path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
+    prompts = [list(range(5, 60)), list(range(70, 90))]
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(fused_decode, "DENSE_Q8", on)
+        engine = Engine.load(path, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned",
+                             expert_cache=7, cuda_graphs=graphs)
+        assert bool(engine.model.weights.q8_at(0, "cuda:0")) == on
+        assert bool(engine.model.weights.q8_at(None, "cuda:0")) == on
+        runs.append(_greedy(engine, prompts, 8))
+    (want, want_tokens), (got, got_tokens) = runs
+    assert got_tokens == want_tokens
+    diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
+    assert diff <= 1e-4, diff
