@@ -22,6 +22,7 @@ from strata_core.ops import dense_q8
 from strata_core.ops.dense_q8 import Q8Config, Q8Matrix, q8_bytes, q8_linear, repack_q8_0
 from strata_core.ops.matmul import linear
 from strata_core.quant import random_blocks
+from test_cuda_graphs import _decode
 
 needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and dense_q8.HAS_TRITON),
                                 reason="needs CUDA and Triton")
@@ -219,20 +220,6 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch):
     assert torch.equal(outs[1], outs[0])
 
 
-def _greedy(engine: Engine, prompts: list[list[int]], windows: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Greedy decode of the prompts in one batch: each window's logits ``[B, V]`` and the tokens."""
-    sessions = [engine.new_session() for _ in prompts]
-    tokens = [int(engine.prefill(s, p).argmax()) for s, p in zip(sessions, prompts)]
-    seqs, logits = [[t] for t in tokens], []
-    for _ in range(windows):
-        rows = engine.decode_window(list(zip(sessions, tokens)))
-        logits.append(rows.cpu())
-        tokens = [int(r.argmax()) for r in rows]
-        for seq, t in zip(seqs, tokens):
-            seq.append(t)
-    return logits, seqs
-
-
 @needs_cuda
 @pytest.mark.parametrize("graphs", [False, True])
 def test_cuda_decode_through_the_q8_copies(tiny_model_factory, monkeypatch, graphs):
@@ -248,7 +235,7 @@ def test_cuda_decode_through_the_q8_copies(tiny_model_factory, monkeypatch, grap
                              expert_cache=7, cuda_graphs=graphs)
         assert bool(engine.model.weights.q8_at(0, "cuda:0")) == on
         assert bool(engine.model.weights.q8_at(None, "cuda:0")) == on
-        runs.append(_greedy(engine, prompts, 8))
+        runs.append(_decode(engine, prompts, 8))
     (want, want_tokens), (got, got_tokens) = runs
     assert got_tokens == want_tokens
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, want))
