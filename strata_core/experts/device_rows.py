@@ -301,15 +301,21 @@ class CachedExpertRows:
         for cache in chain.peers:
             lane = chain.lane(cache)
             if lane is not None:  # activations go over, rows come back
+                streamed = None  # [P]: missed pairs in the peer's share, read over its own host link
                 with lane.enqueue():
                     lane.hold(taken)  # replaced below while the side stream may still read it
                     held, mine = _served_by(cache, layer, expert, taken)  # on a side stream of this device
-                    lane.hand_over()  # this stream reads ``mine`` before it joins the lane
+                    if lane.split.frac > 0:
+                        streamed = (held < 0) & ~taken & _in_share(expert, layer, lane.split.frac)
+                        mine = mine | streamed
+                    lane.hand_over()  # this stream reads ``mine`` (and ``streamed``) before it joins the lane
                     cache.wait_layer(layer, lane.device)
-                    peer_slot = torch.where(mine, held, cache.zero_slot).to(lane.device)
+                    peer_slot = torch.where(mine, held, cache.zero_slot).to(lane.device)  # streamed: -1
                     rows = rows_of(hidden.to(lane.device), cache.padded, arena, peer_slot, expert.to(lane.device),
                                    fmt, ffn)
                     served.append((mine, rows.to(self.device)))
+                if streamed is not None:
+                    self.telemetry.add_counts(("bytes_streamed",), streamed.sum().reshape(1) * fmt.total)
             else:  # the peer's bytes come across the peer link
                 held, mine = _served_by(cache, layer, expert, taken)
                 cache.wait_layer(layer, cache.device)
@@ -391,6 +397,12 @@ def _served_by(cache: ExpertCache, layer: int, expert: torch.Tensor,
     ``expert``'s device."""
     held = cache.table.mirror[layer].to(expert.device)[expert]  # [P]
     return held, (held >= 0) & ~taken
+
+
+def _in_share(expert: torch.Tensor, layer: int, frac: float) -> torch.Tensor:
+    """Whether each expert id of ``expert [P]`` (of ``layer``) falls in a deterministic share ``frac`` of
+    the experts: a device-side split (no host read), spread over the ids and the layers."""
+    return (expert * 7919 + layer * 104729) % 1000 < round(frac * 1000)
 
 
 def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:

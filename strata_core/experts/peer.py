@@ -15,9 +15,10 @@ with the home's, in its fixed pair order: device_rows.py; the greedy tokens then
 What the lane computes (``CachedExpertRows``, device_rows.py, drives it):
 
 * decode (the decode gather): the pairs whose expert the peer holds go through the same pair kernel
-  as the home's, from the peer's slots; the pairs it does not serve point at its cache's zero slot
-  (cache.py), and the home points the pairs the peer serves at its own zero slot, so neither reads
-  an expert twice nor anything from host memory for them;
+  as the home's, from the peer's slots, and so do the missed pairs whose expert falls in the
+  lane's ``stream`` share (``split.frac``), read from the arena over the peer's own host link; the
+  pairs it does not serve point at its cache's zero slot (cache.py), and the home points the pairs
+  the peer serves at its own zero slot, so no expert is read twice;
 * prompts (the grouped prefill and the loop per expert): the rows of the experts the peer holds,
   and of ``stream`` (a share, ``split``) of the home's misses, streamed over the peer's own host link
   through its own staging ring, in compact groups of at most ``rows`` (token, k) pairs; each group's
@@ -51,7 +52,7 @@ class PeerLane:
     :param home: the torch device of the computing slot.
     :param cache: the peer's cache.
     :param copier: the peer's arena copier (its own host link).
-    :param split: the deterministic share of the home's prompt misses the peer streams.
+    :param split: the deterministic share of the home's misses the peer streams (``split.frac``).
     :param rows: the most (token, k) pairs of one compact prompt group on the peer.
     :param name: the peer's device slot name (telemetry).
     """

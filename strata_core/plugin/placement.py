@@ -48,9 +48,10 @@ class ExpertSource:
     * ``peer``: another device slot's cache; its weights are read across the peer link and the rows
       computed here, or with ``compute=True`` the activations go over and the peer computes the rows
       (on a stream of its own, experts/peer.py). A computing peer may also take ``stream``, a share
-      (0..1) of the computing device's prompt misses, streamed over the peer's own host link and
-      computed there, and ``rows``, the most (token, k) pairs of its compact prompt buffers
-      (0: ``--prefill-chunk`` x top-k / 2);
+      (0..1) of the computing device's misses, streamed over the peer's own host link and computed
+      there (prompts: a running share of each layer's misses; decode: the missed experts whose id
+      falls in the share, decided on the device), and ``rows``, the most (token, k) pairs of its
+      compact prompt buffers (0: ``--prefill-chunk`` x top-k / 2);
     * ``arena``: the host arena over ``device``'s host link (copied, or read zero-copy in decode);
     * ``cpu``: computed on the CPU from the arena.
     """
@@ -69,7 +70,7 @@ class ExpertSource:
     @classmethod
     def peer(cls, device: int, compute: bool = False, stream: float = 0.0, rows: int = 0) -> ExpertSource:
         """The cache of another device slot: weights read across, or rows computed there (``compute``),
-        then also ``stream`` of the prompt misses, in compact buffers of ``rows`` pairs."""
+        then also ``stream`` of the misses, in compact prompt buffers of ``rows`` pairs."""
         return cls("peer", device, compute, stream, rows)
 
     @classmethod
