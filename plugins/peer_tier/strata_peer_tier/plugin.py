@@ -7,8 +7,10 @@
 * ``peer_adapt_swaps`` (-1 = ``--adapt-swaps``): experts swapped into the peer's cache per window;
 * ``peer_prefill_rows`` (-1 = ``--prefill-chunk`` x top-k / 2): the (token, k) pairs of the peer's
   compact prompt buffers; 0: the peer computes no prompt rows and its cache is read across instead;
-* ``peer_stream_frac`` (0.35): the share of the primary's misses (prompts and decode) the peer streams
-  over its own host link and computes, so both links carry them.
+* ``peer_stream_frac`` (0.35): the share of the primary's prompt misses the peer streams over its own
+  host link and computes, so both links carry them;
+* ``peer_decode_stream_frac`` (0.5): the same for decode misses (the peer's compute there is small
+  beside the link time, so an even split balances the two links).
 
 The dense part (every layer, the embedding and the head) stays on the primary, so the output equals
 one device holding the same experts. The peer's cache is filled from the profile after the
@@ -37,7 +39,9 @@ class PeerTierOptions(StrategyOptions):
     peer_adapt_swaps: int = Field(-1, ge=-1, description="experts swapped into the peer per window (-1 = --adapt-swaps)")
     peer_prefill_rows: int = Field(-1, ge=-1, description="pairs of the peer's compact prompt buffers "
                                    "(-1 = prefill chunk x top-k / 2; 0 = the peer's cache is read across instead)")
-    peer_stream_frac: float = Field(0.35, ge=0, le=1, description="share of the misses the peer streams and computes")
+    peer_stream_frac: float = Field(0.35, ge=0, le=1, description="share of the prompt misses the peer streams and computes")
+    peer_decode_stream_frac: float = Field(0.5, ge=0, le=1,
+                                           description="share of the decode misses the peer streams and computes")
 
 
 @hookimpl
@@ -64,7 +68,7 @@ def strata_topology(devices, spec, settings, options):
     if len(devices) != 2:
         raise ConfigError(f"peer_tier: --devices names the primary and the peer (two devices), not {len(devices)}")
     primary, peer = devices[0].index, devices[1].index
-    decode_peer = ExpertSource.peer(peer, compute=True, stream=options.peer_stream_frac)
+    decode_peer = ExpertSource.peer(peer, compute=True, stream=options.peer_decode_stream_frac)
     if options.peer_prefill_rows == 0:
         prompt_peer = ExpertSource.peer(peer)
     else:

@@ -58,11 +58,11 @@ def _held(engine: Engine, slot: int) -> set[tuple[int, int]]:
        grouped=st.booleans())
 def test_logits_equal_single_holding_the_union(model, reference, primary, peer, chunk, stream, rows, gather,
                                                grouped):
-    """Random tier sizes, chunks and stream shares, the decode gather and the grouped prefill on or off:
-    prompt and window logits equal single's bit for bit (the grouped prefill within float tolerance),
-    the tiers are disjoint and their union is what single caches with both budgets."""
+    """Random tier sizes, chunks and stream shares (prompt and decode), the decode gather and the grouped
+    prefill on or off: prompt and window logits equal single's bit for bit (the grouped prefill within
+    float tolerance), the tiers are disjoint and their union is what single caches with both budgets."""
     engine = _tier(model, expert_cache=primary, prefill_chunk=chunk, peer_slots=peer, peer_stream_frac=stream,
-                   peer_prefill_rows=rows)
+                   peer_decode_stream_frac=stream, peer_prefill_rows=rows)
     engine.experts.use_gather(gather)
     engine.experts.use_grouped_prefill(grouped)
     logits = engine.logits(PROMPT)
