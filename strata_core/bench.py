@@ -22,7 +22,7 @@ from strata_core.errors import ConfigError
 if TYPE_CHECKING:
     from strata_core.engine import Engine
 
-__all__ = ["BenchResult", "format_table", "warm_up", "host_to_device_gbps", "machine_name", "parse_lengths", "results_json", "run_bench"]
+__all__ = ["BenchResult", "format_table", "warm_up", "copy_gbps", "machine_name", "parse_lengths", "results_json", "run_bench"]
 
 
 @dataclass
@@ -153,22 +153,24 @@ def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: 
     return results
 
 
-def host_to_device_gbps(device: torch.device, nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
-    """Pinned host -> ``device`` copy bandwidth in GB/s (median of ``repeats``); None off CUDA.
+def copy_gbps(device: torch.device, source: str = "pinned", nbytes: int = 1 << 30, repeats: int = 5) -> float | None:
+    """Copy bandwidth into ``device`` in GB/s (bytes copied a second, median of ``repeats``); None off CUDA.
 
-    The reference the bench's link GB/s is read against: misses can move no faster than this.
+    ``source`` "pinned": from pinned host memory, the reference of the bench's link GB/s (misses move
+    no faster); "device": within ``device``, the reference of a decode step's weight reads (HBM).
     """
     if device.type != "cuda":
         return None
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=source == "pinned",
+                      device=device if source == "device" else "cpu")
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dev.copy_(host, non_blocking=True)  # warm-up
+    dev.copy_(src, non_blocking=True)  # warm-up
     torch.cuda.synchronize(device)
     rates = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        dev.copy_(host, non_blocking=True)
+        dev.copy_(src, non_blocking=True)
         end.record()
         end.synchronize()
         rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)

@@ -45,7 +45,7 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
 
     def cli_cmd(self) -> None:
         """Load the engine, run every figure, print the table (and write the JSON)."""
-        from strata_core.bench import (format_table, host_to_device_gbps, machine_name, parse_lengths,
+        from strata_core.bench import (copy_gbps, format_table, machine_name, parse_lengths,
                                         results_json, run_bench)
         from strata_core.engine import Engine
 
@@ -60,9 +60,10 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
                 "experts": len(engine.spec.moe_layers) * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
                 "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats,
                 "strategy": self.strategy, "sessions": self.sessions}
-            link = host_to_device_gbps(engine.main.device)
-            if link is not None:
-                setup["pinned_h2d_gbps"] = round(link, 1)
+            for name, source in (("pinned_h2d_gbps", "pinned"), ("device_copy_gbps", "device")):
+                rate = copy_gbps(engine.main.device, source)
+                if rate is not None:
+                    setup[name] = round(rate, 1)
             results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens,
                                 tuple(parse_lengths(self.sessions)))
         finally:
