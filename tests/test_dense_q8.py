@@ -101,12 +101,12 @@ def test_opcheck_on_cpu():
 @pytest.mark.parametrize("M, N, K", [(1, 5120, 2048), (4, 2048, 4096), (16, 128, 2048), (1, 151936, 2048),
                                      (3, 7, 96), (0, 4, 64)])
 def test_launch_bounds_a_step(M, N, K):
-    """A step's products fit the configured bound, a program takes at most ``max_bn`` rows, and a
-    row's read per step covers the whole row or at least ``products / (MB * max_bn)`` values."""
+    """A step reads at most ``tile`` codes, a program takes at most ``max_bn`` rows of W and ``max_mb``
+    of x, and a row's read per step covers the whole row or at least ``tile / max_bn`` codes."""
     config = Q8Config()
     mb, bn, nb = config.launch(M, N, K)
-    assert mb * bn * nb * 32 <= config.products and bn <= config.max_bn and mb <= config.max_mb
-    assert nb * 32 >= min(K, config.products // (mb * config.max_bn))
+    assert bn * nb * 32 <= config.tile and bn <= config.max_bn and mb <= config.max_mb
+    assert nb * 32 >= min(K, config.tile // config.max_bn)
 
 
 def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config: Q8Config | None):
@@ -126,7 +126,7 @@ def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config
 def test_kernel_matches_the_reference(device, dtype, M, N, K):
     """N not a multiple of the rows a program takes, K not a multiple of a step (96: 3 blocks), M
     beyond one tile of x rows (8 > max_mb), with the default launch and with small tiles."""
-    for config in (None, Q8Config(products=256, bn=2, max_mb=2), Q8Config(products=128, bn=4)):
+    for config in (None, Q8Config(tile=256, bn=2, max_mb=2), Q8Config(tile=128, bn=4)):
         _kernel_case(device, dtype, M, N, K, config)
 
 

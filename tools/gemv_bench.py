@@ -8,8 +8,8 @@ router ``[128, 2048]`` and the output head ``[151936, 2048]``, each at M = 1 and
 Each is timed with ``triton.testing.do_bench`` (median of single calls; do_bench also clears the L2
 between calls) while the calls rotate over copies of the weights whose total exceeds four times the
 H200's 60 MB L2, so no call finds its weights in the L2. Rows: cuBLAS bf16 on the bf16 dequantized
-matrix, then the Q8_0 kernel with each launch configuration of :data:`VARIANTS` (the default
-:data:`strata_core.ops.dense_q8.CONFIG` first); each kernel output is checked against the float32
+matrix, then the Q8_0 kernel with each launch configuration of ``_variants()`` (the default
+:data:`strata_core.ops.dense_q8.CONFIG` first; ``bn=1`` is llama.cpp MMVQ's one row a block); each kernel output is checked against the float32
 product on the dequantized matrix (bf16 tolerance of tests/test_dense_q8.py: 1e-2 of the largest
 output). Printed as a table (us, GB/s of weight bytes read: Q8_0 34 bytes per 32 values, bf16 2 a
 value) and written to ``$OUT/gemv_bench.json`` (or ``--json``). Variants other than the default not
@@ -42,8 +42,8 @@ ROTATE_BYTES = 4 * 60 * 10**6
 def _variants():
     from strata_core.ops.dense_q8 import CONFIG, Q8Config
 
-    return [CONFIG, Q8Config(products=4096), Q8Config(products=16384, warps=8), Q8Config(programs=512),
-            Q8Config(programs=4096), Q8Config(max_bn=4), Q8Config(warps=2)]
+    return [CONFIG, Q8Config(bn=1), Q8Config(tile=4096), Q8Config(tile=16384, warps=8), Q8Config(programs=512),
+            Q8Config(programs=4096), Q8Config(tile=4096, warps=2), Q8Config(max_mb=1), Q8Config(max_bn=4)]
 
 
 def _copies(t, nbytes: int, clone, total: int) -> list:
@@ -98,6 +98,7 @@ def main() -> None:
             return (time.perf_counter() - t0) * 1e6
         return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median") * 1e3  # us
 
+    cases = []  # one per (shape, M): the operands, their copies and the float32 product on exact values
     for name, (N, K) in shapes.items():
         raw = torch.from_numpy(random_blocks(T.Q8_0, N * K // 32, np.random.default_rng(N), scale=0.05))
         q8 = dense_q8.repack_q8_0(raw.reshape(-1).to(dev), (N, K))
@@ -108,23 +109,29 @@ def main() -> None:
         bf16s = _copies(bf16, bf16.nbytes, torch.clone, total)
         for M in tokens:
             x = torch.randn(M, K, device=dev, generator=torch.Generator(dev).manual_seed(M)).to(torch.bfloat16)
-            want = x.float() @ exact.T  # [M, N]
-            us = bench(_rotating(lambda w: x @ w.T, [(w,) for w in bf16s]))
-            rows.append(dict(shape=name, N=N, K=K, M=M, kernel="cublas-bf16", config=None, us=us,
-                             gbps=bf16.nbytes / us / 1e3, copies=len(bf16s), rel_err=None))
-            for config in variants:
-                if config is not variants[0] and time.perf_counter() - start > args.budget:
-                    skipped.append(dict(shape=name, M=M, config=dataclasses.asdict(config)))
-                    continue
-                got = dense_q8.q8_linear_triton(x, q8.codes, q8.scales, config)
-                err = float((got.float() - want).abs().max() / want.abs().max())
-                us = bench(_rotating(lambda c, s: dense_q8.q8_linear_triton(x, c, s, config),
-                                     [(m.codes, m.scales) for m in q8s]))
-                rows.append(dict(shape=name, N=N, K=K, M=M, kernel="q8_0", config=dataclasses.asdict(config),
-                                 launch=config.launch(M, N, K), us=us, gbps=q8.nbytes / us / 1e3, copies=len(q8s),
-                                 rel_err=err, ok=err <= 1e-2))
-        del q8s, bf16s, exact, bf16, q8
-        torch.cuda.empty_cache()
+            cases.append(dict(name=name, N=N, K=K, M=M, x=x, want=x.float() @ exact.T, q8s=q8s, bf16s=bf16s))
+        del exact
+
+    for case in cases:  # cuBLAS first, then each variant over every case (the default always runs)
+        x = case["x"]
+        us = bench(_rotating(lambda w: x @ w.T, [(w,) for w in case["bf16s"]]))
+        rows.append(dict(shape=case["name"], N=case["N"], K=case["K"], M=case["M"], kernel="cublas-bf16",
+                         config=None, us=us, gbps=case["bf16s"][0].nbytes / us / 1e3, copies=len(case["bf16s"]),
+                         rel_err=None))
+    for config in variants:
+        for case in cases:
+            if config is not variants[0] and time.perf_counter() - start > args.budget:
+                skipped.append(dict(shape=case["name"], M=case["M"], config=dataclasses.asdict(config)))
+                continue
+            x, q8s, want = case["x"], case["q8s"], case["want"]
+            got = dense_q8.q8_linear_triton(x, q8s[0].codes, q8s[0].scales, config)
+            err = float((got.float() - want).abs().max() / want.abs().max())
+            us = bench(_rotating(lambda c, s: dense_q8.q8_linear_triton(x, c, s, config),
+                                 [(m.codes, m.scales) for m in q8s]))
+            rows.append(dict(shape=case["name"], N=case["N"], K=case["K"], M=case["M"], kernel="q8_0",
+                             config=dataclasses.asdict(config), launch=config.launch(case["M"], case["N"], case["K"]),
+                             us=us, gbps=q8s[0].nbytes / us / 1e3, copies=len(q8s), rel_err=err, ok=err <= 1e-2))
+    rows.sort(key=lambda r: (list(shapes).index(r["shape"]), r["M"]))
 
     defaults = dataclasses.asdict(dense_q8.Q8Config())
     print(f"{'shape':12} {'M':>2} {'kernel':12} {'launch (MB,BN,NB)':18} {'config (vs defaults)':28} {'us':>8} "

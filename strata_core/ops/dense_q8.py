@@ -16,11 +16,11 @@ dequantizes and calls :func:`strata_core.ops.matmul.linear` in float32.
 
 **CUDA kernel** (Triton, for decode's small M): memory-bound, so each program reads ``BN`` rows of
 codes as ``[BN, NB, 32]`` tiles (a row's ``NB * 32`` codes contiguous: 16-byte loads) with their
-``[BN, NB]`` scales, and dots them with ``MB`` rows of x (read from the caches: x is small); a
-block's 32 products are summed, scaled, and accumulated per (row of x, row of W, block) in float32;
-the blocks are summed once at the end. No split-K, no atomics: deterministic. ``M > MB``: the x rows
-are tiled, the M tiles of one weight tile run next to each other (the weights come from L2 the second
-time). How many rows a program takes and how big a step is (:class:`Q8Config`, :data:`CONFIG`) is
+``[BN, NB]`` scales, and dots them with a row of x (read from the caches: x is small); a block's 32
+products are summed, scaled, and accumulated per (row of W, block) in float32; the blocks are summed
+once at the end. A program does this for ``MB`` rows of x one after the other (its W tile is read
+again from the SM's cache); ``M > MB``: the x rows are tiled over programs, those of one W tile next
+to each other (the L2 serves the repeated reads). No split-K, no atomics: deterministic. How many rows a program takes and how big a step is (:class:`Q8Config`, :data:`CONFIG`) is
 chosen per shape so that there are enough programs and bytes in flight to approach HBM bandwidth;
 tools/gemv_bench.py times alternatives against cuBLAS's bf16 product.
 
@@ -106,15 +106,15 @@ def repack_q8_0(raw: Tensor, shape: tuple[int, int]) -> Q8Matrix:
 class Q8Config:
     """How the CUDA kernel is launched (read at each launch; tools/gemv_bench.py sets :data:`CONFIG`).
 
-    ``products``: values a program multiplies per step, ``MB * BN * NB * 32`` (``MB`` rows of x, at most
-    ``max_mb``; ``BN`` rows of W; ``NB`` blocks of each): what bounds its registers, so a step reads
-    ``products / MB`` codes; ``bn``: rows of W a program takes (0: chosen from N so that about
-    ``programs`` programs run, at most ``max_bn``, keeping a row's read per step long); ``warps``:
-    num_warps. Defaults: reasoned for the H200 (132 SMs, a few programs resident on each: 8 KB of
-    codes a step for one token), to be confirmed by tools/gemv_bench.py.
+    ``tile``: codes a program reads per step, ``BN * NB * 32`` (``BN`` rows of W, ``NB`` blocks of
+    each; what bounds its registers); ``bn``: rows of W a program takes (0: chosen from N so that about
+    ``programs`` programs run, at most ``max_bn``, keeping a row's read per step long); ``max_mb``: rows
+    of x a program takes (``MB``; more rows tile M over programs); ``warps``: num_warps. Defaults:
+    reasoned for the H200 (132 SMs; sm_90 compile: 4 warps and an 8 KB step need no spills, so
+    several programs and ~32 KB of reads are in flight on an SM), to be confirmed by tools/gemv_bench.py.
     """
 
-    products: int = 8192
+    tile: int = 8192
     bn: int = 0
     programs: int = 1024
     max_bn: int = 16
@@ -122,19 +122,19 @@ class Q8Config:
     warps: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("products", "programs", "max_bn", "max_mb", "warps"):
+        for name in ("tile", "programs", "max_bn", "max_mb", "warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"Q8Config.{name}: {v} is not a power of two")
         if self.bn < 0 or self.bn & (self.bn - 1):
             raise ValueError(f"Q8Config.bn: {self.bn} is not 0 (auto) or a power of two")
-        if self.products < QK * self.max_mb:
-            raise ValueError(f"Q8Config.products: {self.products} is less than one block for {self.max_mb} rows")
+        if self.tile < QK:
+            raise ValueError(f"Q8Config.tile: {self.tile} is less than one block ({QK})")
 
     def launch(self, M: int, N: int, K: int) -> tuple[int, int, int]:
         """``(MB, BN, NB)`` for an ``[M, K] x [N, K]^T`` product."""
         mb = min(_pow2_at_least(M), self.max_mb)
-        blocks = self.products // (mb * QK)  # blocks of W a step reads
+        blocks = self.tile // QK  # blocks of W a step reads
         bn = self.bn or min(max(1, _pow2_at_most(N // self.programs)), self.max_bn)
         bn = min(bn, blocks)
         nb = max(1, min(_pow2_at_least(K // QK), blocks // bn))
@@ -170,7 +170,7 @@ def _check(x: Tensor, codes: Tensor, scales: Tensor) -> None:
 def _reference(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
     """The oracle: dequantize to float32, then the batch-invariant ``linear`` in float32."""
     _check(x, codes, scales)
-    return linear(x.float(), Q8Matrix(codes, scales).dequantize()).to(x.dtype)
+    return linear(x.float(), Q8Matrix(codes, scales).dequantize()).to(x.dtype)  # [M, N]
 
 
 def _fake(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
@@ -184,40 +184,40 @@ if HAS_TRITON:
     @triton.jit
     def _q8_gemv_kernel(x, codes, scales, out, M, N, K, m_tiles, stride_x, stride_o,
                         MB: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr):
-        """Program i: rows ``[n*BN, (n+1)*BN)`` of W (``n = i // m_tiles``) with rows
-        ``[m*MB, (m+1)*MB)`` of x (``m = i % m_tiles``); a step reads ``NB`` blocks of each W row."""
+        """Program i: rows ``[n*BN, (n+1)*BN)`` of W (``n = i // m_tiles``) times rows ``[m*MB, (m+1)*MB)``
+        of x (``m = i % m_tiles``), one x row after the other (the W tile's second read comes from the
+        SM's cache); a step reads ``[BN, NB, 32]`` codes (``NB`` blocks of each W row)."""
         pid = tl.program_id(0)
         pm = pid % m_tiles
         pn = pid // m_tiles
         rows = pn * BN + tl.arange(0, BN)
         keep = rows < N
         rows = tl.where(keep, rows, 0).to(tl.int64)  # out-of-range rows read row 0 and are not stored
-        ms = pm * MB + tl.arange(0, MB)
-        mkeep = ms < M
-        ms = tl.where(mkeep, ms, 0).to(tl.int64)
         KB = K // 32
         j = tl.arange(0, NB)
         w = tl.arange(0, 32)
         q_row = codes + rows[:, None, None] * K + w[None, None, :]  # [BN, 1, 32]
         s_row = scales + rows[:, None] * KB  # [BN, 1]
-        x_row = x + ms[:, None, None] * stride_x + w[None, None, :]  # [MB, 1, 32]
-        acc = tl.zeros([MB, BN, NB], dtype=tl.float32)
-        for kb0 in range(0, KB, NB):
-            blk = kb0 + j  # [NB]
-            if EVEN_K:
-                q = tl.load(q_row + blk[None, :, None] * 32)  # [BN, NB, 32] int8
-                s = tl.load(s_row + blk[None, :])  # [BN, NB] float16
-                xv = tl.load(x_row + blk[None, :, None] * 32)  # [MB, NB, 32]
-            else:
-                valid = blk < KB
-                q = tl.load(q_row + blk[None, :, None] * 32, mask=valid[None, :, None], other=0)
-                s = tl.load(s_row + blk[None, :], mask=valid[None, :], other=0.0)
-                xv = tl.load(x_row + blk[None, :, None] * 32, mask=valid[None, :, None], other=0.0)
-            p = tl.sum(q.to(tl.float32)[None, :, :, :] * xv.to(tl.float32)[:, None, :, :], axis=3)  # [MB, BN, NB]
-            acc += p * s.to(tl.float32)[None, :, :]
-        o = tl.sum(acc, axis=2)  # [MB, BN]
-        tl.store(out + ms[:, None] * stride_o + rows[None, :], o.to(out.dtype.element_ty),
-                 mask=mkeep[:, None] & keep[None, :])
+        for i in tl.static_range(MB):
+            m = pm * MB + i
+            x_row = x + m.to(tl.int64) * stride_x + w[None, :]  # [1, 32]
+            acc = tl.zeros([BN, NB], dtype=tl.float32)
+            if m < M:
+                for kb0 in range(0, KB, NB):
+                    blk = kb0 + j  # [NB]
+                    if EVEN_K:
+                        q = tl.load(q_row + blk[None, :, None] * 32)  # [BN, NB, 32] int8
+                        s = tl.load(s_row + blk[None, :])  # [BN, NB] float16
+                        xv = tl.load(x_row + blk[:, None] * 32)  # [NB, 32] (2-D: its layout follows q's)
+                    else:
+                        valid = blk < KB
+                        q = tl.load(q_row + blk[None, :, None] * 32, mask=valid[None, :, None], other=0)
+                        s = tl.load(s_row + blk[None, :], mask=valid[None, :], other=0.0)
+                        xv = tl.load(x_row + blk[:, None] * 32, mask=valid[:, None], other=0.0)
+                    p = tl.sum(q.to(tl.float32) * xv.to(tl.float32)[None, :, :], axis=2)  # [BN, NB]: 32 products a block
+                    acc += p * s.to(tl.float32)
+                tl.store(out + m.to(tl.int64) * stride_o + rows, tl.sum(acc, axis=1).to(out.dtype.element_ty),
+                         mask=keep)
 
     def q8_linear_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8Config | None = None) -> Tensor:
         """The Triton kernel of ``q8_linear`` on the tensors' device (CUDA; CPU tensors under
