@@ -20,9 +20,11 @@ codes as ``[BN, NB, 32]`` tiles (a row's ``NB * 32`` codes contiguous: 16-byte l
 products are summed, scaled, and accumulated per (row of W, block) in float32; the blocks are summed
 once at the end. A program does this for ``MB`` rows of x one after the other (its W tile is read
 again from the SM's cache); ``M > MB``: the x rows are tiled over programs, those of one W tile next
-to each other (the L2 serves the repeated reads). No split-K, no atomics: deterministic. How many rows a program takes and how big a step is (:class:`Q8Config`, :data:`CONFIG`) is
-chosen per shape so that there are enough programs and bytes in flight to approach HBM bandwidth;
-tools/gemv_bench.py times alternatives against cuBLAS's bf16 product.
+to each other (the L2 serves the repeated reads). No split-K, no atomics: deterministic. How many
+rows a program takes and how big a step is (:class:`Q8Config`, :data:`CONFIG`) is chosen per shape so
+that there are enough programs and bytes in flight to approach HBM bandwidth; tools/gemv_bench.py
+times alternatives against cuBLAS's bf16 product. (llama.cpp's MMVQ, for comparison, takes one row a
+block of 4 warps for one token and quantizes x to q8_1 for dp4a; here x stays in its dtype.)
 
 Tolerance against the reference: float32 within a relative 1e-5 of the largest output (summation
 order); bf16 / fp16 outputs within 1e-2 of it (one rounding of the output) (tests/test_dense_q8.py).
@@ -40,7 +42,7 @@ from strata_core.ops.matmul import linear
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 from strata_core.quant.bits import fields, reinterpret
 
-__all__ = ["CONFIG", "Q8Config", "Q8Matrix", "q8_linear", "repack_q8_0"]
+__all__ = ["CONFIG", "Q8Config", "Q8Matrix", "q8_bytes", "q8_linear", "repack_q8_0"]
 
 QK = GGML_QUANT_SIZES[T.Q8_0][0]  # 32 values a block
 _BLOCK_BYTES = GGML_QUANT_SIZES[T.Q8_0][1]  # 34: float16 d + 32 int8
