@@ -27,7 +27,10 @@ __all__ = ["BenchResult", "format_table", "warm_up", "copy_gbps", "machine_name"
 
 @dataclass
 class BenchResult:
-    """One figure: ``kind`` is "prefill" (``length`` = prompt tokens) or "decode" (``length`` = context)."""
+    """One figure: ``kind`` is "prefill" (``length`` = prompt tokens), "decode" (``length`` = context; the
+    windows are fed known tokens, so the host enqueues the next while the device runs) or
+    "decode-sampled" (each window fed the argmax of the previous one's logits, read on the host: the loop
+    a greedy generation runs, host time included)."""
 
     kind: str
     length: int
@@ -99,26 +102,29 @@ def bench_prefill(engine: Engine, length: int, repeats: int) -> BenchResult:
     return _result("prefill", length, runs, deltas)
 
 
-def bench_decode(engine: Engine, context: int, steps: int, repeats: int, sessions: int = 1) -> BenchResult:
+def bench_decode(engine: Engine, context: int, steps: int, repeats: int, sessions: int = 1,
+                 sampled: bool = False) -> BenchResult:
     """Median decode tok/s (summed over ``sessions`` concurrent sessions) of ``steps`` windows after a
-    ``context``-token prompt each."""
+    ``context``-token prompt each; ``sampled``: each window's tokens are the previous logits' argmax."""
     runs, deltas = [], []
     for r in range(repeats):
-        streams = [_tokens(engine, context + steps, seed=1000 + r * sessions + i) for i in range(sessions)]
+        streams = [_tokens(engine, context + steps + 1, seed=1000 + r * sessions + i) for i in range(sessions)]
         live = [engine.new_session() for _ in streams]
         for session, tokens in zip(live, streams):
             engine.prefill(session, tokens[:context])
 
         def windows() -> None:
-            for step in range(context, context + steps):
-                engine.decode_window([(session, tokens[step]) for session, tokens in zip(live, streams)])
+            fed = [tokens[context] for tokens in streams]  # each session's next token
+            for step in range(context + 1, context + steps + 1):
+                logits = engine.decode_window(list(zip(live, fed)))
+                fed = logits.argmax(-1).tolist() if sampled else [tokens[step] for tokens in streams]
 
         seconds, delta = _timed(engine, windows)
         for session in live:
             engine.release_session(session)
         runs.append(sessions * steps / seconds)
         deltas.append(delta)
-    return _result("decode", context, runs, deltas, sessions)
+    return _result("decode-sampled" if sampled else "decode", context, runs, deltas, sessions)
 
 
 def warm_up(engine: Engine, prompt: int = 64) -> None:
@@ -138,9 +144,9 @@ def warm_up(engine: Engine, prompt: int = 64) -> None:
 
 
 def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: int, steps: int,
-              sessions: tuple[int, ...] = (1,)) -> list[BenchResult]:
-    """Every prefill and decode figure (decode once per count of concurrent ``sessions``), in order,
-    after an untimed :func:`warm_up`."""
+              sessions: tuple[int, ...] = (1,), sampled: bool = False) -> list[BenchResult]:
+    """Every prefill and decode figure (decode once per count of concurrent ``sessions``; with ``sampled``
+    also as greedy generation feeds it), in order, after an untimed :func:`warm_up`."""
     need = max(prompts + [c + steps for c in contexts])
     if need > engine.max_context:
         model_limit = engine.max_context == engine.spec.context_length
@@ -149,7 +155,8 @@ def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: 
                              "raise --max-context, or lower --prompts / --contexts)"))
     warm_up(engine, min(max(prompts, default=64), engine.settings.prefill_chunk))
     results = [bench_prefill(engine, n, repeats) for n in prompts]
-    results += [bench_decode(engine, c, steps, repeats, n) for c in contexts for n in sessions]
+    results += [bench_decode(engine, c, steps, repeats, n, feed) for c in contexts for n in sessions
+                for feed in ((False, True) if sampled else (False,))]
     return results
 
 

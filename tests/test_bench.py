@@ -61,3 +61,26 @@ def test_lengths_beyond_the_context_are_skipped_or_clamped():
     assert fitting_lengths([512, 8192], [256, 4096], 32, 1024) == ([512], [256])
     assert fitting_lengths([8192, 32768], [1024, 32768], 32, 1024) == ([1024], [992])  # none fit: the longest
     assert fitting_lengths([], [2048], 32, 1024) == ([], [992])
+
+
+def test_sampled_decode_feeds_each_window_the_previous_argmax(tmp_path, monkeypatch):
+    from strata_core.engine import Engine
+
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1)
+    engine = Engine.load(path, expert_cache=4, max_context=64)
+    windows = []  # (tokens fed, argmax of the logits) per window
+    real = engine.decode_window
+
+    def record(steps):
+        logits = real(steps)
+        windows.append(([token for _, token in steps], logits.argmax(-1).tolist()))
+        return logits
+
+    monkeypatch.setattr(engine, "decode_window", record)
+    known, sampled = run_bench(engine, [], [8], repeats=1, steps=4, sessions=(2,), sampled=True)
+    engine.close()
+    assert (known.kind, sampled.kind) == ("decode", "decode-sampled") and sampled.sessions == 2
+    fed = windows[-4:]  # the sampled figure's windows
+    assert all(fed[i + 1][0] == fed[i][1] for i in range(3))
+    assert any(window[0] != previous[1] for previous, window in zip(windows[-8:-5], windows[-7:-4]))  # known: not

@@ -40,6 +40,8 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
     contexts: str = Field("1k,32k", description="context lengths for decode")
     decode_tokens: int = Field(32, ge=1, description="decode windows timed per run")
     sessions: str = Field("1", description="concurrent sessions per decode window, e.g. 1,4 (tok/s summed)")
+    sampled: bool = Field(False, description="also time decode fed its own argmax, read on the host each token "
+                                             "(decode-sampled: what a greedy generation loop gets)")
     repeats: int = Field(3, ge=1, description="runs per figure (the median is reported)")
     json_file: Path | None = Field(None, alias="json", description="write the results as JSON here")
 
@@ -65,7 +67,7 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
                 if rate is not None:
                     setup[name] = round(rate, 1)
             results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens,
-                                tuple(parse_lengths(self.sessions)))
+                                tuple(parse_lengths(self.sessions)), self.sampled)
         finally:
             engine.close()
         print(format_table(results, setup))
