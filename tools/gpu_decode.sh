@@ -34,8 +34,8 @@ timeout "$(lim 150)" python3 -m pytest -q -n 4 tests/test_decode_ops_cuda.py tes
   tests/test_dense_q8.py > "$OUT/tests.log" 2>&1; step "tests rc=$?"
 while [ ! -f $MODEL ] || pgrep -f make-synthetic > /dev/null; do sleep 1; done
 B="strata bench --model $MODEL --devices cuda:0 --arena pinned --cuda-graphs --repeats 2"
-timeout "$(lim 100)" $B --expert-cache 6144 --prompts 8k,32k --contexts 1k,32k --decode-tokens 128 --sessions 1,4 \
-  --max-context 33000 > "$OUT/bench-all.log" 2>&1; step "bench all resident rc=$?"
+timeout "$(lim 110)" $B --expert-cache 6144 --prompts 8k,32k --contexts 1k,32k --decode-tokens 128 --sessions 1,4 \
+  --sampled --max-context 33000 > "$OUT/bench-all.log" 2>&1; step "bench all resident rc=$?"
 timeout "$(lim 60)" $B --expert-cache 3072 --prompts 8k --contexts 1k --decode-tokens 64 --max-context 8500 \
   > "$OUT/bench-half.log" 2>&1; step "bench half resident rc=$?"
 timeout "$(lim 60)" $B --expert-cache 0 --prompts 8k --contexts 1k --decode-tokens 16 --max-context 8500 \
