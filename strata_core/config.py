@@ -110,8 +110,9 @@ class StrataSettings(BaseSettings):
 
     # --- decode --------------------------------------------------------------------------------
     cuda_graphs: bool = Field(
-        False, description="capture decode windows as CUDA graphs, one per device slot and layer range, "
-        "where the decode gather applies: --arena pinned, --pcie-frac 1, no --adapt-swaps; else eager, said once"
+        True, description="capture decode windows as CUDA graphs (the whole step where one device runs it, else "
+        "one per device slot and layer range) where they apply: CUDA, --arena pinned, --pcie-frac 1, no "
+        "--adapt-swaps; else eager, said once in the log"
     )
 
     # --- server --------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ def test_decode_window_makes_no_host_sync_and_matches_the_cpu(tiny_model_factory
     ids = list(range(5, 60))
     want = Engine.load(path, devices=["cpu"], max_context=128).generate(ids, max_tokens=12, temperature=0)
     engine = Engine.load(path, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned",
-                         expert_cache=slots)
+                         expert_cache=slots, cuda_graphs=False)  # eager windows (graphs: test_cuda_graphs.py)
     session = engine.new_session()
     token = int(engine.prefill(session, ids).argmax())
     out = [token]

@@ -91,7 +91,8 @@ def test_prompt_and_decode_on_cuda_match_the_cpu(model, dtype, rel, rows, arena,
 
 @needs_cuda
 def test_decode_windows_replayed_as_cuda_graphs_match_eager(model):
-    eager = Engine.load(model, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned")
+    eager = Engine.load(model, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned",
+                        cuda_graphs=False)
     graphs = Engine.load(model, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned",
                          cuda_graphs=True)
     for a, b in zip(_windows(graphs, [30, 50], 4), _windows(eager, [30, 50], 4)):
