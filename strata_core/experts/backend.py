@@ -40,7 +40,8 @@ from strata_core.config import StrataSettings
 from strata_core.experts.adapt import Adapter
 from strata_core.experts.arena import GIB, Arena
 from strata_core.experts.cache import ExpertCache
-from strata_core.experts.device_rows import CachedExpertRows, Chain, MissSplit
+from strata_core.experts.chain import Chain, MissSplit
+from strata_core.experts.device_rows import CachedExpertRows
 from strata_core.experts.peer import PeerLane
 from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order

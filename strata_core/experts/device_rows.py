@@ -36,20 +36,18 @@ bit for bit, which is why the CPU (the bit-exact reference) keeps the loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from strata_core.devices import device_scope, to_device
-from strata_core.experts.arena import ExpertFormat
+from strata_core.devices import device_scope
 from strata_core.experts.cache import ExpertCache
+from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, count_pairs, fused_decode, fused_decode_rows, fused_rows,
                                        lookup_slots, pair_ffn, pair_ffn_grouped)
-from strata_core.experts.grouped import GROUP_EXPERTS, dequantize_experts, expert_groups, grouped_ffn
+from strata_core.experts.grouped import GROUP_EXPERTS, grouped_rows, pairs_of
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
@@ -59,65 +57,11 @@ from strata_core.ops.gather import gather_experts
 if TYPE_CHECKING:
     from strata_core.experts.peer import PeerLane
 
-__all__ = ["FUSED_FFN", "CachedExpertRows", "Chain", "MissSplit", "grouped_rows", "pairs_of"]
+__all__ = ["FUSED_FFN", "CachedExpertRows"]
 
 #: The fused CUDA decode kernels compute experts with biases / swiglu_oai too (gpt-oss); False: those
 #: take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
 FUSED_FFN = True
-
-
-@dataclass(frozen=True)
-class Chain:
-    """One layer's expert sources resolved: the own cache, peers' caches (in chain order), the lanes
-    of the peers that compute their own rows (the rest are read across), and whether misses may go
-    over the host link and to the CPU (both: decode splits by ``--pcie-frac``)."""
-
-    own: ExpertCache | None
-    peers: tuple[ExpertCache, ...] = ()
-    lanes: tuple[PeerLane, ...] = ()  # the peers computing their own rows (activations go over)
-    link: bool = True
-    cpu: bool = True
-
-    def caches(self) -> tuple[ExpertCache, ...]:
-        """Every cache the layer reads, the own one first, then the peers in chain order."""
-        return ((self.own,) if self.own is not None else ()) + self.peers
-
-    def lane(self, cache: ExpertCache) -> PeerLane | None:
-        """The lane of ``cache`` when its rows are computed on its own device (activations go over)."""
-        return next((lane for lane in self.lanes if lane.cache is cache), None)
-
-    def computes(self, cache: ExpertCache) -> bool:
-        """Whether ``cache``'s rows are computed on its own device (activations go over)."""
-        return self.lane(cache) is not None
-
-    def holders(self, layer: int, experts: list[int]) -> list[tuple[ExpertCache, int] | None]:
-        """Per expert of ``layer``, (cache, slot) of the first cache of the chain holding it visibly,
-        or None (a miss); one read of each cache's host table row."""
-        found: list[tuple[ExpertCache, int] | None] = [None] * len(experts)
-        for cache in self.caches():
-            for i, slot in enumerate(cache.table.host[layer, experts].tolist()):
-                if found[i] is None and slot >= 0:
-                    found[i] = (cache, slot)
-        return found
-
-    def wait(self, layer: int, device: torch.device) -> None:
-        """Make ``device``'s stream wait for swaps into ``layer`` still landing in any of the caches."""
-        for cache in self.caches():
-            cache.wait_layer(layer, device)
-
-
-class MissSplit:
-    """Deterministic ``--pcie-frac`` split of decode misses: a running credit, so the share holds
-    across layers even with one miss per layer. ``take(n)`` = how many of ``n`` misses use the link."""
-
-    def __init__(self, frac: float):
-        self.frac, self.credit = frac, 0.0
-
-    def take(self, n: int) -> int:
-        self.credit += n * self.frac
-        link = min(n, int(self.credit + 1e-9))
-        self.credit -= link
-        return link
 
 
 class CachedExpertRows:
@@ -403,52 +347,3 @@ def _in_share(expert: torch.Tensor, layer: int, frac: float) -> torch.Tensor:
     """Whether each expert id of ``expert [P]`` (of ``layer``) falls in a deterministic share ``frac`` of
     the experts: a device-side split (no host read), spread over the ids and the layers."""
     return (expert * 7919 + layer * 104729) % 1000 < round(frac * 1000)
-
-
-def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
-    """The entries of ``order`` (pairs sorted by expert, ``sizes[i]`` for the i-th distinct expert) of
-    the distinct experts ``chosen`` (ascending), in order; the index is built on the host."""
-    n = torch.tensor(sizes, dtype=torch.long)  # [G]
-    starts = (n.cumsum(0) - n)[chosen]  # [C]
-    picked = n[chosen]  # [C]
-    index = torch.repeat_interleave(starts - (picked.cumsum(0) - picked), picked) + torch.arange(int(picked.sum()))
-    return order[to_device(index, order.device)]
-
-
-def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
-                 sizes: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
-                 ring: StagingRing, store: Callable[[slice, torch.Tensor], None], group_experts: int,
-                 group_rows: int = 0, ffn: ExpertFFN = SILU) -> tuple[int, int]:
-    """The grouped prefill of the distinct experts ``ids`` (ascending, ``sizes[i]`` pairs each) on
-    ``x``'s device: ``order [sum(sizes)]`` (on that device) are their pairs sorted by expert, pair p
-    being token ``p // k`` of ``x [T, H]``. Per group of at most ``group_experts`` experts (and
-    ``group_rows`` pairs, where > 0; a group has one expert at least): resident experts by one
-    index_select from ``own``'s slots, a peer's (``holder``) read across, misses (``holder`` None)
-    through ``ring``; then ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
-    Returns (misses, experts read across)."""
-    device = x.device
-    experts = to_device(torch.tensor(ids, dtype=torch.long), device)  # [n] (long also when empty)
-    slot = own.table.mirror[layer][experts] if own is not None else None  # [n]
-    counts = to_device(torch.tensor(sizes, dtype=torch.long), device)  # [n]
-    expert_ids = None if ffn.plain else experts  # [n]: index the biases
-    groups = expert_groups(sizes, group_experts, group_rows)
-    misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
-    from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)
-                   if holder[i] is not None and holder[i][0] is not own] for g in groups]
-
-    def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
-        g = groups[j]
-        packed = staged[:g.last - g.first]  # [g, B]
-        if slot is not None and len(misses[j]) + len(from_peers[j]) < g.last - g.first:
-            group_slot = slot[g.first:g.last]  # [g]: one index_select from the own slots
-            hit = own.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
-            packed = torch.where((group_slot < 0)[:, None], packed, hit)
-        for row, cache, slot_id in from_peers[j]:  # read across the peer link
-            packed[row] = cache.slots[slot_id].to(device, non_blocking=True)
-        weights = dequantize_experts(packed, fmt, x.dtype)
-        at = slice(g.start, g.end)
-        store(at, grouped_ffn(x[order[at] // k], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),
-                              ffn=ffn, experts=None if expert_ids is None else expert_ids[g.first:g.last]))
-
-    ring.run_batches(layer, misses, consume)
-    return sum(map(len, misses)), sum(map(len, from_peers))

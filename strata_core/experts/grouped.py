@@ -15,21 +15,32 @@ which bounds the dequantized weights alive at once. For each group:
    grouped products: ``torch._grouped_mm`` (bf16 on CUDA, offsets = cumulative counts) or, for
    other dtypes and devices, a batched product over the pairs padded to the group's largest count.
 
+``grouped_rows`` runs these steps for a layer's distinct experts on one device (``CachedExpertRows``
+for its own, a computing peer's lane for the peer's; ``pairs_of`` picks their pairs).
+
 The rows are not bit-identical to the reference ``expert_ffn`` (different product shapes, and in
 bf16 the weights are rounded to bf16); they agree within float tolerance (tests/test_grouped_prefill.py).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+from strata_core.devices import to_device
 
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.quant import dequantize
 
-__all__ = ["GROUP_EXPERTS", "ExpertGroup", "workspace_bytes", "dequantize_experts", "expert_groups", "grouped_ffn", "padded_index"]
+if TYPE_CHECKING:
+    from strata_core.experts.cache import ExpertCache
+    from strata_core.experts.transfer import StagingRing
+
+__all__ = ["GROUP_EXPERTS", "ExpertGroup", "workspace_bytes", "dequantize_experts", "expert_groups", "grouped_ffn",
+           "grouped_rows", "padded_index", "pairs_of"]
 
 #: Most experts whose weights are dequantized at once (bounds the peak memory of a layer).
 GROUP_EXPERTS = 32
@@ -117,3 +128,52 @@ def grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     xp = x.new_zeros(G * max_count, H).index_copy_(0, rows, x).view(G, max_count, H)  # [G, M, H]
     h = ffn.hidden(xp @ gate.transpose(1, 2), xp @ up.transpose(1, 2), ids)  # [G, M, F]
     return ffn.post(h @ down.transpose(1, 2), ids).reshape(G * max_count, H)[rows]  # [n, H]
+
+
+def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
+    """The entries of ``order`` (pairs sorted by expert, ``sizes[i]`` for the i-th distinct expert) of
+    the distinct experts ``chosen`` (ascending), in order; the index is built on the host."""
+    n = torch.tensor(sizes, dtype=torch.long)  # [G]
+    starts = (n.cumsum(0) - n)[chosen]  # [C]
+    picked = n[chosen]  # [C]
+    index = torch.repeat_interleave(starts - (picked.cumsum(0) - picked), picked) + torch.arange(int(picked.sum()))
+    return order[to_device(index, order.device)]
+
+
+def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
+                 sizes: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
+                 ring: StagingRing, store: Callable[[slice, torch.Tensor], None], group_experts: int,
+                 group_rows: int = 0, ffn: ExpertFFN = SILU) -> tuple[int, int]:
+    """The grouped prefill of the distinct experts ``ids`` (ascending, ``sizes[i]`` pairs each) on
+    ``x``'s device: ``order [sum(sizes)]`` (on that device) are their pairs sorted by expert, pair p
+    being token ``p // k`` of ``x [T, H]``. Per group of at most ``group_experts`` experts (and
+    ``group_rows`` pairs, where > 0; a group has one expert at least): resident experts by one
+    index_select from ``own``'s slots, a peer's (``holder``) read across, misses (``holder`` None)
+    through ``ring``; then ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
+    Returns (misses, experts read across)."""
+    device = x.device
+    experts = to_device(torch.tensor(ids, dtype=torch.long), device)  # [n] (long also when empty)
+    slot = own.table.mirror[layer][experts] if own is not None else None  # [n]
+    counts = to_device(torch.tensor(sizes, dtype=torch.long), device)  # [n]
+    expert_ids = None if ffn.plain else experts  # [n]: index the biases
+    groups = expert_groups(sizes, group_experts, group_rows)
+    misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
+    from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)
+                   if holder[i] is not None and holder[i][0] is not own] for g in groups]
+
+    def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
+        g = groups[j]
+        packed = staged[:g.last - g.first]  # [g, B]
+        if slot is not None and len(misses[j]) + len(from_peers[j]) < g.last - g.first:
+            group_slot = slot[g.first:g.last]  # [g]: one index_select from the own slots
+            hit = own.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
+            packed = torch.where((group_slot < 0)[:, None], packed, hit)
+        for row, cache, slot_id in from_peers[j]:  # read across the peer link
+            packed[row] = cache.slots[slot_id].to(device, non_blocking=True)
+        weights = dequantize_experts(packed, fmt, x.dtype)
+        at = slice(g.start, g.end)
+        store(at, grouped_ffn(x[order[at] // k], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),
+                              ffn=ffn, experts=None if expert_ids is None else expert_ids[g.first:g.last]))
+
+    ring.run_batches(layer, misses, consume)
+    return sum(map(len, misses)), sum(map(len, from_peers))

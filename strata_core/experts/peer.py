@@ -40,7 +40,7 @@ from strata_core.experts.transfer import ArenaCopier, StagingRing
 
 if TYPE_CHECKING:
     from strata_core.experts.cache import ExpertCache
-    from strata_core.experts.device_rows import MissSplit
+    from strata_core.experts.chain import MissSplit
 
 __all__ = ["PeerLane"]
 
