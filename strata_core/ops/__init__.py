@@ -7,7 +7,7 @@
   from the pinned arena (a Triton kernel on CUDA; see :mod:`strata_core.ops.gather`)
 - ``strata::moe_pair_rows(...)``: every routed pair's expert FFN straight from the quantized blocks
   in a slot or the arena, and ``moe_decode`` / ``moe_decode_rows`` (fused Triton decode kernels on CUDA:
-  :mod:`strata_core.ops.moe_triton`; see :mod:`strata_core.ops.moe`)
+  :mod:`strata_core.ops.moe_kernels`, launched by :mod:`strata_core.ops.moe_triton`; see :mod:`strata_core.ops.moe`)
 - ``strata::q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor``: ``x @ W.T`` read straight from a
   repacked Q8_0 matrix (decode's dense products on CUDA; see :mod:`strata_core.ops.dense_q8`)
 - ``strata::mla_attention(...)``: deepseek2's multi-head latent attention over the latent cache

@@ -19,8 +19,8 @@ CPU kernel (the oracle): the gather reference of :mod:`strata_core.ops.gather`, 
 :func:`pair_ffn_reference` (dequantize every pair's blocks, per-pair batched products in float32,
 cast step by step like ``expert_ffn``).
 
-CUDA kernel (:mod:`strata_core.ops.moe_triton`): two Triton launches that read the quantized blocks
-once and never write a weight: ``gate_up`` (grid pairs x F/BN: each program decodes BN rows of gate
+CUDA kernel (:mod:`strata_core.ops.moe_kernels`, launched by :mod:`strata_core.ops.moe_triton`): two
+Triton launches that read the quantized blocks once and never write a weight: ``gate_up`` (grid pairs x F/BN: each program decodes BN rows of gate
 and of up with the shared :func:`strata_core.ops.qdecode.decode`, dots them with the token's activations in float32 and
 stores ``silu(g) * u``) and ``down`` (grid pairs x H/BN, the same over the float32 ``h``). A pair's
 weights are found on the device: ``slots + slot * stride`` when resident; a miss in a pinned host
