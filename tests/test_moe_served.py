@@ -9,6 +9,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
+from strata_core.ops.gather import gather_experts
 from strata_core.ops.moe import moe_decode, moe_decode_rows
 from test_kernels import experts, op_args
 
@@ -37,7 +38,10 @@ def _case(device: str, seed: int):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_peer_rows_in_place_give_the_single_device_output_bit_for_bit(device, dtype, seed):
+@pytest.mark.parametrize("prestaged", [False, True])
+def test_peer_rows_in_place_give_the_single_device_output_bit_for_bit(device, dtype, seed, prestaged):
+    """Also where the home staged its misses first (``gather_experts(skip_hits=True)``, read by pair
+    with ``staged=True``), as it does while a peer computes."""
     fmt, arena, home, peer, everything, expert, x, weights = _case(device, seed)
     x, weights, expert = x.to(device, dtype), weights.to(device), expert.to(device)
     home, peer, everything = home.to(device), peer.to(device), everything.to(device)
@@ -48,8 +52,10 @@ def test_peer_rows_in_place_give_the_single_device_output_bit_for_bit(device, dt
     rows = moe_decode_rows(*op_args(x, peer, arena, peer_slot, expert, TOPK, fmt))
     assert rows.dtype == torch.float32 and rows.shape == (TOKENS * TOPK, x.shape[1])
     home_slot = torch.where(expert < 4, expert, torch.where(on_peer, 4, -1))  # 8, 9: misses
-    got = moe_decode(*op_args(x, home, arena, home_slot, expert, TOPK, fmt)[:5], weights,
-                     *op_args(x, home, arena, home_slot, expert, TOPK, fmt)[5:], served=on_peer, served_rows=rows)
+    source = gather_experts(home, arena, home_slot, expert, fmt.total, True) if prestaged else arena
+    got = moe_decode(*op_args(x, home, source, home_slot, expert, TOPK, fmt)[:5], weights,
+                     *op_args(x, home, source, home_slot, expert, TOPK, fmt)[5:], served=on_peer, served_rows=rows,
+                     staged=prestaged)
     assert torch.equal(got, single)
 
 
@@ -62,3 +68,6 @@ def test_opcheck_served_rows_and_decode_rows():
     home_args = op_args(x, home, arena, torch.where(expert < 4, expert, -1), expert, TOPK, fmt)
     torch.library.opcheck(torch.ops.strata.moe_decode.default, (*home_args[:5], weights, *home_args[5:]),
                           {"served": on_peer, "served_rows": rows})
+    staged = gather_experts(home, arena, home_args[3], expert, fmt.total, True)
+    torch.library.opcheck(torch.ops.strata.moe_decode.default, (*home_args[:2], staged, *home_args[3:5], weights,
+                                                                *home_args[5:]), {"staged": True})

@@ -118,22 +118,36 @@ def profile_decode(engine: Engine, tokens: list[int], args: argparse.Namespace) 
     engine.release_session(session)
 
 
+#: CUDA runtime calls in which the host waits for a device (a host read of a device value, a sync)
+HOST_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
 def report(prof, n: int, wall: float, title: str, top: int) -> None:
-    totals: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    per_device: dict[int, float] = defaultdict(float)
+    """Print the kernel time per window (``n`` of them), per device with several, the host's time
+    waiting for a device, and the ``top`` kernels by total time (per device with several)."""
+    totals: dict[tuple[int, str], float] = defaultdict(float)
+    counts: dict[tuple[int, str], int] = defaultdict(int)
+    waited = 0.0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            totals[e.name] += e.device_time
-            counts[e.name] += 1
-            per_device[e.device_index] += e.device_time
+            totals[e.device_index, e.name] += e.device_time
+            counts[e.device_index, e.name] += 1
+        elif e.name in HOST_WAITS:
+            waited += e.cpu_time_total
+    per_device: dict[int, float] = defaultdict(float)
+    for (device, _), us in totals.items():
+        per_device[device] += us
     gpu = sum(totals.values()) / n / 1e3
-    print(f"{title}: wall {wall * 1e3:.2f} ms, GPU kernels {gpu:.2f} ms, {sum(counts.values()) / n:.0f} kernels")
-    if len(per_device) > 1:
+    print(f"{title}: wall {wall * 1e3:.2f} ms, GPU kernels {gpu:.2f} ms, {sum(counts.values()) / n:.0f} kernels, "
+          f"host waiting for a device {waited / n / 1e3:.2f} ms")
+    several = len(per_device) > 1
+    if several:
         print("  kernel ms per device: " + ", ".join(f"cuda:{d} {us / n / 1e3:.2f}" for d, us in sorted(per_device.items())))
-    for name, us in sorted(totals.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"  {us / n / 1e3:8.3f} ms  {counts[name] / n:6.0f}x  {name[:110]}")
-
+    for device in sorted(per_device) if several else [None]:
+        picked = {key: us for key, us in totals.items() if device is None or key[0] == device}
+        for key, us in sorted(picked.items(), key=lambda kv: -kv[1])[:top]:
+            where = f"cuda:{key[0]} " if several else ""
+            print(f"  {us / n / 1e3:8.3f} ms  {counts[key] / n:6.0f}x  {where}{key[1][:100]}")
 
 if __name__ == "__main__":
     main()

@@ -46,7 +46,7 @@ from strata_core.experts.cache import ExpertCache
 from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, count_pairs, fused_decode, fused_decode_rows, fused_rows,
-                                       lookup_slots, pair_ffn, pair_ffn_grouped)
+                                       lookup_slots, pair_ffn, pair_ffn_grouped, stage_misses)
 from strata_core.experts.grouped import GROUP_EXPERTS, grouped_rows, pairs_of
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
@@ -272,8 +272,12 @@ class CachedExpertRows:
             count_pairs(slot, expert, resident, counters, fmt.total)
         self.telemetry.routed += T * k
         own.wait_layer(layer, self.device)
+        staged = None  # with weights: this device's misses staged over its link while the peers compute
         if weights is None:
             rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]
+        elif chain.lanes:
+            with self.telemetry.timed("copy", self.device):
+                staged = stage_misses(own.padded, arena, slot, expert, fmt)
         for lane in chain.lanes:
             lane.join()
         by_peer, peer_rows = None, None  # [P], [P, H]: the pairs the peers serve and their rows
@@ -285,7 +289,7 @@ class CachedExpertRows:
         if weights is not None:
             with self.telemetry.compute(self.device):
                 return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt, ffn, by_peer,
-                                    peer_rows)  # [T, H]
+                                    peer_rows, staged)  # [T, H]
         if by_peer is not None:
             rows = torch.where(by_peer[:, None], peer_rows, rows)
         return rows.view(T, k, -1)

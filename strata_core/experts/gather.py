@@ -32,11 +32,12 @@ import torch
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, grouped_ffn
-from strata_core.ops.gather import HAS_TRITON, pair_bookkeeping_cuda
+from strata_core.ops import moe
+from strata_core.ops.gather import HAS_TRITON, gather_experts, pair_bookkeeping_cuda
 from strata_core.ops.moe import ffn_args, moe_decode, moe_decode_rows, moe_pair_rows, pair_ffn_reference
 
 __all__ = ["GATHER_COUNTS", "count_pairs", "fused_decode", "fused_decode_rows", "fused_rows", "lookup_slots", "pair_ffn",
-           "pair_ffn_grouped"]
+           "pair_ffn_grouped", "stage_misses"]
 
 #: The telemetry counters ``count_pairs`` adds, in order.
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
@@ -75,13 +76,26 @@ def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, s
 
 def fused_decode(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
                  expert: torch.Tensor, weights: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU,
-                 served: torch.Tensor | None = None, served_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 served: torch.Tensor | None = None, served_rows: torch.Tensor | None = None,
+                 staged: torch.Tensor | None = None) -> torch.Tensor:
     """The routed output ``[T, H]`` of the pairs of :func:`fused_rows` combined with ``weights [T, k]``
     (``combine_rows``) through ``strata::moe_decode``: on CUDA the down launch sums the rows; the pairs
     flagged in ``served [P]`` take their float32 rows from ``served_rows [P, H]`` (:func:`fused_decode_rows`
-    on a peer)."""
-    return moe_decode(hidden, slots, arena, slot, expert, weights, weights.shape[1], *_format_args(fmt),
-                      **ffn_args(ffn), served=served, served_rows=served_rows)
+    on a peer); the misses are read from ``staged`` (:func:`stage_misses`) where given, else ``arena``."""
+    return moe_decode(hidden, slots, arena if staged is None else staged, slot, expert, weights, weights.shape[1],
+                      *_format_args(fmt), **ffn_args(ffn), served=served, served_rows=served_rows,
+                      staged=staged is not None)
+
+
+def stage_misses(slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor,
+                 fmt: ExpertFormat) -> torch.Tensor | None:
+    """The missed pairs' experts (``slot < 0``) copied from a host ``arena`` into a row per pair on
+    ``slots``' device, ``[P, total]`` (the hits' rows unwritten), as :func:`fused_decode` would stage
+    them itself: done first, the copy can overlap other work (a peer's rows). None where the kernels
+    read the arena in place (a device arena, ``MISS_READ == "direct"``)."""
+    if arena.device == slots.device or moe.MISS_READ == "direct":
+        return None
+    return gather_experts(slots, arena, slot, expert, fmt.total, True)
 
 
 def fused_decode_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,

@@ -5,9 +5,10 @@ it on the CPU). The layer's distinct routed experts (ascending, as ``group_by_ex
 are cut into *expert groups* of at most ``GROUP_EXPERTS`` consecutive experts (``expert_groups``),
 which bounds the dequantized weights alive at once. For each group:
 
-1. its packed bytes ``[g, slot_bytes]``: resident experts by one index_select from the cache
-   slots, misses streamed into a buffer of the staging ring (transfer.py: ``StagingRing.run_batches``,
-   copy stream and events, the next group's copies overlapping this group's compute);
+1. its packed bytes ``[g, slot_bytes]``: misses streamed into a buffer of the staging ring
+   (transfer.py: ``StagingRing.run_batches``, copy stream and events, the next group's copies
+   overlapping this group's compute), resident experts copied from the cache slots into their rows
+   of that buffer (a group with no miss: one index_select from the slots);
 2. ``dequantize_experts``: ONE ``dequantize`` call each for gate, up and down of the whole group
    (``[g, bytes] -> [g, out, in]``) in the compute dtype (on CUDA the Triton dequantizer writes
    bf16 directly from the strided gate/up/down views; the CPU reference casts its float32);
@@ -164,10 +165,12 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
     def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
         g = groups[j]
         packed = staged[:g.last - g.first]  # [g, B]
-        if slot is not None and len(misses[j]) + len(from_peers[j]) < g.last - g.first:
-            group_slot = slot[g.first:g.last]  # [g]: one index_select from the own slots
-            hit = own.slots.index_select(0, group_slot.clamp(min=0))  # [g, B]
-            packed = torch.where((group_slot < 0)[:, None], packed, hit)
+        hits = [i - g.first for i in range(g.first, g.last) if holder[i] is not None and holder[i][0] is own]
+        if len(hits) == g.last - g.first:  # every expert resident: one index_select from the own slots
+            packed = own.slots.index_select(0, slot[g.first:g.last])
+        elif hits:  # the resident ones copied into their rows beside the misses (only their bytes move)
+            rows = to_device(torch.tensor(hits, dtype=torch.long), device)  # [h]
+            packed.index_copy_(0, rows, own.slots.index_select(0, slot[g.first:g.last][rows]))
         for row, cache, slot_id in from_peers[j]:  # read across the peer link
             packed[row] = cache.slots[slot_id].to(device, non_blocking=True)
         weights = dequantize_experts(packed, fmt, x.dtype)

@@ -1,8 +1,10 @@
 """``strata::gather_experts``: the packed bytes of every routed (token, j) pair, from wherever they are.
 
-``gather_experts(slots, arena, slot, expert, nbytes) -> [P, nbytes]`` uint8: row p is
+``gather_experts(slots, arena, slot, expert, nbytes, skip_hits=False) -> [P, nbytes]`` uint8: row p is
 ``slots[slot[p], :nbytes]`` when ``slot[p] >= 0`` (the expert is resident in a device cache slot),
-else ``arena[expert[p]]`` (the layer's packed experts in the pinned host arena).
+else ``arena[expert[p]]`` (the layer's packed experts in the pinned host arena). With ``skip_hits``
+the rows of resident pairs are left unwritten (the CUDA kernel neither reads nor writes them): the
+staging of a decode layer's misses, which ``strata::moe_decode`` reads by pair (``staged=True``).
 
 On CUDA a Triton kernel reads both sources by address: the slot tensor in VRAM and the pinned arena
 zero-copy over the host link (on 64-bit Linux with unified addressing, memory from torch's pinned
@@ -38,8 +40,10 @@ _BLOCK = 2048
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def _reference(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
-    """CPU kernel: ``slots [S, B]``, ``arena [E, nbytes]``, ``slot``/``expert [P]`` -> ``[P, nbytes]``."""
+def _reference(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int,
+               skip_hits: bool = False) -> Tensor:
+    """CPU kernel: ``slots [S, B]``, ``arena [E, nbytes]``, ``slot``/``expert [P]`` -> ``[P, nbytes]``
+    (every row written, ``skip_hits`` or not)."""
     from_arena = arena[expert]  # [P, nbytes]
     if slots.shape[0] == 0:
         return from_arena
@@ -47,7 +51,7 @@ def _reference(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbyte
     return torch.where((slot >= 0)[:, None], from_slots, from_arena)
 
 
-def _fake(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
+def _fake(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int, skip_hits: bool = False) -> Tensor:
     return slots.new_empty((slot.shape[0], nbytes))
 
 
@@ -74,7 +78,8 @@ if HAS_TRITON:
         tl.store(out_ptr + pair.to(tl.int64) * n_words + offs, words, mask=mask)
 
     @triton_op("strata::gather_experts", mutates_args=())
-    def gather_experts(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int) -> Tensor:
+    def gather_experts(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, nbytes: int,
+                       skip_hits: bool = False) -> Tensor:
         """``[P, nbytes]`` uint8 on ``slots.device``: see the module docstring."""
         slot, expert = slot.contiguous(), expert.contiguous()  # [P] each
         P = slot.shape[0]
@@ -88,7 +93,7 @@ if HAS_TRITON:
             with on_device(slots.device):  # Triton launches on the current device
                 wrap_triton(_gather_kernel)[grid](out.view(_WORDS[word]), slot, expert, slots.data_ptr(),
                                                   slot_stride, arena.data_ptr(), arena_stride, n_words,
-                                                  BLOCK=_BLOCK, num_warps=8)
+                                                  BLOCK=_BLOCK, SKIP_HITS=skip_hits, num_warps=8)
         return out
 
     gather_experts.register_kernel("cpu")(_reference)

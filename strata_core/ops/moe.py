@@ -41,7 +41,10 @@ Rows computed on another device (a peer tier, experts/device_rows.py) join that 
 the combining launch storing each pair's row instead of summing it (the same tiles, the same
 arithmetic), and ``moe_decode(..., served=[P] bool, served_rows=[P, H] float32)`` takes those rows in
 place of its own for the flagged pairs, so the output is bit for bit that of one device holding every
-expert, whichever device computed which row (tests/test_moe_served.py).
+expert, whichever device computed which row (tests/test_moe_served.py). With ``staged=True`` the
+``arena`` argument is ``[P, total]``: each missed pair's expert staged in its own row already
+(``gather_experts(..., skip_hits=True)``), so a home can stage its misses over its link while a peer
+computes, before it waits for the peer's rows (experts/device_rows.py).
 
 How the launches split the work (rows per program, K splits, warps; the "loop" design described
 above or the "split" design) is :data:`CONFIG` (:class:`LaunchConfig`); tools/moe_sweep.py times them.
@@ -164,11 +167,15 @@ def _shapes(shapes: Sequence[int]) -> tuple[tuple[int, int], ...]:
 
 
 def _reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-               qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
-    """The oracle: gather every pair's packed bytes, then :func:`pair_ffn_reference` (``ffn``: the
-    trailing ``_FFN_ARGS``)."""
-    packed = _gather_reference(slots, arena.to(slots.device), slot, expert, sum(nbytes))  # [P, total]
-    xp = x[torch.arange(slot.shape[0], device=x.device) // topk]  # [P, H]
+               qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
+               by_pair: bool = False) -> Tensor:
+    """The oracle: gather every pair's packed bytes (``by_pair``: a miss from ``arena``'s row of its
+    pair, ``moe_decode``'s ``staged``), then :func:`pair_ffn_reference` (``ffn``: the trailing
+    ``_FFN_ARGS``)."""
+    pair = torch.arange(slot.shape[0], device=slot.device)  # [P]
+    packed = _gather_reference(slots, arena.to(slots.device), slot, pair if by_pair else expert,
+                               sum(nbytes))  # [P, total]
+    xp = x[pair.to(x.device) // topk]  # [P, H]
     return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes), _ffn(*ffn), expert).contiguous()
 
 
@@ -185,11 +192,12 @@ def _decode_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, exp
                       topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
                       gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                       act: int = 0, alpha: float = 1.702, limit: float = 7.0, served: Tensor | None = None,
-                      served_rows: Tensor | None = None) -> Tensor:
+                      served_rows: Tensor | None = None, staged: bool = False) -> Tensor:
     """The oracle of ``moe_decode``: the rows of :func:`_reference` (the ``served`` pairs' taken from
-    ``served_rows``), combined by ``combine_rows``."""
+    ``served_rows``; ``staged``: ``arena`` holds a row per pair, the misses staged), combined by
+    ``combine_rows``."""
     rows = _reference(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, gate_bias, up_bias, down_bias,
-                      act, alpha, limit)  # [P, H]
+                      act, alpha, limit, by_pair=staged)  # [P, H]
     return _combined(rows, weights, served, served_rows)
 
 
@@ -225,7 +233,7 @@ moe_decode = torch.library.custom_op(
     "strata::moe_decode", _decode_reference, mutates_args=(),
     schema=("(Tensor x, Tensor slots, Tensor arena, Tensor slot, Tensor expert, Tensor weights, int topk, "
             f"int[] qtypes, int[] shapes, int[] nbytes, {_FFN_ARGS}, Tensor? served=None, "
-            "Tensor? served_rows=None) -> Tensor"))
+            "Tensor? served_rows=None, bool staged=False) -> Tensor"))
 moe_decode.register_fake(_decode_fake)
 if HAS_TRITON:
     moe_decode.register_kernel("cuda")(decode_cuda)

@@ -21,7 +21,7 @@ from torch import Tensor
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.ops import moe
 from strata_core.ops.dequant import fallback_note
-from strata_core.ops.gather import _BLOCK as _GATHER_BLOCK, _WORDS, _gather_kernel, gather_experts
+from strata_core.ops.gather import gather_experts
 from strata_core.ops.moe import _combined, _ffn, _shapes, _split, pair_ffn_reference
 from strata_core.ops.moe_kernels import _gate_up_kernel, _down_kernel, _down_combine_kernel, _gate_up_split_kernel, _down_split_kernel
 from strata_core.ops.qdecode import KERNEL_TYPES, block_geometry, on_device, table
@@ -46,42 +46,41 @@ def _fast_steps(qtype: int, rows: int, offset: int, row_bytes: int, src: tuple) 
     bs, ts, _ = block_geometry(qtype)
     return bs, ts, 32, max(4, moe.CONFIG.tile // (rows * 64)), True
 
-def _stage_misses(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, total: int) -> Tensor:
-    """``[P, total]`` on the device: missed pairs' experts copied from the arena (resident rows unwritten)."""
-    P = slot.shape[0]
-    staged = torch.empty((P, total), dtype=torch.uint8, device=slots.device)
-    sizes = (total, arena.stride(0), arena.data_ptr())
-    word = next(w for w in _WORDS if all(v % w == 0 for v in sizes))
-    n_words = total // word
-    _gather_kernel[(P, triton.cdiv(n_words, _GATHER_BLOCK))](
-        staged.view(_WORDS[word]), slot, expert, 0, 0, arena.data_ptr(), arena.stride(0), n_words,
-        BLOCK=_GATHER_BLOCK, SKIP_HITS=True, num_warps=8)
-    return staged
+def _fallback_rows(op: str, x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
+                   qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], ffn: tuple,
+                   by_pair: bool = False) -> Tensor:
+    """The reference rows ``[P, H]`` on the device, for formats without a decoder (logged once for ``op``):
+    every pair's bytes gathered (``by_pair``: the misses from ``arena``'s row of their pair), then
+    ``pair_ffn_reference``."""
+    fallback_note(next(q for q in qtypes if int(q) not in KERNEL_TYPES), op)
+    pair = torch.arange(slot.shape[0], device=slot.device)  # [P]
+    packed = gather_experts(slots, arena, slot, pair if by_pair else expert, sum(nbytes))  # [P, total]
+    return pair_ffn_reference(x[pair.to(x.device) // topk], *_split(packed, nbytes), qtypes, _shapes(shapes),
+                              _ffn(*ffn), expert).contiguous()
+
+def _decodes(qtypes: Sequence[int]) -> bool:
+    """Whether the Triton kernels decode every matrix of these formats."""
+    return all(int(q) in KERNEL_TYPES for q in qtypes)
 
 def pair_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
              qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
     """The CUDA kernel (see the module doc); the reference for formats without a decoder."""
-    if not all(int(q) in KERNEL_TYPES for q in qtypes):
-        fallback_note(next(q for q in qtypes if int(q) not in KERNEL_TYPES), "strata::moe_pair_rows")
-        packed = gather_experts(slots, arena, slot, expert, sum(nbytes))  # [P, total] on the device
-        xp = x[torch.arange(slot.shape[0], device=x.device) // topk]  # [P, H]
-        return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes), _ffn(*ffn),
-                                  expert).contiguous()
+    if not _decodes(qtypes):
+        return _fallback_rows("strata::moe_pair_rows", x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn)
     with on_device(x.device):  # Triton launches on the current device
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, None, _ffn(*ffn))
 
 def _gate_up(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
              qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
-             ffn: ExpertFFN = SILU) -> tuple[Tensor, tuple, bool]:
-    """The misses staged (a host arena) and ``silu(gate x) * up x`` of every pair (or ``ffn``'s
-    activation of the biased products): float32 ``[P, F]``, the weight sources of the down launch
-    and whether they are staged rows."""
+             ffn: ExpertFFN = SILU, by_pair: bool = False) -> tuple[Tensor, tuple, bool]:
+    """The misses staged (a host arena; ``by_pair``: ``arena`` is their staged rows already) and
+    ``silu(gate x) * up x`` of every pair (or ``ffn``'s activation of the biased products): float32
+    ``[P, F]``, the weight sources of the down launch and whether they are staged rows."""
     (F_, H), _, _ = _shapes(shapes)
     if (ffn.gate_bias is None) != (ffn.up_bias is None):
         raise ValueError("strata::moe_pair_rows: the kernel takes both gate and up biases or neither")
-    total = sum(nbytes)
-    staged = not (arena.device == slots.device or moe.MISS_READ == "direct")
-    miss = _stage_misses(slots, arena, slot, expert, total) if staged else arena
+    staged = by_pair or not (arena.device == slots.device or moe.MISS_READ == "direct")
+    miss = gather_experts(slots, arena, slot, expert, sum(nbytes), True) if staged and not by_pair else arena
     src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
     gate_up = _gate_up_loop if moe.CONFIG.design == "loop" else _gate_up_split
     return gate_up(x, src, staged, topk, qtypes, F_, H, nbytes, ffn), src, staged
@@ -127,12 +126,13 @@ def _or(bias: Tensor | None, dummy: Tensor) -> Tensor:
 def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                 qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
                 weights: Tensor | None = None, ffn: ExpertFFN = SILU, served: Tensor | None = None,
-                served_rows: Tensor | None = None, rows_out: bool = False) -> Tensor:
+                served_rows: Tensor | None = None, rows_out: bool = False, by_pair: bool = False) -> Tensor:
     """The two Triton launches (and the staging copy of misses in a host arena); the rows
     ``[P, H]``, or with ``weights [T, topk]`` their combination ``[T, H]``; ``ffn``'s biases and
     activation applied in the launches. With ``weights``: ``served [P]`` / ``served_rows [P, H]``
     float32 rows taken in place of the flagged pairs' own, or (``rows_out``) the float32 rows
-    ``[P, H]`` the combination would sum, returned instead (``moe_decode_rows``)."""
+    ``[P, H]`` the combination would sum, returned instead (``moe_decode_rows``). ``by_pair``: ``arena``
+    holds the misses staged already, a row per pair (``moe_decode``'s ``staged``)."""
     slot, expert, x = slot.contiguous(), expert.contiguous(), x.contiguous()
     _, _, (H2, F2) = _shapes(shapes)
     P = slot.shape[0]
@@ -140,7 +140,7 @@ def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
            torch.empty((P if weights is None else x.shape[0], H2), dtype=x.dtype, device=x.device))
     if P == 0:
         return out.zero_()
-    h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn)
+    h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn, by_pair)
     down = (_or(ffn.down_bias, h), expert)
     if rows_out:
         modes = dict(served=h, rows_buf=out, SERVED=False, ROWS_OUT=True)
@@ -194,25 +194,26 @@ def decode_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
                 topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
                 gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                 act: int = 0, alpha: float = 1.702, limit: float = 7.0, served: Tensor | None = None,
-                served_rows: Tensor | None = None) -> Tensor:
+                served_rows: Tensor | None = None, staged: bool = False) -> Tensor:
     """``moe_decode`` on CUDA: the rows combined in the down launch (the ``served`` pairs' rows taken
-    from ``served_rows``); the reference's combination of the fallback rows for formats without a
-    decoder."""
+    from ``served_rows``; ``staged``: the misses read from ``arena``'s row of their pair); the
+    reference's combination of the fallback rows for formats without a decoder."""
     ffn = (gate_bias, up_bias, down_bias, act, alpha, limit)
-    if not all(int(q) in KERNEL_TYPES for q in qtypes):
-        return _combined(pair_rows_cuda(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn), weights,
-                         served, served_rows)
+    if not _decodes(qtypes):
+        return _combined(_fallback_rows("strata::moe_decode", x, slots, arena, slot, expert, topk, qtypes, shapes,
+                                        nbytes, ffn, staged), weights, served, served_rows)
     with on_device(x.device):
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, weights, _ffn(*ffn),
-                           None if served is None else served.view(torch.uint8), served_rows)
+                           None if served is None else served.view(torch.uint8), served_rows, by_pair=staged)
 
 def decode_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
               qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
     """``moe_decode_rows`` on CUDA: the combining down launch storing its float32 rows instead of
     summing them (the same arithmetic, row for row); the fallback rows in float32 for formats
     without a decoder."""
-    if not all(int(q) in KERNEL_TYPES for q in qtypes):
-        return pair_rows_cuda(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn).float()
+    if not _decodes(qtypes):
+        return _fallback_rows("strata::moe_decode_rows", x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes,
+                              ffn).float()
     unread = torch.empty((x.shape[0], topk), dtype=torch.float32, device=x.device)  # the combination's shape
     with on_device(x.device):
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, unread, _ffn(*ffn),
