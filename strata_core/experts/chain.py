@@ -28,6 +28,11 @@ class Chain:
     link: bool = True
     cpu: bool = True
 
+    def __post_init__(self) -> None:
+        if self.own is not None:  # the decode gather reads the peers' residency on the own device
+            for cache in self.peers:
+                cache.table.mirror_on(self.own.device)
+
     def caches(self) -> tuple[ExpertCache, ...]:
         """Every cache the layer reads, the own one first, then the peers in chain order."""
         return ((self.own,) if self.own is not None else ()) + self.peers

@@ -25,6 +25,10 @@ reads the routing and nothing synchronises per layer. A peer's pairs take the sa
 computing peer's on the peer (its side stream, enqueued first), a read-across peer's here from its
 bytes copied over; this device points those pairs at its zero slot, and the rows are merged by pair
 (on CUDA ``moe_decode`` takes the peers' float32 rows in place of its own and combines them all).
+Which pairs a peer serves is one launch on CUDA (``peer_pairs``, reading a replica of the peer's
+residency mirror on this device); the activations, slots and experts go over in one copy
+(``PeerLane.send``), and this device stages its own misses over its link before it waits for the
+peer's rows (``stage_misses``): each cross-device step costs latency on the layer's path.
 
 With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill chunk takes the
 grouped prefill instead of the loop per expert (grouped.py): per group of at most ``group_experts``
@@ -42,11 +46,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from strata_core.devices import device_scope
-from strata_core.experts.cache import ExpertCache
 from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.experts.gather import (GATHER_COUNTS, count_pairs, fused_decode, fused_decode_rows, fused_rows,
-                                       lookup_slots, pair_ffn, pair_ffn_grouped, stage_misses)
+from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
+                                       fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
 from strata_core.experts.grouped import GROUP_EXPERTS, grouped_rows, pairs_of
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
@@ -242,31 +245,28 @@ class CachedExpertRows:
         taken = slot >= 0 if chain.peers else None
         served: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pairs a peer serves [P], their rows [P, H])
         rows_of = self._pair_rows if weights is None else self._decode_rows  # rows to merge, or to combine
+        peer_counts = self.telemetry.accumulator(PEER_COUNTS, expert.device) if chain.peers else None
         for cache in chain.peers:
             lane = chain.lane(cache)
+            held = cache.table.mirror_on(self.device)[layer]  # [E]: the peer's residency, read here
             if lane is not None:  # activations go over, rows come back
-                streamed = None  # [P]: missed pairs in the peer's share, read over its own host link
+                frac = lane.split.frac  # the share of the misses it streams over its own host link
                 with lane.enqueue():
                     lane.hold(taken)  # replaced below while the side stream may still read it
-                    held, mine = _served_by(cache, layer, expert, taken)  # on a side stream of this device
-                    if lane.split.frac > 0:
-                        streamed = (held < 0) & ~taken & _in_share(expert, layer, lane.split.frac)
-                        mine = mine | streamed
-                    lane.hand_over()  # this stream reads ``mine`` (and ``streamed``) before it joins the lane
+                    peer_slot, mine, taken = peer_pairs(expert, taken, held, cache.zero_slot, layer, frac,
+                                                        peer_counts, fmt.total)  # on a side stream of this device
+                    lane.hand_over()  # this stream reads ``mine`` and ``taken`` before it joins the lane
                     cache.wait_layer(layer, lane.device)
-                    peer_slot = torch.where(mine, held, cache.zero_slot).to(lane.device)  # streamed: -1
-                    rows = rows_of(hidden.to(lane.device), cache.padded, arena, peer_slot, expert.to(lane.device),
-                                   fmt, ffn)
+                    x, slot_there, expert_there = lane.send(hidden, peer_slot, expert)  # one copy to the peer
+                    rows = rows_of(x, cache.padded, arena, slot_there, expert_there, fmt, ffn)
                     served.append((mine, rows.to(self.device)))
-                if streamed is not None:
-                    self.telemetry.add_counts(("bytes_streamed",), streamed.sum().reshape(1) * fmt.total)
             else:  # the peer's bytes come across the peer link
-                held, mine = _served_by(cache, layer, expert, taken)
+                peer_slot, mine, taken = peer_pairs(expert, taken, held, cache.zero_slot, layer, 0.0, peer_counts,
+                                                    fmt.total)
                 cache.wait_layer(layer, cache.device)
-                packed = cache.padded.index_select(0, torch.where(mine, held, cache.zero_slot).to(cache.device))
+                packed = cache.padded.index_select(0, peer_slot.to(cache.device))
                 across = torch.arange(expert.numel(), device=self.device)  # pair p reads row p
                 served.append((mine, rows_of(hidden, packed.to(self.device), arena, across, expert, fmt, ffn)))
-            taken = taken | served[-1][0]
         if chain.peers:
             slot = torch.where(taken & (slot < 0), own.zero_slot, slot)  # the peers' pairs: a zero row here
             count_pairs(slot, expert, resident, counters, fmt.total)
@@ -284,8 +284,6 @@ class CachedExpertRows:
         for mine, theirs in served:
             by_peer = mine if by_peer is None else by_peer | mine
             peer_rows = theirs if peer_rows is None else torch.where(mine[:, None], theirs, peer_rows)
-            distinct = resident.new_zeros(resident.shape, dtype=torch.bool).scatter_(0, expert, mine)  # [E]
-            self.telemetry.add_counts(("experts_peer",), distinct.sum().reshape(1))  # (layer, expert)s a peer served
         if weights is not None:
             with self.telemetry.compute(self.device):
                 return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt, ffn, by_peer,
@@ -336,18 +334,3 @@ class CachedExpertRows:
                 fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes, ffn, expert)
             jobs.append((pairs, fut))
         return jobs
-
-
-def _served_by(cache: ExpertCache, layer: int, expert: torch.Tensor,
-               taken: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A peer cache's slot of each pair's expert (``expert [P]`` of ``layer``; -1: not held) and the
-    pairs it serves (it holds them and ``taken`` says no earlier source does), both ``[P]`` on
-    ``expert``'s device."""
-    held = cache.table.mirror[layer].to(expert.device)[expert]  # [P]
-    return held, (held >= 0) & ~taken
-
-
-def _in_share(expert: torch.Tensor, layer: int, frac: float) -> torch.Tensor:
-    """Whether each expert id of ``expert [P]`` (of ``layer``) falls in a deterministic share ``frac`` of
-    the experts: a device-side split (no host read), spread over the ids and the layers."""
-    return (expert * 7919 + layer * 104729) % 1000 < round(frac * 1000)

@@ -33,14 +33,16 @@ from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, grouped_ffn
 from strata_core.ops import moe
-from strata_core.ops.gather import HAS_TRITON, gather_experts, pair_bookkeeping_cuda
+from strata_core.ops.gather import HAS_TRITON, gather_experts, pair_bookkeeping_cuda, peer_pairs_cuda
 from strata_core.ops.moe import ffn_args, moe_decode, moe_decode_rows, moe_pair_rows, pair_ffn_reference
 
 __all__ = ["GATHER_COUNTS", "count_pairs", "fused_decode", "fused_decode_rows", "fused_rows", "lookup_slots", "pair_ffn",
-           "pair_ffn_grouped", "stage_misses"]
+           "pair_ffn_grouped", "peer_pairs", "stage_misses", "PEER_COUNTS"]
 
 #: The telemetry counters ``count_pairs`` adds, in order.
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
+#: The telemetry counters ``peer_pairs`` adds, in order.
+PEER_COUNTS = ("experts_peer", "bytes_streamed")
 
 
 def pair_ffn(x: torch.Tensor, packed: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU,
@@ -142,3 +144,29 @@ def count_pairs(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor
     routed = torch.zeros_like(resident, dtype=torch.bool).index_fill_(0, expert, True)  # [E]
     missed = torch.zeros_like(routed).index_fill_(0, expert[~hit], True)  # [E]
     counters.add_(torch.stack([hit.sum(), (routed & (resident >= 0)).sum(), missed.sum(), (~hit).sum() * nbytes]))
+
+
+def peer_pairs(expert: torch.Tensor, taken: torch.Tensor, held: torch.Tensor, zero_slot: int, layer: int,
+               frac: float, counters: torch.Tensor | None = None,
+               nbytes: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A computing peer's share of a decode layer's pairs ``expert [P]``, on their device, no host read.
+
+    The peer serves the pairs no earlier source serves (``taken [P]`` False) whose expert it holds
+    (``held [E]``: the layer's row of its mirror, as read on this device) and, of those that missed
+    everywhere, the ones whose expert falls in a deterministic share ``frac`` of the experts (spread
+    over ids and layers), which it streams over its own host link. Returns ``peer_slot [P]`` (its
+    slot; -1 for a streamed pair; ``zero_slot`` for a pair it does not serve), ``mine [P]`` and
+    ``taken | mine``. ``counters`` (int64 ``[2]``, ``PEER_COUNTS``): the distinct experts the peer
+    serves and the bytes it streams (``nbytes`` an expert) are added. On CUDA one launch
+    (``peer_pairs_cuda``) where torch takes a dozen; the same integers."""
+    threshold = round(frac * 1000)
+    if expert.device.type == "cuda" and HAS_TRITON:
+        return peer_pairs_cuda(expert, taken, held, zero_slot, layer, threshold, counters, nbytes)
+    slot = held[expert]  # [P]
+    free = ~taken
+    streamed = free & (slot < 0) & ((expert * 7919 + layer * 104729) % 1000 < threshold)
+    mine = (free & (slot >= 0)) | streamed
+    if counters is not None:
+        distinct = torch.zeros(held.shape, dtype=torch.bool, device=expert.device).scatter_(0, expert, mine)  # [E]
+        counters.add_(torch.stack([distinct.sum(), streamed.sum() * nbytes]))
+    return torch.where(mine, slot, zero_slot), mine, taken | mine

@@ -171,8 +171,10 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
         elif hits:  # the resident ones copied into their rows beside the misses (only their bytes move)
             rows = to_device(torch.tensor(hits, dtype=torch.long), device)  # [h]
             packed.index_copy_(0, rows, own.slots.index_select(0, slot[g.first:g.last][rows]))
-        for row, cache, slot_id in from_peers[j]:  # read across the peer link
-            packed[row] = cache.slots[slot_id].to(device, non_blocking=True)
+        for cache in {id(c): c for _, c, _ in from_peers[j]}.values():  # read across the peer link, one copy a peer
+            rows, slots = zip(*((row, slot_id) for row, c, slot_id in from_peers[j] if c is cache))
+            across = cache.slots.index_select(0, to_device(torch.tensor(slots, dtype=torch.long), cache.device))
+            packed.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.long), device), across.to(device))
         weights = dequantize_experts(packed, fmt, x.dtype)
         at = slice(g.start, g.end)
         store(at, grouped_ffn(x[order[at] // k], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),

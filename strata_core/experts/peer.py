@@ -28,7 +28,7 @@ What the lane computes (``CachedExpertRows``, device_rows.py, drives it):
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from strata_core.experts.cache import ExpertCache
     from strata_core.experts.chain import MissSplit
 
-__all__ = ["PeerLane"]
+__all__ = ["PeerLane", "packed_copy"]
 
 
 class PeerLane:
@@ -127,6 +127,11 @@ class PeerLane:
         done.record(torch.cuda.current_stream(self.home))  # the side stream current for the home here
         self._outer.wait_event(done)
 
+    def send(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """``tensors`` of the home on the peer (inside ``enqueue()``) through one copy
+        (:func:`packed_copy`): each cross-device copy costs latency on the peer's path."""
+        return list(tensors) if self.device == self.home else packed_copy(tensors, self.device)
+
     def hold(self, *tensors: torch.Tensor) -> None:
         """Keep tensors of the home's stream that the side streams read alive until ``join()`` (their
         memory must not be reused before the side streams have read it)."""
@@ -140,3 +145,18 @@ class PeerLane:
             for done in self._done:
                 current.wait_event(done)
             self._done.clear()
+
+
+def packed_copy(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (one device) on ``device`` through one copy: their bytes packed into one
+    buffer, each at a 16-byte-aligned offset, and views of that buffer's copy."""
+    spans, end = [], 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        spans.append((end, n))
+        end += -(-n // 16) * 16
+    packed = torch.empty(end, dtype=torch.uint8, device=tensors[0].device)
+    for t, (start, n) in zip(tensors, spans):
+        packed[start:start + n].copy_(t.contiguous().view(-1).view(torch.uint8))
+    there = packed.to(device)
+    return [there[start:start + n].view(t.dtype).view(t.shape) for t, (start, n) in zip(tensors, spans)]

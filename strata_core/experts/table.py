@@ -41,6 +41,7 @@ class ResidencyTable:
         self.n_slots = n_slots
         self.host = torch.full((n_layers, n_experts), NOT_RESIDENT, dtype=torch.int32)  # [L, E]
         self.mirror = self.host.to(self.device, copy=True)  # [L, E] on the device
+        self._replicas: dict[torch.device, torch.Tensor] = {}  # [L, E] copies of the mirror on other devices
         self._owner = torch.full((n_slots, 2), NOT_RESIDENT, dtype=torch.int64)  # slot -> (layer, expert)
         self._masked = torch.zeros((n_layers, n_experts), dtype=torch.bool)  # [L, E]
         self._free = list(range(n_slots - 1, -1, -1))  # a stack: pop() gives the lowest free slot
@@ -148,9 +149,22 @@ class ResidencyTable:
             self._deferred -= 1
             self._publish()
 
+    def mirror_on(self, device: torch.device | str) -> torch.Tensor:
+        """The mirror as device code on ``device`` reads it: ``mirror`` itself on this table's device, else a
+        replica there that every publish updates in place (a peer's table read by its home without a
+        copy per layer; ask for it outside CUDA-graph captures: the first call allocates it)."""
+        device = torch.device(device)
+        if device == self.mirror.device:
+            return self.mirror
+        if device not in self._replicas:
+            self._replicas[device] = self.host.to(device, copy=True)
+        return self._replicas[device]
+
     def _publish(self) -> None:
         if self._deferred == 0:
             self.mirror.copy_(self.host)  # blocking: the host may change the table right after
+            for replica in self._replicas.values():
+                replica.copy_(self.host)
 
     # --- checks --------------------------------------------------------------------------------
     def check(self) -> None:
@@ -163,3 +177,5 @@ class ResidencyTable:
         assert owned + len(self._free) == self.n_slots, "free list and owners disagree"
         assert owned == len(visible) + int(self._masked.sum()), "masked entries lost their slots"
         assert torch.equal(self.mirror.cpu(), self.host), "device mirror differs from the host table"
+        for replica in self._replicas.values():
+            assert torch.equal(replica.cpu(), self.host), "a replica of the mirror differs from the host table"

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from strata_core.ops.qdecode import on_device
 
-__all__ = ["HAS_TRITON", "gather_experts", "pair_bookkeeping_cuda"]
+__all__ = ["HAS_TRITON", "gather_experts", "pair_bookkeeping_cuda", "peer_pairs_cuda"]
 
 try:
     import triton
@@ -151,11 +151,58 @@ if HAS_TRITON:
                                           COUNT=counters is not None, BLOCK=max(16, triton.next_power_of_2(P)),
                                           num_warps=4)
         return slot
+    @triton.jit
+    def _peer_pairs_kernel(expert_ptr, taken_ptr, held_ptr, peer_slot_ptr, mine_ptr, taken_out_ptr, counters_ptr,
+                           P, layer, threshold, zero_slot, nbytes, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+        """One program over the P pairs: a computing peer's share of a decode layer (``peer_pairs_cuda``)."""
+        p = tl.arange(0, BLOCK)
+        keep = p < P
+        e = tl.load(expert_ptr + p, mask=keep, other=0).to(tl.int64)
+        free = keep & (tl.load(taken_ptr + p, mask=keep, other=1) == 0)
+        held = tl.load(held_ptr + e, mask=keep, other=-1)
+        streamed = free & (held < 0) & ((e * 7919 + layer * 104729) % 1000 < threshold)
+        mine = (free & (held >= 0)) | streamed
+        tl.store(peer_slot_ptr + p, tl.where(mine, held, zero_slot), mask=keep)
+        tl.store(mine_ptr + p, mine.to(tl.uint8), mask=keep)
+        tl.store(taken_out_ptr + p, (~free | mine).to(tl.uint8), mask=keep)
+        if COUNT:
+            e = tl.where(keep, e, -1)
+            earlier = tl.zeros([BLOCK], dtype=tl.int32)  # pairs q < p routed to the same expert
+            for q0 in range(0, P, 16):  # (whether a pair is the peer's depends on its expert alone)
+                q = q0 + tl.arange(0, 16)
+                eq = tl.load(expert_ptr + q, mask=q < P, other=-2)
+                earlier += tl.sum(((e[:, None] == eq[None, :]) & (q[None, :] < p[:, None])).to(tl.int32), axis=1)
+            first = mine & (earlier == 0)
+            tl.store(counters_ptr + 0, tl.load(counters_ptr + 0) + tl.sum(first.to(tl.int64), axis=0))
+            tl.store(counters_ptr + 1, tl.load(counters_ptr + 1) + tl.sum(streamed.to(tl.int64), axis=0) * nbytes)
+
+    def peer_pairs_cuda(expert: Tensor, taken: Tensor, held: Tensor, zero_slot: int, layer: int, threshold: int,
+                        counters: Tensor | None, nbytes: int) -> tuple[Tensor, Tensor, Tensor]:
+        """A computing peer's share of a decode layer's pairs ``expert [P]`` in one launch (the torch
+        ops of ``strata_core.experts.gather.peer_pairs``, which documents the arguments); returns
+        (peer_slot, mine, taken after) ``[P]``."""
+        expert = expert.contiguous()
+        P = expert.shape[0]
+        peer_slot = torch.empty(P, dtype=held.dtype, device=expert.device)
+        mine = torch.empty(P, dtype=torch.bool, device=expert.device)
+        after = torch.empty(P, dtype=torch.bool, device=expert.device)
+        if P:
+            with on_device(expert.device):
+                _peer_pairs_kernel[(1,)](expert, taken.contiguous().view(torch.uint8), held, peer_slot,
+                                         mine.view(torch.uint8), after.view(torch.uint8),
+                                         counters if counters is not None else expert, P, layer, threshold,
+                                         zero_slot, nbytes, COUNT=counters is not None,
+                                         BLOCK=max(16, triton.next_power_of_2(P)), num_warps=4)
+        return peer_slot, mine, after
 else:
     gather_experts = torch.library.custom_op("strata::gather_experts", _reference, mutates_args=())
 
     def pair_bookkeeping_cuda(expert: Tensor, resident: Tensor, slot: Tensor | None = None,
                               usage: Tensor | None = None, counters: Tensor | None = None, nbytes: int = 0) -> Tensor:
         raise RuntimeError("pair_bookkeeping_cuda needs Triton")
+
+    def peer_pairs_cuda(expert: Tensor, taken: Tensor, held: Tensor, zero_slot: int, layer: int, threshold: int,
+                        counters: Tensor | None, nbytes: int) -> tuple[Tensor, Tensor, Tensor]:
+        raise RuntimeError("peer_pairs_cuda needs Triton")
 
 gather_experts.register_fake(_fake)
