@@ -5,10 +5,14 @@
 * ``peer_reserve_mib`` (600): what auto sizing leaves free on the peer (``--expert-cache auto``);
 * ``peer_slots`` (0 = auto: ``--expert-cache`` per device, or the peer's memory less the reserve);
 * ``peer_adapt_swaps`` (-1 = ``--adapt-swaps``): experts swapped into the peer's cache per window;
-* ``peer_prefill_rows`` (-1 = ``--prefill-chunk`` x top-k / 2): the (token, k) pairs of the peer's
-  compact prompt buffers; 0: the peer computes no prompt rows and its cache is read across instead;
-* ``peer_stream_frac`` (0.35): the share of the primary's prompt misses the peer streams over its own
-  host link and computes, so both links carry them;
+* ``peer_prefill_rows`` (0): how prompts use the peer. 0: its cache is read across (one copy a group
+  over the peer link) and the primary computes every row; N > 0 (or -1 = ``--prefill-chunk`` x
+  top-k / 2): the peer computes its experts' rows in compact buffers of N (token, k) pairs, and
+  streams ``peer_stream_frac`` of the primary's misses. On two H200s (NVLink) reading across is the
+  faster of the two (BENCHMARKS.md, issue 9: 21,888 against 19,065 tok/s at 8K, the same run), so it
+  is the default; computing there is what the seeds' PCIe GPUs needed;
+* ``peer_stream_frac`` (0.35): with ``peer_prefill_rows`` != 0, the share of the primary's prompt
+  misses the peer streams over its own host link and computes, so both links carry them;
 * ``peer_decode_stream_frac`` (0.5): the same for decode misses (the peer's compute there is small
   beside the link time, so an even split balances the two links).
 
@@ -37,9 +41,10 @@ class PeerTierOptions(StrategyOptions):
     peer_reserve_mib: int = Field(600, ge=0, description="device memory auto sizing leaves free on the peer (MiB)")
     peer_slots: int = Field(0, ge=0, description="expert slots of the peer's cache (0 = --expert-cache, or auto)")
     peer_adapt_swaps: int = Field(-1, ge=-1, description="experts swapped into the peer per window (-1 = --adapt-swaps)")
-    peer_prefill_rows: int = Field(-1, ge=-1, description="pairs of the peer's compact prompt buffers "
-                                   "(-1 = prefill chunk x top-k / 2; 0 = the peer's cache is read across instead)")
-    peer_stream_frac: float = Field(0.35, ge=0, le=1, description="share of the prompt misses the peer streams and computes")
+    peer_prefill_rows: int = Field(0, ge=-1, description="prompts: 0 = the peer's cache is read across; else the peer "
+                                   "computes its rows in buffers of this many pairs (-1 = prefill chunk x top-k / 2)")
+    peer_stream_frac: float = Field(0.35, ge=0, le=1, description="share of the prompt misses the peer streams and "
+                                    "computes (peer_prefill_rows != 0)")
     peer_decode_stream_frac: float = Field(0.5, ge=0, le=1,
                                            description="share of the decode misses the peer streams and computes")
 

@@ -77,7 +77,7 @@ def test_logits_equal_single_holding_the_union(model, reference, primary, peer, 
 
 
 def test_greedy_output_equals_single_and_the_peer_serves(model, reference):
-    engine = _tier(model, expert_cache=4, peer_slots=6, peer_stream_frac=0.5)
+    engine = _tier(model, expert_cache=4, peer_slots=6, peer_stream_frac=0.5, peer_prefill_rows=-1)
     assert engine.generate(PROMPT, max_tokens=6, temperature=0) == reference[2]
     by_device = engine.telemetry.by_device()
     assert by_device["cpu#0"]["peer"] > 0 and by_device["cpu#1"]["streamed"] > 0
@@ -85,11 +85,12 @@ def test_greedy_output_equals_single_and_the_peer_serves(model, reference):
 
 def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
     """The decode gather sends the peer its pairs through the lane (once per MoE layer), and the
-    prompt's grouped path too; with peer_prefill_rows=0 the prompt reads the peer's cache across."""
+    prompt's grouped path too with peer_prefill_rows != 0; by default (0) the prompt reads the peer's
+    cache across."""
     entered = []
     real = PeerLane.enqueue
     monkeypatch.setattr(PeerLane, "enqueue", lambda lane: entered.append(lane.name) or real(lane))
-    engine = _tier(model, expert_cache=4, peer_slots=6)
+    engine = _tier(model, expert_cache=4, peer_slots=6, peer_prefill_rows=-1)
     engine.experts.use_gather(True)
     engine.experts.use_grouped_prefill(True)
     session = engine.new_session()
@@ -98,7 +99,7 @@ def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
     engine.decode_window([(session, 3)])
     assert 0 < prompt <= 4 and len(entered) - prompt == 4 and set(entered) == {"cpu#1"}
     entered.clear()
-    across = _tier(model, expert_cache=4, peer_slots=6, peer_prefill_rows=0)
+    across = _tier(model, expert_cache=4, peer_slots=6)
     across.experts.use_grouped_prefill(True)
     across.prefill(across.new_session(), PROMPT)
     assert entered == [] and across.telemetry.by_device()["cpu#0"]["peer"] > 0
@@ -128,7 +129,7 @@ def test_tiers_stay_disjoint_and_within_budget_under_adaptation(model, primary, 
 def test_a_failing_peer_fails_the_request_and_the_next_one_runs(model, reference, monkeypatch, where):
     """An exception in the peer's rows ends the request with it; the tables are as before, the
     tiers disjoint, and the next request gives single's output."""
-    engine = _tier(model, expert_cache=4, peer_slots=6, adapt_swaps=1)
+    engine = _tier(model, expert_cache=4, peer_slots=6, adapt_swaps=1, peer_prefill_rows=-1)  # the prompt computes there
     engine.experts.use_gather(True)
     engine.experts.use_grouped_prefill(True)
     session = engine.new_session()
@@ -176,7 +177,8 @@ def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices,
     options = dict(max_context=128, dtype="float32", arena="pinned", cuda_graphs=graphs)
     want = Engine.load(model, devices=devices[:1], expert_cache=10, **options)
     engine = Engine.load(model, strategy="peer_tier", devices=devices, expert_cache=4,
-                         strategy_options={"peer_slots": 6, "peer_stream_frac": 0.5}, **options)
+                         strategy_options={"peer_slots": 6, "peer_stream_frac": 0.5, "peer_prefill_rows": -1},
+                         **options)
     prompt = list(range(5, 90))
     assert engine.generate(prompt, max_tokens=8, temperature=0) == want.generate(prompt, max_tokens=8, temperature=0)
     torch.testing.assert_close(engine.logits(prompt), want.logits(prompt), rtol=1e-3, atol=1e-3)
