@@ -149,12 +149,13 @@ def count_pairs(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor
 def peer_pairs(expert: torch.Tensor, taken: torch.Tensor, held: torch.Tensor, zero_slot: int, layer: int,
                frac: float, counters: torch.Tensor | None = None,
                nbytes: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A computing peer's share of a decode layer's pairs ``expert [P]``, on their device, no host read.
+    """A peer's share of a decode layer's pairs ``expert [P]``, on their device, no host read.
 
     The peer serves the pairs no earlier source serves (``taken [P]`` False) whose expert it holds
     (``held [E]``: the layer's row of its mirror, as read on this device) and, of those that missed
     everywhere, the ones whose expert falls in a deterministic share ``frac`` of the experts (spread
-    over ids and layers), which it streams over its own host link. Returns ``peer_slot [P]`` (its
+    over ids and layers), which a computing peer streams over its own host link (0 for a peer read
+    across). Returns ``peer_slot [P]`` (its
     slot; -1 for a streamed pair; ``zero_slot`` for a pair it does not serve), ``mine [P]`` and
     ``taken | mine``. ``counters`` (int64 ``[2]``, ``PEER_COUNTS``): the distinct experts the peer
     serves and the bytes it streams (``nbytes`` an expert) are added. On CUDA one launch
