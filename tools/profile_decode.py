@@ -1,7 +1,8 @@
 """Where a decode token's time goes: torch profiler over eager decode windows on CUDA.
 
     python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144] [--cuda-graphs]
-        [--strategy NAME --devices cuda:0,cuda:1] [--prefill 8192] [--moe-config design=split-loop,bn_combine=4]
+        [--strategy NAME --devices cuda:0,cuda:1] [--prefill 8192 [--trace prompt.json]]
+        [--moe-config design=split-loop,bn_combine=4]
 
 Prints wall ms per token, GPU kernel ms per token (sum of kernel times), kernel launches per token,
 and the kernels with the most total time, grouped by name. The wall/GPU ratio says whether the
@@ -52,6 +53,8 @@ def main() -> None:
     parser.add_argument("--devices", default="cuda:0")
     parser.add_argument("--warm-prefill", action="store_true",
                         help="prefill one prompt of --prefill tokens unprofiled first (compiles, rings)")
+    parser.add_argument("--trace", help="also write the prompt's timeline here (Chrome trace JSON, per device "
+                        "and stream: where a GPU waits)")
     parser.add_argument("--moe-config", action="append",
                         help="LaunchConfig fields to override: name=value,... (repeat: each profiled in turn)")
     args = parser.parse_args()
@@ -83,6 +86,9 @@ def main() -> None:
             torch.cuda.synchronize()
             wall = time.perf_counter() - start
         report(prof, 1, wall, f"prefill {args.prefill} (per prompt)", args.top)
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
+            print(f"prompt timeline: {args.trace}")
 
 
 def profile_decode(engine: Engine, tokens: list[int], args: argparse.Namespace) -> None:
