@@ -1,7 +1,7 @@
 """Where a decode token's time goes: torch profiler over eager decode windows on CUDA.
 
     python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144] [--cuda-graphs]
-        [--strategy NAME --devices cuda:0,cuda:1] [--prefill 8192 [--trace prompt.json]]
+        [--strategy NAME --devices cuda:0,cuda:1 [--strategy-options name=value,...]] [--prefill 8192 [--trace prompt.json]]
         [--moe-config design=split-loop,bn_combine=4]
 
 Prints wall ms per token, GPU kernel ms per token (sum of kernel times), kernel launches per token,
@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--cuda-graphs", action="store_true", help="profile replayed CUDA graphs")
     parser.add_argument("--strategy", default="single")
     parser.add_argument("--devices", default="cuda:0")
+    parser.add_argument("--strategy-options", default="", help="the strategy's options: name=value,... "
+                        "(validated by its options model)")
     parser.add_argument("--warm-prefill", action="store_true",
                         help="prefill one prompt of --prefill tokens unprofiled first (compiles, rings)")
     parser.add_argument("--trace", help="also write the prompt's timeline here (Chrome trace JSON, per device "
@@ -59,8 +61,9 @@ def main() -> None:
                         help="LaunchConfig fields to override: name=value,... (repeat: each profiled in turn)")
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
+    options = dict(item.partition("=")[::2] for item in filter(None, args.strategy_options.split(",")))
     engine = Engine.load(args.model, strategy=args.strategy, devices=args.devices.split(","), arena="pinned",
-                         expert_cache=cache,
+                         expert_cache=cache, strategy_options=options,
                          max_context=max(args.context + args.windows + 8, args.prefill + 8),
                          cuda_graphs=args.cuda_graphs)
     gen = torch.Generator().manual_seed(0)
