@@ -32,9 +32,9 @@ import torch
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, grouped_ffn
-from strata_core.ops import moe
 from strata_core.ops.gather import HAS_TRITON, gather_experts, pair_bookkeeping_cuda, peer_pairs_cuda
-from strata_core.ops.moe import ffn_args, moe_decode, moe_decode_rows, moe_pair_rows, pair_ffn_reference
+from strata_core.ops.moe import (ffn_args, moe_decode, moe_decode_rows, moe_pair_rows, pair_ffn_reference,
+                                  stages_misses)
 
 __all__ = ["GATHER_COUNTS", "count_pairs", "fused_decode", "fused_decode_rows", "fused_rows", "lookup_slots", "pair_ffn",
            "pair_ffn_grouped", "peer_pairs", "stage_misses", "PEER_COUNTS"]
@@ -95,7 +95,7 @@ def stage_misses(slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor, e
     ``slots``' device, ``[P, total]`` (the hits' rows unwritten), as :func:`fused_decode` would stage
     them itself: done first, the copy can overlap other work (a peer's rows). None where the kernels
     read the arena in place (a device arena, ``MISS_READ == "direct"``)."""
-    if arena.device == slots.device or moe.MISS_READ == "direct":
+    if not stages_misses(slots, arena):
         return None
     return gather_experts(slots, arena, slot, expert, fmt.total, True)
 

@@ -68,7 +68,7 @@ from strata_core.ops.qdecode import HAS_TRITON
 from strata_core.quant.registry import dequantize_reference
 
 __all__ = ["CONFIG", "MISS_READ", "LaunchConfig", "ffn_args", "moe_decode", "moe_decode_rows", "moe_pair_rows",
-           "pair_ffn_reference"]
+           "pair_ffn_reference", "stages_misses"]
 
 #: How the CUDA kernel reads a miss from a pinned host arena: "staged" or "direct" (module doc).
 MISS_READ = "staged"
@@ -168,15 +168,25 @@ def _shapes(shapes: Sequence[int]) -> tuple[tuple[int, int], ...]:
 
 def _reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
-               by_pair: bool = False) -> Tensor:
+               by_pair: bool = False, gather=None) -> Tensor:
     """The oracle: gather every pair's packed bytes (``by_pair``: a miss from ``arena``'s row of its
     pair, ``moe_decode``'s ``staged``), then :func:`pair_ffn_reference` (``ffn``: the trailing
-    ``_FFN_ARGS``)."""
+    ``_FFN_ARGS``). ``gather``: a ``gather_experts`` reading ``arena`` where it is (the CUDA kernels'
+    fallback); by default the CPU gather of a copy of ``arena`` on ``slots``' device."""
     pair = torch.arange(slot.shape[0], device=slot.device)  # [P]
-    packed = _gather_reference(slots, arena.to(slots.device), slot, pair if by_pair else expert,
-                               sum(nbytes))  # [P, total]
+    source = pair if by_pair else expert  # each pair's row of ``arena`` where it misses
+    if gather is None:
+        packed = _gather_reference(slots, arena.to(slots.device), slot, source, sum(nbytes))  # [P, total]
+    else:
+        packed = gather(slots, arena, slot, source, sum(nbytes))
     xp = x[pair.to(x.device) // topk]  # [P, H]
     return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes), _ffn(*ffn), expert).contiguous()
+
+
+def stages_misses(slots: Tensor, arena: Tensor) -> bool:
+    """Whether the CUDA kernels copy a layer's misses into device rows first (a host ``arena``,
+    ``MISS_READ == "staged"``) rather than read ``arena`` in place."""
+    return not (arena.device == slots.device or MISS_READ == "direct")
 
 
 def _combined(rows: Tensor, weights: Tensor, served: Tensor | None, served_rows: Tensor | None) -> Tensor:

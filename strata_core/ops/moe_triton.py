@@ -22,7 +22,7 @@ from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.ops import moe
 from strata_core.ops.dequant import fallback_note
 from strata_core.ops.gather import gather_experts
-from strata_core.ops.moe import _combined, _ffn, _shapes, _split, pair_ffn_reference
+from strata_core.ops.moe import _combined, _ffn, _reference, _shapes
 from strata_core.ops.moe_kernels import _gate_up_kernel, _down_kernel, _down_combine_kernel, _gate_up_split_kernel, _down_split_kernel
 from strata_core.ops.qdecode import KERNEL_TYPES, block_geometry, on_device, table
 
@@ -50,13 +50,10 @@ def _fallback_rows(op: str, x: Tensor, slots: Tensor, arena: Tensor, slot: Tenso
                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], ffn: tuple,
                    by_pair: bool = False) -> Tensor:
     """The reference rows ``[P, H]`` on the device, for formats without a decoder (logged once for ``op``):
-    every pair's bytes gathered (``by_pair``: the misses from ``arena``'s row of their pair), then
-    ``pair_ffn_reference``."""
+    ``moe._reference`` with the device gather reading ``arena`` where it is."""
     fallback_note(next(q for q in qtypes if int(q) not in KERNEL_TYPES), op)
-    pair = torch.arange(slot.shape[0], device=slot.device)  # [P]
-    packed = gather_experts(slots, arena, slot, pair if by_pair else expert, sum(nbytes))  # [P, total]
-    return pair_ffn_reference(x[pair.to(x.device) // topk], *_split(packed, nbytes), qtypes, _shapes(shapes),
-                              _ffn(*ffn), expert).contiguous()
+    return _reference(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn, by_pair=by_pair,
+                      gather=gather_experts)
 
 def _decodes(qtypes: Sequence[int]) -> bool:
     """Whether the Triton kernels decode every matrix of these formats."""
@@ -79,7 +76,7 @@ def _gate_up(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tens
     (F_, H), _, _ = _shapes(shapes)
     if (ffn.gate_bias is None) != (ffn.up_bias is None):
         raise ValueError("strata::moe_pair_rows: the kernel takes both gate and up biases or neither")
-    staged = by_pair or not (arena.device == slots.device or moe.MISS_READ == "direct")
+    staged = by_pair or moe.stages_misses(slots, arena)
     miss = gather_experts(slots, arena, slot, expert, sum(nbytes), True) if staged and not by_pair else arena
     src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
     gate_up = _gate_up_loop if moe.CONFIG.design == "loop" else _gate_up_split
