@@ -7,12 +7,17 @@ import random
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.experts.backend import build_expert_backend
-from strata_core.experts.grouped import dequantize_experts, expert_groups, grouped_ffn, padded_index
+from strata_core.experts.grouped import dequantize_experts, expert_groups, fused_gate_up, grouped_ffn, padded_index
 from strata_core.experts.rows import expert_ffn
+from strata_core.experts import device_rows
+from strata_core.experts.telemetry import ExpertTelemetry
+from strata_core.experts.transfer import ArenaCopier, StagingRing, copy_runs
 from strata_core.plugin.placement import DeviceSlot, Placement
 
 CPU = torch.device("cpu")
@@ -38,6 +43,23 @@ def test_expert_groups_cover_every_expert_and_pair_in_order(limit):
         assert (g.last, g.end) == (nxt.first, nxt.start)
     assert all(g.end - g.start == sum(counts[g.first:g.last]) for g in groups)
     assert expert_groups([], limit) == []
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=12, unique_by=lambda p: p[0])
+       .map(sorted))
+def test_copy_runs_cover_the_batch_in_order_with_the_fewest_copies(batch):
+    runs = copy_runs(batch)
+    assert [(row + i, expert + i) for row, expert, m in runs for i in range(m)] == batch
+    for (row, expert, m), (row2, expert2, _) in zip(runs, runs[1:]):  # no two neighbours could be one copy
+        assert (row + m, expert + m) != (row2, expert2)
+
+
+def test_fused_gate_up_is_found_only_for_the_halves_of_one_tensor():
+    both = torch.randn(3, 8, 4)  # [G, 2F, H]
+    gate, up = both[:, :4], both[:, 4:]
+    assert torch.equal(fused_gate_up(gate, up), both)
+    assert fused_gate_up(gate.clone(), up.clone()) is None
+    assert fused_gate_up(up, gate) is None
 
 
 def test_padded_index_puts_each_experts_pairs_at_the_start_of_its_row_block():
@@ -104,6 +126,63 @@ def test_grouped_rows_and_telemetry_match_the_loop_per_expert(synthetic, arena, 
         runs[grouped] = {k: v for k, v in backend.telemetry.snapshot().items()
                          if k not in ("copy_s", "compute_s", "link_gbps")}
     assert runs[True] == runs[False]
+
+
+def test_a_prefetch_spares_the_copies_it_covers_and_only_those(synthetic):
+    """``StagingRing.prefetch``: ``run_batches`` of the same layer copies only the batches no prefetched
+    one covers (a subset is covered), and every consumed buffer holds the experts its batch names."""
+    backend = _backend(synthetic, arena="pinned")
+    arena = backend.arena
+    copier = ArenaCopier(arena, CPU, ExpertTelemetry())
+    ring = StagingRing(copier, rows=3)
+    copied = []
+    real = copier.copy_rows
+    copier.copy_rows = lambda layer, batch, dst: copied.append((layer, list(batch))) or real(layer, batch, dst)
+    packed = [torch.cat([p.reshape(-1) for p in arena.parts(1, e)]) for e in range(8)]
+
+    def run(layer, batches):
+        seen = []
+
+        def consume(j, buffer):
+            seen.extend(torch.equal(buffer[row, :packed[e].numel()], packed[e]) for row, e in batches[j])
+        ring.run_batches(layer, batches, consume)
+        assert seen and all(seen)
+
+    ring.prefetch(1, [[(0, 2), (1, 3)], [(0, 5)], [(0, 7)]])  # depth 2: the first two only
+    assert [layer for layer, _ in copied] == [1, 1]
+    copied.clear()
+    run(1, [[(1, 3)], [(0, 6)], [(2, 4)]])  # batch 0 covered, batch 1 not, batch 2 beyond the prefetch
+    assert copied == [(1, [(0, 6)]), (1, [(2, 4)])]
+    copied.clear()
+    run(1, [[(1, 3)], [(0, 5)]])  # the buffers were used since: nothing is covered any more
+    assert len(copied) == 2
+    ring.prefetch(0, [[(0, 2)]])
+    copied.clear()
+    run(1, [[(0, 2)]])  # another layer's bytes
+    assert copied == [(1, [(0, 2)])]
+
+
+@pytest.mark.parametrize("strategy", ["single", "peer_tier"])
+def test_prefetched_prompts_equal_unprefetched_ones_bit_for_bit(tiny_model_factory, monkeypatch, strategy):
+    """The grouped prefill with every layer's misses prefetched (predicted before the routing) gives the
+    logits of the same prefill without it, bit for bit; the predictions are issued."""
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    options = {"max_context": 96, "expert_cache": 7} | (
+        {"strategy": "peer_tier", "devices": ["cpu", "cpu"], "arena": "pinned",
+         "strategy_options": {"peer_slots": 5, "peer_prefill_rows": -1, "peer_stream_frac": 0.5}}
+        if strategy == "peer_tier" else {})
+    prefetched = []
+    real = StagingRing.prefetch
+    monkeypatch.setattr(StagingRing, "prefetch", lambda ring, layer, batches: prefetched.append(layer)
+                        or real(ring, layer, batches))
+    logits = []
+    for pairs in (10**9, 0):  # no prefetch, then always
+        monkeypatch.setattr(device_rows, "PREFETCH_PAIRS", pairs)
+        engine = Engine.load(path, **options)
+        engine.experts.use_grouped_prefill(True)
+        logits.append(engine.prefill(engine.new_session(), PROMPT, all_logits=True))
+    assert torch.equal(logits[0], logits[1])
+    assert set(prefetched) == {1, 2}
 
 
 def test_grouped_prefill_logits_and_greedy_output_match_the_cpu_reference(tiny_model_factory):

@@ -69,7 +69,11 @@ class MissSplit:
         self.frac, self.credit = frac, 0.0
 
     def take(self, n: int) -> int:
+        link = self.peek(n)
         self.credit += n * self.frac
-        link = min(n, int(self.credit + 1e-9))
         self.credit -= link
         return link
+
+    def peek(self, n: int) -> int:
+        """What ``take(n)`` would return now, without taking it (a prediction)."""
+        return min(n, int(self.credit + n * self.frac + 1e-9))

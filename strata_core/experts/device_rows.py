@@ -50,7 +50,7 @@ from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
                                        fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
-from strata_core.experts.grouped import GROUP_EXPERTS, grouped_rows, pairs_of
+from strata_core.experts.grouped import GROUP_EXPERTS, grouped_rows, pairs_of, predicted_misses
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
@@ -58,13 +58,18 @@ from strata_core.experts.transfer import StagingRing
 from strata_core.ops.gather import gather_experts
 
 if TYPE_CHECKING:
+    from strata_core.experts.cache import ExpertCache
     from strata_core.experts.peer import PeerLane
 
-__all__ = ["FUSED_FFN", "CachedExpertRows"]
+__all__ = ["FUSED_FFN", "PREFETCH_PAIRS", "CachedExpertRows"]
 
 #: The fused CUDA decode kernels compute experts with biases / swiglu_oai too (gpt-oss); False: those
 #: take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
 FUSED_FFN = True
+
+#: A prompt chunk with at least this many (token, k) pairs per expert streams each layer's first expert
+#: groups of misses before its routing is known, predicting every expert routed (``_prefetch``).
+PREFETCH_PAIRS = 16
 
 
 class CachedExpertRows:
@@ -105,9 +110,9 @@ class CachedExpertRows:
             self.telemetry.add_routing(expert_ids.numel(), (chain.own.table.mirror[layer][expert_ids] >= 0).sum())
         else:
             self.telemetry.routed += expert_ids.numel()
-        order, experts, counts = group_by_expert(expert_ids)
         if self.grouped and not self.decoding and chain.link:
-            return self._grouped(layer, hidden, k, order, experts, counts, chain, ffn).view(T, k, -1)
+            return self._grouped(layer, hidden, expert_ids, chain, ffn).view(T, k, -1)
+        order, experts, counts = group_by_expert(expert_ids)
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
         groups = {e: (end - n, end) for e, n, end in zip(experts.tolist(), counts.tolist(), ends)}
@@ -152,31 +157,32 @@ class CachedExpertRows:
             return 0
         return self.split.take(n_missed) if self.decoding else n_missed
 
-    def _away(self, link: list[int], chain: Chain) -> tuple[list[int], list[tuple[PeerLane, list[int]]]]:
+    def _away(self, link: list[int], chain: Chain, peek: bool = False) -> tuple[list[int], list[tuple[PeerLane, list[int]]]]:
         """A prompt layer's link misses split: each computing peer's ``stream`` share (the last ones,
-        streamed over the peer's own host link and computed there), and the rest over this device's."""
+        streamed over the peer's own host link and computed there), and the rest over this device's
+        (``peek``: the split predicted, the shares not taken)."""
         away = []
         for lane in chain.lanes if not self.decoding else ():
-            n = lane.split.take(len(link))
+            n = lane.split.peek(len(link)) if peek else lane.split.take(len(link))
             if n:
                 away.append((lane, link[len(link) - n:]))
                 link = link[:len(link) - n]
         return link, away
 
-    def _grouped(self, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, experts: torch.Tensor,
-                 counts: torch.Tensor, chain: Chain, ffn: ExpertFFN) -> torch.Tensor:
-        """``[T*k, H]`` rows of a prefill chunk through the grouped prefill (``order``/``experts``/``counts``
-        from ``group_by_expert``); the host reads the routing once, nothing waits per expert. The
-        experts a computing peer holds, and its share of the misses, go to that peer (enqueued first,
-        so its groups overlap this device's)."""
-        fmt = self.arena.formats[layer]
-        ids, sizes = torch.stack([experts.long(), counts]).tolist()  # the host read of this layer
+    def _grouped(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
+                 ffn: ExpertFFN) -> torch.Tensor:
+        """``[T*k, H]`` rows of a prefill chunk (``expert_ids [T, k]``) through the grouped prefill; the host
+        reads the routing once (the pairs per expert), nothing waits per expert. The experts a computing
+        peer holds, and its share of the misses, go to that peer (enqueued first, so its groups overlap
+        this device's)."""
+        fmt, k = self.arena.formats[layer], expert_ids.shape[1]
+        flat = expert_ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat, stable=True)  # [T*k]: the pairs sorted by expert, as group_by_expert sorts them
+        per_expert = torch.bincount(flat, minlength=self.arena.n_experts).tolist()  # the host read of this layer
+        ids = [e for e, n in enumerate(per_expert) if n]  # the distinct routed experts, ascending
+        sizes = [per_expert[e] for e in ids]
         holder = chain.holders(layer, ids)  # first cache holding each distinct expert
-        _, away = self._away([i for i, where in enumerate(holder) if where is None], chain)  # the rest stay here
-        taken = {id(lane): [i for i, where in enumerate(holder) if where is not None and where[0] is lane.cache]
-                 for lane in chain.lanes}
-        for lane, streamed in away:
-            taken[id(lane)] = sorted(taken[id(lane)] + streamed)
+        taken = self._assign(chain, holder)
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
         chain.wait(layer, self.device)
         elsewhere: set[int] = set()
@@ -187,8 +193,6 @@ class CachedExpertRows:
                 self.telemetry.count(lane.name, {"streamed": sum(1 for i in taken[id(lane)] if holder[i] is None)})
         here = [i for i in range(len(ids)) if i not in elsewhere]
         mine = order if not elsewhere else pairs_of(order, sizes, here)
-        if self._group_ring is None or self._group_ring.buffers.shape[1] < self.group_experts:
-            self._group_ring = StagingRing(self.ring.copier, rows=self.group_experts)
 
         def store(at: slice, rows: torch.Tensor) -> None:
             out[mine[at]] = rows
@@ -196,13 +200,48 @@ class CachedExpertRows:
         with self.telemetry.compute(self.device):
             n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, mine, [ids[i] for i in here],
                                             [sizes[i] for i in here], [holder[i] for i in here], chain.own,
-                                            self._group_ring, store, self.group_experts, ffn=ffn)
+                                            self._staging(), store, self.group_experts, ffn=ffn)
+        self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
             lane.join()
         n_lanes = sum(1 for i in elsewhere if holder[i] is not None)
         self.telemetry.count(self.name, {"resident": len(here) - n_missed - n_peer, "peer": n_peer + n_lanes,
                                          "streamed": n_missed})
         return out
+
+    def _assign(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None],
+                peek: bool = False) -> dict[int, list[int]]:
+        """Per computing peer (``id(lane)``), the indices of a prompt layer's distinct experts it takes: those
+        its cache holds and its ``stream`` share of the misses (``holder``: per expert, where it is found)."""
+        _, away = self._away([i for i, where in enumerate(holder) if where is None], chain, peek)  # the rest stay here
+        taken = {id(lane): [i for i, where in enumerate(holder) if where is not None and where[0] is lane.cache]
+                 for lane in chain.lanes}
+        for lane, streamed in away:
+            taken[id(lane)] = sorted(taken[id(lane)] + streamed)
+        return taken
+
+    def _staging(self) -> StagingRing:
+        """This device's ring of whole expert groups (the grouped prefill's misses)."""
+        if self._group_ring is None or self._group_ring.buffers.shape[1] < self.group_experts:
+            self._group_ring = StagingRing(self.ring.copier, rows=self.group_experts)
+        return self._group_ring
+
+    def _prefetch(self, layer: int, pairs: int) -> None:
+        """Stream ``layer``'s first expert groups of misses now, while its attention runs, predicting that a
+        prompt chunk of ``pairs`` (token, k) pairs routes to every expert (near certain from
+        ``PREFETCH_PAIRS`` a expert on); a prediction that fails costs only copies made again."""
+        chain, n = self.chains.get(layer), self.arena.n_experts
+        if chain is None or not chain.link or pairs < PREFETCH_PAIRS * n:
+            return
+        ids = list(range(n))
+        holder = chain.holders(layer, ids)
+        taken = self._assign(chain, holder, peek=True)
+        elsewhere = {i for chosen in taken.values() for i in chosen}
+        self._staging().prefetch(layer, predicted_misses(ids, holder, [i for i in ids if i not in elsewhere],
+                                                         self.group_experts))
+        for lane in chain.lanes:
+            lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, taken[id(lane)],
+                                                                           self.group_experts, lane.rows))
 
     def _on_peer(self, lane: PeerLane, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
                  sizes: list[int], holder: list, chosen: list[int], out: torch.Tensor, ffn: ExpertFFN) -> None:

@@ -34,14 +34,15 @@ from strata_core.devices import to_device
 
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
+from strata_core.ops.dequant import dequantize_cuda
 from strata_core.quant import dequantize
 
 if TYPE_CHECKING:
     from strata_core.experts.cache import ExpertCache
     from strata_core.experts.transfer import StagingRing
 
-__all__ = ["GROUP_EXPERTS", "ExpertGroup", "workspace_bytes", "dequantize_experts", "expert_groups", "grouped_ffn",
-           "grouped_rows", "padded_index", "pairs_of"]
+__all__ = ["GROUP_EXPERTS", "ExpertGroup", "workspace_bytes", "dequantize_experts", "expert_groups", "fused_gate_up",
+           "grouped_ffn", "grouped_rows", "miss_batches", "padded_index", "pairs_of", "predicted_misses"]
 
 #: Most experts whose weights are dequantized at once (bounds the peak memory of a layer).
 GROUP_EXPERTS = 32
@@ -79,10 +80,35 @@ def expert_groups(counts: list[int], limit: int = GROUP_EXPERTS, rows: int = 0) 
 
 def dequantize_experts(packed: torch.Tensor, fmt: ExpertFormat,
                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(gate, up, down) weights ``[g, out, in]`` in ``dtype`` of ``packed [g, >= total]`` experts."""
+    """(gate, up, down) weights ``[g, out, in]`` in ``dtype`` of ``packed [g, >= total]`` experts.
+
+    On CUDA the Triton dequantizer is called directly (the custom op's dispatch costs tens of
+    microseconds of host time a call, and a prompt makes hundreds), and gate and up of one block type
+    are one launch: then they are the halves of one ``[g, 2 * out, in]`` tensor (``fused_gate_up``)."""
     g = packed.shape[0]
-    return tuple(dequantize(raw, qtype, (g, *shape), dtype)  # type: ignore[return-value]
+    (gate_t, up_t, down_t), (gate_s, up_s, down_s) = fmt.qtypes, fmt.shapes
+    if packed.device.type == "cuda" and gate_t == up_t and gate_s == up_s:
+        both = _dequantize_fast(packed[:, :fmt.nbytes[0] + fmt.nbytes[1]], gate_t, (g, 2 * gate_s[0], gate_s[1]), dtype)
+        down = _dequantize_fast(fmt.split(packed)[2], down_t, (g, *down_s), dtype)
+        return both[:, :gate_s[0]], both[:, gate_s[0]:], down
+    return tuple(_dequantize_fast(raw, qtype, (g, *shape), dtype)  # type: ignore[return-value]
                  for raw, qtype, shape in zip(fmt.split(packed), fmt.qtypes, fmt.shapes))
+
+
+def _dequantize_fast(raw: torch.Tensor, qtype: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``dequantize``, through the Triton launcher directly on CUDA where the format has a kernel."""
+    out = dequantize_cuda(raw, qtype, shape, dtype) if raw.device.type == "cuda" else None
+    return out if out is not None else dequantize(raw, qtype, shape, dtype)
+
+
+def fused_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """The ``[G, 2F, H]`` tensor whose halves are ``gate`` and ``up`` (``[G, F, H]`` each), or None
+    when they are not (``dequantize_experts`` makes them so on CUDA: one product computes both)."""
+    G, F, H = gate.shape
+    if up.shape != gate.shape or gate.stride() != (2 * F * H, H, 1) or up.stride() != gate.stride() \
+            or up.data_ptr() != gate.data_ptr() + F * H * gate.element_size():
+        return None
+    return gate.as_strided((G, 2 * F, H), gate.stride())
 
 
 def padded_index(counts: torch.Tensor, width: int, n: int) -> torch.Tensor:
@@ -122,6 +148,10 @@ def grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
         def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)  # [n, out]
 
+        both = fused_gate_up(gate, up)  # [G, 2F, H]: gate and up in one product
+        if both is not None:
+            gu, F = product(x, both), gate.shape[1]  # [n, 2F]
+            return ffn.post(product(ffn.hidden(gu[:, :F], gu[:, F:], ids), down), ids)
         return ffn.post(product(ffn.hidden(product(x, gate), product(x, up), ids), down), ids)
     G, H = counts.numel(), x.shape[-1]
     ids = experts if experts is None else experts[:, None]  # [G, 1]: a bias row per expert
@@ -141,6 +171,21 @@ def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.
     return order[to_device(index, order.device)]
 
 
+def miss_batches(groups: list[ExpertGroup], ids: list[int],
+                 holder: list[tuple[ExpertCache, int] | None]) -> list[list[tuple[int, int]]]:
+    """Per group, the ``(row, expert)`` of its experts that no cache holds (``holder`` None): what the
+    staging ring streams into that group's buffer."""
+    return [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
+
+
+def predicted_misses(ids: list[int], holder: list[tuple[ExpertCache, int] | None], chosen: list[int],
+                     group_experts: int, group_rows: int = 0) -> list[list[tuple[int, int]]]:
+    """``miss_batches`` of the distinct experts ``chosen`` (indices into ``ids``) as ``grouped_rows`` will
+    cut them if every one is routed and no group reaches ``group_rows`` pairs (the prefetch's prediction)."""
+    groups = expert_groups([1] * len(chosen), group_experts, group_rows)
+    return miss_batches(groups, [ids[i] for i in chosen], [holder[i] for i in chosen])
+
+
 def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
                  sizes: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
                  ring: StagingRing, store: Callable[[slice, torch.Tensor], None], group_experts: int,
@@ -153,32 +198,50 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
     through ``ring``; then ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
     Returns (misses, experts read across)."""
     device = x.device
-    experts = to_device(torch.tensor(ids, dtype=torch.long), device)  # [n] (long also when empty)
-    slot = own.table.mirror[layer][experts] if own is not None else None  # [n]
-    counts = to_device(torch.tensor(sizes, dtype=torch.long), device)  # [n]
-    expert_ids = None if ffn.plain else experts  # [n]: index the biases
     groups = expert_groups(sizes, group_experts, group_rows)
-    misses = [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
-    from_peers = [[(i - g.first, *holder[i]) for i in range(g.first, g.last)
-                   if holder[i] is not None and holder[i][0] is not own] for g in groups]
+    misses = miss_batches(groups, ids, holder)
+    hits = [[(i - g.first, holder[i][1]) for i in range(g.first, g.last)
+             if holder[i] is not None and holder[i][0] is own] for g in groups]
+    peers = list({id(h[0]): h[0] for h in holder if h is not None and h[0] is not own}.values())  # read across
+    across = [[[(i - g.first, holder[i][1]) for i in range(g.first, g.last)
+                if holder[i] is not None and holder[i][0] is cache] for cache in peers] for g in groups]
+    # the layer's integers in one copy to each device: experts, counts, per group its hits' rows and slots
+    # and the rows of what it reads across; on each peer read across, the slots it reads there
+    experts, counts, *index = _on_device([ids, sizes] + [list(part) for h in hits for part in _columns(h)]
+                                         + [[row for row, _ in a] for per_peer in across for a in per_peer], device)
+    hit_index, row_index = index[:2 * len(groups)], index[2 * len(groups):]  # [h]s; [a]s, group-major
+    slot_index = [_on_device([[slot for _, slot in per_peer[p]] for per_peer in across], cache.device)
+                  for p, cache in enumerate(peers)]
+    expert_ids = None if ffn.plain else experts  # [n]: index the biases
+    token = order // k  # [sum(sizes)]: the token of each sorted pair
 
     def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
         g = groups[j]
         packed = staged[:g.last - g.first]  # [g, B]
-        hits = [i - g.first for i in range(g.first, g.last) if holder[i] is not None and holder[i][0] is own]
-        if len(hits) == g.last - g.first:  # every expert resident: one index_select from the own slots
-            packed = own.slots.index_select(0, slot[g.first:g.last])
-        elif hits:  # the resident ones copied into their rows beside the misses (only their bytes move)
-            rows = to_device(torch.tensor(hits, dtype=torch.long), device)  # [h]
-            packed.index_copy_(0, rows, own.slots.index_select(0, slot[g.first:g.last][rows]))
-        for cache in {id(c): c for _, c, _ in from_peers[j]}.values():  # read across the peer link, one copy a peer
-            rows, slots = zip(*((row, slot_id) for row, c, slot_id in from_peers[j] if c is cache))
-            across = cache.slots.index_select(0, to_device(torch.tensor(slots, dtype=torch.long), cache.device))
-            packed.index_copy_(0, to_device(torch.tensor(rows, dtype=torch.long), device), across.to(device))
+        rows, slots = hit_index[2 * j:2 * j + 2]  # [h], [h]
+        if len(hits[j]) == g.last - g.first:  # every expert resident: one index_select from the own slots
+            packed = own.slots.index_select(0, slots)
+        elif hits[j]:  # the resident ones copied into their rows beside the misses (only their bytes move)
+            packed.index_copy_(0, rows, own.slots.index_select(0, slots))
+        for p, cache in enumerate(peers):  # read across the peer link, one copy a peer
+            if across[j][p]:
+                there = cache.slots.index_select(0, slot_index[p][j])
+                packed.index_copy_(0, row_index[j * len(peers) + p], there.to(device))
         weights = dequantize_experts(packed, fmt, x.dtype)
         at = slice(g.start, g.end)
-        store(at, grouped_ffn(x[order[at] // k], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),
+        store(at, grouped_ffn(x[token[at]], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),
                               ffn=ffn, experts=None if expert_ids is None else expert_ids[g.first:g.last]))
 
     ring.run_batches(layer, misses, consume)
-    return sum(map(len, misses)), sum(map(len, from_peers))
+    return sum(map(len, misses)), sum(len(a) for per_peer in across for a in per_peer)
+
+
+def _columns(pairs: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``([first of each pair], [second of each pair])``; two empty columns for no pairs."""
+    return tuple(zip(*pairs)) if pairs else ((), ())  # type: ignore[return-value]
+
+
+def _on_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """The integer lists as long tensors on ``device`` through one copy (views of one buffer)."""
+    flat = [v for values in lists for v in values]
+    return list(to_device(torch.tensor(flat, dtype=torch.long), device).split([len(v) for v in lists]))

@@ -2,8 +2,10 @@
 
 On CUDA every copy runs on the device's copy stream and the compute stream waits on events, so
 the host only enqueues: ``StagingRing.run`` issues the copy of expert j+depth while expert j is
-computed (``run_batches``: the copies of expert group j+depth while group j is), and a ring buffer is refilled only after the compute that read it (an event, not a host
-wait). Arena layers that are not pinned go through a ring of pinned host buffers first (the one
+computed (``run_batches``: the copies of expert group j+depth while group j is), and a ring buffer
+is refilled only after the compute that read it (an event, not a host wait). ``prefetch`` issues a
+layer's first groups before its routing is known (the grouped prefill predicts them at the end of
+the layer before, so they cross the link while the next layer's attention runs). Arena layers that are not pinned go through a ring of pinned host buffers first (the one
 place the host may wait: for the DMA that last read a host buffer, ``host_depth`` copies back).
 On the CPU the same code runs with synchronous copies, so CI exercises every branch but the events.
 """
@@ -18,9 +20,22 @@ import torch
 from strata_core.experts.arena import Arena, can_pin
 from strata_core.experts.telemetry import ExpertTelemetry
 
-__all__ = ["ArenaCopier", "StagingRing"]
+__all__ = ["ArenaCopier", "StagingRing", "copy_runs"]
 
 Expert = tuple[int, int]
+
+
+def copy_runs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(row, expert, m)`` runs of ``batch``'s ``(row, expert)`` pairs: each covers ``m`` consecutive
+    pairs whose rows and experts both count up by one, so one copy moves them (a layer's experts are
+    consecutive rows of its arena buffer)."""
+    runs: list[list[int]] = []
+    for row, expert in batch:
+        if runs and runs[-1][0] + runs[-1][2] == row and runs[-1][1] + runs[-1][2] == expert:
+            runs[-1][2] += 1
+        else:
+            runs.append([row, expert, 1])
+    return [(row, expert, m) for row, expert, m in runs]
 
 
 class ArenaCopier:
@@ -40,9 +55,9 @@ class ArenaCopier:
 
     def copy_rows(self, layer: int, batch: Sequence[tuple[int, int]], dst: torch.Tensor) -> None:
         """Enqueue the copies of ``batch``'s ``(row, expert)``s of ``layer`` into those rows of ``dst``
-        (``[R, >= packed]`` uint8 on the device). From a pinned layer on CUDA: one DMA per expert
-        and one pair of timing events for the batch (the host's cost per expert is what bounds a
-        prompt's misses: it runs between a layer's routing and its first group), else ``copy`` each."""
+        (``[R, >= packed]`` uint8 on the device). From a pinned layer on CUDA: one DMA per run of
+        consecutive rows holding consecutive experts (:func:`copy_runs`) and one pair of timing events
+        for the batch (the host's cost per copy is what bounds a prompt's misses), else ``copy`` each."""
         layer_buffer = self.arena.layer_buffer(layer) if self.cuda else None
         if layer_buffer is None or not batch:
             for row, expert in batch:
@@ -52,8 +67,8 @@ class ArenaCopier:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record()
-            for row, expert in batch:
-                dst[row, :n].copy_(layer_buffer[expert], non_blocking=True)
+            for row, expert, m in copy_runs(batch):
+                dst[row:row + m, :n].copy_(layer_buffer[expert:expert + m], non_blocking=True)
             end.record()
         self.telemetry.add_copy_events(n * len(batch), start, end)
 
@@ -97,6 +112,15 @@ class StagingRing:
         if self.cuda:
             self._ready = [torch.cuda.Event() for _ in range(depth)]
             self._free = [torch.cuda.Event() for _ in range(depth)]
+        self._prefetched: list[tuple[int, set[tuple[int, int]]] | None] = [None] * depth  # (layer, batch) a buffer holds
+
+    def prefetch(self, layer: int, batches: Sequence[Sequence[tuple[int, int]]]) -> None:
+        """Issue the copies of the first ``depth`` of ``batches`` of ``layer`` now, before its routing is known
+        (a prediction): the next ``run_batches`` of that layer skips the copy of each batch whose rows
+        and experts a prefetched one covers, and copies the others again."""
+        for j in range(min(self.depth, len(batches))):
+            self._issue(layer, batches[j], j)
+            self._prefetched[j] = (layer, set(batches[j]))
 
     def run(self, layer: int, experts: Sequence[int], consume: Callable[[int, torch.Tensor], None]) -> None:
         """Stream ``experts`` of ``layer`` through the ring, calling ``consume(expert, packed)`` for each
@@ -109,7 +133,10 @@ class StagingRing:
         one buffer and call ``consume(j, buffer [R, B])`` on the current (compute) stream once they are
         there; batch j + depth is copied while batch j is consumed."""
         for j in range(min(self.depth, len(batches))):
-            self._issue(layer, batches[j], j)
+            held = self._prefetched[j]
+            if held is None or held[0] != layer or not held[1].issuperset(batches[j]):
+                self._issue(layer, batches[j], j)
+        self._prefetched = [None] * self.depth
         for j in range(len(batches)):
             i = j % self.depth
             if self.cuda:
@@ -121,6 +148,7 @@ class StagingRing:
                 self._issue(layer, batches[j + self.depth], i)
 
     def _issue(self, layer: int, batch: Sequence[tuple[int, int]], i: int) -> None:
+        self._prefetched[i] = None
         if self.cuda:
             self.copier.stream.wait_event(self._free[i])  # compute is done reading buffer i
         self.copier.copy_rows(layer, batch, self.buffers[i])
