@@ -130,7 +130,8 @@ def test_grouped_rows_and_telemetry_match_the_loop_per_expert(synthetic, arena, 
 
 def test_a_prefetch_spares_the_copies_it_covers_and_only_those(synthetic):
     """``StagingRing.prefetch``: ``run_batches`` of the same layer copies only the batches no prefetched
-    one covers (a subset is covered), and every consumed buffer holds the experts its batch names."""
+    one covers (a subset is covered), an empty batch takes no buffer, and every consumed buffer holds
+    the experts its batch names."""
     backend = _backend(synthetic, arena="pinned")
     arena = backend.arena
     copier = ArenaCopier(arena, CPU, ExpertTelemetry())
@@ -144,14 +145,15 @@ def test_a_prefetch_spares_the_copies_it_covers_and_only_those(synthetic):
         seen = []
 
         def consume(j, buffer):
+            assert (buffer is None) == (not batches[j])
             seen.extend(torch.equal(buffer[row, :packed[e].numel()], packed[e]) for row, e in batches[j])
         ring.run_batches(layer, batches, consume)
         assert seen and all(seen)
 
-    ring.prefetch(1, [[(0, 2), (1, 3)], [(0, 5)], [(0, 7)]])  # depth 2: the first two only
-    assert [layer for layer, _ in copied] == [1, 1]
+    ring.prefetch(1, [[], [(0, 2), (1, 3)], [(0, 5)], [(0, 7)]])  # depth 2: the first two with experts
+    assert copied == [(1, [(0, 2), (1, 3)]), (1, [(0, 5)])]
     copied.clear()
-    run(1, [[(1, 3)], [(0, 6)], [(2, 4)]])  # batch 0 covered, batch 1 not, batch 2 beyond the prefetch
+    run(1, [[], [(1, 3)], [(0, 6)], [], [(2, 4)]])  # covered, not covered, beyond the prefetch
     assert copied == [(1, [(0, 6)]), (1, [(2, 4)])]
     copied.clear()
     run(1, [[(1, 3)], [(0, 5)]])  # the buffers were used since: nothing is covered any more

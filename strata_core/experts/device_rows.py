@@ -50,7 +50,7 @@ from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
                                        fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
-from strata_core.experts.grouped import GROUP_EXPERTS, grouped_rows, pairs_of, predicted_misses
+from strata_core.experts.grouped import group_size, grouped_rows, pairs_of, predicted_misses
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
@@ -85,7 +85,7 @@ class CachedExpertRows:
         self.decoding = False  # set by the backend inside a decode window
         self.gather = False  # decode windows take the decode gather (set by the backend)
         self.grouped = self.device.type == "cuda"  # prefill chunks take the grouped prefill
-        self.group_experts = GROUP_EXPERTS
+        self.group_experts = min(group_size(*fmt.shapes[0]) for fmt in self.arena.formats if fmt is not None)
         self._group_ring: StagingRing | None = None
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
@@ -157,7 +157,8 @@ class CachedExpertRows:
             return 0
         return self.split.take(n_missed) if self.decoding else n_missed
 
-    def _away(self, link: list[int], chain: Chain, peek: bool = False) -> tuple[list[int], list[tuple[PeerLane, list[int]]]]:
+    def _away(self, link: list[int], chain: Chain,
+              peek: bool = False) -> tuple[list[int], list[tuple[PeerLane, list[int]]]]:
         """A prompt layer's link misses split: each computing peer's ``stream`` share (the last ones,
         streamed over the peer's own host link and computed there), and the rest over this device's
         (``peek``: the split predicted, the shares not taken)."""

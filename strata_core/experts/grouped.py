@@ -2,7 +2,7 @@
 
 ``CachedExpertRows`` takes this path for a prefill chunk on a CUDA device (``grouped``; tests force
 it on the CPU). The layer's distinct routed experts (ascending, as ``group_by_expert`` gives them)
-are cut into *expert groups* of at most ``GROUP_EXPERTS`` consecutive experts (``expert_groups``),
+are cut into *expert groups* of at most ``group_size`` consecutive experts (``expert_groups``),
 which bounds the dequantized weights alive at once. For each group:
 
 1. its packed bytes ``[g, slot_bytes]``: misses streamed into a buffer of the staging ring
@@ -41,18 +41,30 @@ if TYPE_CHECKING:
     from strata_core.experts.cache import ExpertCache
     from strata_core.experts.transfer import StagingRing
 
-__all__ = ["GROUP_EXPERTS", "ExpertGroup", "workspace_bytes", "dequantize_experts", "expert_groups", "fused_gate_up",
-           "grouped_ffn", "grouped_rows", "miss_batches", "padded_index", "pairs_of", "predicted_misses"]
+__all__ = ["GROUP_EXPERTS", "GROUP_WEIGHT_BYTES", "ExpertGroup", "group_size", "workspace_bytes", "dequantize_experts",
+           "expert_groups", "fused_gate_up", "grouped_ffn", "grouped_rows", "miss_batches", "padded_index", "pairs_of",
+           "predicted_misses"]
 
-#: Most experts whose weights are dequantized at once (bounds the peak memory of a layer).
-GROUP_EXPERTS = 32
+#: Most experts of one group (fewer make more launches a layer: the host's cost of a prompt).
+GROUP_EXPERTS = 64
+
+#: Most compute-dtype (bf16) weight bytes of one group's experts: it bounds the memory of a layer's
+#: dequantized weights (larger experts, fewer a group; ``group_size``).
+GROUP_WEIGHT_BYTES = 640 << 20
+
+
+def group_size(expert_ffn: int, hidden: int) -> int:
+    """Experts of one group for experts of ``3 * expert_ffn * hidden`` weights: ``GROUP_EXPERTS``, fewer
+    where their bf16 weights would pass ``GROUP_WEIGHT_BYTES`` (8 at least)."""
+    return max(8, min(GROUP_EXPERTS, GROUP_WEIGHT_BYTES // (3 * expert_ffn * hidden * 2)))
 
 
 def workspace_bytes(slot_bytes: int, expert_ffn: int, hidden: int, ring_depth: int = 2) -> int:
     """Device memory the grouped prefill path takes beside the cache: a staging ring of
     ``ring_depth`` groups of packed experts, and one group's gate/up/down dequantized (float32
     intermediates plus the compute-dtype copy, counted as 8 bytes a weight)."""
-    return ring_depth * GROUP_EXPERTS * slot_bytes + GROUP_EXPERTS * 3 * expert_ffn * hidden * 8
+    group = group_size(expert_ffn, hidden)
+    return ring_depth * group * slot_bytes + group * 3 * expert_ffn * hidden * 8
 
 
 class ExpertGroup(NamedTuple):
@@ -215,18 +227,20 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
     expert_ids = None if ffn.plain else experts  # [n]: index the biases
     token = order // k  # [sum(sizes)]: the token of each sorted pair
 
-    def consume(j: int, staged: torch.Tensor) -> None:  # staged [R, B]: group j's misses in their rows
+    def consume(j: int, staged: torch.Tensor | None) -> None:  # staged [R, B]: group j's misses in their rows
         g = groups[j]
-        packed = staged[:g.last - g.first]  # [g, B]
+        n = g.last - g.first
         rows, slots = hit_index[2 * j:2 * j + 2]  # [h], [h]
-        if len(hits[j]) == g.last - g.first:  # every expert resident: one index_select from the own slots
+        if len(hits[j]) == n:  # every expert resident: one index_select from the own slots
             packed = own.slots.index_select(0, slots)
-        elif hits[j]:  # the resident ones copied into their rows beside the misses (only their bytes move)
-            packed.index_copy_(0, rows, own.slots.index_select(0, slots))
-        for p, cache in enumerate(peers):  # read across the peer link, one copy a peer
-            if across[j][p]:
-                there = cache.slots.index_select(0, slot_index[p][j])
-                packed.index_copy_(0, row_index[j * len(peers) + p], there.to(device))
+        else:  # the staged misses (none: a buffer of its own), beside them the hits' and the peers' rows
+            packed = staged[:n] if staged is not None else ring.buffers.new_empty((n, ring.buffers.shape[2]))  # [g, B]
+            if hits[j]:
+                packed.index_copy_(0, rows, own.slots.index_select(0, slots))
+            for p, cache in enumerate(peers):  # read across the peer link, one copy a peer
+                if across[j][p]:
+                    there = cache.slots.index_select(0, slot_index[p][j])
+                    packed.index_copy_(0, row_index[j * len(peers) + p], there.to(device))
         weights = dequantize_experts(packed, fmt, x.dtype)
         at = slice(g.start, g.end)
         store(at, grouped_ffn(x[token[at]], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),

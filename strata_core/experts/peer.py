@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from strata_core.devices import device_scope
-from strata_core.experts.grouped import GROUP_EXPERTS
 from strata_core.experts.transfer import ArenaCopier, StagingRing
 
 if TYPE_CHECKING:
@@ -75,10 +74,6 @@ class PeerLane:
         if rows not in self._rings:
             self._rings[rows] = StagingRing(self.copier, rows=rows)
         return self._rings[rows]
-
-    def group_ring(self) -> StagingRing:
-        """The ring of the peer's compact prompt groups (``GROUP_EXPERTS`` experts a buffer)."""
-        return self.ring(GROUP_EXPERTS)
 
     @contextmanager
     def enqueue(self) -> Iterator[None]:

@@ -5,8 +5,9 @@ the host only enqueues: ``StagingRing.run`` issues the copy of expert j+depth wh
 computed (``run_batches``: the copies of expert group j+depth while group j is), and a ring buffer
 is refilled only after the compute that read it (an event, not a host wait). ``prefetch`` issues a
 layer's first groups before its routing is known (the grouped prefill predicts them at the end of
-the layer before, so they cross the link while the next layer's attention runs). Arena layers that are not pinned go through a ring of pinned host buffers first (the one
-place the host may wait: for the DMA that last read a host buffer, ``host_depth`` copies back).
+the layer before, so they cross the link while the next layer's attention runs). Arena layers that
+are not pinned go through a ring of pinned host buffers first (the one place the host may wait: for
+the DMA that last read a host buffer, ``host_depth`` copies back).
 On the CPU the same code runs with synchronous copies, so CI exercises every branch but the events.
 """
 
@@ -112,15 +113,15 @@ class StagingRing:
         if self.cuda:
             self._ready = [torch.cuda.Event() for _ in range(depth)]
             self._free = [torch.cuda.Event() for _ in range(depth)]
-        self._prefetched: list[tuple[int, set[tuple[int, int]]] | None] = [None] * depth  # (layer, batch) a buffer holds
+        self._prefetched: list[tuple[int, set[tuple[int, int]]] | None] = [None] * depth  # (layer, batch) held
 
     def prefetch(self, layer: int, batches: Sequence[Sequence[tuple[int, int]]]) -> None:
-        """Issue the copies of the first ``depth`` of ``batches`` of ``layer`` now, before its routing is known
-        (a prediction): the next ``run_batches`` of that layer skips the copy of each batch whose rows
-        and experts a prefetched one covers, and copies the others again."""
-        for j in range(min(self.depth, len(batches))):
-            self._issue(layer, batches[j], j)
-            self._prefetched[j] = (layer, set(batches[j]))
+        """Issue the copies of the first ``depth`` non-empty ``batches`` of ``layer`` now, before its routing is
+        known (a prediction): the next ``run_batches`` of that layer skips the copy of each batch whose
+        rows and experts a prefetched one covers, and copies the others again."""
+        for i, batch in enumerate([batch for batch in batches if batch][:self.depth]):
+            self._issue(layer, batch, i)
+            self._prefetched[i] = (layer, set(batch))
 
     def run(self, layer: int, experts: Sequence[int], consume: Callable[[int, torch.Tensor], None]) -> None:
         """Stream ``experts`` of ``layer`` through the ring, calling ``consume(expert, packed)`` for each
@@ -128,24 +129,31 @@ class StagingRing:
         self.run_batches(layer, [[(0, e)] for e in experts], lambda j, buffer: consume(experts[j], buffer[0]))
 
     def run_batches(self, layer: int, batches: Sequence[Sequence[tuple[int, int]]],
-                    consume: Callable[[int, torch.Tensor], None]) -> None:
+                    consume: Callable[[int, torch.Tensor | None], None]) -> None:
         """Stream batch j's experts of ``layer`` (``(row, expert)`` pairs, rows < ``rows``) into the rows of
         one buffer and call ``consume(j, buffer [R, B])`` on the current (compute) stream once they are
-        there; batch j + depth is copied while batch j is consumed."""
-        for j in range(min(self.depth, len(batches))):
-            held = self._prefetched[j]
+        there; an empty batch takes no buffer (``consume(j, None)`` at once). The buffers cycle over
+        the non-empty batches: the (n + depth)-th is copied while the n-th is consumed."""
+        copied = [j for j, batch in enumerate(batches) if batch]  # the batches that take a buffer, in order
+        for i, j in enumerate(copied[:self.depth]):
+            held = self._prefetched[i]
             if held is None or held[0] != layer or not held[1].issuperset(batches[j]):
-                self._issue(layer, batches[j], j)
+                self._issue(layer, batches[j], i)
         self._prefetched = [None] * self.depth
-        for j in range(len(batches)):
-            i = j % self.depth
+        n = 0  # batches[copied[n]] is the next to take a buffer
+        for j, batch in enumerate(batches):
+            if not batch:
+                consume(j, None)
+                continue
+            i = n % self.depth
             if self.cuda:
                 torch.cuda.current_stream(self.copier.device).wait_event(self._ready[i])
             consume(j, self.buffers[i])
             if self.cuda:
                 self._free[i].record(torch.cuda.current_stream(self.copier.device))
-            if j + self.depth < len(batches):
-                self._issue(layer, batches[j + self.depth], i)
+            if n + self.depth < len(copied):
+                self._issue(layer, batches[copied[n + self.depth]], i)
+            n += 1
 
     def _issue(self, layer: int, batch: Sequence[tuple[int, int]], i: int) -> None:
         self._prefetched[i] = None
