@@ -8,9 +8,10 @@
 * ``peer_prefill_rows`` (0): how prompts use the peer. 0: its cache is read across (one copy a group
   over the peer link) and the primary computes every row; N > 0 (or -1 = ``--prefill-chunk`` x
   top-k / 2): the peer computes its experts' rows in compact buffers of N (token, k) pairs, and
-  streams ``peer_stream_frac`` of the primary's misses. On two H200s (NVLink) reading across is the
-  faster of the two (BENCHMARKS.md, issue 9: 21,888 against 19,065 tok/s at 8K, the same run), so it
-  is the default; computing there is what the seeds' PCIe GPUs needed;
+  streams ``peer_stream_frac`` of the primary's misses. On two H200s (NVLink) the two are within
+  run-to-run spread of each other (BENCHMARKS.md, issue 9, run 6: 23,405 against 23,037 tok/s at 8K;
+  the compute mode is bound by the host enqueuing for two devices), so reading across, the simpler
+  path, is the default; computing there is what the seeds' PCIe GPUs needed;
 * ``peer_stream_frac`` (0.35): with ``peer_prefill_rows`` != 0, the share of the primary's prompt
   misses the peer streams over its own host link and computes, so both links carry them;
 * ``peer_decode_stream_frac`` (0.5): the same for decode misses (the peer's compute there is small
