@@ -202,10 +202,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 @cuda
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("arena", ["mmap", "pinned"])
 @pytest.mark.parametrize("slots", [0, 7, 24])
-def test_cuda_prefill_matches_the_cpu(tiny_model_factory, slots, arena):
-    """On CUDA the grouped prefill is chosen by itself; float32 logits within 1e-4 of the CPU's."""
+def test_cuda_prefill_matches_the_cpu(tiny_model_factory, monkeypatch, slots, arena, prefetch):
+    """On CUDA the grouped prefill is chosen by itself; float32 logits within 1e-4 of the CPU's, also with
+    every layer's misses prefetched (the copies on the copy stream, ordered by events only)."""
+    monkeypatch.setattr(device_rows, "PREFETCH_PAIRS", 0 if prefetch else device_rows.PREFETCH_PAIRS)
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
     ids = list(range(5, 60))
     options = dict(max_context=128, dtype="float32", expert_cache=slots, arena=arena)

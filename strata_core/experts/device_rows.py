@@ -174,8 +174,8 @@ class CachedExpertRows:
                  ffn: ExpertFFN) -> torch.Tensor:
         """``[T*k, H]`` rows of a prefill chunk (``expert_ids [T, k]``) through the grouped prefill; the host
         reads the routing once (the pairs per expert), nothing waits per expert. The experts a computing
-        peer holds, and its share of the misses, go to that peer (enqueued first, so its groups overlap
-        this device's)."""
+        peer holds, and its share of the misses, go to that peer: enqueued after this device's groups,
+        and waiting only for the routing, so both devices compute at once."""
         fmt, k = self.arena.formats[layer], expert_ids.shape[1]
         flat = expert_ids.reshape(-1)  # [T*k]
         order = torch.argsort(flat, stable=True)  # [T*k]: the pairs sorted by expert, as group_by_expert sorts them
@@ -186,12 +186,9 @@ class CachedExpertRows:
         taken = self._assign(chain, holder)
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
         chain.wait(layer, self.device)
-        elsewhere: set[int] = set()
-        for lane in chain.lanes:
-            if taken[id(lane)]:
-                self._on_peer(lane, layer, hidden, k, order, ids, sizes, holder, taken[id(lane)], out, ffn)
-                elsewhere.update(taken[id(lane)])
-                self.telemetry.count(lane.name, {"streamed": sum(1 for i in taken[id(lane)] if holder[i] is None)})
+        lanes = [lane for lane in chain.lanes if taken[id(lane)]]
+        routed = [lane.mark() for lane in lanes]  # the peers' work waits for this, not for this device's groups
+        elsewhere = {i for lane in lanes for i in taken[id(lane)]}
         here = [i for i in range(len(ids)) if i not in elsewhere]
         mine = order if not elsewhere else pairs_of(order, sizes, here)
 
@@ -202,6 +199,9 @@ class CachedExpertRows:
             n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, mine, [ids[i] for i in here],
                                             [sizes[i] for i in here], [holder[i] for i in here], chain.own,
                                             self._staging(), store, self.group_experts, ffn=ffn)
+        for lane, after in zip(lanes, routed):  # then the peers' (one host enqueues for all: this device first)
+            self._on_peer(lane, after, layer, hidden, k, order, ids, sizes, holder, taken[id(lane)], out, ffn)
+            self.telemetry.count(lane.name, {"streamed": sum(1 for i in taken[id(lane)] if holder[i] is None)})
         self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
             lane.join()
@@ -244,13 +244,14 @@ class CachedExpertRows:
             lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, taken[id(lane)],
                                                                            self.group_experts, lane.rows))
 
-    def _on_peer(self, lane: PeerLane, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
+    def _on_peer(self, lane: PeerLane, after: torch.cuda.Event | None, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
                  sizes: list[int], holder: list, chosen: list[int], out: torch.Tensor, ffn: ExpertFFN) -> None:
-        """Enqueue on ``lane``'s peer the grouped rows of the distinct experts ``chosen`` (indices into
-        ``ids``): in compact groups of at most ``lane.rows`` pairs, its misses over its own link, each
-        group's rows written back into ``out`` as soon as they are computed."""
-        pairs = pairs_of(order, sizes, chosen)  # [n] on this device
-        with lane.enqueue():
+        """Enqueue on ``lane``'s peer, after the home's event ``after`` (its routing), the grouped rows of the
+        distinct experts ``chosen`` (indices into ``ids``): in compact groups of at most ``lane.rows``
+        pairs, its misses over its own link, each group's rows written back into ``out`` as soon as they
+        are computed."""
+        with lane.enqueue(after):
+            pairs = pairs_of(order, sizes, chosen)  # [n] on this device (its side stream)
             lane.hold(pairs)  # read by the side streams after this call returns
             lane.cache.wait_layer(layer, lane.device)
             there = pairs.to(lane.device)

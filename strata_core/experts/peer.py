@@ -76,11 +76,13 @@ class PeerLane:
         return self._rings[rows]
 
     @contextmanager
-    def enqueue(self) -> Iterator[None]:
-        """Enqueue the block's work for the peer after the home's work so far, on the side streams
-        (CUDA; in order on the CPU). Copies to the peer inside run on the home's side stream, copies
-        back on the peer's, and the home's side stream waits for them; ``join()`` makes the home's
-        current stream wait for all of it. A lane is entered once per layer, then joined."""
+    def enqueue(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
+        """Enqueue the block's work for the peer after the home's work so far, or only after ``after`` (a
+        ``mark()``: what the home enqueued since is not waited for, so the block must read nothing made
+        since), on the side streams (CUDA; in order on the CPU). Copies to the peer inside run on the
+        home's side stream, copies back on the peer's, and the home's side stream waits for them;
+        ``join()`` makes the home's current stream wait for all of it. A lane is entered once per
+        layer, then joined."""
         if self._peer_stream is None:
             with device_scope(self.device):
                 yield
@@ -89,8 +91,7 @@ class PeerLane:
         self._held.clear()
         pool = self._captured()  # asked on the home stream, before the side streams join
         self._outer = torch.cuda.current_stream(self.home)
-        ready = torch.cuda.Event()
-        ready.record(self._outer)
+        ready = after if after is not None else self.mark()
         self._home_stream.wait_event(ready)
         self._peer_stream.wait_event(ready)
         with torch.cuda.stream(self._home_stream), torch.cuda.stream(self._peer_stream), pool:
@@ -99,6 +100,14 @@ class PeerLane:
             done = torch.cuda.Event()
             done.record(stream)
             self._done.append(done)
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event of the home's work so far (e.g. a layer's routing), for ``enqueue(after=...)``; None off CUDA."""
+        if self._peer_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.home))
+        return event
 
     def _captured(self) -> contextlib.AbstractContextManager:
         """Inside a CUDA-graph capture of the home stream (graphs.py), the peer's allocations go to a

@@ -89,7 +89,7 @@ def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
     cache across."""
     entered = []
     real = PeerLane.enqueue
-    monkeypatch.setattr(PeerLane, "enqueue", lambda lane: entered.append(lane.name) or real(lane))
+    monkeypatch.setattr(PeerLane, "enqueue", lambda lane, after=None: entered.append(lane.name) or real(lane, after))
     engine = _tier(model, expert_cache=4, peer_slots=6, peer_prefill_rows=-1)
     engine.experts.use_gather(True)
     engine.experts.use_grouped_prefill(True)
@@ -138,7 +138,7 @@ def test_a_failing_peer_fails_the_request_and_the_next_one_runs(model, reference
     before = {slot: table.host.clone() for slot, table in engine.experts.tables.items()}
     real = PeerLane.enqueue
 
-    def failing(lane):
+    def failing(lane, after=None):
         raise RuntimeError("the peer's rows failed")
 
     monkeypatch.setattr(PeerLane, "enqueue", failing)
