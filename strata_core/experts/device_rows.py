@@ -34,8 +34,11 @@ With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill
 grouped prefill instead of the loop per expert (grouped.py): per group of at most ``group_experts``
 experts, one index_select from the slots, the misses through the staging ring, one ``dequantize``
 per matrix and grouped products; the experts of a computing peer (and its share of the misses) are
-cut into the peer's own compact groups and computed there at the same time. Its rows agree with the reference within float tolerance, not
-bit for bit, which is why the CPU (the bit-exact reference) keeps the loop.
+cut into the peer's own compact groups and computed there at the same time (enqueued after this
+device's groups, waiting only for the routing). At the end of a layer the next layer's first groups
+of misses are prefetched, predicted from every expert routed (``PREFETCH_PAIRS``), so they cross the
+link during its attention. Its rows agree with the reference within float tolerance, not bit for
+bit, which is why the CPU (the bit-exact reference) keeps the loop.
 """
 
 from __future__ import annotations
@@ -244,8 +247,9 @@ class CachedExpertRows:
             lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, taken[id(lane)],
                                                                            self.group_experts, lane.rows))
 
-    def _on_peer(self, lane: PeerLane, after: torch.cuda.Event | None, layer: int, hidden: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
-                 sizes: list[int], holder: list, chosen: list[int], out: torch.Tensor, ffn: ExpertFFN) -> None:
+    def _on_peer(self, lane: PeerLane, after: torch.cuda.Event | None, layer: int, hidden: torch.Tensor, k: int,
+                 order: torch.Tensor, ids: list[int], sizes: list[int], holder: list, chosen: list[int],
+                 out: torch.Tensor, ffn: ExpertFFN) -> None:
         """Enqueue on ``lane``'s peer, after the home's event ``after`` (its routing), the grouped rows of the
         distinct experts ``chosen`` (indices into ``ids``): in compact groups of at most ``lane.rows``
         pairs, its misses over its own link, each group's rows written back into ``out`` as soon as they
