@@ -5,6 +5,7 @@
         [--moe-config design=split-loop,bn_combine=4]
 
 (``tools/trace_summary.py`` reads the ``--trace`` file: busy time per stream, the host's operations, one layer.)
+
 Prints wall ms per token, GPU kernel ms per token (sum of kernel times), kernel launches per token,
 and the kernels with the most total time, grouped by name. The wall/GPU ratio says whether the
 host (launches, Python) or the device bounds the step. With several devices (a strategy's), the
