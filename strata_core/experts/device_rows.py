@@ -186,14 +186,12 @@ class CachedExpertRows:
         ids = [e for e, n in enumerate(per_expert) if n]  # the distinct routed experts, ascending
         sizes = [per_expert[e] for e in ids]
         holder = chain.holders(layer, ids)  # first cache holding each distinct expert
-        taken = self._assign(chain, holder)
+        here, taken = self._assign(chain, holder)
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
         chain.wait(layer, self.device)
         lanes = [lane for lane in chain.lanes if taken[id(lane)]]
         routed = [lane.mark() for lane in lanes]  # the peers' work waits for this, not for this device's groups
-        elsewhere = {i for lane in lanes for i in taken[id(lane)]}
-        here = [i for i in range(len(ids)) if i not in elsewhere]
-        mine = order if not elsewhere else pairs_of(order, sizes, here)
+        mine = order if not lanes else pairs_of(order, sizes, here)
 
         def store(at: slice, rows: torch.Tensor) -> None:
             out[mine[at]] = rows
@@ -208,21 +206,23 @@ class CachedExpertRows:
         self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
             lane.join()
-        n_lanes = sum(1 for i in elsewhere if holder[i] is not None)
+        n_lanes = sum(1 for lane in lanes for i in taken[id(lane)] if holder[i] is not None)
         self.telemetry.count(self.name, {"resident": len(here) - n_missed - n_peer, "peer": n_peer + n_lanes,
                                          "streamed": n_missed})
         return out
 
     def _assign(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None],
-                peek: bool = False) -> dict[int, list[int]]:
-        """Per computing peer (``id(lane)``), the indices of a prompt layer's distinct experts it takes: those
-        its cache holds and its ``stream`` share of the misses (``holder``: per expert, where it is found)."""
+                peek: bool = False) -> tuple[list[int], dict[int, list[int]]]:
+        """Who computes a prompt layer's distinct experts (``holder``: per expert, where it is found): the
+        indices this device keeps, and per computing peer (``id(lane)``) those it takes: its cache's and
+        its ``stream`` share of the misses."""
         _, away = self._away([i for i, where in enumerate(holder) if where is None], chain, peek)  # the rest stay here
         taken = {id(lane): [i for i, where in enumerate(holder) if where is not None and where[0] is lane.cache]
                  for lane in chain.lanes}
         for lane, streamed in away:
             taken[id(lane)] = sorted(taken[id(lane)] + streamed)
-        return taken
+        elsewhere = {i for chosen in taken.values() for i in chosen}
+        return [i for i in range(len(holder)) if i not in elsewhere], taken
 
     def _staging(self) -> StagingRing:
         """This device's ring of whole expert groups (the grouped prefill's misses)."""
@@ -239,10 +239,8 @@ class CachedExpertRows:
             return
         ids = list(range(n))
         holder = chain.holders(layer, ids)
-        taken = self._assign(chain, holder, peek=True)
-        elsewhere = {i for chosen in taken.values() for i in chosen}
-        self._staging().prefetch(layer, predicted_misses(ids, holder, [i for i in ids if i not in elsewhere],
-                                                         self.group_experts))
+        here, taken = self._assign(chain, holder, peek=True)
+        self._staging().prefetch(layer, predicted_misses(ids, holder, here, self.group_experts))
         for lane in chain.lanes:
             lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, taken[id(lane)],
                                                                            self.group_experts, lane.rows))
