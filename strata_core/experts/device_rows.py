@@ -48,12 +48,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from strata_core.devices import device_scope
+from strata_core.devices import device_scope, to_device
 from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
                                        fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
-from strata_core.experts.grouped import group_size, grouped_rows, pairs_of, predicted_misses
+from strata_core.experts.grouped import group_size, grouped_rows, predicted_misses
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
@@ -178,51 +178,55 @@ class CachedExpertRows:
         """``[T*k, H]`` rows of a prefill chunk (``expert_ids [T, k]``) through the grouped prefill; the host
         reads the routing once (the pairs per expert), nothing waits per expert. The experts a computing
         peer holds, and its share of the misses, go to that peer: enqueued after this device's groups,
-        and waiting only for the routing, so both devices compute at once."""
-        fmt, k = self.arena.formats[layer], expert_ids.shape[1]
+        and waiting only for the routing, so both devices compute at once. The pairs are sorted by
+        (device, expert), so each device's pairs are one slice of that order."""
+        fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
+        holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
+        owners = self._assign(chain, holder)  # this device's experts, then each lane's
         flat = expert_ids.reshape(-1)  # [T*k]
-        order = torch.argsort(flat, stable=True)  # [T*k]: the pairs sorted by expert, as group_by_expert sorts them
-        per_expert = torch.bincount(flat, minlength=self.arena.n_experts).tolist()  # the host read of this layer
-        ids = [e for e, n in enumerate(per_expert) if n]  # the distinct routed experts, ascending
-        sizes = [per_expert[e] for e in ids]
-        holder = chain.holders(layer, ids)  # first cache holding each distinct expert
-        here, taken = self._assign(chain, holder)
+        key = flat if len(owners) == 1 else _ranks(owners, n_experts, flat.device)[flat]  # [T*k]
+        order = torch.argsort(key, stable=True)  # [T*k]: the pairs sorted by (device, expert)
+        per_expert = torch.bincount(flat, minlength=n_experts).tolist()  # the host read of this layer
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
         chain.wait(layer, self.device)
-        lanes = [lane for lane in chain.lanes if taken[id(lane)]]
-        routed = [lane.mark() for lane in lanes]  # the peers' work waits for this, not for this device's groups
-        mine = order if not lanes else pairs_of(order, sizes, here)
+        work, start = [], 0  # per device: (its routed experts, their pair counts, its slice of ``order``)
+        for experts in owners:
+            ids = [e for e in experts if per_expert[e]]
+            sizes = [per_expert[e] for e in ids]
+            work.append((ids, sizes, order[start:start + sum(sizes)]))
+            start += sum(sizes)
+        (ids, sizes, mine), lanes = work[0], [(lane, w) for lane, w in zip(chain.lanes, work[1:]) if w[0]]
+        routed = [lane.mark() for lane, _ in lanes]  # the peers' work waits for this, not for this device's groups
 
         def store(at: slice, rows: torch.Tensor) -> None:
             out[mine[at]] = rows
 
         with self.telemetry.compute(self.device):
-            n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, mine, [ids[i] for i in here],
-                                            [sizes[i] for i in here], [holder[i] for i in here], chain.own,
-                                            self._staging(), store, self.group_experts, ffn=ffn)
-        for lane, after in zip(lanes, routed):  # then the peers' (one host enqueues for all: this device first)
-            self._on_peer(lane, after, layer, hidden, k, order, ids, sizes, holder, taken[id(lane)], out, ffn)
-            self.telemetry.count(lane.name, {"streamed": sum(1 for i in taken[id(lane)] if holder[i] is None)})
+            n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, mine, ids, sizes, [holder[e] for e in ids],
+                                            chain.own, self._staging(), store, self.group_experts, ffn=ffn)
+        for (lane, (theirs, counts, pairs)), after in zip(lanes, routed):  # then the peers' (this device first)
+            self._on_peer(lane, after, layer, hidden, k, pairs, theirs, counts, [holder[e] for e in theirs], out, ffn)
+            self.telemetry.count(lane.name, {"streamed": sum(1 for e in theirs if holder[e] is None)})
         self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
             lane.join()
-        n_lanes = sum(1 for lane in lanes for i in taken[id(lane)] if holder[i] is not None)
-        self.telemetry.count(self.name, {"resident": len(here) - n_missed - n_peer, "peer": n_peer + n_lanes,
+        n_lanes = sum(1 for _, (theirs, _, _) in lanes for e in theirs if holder[e] is not None)
+        self.telemetry.count(self.name, {"resident": len(ids) - n_missed - n_peer, "peer": n_peer + n_lanes,
                                          "streamed": n_missed})
         return out
 
     def _assign(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None],
-                peek: bool = False) -> tuple[list[int], dict[int, list[int]]]:
-        """Who computes a prompt layer's distinct experts (``holder``: per expert, where it is found): the
-        indices this device keeps, and per computing peer (``id(lane)``) those it takes: its cache's and
-        its ``stream`` share of the misses."""
-        _, away = self._away([i for i, where in enumerate(holder) if where is None], chain, peek)  # the rest stay here
-        taken = {id(lane): [i for i, where in enumerate(holder) if where is not None and where[0] is lane.cache]
+                peek: bool = False) -> list[list[int]]:
+        """Who computes a prompt layer's experts (``holder``: per expert, where it is found): the experts this
+        device computes, then per computing peer (``chain.lanes``) those it takes: its cache's and its
+        ``stream`` share of the misses (``peek``: the shares predicted, not taken); each list ascending."""
+        _, away = self._away([e for e, where in enumerate(holder) if where is None], chain, peek)  # the rest stay here
+        taken = {id(lane): [e for e, where in enumerate(holder) if where is not None and where[0] is lane.cache]
                  for lane in chain.lanes}
         for lane, streamed in away:
             taken[id(lane)] = sorted(taken[id(lane)] + streamed)
-        elsewhere = {i for chosen in taken.values() for i in chosen}
-        return [i for i in range(len(holder)) if i not in elsewhere], taken
+        elsewhere = {e for chosen in taken.values() for e in chosen}
+        return [[e for e in range(len(holder)) if e not in elsewhere]] + [taken[id(lane)] for lane in chain.lanes]
 
     def _staging(self) -> StagingRing:
         """This device's ring of whole expert groups (the grouped prefill's misses)."""
@@ -239,21 +243,20 @@ class CachedExpertRows:
             return
         ids = list(range(n))
         holder = chain.holders(layer, ids)
-        here, taken = self._assign(chain, holder, peek=True)
+        here, *taken = self._assign(chain, holder, peek=True)
         self._staging().prefetch(layer, predicted_misses(ids, holder, here, self.group_experts))
-        for lane in chain.lanes:
-            lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, taken[id(lane)],
-                                                                           self.group_experts, lane.rows))
+        for lane, theirs in zip(chain.lanes, taken):
+            lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, theirs, self.group_experts,
+                                                                           lane.rows))
 
     def _on_peer(self, lane: PeerLane, after: torch.cuda.Event | None, layer: int, hidden: torch.Tensor, k: int,
-                 order: torch.Tensor, ids: list[int], sizes: list[int], holder: list, chosen: list[int],
-                 out: torch.Tensor, ffn: ExpertFFN) -> None:
+                 pairs: torch.Tensor, ids: list[int], sizes: list[int], holder: list, out: torch.Tensor,
+                 ffn: ExpertFFN) -> None:
         """Enqueue on ``lane``'s peer, after the home's event ``after`` (its routing), the grouped rows of the
-        distinct experts ``chosen`` (indices into ``ids``): in compact groups of at most ``lane.rows``
-        pairs, its misses over its own link, each group's rows written back into ``out`` as soon as they
-        are computed."""
+        experts ``ids`` (``sizes[i]`` pairs each, ``pairs`` of this device sorted by expert, found as
+        ``holder`` says): in compact groups of at most ``lane.rows`` pairs, its misses over its own
+        link, each group's rows written back into ``out`` as soon as they are computed."""
         with lane.enqueue(after):
-            pairs = pairs_of(order, sizes, chosen)  # [n] on this device (its side stream)
             lane.hold(pairs)  # read by the side streams after this call returns
             lane.cache.wait_layer(layer, lane.device)
             there = pairs.to(lane.device)
@@ -261,9 +264,8 @@ class CachedExpertRows:
             def store(at: slice, rows: torch.Tensor) -> None:  # this group's rows go back now
                 out[pairs[at]] = rows.to(self.device)
 
-            grouped_rows(layer, self.arena.formats[layer], hidden.to(lane.device), k, there, [ids[i] for i in chosen],
-                         [sizes[i] for i in chosen], [holder[i] for i in chosen], lane.cache, lane.ring(self.group_experts),
-                         store, self.group_experts, lane.rows, ffn)
+            grouped_rows(layer, self.arena.formats[layer], hidden.to(lane.device), k, there, ids, sizes, holder,
+                         lane.cache, lane.ring(self.group_experts), store, self.group_experts, lane.rows, ffn)
 
     def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,3 +379,12 @@ class CachedExpertRows:
                 fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes, ffn, expert)
             jobs.append((pairs, fut))
         return jobs
+
+
+def _ranks(owners: list[list[int]], n_experts: int, device: torch.device) -> torch.Tensor:
+    """``[n_experts]`` on ``device``: each expert's place in the devices' expert lists one after the other,
+    so that sorting a layer's pairs by it groups them by device, then by expert."""
+    rank = [0] * n_experts
+    for i, e in enumerate(e for experts in owners for e in experts):
+        rank[e] = i
+    return to_device(torch.tensor(rank), device)

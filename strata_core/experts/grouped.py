@@ -17,7 +17,8 @@ which bounds the dequantized weights alive at once. For each group:
    other dtypes and devices, a batched product over the pairs padded to the group's largest count.
 
 ``grouped_rows`` runs these steps for a layer's distinct experts on one device (``CachedExpertRows``
-for its own, a computing peer's lane for the peer's; ``pairs_of`` picks their pairs).
+for its own, a computing peer's lane for the peer's: each a slice of the layer's pairs sorted by
+(device, expert)).
 
 The rows are not bit-identical to the reference ``expert_ffn`` (different product shapes, and in
 bf16 the weights are rounded to bf16); they agree within float tolerance (tests/test_grouped_prefill.py).
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from strata_core.experts.transfer import StagingRing
 
 __all__ = ["GROUP_EXPERTS", "GROUP_WEIGHT_BYTES", "ExpertGroup", "group_size", "workspace_bytes", "dequantize_experts",
-           "expert_groups", "fused_gate_up", "grouped_ffn", "grouped_rows", "miss_batches", "padded_index", "pairs_of",
+           "expert_groups", "fused_gate_up", "grouped_ffn", "grouped_rows", "miss_batches", "padded_index",
            "predicted_misses"]
 
 #: Most experts of one group (fewer make more launches a layer: the host's cost of a prompt).
@@ -171,16 +172,6 @@ def grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: tor
     xp = x.new_zeros(G * max_count, H).index_copy_(0, rows, x).view(G, max_count, H)  # [G, M, H]
     h = ffn.hidden(xp @ gate.transpose(1, 2), xp @ up.transpose(1, 2), ids)  # [G, M, F]
     return ffn.post(h @ down.transpose(1, 2), ids).reshape(G * max_count, H)[rows]  # [n, H]
-
-
-def pairs_of(order: torch.Tensor, sizes: list[int], chosen: list[int]) -> torch.Tensor:
-    """The entries of ``order`` (pairs sorted by expert, ``sizes[i]`` for the i-th distinct expert) of
-    the distinct experts ``chosen`` (ascending), in order; the index is built on the host."""
-    n = torch.tensor(sizes, dtype=torch.long)  # [G]
-    starts = (n.cumsum(0) - n)[chosen]  # [C]
-    picked = n[chosen]  # [C]
-    index = torch.repeat_interleave(starts - (picked.cumsum(0) - picked), picked) + torch.arange(int(picked.sum()))
-    return order[to_device(index, order.device)]
 
 
 def miss_batches(groups: list[ExpertGroup], ids: list[int],
