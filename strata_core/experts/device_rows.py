@@ -179,14 +179,14 @@ class CachedExpertRows:
         reads the routing once (the pairs per expert), nothing waits per expert. The experts a computing
         peer holds, and its share of the misses, go to that peer: enqueued after this device's groups,
         and waiting only for the routing, so both devices compute at once. The pairs are sorted by
-        (device, expert), so each device's pairs are one slice of that order."""
+        device, then by expert as ``_assign`` orders them, so each device's pairs are one slice."""
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
         holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
         owners = self._assign(chain, holder)  # this device's experts, then each lane's
         flat = expert_ids.reshape(-1)  # [T*k]
-        key = flat if len(owners) == 1 else _ranks(owners, n_experts, flat.device)[flat]  # [T*k]
-        order = torch.argsort(key, stable=True)  # [T*k]: the pairs sorted by (device, expert)
-        per_expert = torch.bincount(flat, minlength=n_experts).tolist()  # the host read of this layer
+        order = torch.argsort(_ranks(owners, n_experts, flat.device)[flat], stable=True)  # [T*k]: as ``owners``
+        counted = flat.new_zeros(n_experts).index_add_(0, flat, torch.ones_like(flat))  # [E] (a bincount syncs thrice)
+        per_expert = counted.tolist()  # the host read of this layer
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
         chain.wait(layer, self.device)
         work, start = [], 0  # per device: (its routed experts, their pair counts, its slice of ``order``)
@@ -219,14 +219,22 @@ class CachedExpertRows:
                 peek: bool = False) -> list[list[int]]:
         """Who computes a prompt layer's experts (``holder``: per expert, where it is found): the experts this
         device computes, then per computing peer (``chain.lanes``) those it takes: its cache's and its
-        ``stream`` share of the misses (``peek``: the shares predicted, not taken); each list ascending."""
+        ``stream`` share of the misses (``peek``: the shares predicted, not taken). Each list is ordered by
+        source, as ``grouped_rows`` takes them: the experts of one cache consecutive (chain order), the
+        misses last, each part ascending."""
         _, away = self._away([e for e, where in enumerate(holder) if where is None], chain, peek)  # the rest stay here
         taken = {id(lane): [e for e, where in enumerate(holder) if where is not None and where[0] is lane.cache]
                  for lane in chain.lanes}
         for lane, streamed in away:
-            taken[id(lane)] = sorted(taken[id(lane)] + streamed)
+            taken[id(lane)] += streamed
         elsewhere = {e for chosen in taken.values() for e in chosen}
-        return [[e for e in range(len(holder)) if e not in elsewhere]] + [taken[id(lane)] for lane in chain.lanes]
+        source = {id(cache): n for n, cache in enumerate(chain.caches())}  # the misses after every cache's
+
+        def by_source(experts: list[int]) -> list[int]:
+            return sorted(experts, key=lambda e: (len(source) if holder[e] is None else source[id(holder[e][0])], e))
+
+        return [by_source([e for e in range(len(holder)) if e not in elsewhere])] + \
+            [by_source(taken[id(lane)]) for lane in chain.lanes]
 
     def _staging(self) -> StagingRing:
         """This device's ring of whole expert groups (the grouped prefill's misses)."""
@@ -383,7 +391,7 @@ class CachedExpertRows:
 
 def _ranks(owners: list[list[int]], n_experts: int, device: torch.device) -> torch.Tensor:
     """``[n_experts]`` on ``device``: each expert's place in the devices' expert lists one after the other,
-    so that sorting a layer's pairs by it groups them by device, then by expert."""
+    so that sorting a layer's pairs by it groups them by device, then by expert in each list's order."""
     rank = [0] * n_experts
     for i, e in enumerate(e for experts in owners for e in experts):
         rank[e] = i

@@ -193,57 +193,51 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
                  sizes: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
                  ring: StagingRing, store: Callable[[slice, torch.Tensor], None], group_experts: int,
                  group_rows: int = 0, ffn: ExpertFFN = SILU) -> tuple[int, int]:
-    """The grouped prefill of the distinct experts ``ids`` (ascending, ``sizes[i]`` pairs each) on
-    ``x``'s device: ``order [sum(sizes)]`` (on that device) are their pairs sorted by expert, pair p
-    being token ``p // k`` of ``x [T, H]``. Per group of at most ``group_experts`` experts (and
-    ``group_rows`` pairs, where > 0; a group has one expert at least): resident experts by one
-    index_select from ``own``'s slots, a peer's (``holder``) read across, misses (``holder`` None)
-    through ``ring``; then ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
+    """The grouped prefill of the distinct experts ``ids`` (``sizes[i]`` pairs each, ordered by source: those
+    of one cache consecutive, misses last) on ``x``'s device: ``order [sum(sizes)]`` (on that device) are
+    their pairs sorted as ``ids``, pair p being token ``p // k`` of ``x [T, H]``. Per group of at most
+    ``group_experts`` experts (and ``group_rows`` pairs, where > 0; a group has one expert at least):
+    the experts of each cache holding some (``holder``: ``own``'s, a peer's read across) by one gather
+    into their consecutive rows of the group's buffer, misses (``holder`` None) through ``ring``; then
+    ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
     Returns (misses, experts read across)."""
     device = x.device
     groups = expert_groups(sizes, group_experts, group_rows)
     misses = miss_batches(groups, ids, holder)
-    hits = [[(i - g.first, holder[i][1]) for i in range(g.first, g.last)
-             if holder[i] is not None and holder[i][0] is own] for g in groups]
-    peers = list({id(h[0]): h[0] for h in holder if h is not None and h[0] is not own}.values())  # read across
-    across = [[[(i - g.first, holder[i][1]) for i in range(g.first, g.last)
-                if holder[i] is not None and holder[i][0] is cache] for cache in peers] for g in groups]
-    # the layer's integers in one copy to each device: experts, counts, per group its hits' rows and slots
-    # and the rows of what it reads across; on each peer read across, the slots it reads there
-    experts, counts, *index = _on_device([ids, sizes] + [list(part) for h in hits for part in _columns(h)]
-                                         + [[row for row, _ in a] for per_peer in across for a in per_peer], device)
-    hit_index, row_index = index[:2 * len(groups)], index[2 * len(groups):]  # [h]s; [a]s, group-major
-    slot_index = [_on_device([[slot for _, slot in per_peer[p]] for per_peer in across], cache.device)
-                  for p, cache in enumerate(peers)]
+    caches = list({id(h[0]): h[0] for h in holder if h is not None}.values())  # the sources, in the order of ids
+    held = [[[i for i in range(g.first, g.last) if holder[i] is not None and holder[i][0] is cache] for g in groups]
+            for cache in caches]  # per cache, per group: its experts (consecutive)
+    slots = [[[holder[i][1] for i in experts] for experts in per_group] for per_group in held]
+    local = [p for p, cache in enumerate(caches) if cache.device == device]
+    # the layer's integers in one copy to each device: experts, counts, and the slots read of each cache
+    experts, counts, *index = _on_device([ids, sizes] + [part for p in local for part in slots[p]], device)
+    slot_index = {p: index[n * len(groups):(n + 1) * len(groups)] for n, p in enumerate(local)}
+    slot_index.update({p: _on_device(slots[p], cache.device) for p, cache in enumerate(caches) if p not in slot_index})
     expert_ids = None if ffn.plain else experts  # [n]: index the biases
     token = order // k  # [sum(sizes)]: the token of each sorted pair
 
     def consume(j: int, staged: torch.Tensor | None) -> None:  # staged [R, B]: group j's misses in their rows
         g = groups[j]
         n = g.last - g.first
-        rows, slots = hit_index[2 * j:2 * j + 2]  # [h], [h]
-        if len(hits[j]) == n:  # every expert resident: one index_select from the own slots
-            packed = own.slots.index_select(0, slots)
-        else:  # the staged misses (none: a buffer of its own), beside them the hits' and the peers' rows
+        if caches and caches[0] is own and len(held[0][j]) == n:  # every expert resident: one gather of the slots
+            packed = own.slots.index_select(0, slot_index[0][j])
+        else:  # the staged misses (none: a buffer of its own), before them each cache's experts' rows
             packed = staged[:n] if staged is not None else ring.buffers.new_empty((n, ring.buffers.shape[2]))  # [g, B]
-            if hits[j]:
-                packed.index_copy_(0, rows, own.slots.index_select(0, slots))
-            for p, cache in enumerate(peers):  # read across the peer link, one copy a peer
-                if across[j][p]:
-                    there = cache.slots.index_select(0, slot_index[p][j])
-                    packed.index_copy_(0, row_index[j * len(peers) + p], there.to(device))
+            for p, cache in enumerate(caches):
+                if held[p][j]:
+                    rows = packed[held[p][j][0] - g.first:held[p][j][-1] + 1 - g.first]  # [h, B]
+                    if cache.device == device:
+                        torch.index_select(cache.slots, 0, slot_index[p][j], out=rows)
+                    else:  # read across the peer link: one copy
+                        rows.copy_(cache.slots.index_select(0, slot_index[p][j]))
         weights = dequantize_experts(packed, fmt, x.dtype)
         at = slice(g.start, g.end)
         store(at, grouped_ffn(x[token[at]], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),
                               ffn=ffn, experts=None if expert_ids is None else expert_ids[g.first:g.last]))
 
     ring.run_batches(layer, misses, consume)
-    return sum(map(len, misses)), sum(len(a) for per_peer in across for a in per_peer)
-
-
-def _columns(pairs: list[tuple[int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``([first of each pair], [second of each pair])``; two empty columns for no pairs."""
-    return tuple(zip(*pairs)) if pairs else ((), ())  # type: ignore[return-value]
+    across = sum(len(experts) for p, cache in enumerate(caches) if cache is not own for experts in held[p])
+    return sum(map(len, misses)), across
 
 
 def _on_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:
