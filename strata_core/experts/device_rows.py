@@ -58,6 +58,7 @@ from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
+from strata_core.ops.combine import combine_sorted, in_pair_order
 from strata_core.ops.gather import gather_experts
 
 if TYPE_CHECKING:
@@ -97,6 +98,8 @@ class CachedExpertRows:
         if (hidden.device.type == "cuda" and self.gather and self.decoding and chain.own is not None
                 and (ffn.plain or FUSED_FFN)):  # one op: the rows combined in its down launch (strata::moe_decode)
             return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
+        if self._takes_grouped(chain):  # combined from the order the rows were computed in
+            return combine_sorted(*self._grouped(layer, hidden, expert_ids, chain, ffn), weights)  # [T, H]
         return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)  # [T, H]
 
     def rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
@@ -106,15 +109,11 @@ class CachedExpertRows:
         chain = self.chains[layer]
         if self.gather and self.decoding and chain.own is not None:
             return self._gathered(layer, hidden, expert_ids, chain, ffn)
-        self.usage.add(layer, expert_ids)
         T, k = expert_ids.shape
+        if self._takes_grouped(chain):
+            return in_pair_order(*self._grouped(layer, hidden, expert_ids, chain, ffn)).view(T, k, -1)
+        self._count_routing(layer, expert_ids, chain)
         fmt = self.arena.formats[layer]
-        if chain.own is not None:
-            self.telemetry.add_routing(expert_ids.numel(), (chain.own.table.mirror[layer][expert_ids] >= 0).sum())
-        else:
-            self.telemetry.routed += expert_ids.numel()
-        if self.grouped and not self.decoding and chain.link:
-            return self._grouped(layer, hidden, expert_ids, chain, ffn).view(T, k, -1)
         order, experts, counts = group_by_expert(expert_ids)
         out = hidden.new_zeros(T * k, hidden.shape[-1])  # [T*k, H]
         ends = counts.cumsum(0).tolist()  # the host read of this layer
@@ -152,6 +151,18 @@ class CachedExpertRows:
             self.telemetry.count(lane.name, {"streamed": len(streamed)})
         return out.view(T, k, -1)
 
+    def _takes_grouped(self, chain: Chain) -> bool:
+        """Whether a layer of ``chain`` takes the grouped prefill now (a prompt chunk, misses streamed)."""
+        return self.grouped and not self.decoding and chain.link
+
+    def _count_routing(self, layer: int, expert_ids: torch.Tensor, chain: Chain) -> None:
+        """Add a layer's routing to the usage profile and the hit telemetry (device ops, no host read)."""
+        self.usage.add(layer, expert_ids)
+        if chain.own is not None:
+            self.telemetry.add_routing(expert_ids.numel(), (chain.own.table.mirror[layer][expert_ids] >= 0).sum())
+        else:
+            self.telemetry.routed += expert_ids.numel()
+
     def _link_share(self, n_missed: int, chain: Chain) -> int:
         """How many of a layer's misses go over the host link (the rest to the CPU)."""
         if not chain.cpu:
@@ -174,12 +185,14 @@ class CachedExpertRows:
         return link, away
 
     def _grouped(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
-                 ffn: ExpertFFN) -> torch.Tensor:
-        """``[T*k, H]`` rows of a prefill chunk (``expert_ids [T, k]``) through the grouped prefill; the host
+                 ffn: ExpertFFN) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows ``[T*k, H]``, ``order [T*k]``): row i is pair ``order[i]``'s, of a prefill chunk
+        (``expert_ids [T, k]``) through the grouped prefill; the host
         reads the routing once (the pairs per expert), nothing waits per expert. The experts a computing
         peer holds, and its share of the misses, go to that peer: enqueued after this device's groups,
         and waiting only for the routing, so both devices compute at once. The pairs are sorted by
         device, then by expert as ``_assign`` orders them, so each device's pairs are one slice."""
+        self._count_routing(layer, expert_ids, chain)
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
         holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
         owners = self._assign(chain, holder)  # this device's experts, then each lane's
@@ -189,23 +202,24 @@ class CachedExpertRows:
         per_expert = counted.tolist()  # the host read of this layer
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
         chain.wait(layer, self.device)
-        work, start = [], 0  # per device: (its routed experts, their pair counts, its slice of ``order``)
+        work, start = [], 0  # per device: (its routed experts, their pair counts, its part of ``order`` and ``out``)
         for experts in owners:
             ids = [e for e in experts if per_expert[e]]
             sizes = [per_expert[e] for e in ids]
-            work.append((ids, sizes, order[start:start + sum(sizes)]))
+            work.append((ids, sizes, slice(start, start + sum(sizes))))
             start += sum(sizes)
         (ids, sizes, mine), lanes = work[0], [(lane, w) for lane, w in zip(chain.lanes, work[1:]) if w[0]]
         routed = [lane.mark() for lane, _ in lanes]  # the peers' work waits for this, not for this device's groups
 
         def store(at: slice, rows: torch.Tensor) -> None:
-            out[mine[at]] = rows
+            out[at].copy_(rows)
 
         with self.telemetry.compute(self.device):
-            n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, mine, ids, sizes, [holder[e] for e in ids],
+            n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, order[mine], ids, sizes, [holder[e] for e in ids],
                                             chain.own, self._staging(), store, self.group_experts, ffn=ffn)
-        for (lane, (theirs, counts, pairs)), after in zip(lanes, routed):  # then the peers' (this device first)
-            self._on_peer(lane, after, layer, hidden, k, pairs, theirs, counts, [holder[e] for e in theirs], out, ffn)
+        for (lane, (theirs, counts, part)), after in zip(lanes, routed):  # then the peers' (this device first)
+            self._on_peer(lane, after, layer, hidden, k, order, part, theirs, counts, [holder[e] for e in theirs],
+                          out, ffn)
             self.telemetry.count(lane.name, {"streamed": sum(1 for e in theirs if holder[e] is None)})
         self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
@@ -213,7 +227,7 @@ class CachedExpertRows:
         n_lanes = sum(1 for _, (theirs, _, _) in lanes for e in theirs if holder[e] is not None)
         self.telemetry.count(self.name, {"resident": len(ids) - n_missed - n_peer, "peer": n_peer + n_lanes,
                                          "streamed": n_missed})
-        return out
+        return out, order
 
     def _assign(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None],
                 peek: bool = False) -> list[list[int]]:
@@ -258,19 +272,19 @@ class CachedExpertRows:
                                                                            lane.rows))
 
     def _on_peer(self, lane: PeerLane, after: torch.cuda.Event | None, layer: int, hidden: torch.Tensor, k: int,
-                 pairs: torch.Tensor, ids: list[int], sizes: list[int], holder: list, out: torch.Tensor,
+                 order: torch.Tensor, part: slice, ids: list[int], sizes: list[int], holder: list, out: torch.Tensor,
                  ffn: ExpertFFN) -> None:
         """Enqueue on ``lane``'s peer, after the home's event ``after`` (its routing), the grouped rows of the
-        experts ``ids`` (``sizes[i]`` pairs each, ``pairs`` of this device sorted by expert, found as
+        experts ``ids`` (``sizes[i]`` pairs each: the pairs ``order[part]`` of this device, found as
         ``holder`` says): in compact groups of at most ``lane.rows`` pairs, its misses over its own
-        link, each group's rows written back into ``out`` as soon as they are computed."""
+        link, each group's rows copied into ``out[part]`` as soon as they are computed."""
         with lane.enqueue(after):
-            lane.hold(pairs)  # read by the side streams after this call returns
+            lane.hold(order)  # read by the side streams after this call returns
             lane.cache.wait_layer(layer, lane.device)
-            there = pairs.to(lane.device)
+            there = order[part].to(lane.device)
 
             def store(at: slice, rows: torch.Tensor) -> None:  # this group's rows go back now
-                out[pairs[at]] = rows.to(self.device)
+                out[part.start + at.start:part.start + at.stop].copy_(rows)
 
             grouped_rows(layer, self.arena.formats[layer], hidden.to(lane.device), k, there, ids, sizes, holder,
                          lane.cache, lane.ring(self.group_experts), store, self.group_experts, lane.rows, ffn)
