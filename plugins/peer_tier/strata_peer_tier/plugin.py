@@ -5,15 +5,16 @@
 * ``peer_reserve_mib`` (600): what auto sizing leaves free on the peer (``--expert-cache auto``);
 * ``peer_slots`` (0 = auto: ``--expert-cache`` per device, or the peer's memory less the reserve);
 * ``peer_adapt_swaps`` (-1 = ``--adapt-swaps``): experts swapped into the peer's cache per window;
-* ``peer_prefill_rows`` (0): how prompts use the peer. 0: its cache is read across (one copy a group
-  over the peer link) and the primary computes every row; N > 0 (or -1 = ``--prefill-chunk`` x
-  top-k / 2): the peer computes its experts' rows in compact buffers of N (token, k) pairs, and
-  streams ``peer_stream_frac`` of the primary's misses. On two H200s (NVLink) the two are within
-  run-to-run spread of each other (BENCHMARKS.md, issue 9, run 6: 23,405 against 23,037 tok/s at 8K;
-  the compute mode is bound by the host enqueuing for two devices), so reading across, the simpler
-  path, is the default; computing there is what the seeds' PCIe GPUs needed;
-* ``peer_stream_frac`` (0.35): with ``peer_prefill_rows`` != 0, the share of the primary's prompt
-  misses the peer streams over its own host link and computes, so both links carry them;
+* ``peer_prefill_rows`` (-1): how prompts use the peer. N > 0 (or -1 = ``--prefill-chunk`` x top-k / 2):
+  the peer computes its experts' rows in compact buffers of N (token, k) pairs, and streams
+  ``peer_stream_frac`` of the primary's misses and computes those too; 0: its cache is read across
+  (one copy a group over the peer link) and the primary computes every row. On two H200s (NVLink)
+  computing there measured 3-5% faster at 8K than reading across and equal at 32K (BENCHMARKS.md,
+  issue 9, run 7), and it is what PCIe GPUs need, so it is the default;
+* ``peer_stream_frac`` (0.65): with ``peer_prefill_rows`` != 0, the share of the primary's prompt
+  misses the peer streams over its own host link and computes, so both links carry them. The
+  primary also runs the dense part, so the peer takes the larger share (run 7, one call: 33,671-34,865
+  tok/s at 8K with 0.65, 28,511-31,279 with 0.35);
 * ``peer_decode_stream_frac`` (0.5): the same for decode misses (the peer's compute there is small
   beside the link time, so an even split balances the two links).
 
@@ -42,9 +43,9 @@ class PeerTierOptions(StrategyOptions):
     peer_reserve_mib: int = Field(600, ge=0, description="device memory auto sizing leaves free on the peer (MiB)")
     peer_slots: int = Field(0, ge=0, description="expert slots of the peer's cache (0 = --expert-cache, or auto)")
     peer_adapt_swaps: int = Field(-1, ge=-1, description="experts swapped into the peer per window (-1 = --adapt-swaps)")
-    peer_prefill_rows: int = Field(0, ge=-1, description="prompts: 0 = the peer's cache is read across; else the peer "
+    peer_prefill_rows: int = Field(-1, ge=-1, description="prompts: 0 = the peer's cache is read across; else the peer "
                                    "computes its rows in buffers of this many pairs (-1 = prefill chunk x top-k / 2)")
-    peer_stream_frac: float = Field(0.35, ge=0, le=1, description="share of the prompt misses the peer streams and "
+    peer_stream_frac: float = Field(0.65, ge=0, le=1, description="share of the prompt misses the peer streams and "
                                     "computes (peer_prefill_rows != 0)")
     peer_decode_stream_frac: float = Field(0.5, ge=0, le=1,
                                            description="share of the decode misses the peer streams and computes")

@@ -85,12 +85,12 @@ def test_greedy_output_equals_single_and_the_peer_serves(model, reference):
 
 def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
     """The decode gather sends the peer its pairs through the lane (once per MoE layer), and the
-    prompt's grouped path too with peer_prefill_rows != 0; by default (0) the prompt reads the peer's
-    cache across."""
+    prompt's grouped path too with peer_prefill_rows != 0 (with 0 the prompt reads the peer's cache
+    across)."""
     entered = []
     real = PeerLane.enqueue
     monkeypatch.setattr(PeerLane, "enqueue", lambda lane, after=None: entered.append(lane.name) or real(lane, after))
-    engine = _tier(model, expert_cache=4, peer_slots=6, peer_prefill_rows=-1)
+    engine = _tier(model, expert_cache=4, peer_slots=6)  # the default: prompts compute on the peer
     engine.experts.use_gather(True)
     engine.experts.use_grouped_prefill(True)
     session = engine.new_session()
@@ -99,7 +99,7 @@ def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
     engine.decode_window([(session, 3)])
     assert 0 < prompt <= 4 and len(entered) - prompt == 4 and set(entered) == {"cpu#1"}
     entered.clear()
-    across = _tier(model, expert_cache=4, peer_slots=6)
+    across = _tier(model, expert_cache=4, peer_slots=6, peer_prefill_rows=0)
     across.experts.use_grouped_prefill(True)
     across.prefill(across.new_session(), PROMPT)
     assert entered == [] and across.telemetry.by_device()["cpu#0"]["peer"] > 0
