@@ -35,10 +35,12 @@ grouped prefill instead of the loop per expert (grouped.py): per group of at mos
 experts, one index_select from the slots, the misses through the staging ring, one ``dequantize``
 per matrix and grouped products; the experts of a computing peer (and its share of the misses) are
 cut into the peer's own compact groups and computed there at the same time (enqueued after this
-device's groups, waiting only for the routing). At the end of a layer the next layer's first groups
-of misses are prefetched, predicted from every expert routed (``PREFETCH_PAIRS``), so they cross the
-link during its attention. Its rows agree with the reference within float tolerance, not bit for
-bit, which is why the CPU (the bit-exact reference) keeps the loop.
+device's groups, waiting only for the routing). The layer's pairs are sorted once, by device and then
+by expert in source order (``_assign``), so each device's pairs and rows are one slice, and the rows,
+left in that order, are combined by ``combine_sorted`` (ops/combine.py). At the end of a layer the
+next layer's first groups of misses are prefetched, predicted from every expert routed
+(``PREFETCH_PAIRS``), so they cross the link during its attention. Its rows agree with the reference
+within float tolerance, not bit for bit, which is why the CPU (the bit-exact reference) keeps the loop.
 """
 
 from __future__ import annotations
