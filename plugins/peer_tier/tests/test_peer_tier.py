@@ -3,6 +3,8 @@ disjoint (also under adaptation) and within budget, a failing peer fails only it
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
@@ -103,6 +105,37 @@ def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
     across.experts.use_grouped_prefill(True)
     across.prefill(across.new_session(), PROMPT)
     assert entered == [] and across.telemetry.by_device()["cpu#0"]["peer"] > 0
+
+
+@CHECKS
+@given(primary=st.integers(0, 16), peer=st.integers(1, 16), stream=st.sampled_from([0.0, 0.35, 0.65, 1.0]),
+       seed=st.integers(0, 2 ** 16))
+def test_a_prompt_layer_s_experts_are_split_by_device_and_ordered_by_source(model, primary, peer, stream, seed):
+    """``_assign`` (what the grouped prefill sorts a prompt layer's pairs by), for random tier contents:
+    every expert on exactly one device, the peer's only experts of its cache or misses, and each
+    device's list ordered by source (the experts of one cache consecutive, in chain order, the misses
+    last), as ``grouped_rows`` reads them."""
+    engine = _tier(model, expert_cache=primary, peer_slots=peer, peer_stream_frac=stream)
+    rows = engine.experts.rows_for(0, "prompt")
+    n_experts = rows.arena.n_experts
+    everything = [(layer, e) for layer in rows.chains for e in range(n_experts)]
+    random.Random(seed).shuffle(everything)
+    for cache in engine.experts.caches.values():  # the primary's, then the peer's: disjoint by construction
+        for entry in cache.table.resident():
+            cache.table.evict(*entry)
+    for cache in engine.experts.caches.values():
+        cache.fill([entry for entry in everything if all(not c.table.holds(*entry)
+                                                         for c in engine.experts.caches.values())])
+    for layer, chain in rows.chains.items():
+        holder = chain.holders(layer, list(range(n_experts)))
+        owners = rows._assign(chain, holder, peek=True)
+        assert sorted(e for experts in owners for e in experts) == list(range(n_experts))
+        (lane,) = chain.lanes
+        assert all(holder[e] is None or holder[e][0] is lane.cache for e in owners[1])
+        source = [*map(id, chain.caches()), None]
+        for experts in owners:
+            keys = [(source.index(None if holder[e] is None else id(holder[e][0])), e) for e in experts]
+            assert keys == sorted(keys)
 
 
 @CHECKS
