@@ -157,13 +157,15 @@ class CachedExpertRows:
         """Whether a layer of ``chain`` takes the grouped prefill now (a prompt chunk, misses streamed)."""
         return self.grouped and not self.decoding and chain.link
 
-    def _count_routing(self, layer: int, expert_ids: torch.Tensor, chain: Chain) -> None:
-        """Add a layer's routing to the usage profile and the hit telemetry (device ops, no host read)."""
-        self.usage.add(layer, expert_ids)
+    def _count_routing(self, layer: int, expert_ids: torch.Tensor, chain: Chain) -> torch.Tensor:
+        """Add a layer's routing to the usage profile and the hit telemetry (device ops, no host read);
+        returns the pairs per expert ``[E]`` on the device."""
+        counted = self.usage.add(layer, expert_ids)  # [E]
         if chain.own is not None:
-            self.telemetry.add_routing(expert_ids.numel(), (chain.own.table.mirror[layer][expert_ids] >= 0).sum())
+            self.telemetry.add_routing(expert_ids.numel(), (counted * (chain.own.table.mirror[layer] >= 0)).sum())
         else:
             self.telemetry.routed += expert_ids.numel()
+        return counted
 
     def _link_share(self, n_missed: int, chain: Chain) -> int:
         """How many of a layer's misses go over the host link (the rest to the CPU)."""
@@ -189,18 +191,17 @@ class CachedExpertRows:
     def _grouped(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
                  ffn: ExpertFFN) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows ``[T*k, H]``, ``order [T*k]``): row i is pair ``order[i]``'s, of a prefill chunk
-        (``expert_ids [T, k]``) through the grouped prefill; the host
-        reads the routing once (the pairs per expert), nothing waits per expert. The experts a computing
+        (``expert_ids [T, k]``) through the grouped prefill; the host reads the routing once (the pairs
+        per expert), nothing waits per expert. The experts a computing
         peer holds, and its share of the misses, go to that peer: enqueued after this device's groups,
         and waiting only for the routing, so both devices compute at once. The pairs are sorted by
         device, then by expert as ``_assign`` orders them, so each device's pairs are one slice."""
-        self._count_routing(layer, expert_ids, chain)
+        counted = self._count_routing(layer, expert_ids, chain)  # [E]
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
         holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
         owners = self._assign(chain, holder)  # this device's experts, then each lane's
         flat = expert_ids.reshape(-1)  # [T*k]
         order = torch.argsort(_ranks(owners, n_experts, flat.device)[flat], stable=True)  # [T*k]: as ``owners``
-        counted = flat.new_zeros(n_experts).index_add_(0, flat, torch.ones_like(flat))  # [E] (a bincount syncs thrice)
         per_expert = counted.tolist()  # the host read of this layer
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
         chain.wait(layer, self.device)

@@ -92,10 +92,13 @@ class UsageCounter:
         self.tokens = 0
         self.first_layer = first_layer  # the first MoE layer: its routings count the tokens
 
-    def add(self, layer: int, expert_ids: torch.Tensor) -> None:
-        """Count the routings ``expert_ids [T, k]`` of ``layer``."""
+    def add(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Count the routings ``expert_ids [T, k]`` of ``layer``; returns their counts ``[E]`` on the device
+        (no host read; a CUDA ``bincount`` would read three times)."""
         flat = expert_ids.reshape(-1)  # [T*k]
-        self.row(layer, expert_ids.shape[0]).index_add_(0, flat, torch.ones_like(flat))
+        counted = self.counts.new_zeros(self.counts.shape[1]).index_add_(0, flat, torch.ones_like(flat))  # [E]
+        self.row(layer, expert_ids.shape[0]).add_(counted)
+        return counted
 
     def row(self, layer: int, n_tokens: int) -> torch.Tensor:
         """The counts ``[E]`` of ``layer``, for the caller to add the routings of ``n_tokens`` tokens to
