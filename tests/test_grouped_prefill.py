@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.experts.backend import build_expert_backend
+from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, expert_groups, fused_gate_up, grouped_ffn, padded_index
 from strata_core.experts.rows import expert_ffn
 from strata_core.experts import device_rows
@@ -98,6 +99,33 @@ def test_grouped_ffn_matches_expert_ffn_per_expert(synthetic, grouped_mm, dtype)
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
 
 
+def _spare_rows_cases() -> list[tuple[str, bool, torch.dtype]]:
+    cases = [("cpu", mm, dtype) for mm, dtype in _kernels()]
+    return cases + ([("cuda", None, torch.bfloat16), ("cuda", False, torch.float32)] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize(("device", "grouped_mm", "dtype"), _spare_rows_cases())
+@pytest.mark.parametrize("biased", [False, True])
+def test_grouped_ffn_leaves_spare_rows_and_unrouted_experts_out(synthetic, device, grouped_mm, dtype, biased):
+    """A planned group's buffer: more rows than pairs, experts with no pair, the largest count not given;
+    its pairs' rows are those of the exact call (with biases, the spare rows index no bias out of range)."""
+    _, spec, _ = synthetic
+    arena = _backend(synthetic).arena
+    fmt = arena.formats[0]
+    experts, counts = [3, 0, 9, 15], [4, 0, 17, 0]
+    packed = torch.stack([torch.cat([p.reshape(-1) for p in arena.parts(0, e)]) for e in experts]).to(device)
+    gen = torch.Generator().manual_seed(1)
+    n, F, H = sum(counts), fmt.shapes[0][0], spec.hidden_size
+    x = torch.randn(n + 11, H, generator=gen).to(dtype).to(device)  # [n + spare, H]
+    ffn = SILU if not biased else ExpertFFN(gate_bias=torch.randn(spec.n_experts, F, generator=gen).to(device),
+                                             down_bias=torch.randn(spec.n_experts, H, generator=gen).to(device))
+    weights = dequantize_experts(packed, fmt, dtype)
+    ids, count = torch.tensor(experts, device=device), torch.tensor(counts, device=device)
+    got = grouped_ffn(x, *weights, count, grouped_mm=grouped_mm, ffn=ffn, experts=ids)
+    want = grouped_ffn(x[:n], *weights, count, max(counts), grouped_mm=grouped_mm, ffn=ffn, experts=ids)
+    assert got.shape == (n + 11, H) and torch.equal(got[:n], want)
+
+
 @pytest.mark.parametrize("arena", ["mmap", "pinned"])
 @pytest.mark.parametrize("slots,limit", [(0, 32), (9, 3), (32, 2), (20, 1)])
 def test_grouped_rows_and_telemetry_match_the_loop_per_expert(synthetic, arena, slots, limit):
@@ -166,8 +194,9 @@ def test_a_prefetch_spares_the_copies_it_covers_and_only_those(synthetic):
 
 @pytest.mark.parametrize("strategy", ["single", "peer_tier"])
 def test_prefetched_prompts_equal_unprefetched_ones_bit_for_bit(tiny_model_factory, monkeypatch, strategy):
-    """The grouped prefill with every layer's misses prefetched (predicted before the routing) gives the
-    logits of the same prefill without it, bit for bit; the predictions are issued."""
+    """A planned prefill (every expert taken as routed: the groups cut and enqueued before the routing is
+    read, each layer's misses prefetched) gives the logits of the same prefill reading the routing
+    first, bit for bit; the predictions are issued."""
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
     options = {"max_context": 96, "expert_cache": 7} | (
         {"strategy": "peer_tier", "devices": ["cpu", "cpu"], "arena": "pinned",

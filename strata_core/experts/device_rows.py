@@ -34,13 +34,16 @@ With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill
 grouped prefill instead of the loop per expert (grouped.py): per group of at most ``group_experts``
 experts, one index_select from the slots, the misses through the staging ring, one ``dequantize``
 per matrix and grouped products; the experts of a computing peer (and its share of the misses) are
-cut into the peer's own compact groups and computed there at the same time (enqueued after this
-device's groups, waiting only for the routing). The layer's pairs are sorted once, by device and then
-by expert in source order (``_assign``), so each device's pairs and rows are one slice, and the rows,
-left in that order, are combined by ``combine_sorted`` (ops/combine.py). At the end of a layer the
-next layer's first groups of misses are prefetched, predicted from every expert routed
-(``PREFETCH_PAIRS``), so they cross the link during its attention. Its rows agree with the reference
-within float tolerance, not bit for bit, which is why the CPU (the bit-exact reference) keeps the loop.
+cut into the peer's own groups and computed there at the same time (enqueued first, waiting only for
+the routing). The layer's pairs are sorted once, by device and then by expert in source order
+(``_assign``), so each device's pairs and rows are one span, and the rows, left in that order, are
+combined by ``combine_sorted`` (ops/combine.py). A chunk of ``PREFETCH_PAIRS`` pairs an expert or more
+is planned: every expert is taken as routed, so the groups follow from the residency and their spans
+stay on the device (ops/spans.py); the host reads the routing once, after the layer's groups are
+enqueued, and only the peers' rows coming back wait for that read. At the end of a layer the next
+layer's first groups of misses are prefetched, as that plan will cut them, so they cross the link
+during its attention. Its rows agree with the reference within float tolerance, not bit for bit,
+which is why the CPU (the bit-exact reference) keeps the loop.
 """
 
 from __future__ import annotations
@@ -73,8 +76,9 @@ __all__ = ["FUSED_FFN", "PREFETCH_PAIRS", "CachedExpertRows"]
 #: take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
 FUSED_FFN = True
 
-#: A prompt chunk with at least this many (token, k) pairs per expert streams each layer's first expert
-#: groups of misses before its routing is known, predicting every expert routed (``_prefetch``).
+#: A prompt chunk with at least this many (token, k) pairs per expert is planned: every expert is taken as
+#: routed (near certain from here on), so its groups are enqueued, and each layer's first groups of misses
+#: streamed (``_prefetch``), before the routing is read.
 PREFETCH_PAIRS = 16
 
 
@@ -191,46 +195,70 @@ class CachedExpertRows:
     def _grouped(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
                  ffn: ExpertFFN) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows ``[T*k, H]``, ``order [T*k]``): row i is pair ``order[i]``'s, of a prefill chunk
-        (``expert_ids [T, k]``) through the grouped prefill; the host reads the routing once (the pairs
-        per expert), nothing waits per expert. The experts a computing
-        peer holds, and its share of the misses, go to that peer: enqueued after this device's groups,
-        and waiting only for the routing, so both devices compute at once. The pairs are sorted by
-        device, then by expert as ``_assign`` orders them, so each device's pairs are one slice."""
+        (``expert_ids [T, k]``) through the grouped prefill. The pairs are sorted by device, then by expert
+        as ``_assign`` orders them, so each device's pairs are one span of ``order``. The experts a
+        computing peer holds, and its share of the misses, go to that peer, enqueued first and waiting
+        only for the routing, so both devices compute at once.
+
+        A chunk of ``PREFETCH_PAIRS`` pairs an expert or more is *planned*: every expert is taken as
+        routed, each device's groups are cut from the residency alone, and their spans of ``order`` stay
+        on the device (ops/spans.py), so the host reads the routing once, after every group is enqueued
+        (only the peers' rows coming back wait for it). A smaller chunk reads it first and leaves out
+        the experts no pair routes to."""
         counted = self._count_routing(layer, expert_ids, chain)  # [E]
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
         holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
         owners = self._assign(chain, holder)  # this device's experts, then each lane's
         flat = expert_ids.reshape(-1)  # [T*k]
-        order = torch.argsort(_ranks(owners, n_experts, flat.device)[flat], stable=True)  # [T*k]: as ``owners``
-        per_expert = counted.tolist()  # the host read of this layer
+        planned = flat.numel() >= PREFETCH_PAIRS * n_experts
+        per_expert = None if planned else counted.tolist()  # the host read of this layer (a small chunk)
+        if per_expert is not None:
+            owners = [[e for e in experts if per_expert[e]] for experts in owners]
+        rank = _ranks(owners, n_experts, flat.device)  # [E]
+        order = torch.argsort(rank[flat], stable=True)  # [T*k]: as ``owners``
+        by_rank = torch.empty_like(counted).index_copy_(0, rank, counted)  # [E]: pairs per expert, by rank
+        bounds = torch.cat((by_rank.new_zeros(1), by_rank.cumsum(0)))  # [E + 1]: each expert's span of ``order``
         out = hidden.new_empty(order.numel(), hidden.shape[-1])  # [T*k, H]
-        chain.wait(layer, self.device)
-        work, start = [], 0  # per device: (its routed experts, their pair counts, its part of ``order`` and ``out``)
+        firsts = [0]  # each device's first rank
         for experts in owners:
-            ids = [e for e in experts if per_expert[e]]
-            sizes = [per_expert[e] for e in ids]
-            work.append((ids, sizes, slice(start, start + sum(sizes))))
-            start += sum(sizes)
-        (ids, sizes, mine), lanes = work[0], [(lane, w) for lane, w in zip(chain.lanes, work[1:]) if w[0]]
-        routed = [lane.mark() for lane, _ in lanes]  # the peers' work waits for this, not for this device's groups
+            firsts.append(firsts[-1] + len(experts))
+        chain.wait(layer, self.device)
 
-        def store(at: slice, rows: torch.Tensor) -> None:
-            out[at].copy_(rows)
+        def sizes(d: int) -> list[int] | None:
+            return None if per_expert is None else [per_expert[e] for e in owners[d]]
 
-        with self.telemetry.compute(self.device):
-            n_missed, n_peer = grouped_rows(layer, fmt, hidden, k, order[mine], ids, sizes, [holder[e] for e in ids],
-                                            chain.own, self._staging(), store, self.group_experts, ffn=ffn)
-        for (lane, (theirs, counts, part)), after in zip(lanes, routed):  # then the peers' (this device first)
-            self._on_peer(lane, after, layer, hidden, k, order, part, theirs, counts, [holder[e] for e in theirs],
-                          out, ffn)
-            self.telemetry.count(lane.name, {"streamed": sum(1 for e in theirs if holder[e] is None)})
+        lanes = [(d, lane, lane.mark()) for d, lane in enumerate(chain.lanes, 1) if owners[d]]
+        away = [self._on_peer(lane, after, layer, hidden, k, order, bounds[firsts[d]:firsts[d + 1] + 1], owners[d],
+                              sizes(d), [holder[e] for e in owners[d]], ffn) for d, lane, after in lanes]
+        with self.telemetry.compute(self.device):  # the peers' work first: it waits only for the routing
+            n_missed, _ = grouped_rows(layer, fmt, hidden, k, order, bounds[:firsts[1] + 1], owners[0],
+                                       [holder[e] for e in owners[0]], chain.own, self._staging(), out,
+                                       self.group_experts, sizes(0), ffn=ffn)
+        per_expert = counted.tolist() if per_expert is None else per_expert  # a planned layer's one host read
+        ends = [0]
+        for e in (e for experts in owners for e in experts):
+            ends.append(ends[-1] + per_expert[e])
+        for (d, lane, after), rows in zip(lanes, away):  # the peers' rows back, as many as were routed there
+            start, end = ends[firsts[d]], ends[firsts[d + 1]]
+            with lane.enqueue(after, again=True):
+                out[start:end].copy_(rows[start:end])
         self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
             lane.join()
-        n_lanes = sum(1 for _, (theirs, _, _) in lanes for e in theirs if holder[e] is not None)
-        self.telemetry.count(self.name, {"resident": len(ids) - n_missed - n_peer, "peer": n_peer + n_lanes,
-                                         "streamed": n_missed})
+        self._count_sources(chain, holder, owners, per_expert, n_missed)
         return out, order
+
+    def _count_sources(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None], owners: list[list[int]],
+                       per_expert: list[int], n_missed: int) -> None:
+        """A prompt layer's telemetry: per device, its routed experts by source and its streamed misses."""
+        routed = [[e for e in experts if per_expert[e]] for experts in owners]
+        here = sum(1 for e in routed[0] if holder[e] is not None and holder[e][0] is chain.own)
+        lanes = sum(1 for experts in routed[1:] for e in experts if holder[e] is not None)
+        across = sum(1 for e in routed[0] if holder[e] is not None) - here
+        self.telemetry.count(self.name, {"resident": here, "peer": across + lanes, "streamed": n_missed})
+        for lane, experts in zip(chain.lanes, owners[1:]):
+            if experts:
+                self.telemetry.count(lane.name, {"streamed": sum(1 for e in experts if holder[e] is None)})
 
     def _assign(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None],
                 peek: bool = False) -> list[list[int]]:
@@ -260,9 +288,9 @@ class CachedExpertRows:
         return self._group_ring
 
     def _prefetch(self, layer: int, pairs: int) -> None:
-        """Stream ``layer``'s first expert groups of misses now, while its attention runs, predicting that a
-        prompt chunk of ``pairs`` (token, k) pairs routes to every expert (near certain from
-        ``PREFETCH_PAIRS`` a expert on); a prediction that fails costs only copies made again."""
+        """Stream ``layer``'s first expert groups of misses now, while its attention runs, as a planned chunk of
+        ``pairs`` (token, k) pairs will cut them (every expert taken as routed); should the residency
+        change in between, the batches no longer covered are copied again."""
         chain, n = self.chains.get(layer), self.arena.n_experts
         if chain is None or not chain.link or pairs < PREFETCH_PAIRS * n:
             return
@@ -271,26 +299,24 @@ class CachedExpertRows:
         here, *taken = self._assign(chain, holder, peek=True)
         self._staging().prefetch(layer, predicted_misses(ids, holder, here, self.group_experts))
         for lane, theirs in zip(chain.lanes, taken):
-            lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, theirs, self.group_experts,
-                                                                           lane.rows))
+            lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, theirs, self.group_experts))
 
     def _on_peer(self, lane: PeerLane, after: torch.cuda.Event | None, layer: int, hidden: torch.Tensor, k: int,
-                 order: torch.Tensor, part: slice, ids: list[int], sizes: list[int], holder: list, out: torch.Tensor,
-                 ffn: ExpertFFN) -> None:
+                 order: torch.Tensor, bounds: torch.Tensor, ids: list[int], sizes: list[int] | None, holder: list,
+                 ffn: ExpertFFN) -> torch.Tensor:
         """Enqueue on ``lane``'s peer, after the home's event ``after`` (its routing), the grouped rows of the
-        experts ``ids`` (``sizes[i]`` pairs each: the pairs ``order[part]`` of this device, found as
-        ``holder`` says): in compact groups of at most ``lane.rows`` pairs, its misses over its own
-        link, each group's rows copied into ``out[part]`` as soon as they are computed."""
+        experts ``ids`` (their spans of ``order``: ``bounds``; ``sizes`` their pairs where known; found as
+        ``holder`` says), its misses over its own link, in compact groups of at most ``lane.rows`` pairs
+        where the sizes are known. Returns the peer's ``[T*k, H]`` buffer, holding their rows at their
+        places in ``order`` once the lane's work is done."""
         with lane.enqueue(after):
-            lane.hold(order)  # read by the side streams after this call returns
+            lane.hold(order, bounds)  # read by the side streams after this call returns
             lane.cache.wait_layer(layer, lane.device)
-            there = order[part].to(lane.device)
-
-            def store(at: slice, rows: torch.Tensor) -> None:  # this group's rows go back now
-                out[part.start + at.start:part.start + at.stop].copy_(rows)
-
-            grouped_rows(layer, self.arena.formats[layer], hidden.to(lane.device), k, there, ids, sizes, holder,
-                         lane.cache, lane.ring(self.group_experts), store, self.group_experts, lane.rows, ffn)
+            x, there, spans = lane.send(hidden, order, bounds)  # one copy to the peer
+            rows = x.new_empty(order.numel(), x.shape[-1])
+            grouped_rows(layer, self.arena.formats[layer], x, k, there, spans, ids, holder, lane.cache,
+                         lane.ring(self.group_experts), rows, self.group_experts, sizes, lane.rows, ffn)
+        return rows
 
     def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -407,9 +433,12 @@ class CachedExpertRows:
 
 
 def _ranks(owners: list[list[int]], n_experts: int, device: torch.device) -> torch.Tensor:
-    """``[n_experts]`` on ``device``: each expert's place in the devices' expert lists one after the other,
-    so that sorting a layer's pairs by it groups them by device, then by expert in each list's order."""
+    """``[n_experts]`` on ``device``, a permutation: each expert's place in the devices' expert lists one after
+    the other (the experts in none of them after), so that sorting a layer's pairs by it groups them by
+    device, then by expert in each list's order."""
+    listed = [e for experts in owners for e in experts]
+    rest = sorted(set(range(n_experts)).difference(listed))
     rank = [0] * n_experts
-    for i, e in enumerate(e for experts in owners for e in experts):
+    for i, e in enumerate(listed + rest):
         rank[e] = i
     return to_device(torch.tensor(rank), device)

@@ -13,12 +13,15 @@ which bounds the dequantized weights alive at once. For each group:
    (``[g, bytes] -> [g, out, in]``) in the compute dtype (on CUDA the Triton dequantizer writes
    bf16 directly from the strided gate/up/down views; the CPU reference casts its float32);
 3. ``grouped_ffn``: the group's (token, j) pairs, sorted by expert, through the SiLU-gated FFN as
-   grouped products: ``torch._grouped_mm`` (bf16 on CUDA, offsets = cumulative counts) or, for
-   other dtypes and devices, a batched product over the pairs padded to the group's largest count.
+   grouped products: ``torch._grouped_mm`` (bf16 on CUDA, offsets = cumulative counts, on the device)
+   or, for other dtypes and devices, a batched product over the pairs padded to the group's largest
+   count.
 
 ``grouped_rows`` runs these steps for a layer's distinct experts on one device (``CachedExpertRows``
-for its own, a computing peer's lane for the peer's: each a slice of the layer's pairs sorted by
-(device, expert)).
+for its own, a computing peer's lane for the peer's: each a span of the layer's pairs sorted by
+(device, expert)). The spans' bounds are on the device: a group's inputs are gathered into a buffer of
+an upper bound of its pairs and its rows put back at its span (ops/spans.py), so a planned layer,
+whose groups are cut before the routing is known, is enqueued without a host read.
 
 The rows are not bit-identical to the reference ``expert_ffn`` (different product shapes, and in
 bf16 the weights are rounded to bf16); they agree within float tolerance (tests/test_grouped_prefill.py).
@@ -36,6 +39,7 @@ from strata_core.devices import to_device
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.ops.dequant import dequantize_cuda
+from strata_core.ops.spans import gather_span, scatter_span
 from strata_core.quant import dequantize
 
 if TYPE_CHECKING:
@@ -142,36 +146,43 @@ def _use_grouped_mm(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def grouped_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
-                counts: torch.Tensor, max_count: int, grouped_mm: bool | None = None,
+                counts: torch.Tensor, max_count: int | None = None, grouped_mm: bool | None = None,
                 ffn: ExpertFFN = SILU, experts: torch.Tensor | None = None) -> torch.Tensor:
-    """``down_e(silu(gate_e x) * up_e x)`` for every pair (or as ``ffn`` says): rows ``[n, H]``.
+    """``down_e(silu(gate_e x) * up_e x)`` for every pair (or as ``ffn`` says): rows ``[N, H]``.
 
-    :param x: ``[n, H]`` the pairs' inputs, sorted by expert (expert e owns ``counts[e]`` rows)
+    :param x: ``[N, H]`` the pairs' inputs, sorted by expert (expert e owns ``counts[e]`` rows), then
+        spare rows (``N >= counts.sum()``: a buffer sized before the counts were known), whose output
+        rows are unspecified
     :param gate: ``[G, F, H]``; ``up``: ``[G, F, H]``; ``down``: ``[G, H, F]`` (same dtype as ``x``)
-    :param counts: ``[G]`` pairs per expert, on the device, all > 0
-    :param max_count: ``max(counts)`` (known on the host)
+    :param counts: ``[G]`` pairs per expert, on the device (zero for an expert no pair routes to)
+    :param max_count: ``max(counts)`` where the host knows it (else the padded product reads it)
     :param grouped_mm: force ``torch._grouped_mm`` on or off (default: where it applies)
     :param ffn: the activation and expert biases; ``experts [G]`` (on the device) the group's expert
         ids, which index the biases (needed when ``ffn`` has biases)
     """
+    N = x.shape[0]
     if grouped_mm if grouped_mm is not None else _use_grouped_mm(x, gate, up, down):
-        offs = counts.cumsum(0).to(torch.int32)  # [G] end row of each expert
-        ids = experts if experts is None else torch.repeat_interleave(experts, counts, output_size=x.shape[0])  # [n]
+        offs = counts.cumsum(0).to(torch.int32)  # [G] end row of each expert; rows past the last: no group
+        ids = experts if experts is None else torch.repeat_interleave(  # [N]: the spare rows take expert 0's bias
+            torch.cat((experts, experts[:1])), torch.cat((counts, N - offs[-1:].long())), output_size=N)
 
         def product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)  # [n, out]
+            return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)  # [N, out]
 
         both = fused_gate_up(gate, up)  # [G, 2F, H]: gate and up in one product
         if both is not None:
-            gu, F = product(x, both), gate.shape[1]  # [n, 2F]
+            gu, F = product(x, both), gate.shape[1]  # [N, 2F]
             return ffn.post(product(ffn.hidden(gu[:, :F], gu[:, F:], ids), down), ids)
         return ffn.post(product(ffn.hidden(product(x, gate), product(x, up), ids), down), ids)
     G, H = counts.numel(), x.shape[-1]
+    n = int(counts.sum())  # the padded product needs the counts on the host
+    max_count = int(counts.max()) if max_count is None else max_count
     ids = experts if experts is None else experts[:, None]  # [G, 1]: a bias row per expert
-    rows = padded_index(counts, max_count, x.shape[0])  # [n]
-    xp = x.new_zeros(G * max_count, H).index_copy_(0, rows, x).view(G, max_count, H)  # [G, M, H]
+    rows = padded_index(counts, max_count, n)  # [n]
+    xp = x.new_zeros(G * max_count, H).index_copy_(0, rows, x[:n]).view(G, max_count, H)  # [G, M, H]
     h = ffn.hidden(xp @ gate.transpose(1, 2), xp @ up.transpose(1, 2), ids)  # [G, M, F]
-    return ffn.post(h @ down.transpose(1, 2), ids).reshape(G * max_count, H)[rows]  # [n, H]
+    out = ffn.post(h @ down.transpose(1, 2), ids).reshape(G * max_count, H)[rows]  # [n, H]
+    return out if n == N else torch.cat((out, out.new_zeros(N - n, H)))
 
 
 def miss_batches(groups: list[ExpertGroup], ids: list[int],
@@ -182,39 +193,46 @@ def miss_batches(groups: list[ExpertGroup], ids: list[int],
 
 
 def predicted_misses(ids: list[int], holder: list[tuple[ExpertCache, int] | None], chosen: list[int],
-                     group_experts: int, group_rows: int = 0) -> list[list[tuple[int, int]]]:
-    """``miss_batches`` of the distinct experts ``chosen`` (indices into ``ids``) as ``grouped_rows`` will
-    cut them if every one is routed and no group reaches ``group_rows`` pairs (the prefetch's prediction)."""
-    groups = expert_groups([1] * len(chosen), group_experts, group_rows)
+                     group_experts: int) -> list[list[tuple[int, int]]]:
+    """``miss_batches`` of the distinct experts ``chosen`` (indices into ``ids``) as ``grouped_rows`` cuts them
+    in a planned layer (every one taken as routed): the prefetch's prediction, exact for a planned layer."""
+    groups = expert_groups([1] * len(chosen), group_experts)
     return miss_batches(groups, [ids[i] for i in chosen], [holder[i] for i in chosen])
 
 
-def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, ids: list[int],
-                 sizes: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
-                 ring: StagingRing, store: Callable[[slice, torch.Tensor], None], group_experts: int,
+def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, bounds: torch.Tensor,
+                 ids: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
+                 ring: StagingRing, out: torch.Tensor, group_experts: int, sizes: list[int] | None = None,
                  group_rows: int = 0, ffn: ExpertFFN = SILU) -> tuple[int, int]:
-    """The grouped prefill of the distinct experts ``ids`` (``sizes[i]`` pairs each, ordered by source: those
-    of one cache consecutive, misses last) on ``x``'s device: ``order [sum(sizes)]`` (on that device) are
-    their pairs sorted as ``ids``, pair p being token ``p // k`` of ``x [T, H]``. Per group of at most
-    ``group_experts`` experts (and ``group_rows`` pairs, where > 0; a group has one expert at least):
-    the experts of each cache holding some (``holder``: ``own``'s, a peer's read across) by one gather
-    into their consecutive rows of the group's buffer, misses (``holder`` None) through ``ring``; then
-    ``store(slice of order, rows)``; ``ffn`` the experts' activation and biases.
+    """The grouped prefill of the distinct experts ``ids`` (ordered by source: those of one cache
+    consecutive, misses last) on ``x``'s device. ``order [P]`` is the layer's pairs sorted (pair p is
+    token ``p // k`` of ``x [T, H]``) and ``bounds [len(ids) + 1]`` cumulative counts: expert ``ids[i]``'s
+    pairs are ``order[bounds[i]:bounds[i + 1]]`` (both on ``x``'s device); each pair's row is written to
+    ``out [P, H]`` at its place in ``order``. ``sizes`` (pairs per expert) are given where the host knows
+    them: then groups are of at most ``group_rows`` pairs too (where > 0) and their buffers exact;
+    without them every expert is taken as routed, the groups are cut from the residency alone and
+    nothing here waits for the routing (each group's buffers hold ``min(P, experts * T)`` rows).
+    Per group of at most ``group_experts`` experts: the experts of each cache holding some (``holder``:
+    ``own``'s, a peer's read across) by one gather into their consecutive rows of the group's buffer,
+    misses (``holder`` None) through ``ring``; ``ffn`` the experts' activation and biases.
     Returns (misses, experts read across)."""
     device = x.device
-    groups = expert_groups(sizes, group_experts, group_rows)
+    groups = expert_groups(sizes if sizes is not None else [1] * len(ids), group_experts,
+                           group_rows if sizes is not None else 0)
     misses = miss_batches(groups, ids, holder)
     caches = list({id(h[0]): h[0] for h in holder if h is not None}.values())  # the sources, in the order of ids
     held = [[[i for i in range(g.first, g.last) if holder[i] is not None and holder[i][0] is cache] for g in groups]
             for cache in caches]  # per cache, per group: its experts (consecutive)
     slots = [[[holder[i][1] for i in experts] for experts in per_group] for per_group in held]
     local = [p for p, cache in enumerate(caches) if cache.device == device]
-    # the layer's integers in one copy to each device: experts, counts, and the slots read of each cache
-    experts, counts, *index = _on_device([ids, sizes] + [part for p in local for part in slots[p]], device)
+    # the layer's integers in one copy to each device: experts and the slots read of each cache
+    experts, *index = _on_device([ids] + [part for p in local for part in slots[p]], device)
     slot_index = {p: index[n * len(groups):(n + 1) * len(groups)] for n, p in enumerate(local)}
     slot_index.update({p: _on_device(slots[p], cache.device) for p, cache in enumerate(caches) if p not in slot_index})
     expert_ids = None if ffn.plain else experts  # [n]: index the biases
-    token = order // k  # [sum(sizes)]: the token of each sorted pair
+    token = order // k  # [P]: the token of each sorted pair
+    counts = bounds[1:] - bounds[:-1]  # [n] pairs per expert
+    T = x.shape[0]
 
     def consume(j: int, staged: torch.Tensor | None) -> None:  # staged [R, B]: group j's misses in their rows
         g = groups[j]
@@ -231,9 +249,12 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
                     else:  # read across the peer link: one copy
                         rows.copy_(cache.slots.index_select(0, slot_index[p][j]))
         weights = dequantize_experts(packed, fmt, x.dtype)
-        at = slice(g.start, g.end)
-        store(at, grouped_ffn(x[token[at]], *weights, counts[g.first:g.last], max(sizes[g.first:g.last]),
-                              ffn=ffn, experts=None if expert_ids is None else expert_ids[g.first:g.last]))
+        start, end = bounds[g.first], bounds[g.last]  # on the device
+        cap = g.end - g.start if sizes is not None else min(token.numel(), n * T)
+        rows = grouped_ffn(gather_span(x, token, start, end, cap), *weights, counts[g.first:g.last],
+                           max(sizes[g.first:g.last]) if sizes is not None else None, ffn=ffn,
+                           experts=None if expert_ids is None else expert_ids[g.first:g.last])
+        scatter_span(out, rows, start, end)
 
     ring.run_batches(layer, misses, consume)
     across = sum(len(experts) for p, cache in enumerate(caches) if cache is not own for experts in held[p])

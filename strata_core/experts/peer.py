@@ -76,19 +76,21 @@ class PeerLane:
         return self._rings[rows]
 
     @contextmanager
-    def enqueue(self, after: torch.cuda.Event | None = None) -> Iterator[None]:
+    def enqueue(self, after: torch.cuda.Event | None = None, again: bool = False) -> Iterator[None]:
         """Enqueue the block's work for the peer after the home's work so far, or only after ``after`` (a
         ``mark()``: what the home enqueued since is not waited for, so the block must read nothing made
         since), on the side streams (CUDA; in order on the CPU). Copies to the peer inside run on the
         home's side stream, copies back on the peer's, and the home's side stream waits for them;
         ``join()`` makes the home's current stream wait for all of it. A lane is entered once per
-        layer, then joined."""
+        layer, then joined; ``again`` enters it once more before the join (the block runs after the
+        first one's work on the side streams: e.g. rows copied back once the host knows how many)."""
         if self._peer_stream is None:
             with device_scope(self.device):
                 yield
             return
-        self._done.clear()  # left by a layer that failed before its join (a failed capture's events)
-        self._held.clear()
+        if not again:  # left by a layer that failed before its join (a failed capture's events)
+            self._done.clear()
+            self._held.clear()
         pool = self._captured()  # asked on the home stream, before the side streams join
         self._outer = torch.cuda.current_stream(self.home)
         ready = after if after is not None else self.mark()

@@ -89,9 +89,15 @@ def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
     """The decode gather sends the peer its pairs through the lane (once per MoE layer), and the
     prompt's grouped path too with peer_prefill_rows != 0 (with 0 the prompt reads the peer's cache
     across)."""
-    entered = []
+    entered = []  # a lane's first block of a layer (a prompt layer enters again for the rows coming back)
     real = PeerLane.enqueue
-    monkeypatch.setattr(PeerLane, "enqueue", lambda lane, after=None: entered.append(lane.name) or real(lane, after))
+
+    def enqueue(lane, after=None, again=False):
+        if not again:
+            entered.append(lane.name)
+        return real(lane, after, again)
+
+    monkeypatch.setattr(PeerLane, "enqueue", enqueue)
     engine = _tier(model, expert_cache=4, peer_slots=6)  # the default: prompts compute on the peer
     engine.experts.use_gather(True)
     engine.experts.use_grouped_prefill(True)
