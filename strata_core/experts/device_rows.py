@@ -49,7 +49,7 @@ which is why the CPU (the bit-exact reference) keeps the loop.
 from __future__ import annotations
 
 from concurrent.futures import Executor, Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -58,7 +58,7 @@ from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
                                        fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
-from strata_core.experts.grouped import group_size, grouped_rows, predicted_misses
+from strata_core.experts.grouped import GroupPlan, group_size, grouped_rows
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
@@ -82,6 +82,18 @@ FUSED_FFN = True
 PREFETCH_PAIRS = 16
 
 
+class _LayerPlan(NamedTuple):
+    """A planned prompt layer (``CachedExpertRows._plan``), valid while ``versions`` (the group size and the
+    chain's tables) and ``shares`` (the peers' shares of the misses) are unchanged."""
+
+    versions: tuple[int, ...]
+    shares: tuple[tuple[int, int], ...]
+    holder: list[tuple[ExpertCache, int] | None]
+    owners: list[list[int]]
+    rank: torch.Tensor  # [E] on this device
+    plans: list[GroupPlan]  # this device's, then each lane's
+
+
 class CachedExpertRows:
     """Expert rows on ``ring``'s device: each layer's ``chains[layer]`` says where experts are found."""
 
@@ -97,6 +109,7 @@ class CachedExpertRows:
         self.grouped = self.device.type == "cuda"  # prefill chunks take the grouped prefill
         self.group_experts = min(group_size(*fmt.shapes[0]) for fmt in self.arena.formats if fmt is not None)
         self._group_ring: StagingRing | None = None
+        self._plans: dict[int, _LayerPlan] = {}  # per layer, its plan for planned prompt chunks (``_plan``)
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
@@ -200,21 +213,24 @@ class CachedExpertRows:
         computing peer holds, and its share of the misses, go to that peer, enqueued first and waiting
         only for the routing, so both devices compute at once.
 
-        A chunk of ``PREFETCH_PAIRS`` pairs an expert or more is *planned*: every expert is taken as
-        routed, each device's groups are cut from the residency alone, and their spans of ``order`` stay
-        on the device (ops/spans.py), so the host reads the routing once, after every group is enqueued
-        (only the peers' rows coming back wait for it). A smaller chunk reads it first and leaves out
-        the experts no pair routes to."""
+        A chunk of ``PREFETCH_PAIRS`` pairs an expert or more is *planned* (``_plan``): every expert is
+        taken as routed, so the groups follow from the residency, and their spans of ``order`` stay on
+        the device (ops/spans.py): the host reads the routing once, after every group is enqueued (only
+        the peers' rows coming back wait for it). A smaller chunk reads it first and leaves out the
+        experts no pair routes to."""
         counted = self._count_routing(layer, expert_ids, chain)  # [E]
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
-        holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
-        owners = self._assign(chain, holder)  # this device's experts, then each lane's
         flat = expert_ids.reshape(-1)  # [T*k]
-        planned = flat.numel() >= PREFETCH_PAIRS * n_experts
-        per_expert = None if planned else counted.tolist()  # the host read of this layer (a small chunk)
-        if per_expert is not None:
-            owners = [[e for e in experts if per_expert[e]] for experts in owners]
-        rank = _ranks(owners, n_experts, flat.device)  # [E]
+        per_expert = None
+        if flat.numel() >= PREFETCH_PAIRS * n_experts:
+            plan = self._plan(layer, chain)
+            holder, owners, rank, plans = plan.holder, plan.owners, plan.rank, plan.plans
+        else:
+            holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
+            per_expert = counted.tolist()  # the host read of this layer (a small chunk)
+            owners = [[e for e in experts if per_expert[e]] for experts in self._assign(chain, holder)]
+            rank = _ranks(owners, n_experts, flat.device)
+            plans = self._group_plans(chain, holder, owners, per_expert)
         order = torch.argsort(rank[flat], stable=True)  # [T*k]: as ``owners``
         by_rank = torch.empty_like(counted).index_copy_(0, rank, counted)  # [E]: pairs per expert, by rank
         bounds = torch.cat((by_rank.new_zeros(1), by_rank.cumsum(0)))  # [E + 1]: each expert's span of ``order``
@@ -223,17 +239,12 @@ class CachedExpertRows:
         for experts in owners:
             firsts.append(firsts[-1] + len(experts))
         chain.wait(layer, self.device)
-
-        def sizes(d: int) -> list[int] | None:
-            return None if per_expert is None else [per_expert[e] for e in owners[d]]
-
         lanes = [(d, lane, lane.mark()) for d, lane in enumerate(chain.lanes, 1) if owners[d]]
-        away = [self._on_peer(lane, after, layer, hidden, k, order, bounds[firsts[d]:firsts[d + 1] + 1], owners[d],
-                              sizes(d), [holder[e] for e in owners[d]], ffn) for d, lane, after in lanes]
+        away = [self._on_peer(lane, after, layer, hidden, k, order, bounds[firsts[d]:firsts[d + 1] + 1], plans[d], ffn)
+                for d, lane, after in lanes]
         with self.telemetry.compute(self.device):  # the peers' work first: it waits only for the routing
-            n_missed, _ = grouped_rows(layer, fmt, hidden, k, order, bounds[:firsts[1] + 1], owners[0],
-                                       [holder[e] for e in owners[0]], chain.own, self._staging(), out,
-                                       self.group_experts, sizes(0), ffn=ffn)
+            grouped_rows(layer, fmt, hidden, k, order, bounds[:firsts[1] + 1], plans[0], chain.own, self._staging(),
+                         out, ffn)
         per_expert = counted.tolist() if per_expert is None else per_expert  # a planned layer's one host read
         ends = [0]
         for e in (e for experts in owners for e in experts):
@@ -245,8 +256,37 @@ class CachedExpertRows:
         self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
             lane.join()
-        self._count_sources(chain, holder, owners, per_expert, n_missed)
+        self._count_sources(chain, holder, owners, per_expert, plans[0].n_missed())
         return out, order
+
+    def _plan(self, layer: int, chain: Chain, take: bool = True) -> _LayerPlan:
+        """A planned prompt layer: where each expert is found, who computes which (``_assign``), their ranks and
+        each device's ``GroupPlan``; made from the residency and the peers' shares of the misses, and kept
+        while those are unchanged (made once for a prompt, not once per layer and chunk). ``take``: the
+        peers' shares are taken (a layer computed), else only predicted (its prefetch)."""
+        versions = (self.group_experts, *(cache.table.version for cache in chain.caches()))
+        known = self._plans.get(layer)
+        holder = known.holder if known is not None and known.versions == versions else \
+            chain.holders(layer, list(range(self.arena.n_experts)))
+        missing = [e for e, where in enumerate(holder) if where is None]
+        shares = tuple((id(lane), len(streamed)) for lane, streamed in self._away(missing, chain, peek=True)[1])
+        if known is None or known.versions != versions or known.shares != shares:
+            owners = self._assign(chain, holder, peek=True)
+            known = _LayerPlan(versions, shares, holder, owners, _ranks(owners, len(holder), self.device),
+                               self._group_plans(chain, holder, owners))
+            self._plans[layer] = known
+        if take:
+            self._away(missing, chain)  # the shares predicted above, taken
+        return known
+
+    def _group_plans(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None], owners: list[list[int]],
+                     per_expert: list[int] | None = None) -> list[GroupPlan]:
+        """Each device's ``GroupPlan`` of its experts (``owners``): this device's, then each lane's on its
+        peer (in compact groups of ``lane.rows`` pairs where the pairs per expert are known)."""
+        devices = [(self.device, 0)] + [(lane.device, lane.rows) for lane in chain.lanes]
+        return [GroupPlan(experts, [holder[e] for e in experts], device, self.group_experts,
+                          None if per_expert is None else [per_expert[e] for e in experts], rows)
+                for experts, (device, rows) in zip(owners, devices)]
 
     def _count_sources(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None], owners: list[list[int]],
                        per_expert: list[int], n_missed: int) -> None:
@@ -288,34 +328,30 @@ class CachedExpertRows:
         return self._group_ring
 
     def _prefetch(self, layer: int, pairs: int) -> None:
-        """Stream ``layer``'s first expert groups of misses now, while its attention runs, as a planned chunk of
-        ``pairs`` (token, k) pairs will cut them (every expert taken as routed); should the residency
+        """Stream ``layer``'s first expert groups of misses now, while its attention runs, as its plan cuts
+        them when a chunk of ``pairs`` (token, k) pairs is planned (``_plan``); should the residency
         change in between, the batches no longer covered are copied again."""
-        chain, n = self.chains.get(layer), self.arena.n_experts
-        if chain is None or not chain.link or pairs < PREFETCH_PAIRS * n:
+        chain = self.chains.get(layer)
+        if chain is None or not chain.link or pairs < PREFETCH_PAIRS * self.arena.n_experts:
             return
-        ids = list(range(n))
-        holder = chain.holders(layer, ids)
-        here, *taken = self._assign(chain, holder, peek=True)
-        self._staging().prefetch(layer, predicted_misses(ids, holder, here, self.group_experts))
-        for lane, theirs in zip(chain.lanes, taken):
-            lane.ring(self.group_experts).prefetch(layer, predicted_misses(ids, holder, theirs, self.group_experts))
+        plans = self._plan(layer, chain, take=False).plans
+        self._staging().prefetch(layer, plans[0].misses)
+        for lane, plan in zip(chain.lanes, plans[1:]):
+            lane.ring(self.group_experts).prefetch(layer, plan.misses)
 
     def _on_peer(self, lane: PeerLane, after: torch.cuda.Event | None, layer: int, hidden: torch.Tensor, k: int,
-                 order: torch.Tensor, bounds: torch.Tensor, ids: list[int], sizes: list[int] | None, holder: list,
-                 ffn: ExpertFFN) -> torch.Tensor:
-        """Enqueue on ``lane``'s peer, after the home's event ``after`` (its routing), the grouped rows of the
-        experts ``ids`` (their spans of ``order``: ``bounds``; ``sizes`` their pairs where known; found as
-        ``holder`` says), its misses over its own link, in compact groups of at most ``lane.rows`` pairs
-        where the sizes are known. Returns the peer's ``[T*k, H]`` buffer, holding their rows at their
-        places in ``order`` once the lane's work is done."""
+                 order: torch.Tensor, bounds: torch.Tensor, plan: GroupPlan, ffn: ExpertFFN) -> torch.Tensor:
+        """Enqueue on ``lane``'s peer, after the home's event ``after`` (its routing), the grouped rows of
+        ``plan``'s experts (their spans of ``order``: ``bounds``), its misses over its own link. Returns
+        the peer's ``[T*k, H]`` buffer, holding their rows at their places in ``order`` once the lane's
+        work is done."""
         with lane.enqueue(after):
             lane.hold(order, bounds)  # read by the side streams after this call returns
             lane.cache.wait_layer(layer, lane.device)
             x, there, spans = lane.send(hidden, order, bounds)  # one copy to the peer
             rows = x.new_empty(order.numel(), x.shape[-1])
-            grouped_rows(layer, self.arena.formats[layer], x, k, there, spans, ids, holder, lane.cache,
-                         lane.ring(self.group_experts), rows, self.group_experts, sizes, lane.rows, ffn)
+            grouped_rows(layer, self.arena.formats[layer], x, k, there, spans, plan, lane.cache,
+                         lane.ring(self.group_experts), rows, ffn)
         return rows
 
     def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN,

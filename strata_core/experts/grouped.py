@@ -29,7 +29,6 @@ bf16 the weights are rounded to bf16); they agree within float tolerance (tests/
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -46,9 +45,9 @@ if TYPE_CHECKING:
     from strata_core.experts.cache import ExpertCache
     from strata_core.experts.transfer import StagingRing
 
-__all__ = ["GROUP_EXPERTS", "GROUP_WEIGHT_BYTES", "ExpertGroup", "group_size", "workspace_bytes", "dequantize_experts",
-           "expert_groups", "fused_gate_up", "grouped_ffn", "grouped_rows", "miss_batches", "padded_index",
-           "predicted_misses"]
+__all__ = ["GROUP_EXPERTS", "GROUP_WEIGHT_BYTES", "ExpertGroup", "GroupPlan", "group_size", "workspace_bytes",
+           "dequantize_experts", "expert_groups", "fused_gate_up", "grouped_ffn", "grouped_rows", "miss_batches",
+           "padded_index"]
 
 #: Most experts of one group (fewer make more launches a layer: the host's cost of a prompt).
 GROUP_EXPERTS = 64
@@ -192,62 +191,77 @@ def miss_batches(groups: list[ExpertGroup], ids: list[int],
     return [[(i - g.first, ids[i]) for i in range(g.first, g.last) if holder[i] is None] for g in groups]
 
 
-def predicted_misses(ids: list[int], holder: list[tuple[ExpertCache, int] | None], chosen: list[int],
-                     group_experts: int) -> list[list[tuple[int, int]]]:
-    """``miss_batches`` of the distinct experts ``chosen`` (indices into ``ids``) as ``grouped_rows`` cuts them
-    in a planned layer (every one taken as routed): the prefetch's prediction, exact for a planned layer."""
-    groups = expert_groups([1] * len(chosen), group_experts)
-    return miss_batches(groups, [ids[i] for i in chosen], [holder[i] for i in chosen])
+class GroupPlan:
+    """How ``grouped_rows`` runs the distinct experts ``ids`` of one layer on ``device`` (ordered by source:
+    those of one cache consecutive, misses last; ``holder`` where each is found): their groups of at most
+    ``group_experts`` experts, and where ``sizes`` (pairs per expert) are known, of at most ``group_rows``
+    pairs (where > 0); without them every expert is taken as routed and the plan follows from the
+    residency alone (a planned layer: ``CachedExpertRows`` keeps it while the residency holds).
+
+    :ivar groups: the ``ExpertGroup`` s; ``misses`` their ``miss_batches`` (what the staging ring streams)
+    :ivar caches: the caches holding some of ``ids``; ``held[p][j]``: cache p's experts of group j
+        (consecutive), read through ``slot_index[p][j]`` (their slots, on that cache's device)
+    :ivar experts: ``ids`` on ``device`` (they index the experts' biases)
+    """
+
+    def __init__(self, ids: list[int], holder: list[tuple[ExpertCache, int] | None], device: torch.device,
+                 group_experts: int, sizes: list[int] | None = None, group_rows: int = 0):
+        self.sizes = sizes
+        self.groups = expert_groups(sizes if sizes is not None else [1] * len(ids), group_experts,
+                                    group_rows if sizes is not None else 0)
+        self.misses = miss_batches(self.groups, ids, holder)
+        self.caches = list({id(h[0]): h[0] for h in holder if h is not None}.values())  # in the order of ids
+        self.held = [[[i for i in range(g.first, g.last) if holder[i] is not None and holder[i][0] is cache]
+                      for g in self.groups] for cache in self.caches]
+        slots = [[[holder[i][1] for i in experts] for experts in per_group] for per_group in self.held]
+        local = [p for p, cache in enumerate(self.caches) if cache.device == device]
+        # the layer's integers in one copy to each device: experts and the slots read of each cache
+        self.experts, *index = _on_device([ids] + [part for p in local for part in slots[p]], device)
+        n = len(self.groups)
+        self.slot_index = {p: index[i * n:(i + 1) * n] for i, p in enumerate(local)}
+        self.slot_index.update({p: _on_device(slots[p], cache.device) for p, cache in enumerate(self.caches)
+                                if p not in self.slot_index})
+
+    def n_missed(self) -> int:
+        """Experts streamed from the arena."""
+        return sum(map(len, self.misses))
+
+    def n_across(self, own: ExpertCache | None) -> int:
+        """Experts read across from a cache other than ``own``."""
+        return sum(len(experts) for p, cache in enumerate(self.caches) if cache is not own for experts in self.held[p])
 
 
 def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, bounds: torch.Tensor,
-                 ids: list[int], holder: list[tuple[ExpertCache, int] | None], own: ExpertCache | None,
-                 ring: StagingRing, out: torch.Tensor, group_experts: int, sizes: list[int] | None = None,
-                 group_rows: int = 0, ffn: ExpertFFN = SILU) -> tuple[int, int]:
-    """The grouped prefill of the distinct experts ``ids`` (ordered by source: those of one cache
-    consecutive, misses last) on ``x``'s device. ``order [P]`` is the layer's pairs sorted (pair p is
-    token ``p // k`` of ``x [T, H]``) and ``bounds [len(ids) + 1]`` cumulative counts: expert ``ids[i]``'s
-    pairs are ``order[bounds[i]:bounds[i + 1]]`` (both on ``x``'s device); each pair's row is written to
-    ``out [P, H]`` at its place in ``order``. ``sizes`` (pairs per expert) are given where the host knows
-    them: then groups are of at most ``group_rows`` pairs too (where > 0) and their buffers exact;
-    without them every expert is taken as routed, the groups are cut from the residency alone and
-    nothing here waits for the routing (each group's buffers hold ``min(P, experts * T)`` rows).
-    Per group of at most ``group_experts`` experts: the experts of each cache holding some (``holder``:
-    ``own``'s, a peer's read across) by one gather into their consecutive rows of the group's buffer,
-    misses (``holder`` None) through ``ring``; ``ffn`` the experts' activation and biases.
-    Returns (misses, experts read across)."""
-    device = x.device
-    groups = expert_groups(sizes if sizes is not None else [1] * len(ids), group_experts,
-                           group_rows if sizes is not None else 0)
-    misses = miss_batches(groups, ids, holder)
-    caches = list({id(h[0]): h[0] for h in holder if h is not None}.values())  # the sources, in the order of ids
-    held = [[[i for i in range(g.first, g.last) if holder[i] is not None and holder[i][0] is cache] for g in groups]
-            for cache in caches]  # per cache, per group: its experts (consecutive)
-    slots = [[[holder[i][1] for i in experts] for experts in per_group] for per_group in held]
-    local = [p for p, cache in enumerate(caches) if cache.device == device]
-    # the layer's integers in one copy to each device: experts and the slots read of each cache
-    experts, *index = _on_device([ids] + [part for p in local for part in slots[p]], device)
-    slot_index = {p: index[n * len(groups):(n + 1) * len(groups)] for n, p in enumerate(local)}
-    slot_index.update({p: _on_device(slots[p], cache.device) for p, cache in enumerate(caches) if p not in slot_index})
-    expert_ids = None if ffn.plain else experts  # [n]: index the biases
+                 plan: GroupPlan, own: ExpertCache | None, ring: StagingRing, out: torch.Tensor,
+                 ffn: ExpertFFN = SILU) -> None:
+    """The grouped prefill of ``plan``'s experts on ``x``'s device. ``order [P]`` is the layer's pairs sorted
+    (pair p is token ``p // k`` of ``x [T, H]``) and ``bounds [len(ids) + 1]`` cumulative counts: the i-th
+    expert's pairs are ``order[bounds[i]:bounds[i + 1]]`` (both on ``x``'s device); each pair's row is
+    written to ``out [P, H]`` at its place in ``order``. Nothing here waits for the host to know the
+    counts: a group's inputs are gathered into a buffer of its pairs (where ``plan.sizes`` are known) or
+    of ``min(P, experts * T)`` rows. Per group: the experts of each cache holding some (``own``'s, a
+    peer's read across) by one gather into their consecutive rows of the group's buffer, misses
+    through ``ring``; ``ffn`` the experts' activation and biases."""
+    device, sizes, caches, held = x.device, plan.sizes, plan.caches, plan.held
+    expert_ids = None if ffn.plain else plan.experts  # [n]: index the biases
     token = order // k  # [P]: the token of each sorted pair
     counts = bounds[1:] - bounds[:-1]  # [n] pairs per expert
     T = x.shape[0]
 
     def consume(j: int, staged: torch.Tensor | None) -> None:  # staged [R, B]: group j's misses in their rows
-        g = groups[j]
+        g = plan.groups[j]
         n = g.last - g.first
         if caches and caches[0] is own and len(held[0][j]) == n:  # every expert resident: one gather of the slots
-            packed = own.slots.index_select(0, slot_index[0][j])
+            packed = own.slots.index_select(0, plan.slot_index[0][j])
         else:  # the staged misses (none: a buffer of its own), before them each cache's experts' rows
             packed = staged[:n] if staged is not None else ring.buffers.new_empty((n, ring.buffers.shape[2]))  # [g, B]
             for p, cache in enumerate(caches):
                 if held[p][j]:
                     rows = packed[held[p][j][0] - g.first:held[p][j][-1] + 1 - g.first]  # [h, B]
                     if cache.device == device:
-                        torch.index_select(cache.slots, 0, slot_index[p][j], out=rows)
+                        torch.index_select(cache.slots, 0, plan.slot_index[p][j], out=rows)
                     else:  # read across the peer link: one copy
-                        rows.copy_(cache.slots.index_select(0, slot_index[p][j]))
+                        rows.copy_(cache.slots.index_select(0, plan.slot_index[p][j]))
         weights = dequantize_experts(packed, fmt, x.dtype)
         start, end = bounds[g.first], bounds[g.last]  # on the device
         cap = g.end - g.start if sizes is not None else min(token.numel(), n * T)
@@ -256,9 +270,7 @@ def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: 
                            experts=None if expert_ids is None else expert_ids[g.first:g.last])
         scatter_span(out, rows, start, end)
 
-    ring.run_batches(layer, misses, consume)
-    across = sum(len(experts) for p, cache in enumerate(caches) if cache is not own for experts in held[p])
-    return sum(map(len, misses)), across
+    ring.run_batches(layer, plan.misses, consume)
 
 
 def _on_device(lists: list[list[int]], device: torch.device) -> list[torch.Tensor]:

@@ -46,6 +46,7 @@ class ResidencyTable:
         self._masked = torch.zeros((n_layers, n_experts), dtype=torch.bool)  # [L, E]
         self._free = list(range(n_slots - 1, -1, -1))  # a stack: pop() gives the lowest free slot
         self._deferred = 0
+        self.version = 0  # counts the changes: a plan made from the table holds while it is unchanged
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -161,6 +162,7 @@ class ResidencyTable:
         return self._replicas[device]
 
     def _publish(self) -> None:
+        self.version += 1
         if self._deferred == 0:
             self.mirror.copy_(self.host)  # blocking: the host may change the table right after
             for replica in self._replicas.values():
