@@ -35,6 +35,7 @@ from strata_core.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
 from strata_core.model.fused_decode import decode_layers as fused_decode_layers, fused_reason, place_q8_copies
 from strata_core.model.fused_decode import kv_tables as fused_kv_tables
+from strata_core.model.head_split import HeadSplit
 from strata_core.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
@@ -47,6 +48,26 @@ from strata_core.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 LayerObserver = Callable[[int, torch.Tensor], None]
+
+
+def _head_splits(placement: Placement, slots: dict[int, DeviceSlot], spec: ModelSpec) -> dict[int, HeadSplit]:
+    """Per prompt layer whose placement names an attention peer, the split of its heads with that peer
+    (one ``HeadSplit`` per pair of devices): the peer takes half of the kv heads."""
+    splits: dict[tuple[int, int], HeadSplit] = {}
+    by_layer = {}
+    for layer, placed in enumerate(placement.layers("prompt")):
+        if placed.attention_peer is None:
+            continue
+        if spec.n_kv_heads < 2:
+            raise ConfigError(f"placement: layer {layer} splits its attention heads with a peer, but the model has "
+                              f"{spec.n_kv_heads} kv head")
+        pair = (placed.device, placed.attention_peer)
+        if pair not in splits:
+            splits[pair] = HeadSplit(slots[pair[0]].device, slots[pair[1]].device, spec.n_kv_heads // 2)
+            log.info("prompt attention: %d of %d kv heads of %s's layers on %s", spec.n_kv_heads // 2,
+                     spec.n_kv_heads, slots[pair[0]], slots[pair[1]])
+        by_layer[layer] = splits[pair]
+    return by_layer
 
 
 def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtype:
@@ -150,6 +171,7 @@ class Engine:
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = get_architecture(spec.architecture).model(spec, dense)
+        model.head_splits = _head_splits(placement, slots, spec)
         dense_bytes = place_q8_copies(model, gguf_file, settings, placement, slots, dense_bytes)
         report(0.2)
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,

@@ -72,6 +72,14 @@ def test_validation_names_the_problem():
     self_peer = (LayerPlacement(0, (ExpertSource.peer(0), ExpertSource.cpu())),) * 2
     with pytest.raises(ConfigError, match="peer source names the computing device"):
         Placement(self_peer, local).validate(2, 2)
+    chain = local[0].experts
+    with pytest.raises(ConfigError, match="the attention peer names device slot 2"):
+        Placement((LayerPlacement(0, chain, attention_peer=2),) * 2, local).validate(2, 2)
+    for prompt, decode in (((LayerPlacement(0, chain, attention_peer=0),) * 2, local),
+                           (local, (LayerPlacement(0, chain, attention_peer=1),) * 2)):
+        with pytest.raises(ConfigError, match="an attention peer is another device slot, in the prompt phase"):
+            Placement(prompt, decode).validate(2, 2)
+    Placement((LayerPlacement(0, chain, attention_peer=1),) * 2, local).validate(2, 2)
 
 
 def test_segments_are_maximal_runs():

@@ -16,6 +16,7 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
 from strata_core.model.kvcache import KVCache
 from strata_core.model import ops
+from strata_core.model.head_split import HeadSplit
 from strata_core.model.ops import apply_rope, masked_attention, norm_rope, rms_norm, rope_cos_sin, sdpa_attention
 from strata_core.ops.matmul import linear, rowwise
 from strata_core.model.weights import DenseWeights
@@ -35,6 +36,9 @@ class MoEModel:
     def __init__(self, spec: ModelSpec, weights: DenseWeights):
         self.spec = spec
         self.weights = weights
+        #: per layer, the split of its prompt chunks' attention heads with a peer (``attention_peer``, set by
+        #: the engine from the placement; head_split.py)
+        self.head_splits: dict[int, HeadSplit] = {}
 
     @classmethod
     def load(cls, gguf_file: GGUFFile, dtype: torch.dtype = torch.float32) -> "MoEModel":
@@ -111,16 +115,24 @@ class MoEModel:
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,
                static: bool) -> torch.Tensor:
-        """``[T, nh*D]``: causal attention of ``q [T, nh, D]`` over the layer's cached K/V (see ``attention``)."""
+        """``[T, nh*D]``: causal attention of ``q [T, nh, D]`` over the layer's cached K/V (see ``attention``);
+        a prompt chunk's heads split with a peer where ``head_splits`` says so (equal output)."""
         if q.device.type != "cpu" and ops.DEVICE_SDPA:  # flash / cuDNN / memory-efficient kernels
             if static:
                 n_ctx = kv.max_tokens
             elif n_ctx is None:
                 n_ctx = int(positions.max()) + 1
             keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
-            return sdpa_attention(q, keys, values, positions, static)
-        keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # [S, nkv, D]
-        return masked_attention(q, keys, values, positions)
+
+            def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                return sdpa_attention(q, keys, values, positions, static)
+        else:
+            keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # [S, nkv, D]
+            attend = masked_attention
+        split = self.head_splits.get(layer)
+        if split is not None and q.shape[0] > 1 and not static:
+            return split(q, keys, values, positions, attend)
+        return attend(q, keys, values, positions)
 
     @staticmethod
     def masked_context(q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,

@@ -95,10 +95,13 @@ class ExpertSource:
 
 @dataclass(frozen=True)
 class LayerPlacement:
-    """One layer in one phase: the computing device slot and the expert source chain."""
+    """One layer in one phase: the computing device slot and the expert source chain; in the prompt
+    phase, ``attention_peer`` (a device slot) attends over the last half of the kv heads of each chunk
+    (model/head_split.py: the output is the unsplit attention's; gpt-oss and MLA attention stay whole)."""
 
     device: int
     experts: tuple[ExpertSource, ...]
+    attention_peer: int | None = None
 
     @classmethod
     def local(cls, device: int) -> LayerPlacement:
@@ -232,6 +235,11 @@ class Placement:
             for i, placed in enumerate(layers):
                 where = f"layer {i} ({phase})"
                 check_device(placed.device, where)
+                if placed.attention_peer is not None:
+                    check_device(placed.attention_peer, f"{where}: the attention peer")
+                    if placed.attention_peer == placed.device or phase != "prompt":
+                        raise ConfigError(f"placement: {where}: an attention peer is another device slot, "
+                                          "in the prompt phase")
                 if not placed.experts or not placed.experts[-1].holds_every_expert:
                     raise ConfigError(f"placement: {where}: the expert chain must end with the arena or the CPU")
                 if len(set(placed.experts)) != len(placed.experts):

@@ -16,10 +16,16 @@
   primary also runs the dense part, so the peer takes the larger share (run 7, one call: 33,671-34,865
   tok/s at 8K with 0.65, 28,511-31,279 with 0.35);
 * ``peer_decode_stream_frac`` (0.5): the same for decode misses (the peer's compute there is small
-  beside the link time, so an even split balances the two links).
+  beside the link time, so an even split balances the two links);
+* ``peer_attention`` (True): the peer also attends over half of the kv heads of each long prompt chunk
+  (``LayerPlacement.attention_peer``, model/head_split.py). Each head is computed by the same kernel
+  either way, so the output is unchanged. In a long prompt the attention, not the experts, is most of
+  a layer: on two H200s it took the 32K prompt from 17,451 to 21,760 tok/s, and left 8K unchanged
+  (BENCHMARKS.md, issue 9, run 8). False keeps every head on the primary.
 
-The dense part (every layer, the embedding and the head) stays on the primary, so the output equals
-one device holding the same experts. The peer's cache is filled from the profile after the
+The dense part (every layer, the embedding and the head) stays on the primary, but for half of the long
+prompt chunks' attention heads with ``peer_attention``, so the output equals one device holding the
+same experts. The peer's cache is filled from the profile after the
 primary's: the two never hold the same expert (adaptation keeps that), their union is the planned
 set. Every layer's chain is: the primary's cache, the peer's (``ExpertSource.peer(1, compute=True)``:
 activations go over, rows come back, on the peer's own stream, no host wait), then the arena over
@@ -49,6 +55,7 @@ class PeerTierOptions(StrategyOptions):
                                     "computes (peer_prefill_rows != 0)")
     peer_decode_stream_frac: float = Field(0.5, ge=0, le=1,
                                            description="share of the decode misses the peer streams and computes")
+    peer_attention: bool = Field(True, description="the peer attends over half of the kv heads of long prompt chunks")
 
 
 @hookimpl
@@ -82,11 +89,12 @@ def strata_topology(devices, spec, settings, options):
         prompt_peer = ExpertSource.peer(peer, compute=True, stream=options.peer_stream_frac,
                                         rows=max(options.peer_prefill_rows, 0))
 
-    def layers(source: ExpertSource) -> tuple[LayerPlacement, ...]:
+    def layers(source: ExpertSource, attention_peer: int | None = None) -> tuple[LayerPlacement, ...]:
         chain = (ExpertSource.cache(primary), source, ExpertSource.arena(primary), ExpertSource.cpu())
-        return tuple(LayerPlacement(primary, chain) for _ in range(spec.n_layers))
+        return tuple(LayerPlacement(primary, chain, attention_peer) for _ in range(spec.n_layers))
 
     budget = peer_budget(settings, options)
-    return Placement(prompt=layers(prompt_peer), decode=layers(decode_peer), main=primary,
+    return Placement(prompt=layers(prompt_peer, peer if options.peer_attention else None), decode=layers(decode_peer),
+                     main=primary,
                      budgets={peer: budget} if budget is not None else {}, fill_order=(primary, peer),
                      adapt_swaps={peer: options.peer_adapt_swaps} if options.peer_adapt_swaps >= 0 else {})

@@ -54,17 +54,19 @@ def _held(engine: Engine, slot: int) -> set[tuple[int, int]]:
 
 
 @CHECKS
-@example(primary=0, peer=16, chunk=40, stream=1.0, rows=-1, gather=False, grouped=True)  # the peer computes all
+@example(primary=0, peer=16, chunk=40, stream=1.0, rows=-1, gather=False, grouped=True, attention=True)
 @given(primary=st.integers(0, 16), peer=st.integers(1, 16), chunk=st.integers(4, 40),
        stream=st.sampled_from([0.0, 0.35, 1.0]), rows=st.sampled_from([-1, 0, 3]), gather=st.booleans(),
-       grouped=st.booleans())
+       grouped=st.booleans(), attention=st.booleans())
 def test_logits_equal_single_holding_the_union(model, reference, primary, peer, chunk, stream, rows, gather,
-                                               grouped):
-    """Random tier sizes, chunks and stream shares (prompt and decode), the decode gather and the grouped
-    prefill on or off: prompt and window logits equal single's bit for bit (the grouped prefill within
-    float tolerance), the tiers are disjoint and their union is what single caches with both budgets."""
+                                               grouped, attention):
+    """Random tier sizes, chunks and stream shares (prompt and decode), the decode gather, the grouped
+    prefill and the peer's share of the prompt attention on or off: prompt and window logits equal
+    single's bit for bit (the grouped prefill within float tolerance), the tiers are disjoint and their
+    union is what single caches with both budgets."""
     engine = _tier(model, expert_cache=primary, prefill_chunk=chunk, peer_slots=peer, peer_stream_frac=stream,
-                   peer_decode_stream_frac=stream, peer_prefill_rows=rows)
+                   peer_decode_stream_frac=stream, peer_prefill_rows=rows, peer_attention=attention)
+    assert len(engine.model.head_splits) == (4 if attention else 0)
     engine.experts.use_gather(gather)
     engine.experts.use_grouped_prefill(grouped)
     logits = engine.logits(PROMPT)
@@ -228,6 +230,20 @@ def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices,
         engine.decode_window([(session, 4)])
     if graphs:
         assert engine._decode_graphs().failed is None and len(engine._decode_graphs()) > 0
+
+
+@pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
+@pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
+def test_on_cuda_the_peer_s_attention_heads_leave_the_prompt_logits_unchanged(model, devices):
+    """bf16 through SDPA: a long prompt (chunks the split takes: model/head_split.py) with half of the kv heads
+    attended on the peer gives the logits of the same prompt without it, bit for bit."""
+    prompt = [5 + i % 200 for i in range(9000)]
+    options = dict(max_context=9100, dtype="bfloat16", arena="pinned", prefill_chunk=8800, expert_cache=4)
+    engines = [Engine.load(model, strategy="peer_tier", devices=devices, **options,
+                           strategy_options={"peer_slots": 6, "peer_attention": split}) for split in (False, True)]
+    assert engines[1].model.head_splits[0].splits(8800, 4, 2)
+    logits = [engine.logits(prompt) for engine in engines]
+    assert torch.equal(logits[0], logits[1])
 
 
 @pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
