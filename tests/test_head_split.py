@@ -24,6 +24,7 @@ def test_on_the_cpu_the_split_heads_equal_the_whole(nh, nkv, peer_kv):
     q, keys, values, positions = _case(9, 20, nh, nkv, 16, "cpu", torch.float32)
     split = HeadSplit(torch.device("cpu"), torch.device("cpu"), peer_kv)
     got = split(q, keys, values, positions, masked_attention)
+    assert split.splits(9, 20, nh, nkv) and not split.splits(9, 9, nh, nkv)
     assert torch.equal(got, masked_attention(q, keys, values, positions))
 
 
@@ -45,6 +46,6 @@ def test_on_cuda_sdpa_split_heads_equal_the_whole(devices, T, S):
 
     split = HeadSplit(torch.device(devices[0]), torch.device(devices[1]), 2)
     got = split(q, keys, values, positions, attend)
-    assert calls == ([16, 16] if split.splits(T, 32, 4) else [32])
-    assert split.splits(T, 32, 4) or T < 8192  # 16 heads x 128 blocks: split on any GPU of up to 1024 SMs
+    assert calls == ([16, 16] if split.splits(T, S, 32, 4) else [32])
+    assert split.splits(T, S, 32, 4) or T < 8192 or S == T  # 16 heads x 128 blocks: split on up to 1024 SMs
     assert got.device == q.device and torch.equal(got, attend(q, keys, values, positions))

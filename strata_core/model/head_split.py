@@ -10,7 +10,9 @@ head), so the output equals the unsplit attention's, bit for bit. One exception 
 FlashAttention splits the keys of a launch with few (head, query block) programs across thread blocks
 (split-KV, a heuristic on their number against the SMs), which changes the order of its sums; a chunk
 is split only when each part has ``SPLIT_KV_BLOCKS`` such programs a SM, where the heuristic keeps the
-keys whole (``splits``). Short chunks, where the attention is cheap anyway, stay whole.
+keys whole (``splits``). Short chunks, where the attention is cheap anyway, stay whole, and so does a
+prompt's first chunk (no more keys than queries): its attention is a small part of the layer, and there
+the host, which the split costs a few launches, bounds the layer (BENCHMARKS.md, issue 9, run 8).
 
 On CUDA only events order the work (the side streams wait for the home's queries, the home for the
 peer's heads); on the CPU the same code runs in order. Decode steps (one token) are not split.
@@ -50,18 +52,19 @@ class HeadSplit:
         self._peer_stream = torch.cuda.Stream(peer) if cuda else None
         self._sms = min(torch.cuda.get_device_properties(d).multi_processor_count for d in (home, peer)) if cuda else 0
 
-    def splits(self, n_tokens: int, n_heads: int, n_kv_heads: int) -> bool:
-        """Whether a chunk of ``n_tokens`` queries is split: always off CUDA; on CUDA when each part has
-        ``SPLIT_KV_BLOCKS`` (head, 64-query block) programs a SM, so that no part's keys are split."""
+    def splits(self, n_tokens: int, n_keys: int, n_heads: int, n_kv_heads: int) -> bool:
+        """Whether a chunk of ``n_tokens`` queries over ``n_keys`` keys is split: when it reads more keys than
+        it has queries (not a prompt's first chunk) and, on CUDA, each part has ``SPLIT_KV_BLOCKS``
+        (head, 64-query block) programs a SM, so that no part's keys are split."""
         heads = min(n_heads // n_kv_heads * self.peer_kv_heads, n_heads - n_heads // n_kv_heads * self.peer_kv_heads)
-        return self._sms == 0 or heads * -(-n_tokens // 64) >= SPLIT_KV_BLOCKS * self._sms
+        return n_keys > n_tokens and (self._sms == 0 or heads * -(-n_tokens // 64) >= SPLIT_KV_BLOCKS * self._sms)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                  attend: Attend) -> torch.Tensor:
         """``[T, nh * D]``: ``attend`` over every head of ``q [T, nh, D]`` (``keys``, ``values`` ``[S, nkv, D]``),
         the peer's share computed there at the same time."""
         nh, nkv = q.shape[1], keys.shape[1]
-        if not self.splits(q.shape[0], nh, nkv):
+        if not self.splits(q.shape[0], keys.shape[0], nh, nkv):
             return attend(q, keys, values, positions)
         kept = nkv - self.peer_kv_heads  # kv heads attended here
         split = kept * (nh // nkv)  # query heads attended here

@@ -234,20 +234,6 @@ def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices,
 
 @pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
 @pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
-def test_on_cuda_the_peer_s_attention_heads_leave_the_prompt_logits_unchanged(model, devices):
-    """bf16 through SDPA: a long prompt (chunks the split takes: model/head_split.py) with half of the kv heads
-    attended on the peer gives the logits of the same prompt without it, bit for bit."""
-    prompt = [5 + i % 200 for i in range(9000)]
-    options = dict(max_context=9100, dtype="bfloat16", arena="pinned", prefill_chunk=8800, expert_cache=4)
-    engines = [Engine.load(model, strategy="peer_tier", devices=devices, **options,
-                           strategy_options={"peer_slots": 6, "peer_attention": split}) for split in (False, True)]
-    assert engines[1].model.head_splits[0].splits(8800, 4, 2)
-    logits = [engine.logits(prompt) for engine in engines]
-    assert torch.equal(logits[0], logits[1])
-
-
-@pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
-@pytest.mark.parametrize("devices", CUDA_PAIRS, ids=",".join)
 def test_on_cuda_bf16_decode_logits_are_single_bit_for_bit(model, devices):
     """The peer's rows join the home's combination in ``moe_decode`` (served rows), so even in bf16 every
     decode step's logits are those of one device holding the union, graphed windows included. (From
