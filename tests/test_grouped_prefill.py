@@ -101,7 +101,8 @@ def test_grouped_ffn_matches_expert_ffn_per_expert(synthetic, grouped_mm, dtype)
 
 def _spare_rows_cases() -> list[tuple[str, bool, torch.dtype]]:
     cases = [("cpu", mm, dtype) for mm, dtype in _kernels()]
-    return cases + ([("cuda", None, torch.bfloat16), ("cuda", False, torch.float32)] if torch.cuda.is_available() else [])
+    cuda = [("cuda", None, torch.bfloat16), ("cuda", False, torch.float32)] if torch.cuda.is_available() else []
+    return cases + cuda
 
 
 @pytest.mark.parametrize(("device", "grouped_mm", "dtype"), _spare_rows_cases())

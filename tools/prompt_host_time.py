@@ -28,7 +28,7 @@ from strata_core.experts.chain import Chain
 
 #: (owner, attribute) of the functions timed: the grouped prefill's layer, its parts and the planning.
 TIMED = [(device_rows.CachedExpertRows, "_grouped"), (device_rows.CachedExpertRows, "_on_peer"),
-         (device_rows.CachedExpertRows, "_prefetch"), (device_rows.CachedExpertRows, "_assign"),
+         (device_rows.CachedExpertRows, "_prefetch"), (device_rows.PromptPlanner, "plan"), (device_rows, "assign"),
          (device_rows.CachedExpertRows, "rows"), (Chain, "holders"), (device_rows, "grouped_rows"),
          (grouped, "dequantize_experts"), (grouped, "grouped_ffn"), (device_rows, "combine_sorted")]
 

@@ -36,7 +36,7 @@ experts, one index_select from the slots, the misses through the staging ring, o
 per matrix and grouped products; the experts of a computing peer (and its share of the misses) are
 cut into the peer's own groups and computed there at the same time (enqueued first, waiting only for
 the routing). The layer's pairs are sorted once, by device and then by expert in source order
-(``_assign``), so each device's pairs and rows are one span, and the rows, left in that order, are
+(prompt_plan.py), so each device's pairs and rows are one span, and the rows, left in that order, are
 combined by ``combine_sorted`` (ops/combine.py). A chunk of ``PREFETCH_PAIRS`` pairs an expert or more
 is planned: every expert is taken as routed, so the groups follow from the residency and their spans
 stay on the device (ops/spans.py); the host reads the routing once, after the layer's groups are
@@ -49,17 +49,18 @@ which is why the CPU (the bit-exact reference) keeps the loop.
 from __future__ import annotations
 
 from concurrent.futures import Executor, Future
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 
-from strata_core.devices import device_scope, to_device
+from strata_core.devices import device_scope
 from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
                                        fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
 from strata_core.experts.grouped import GroupPlan, group_size, grouped_rows
 from strata_core.experts.profile import UsageCounter
+from strata_core.experts.prompt_plan import PromptPlanner, assign, group_plans, peer_shares, ranks
 from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
@@ -82,18 +83,6 @@ FUSED_FFN = True
 PREFETCH_PAIRS = 16
 
 
-class _LayerPlan(NamedTuple):
-    """A planned prompt layer (``CachedExpertRows._plan``), valid while ``versions`` (the group size and the
-    chain's tables) and ``shares`` (the peers' shares of the misses) are unchanged."""
-
-    versions: tuple[int, ...]
-    shares: tuple[tuple[int, int], ...]
-    holder: list[tuple[ExpertCache, int] | None]
-    owners: list[list[int]]
-    rank: torch.Tensor  # [E] on this device
-    plans: list[GroupPlan]  # this device's, then each lane's
-
-
 class CachedExpertRows:
     """Expert rows on ``ring``'s device: each layer's ``chains[layer]`` says where experts are found."""
 
@@ -109,7 +98,7 @@ class CachedExpertRows:
         self.grouped = self.device.type == "cuda"  # prefill chunks take the grouped prefill
         self.group_experts = min(group_size(*fmt.shapes[0]) for fmt in self.arena.formats if fmt is not None)
         self._group_ring: StagingRing | None = None
-        self._plans: dict[int, _LayerPlan] = {}  # per layer, its plan for planned prompt chunks (``_plan``)
+        self.planner = PromptPlanner(self.device, self.arena.n_experts)  # planned prompt layers' plans
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
@@ -150,7 +139,7 @@ class CachedExpertRows:
             out[pairs] = rows.to(self.device, out.dtype)
 
         n_link = self._link_share(len(missed), chain)
-        link, away = self._away(missed[:n_link], chain)
+        link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
         on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
         chain.wait(layer, self.device)
         with self.telemetry.compute(self.device):
@@ -192,28 +181,15 @@ class CachedExpertRows:
             return 0
         return self.split.take(n_missed) if self.decoding else n_missed
 
-    def _away(self, link: list[int], chain: Chain,
-              peek: bool = False) -> tuple[list[int], list[tuple[PeerLane, list[int]]]]:
-        """A prompt layer's link misses split: each computing peer's ``stream`` share (the last ones,
-        streamed over the peer's own host link and computed there), and the rest over this device's
-        (``peek``: the split predicted, the shares not taken)."""
-        away = []
-        for lane in chain.lanes if not self.decoding else ():
-            n = lane.split.peek(len(link)) if peek else lane.split.take(len(link))
-            if n:
-                away.append((lane, link[len(link) - n:]))
-                link = link[:len(link) - n]
-        return link, away
-
     def _grouped(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
                  ffn: ExpertFFN) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows ``[T*k, H]``, ``order [T*k]``): row i is pair ``order[i]``'s, of a prefill chunk
         (``expert_ids [T, k]``) through the grouped prefill. The pairs are sorted by device, then by expert
-        as ``_assign`` orders them, so each device's pairs are one span of ``order``. The experts a
+        as ``assign`` orders them (prompt_plan.py), so each device's pairs are one span of ``order``. The experts a
         computing peer holds, and its share of the misses, go to that peer, enqueued first and waiting
         only for the routing, so both devices compute at once.
 
-        A chunk of ``PREFETCH_PAIRS`` pairs an expert or more is *planned* (``_plan``): every expert is
+        A chunk of ``PREFETCH_PAIRS`` pairs an expert or more is *planned* (``PromptPlanner``): every expert is
         taken as routed, so the groups follow from the residency, and their spans of ``order`` stay on
         the device (ops/spans.py): the host reads the routing once, after every group is enqueued (only
         the peers' rows coming back wait for it). A smaller chunk reads it first and leaves out the
@@ -223,14 +199,14 @@ class CachedExpertRows:
         flat = expert_ids.reshape(-1)  # [T*k]
         per_expert = None
         if flat.numel() >= PREFETCH_PAIRS * n_experts:
-            plan = self._plan(layer, chain)
+            plan = self.planner.plan(layer, chain, self.group_experts)
             holder, owners, rank, plans = plan.holder, plan.owners, plan.rank, plan.plans
         else:
             holder = chain.holders(layer, list(range(n_experts)))  # first cache holding each expert
             per_expert = counted.tolist()  # the host read of this layer (a small chunk)
-            owners = [[e for e in experts if per_expert[e]] for experts in self._assign(chain, holder)]
-            rank = _ranks(owners, n_experts, flat.device)
-            plans = self._group_plans(chain, holder, owners, per_expert)
+            owners = [[e for e in experts if per_expert[e]] for experts in assign(chain, holder)]
+            rank = ranks(owners, n_experts, flat.device)
+            plans = group_plans(chain, self.device, holder, owners, self.group_experts, per_expert)
         order = torch.argsort(rank[flat], stable=True)  # [T*k]: as ``owners``
         by_rank = torch.empty_like(counted).index_copy_(0, rank, counted)  # [E]: pairs per expert, by rank
         bounds = torch.cat((by_rank.new_zeros(1), by_rank.cumsum(0)))  # [E + 1]: each expert's span of ``order``
@@ -259,35 +235,6 @@ class CachedExpertRows:
         self._count_sources(chain, holder, owners, per_expert, plans[0].n_missed())
         return out, order
 
-    def _plan(self, layer: int, chain: Chain, take: bool = True) -> _LayerPlan:
-        """A planned prompt layer: where each expert is found, who computes which (``_assign``), their ranks and
-        each device's ``GroupPlan``; made from the residency and the peers' shares of the misses, and kept
-        while those are unchanged (made once for a prompt, not once per layer and chunk). ``take``: the
-        peers' shares are taken (a layer computed), else only predicted (its prefetch)."""
-        versions = (self.group_experts, *(cache.table.version for cache in chain.caches()))
-        known = self._plans.get(layer)
-        holder = known.holder if known is not None and known.versions == versions else \
-            chain.holders(layer, list(range(self.arena.n_experts)))
-        missing = [e for e, where in enumerate(holder) if where is None]
-        shares = tuple((id(lane), len(streamed)) for lane, streamed in self._away(missing, chain, peek=True)[1])
-        if known is None or known.versions != versions or known.shares != shares:
-            owners = self._assign(chain, holder, peek=True)
-            known = _LayerPlan(versions, shares, holder, owners, _ranks(owners, len(holder), self.device),
-                               self._group_plans(chain, holder, owners))
-            self._plans[layer] = known
-        if take:
-            self._away(missing, chain)  # the shares predicted above, taken
-        return known
-
-    def _group_plans(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None], owners: list[list[int]],
-                     per_expert: list[int] | None = None) -> list[GroupPlan]:
-        """Each device's ``GroupPlan`` of its experts (``owners``): this device's, then each lane's on its
-        peer (in compact groups of ``lane.rows`` pairs where the pairs per expert are known)."""
-        devices = [(self.device, 0)] + [(lane.device, lane.rows) for lane in chain.lanes]
-        return [GroupPlan(experts, [holder[e] for e in experts], device, self.group_experts,
-                          None if per_expert is None else [per_expert[e] for e in experts], rows)
-                for experts, (device, rows) in zip(owners, devices)]
-
     def _count_sources(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None], owners: list[list[int]],
                        per_expert: list[int], n_missed: int) -> None:
         """A prompt layer's telemetry: per device, its routed experts by source and its streamed misses."""
@@ -300,27 +247,6 @@ class CachedExpertRows:
             if experts:
                 self.telemetry.count(lane.name, {"streamed": sum(1 for e in experts if holder[e] is None)})
 
-    def _assign(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None],
-                peek: bool = False) -> list[list[int]]:
-        """Who computes a prompt layer's experts (``holder``: per expert, where it is found): the experts this
-        device computes, then per computing peer (``chain.lanes``) those it takes: its cache's and its
-        ``stream`` share of the misses (``peek``: the shares predicted, not taken). Each list is ordered by
-        source, as ``grouped_rows`` takes them: the experts of one cache consecutive (chain order), the
-        misses last, each part ascending."""
-        _, away = self._away([e for e, where in enumerate(holder) if where is None], chain, peek)  # the rest stay here
-        taken = {id(lane): [e for e, where in enumerate(holder) if where is not None and where[0] is lane.cache]
-                 for lane in chain.lanes}
-        for lane, streamed in away:
-            taken[id(lane)] += streamed
-        elsewhere = {e for chosen in taken.values() for e in chosen}
-        source = {id(cache): n for n, cache in enumerate(chain.caches())}  # the misses after every cache's
-
-        def by_source(experts: list[int]) -> list[int]:
-            return sorted(experts, key=lambda e: (len(source) if holder[e] is None else source[id(holder[e][0])], e))
-
-        return [by_source([e for e in range(len(holder)) if e not in elsewhere])] + \
-            [by_source(taken[id(lane)]) for lane in chain.lanes]
-
     def _staging(self) -> StagingRing:
         """This device's ring of whole expert groups (the grouped prefill's misses)."""
         if self._group_ring is None or self._group_ring.buffers.shape[1] < self.group_experts:
@@ -329,12 +255,12 @@ class CachedExpertRows:
 
     def _prefetch(self, layer: int, pairs: int) -> None:
         """Stream ``layer``'s first expert groups of misses now, while its attention runs, as its plan cuts
-        them when a chunk of ``pairs`` (token, k) pairs is planned (``_plan``); should the residency
+        them when a chunk of ``pairs`` (token, k) pairs is planned (``PromptPlanner``); should the residency
         change in between, the batches no longer covered are copied again."""
         chain = self.chains.get(layer)
         if chain is None or not chain.link or pairs < PREFETCH_PAIRS * self.arena.n_experts:
             return
-        plans = self._plan(layer, chain, take=False).plans
+        plans = self.planner.plan(layer, chain, self.group_experts, take=False).plans
         self._staging().prefetch(layer, plans[0].misses)
         for lane, plan in zip(chain.lanes, plans[1:]):
             lane.ring(self.group_experts).prefetch(layer, plan.misses)
@@ -466,15 +392,3 @@ class CachedExpertRows:
                 fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes, ffn, expert)
             jobs.append((pairs, fut))
         return jobs
-
-
-def _ranks(owners: list[list[int]], n_experts: int, device: torch.device) -> torch.Tensor:
-    """``[n_experts]`` on ``device``, a permutation: each expert's place in the devices' expert lists one after
-    the other (the experts in none of them after), so that sorting a layer's pairs by it groups them by
-    device, then by expert in each list's order."""
-    listed = [e for experts in owners for e in experts]
-    rest = sorted(set(range(n_experts)).difference(listed))
-    rank = [0] * n_experts
-    for i, e in enumerate(listed + rest):
-        rank[e] = i
-    return to_device(torch.tensor(rank), device)

@@ -21,8 +21,10 @@ What the lane computes (``CachedExpertRows``, device_rows.py, drives it):
   the peer serves at its own zero slot, so no expert is read twice;
 * prompts (the grouped prefill and the loop per expert): the rows of the experts the peer holds,
   and of ``stream`` (a share, ``split``) of the home's misses, streamed over the peer's own host link
-  through its own staging ring, in compact groups of at most ``rows`` (token, k) pairs; each group's
-  rows go back as soon as they are computed.
+  through its own staging ring; the rows go back in one copy once the home has read how many pairs
+  were routed there. A long chunk's groups are planned from the residency and enqueued before that
+  read (device_rows.py); a short chunk's are cut from the routing, in compact groups of at most
+  ``rows`` (token, k) pairs.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class PeerLane:
     :param cache: the peer's cache.
     :param copier: the peer's arena copier (its own host link).
     :param split: the deterministic share of the home's misses the peer streams (``split.frac``).
-    :param rows: the most (token, k) pairs of one compact prompt group on the peer.
+    :param rows: the most (token, k) pairs of one compact prompt group on the peer (a short chunk's).
     :param name: the peer's device slot name (telemetry).
     """
 

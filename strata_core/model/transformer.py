@@ -124,7 +124,8 @@ class MoEModel:
                 n_ctx = int(positions.max()) + 1
             keys, values = kv.read(layer, n_ctx)  # [S, nkv, D]
 
-            def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                       positions: torch.Tensor) -> torch.Tensor:
                 return sdpa_attention(q, keys, values, positions, static)
         else:
             keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # [S, nkv, D]

@@ -12,7 +12,6 @@ elsewhere the bounds are read and the rows indexed.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from strata_core.ops.qdecode import HAS_TRITON, on_device
@@ -85,4 +84,5 @@ if HAS_TRITON:
     def _scatter_cuda(dst: Tensor, rows: Tensor, start: Tensor, end: Tensor) -> None:
         H = dst.shape[1]
         with on_device(dst.device):  # dst: the contiguous buffer of a layer's rows (grouped_rows)
-            _scatter_kernel[_grid(rows.shape[0], H)](rows.contiguous(), start, end, dst, H, ROWS=_ROWS, COLS=_COLS, num_warps=4)
+            _scatter_kernel[_grid(rows.shape[0], H)](rows.contiguous(), start, end, dst, H, ROWS=_ROWS, COLS=_COLS,
+                                                     num_warps=4)

@@ -6,8 +6,9 @@
 * ``peer_slots`` (0 = auto: ``--expert-cache`` per device, or the peer's memory less the reserve);
 * ``peer_adapt_swaps`` (-1 = ``--adapt-swaps``): experts swapped into the peer's cache per window;
 * ``peer_prefill_rows`` (-1): how prompts use the peer. N > 0 (or -1 = ``--prefill-chunk`` x top-k / 2):
-  the peer computes its experts' rows in compact buffers of N (token, k) pairs, and streams
-  ``peer_stream_frac`` of the primary's misses and computes those too; 0: its cache is read across
+  the peer computes its experts' rows (a short chunk's in compact buffers of N (token, k) pairs; a long
+  chunk's groups are planned from the residency), and streams ``peer_stream_frac`` of the primary's
+  misses and computes those too; 0: its cache is read across
   (one copy a group over the peer link) and the primary computes every row. On two H200s (NVLink)
   computing there measured 3-5% faster at 8K than reading across and equal at 32K (BENCHMARKS.md,
   issue 9, run 7), and it is what PCIe GPUs need, so it is the default;

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from strata_core.engine import Engine
 from strata_core.experts.profile import default_order
 from strata_core.experts.peer import PeerLane
+from strata_core.experts.prompt_plan import assign
 from strata_core.testing.residency import check_tiers
 
 PROMPT = list(range(5, 41))
@@ -119,7 +120,7 @@ def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
 @given(primary=st.integers(0, 16), peer=st.integers(1, 16), stream=st.sampled_from([0.0, 0.35, 0.65, 1.0]),
        seed=st.integers(0, 2 ** 16))
 def test_a_prompt_layer_s_experts_are_split_by_device_and_ordered_by_source(model, primary, peer, stream, seed):
-    """``_assign`` (what the grouped prefill sorts a prompt layer's pairs by), for random tier contents:
+    """``assign`` (prompt_plan.py: what the grouped prefill sorts a prompt layer's pairs by), for random tier contents:
     every expert on exactly one device, the peer's only experts of its cache or misses, and each
     device's list ordered by source (the experts of one cache consecutive, in chain order, the misses
     last), as ``grouped_rows`` reads them."""
@@ -136,7 +137,7 @@ def test_a_prompt_layer_s_experts_are_split_by_device_and_ordered_by_source(mode
                                                          for c in engine.experts.caches.values())])
     for layer, chain in rows.chains.items():
         holder = chain.holders(layer, list(range(n_experts)))
-        owners = rows._assign(chain, holder, peek=True)
+        owners = assign(chain, holder, peek=True)
         assert sorted(e for experts in owners for e in experts) == list(range(n_experts))
         (lane,) = chain.lanes
         assert all(holder[e] is None or holder[e][0] is lane.cache for e in owners[1])
