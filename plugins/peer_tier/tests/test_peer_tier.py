@@ -147,6 +147,27 @@ def test_a_prompt_layer_s_experts_are_split_by_device_and_ordered_by_source(mode
             assert keys == sorted(keys)
 
 
+def test_a_planned_layer_s_plan_is_kept_while_the_residency_and_the_shares_hold(model):
+    """``PromptPlanner``: a prediction and the layer after it share one plan, taking the predicted shares; a
+    change of the residency makes a new plan from the tables."""
+    engine = _tier(model, expert_cache=4, peer_slots=6, peer_stream_frac=0.5)
+    rows = engine.experts.rows_for(0, "prompt")
+    layer, chain = 1, rows.chains[1]
+    (lane,) = chain.lanes
+    first = rows.planner.plan(layer, chain, 4, take=False)
+    assert rows.planner.plan(layer, chain, 4, take=False) is first
+    missing = sum(1 for where in first.holder if where is None)
+    share, credit = lane.split.peek(missing), lane.split.credit
+    assert sum(1 for e in first.owners[1] if first.holder[e] is None) == share
+    assert rows.planner.plan(layer, chain, 4) is first
+    assert lane.split.credit == pytest.approx(credit + missing * 0.5 - share)
+    entry = next(entry for entry in engine.experts.caches[0].table.resident() if entry[0] == layer)
+    engine.experts.caches[0].table.evict(*entry)
+    again = rows.planner.plan(layer, chain, 4, take=False)
+    assert again is not first and again.holder == chain.holders(layer, list(range(rows.arena.n_experts)))
+    assert again.holder[entry[1]] is None and first.holder[entry[1]] is not None
+
+
 @CHECKS
 @given(primary=st.integers(1, 12), peer=st.integers(1, 12), swaps=st.integers(0, 3), peer_swaps=st.integers(-1, 3),
        turns=st.lists(st.tuples(st.integers(1, 8), st.integers(0, 255), st.integers(1, 3)), min_size=1, max_size=2))
