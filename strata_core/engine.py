@@ -171,7 +171,11 @@ class Engine:
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = get_architecture(spec.architecture).model(spec, dense)
-        model.head_splits = _head_splits(placement, slots, spec)
+        if model.splits_heads:
+            model.head_splits = _head_splits(placement, slots, spec)
+        elif any(placed.attention_peer is not None for placed in placement.layers("prompt")):
+            log.info("prompt attention: every head on the layer's device (%s attention is not split)",
+                     spec.architecture)
         dense_bytes = place_q8_copies(model, gguf_file, settings, placement, slots, dense_bytes)
         report(0.2)
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,

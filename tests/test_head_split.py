@@ -3,9 +3,12 @@ peer equals the unsplit attention bit for bit (each head by the same kernel on t
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from strata_core.engine import Engine
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.ops import masked_attention, sdpa_attention
 
@@ -49,3 +52,14 @@ def test_on_cuda_sdpa_split_heads_equal_the_whole(devices, T, S):
     assert calls == ([16, 16] if split.splits(T, S, 32, 4) else [32])
     assert split.splits(T, S, 32, 4) or T < 8192 or S == T  # 16 heads x 128 blocks: split on up to 1024 SMs
     assert got.device == q.device and torch.equal(got, attend(q, keys, values, positions))
+
+
+def test_a_model_with_its_own_attention_keeps_every_head_home(tiny_model_factory):
+    """peer_tier asks for the split by default; gpt-oss (sinks, sliding windows) runs its own attention, so
+    no split is installed for it, while a qwen3moe model's every prompt layer gets one."""
+    oss = Path(__file__).parent / "data" / "gpt-oss_llamacpp" / "model-mxfp4.gguf"
+    engine = Engine.load(oss, strategy="peer_tier", devices=["cpu", "cpu"], max_context=64, arena="pinned")
+    assert engine.model.head_splits == {} and not engine.model.splits_heads
+    qwen = Engine.load(tiny_model_factory(), strategy="peer_tier", devices=["cpu", "cpu"], max_context=64,
+                       arena="pinned")
+    assert len(qwen.model.head_splits) == qwen.spec.n_layers

@@ -56,6 +56,7 @@ class DeepseekModel(MoEModel):
     """deepseek2 over ``DenseWeights`` (``spec`` a ``DeepseekSpec``)."""
 
     spec: DeepseekSpec
+    splits_heads = False  # MLA: its own ``attention`` runs every head here
 
     def __init__(self, spec: DeepseekSpec, weights: DenseWeights):
         super().__init__(spec, weights)

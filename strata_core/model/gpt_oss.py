@@ -34,6 +34,7 @@ class GptOssModel(MoEModel):
     """gpt-oss over ``DenseWeights`` (``spec`` a ``GptOssSpec``)."""
 
     spec: GptOssSpec
+    splits_heads = False  # its own ``attend`` (sinks, sliding windows) runs every head here
 
     def __init__(self, spec: GptOssSpec, weights: DenseWeights):
         super().__init__(spec, weights)

@@ -33,6 +33,9 @@ class MoEModel:
     #: the layer's norm before the MoE block (llama.cpp's qwen3next and gpt-oss: "post_attention_norm.weight")
     ffn_norm = "ffn_norm.weight"
 
+    #: whether a prompt chunk's attention can be split by heads with a peer (``attend`` and ``head_splits``)
+    splits_heads = True
+
     def __init__(self, spec: ModelSpec, weights: DenseWeights):
         self.spec = spec
         self.weights = weights
