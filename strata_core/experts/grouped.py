@@ -226,10 +226,6 @@ class GroupPlan:
         """Experts streamed from the arena."""
         return sum(map(len, self.misses))
 
-    def n_across(self, own: ExpertCache | None) -> int:
-        """Experts read across from a cache other than ``own``."""
-        return sum(len(experts) for p, cache in enumerate(self.caches) if cache is not own for experts in self.held[p])
-
 
 def grouped_rows(layer: int, fmt: ExpertFormat, x: torch.Tensor, k: int, order: torch.Tensor, bounds: torch.Tensor,
                  plan: GroupPlan, own: ExpertCache | None, ring: StagingRing, out: torch.Tensor,
