@@ -58,9 +58,6 @@ def _head_splits(placement: Placement, slots: dict[int, DeviceSlot], spec: Model
     for layer, placed in enumerate(placement.layers("prompt")):
         if placed.attention_peer is None:
             continue
-        if spec.n_kv_heads < 2:
-            raise ConfigError(f"placement: layer {layer} splits its attention heads with a peer, but the model has "
-                              f"{spec.n_kv_heads} kv head")
         pair = (placed.device, placed.attention_peer)
         if pair not in splits:
             splits[pair] = HeadSplit(slots[pair[0]].device, slots[pair[1]].device, spec.n_kv_heads // 2)
@@ -171,11 +168,11 @@ class Engine:
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = get_architecture(spec.architecture).model(spec, dense)
-        if model.splits_heads:
+        if model.splits_heads and spec.n_kv_heads >= 2:
             model.head_splits = _head_splits(placement, slots, spec)
         elif any(placed.attention_peer is not None for placed in placement.layers("prompt")):
-            log.info("prompt attention: every head on the layer's device (%s attention is not split)",
-                     spec.architecture)
+            log.info("prompt attention: every head on the layer's device (%s attention with %s kv heads is not "
+                     "split)", spec.architecture, getattr(spec, "n_kv_heads", "its own"))
         dense_bytes = place_q8_copies(model, gguf_file, settings, placement, slots, dense_bytes)
         report(0.2)
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,
