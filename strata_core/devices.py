@@ -46,3 +46,25 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class PendingRead:
+    """A small device tensor's values, copied to the host where they stand in the stream now and read
+    later: the host then waits only for the work enqueued before this, not for what came after (on CUDA
+    a pinned copy and an event; on the CPU the tensor itself)."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._ready = None
+        if tensor.device.type != "cuda":
+            self._host = tensor.clone()
+            return
+        self._host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self._host.copy_(tensor, non_blocking=True)
+        self._ready = torch.cuda.Event()
+        self._ready.record(torch.cuda.current_stream(tensor.device))
+
+    def tolist(self) -> list:
+        """The values as Python numbers, once the copy is done."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host.tolist()

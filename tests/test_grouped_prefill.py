@@ -193,6 +193,31 @@ def test_a_prefetch_spares_the_copies_it_covers_and_only_those(synthetic):
     assert copied == [(1, [(0, 2)])]
 
 
+def test_the_ring_cycles_on_from_one_call_to_the_next(synthetic):
+    """``StagingRing``: a call's batches take the buffers after the last call's, and a prefetch fills the
+    ones the next call takes (so a layer's first copies wait for the first groups of the layer before)."""
+    arena = _backend(synthetic, arena="pinned").arena
+    copier = ArenaCopier(arena, CPU, ExpertTelemetry())
+    ring = StagingRing(copier, depth=3, rows=2)
+    copied = []
+    real = copier.copy_rows
+    copier.copy_rows = lambda layer, batch, dst: copied.append(dst.data_ptr()) or real(layer, batch, dst)
+    where = [buffer.data_ptr() for buffer in ring.buffers]
+
+    def taken(layer, batches):
+        used = []
+        ring.run_batches(layer, batches,
+                         lambda j, buffer: buffer is None or used.append(where.index(buffer.data_ptr())))
+        return used
+
+    assert taken(1, [[(0, 1)], [(0, 2)]]) == [0, 1]
+    assert taken(0, [[(0, 3)], [], [(0, 4)]]) == [2, 0]  # an empty batch takes no buffer
+    copied.clear()
+    ring.prefetch(1, [[(0, 5)], [(0, 6)]])
+    assert copied == [where[1], where[2]]
+    assert taken(1, [[(0, 5)], [(0, 6)]]) == [1, 2] and len(copied) == 2  # the prefetched copies, not again
+
+
 @pytest.mark.parametrize("strategy", ["single", "peer_tier"])
 def test_prefetched_prompts_equal_unprefetched_ones_bit_for_bit(tiny_model_factory, monkeypatch, strategy):
     """A planned prefill (every expert taken as routed: the groups cut and enqueued before the routing is

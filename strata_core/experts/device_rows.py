@@ -40,7 +40,8 @@ the routing). The layer's pairs are sorted once, by device and then by expert in
 combined by ``combine_sorted`` (ops/combine.py). A chunk of ``PREFETCH_PAIRS`` pairs an expert or more
 is planned: every expert is taken as routed, so the groups follow from the residency and their spans
 stay on the device (ops/spans.py); the host reads the routing once, after the layer's groups are
-enqueued, and only the peers' rows coming back wait for that read. At the end of a layer the next
+enqueued, from a copy made as it was counted (so the read does not wait for the groups), and only the
+peers' rows coming back wait for that read. At the end of a layer the next
 layer's first groups of misses are prefetched, as that plan will cut them, so they cross the link
 during its attention. Its rows agree with the reference within float tolerance, not bit for bit,
 which is why the CPU (the bit-exact reference) keeps the loop.
@@ -53,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from strata_core.devices import device_scope
+from strata_core.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
@@ -191,14 +192,17 @@ class CachedExpertRows:
 
         A chunk of ``PREFETCH_PAIRS`` pairs an expert or more is *planned* (``PromptPlanner``): every expert is
         taken as routed, so the groups follow from the residency, and their spans of ``order`` stay on
-        the device (ops/spans.py): the host reads the routing once, after every group is enqueued (only
-        the peers' rows coming back wait for it). A smaller chunk reads it first and leaves out the
-        experts no pair routes to."""
+        the device (ops/spans.py): the host reads the routing once, after every group and the next layer's
+        prefetch are enqueued (only the peers' rows coming back wait for it), from a copy made as the
+        routing was counted (``PendingRead``): it waits for the routing, not for the groups, so the host
+        stays ahead of the device. A smaller chunk reads it first and leaves out the experts no pair routes
+        to."""
         counted = self._count_routing(layer, expert_ids, chain)  # [E]
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
         flat = expert_ids.reshape(-1)  # [T*k]
-        per_expert = None
+        per_expert, counts_read = None, None
         if flat.numel() >= PREFETCH_PAIRS * n_experts:
+            counts_read = PendingRead(counted)  # read after the enqueues, waiting for the routing only
             plan = self.planner.plan(layer, chain, self.group_experts)
             holder, owners, rank, plans = plan.holder, plan.owners, plan.rank, plan.plans
         else:
@@ -221,7 +225,8 @@ class CachedExpertRows:
         with self.telemetry.compute(self.device):  # the peers' work first: it waits only for the routing
             grouped_rows(layer, fmt, hidden, k, order, bounds[:firsts[1] + 1], plans[0], chain.own, self._staging(),
                          out, ffn)
-        per_expert = counted.tolist() if per_expert is None else per_expert  # a planned layer's one host read
+        self._prefetch(layer + 1, order.numel())
+        per_expert = counts_read.tolist() if per_expert is None else per_expert  # a planned layer's one host read
         ends = [0]
         for e in (e for experts in owners for e in experts):
             ends.append(ends[-1] + per_expert[e])
@@ -229,7 +234,6 @@ class CachedExpertRows:
             start, end = ends[firsts[d]], ends[firsts[d + 1]]
             with lane.enqueue(after, again=True):
                 out[start:end].copy_(rows[start:end])
-        self._prefetch(layer + 1, order.numel())
         for lane in chain.lanes:
             lane.join()
         self._count_sources(chain, holder, owners, per_expert, plans[0].n_missed())

@@ -114,14 +114,16 @@ class StagingRing:
             self._ready = [torch.cuda.Event() for _ in range(depth)]
             self._free = [torch.cuda.Event() for _ in range(depth)]
         self._prefetched: list[tuple[int, set[tuple[int, int]]] | None] = [None] * depth  # (layer, batch) held
+        self._next = 0  # the buffer the next batch takes: the cycle goes on from one call to the next
 
     def prefetch(self, layer: int, batches: Sequence[Sequence[tuple[int, int]]]) -> None:
         """Issue the copies of the first ``depth`` non-empty ``batches`` of ``layer`` now, before its routing is
         known (a prediction): the next ``run_batches`` of that layer skips the copy of each batch whose
         rows and experts a prefetched one covers, and copies the others again."""
         for i, batch in enumerate([batch for batch in batches if batch][:self.depth]):
-            self._issue(layer, batch, i)
-            self._prefetched[i] = (layer, set(batch))
+            b = (self._next + i) % self.depth
+            self._issue(layer, batch, b)
+            self._prefetched[b] = (layer, set(batch))
 
     def run(self, layer: int, experts: Sequence[int], consume: Callable[[int, torch.Tensor], None]) -> None:
         """Stream ``experts`` of ``layer`` through the ring, calling ``consume(expert, packed)`` for each
@@ -133,26 +135,31 @@ class StagingRing:
         """Stream batch j's experts of ``layer`` (``(row, expert)`` pairs, rows < ``rows``) into the rows of
         one buffer and call ``consume(j, buffer [R, B])`` on the current (compute) stream once they are
         there; an empty batch takes no buffer (``consume(j, None)`` at once). The buffers cycle over
-        the non-empty batches: the (n + depth)-th is copied while the n-th is consumed."""
+        the non-empty batches: the (n + depth)-th is copied while the n-th is consumed. The cycle goes on
+        from the last call's, so a call's first copies take the buffers read longest ago (with one batch
+        a layer, the next layer's copy does not wait for this layer's compute)."""
         copied = [j for j, batch in enumerate(batches) if batch]  # the batches that take a buffer, in order
+        first = self._next
         for i, j in enumerate(copied[:self.depth]):
-            held = self._prefetched[i]
+            b = (first + i) % self.depth
+            held = self._prefetched[b]
             if held is None or held[0] != layer or not held[1].issuperset(batches[j]):
-                self._issue(layer, batches[j], i)
+                self._issue(layer, batches[j], b)
         self._prefetched = [None] * self.depth
+        self._next = (first + len(copied)) % self.depth
         n = 0  # batches[copied[n]] is the next to take a buffer
         for j, batch in enumerate(batches):
             if not batch:
                 consume(j, None)
                 continue
-            i = n % self.depth
+            b = (first + n) % self.depth
             if self.cuda:
-                torch.cuda.current_stream(self.copier.device).wait_event(self._ready[i])
-            consume(j, self.buffers[i])
+                torch.cuda.current_stream(self.copier.device).wait_event(self._ready[b])
+            consume(j, self.buffers[b])
             if self.cuda:
-                self._free[i].record(torch.cuda.current_stream(self.copier.device))
+                self._free[b].record(torch.cuda.current_stream(self.copier.device))
             if n + self.depth < len(copied):
-                self._issue(layer, batches[copied[n + self.depth]], i)
+                self._issue(layer, batches[copied[n + self.depth]], b)
             n += 1
 
     def _issue(self, layer: int, batch: Sequence[tuple[int, int]], i: int) -> None:
