@@ -50,10 +50,12 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
         from strata_core.bench import (copy_gbps, format_table, machine_name, parse_lengths,
                                         results_json, run_bench)
         from strata_core.engine import Engine
+        from strata_core.heap import freeze_loaded
 
         prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
         need = max(prompts + [c + self.decode_tokens for c in contexts])
         engine = Engine.from_settings(self.strata_settings(max_context=max(self.max_context, need)))
+        freeze_loaded()  # no full collection scanning the engine inside a timed run
         prompts, contexts = fitting_lengths(prompts, contexts, self.decode_tokens, engine.max_context)
         try:
             setup = {"model": self.model.name, "devices": ",".join(self.devices), "machine": machine_name(

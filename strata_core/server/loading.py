@@ -13,6 +13,7 @@ import anyio
 
 from strata_core.config import StrataSettings
 from strata_core.errors import StrataError
+from strata_core.heap import freeze_loaded
 from strata_core.scheduler import Scheduler
 from strata_core.server.service import GenerationService
 
@@ -67,6 +68,7 @@ class ServiceLoader:
         try:
             if self._owned:
                 self._engine = await anyio.to_thread.run_sync(Engine.from_settings, settings, self._loaded)
+                freeze_loaded()  # no full collection scanning the engine in the middle of a request
         except Exception as error:  # noqa: BLE001 - reported to on_error, which stops the server
             log.error("loading %s failed: %s", settings.model, error)
             if self._on_error is not None:
