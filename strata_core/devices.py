@@ -51,7 +51,7 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 class PendingRead:
     """A small device tensor's values, copied to the host where they stand in the stream now and read
     later: the host then waits only for the work enqueued before this, not for what came after (on CUDA
-    a pinned copy and an event; on the CPU the tensor itself)."""
+    a pinned copy and an event; on the CPU a copy)."""
 
     def __init__(self, tensor: torch.Tensor):
         self._ready = None
