@@ -195,7 +195,7 @@ def test_a_prefetch_spares_the_copies_it_covers_and_only_those(synthetic):
 
 def test_the_ring_cycles_on_from_one_call_to_the_next(synthetic):
     """``StagingRing``: a call's batches take the buffers after the last call's, and a prefetch fills the
-    ones the next call takes (so a layer's first copies wait for the first groups of the layer before)."""
+    ones the next call takes (so a call's first copies take the buffers read longest ago)."""
     arena = _backend(synthetic, arena="pinned").arena
     copier = ArenaCopier(arena, CPU, ExpertTelemetry())
     ring = StagingRing(copier, depth=3, rows=2)
