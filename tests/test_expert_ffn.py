@@ -42,6 +42,19 @@ def test_swiglu_oai_is_llamacpps_formula():
         ExpertFFN("gelu")
 
 
+@pytest.mark.parametrize("activation", ["silu", "swiglu_oai"])
+@pytest.mark.parametrize("width", [8, 16, 24, 40])
+def test_glu_rows_do_not_depend_on_the_row_count(activation, width):
+    """An expert's rows are computed in groups of any size: on the CPU a row's activation is the same
+    bits alone as among 23 others (an unpadded SiLU ran a one-row group's 16 values through the scalar
+    tail on AVX-512, and deepseek2's logits moved with the chunk size)."""
+    gen = torch.Generator().manual_seed(width)
+    g, u = (torch.randn(24, width, generator=gen) * 4 for _ in range(2))
+    ffn = ExpertFFN(activation)
+    alone = torch.cat([ffn.glu(g[i:i + 1], u[i:i + 1]) for i in range(24)])
+    assert torch.equal(ffn.glu(g, u), alone)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_ffn_applies_biases_and_activation_like_expert_ffn(synthetic, dtype):
     _, spec, _ = synthetic

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata_core.ops.matmul import rowwise
+
 __all__ = ["ACTIVATIONS", "ExpertFFN", "SILU"]
 
 #: The gated activations an expert FFN may use.
@@ -56,11 +58,12 @@ class ExpertFFN:
         return _biased(g, self.gate_bias, experts), _biased(u, self.up_bias, experts)
 
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        """The gated activation of ``g, u [..., F]``."""
+        """The gated activation of ``g, u [..., F]`` (on the CPU each row's value is independent of
+        the row count: ``rowwise``)."""
         if self.activation == "silu":
-            return F.silu(g) * u
+            return rowwise(F.silu, g) * u
         g = g.clamp(max=self.limit)
-        return g * torch.sigmoid(g * self.alpha) * (u.clamp(-self.limit, self.limit) + 1)
+        return g * rowwise(torch.sigmoid, g * self.alpha) * (u.clamp(-self.limit, self.limit) + 1)
 
     def post(self, y: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
         """``y [n, H]`` (the down product) with the down bias of expert(s) ``experts`` added."""
