@@ -42,8 +42,9 @@ is planned: every expert is taken as routed, so the groups follow from the resid
 stay on the device (ops/spans.py); the host reads the routing once, after the layer's groups are
 enqueued, from a copy made as it was counted (so the read does not wait for the groups), and only the
 peers' rows coming back wait for that read. Before that read the next layer's first groups of misses
-are prefetched, as that plan will cut them, so they cross the link during its attention. Its rows agree with the reference within float tolerance, not bit for bit,
-which is why the CPU (the bit-exact reference) keeps the loop.
+are prefetched, as that plan will cut them, so they cross the link during its attention. Its rows
+agree with the reference within float tolerance, not bit for bit, which is why the CPU (the bit-exact
+reference) keeps the loop.
 """
 
 from __future__ import annotations
