@@ -12,7 +12,6 @@ import torch
 
 from strata_core.engine import Engine
 from strata_core.model.fused_decode import decode_layers, fused_reason, kv_tables
-from strata_core.session import DecodeBatch
 
 devices = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 

@@ -66,9 +66,6 @@ class ResidencyTable:
         """Whether a slot of this device owns (layer, expert), visible or masked."""
         return bool(self.host[layer, expert] >= 0) or bool(self._masked[layer, expert])
 
-    def is_masked(self, layer: int, expert: int) -> bool:
-        return bool(self._masked[layer, expert])
-
     @property
     def masked(self) -> torch.Tensor:
         """``[L, E]`` bool: entries hidden by a mask (a copy; read-only use)."""

@@ -23,8 +23,6 @@ from strata_core.experts.telemetry import ExpertTelemetry
 
 __all__ = ["ArenaCopier", "StagingRing", "copy_runs"]
 
-Expert = tuple[int, int]
-
 
 def copy_runs(batch: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """``(row, expert, m)`` runs of ``batch``'s ``(row, expert)`` pairs: each covers ``m`` consecutive
