@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from strata_core.chat import ChatTemplate
+from strata_core.text.chat import ChatTemplate
 from strata_core.config import StrataSettings
-from strata_core.devices import device_scope, resolve_devices, to_device
+from strata_core.runtime.devices import device_scope, resolve_devices, to_device
 from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
 from strata_core.experts.sizing import check_dense_budget
@@ -30,20 +30,20 @@ from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.arch import get_architecture
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import ModelSpec, load_model_spec
-from strata_core.graphs import DecodeGraphs
-from strata_core.memory_plan import dense_bytes_per_device
+from strata_core.runtime.graphs import DecodeGraphs
+from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.model import DenseWeights, KVCache, MoEModel
 from strata_core.model.fused_decode import decode_layers as fused_decode_layers, fused_reason, place_q8_copies
 from strata_core.model.fused_decode import kv_tables as fused_kv_tables
 from strata_core.model.head_split import HeadSplit
-from strata_core.phase_state import hidden_layers, masked_phase, place_state
+from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
 from strata_core.plugin.spec import StrategyOptions
-from strata_core.sampling import Sampler, SamplingParams
-from strata_core.session import DecodeBatch, LogitsWanted, Session, SessionSnapshot
-from strata_core.tokenizer import Tokenizer
+from strata_core.serving.sampling import Sampler, SamplingParams
+from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session, SessionSnapshot
+from strata_core.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 

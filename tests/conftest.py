@@ -28,7 +28,7 @@ def synthetic(tmp_path_factory):
     from strata_core.experts.weights import ExpertWeights
     from strata_core.gguf.reader import GGUFFile
     from strata_core.gguf.spec import load_model_spec
-    from strata_core.synthetic import PRESETS, write_synthetic
+    from strata_core.tools.synthetic import PRESETS, write_synthetic
 
     path = tmp_path_factory.mktemp("synthetic") / "tiny-q4k.gguf"
     write_synthetic(path, PRESETS["tiny"], expert_type=Q.Q4_K, dense_type=Q.Q8_0, progress=False)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from strata_core.bench import format_table, parse_lengths, run_bench
+from strata_core.tools.bench import format_table, parse_lengths, run_bench
 from strata_core.errors import ConfigError
-from strata_core.synthetic import write_synthetic
+from strata_core.tools.synthetic import write_synthetic
 
 
 def test_parse_lengths():

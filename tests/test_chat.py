@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from strata_core.chat import CHATML_TEMPLATE, ChatTemplate
+from strata_core.text.chat import CHATML_TEMPLATE, ChatTemplate
 from strata_core.errors import ModelFileError, RequestError
 from strata_core.gguf.reader import GGUFFile
 

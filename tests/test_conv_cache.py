@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strata_core.conv_cache import ConvCache, common_prefix
+from strata_core.serving.conv_cache import ConvCache, common_prefix
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ import torch
 
 from strata_core.engine import Engine
 from strata_core.testing.sync import no_host_sync
-from strata_core.graphs import DecodeGraphs, _Graph
+from strata_core.runtime.graphs import DecodeGraphs, _Graph
 from strata_core.plugin.placement import Segment
 from strata_core.gguf.spec import StateTensor
 from strata_core.model import KVCache
-from strata_core.session import DecodeBatch, Session
+from strata_core.runtime.session import DecodeBatch, Session
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -40,7 +40,7 @@ def test_cpu_falls_back_to_eager_with_identical_logits(tiny_model_factory, caplo
     prompts = [list(range(5, 30)), list(range(40, 52))]
     want, want_tokens = _decode(Engine.load(path, devices=["cpu"], max_context=64, cuda_graphs=False), prompts, 4)
     engine = Engine.load(path, devices=["cpu"], max_context=64)  # graphs on by default
-    with caplog.at_level(logging.INFO, logger="strata_core.graphs"):
+    with caplog.at_level(logging.INFO, logger="strata_core.runtime.graphs"):
         got, got_tokens = _decode(engine, prompts, 4)
     assert got_tokens == want_tokens
     assert all(torch.equal(a, b) for a, b in zip(got, want))

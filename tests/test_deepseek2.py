@@ -241,7 +241,7 @@ def _hf_config(spec: DeepseekSpec):
 def test_synthetic_deepseek_with_q4_k_experts_matches_transformers(tmp_path):
     """``make-synthetic --preset deepseek-tiny``: Q4_K experts, Q8_0 dense, the shapes of
     deepseek-v3-small at test size; transformers on its dequantized weights gives the same logits."""
-    from strata_core.synthetic import write_synthetic
+    from strata_core.tools.synthetic import write_synthetic
 
     path = tmp_path / "deepseek-tiny.gguf"
     write_synthetic(path, "deepseek-tiny", expert_type=Q.Q4_K, dense_type=Q.Q8_0, progress=False)

@@ -18,7 +18,7 @@ from strata_core.engine import Engine
 from strata_core.model import deepseek2
 from strata_core.model.deepseek2 import ABSORBED_MAX_ROWS
 from strata_core.ops import mla
-from strata_core.synthetic import write_synthetic
+from strata_core.tools.synthetic import write_synthetic
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and hasattr(mla, "mla_triton")

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from strata_core import gate
+from strata_core.tools import gate
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 

@@ -13,13 +13,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from strata_core.chat import ChatTemplate
+from strata_core.text.chat import ChatTemplate
 from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model import KVCache, MoEModel
 from strata_core.model.gpt_oss import GptOssModel
-from strata_core.tokenizer import Tokenizer
+from strata_core.text.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data" / "gpt-oss_llamacpp"
 T = 16  # > 3 sliding windows of 4
@@ -217,7 +217,7 @@ def test_synthetic_presets_have_gpt_oss_shapes_and_info_shows_the_window(tmp_pat
     ``gpt-oss-tiny`` loads, generates, and ``strata info`` reports the sliding window."""
     from strata_core.cli.info import describe
     from strata_core.engine import Engine
-    from strata_core.synthetic import PRESETS, _tensors, write_synthetic
+    from strata_core.tools.synthetic import PRESETS, _tensors, write_synthetic
 
     preset = PRESETS["gpt-oss-120b"]
     shapes = {name: (shape, qtype) for name, shape, qtype, _ in _tensors(preset, preset.expert_type,

@@ -14,7 +14,7 @@ from strata_core.engine import Engine
 from strata_core.experts import device_rows
 from strata_core.experts.ffn import ExpertFFN
 from strata_core.ops.moe import ffn_args, moe_decode, moe_pair_rows
-from strata_core.synthetic import write_synthetic
+from strata_core.tools.synthetic import write_synthetic
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PROMPT = [(7 * i) % 500 for i in range(60)]

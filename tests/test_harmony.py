@@ -1,4 +1,4 @@
-"""The harmony output parser (strata_core/harmony.py): reasoning / content as llama.cpp's gpt-oss parser
+"""The harmony output parser (strata_core/text/harmony.py): reasoning / content as llama.cpp's gpt-oss parser
 splits them, and the same result for any split of the streamed text."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_core.chat import ChatTemplate
+from strata_core.text.chat import ChatTemplate
 from strata_core.cli.info import describe
 from strata_core.gguf.reader import GGUFFile
-from strata_core.harmony import MAX_HEADER, HarmonyParser, Piece, parse, uses_harmony
+from strata_core.text.harmony import MAX_HEADER, HarmonyParser, Piece, parse, uses_harmony
 
 DATA = Path(__file__).parent / "data"
 

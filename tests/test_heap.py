@@ -2,7 +2,7 @@
 
 import gc
 
-from strata_core.heap import freeze_loaded
+from strata_core.runtime.heap import freeze_loaded
 
 
 def test_objects_alive_at_the_call_are_frozen_and_later_ones_are_not():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from strata_core.devices import PendingRead
+from strata_core.runtime.devices import PendingRead
 
 
 def test_the_values_are_those_at_the_read_not_after():

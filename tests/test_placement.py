@@ -10,7 +10,7 @@ import torch
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.errors import ConfigError
-from strata_core.phase_state import HandOffError
+from strata_core.runtime.phase_state import HandOffError
 from strata_core.plugin import CacheBudget, ExpertSource, LayerPlacement, Placement, hookimpl
 
 PROMPT = list(range(5, 45))

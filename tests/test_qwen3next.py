@@ -237,7 +237,7 @@ def test_causal_conv_continues_its_state():
 def test_synthetic_80b_preset_has_the_real_shapes():
     from gguf import GGMLQuantizationType as Q
 
-    from strata_core.synthetic import PRESETS, _tensors
+    from strata_core.tools.synthetic import PRESETS, _tensors
 
     shapes = {name: shape for name, shape, _, _ in _tensors(PRESETS["qwen3-next-80b-a3b"], Q.Q4_K, Q.Q8_0)}
     assert sum(name.endswith("attn_qkv.weight") for name in shapes) == 36  # 3 of every 4 of 48 layers
@@ -250,7 +250,7 @@ def test_synthetic_80b_preset_has_the_real_shapes():
 
 def test_synthetic_tiny_preset_runs(tmp_path):
     from strata_core.engine import Engine
-    from strata_core.synthetic import write_synthetic
+    from strata_core.tools.synthetic import write_synthetic
 
     path = tmp_path / "q3n.gguf"
     write_synthetic(path, "qwen3-next-tiny", progress=False)

@@ -103,9 +103,9 @@ def test_a_failed_decode_window_is_not_retried_over_an_advanced_state(single, mo
     request of such a window fails instead; none answers wrongly."""
     import asyncio
 
-    from strata_core.requests import Delta, GenerationRequest
-    from strata_core.sampling import SamplingParams
-    from strata_core.scheduler import Scheduler
+    from strata_core.serving.requests import Delta, GenerationRequest
+    from strata_core.serving.sampling import SamplingParams
+    from strata_core.serving.scheduler import Scheduler
 
     engine = single
     prompts = [PROMPT[:9], PROMPT[5:20]]

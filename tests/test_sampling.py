@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 from strata_core.errors import RequestError
-from strata_core.sampling import Sampler, SamplingParams
+from strata_core.serving.sampling import Sampler, SamplingParams
 
 logit_rows = arrays("float32", st.integers(2, 64), elements=st.floats(-20, 20, width=32)).map(torch.from_numpy)
 

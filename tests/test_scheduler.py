@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from test_server_support import FakeEngine, FakeTokenizer, greedy_reference
 
-from strata_core.sampling import SamplingParams
-from strata_core.requests import ContextLengthError, Delta, Finished, GenerationRequest, ServerBusyError
-from strata_core.scheduler import RequestHandle, Scheduler
+from strata_core.serving.sampling import SamplingParams
+from strata_core.serving.requests import ContextLengthError, Delta, Finished, GenerationRequest, ServerBusyError
+from strata_core.serving.scheduler import RequestHandle, Scheduler
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)

@@ -45,7 +45,7 @@ def test_n_predict_and_cache_prompt(url: str) -> None:
 
 
 def test_harmless_fields_are_ignored_with_one_log_line(url: str, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="strata_core.server.service")
+    caplog.set_level(logging.INFO, logger="strata_core.serving.server.service")
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "store": False,
                "metadata": {"a": "b"}, "parallel_tool_calls": False, "service_tier": "auto"}
     assert httpx.post(f"{url}/v1/chat/completions", json=payload).status_code == 200
@@ -98,7 +98,7 @@ def test_props_and_slots(url: str, client: openai.OpenAI) -> None:
 
 
 def test_one_log_line_per_request(client: openai.OpenAI, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="strata_core.scheduler")
+    caplog.set_level(logging.INFO, logger="strata_core.serving.scheduler")
     client.completions.create(model=MODEL, prompt="log me", max_tokens=3, temperature=0)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("request done")]
     assert len(lines) == 1

@@ -15,11 +15,11 @@ import torch
 from test_server_support import FakeEngine, FakeTokenizer, serving
 
 from strata_core.config import StrataSettings
-from strata_core.requests import Finished, GenerationRequest, RequestCancelled
-from strata_core.sampling import SamplingParams
-from strata_core.scheduler import Scheduler
-from strata_core.server.responses import collect
-from strata_core.stop_strings import MAX_STOP_CHARS
+from strata_core.serving.requests import Finished, GenerationRequest, RequestCancelled
+from strata_core.serving.sampling import SamplingParams
+from strata_core.serving.scheduler import Scheduler
+from strata_core.serving.server.responses import collect
+from strata_core.serving.stop_strings import MAX_STOP_CHARS
 
 MODEL = "demo"
 
@@ -260,7 +260,7 @@ def test_submit_that_fails_before_queueing_leaks_no_slot() -> None:
 
 
 def test_tiny_temperature_samples_the_top_token() -> None:
-    from strata_core.sampling import Sampler
+    from strata_core.serving.sampling import Sampler
 
     logits = torch.tensor([1.0, 3.0, 2.0])
     assert Sampler(SamplingParams(temperature=1e-300, seed=0)).sample(logits) == 1

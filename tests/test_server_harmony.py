@@ -18,14 +18,14 @@ import pytest
 import torch
 from test_server_support import FakeEngine, FakeSession, live_server
 
-from strata_core.chat import ChatTemplate
+from strata_core.text.chat import ChatTemplate
 from strata_core.cli.generate import _generate
 from strata_core.config import StrataSettings
 from strata_core.gguf.reader import GGUFFile
-from strata_core.harmony import HarmonyParser
-from strata_core.requests import GenerationRequest
-from strata_core.sampling import SamplingParams
-from strata_core.tokenizer import Tokenizer
+from strata_core.text.harmony import HarmonyParser
+from strata_core.serving.requests import GenerationRequest
+from strata_core.serving.sampling import SamplingParams
+from strata_core.text.tokenizer import Tokenizer
 
 GPT_OSS = Path(__file__).parent / "data" / "gpt-oss_llamacpp" / "model-f32.gguf"
 MODEL = "oss"

@@ -52,7 +52,7 @@ def test_a_load_failure_goes_to_the_callback(monkeypatch: pytest.MonkeyPatch) ->
     failures: list[BaseException] = []
     reported = threading.Event()
     monkeypatch.setattr(Engine, "from_settings", staticmethod(broken))
-    from strata_core.server import create_app
+    from strata_core.serving.server import create_app
     import test_server_support as support
 
     monkeypatch.setattr(support, "create_app", lambda s, e=None: create_app(

@@ -18,7 +18,7 @@ from test_server_support import live_server
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.plugin.manager import build_plugin_manager
-from strata_core.sampling import SamplingParams
+from strata_core.serving.sampling import SamplingParams
 
 MODEL = "tiny"
 CONTEXT = 256

@@ -23,7 +23,7 @@ import uvicorn
 
 from strata_core.config import StrataSettings
 from strata_core.errors import RequestError
-from strata_core.server import create_app
+from strata_core.serving.server import create_app
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_SPECIAL = len(SPECIALS)

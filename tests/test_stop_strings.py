@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from strata_core.stop_strings import MAX_STOP_CHARS, StopMatcher
+from strata_core.serving.stop_strings import MAX_STOP_CHARS, StopMatcher
 
 
 def _run(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:

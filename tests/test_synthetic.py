@@ -11,8 +11,8 @@ from strata_core.errors import ConfigError
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
 from strata_core.quant import dequantize
-from strata_core.synthetic import PRESETS, _tensors, write_synthetic
-from strata_core.tokenizer import Tokenizer
+from strata_core.tools.synthetic import PRESETS, _tensors, write_synthetic
+from strata_core.text.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("expert_type", [Q.Q4_K, Q.IQ4_XS, Q.Q8_0])

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.tokenizer_meta import add_tokenizer_metadata
-from strata_core.tokenizer import Tokenizer, train_byte_level_bpe
+from strata_core.text.tokenizer_meta import add_tokenizer_metadata
+from strata_core.text.tokenizer import Tokenizer, train_byte_level_bpe
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -176,7 +176,7 @@ def test_older_transformers_convert_any_architecture(architecture: str, converte
     import sys
     import types
 
-    from strata_core import tokenizer as module
+    from strata_core.text import tokenizer as module
 
     asked = []
     ggml = types.ModuleType("transformers.integrations.ggml")

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from strata_core.devices import synchronize
+from strata_core.runtime.devices import synchronize
 from strata_core.engine import Engine
 from strata_core.experts import device_rows, grouped
 from strata_core.experts.chain import Chain

@@ -22,8 +22,8 @@ from pydantic import BaseModel, Field
 from pydantic_settings import CliApp
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from strata_core.chat import CHATML_TEMPLATE
-from strata_core.tokenizer import train_byte_level_bpe
+from strata_core.text.chat import CHATML_TEMPLATE
+from strata_core.text.tokenizer import train_byte_level_bpe
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE / "kjv_narrative.txt"

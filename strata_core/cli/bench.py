@@ -47,10 +47,10 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
 
     def cli_cmd(self) -> None:
         """Load the engine, run every figure, print the table (and write the JSON)."""
-        from strata_core.bench import (copy_gbps, format_table, machine_name, parse_lengths,
+        from strata_core.tools.bench import (copy_gbps, format_table, machine_name, parse_lengths,
                                         results_json, run_bench)
         from strata_core.engine import Engine
-        from strata_core.heap import freeze_loaded
+        from strata_core.runtime.heap import freeze_loaded
 
         prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
         need = max(prompts + [c + self.decode_tokens for c in contexts])

@@ -23,7 +23,7 @@ class GateCommand(settings_with(ENGINE)):  # type: ignore[misc]
     def cli_cmd(self) -> None:
         """Load each strategy in turn, generate, compare; exit status 1 when one differs."""
         from strata_core.engine import Engine
-        from strata_core.gate import run_gate
+        from strata_core.tools.gate import run_gate
 
         def split(text: str) -> list[str]:
             return [part.strip() for part in text.split(",") if part.strip()]

@@ -10,10 +10,10 @@ from pydantic import Field
 
 from strata_core.cli.settings import ENGINE, settings_with
 from strata_core.errors import ConfigError
-from strata_core.harmony import HarmonyParser, Piece, uses_harmony
-from strata_core.requests import Finished, GenerationRequest
-from strata_core.sampling import SamplingParams
-from strata_core.scheduler import Scheduler
+from strata_core.text.harmony import HarmonyParser, Piece, uses_harmony
+from strata_core.serving.requests import Finished, GenerationRequest
+from strata_core.serving.sampling import SamplingParams
+from strata_core.serving.scheduler import Scheduler
 
 
 class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]

@@ -37,7 +37,7 @@ class MakeSyntheticCommand(CommandSettings):
         """Stream the file to disk and print its size and speed."""
         import time
 
-        from strata_core.synthetic import write_synthetic
+        from strata_core.tools.synthetic import write_synthetic
 
         start = time.perf_counter()
         expert_type = None if self.expert_type is None else _qtype(self.expert_type, "--expert-type")

@@ -36,7 +36,7 @@ class ServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
         and is raised here (one line and exit status 2 for a StrataError)."""
         import uvicorn
 
-        from strata_core.server import create_app
+        from strata_core.serving.server import create_app
 
         if self.host not in {"127.0.0.1", "localhost", "::1"} and self.api_key is None:
             log.warning("listening on %s without --api-key: anyone who can reach it may use the model", self.host)

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from strata_core.devices import PendingRead, device_scope
+from strata_core.runtime.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain, MissSplit
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from strata_core.devices import to_device
+from strata_core.runtime.devices import to_device
 
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.ffn import SILU, ExpertFFN

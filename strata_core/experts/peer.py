@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from strata_core.devices import device_scope
+from strata_core.runtime.devices import device_scope
 from strata_core.experts.transfer import ArenaCopier, StagingRing
 
 if TYPE_CHECKING:

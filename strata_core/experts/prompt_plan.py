@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from strata_core.devices import to_device
+from strata_core.runtime.devices import to_device
 from strata_core.experts.chain import Chain
 from strata_core.experts.grouped import GroupPlan
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_core.gguf.vocab import check_tokenizer_metadata
+from strata_core.text.vocab import check_tokenizer_metadata
 
 __all__ = ["ModelSpec", "StateTensor", "load_model_spec"]
 

@@ -134,7 +134,7 @@ def write_gguf(model: torch.nn.Module, path: str | os.PathLike[str], *,
     """Write ``model`` (an HF Qwen3Moe/Qwen2Moe ForCausalLM) to ``path`` as llama.cpp would.
 
     ``tokenizer`` (a ``tokenizers.Tokenizer``) is optional; with it, tokenizer metadata is added
-    by ``strata_core.gguf.tokenizer_meta.add_tokenizer_metadata``.
+    by ``strata_core.text.tokenizer_meta.add_tokenizer_metadata``.
     """
     cfg = model.config
     arch = HF_ARCHITECTURES.get(cfg.model_type)
@@ -146,7 +146,7 @@ def write_gguf(model: torch.nn.Module, path: str | os.PathLike[str], *,
     w = gguf.GGUFWriter(str(path), arch)
     _add_metadata(w, arch, cfg, expert_qtype)
     if tokenizer is not None:
-        from strata_core.gguf.tokenizer_meta import add_tokenizer_metadata
+        from strata_core.text.tokenizer_meta import add_tokenizer_metadata
         add_tokenizer_metadata(w, tokenizer, chat_template, bos=bos_token, eos=eos_token,
                                vocab_size=cfg.vocab_size)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))

@@ -42,7 +42,7 @@ from strata_core.model.weights import dense_product, q8_sources
 from strata_core.ops.decode import add_rms_norm, decode_attention, fused_decode_supported, rope_kv_write, route_topk
 from strata_core.ops.dense_q8 import Q8Matrix
 from strata_core.plugin.placement import DeviceSlot, Placement
-from strata_core.session import Session
+from strata_core.runtime.session import Session
 
 __all__ = ["DENSE_Q8", "decode_layers", "fused_reason", "kv_tables", "place_q8_copies"]
 

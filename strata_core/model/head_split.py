@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from strata_core.devices import device_scope
+from strata_core.runtime.devices import device_scope
 from strata_core.experts.peer import packed_copy
 
 __all__ = ["SPLIT_KV_BLOCKS", "HeadSplit"]

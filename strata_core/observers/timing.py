@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 import time
 
-from strata_core.devices import synchronize
+from strata_core.runtime.devices import synchronize
 from strata_core.plugin import hookimpl
 
 

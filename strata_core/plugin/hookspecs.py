@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from strata_core.plugin.events import ResidencyEvent
     from strata_core.plugin.placement import DeviceSlot, Placement
     from strata_core.plugin.spec import StrategyOptions, StrategySpec
-    from strata_core.session import DecodeBatch, LogitsWanted, Session
+    from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
-from strata_core.chat import CHATML_TEMPLATE
+from strata_core.text.chat import CHATML_TEMPLATE
 from strata_core.gguf.tiny import tiny_hf_model
 from strata_core.gguf.writer import write_gguf
-from strata_core.tokenizer import train_byte_level_bpe
+from strata_core.text.tokenizer import train_byte_level_bpe
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_TEXT = (

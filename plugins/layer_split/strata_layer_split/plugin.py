@@ -24,7 +24,7 @@ from strata_core.errors import ConfigError
 from strata_core.experts.sizing import GIB, available_bytes
 from strata_core.gguf.arch import get_architecture
 from strata_core.plugin import DeviceSlot, Placement, StrategyOptions, StrategySpec, hookimpl
-from strata_core.session import DecodeBatch
+from strata_core.runtime.session import DecodeBatch
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from strata_core.experts import device_rows
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
 from strata_core.plugin import DeviceSlot
-from strata_core.session import DecodeBatch
+from strata_core.runtime.session import DecodeBatch
 from strata_core.testing.residency import check_tiers
 from strata_core.testing.sync import HostReads
 

@@ -14,11 +14,11 @@ import anyio
 
 from strata_core.config import StrataSettings
 from strata_core.errors import InvalidParamError, RequestError
-from strata_core.harmony import uses_harmony
-from strata_core.requests import GenerationRequest
-from strata_core.sampling import SamplingParams
-from strata_core.scheduler import RequestHandle, Scheduler
-from strata_core.server.schemas import ChatCompletionRequest, CompletionRequest
+from strata_core.text.harmony import uses_harmony
+from strata_core.serving.requests import GenerationRequest
+from strata_core.serving.sampling import SamplingParams
+from strata_core.serving.scheduler import RequestHandle, Scheduler
+from strata_core.serving.server.schemas import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]
 

@@ -1,6 +1,6 @@
 """``create_app``: the Litestar application of the OpenAI-compatible API.
 
-The lifespan owns the :class:`~strata_core.server.loading.ServiceLoader` (the engine, loaded from
+The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
 :class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``.
 """
@@ -21,12 +21,12 @@ from litestar.openapi import OpenAPIConfig
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from strata_core.config import StrataSettings
-from strata_core.server.controllers import (
+from strata_core.serving.server.controllers import (
     ChatController, CompletionsController, LlamaServerController, ModelsController, SystemController,
 )  # fmt: skip
-from strata_core.server.errors import handle_exception
-from strata_core.server.loading import ServiceLoader
-from strata_core.server.service import GenerationService
+from strata_core.serving.server.errors import handle_exception
+from strata_core.serving.server.loading import ServiceLoader
+from strata_core.serving.server.service import GenerationService
 
 __all__ = ["StrataState", "create_app"]
 

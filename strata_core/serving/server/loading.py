@@ -13,9 +13,9 @@ import anyio
 
 from strata_core.config import StrataSettings
 from strata_core.errors import StrataError
-from strata_core.heap import freeze_loaded
-from strata_core.scheduler import Scheduler
-from strata_core.server.service import GenerationService
+from strata_core.runtime.heap import freeze_loaded
+from strata_core.serving.scheduler import Scheduler
+from strata_core.serving.server.service import GenerationService
 
 __all__ = ["ModelLoadingError", "ServiceLoader"]
 

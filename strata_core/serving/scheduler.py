@@ -8,7 +8,7 @@ Each loop of the worker: take new requests and cancellations, start at most one 
 in a free slot (prefix reuse + prefill + its first token), then run one decode window over every
 active slot. A request therefore joins and leaves between windows. A finished request leaves its
 session in the slot, so the next prompt that shares its prefix computes only the new part; a slot
-taken by another request first saves its session in the :class:`~strata_core.conv_cache.ConvCache`.
+taken by another request first saves its session in the :class:`~strata_core.serving.conv_cache.ConvCache`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from strata_core.conv_cache import ConvCache, common_prefix
+from strata_core.serving.conv_cache import ConvCache, common_prefix
 from strata_core.errors import RequestError, StrataError
-from strata_core.requests import (
+from strata_core.serving.requests import (
     ContextLengthError,
     Delta,
     Finished,
@@ -38,8 +38,8 @@ from strata_core.requests import (
     Timings,
     TokenLogprob,
 )
-from strata_core.sampling import SampleResult, Sampler
-from strata_core.stop_strings import StopMatcher
+from strata_core.serving.sampling import SampleResult, Sampler
+from strata_core.serving.stop_strings import StopMatcher
 
 __all__ = ["RequestHandle", "Scheduler"]
 

@@ -56,13 +56,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strata_core.devices import to_device
+from strata_core.runtime.devices import to_device
 from strata_core.model.fused_decode import fused_reason, kv_tables
 
 if TYPE_CHECKING:
     from strata_core.engine import Engine
     from strata_core.plugin.placement import Segment
-    from strata_core.session import DecodeBatch, Session
+    from strata_core.runtime.session import DecodeBatch, Session
 
 __all__ = ["DecodeGraphs"]
 

@@ -14,10 +14,10 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from strata_core.errors import InvalidParamError, StrataError
-from strata_core.requests import ContextLengthError, ServerBusyError
-from strata_core.server.loading import ModelLoadingError
-from strata_core.server.schemas import ErrorBody, ErrorDetail
-from strata_core.server.service import UnknownModelError
+from strata_core.serving.requests import ContextLengthError, ServerBusyError
+from strata_core.serving.server.loading import ModelLoadingError
+from strata_core.serving.server.schemas import ErrorBody, ErrorDetail
+from strata_core.serving.server.service import UnknownModelError
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from strata_core.errors import InvalidParamError
-from strata_core.stop_strings import MAX_STOP_CHARS, MAX_STOPS
+from strata_core.serving.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 
 __all__ = ["MAX_LOGPROBS", "SEED_RANGE", "SampleResult", "Sampler", "SamplingParams"]
 

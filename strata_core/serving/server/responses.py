@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import msgspec
 from litestar import Request
 
-from strata_core.harmony import HarmonyParser, Piece, parse
-from strata_core.requests import Delta, Finished, TokenLogprob
-from strata_core.scheduler import RequestHandle
-from strata_core.server import schemas as s
-from strata_core.server.errors import error_body
+from strata_core.text.harmony import HarmonyParser, Piece, parse
+from strata_core.serving.requests import Delta, Finished, TokenLogprob
+from strata_core.serving.scheduler import RequestHandle
+from strata_core.serving.server import schemas as s
+from strata_core.serving.server.errors import error_body
 
 @dataclass
 class Collected:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strata_core.scheduler import Scheduler
+from strata_core.serving.scheduler import Scheduler
 
 
 def _ratio(num: float, den: float) -> float:

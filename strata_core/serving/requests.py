@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from strata_core.errors import RequestError, StrataError
-from strata_core.sampling import SamplingParams
+from strata_core.serving.sampling import SamplingParams
 
 __all__ = [
     "ContextLengthError", "Delta", "ExpertUsage", "Finished", "GenerationRequest", "RequestCancelled", "SchedulerStats", "ServerBusyError", "Timings",

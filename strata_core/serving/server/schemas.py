@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-from strata_core.sampling import MAX_LOGPROBS
-from strata_core.stop_strings import MAX_STOP_CHARS, MAX_STOPS
+from strata_core.serving.sampling import MAX_LOGPROBS
+from strata_core.serving.stop_strings import MAX_STOP_CHARS, MAX_STOPS
 
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]

@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from strata_core.errors import ConfigError
 from strata_core.quant import bytes_for, random_blocks
-from strata_core.synthetic_deepseek2 import DEEPSEEK_PRESETS, DeepseekPreset
-from strata_core.synthetic_gpt_oss import GPT_OSS_PRESETS, GptOssPreset
-from strata_core.synthetic_preset import Preset
-from strata_core.synthetic_qwen3next import QWEN3NEXT_PRESETS, Qwen3NextPreset
+from strata_core.tools.synthetic_deepseek2 import DEEPSEEK_PRESETS, DeepseekPreset
+from strata_core.tools.synthetic_gpt_oss import GPT_OSS_PRESETS, GptOssPreset
+from strata_core.tools.synthetic_preset import Preset
+from strata_core.tools.synthetic_qwen3next import QWEN3NEXT_PRESETS, Qwen3NextPreset
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
 
@@ -70,8 +70,8 @@ def _tensors(p: Preset, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tu
 
 
 def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
-    from strata_core.gguf.tokenizer_meta import add_tokenizer_metadata
-    from strata_core.tokenizer import train_byte_level_bpe
+    from strata_core.text.tokenizer_meta import add_tokenizer_metadata
+    from strata_core.text.tokenizer import train_byte_level_bpe
 
     w.add_name(f"strata-synthetic-{name}")
     p.add_metadata(w)

@@ -12,14 +12,14 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from litestar.response.base import ASGIResponse
 
-from strata_core.server import metrics
-from strata_core.server import schemas as s
-from strata_core.scheduler import RequestHandle
-from strata_core.server.responses import (
+from strata_core.serving.server import metrics
+from strata_core.serving.server import schemas as s
+from strata_core.serving.scheduler import RequestHandle
+from strata_core.serving.server.responses import (
     Collected, cancel_on_disconnect, chat_completion, chat_stream, collect, completion, completion_stream,
 )  # fmt: skip
-from strata_core.server.errors import RETRY_AFTER_S
-from strata_core.server.service import GenerationService
+from strata_core.serving.server.errors import RETRY_AFTER_S
+from strata_core.serving.server.service import GenerationService
 
 T = TypeVar("T")
 

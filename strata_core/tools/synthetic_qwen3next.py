@@ -17,7 +17,7 @@ __all__ = ["QWEN3NEXT_PRESETS", "Qwen3NextPreset"]
 
 @dataclass(frozen=True)
 class Qwen3NextPreset:
-    """The shapes of one qwen3next model (see ``strata_core.synthetic.Preset`` for the protocol)."""
+    """The shapes of one qwen3next model (see ``strata_core.tools.synthetic.Preset`` for the protocol)."""
 
     architecture: ClassVar[str] = "qwen3next"
     n_layers: int
@@ -45,7 +45,7 @@ class Qwen3NextPreset:
 
     def tensors(self, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tuple[int, ...], Q, float]]:
         """(name, torch-order shape, block type, value scale) of every tensor, in file order; the
-        decay ``ssm_a`` is about -1 (a negative scale: ``strata_core.synthetic._value``)."""
+        decay ``ssm_a`` is about -1 (a negative scale: ``strata_core.tools.synthetic._value``)."""
         p, H = self, self.hidden
         E, F, Fs = p.n_experts, p.expert_ffn, p.shared_ffn
         q, kv = p.n_heads * p.head_dim, p.n_kv_heads * p.head_dim
@@ -86,7 +86,7 @@ class Qwen3NextPreset:
     def add_metadata(self, w: gguf.GGUFWriter) -> None:
         """The keys of a qwen3moe preset of the same sizes, plus the shared expert, the partial RoPE and
         the Gated DeltaNet keys (the layer pattern by interval, no per-layer array)."""
-        from strata_core.synthetic import Preset  # that module imports this one
+        from strata_core.tools.synthetic import Preset  # that module imports this one
 
         p = self
         Preset(p.n_layers, p.n_experts, p.n_experts_used, p.hidden, p.expert_ffn, p.n_heads, p.n_kv_heads,

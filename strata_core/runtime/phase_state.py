@@ -26,7 +26,7 @@ from strata_core.plugin.placement import PHASES, Phase, Placement
 
 if TYPE_CHECKING:
     from strata_core.engine import Engine
-    from strata_core.session import Session
+    from strata_core.runtime.session import Session
 
 __all__ = ["HandOffError", "hidden_layers", "masked_phase", "place_state"]
 

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API (Litestar): ``create_app(settings, engine=None)``."""
 
-from strata_core.server.app import StrataState, create_app
+from strata_core.serving.server.app import StrataState, create_app
 
 __all__ = ["StrataState", "create_app"]

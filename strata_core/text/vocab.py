@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from strata_core.chat import ChatTemplate
+from strata_core.text.chat import ChatTemplate
 from strata_core.errors import ModelFileError
 
 __all__ = ["check_tokenizer_metadata"]

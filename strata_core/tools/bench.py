@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strata_core.devices import synchronize
+from strata_core.runtime.devices import synchronize
 from strata_core.errors import ConfigError
 
 if TYPE_CHECKING:
