@@ -114,6 +114,10 @@ class StrataSettings(BaseSettings):
         "one per device slot and layer range) where they apply: CUDA, --arena pinned, --pcie-frac 1, no "
         "--adapt-swaps; else eager, said once in the log"
     )
+    dense_q8: bool = Field(
+        True, description="decode's fused layers read repacked Q8_0 copies of the Q8_0 dense products (CUDA; "
+        "built at load, counted with the dense part)"
+    )
 
     # --- server --------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address the server binds")

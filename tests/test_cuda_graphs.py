@@ -46,7 +46,7 @@ def test_cpu_falls_back_to_eager_with_identical_logits(tiny_model_factory, caplo
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     said = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
     assert len(said) == 1 and "not a CUDA device" in said[0]  # once, with the reason
-    assert len(engine._decode_graphs()) == 0
+    assert len(engine.runner.graphs) == 0
 
 
 def test_static_body_matches_the_eager_layers_on_cpu(tiny_model_factory):
@@ -57,10 +57,10 @@ def test_static_body_matches_the_eager_layers_on_cpu(tiny_model_factory):
     engine.prefill(sessions[0], list(range(5, 20)))
     engine.prefill(sessions[1], list(range(7, 11)))
     batch = DecodeBatch(sessions=tuple(sessions), tokens=torch.tensor([3, 9]))
-    (segment,) = engine.segments["decode"]
-    hidden = engine.embed(batch.tokens, torch.device("cpu"))
-    eager = engine.decode_segment(segment, hidden, batch)
-    static = engine.decode_segment(segment, hidden, batch, static_positions=batch.positions)
+    (segment,) = engine.runner.segments("decode")
+    hidden = engine.runner.embed(batch.tokens, torch.device("cpu"))
+    eager = engine.runner.decode_segment(segment, hidden, batch)
+    static = engine.runner.decode_layers(segment, hidden, batch, positions=batch.positions, static=True)
     assert torch.equal(eager, static)
 
 
@@ -68,10 +68,10 @@ class _CountingGraphs(DecodeGraphs):
     """The cache logic with the capture replaced by a fake."""
 
     def __init__(self, max_graphs: int = 4):
-        super().__init__(engine=None, max_graphs=max_graphs)  # type: ignore[arg-type]
+        super().__init__(experts=None, max_graphs=max_graphs)
 
-    def _capture(self, layers, batch, hidden, shared=False, step=False):
-        return _Graph(graph=None, hidden=hidden, positions=batch.positions, out=hidden)
+    def _capture(self, segment, batch, inputs, body, step):
+        return _Graph(graph=None, inputs=inputs, out=inputs["hidden"])
 
 
 def _session(max_tokens: int = 8) -> Session:
@@ -86,16 +86,16 @@ def _batch(*sessions: Session) -> DecodeBatch:
 def test_capture_cache_is_keyed_by_sessions_and_batch_size():
     graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
     a, b = _session(), _session()
-    first = graphs.entry(layers, _batch(a), hidden)
-    assert graphs.entry(layers, _batch(a), hidden) is first and graphs.captures == 1  # reused
+    first = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
+    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first and graphs.captures == 1  # reused
     a.tokens.extend([1, 2, 3])
     a.kv.advance(3)
-    assert graphs.entry(layers, _batch(a), hidden) is first  # a longer context: the same graph
-    graphs.entry(layers, _batch(b), hidden)  # another session: its own graph
-    graphs.entry(layers, _batch(a, b), hidden)  # B = 2
-    graphs.entry(layers, _batch(b, a), hidden)  # another order: another graph
+    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first  # a longer context: the same graph
+    graphs.entry(layers, _batch(b), {"hidden": hidden}, None)  # another session: its own graph
+    graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None)  # B = 2
+    graphs.entry(layers, _batch(b, a), {"hidden": hidden}, None)  # another order: another graph
     assert graphs.captures == 4 and len(graphs) == 4
-    assert graphs.entry(layers, _batch(a, b), hidden) is not None and graphs.captures == 4
+    assert graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None) is not None and graphs.captures == 4
     assert DecodeGraphs.key(layers, _batch(a, b)) == (2, 0, 0, 2, (a.id, b.id), False)
 
 
@@ -103,13 +103,13 @@ def test_shared_graphs_serve_any_sessions():
     """A graph reaching the KV through address tables is keyed by (B, layers, step) alone."""
     graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
     a, b = _session(), _session()
-    first = graphs.entry(layers, _batch(a), hidden, shared=True)
-    assert graphs.entry(layers, _batch(b), hidden, shared=True) is first  # another session: the same graph
+    first = graphs.entry(layers, _batch(a), {"hidden": hidden}, None, shared=True)
+    assert graphs.entry(layers, _batch(b), {"hidden": hidden}, None, shared=True) is first  # another session: the same graph
     a.kv.release()
     del a
-    assert graphs.entry(layers, _batch(b), hidden, shared=True) is first and len(graphs) == 1  # never purged
-    graphs.entry(layers, _batch(b, _session()), hidden, shared=True)  # B = 2
-    graphs.entry(layers, _batch(b), hidden, shared=True, step=True)  # the whole step: its own graph
+    assert graphs.entry(layers, _batch(b), {"hidden": hidden}, None, shared=True) is first and len(graphs) == 1  # never purged
+    graphs.entry(layers, _batch(b, _session()), {"hidden": hidden}, None, shared=True)  # B = 2
+    graphs.entry(layers, _batch(b), {"hidden": hidden}, None, shared=True, step=True)  # the whole step: its own graph
     assert graphs.captures == 3 and len(graphs) == 3
     graphs.invalidate(b)
     assert len(graphs) == 3
@@ -118,38 +118,38 @@ def test_shared_graphs_serve_any_sessions():
 def test_capture_cache_invalidation():
     graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
     a, b = _session(), _session()
-    first = graphs.entry(layers, _batch(a), hidden)
+    first = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
     a.truncate(0)  # truncation keeps the KV tensors: still valid
     a.kv.restore(a.kv.snapshot())  # so does a restore into the same tensors
-    assert graphs.entry(layers, _batch(a), hidden) is first
+    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first
     a.kv.tensors[1] = dict(a.kv.tensors[1], k=a.kv.tensors[1]["k"].clone())  # a moved layer: new tensors -> capture again
-    second = graphs.entry(layers, _batch(a), hidden)
+    second = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
     assert second is not first and graphs.captures == 2
-    graphs.entry(layers, _batch(a, b), hidden)
+    graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None)
     assert graphs.captures == 3 and len(graphs) == 2
     b.kv.release()  # a released session's graphs are purged
-    assert graphs.entry(layers, _batch(a), hidden) is second
+    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is second
     assert len(graphs) == 1 and graphs.captures == 3
     graphs.invalidate(a)
     assert len(graphs) == 0
-    graphs.entry(layers, _batch(a), hidden)
+    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
     assert graphs.captures == 4
     del a  # a dead session's graph goes too
-    graphs.entry(layers, _batch(_session()), hidden)
+    graphs.entry(layers, _batch(_session()), {"hidden": hidden}, None)
     assert len(graphs) == 1
 
 
 def test_capture_cache_keeps_the_most_recent_graphs():
     graphs, layers, hidden = _CountingGraphs(max_graphs=2), Segment(0, range(2)), torch.zeros(1, 4)
     a, b, c = _session(), _session(), _session()
-    graphs.entry(layers, _batch(a), hidden)
-    graphs.entry(layers, _batch(b), hidden)
-    graphs.entry(layers, _batch(a), hidden)  # a is now the most recent
-    graphs.entry(layers, _batch(c), hidden)  # evicts b
+    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
+    graphs.entry(layers, _batch(b), {"hidden": hidden}, None)
+    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)  # a is now the most recent
+    graphs.entry(layers, _batch(c), {"hidden": hidden}, None)  # evicts b
     assert graphs.captures == 3 and len(graphs) == 2
-    graphs.entry(layers, _batch(a), hidden)
+    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
     assert graphs.captures == 3
-    graphs.entry(layers, _batch(b), hidden)
+    graphs.entry(layers, _batch(b), {"hidden": hidden}, None)
     assert graphs.captures == 4
 
 
@@ -168,7 +168,7 @@ def test_graph_windows_equal_eager_windows(tiny_model_factory, n_sessions):
     want, want_tokens = _decode(_cuda_engine(path, False), prompts, 12)
     engine = _cuda_engine(path, True)
     got, got_tokens = _decode(engine, prompts, 12)
-    graphs = engine._decode_graphs()
+    graphs = engine.runner.graphs
     assert graphs.failed is None and graphs.captures == 1 and len(graphs) == 1
     assert got_tokens == want_tokens
     diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
@@ -201,7 +201,7 @@ def test_replayed_windows_make_no_host_sync_and_a_new_session_set_captures_again
         with no_host_sync():
             row = engine.decode_window([(session, token)])
         token = int(row[0].argmax())
-    graphs = engine._decode_graphs()
+    graphs = engine.runner.graphs
     assert graphs.captures == 1
     other = engine.new_session()
     engine.prefill(other, list(range(9, 20)))

@@ -17,7 +17,7 @@ from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.engine import Engine
 from strata_core.model import fused_decode, weights as weights_module
-from strata_core.model.fused_decode import kv_tables
+from strata_core.runtime.session import DecodeBatch
 from strata_core.ops import dense_q8
 from strata_core.ops.dense_q8 import Q8Config, Q8Matrix, q8_bytes, q8_linear, repack_q8_0
 from strata_core.ops.matmul import linear
@@ -149,10 +149,9 @@ def test_opcheck_on_cuda():
 
 def _q8_engine(path, monkeypatch, on: bool) -> Engine:
     """An engine on the CPU that, with ``on``, places the Q8_0 copies as it would on a CUDA device taking
-    the fused path (``fused_reason`` answers None for the CPU while it loads)."""
-    monkeypatch.setattr(fused_decode, "fused_reason", lambda model, device: None)
-    monkeypatch.setattr(fused_decode, "DENSE_Q8", on)
-    engine = Engine.load(path, devices=["cpu"], max_context=64, dtype="float32")
+    the fused path (``why_not_fused`` answers None for the CPU while it loads)."""
+    monkeypatch.setattr(fused_decode, "why_not_fused", lambda model, device: None)
+    engine = Engine.load(path, devices=["cpu"], max_context=64, dtype="float32", dense_q8=on)
     monkeypatch.undo()
     return engine
 
@@ -170,7 +169,7 @@ def _counting(monkeypatch) -> list:
 
 def test_load_places_and_counts_the_q8_copies(tiny_model_factory, monkeypatch, caplog):
     """Every Q8_0 decode product of every layer and the head get a copy, logged with their bytes, and
-    the bytes join the dense part the expert cache is sized after; with ``DENSE_Q8`` off: none."""
+    the bytes join the dense part the expert cache is sized after; with ``--no-dense-q8``: none."""
     path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
     caplog.set_level(logging.INFO, logger=fused_decode.__name__)
     engine = _q8_engine(path, monkeypatch, True)
@@ -202,13 +201,10 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch):
         sessions = [engine.new_session() for _ in prompts]
         for session, prompt in zip(sessions, prompts):
             engine.prefill(session, prompt)
-        (segment,) = engine.segments["decode"]
-        hidden = engine.embed(torch.tensor([3, 9]), torch.device("cpu"))
-        positions = torch.tensor([len(p) for p in prompts])
-        rows = engine.experts.rows_for(segment.device, "decode")
+        (segment,) = engine.runner.segments("decode")
+        hidden = engine.runner.embed(torch.tensor([3, 9]), torch.device("cpu"))
         calls = _counting(monkeypatch)
-        h = fused_decode.decode_layers(engine.model, segment.layers, hidden, positions, sessions, rows,
-                                       kv_tables(sessions, segment.layers))
+        h = engine.runner.decode_layers(segment, hidden, DecodeBatch(tuple(sessions), torch.tensor([3, 9])), fused=True)
         outs.append(engine.model.head(h))
         monkeypatch.undo()
         if on:
@@ -223,16 +219,15 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("graphs", [False, True])
 def test_cuda_decode_through_the_q8_copies(tiny_model_factory, monkeypatch, graphs):
-    """On CUDA the engine places the copies by itself (``DENSE_Q8``) and its greedy decode, eager or
+    """On CUDA the engine places the copies by itself (``--dense-q8``) and its greedy decode, eager or
     replayed as graphs, gives the float32 engine's tokens with logits within 1e-4 (same values,
     another summation order)."""
     path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
     prompts = [list(range(5, 60)), list(range(70, 90))]
     runs = []
     for on in (False, True):
-        monkeypatch.setattr(fused_decode, "DENSE_Q8", on)
         engine = Engine.load(path, devices=["cuda:0"], max_context=128, dtype="float32", arena="pinned",
-                             expert_cache=7, cuda_graphs=graphs)
+                             expert_cache=7, cuda_graphs=graphs, dense_q8=on)
         assert bool(engine.model.weights.q8_at(0, "cuda:0")) == on
         assert bool(engine.model.weights.q8_at(None, "cuda:0")) == on
         runs.append(_decode(engine, prompts, 8))

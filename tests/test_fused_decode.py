@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
-from strata_core.model.fused_decode import decode_layers, fused_reason, kv_tables
+from strata_core.model.fused_decode import why_not_fused
+from strata_core.runtime.session import DecodeBatch
 
 devices = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
 
@@ -23,12 +24,12 @@ def _sessions(engine: Engine, prompts: list[list[int]]):
     return sessions
 
 
-def test_fused_reason(tiny_model_factory):
+def test_why_not_fused(tiny_model_factory):
     engine = Engine.load(tiny_model_factory(expert_type="Q4_0"), devices=["cpu"], max_context=64)
-    assert "not a CUDA device" in fused_reason(engine.model, torch.device("cpu"))
+    assert "not a CUDA device" in why_not_fused(engine.model, torch.device("cpu"))
     shared = Engine.load(tiny_model_factory(architecture="qwen2moe", expert_type="Q4_0"), devices=["cpu"],
                          max_context=64)
-    assert "shared expert" in fused_reason(shared.model, torch.device("cuda", 0))
+    assert "shared expert" in why_not_fused(shared.model, torch.device("cuda", 0))
 
 
 @pytest.mark.parametrize("device", devices)
@@ -38,20 +39,12 @@ def test_fused_layers_match_the_eager_layers(tiny_model_factory, device):
     prompts = [list(range(5, 30)), list(range(40, 52))]
     eager_sessions, fused_sessions = _sessions(engine, prompts), _sessions(engine, prompts)
     tokens = torch.tensor([3, 9])
-    (segment,) = engine.segments["decode"]
-    dev = torch.device(device)
-    hidden = engine.embed(tokens, dev)
-    positions = torch.tensor([len(p) for p in prompts], device=dev)
-    rows = engine.experts.rows_for(segment.device, "decode")
-    eager = hidden  # the eager loop: one session at a time through attention, then the batch's MoE
-    for layer in segment.layers:
-        eager = torch.cat([engine.model.attention(layer, eager[b:b + 1], positions[b:b + 1], s.kv, len(prompts[b]) + 1)
-                           for b, s in enumerate(eager_sessions)])
-        eager = engine.model.moe(layer, eager, rows)
-    tables = kv_tables(fused_sessions, segment.layers).to(dev)
+    (segment,) = engine.runner.segments("decode")
+    hidden = engine.runner.embed(tokens, torch.device(device))
+    eager = engine.runner.decode_layers(segment, hidden, DecodeBatch(tuple(eager_sessions), tokens), fused=False)
     seen = []
-    fused = decode_layers(engine.model, segment.layers, hidden, positions, fused_sessions, rows, tables,
-                          observe=lambda layer, h: seen.append(layer))
+    with engine.runner.observe_layers(lambda layer, h: seen.append(layer)):
+        fused = engine.runner.decode_layers(segment, hidden, DecodeBatch(tuple(fused_sessions), tokens), fused=True)
     assert seen == list(segment.layers)
     torch.testing.assert_close(fused, eager, rtol=1e-5, atol=1e-5)
     for a, b in zip(eager_sessions, fused_sessions):

@@ -27,7 +27,7 @@ def test_nan_guard_is_silent_on_a_healthy_model_and_off_by_default(model):
     plain = Engine.load(model)
     assert torch.equal(guarded.logits([4, 5, 6]), plain.logits([4, 5, 6]))
     assert not plain.plugins.has_plugin("strata_core.observers.nan_guard")
-    assert plain.layer_observers == [] and guarded.layer_observers == []
+    assert plain.runner.observers == () and guarded.runner.observers == ()
 
 
 def test_timing_prints_one_line_per_chunk_and_window(model, capsys):

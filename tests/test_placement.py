@@ -117,8 +117,8 @@ def test_a_peer_source_serves_the_peers_experts_bit_for_bit(model, monkeypatch, 
 def test_prompt_chunks_compute_logits_only_where_asked(model, monkeypatch):
     engine = Engine.load(model, max_context=128, prefill_chunk=8)
     rows = []
-    real_head = engine.head
-    monkeypatch.setattr(engine, "head", lambda hidden: rows.append(hidden.shape[0]) or real_head(hidden))
+    real_head = engine.runner.head
+    monkeypatch.setattr(engine.runner, "head", lambda hidden: rows.append(hidden.shape[0]) or real_head(hidden))
     engine.prefill(engine.new_session(), PROMPT)
     assert rows == [1]  # five chunks, one head over one position
     rows.clear()
@@ -130,7 +130,7 @@ def test_hand_off_once_per_prompt_segment_and_back(model, monkeypatch):
     placement = Placement.stages([(0, range(0, 2)), (1, range(2, 4))], prompt_device=0)
     calls = []
 
-    def strata_hand_off(engine, session, layers, src, dst):
+    def strata_hand_off(ctx, session, layers, src, dst):
         calls.append((layers, src.index, dst.index))
 
     engine = _load(model, monkeypatch, placement, hooks={"strata_hand_off": strata_hand_off}, dbg_handoff=True)
@@ -145,7 +145,7 @@ def test_hand_off_once_per_prompt_segment_and_back(model, monkeypatch):
 def test_dbg_handoff_catches_a_copy_that_lands_nothing(model, monkeypatch):
     placement = Placement.stages([(0, range(0, 2)), (1, range(2, 4))], prompt_device=0)
 
-    def lossy(engine, session, layers, src, dst):  # moves the home, drops the rows
+    def lossy(ctx, session, layers, src, dst):  # moves the home, drops the rows
         session.kv.move(layers, dst.index, dst.device)
         for layer in layers:
             session.kv.tensors[layer]["k"].zero_()

@@ -22,7 +22,7 @@ def make_strategy_plugin(name: str, answer: str, base: str | None = None, option
                               options=options))
 
     @hookimpl
-    def strata_hand_off(engine, session, layers, src, dst):
+    def strata_hand_off(ctx, session, layers, src, dst):
         return answer
 
     module.strata_register_strategies = strata_register_strategies
@@ -31,7 +31,7 @@ def make_strategy_plugin(name: str, answer: str, base: str | None = None, option
 
 
 def call_hand_off(pm):
-    return pm.hook.strata_hand_off(engine=None, session=None, layers=range(0), src="cpu", dst="cpu")
+    return pm.hook.strata_hand_off(ctx=None, session=None, layers=range(0), src="cpu", dst="cpu")
 
 
 def test_single_is_builtin(plugin_manager):

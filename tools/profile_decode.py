@@ -75,7 +75,7 @@ def main() -> None:
         moe.CONFIG = launch_config(spec, default)
         print(f"MoE kernels: {moe.CONFIG}")
         if args.cuda_graphs:
-            engine._decode_graphs().invalidate()  # recaptured with this configuration's launches
+            engine.runner.graphs.invalidate()  # recaptured with this configuration's launches
         profile_decode(engine, tokens, args)
     if args.prefill:
         if args.warm_prefill:

@@ -1,4 +1,4 @@
-"""A decode window's layers as few fused launches (issue 7): the CUDA path of ``Engine._decode_layers``.
+"""A decode window's layer as few fused launches: the CUDA path of the runner's decode loop.
 
 The eager layer loop runs ~35 kernels a layer for one token (norms, three projections, RoPE, the
 KV index writes, the attention mask, the router's softmax / top-k / renormalisation, the rows and
@@ -16,19 +16,19 @@ session does not capture again.
 
 Where the GGUF stores them as Q8_0, the QKV, attention output and router products (and the head)
 read repacked Q8_0 copies of their weights (``strata::q8_linear``: 1.06 bytes a value where the bf16
-copy is 2; issue 7), built once per (layer, device) at load by :func:`place_q8_copies` and counted
+copy is 2), built once per (layer, device) at load by :func:`place_q8_copies` and counted
 with the dense part before the expert cache is sized; the float copies stay for prompts and the eager
-paths. :data:`DENSE_Q8` switches this off (read at load).
+paths.
 
 Applies to the plain Qwen-style ``MoEModel`` (no shared expert, no output bias) with a head dim
-the kernels serve; anything else keeps the eager loop (``fused_reason`` says why). On the CPU the
+the kernels serve; anything else takes the eager layer (``why_not_fused`` says why). On the CPU the
 same ops run their references, which is how CI checks this path against the eager loop.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -44,20 +44,18 @@ from strata_core.ops.dense_q8 import Q8Matrix
 from strata_core.plugin.placement import DeviceSlot, Placement
 from strata_core.runtime.session import Session
 
-__all__ = ["DENSE_Q8", "decode_layers", "fused_reason", "kv_tables", "place_q8_copies"]
+__all__ = ["decode_layer", "kv_tables", "place_q8_copies", "why_not_fused"]
 
 log = logging.getLogger(__name__)
 
 _QKV = ("attn_q", "attn_k", "attn_v")
 
-#: Read the decode products' Q8_0 weights with ``strata::q8_linear`` (repacked copies made at load).
-DENSE_Q8 = True
 #: The layer weights and globals whose Q8_0 copies the fused path reads.
 Q8_LAYER_NAMES = (*(f"{n}.weight" for n in _QKV), "attn_output.weight", "ffn_gate_inp.weight")
 Q8_GLOBAL_NAMES = ("output.weight",)
 
 
-def fused_reason(model, device: torch.device) -> str | None:
+def why_not_fused(model, device: torch.device) -> str | None:
     """Why ``model``'s decode layers on ``device`` cannot take the fused path, or None when they can."""
     from strata_core.model.transformer import MoEModel
 
@@ -95,12 +93,12 @@ def place_q8_copies(model, gguf_file: GGUFFile, settings: StrataSettings, placem
     the fused path, and of the head (:data:`Q8_GLOBAL_NAMES`) on the main device if it does; first
     checks that they fit with the dense part (``dense_bytes``: BudgetError before any copy); logs their
     bytes. Returns ``dense_bytes`` plus those bytes: what the expert cache's sizing must leave.
-    Nothing when :data:`DENSE_Q8` is off."""
-    if not DENSE_Q8:
+    Nothing when ``--dense-q8`` is off."""
+    if not settings.dense_q8:
         return dense_bytes
     where = {(layer, slots[p.device].device) for layer, p in enumerate(placement.layers("decode"))}
     where.add((None, slots[placement.main].device))
-    where = {(layer, d) for layer, d in where if fused_reason(model, d) is None}
+    where = {(layer, d) for layer, d in where if why_not_fused(model, d) is None}
     sources = q8_sources(gguf_file, model.spec, Q8_LAYER_NAMES, Q8_GLOBAL_NAMES) if where else {}
     extra = model.weights.q8_bytes(sources, where)
     if not extra:
@@ -139,37 +137,33 @@ def _qkv(model, layer: int, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, t
     return cache[key]
 
 
-def decode_layers(model, layers: range, hidden: torch.Tensor, positions: torch.Tensor, sessions: Sequence[Session],
-                  rows: ExpertRows, tables: torch.Tensor | None,
-                  observe: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
-    """``hidden [B, H]`` (one token of each of ``sessions`` at ``positions [B]`` on its device) after
-    ``layers``; writes their K/V. ``tables`` (``kv_tables`` on the device, or None: each op builds its
-    own) is how the kernels reach the caches; ``observe(layer, hidden)`` is called after each layer."""
+def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                 sessions: Sequence[Session], rows: ExpertRows,
+                 table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer of a decode window: ``hidden [B, H]`` plus the previous layer's pending ``delta``
+    (its expert rows, or None before the first layer; the residual add rides in this layer's norm)
+    for one token of each of ``sessions`` at ``positions [B]``; writes their K/V. Returns the residual
+    stream and this layer's pending rows: the layer's output is their sum. ``table`` (this layer's
+    ``kv_tables`` row on the device, or None: each op builds its own) is how the kernels reach the caches."""
     s = model.spec
     eps = s.rms_norm_eps
-    delta = None
-    for i, layer in enumerate(layers):
-        w = model.weights.at(layer, hidden.device)
-        if delta is None:
-            x = rms_norm(hidden, w["attn_norm.weight"], eps)
-        else:
-            hidden, x = add_rms_norm(hidden, delta, w["attn_norm.weight"], eps)
-        weight, bias, q8 = _qkv(model, layer, w)
-        qkv = dense_product(x, weight, q8)  # [B, (nh + 2 nkv) D]
-        if bias is not None:
-            qkv = qkv + bias
-        keys, values = _layer_caches(sessions, layer)
-        table = tables[i] if tables is not None else None
-        q = rope_kv_write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
-                          w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
-                          s.n_kv_heads, keys, values, table)  # [B, nh, D]
-        out = decode_attention(q, positions, keys, values, table)  # [B, nh D]
-        hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer),
-                                 w["ffn_norm.weight"], eps)
-        logits = model.weights.product(x, "ffn_gate_inp.weight", layer)  # [B, E]
-        ids, weights = route_topk(logits, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale,
-                                  _MIN_WEIGHT_SUM)
-        delta = rows(layer, x, ids, weights)  # [B, H] (float32 weights: the CUDA kernel reads them so)
-        if observe is not None:
-            observe(layer, hidden + delta)
-    return hidden if delta is None else hidden + delta
+    w = model.weights.at(layer, hidden.device)
+    if delta is None:
+        x = rms_norm(hidden, w["attn_norm.weight"], eps)
+    else:
+        hidden, x = add_rms_norm(hidden, delta, w["attn_norm.weight"], eps)
+    weight, bias, q8 = _qkv(model, layer, w)
+    qkv = dense_product(x, weight, q8)  # [B, (nh + 2 nkv) D]
+    if bias is not None:
+        qkv = qkv + bias
+    keys, values = _layer_caches(sessions, layer)
+    q = rope_kv_write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
+                      w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
+                      s.n_kv_heads, keys, values, table)  # [B, nh, D]
+    out = decode_attention(q, positions, keys, values, table)  # [B, nh D]
+    hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer),
+                             w["ffn_norm.weight"], eps)
+    logits = model.weights.product(x, "ffn_gate_inp.weight", layer)  # [B, E]
+    ids, weights = route_topk(logits, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale,
+                              _MIN_WEIGHT_SUM)
+    return hidden, rows(layer, x, ids, weights)  # [B, H] (float32 weights: the CUDA kernel reads them so)

@@ -17,25 +17,22 @@ class NonFiniteError(StrataError):
     """A layer produced NaN or inf."""
 
 
-def _guarded(engine, phase: str):
+def _guarded(ctx, phase: str):
     def check(layer: int, hidden: torch.Tensor) -> None:
         if not bool(torch.isfinite(hidden).all()):
             raise NonFiniteError(f"{phase}: layer {layer} output is non-finite (first such layer)")
 
-    engine.layer_observers.append(check)
-    try:
+    with ctx.observe_layers(check):
         return (yield)
-    finally:
-        engine.layer_observers.remove(check)
 
 
 @hookimpl(wrapper=True)
-def strata_prefill(engine, session, tokens, logits):
+def strata_prefill(ctx, session, tokens, logits):
     """Check every layer of a prefill chunk."""
-    return (yield from _guarded(engine, "prefill"))
+    return (yield from _guarded(ctx, "prefill"))
 
 
 @hookimpl(wrapper=True)
-def strata_decode_window(engine, batch):
+def strata_decode_window(ctx, batch):
     """Check every layer of a decode window."""
-    return (yield from _guarded(engine, "decode"))
+    return (yield from _guarded(ctx, "decode"))

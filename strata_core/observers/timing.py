@@ -20,27 +20,24 @@ def _seconds(start, end) -> float:
     return start.elapsed_time(end) / 1e3 if hasattr(start, "elapsed_time") else end - start
 
 
-def _timed(engine, label: str, n_tokens: int):
-    telemetry_before = engine.telemetry.snapshot()
-    by_device_before = engine.telemetry.by_device()
-    engine.stage_times = []
-    start = time.perf_counter()
-    try:
+def _timed(ctx, label: str, n_tokens: int):
+    telemetry_before = ctx.telemetry.snapshot()
+    by_device_before = ctx.telemetry.by_device()
+    with ctx.time_stages() as stage_times:
+        start = time.perf_counter()
         result = yield
         host_s = time.perf_counter() - start
-        for slot in engine.devices:
+        for slot in ctx.devices:
             synchronize(slot.device)
         device_s = time.perf_counter() - start
-        stages = " ".join(f"[{name}]={_seconds(a, b) * 1e3:.2f}ms" for name, a, b in engine.stage_times)
-    finally:
-        engine.stage_times = None
-    delta = engine.telemetry.delta(telemetry_before)
+        stages = " ".join(f"[{name}]={_seconds(a, b) * 1e3:.2f}ms" for name, a, b in stage_times)
+    delta = ctx.telemetry.delta(telemetry_before)
     counters = " ".join(f"{key}={value:.4g}" if isinstance(value, float) else f"{key}={value}"
                         for key, value in delta.items() if value)
     per_device = " ".join(
         f"{device}:" + ",".join(f"{k}={v - by_device_before.get(device, {}).get(k, 0)}" for k, v in counts.items()
                                 if v - by_device_before.get(device, {}).get(k, 0))
-        for device, counts in engine.telemetry.by_device().items())
+        for device, counts in ctx.telemetry.by_device().items())
     print(
         f"[strata {label}] tokens={n_tokens} host={host_s * 1e3:.2f}ms device={device_s * 1e3:.2f}ms "
         f"tok/s={n_tokens / device_s:.1f} {stages} {counters} {per_device}".rstrip(),
@@ -50,16 +47,16 @@ def _timed(engine, label: str, n_tokens: int):
 
 
 @hookimpl(wrapper=True)
-def strata_prefill(engine, session, tokens, logits):
+def strata_prefill(ctx, session, tokens, logits):
     """Time one prefill chunk."""
-    if not engine.settings.prefill_timing:
+    if not ctx.settings.prefill_timing:
         return (yield)
-    return (yield from _timed(engine, "prefill", int(tokens.numel())))
+    return (yield from _timed(ctx, "prefill", int(tokens.numel())))
 
 
 @hookimpl(wrapper=True)
-def strata_decode_window(engine, batch):
+def strata_decode_window(ctx, batch):
     """Time one decode window."""
-    if not engine.settings.decode_timing:
+    if not ctx.settings.decode_timing:
         return (yield)
-    return (yield from _timed(engine, "decode", len(batch)))
+    return (yield from _timed(ctx, "decode", len(batch)))

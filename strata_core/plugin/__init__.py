@@ -39,6 +39,8 @@ implements one only for what is really its choice (micro-batching a window acros
 ``examples/`` hold complete plugins to copy; ``strata_core.testing`` is the pytest plugin to test them.
 """
 
+from strata_core.errors import ConfigError
+from strata_core.plugin.context import CONTEXT_MEMBERS, LayerObserver, PhaseContext, StageTime
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import (
     PHASES,
@@ -51,9 +53,11 @@ from strata_core.plugin.placement import (
     Segment,
 )
 from strata_core.plugin.spec import PROJECT_NAME, StrategyOptions, StrategySpec, hookimpl, normalize_strategy_name
+from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
 
 __all__ = [
-    "PHASES", "PROJECT_NAME", "CacheBudget", "DeviceSlot", "ExpertSource", "LayerPlacement", "Phase",
-    "Placement", "ResidencyEvent", "Segment", "StrategyOptions", "StrategySpec", "hookimpl",
+    "CONTEXT_MEMBERS", "PHASES", "PROJECT_NAME", "CacheBudget", "ConfigError", "DecodeBatch", "DeviceSlot",
+    "ExpertSource", "LayerObserver", "LayerPlacement", "LogitsWanted", "Phase", "PhaseContext", "Placement",
+    "ResidencyEvent", "Segment", "Session", "StageTime", "StrategyOptions", "StrategySpec", "hookimpl",
     "normalize_strategy_name",
 ]

@@ -10,19 +10,19 @@ from strata_core.plugin.spec import hookimpl
 
 
 @hookimpl(trylast=True)
-def strata_prefill(engine, session, tokens, logits):
+def strata_prefill(ctx, session, tokens, logits):
     """The chunk through the prompt placement's segments, then the head where logits are wanted."""
-    return engine.run_prompt(session, tokens, logits)
+    return ctx.run_prompt(session, tokens, logits)
 
 
 @hookimpl(trylast=True)
-def strata_decode_window(engine, batch):
+def strata_decode_window(ctx, batch):
     """The window through the decode placement's segments, then the head."""
-    return engine.run_decode(batch)
+    return ctx.run_decode(batch)
 
 
 @hookimpl(trylast=True)
-def strata_hand_off(engine, session, layers, src, dst):
+def strata_hand_off(ctx, session, layers, src, dst):
     """Copy the committed KV rows of ``layers`` from ``src`` to ``dst`` (device to device)."""
     session.kv.move(layers, dst.index, dst.device)
     return True

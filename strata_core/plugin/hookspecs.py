@@ -24,8 +24,8 @@ from strata_core.plugin.spec import PROJECT_NAME
 
 if TYPE_CHECKING:
     from strata_core.config import StrataSettings
-    from strata_core.engine import Engine
     from strata_core.gguf.spec import ModelSpec
+    from strata_core.plugin.context import PhaseContext
     from strata_core.plugin.events import ResidencyEvent
     from strata_core.plugin.placement import DeviceSlot, Placement
     from strata_core.plugin.spec import StrategyOptions, StrategySpec
@@ -80,13 +80,15 @@ def strata_topology(
 
 
 @hookspec(firstresult=True)
-def strata_prefill(engine: Engine, session: Session, tokens: torch.Tensor, logits: LogitsWanted) -> torch.Tensor | None:
+def strata_prefill(ctx: PhaseContext, session: Session, tokens: torch.Tensor, logits: LogitsWanted) -> torch.Tensor | None:
     """Run one prompt chunk through every layer under the prompt placement, writing its K/V.
 
-    The core default runs ``engine.run_prompt``. The engine commits the chunk
+    The core default runs ``ctx.run_prompt``; a strategy may compose ``ctx.embed``,
+    ``ctx.prefill_segment`` and ``ctx.head`` itself. The runner commits the chunk
     (``session.kv.advance``, ``session.tokens``) after the hook.
 
-    :param engine: the engine (placement, model, expert backend, layer helpers).
+    :param ctx: the :class:`~strata_core.plugin.context.PhaseContext` (placement, options, the
+        runner's building blocks).
     :param session: the session being extended; its KV holds ``session.n_tokens`` positions.
     :param tokens: int64 ``[T]`` token ids of this chunk (T <= ``--prefill-chunk``).
     :param logits: ``"all"`` positions, the ``"last"`` one, or ``"none"`` (a chunk that is not the
@@ -99,13 +101,13 @@ def strata_prefill(engine: Engine, session: Session, tokens: torch.Tensor, logit
 
 
 @hookspec(firstresult=True)
-def strata_decode_window(engine: Engine, batch: DecodeBatch) -> torch.Tensor | None:
+def strata_decode_window(ctx: PhaseContext, batch: DecodeBatch) -> torch.Tensor | None:
     """Run one decode window under the decode placement: one new token for every session of the batch.
 
-    The core default runs ``engine.run_decode``; a strategy may split the window (micro-batches
-    enqueued across stages) and call ``engine.embed``, ``engine.decode_segment`` and ``engine.head``.
+    The core default runs ``ctx.run_decode``; a strategy may split the window (micro-batches
+    enqueued across stages) and call ``ctx.embed``, ``ctx.decode_segment`` and ``ctx.head``.
 
-    :param engine: the engine.
+    :param ctx: the :class:`~strata_core.plugin.context.PhaseContext`.
     :param batch: the sessions and the token each appends (``batch.sessions``, ``batch.tokens``).
     :return: float32 logits ``[len(batch), vocab]`` on the main device, in batch order.
 
@@ -115,12 +117,12 @@ def strata_decode_window(engine: Engine, batch: DecodeBatch) -> torch.Tensor | N
 
 
 @hookspec
-def strata_residency(engine: Engine, event: ResidencyEvent) -> None:
+def strata_residency(ctx: PhaseContext, event: ResidencyEvent) -> None:
     """Observe a change of a device slot's residency table (plan, mask, restore, adapt).
 
     Called for every registered plugin (not firstresult), after the engine has applied the change.
 
-    :param engine: the engine.
+    :param ctx: the :class:`~strata_core.plugin.context.PhaseContext`.
     :param event: what changed: ``event.kind`` is ``"plan"`` (the initial fill), ``"mask"`` (a phase
         hides entries of a cache it does not read, in place), ``"restore"`` (they come back from the
         request's record) or ``"adapt"`` (decode-time swaps), with the device slot and the
@@ -135,7 +137,7 @@ def strata_residency(engine: Engine, event: ResidencyEvent) -> None:
 
 @hookspec(firstresult=True)
 def strata_hand_off(
-    engine: Engine,
+    ctx: PhaseContext,
     session: Session,
     layers: range,
     src: DeviceSlot,
@@ -148,7 +150,7 @@ def strata_hand_off(
     device (``KVCache.move``). With ``STRATA_DBG_HANDOFF=1`` the engine reads the destination back
     and compares it with the source after the call.
 
-    :param engine: the engine.
+    :param ctx: the :class:`~strata_core.plugin.context.PhaseContext`.
     :param session: the session whose state moves.
     :param layers: the layers whose state moves.
     :param src: where the state is now.

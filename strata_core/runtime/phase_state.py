@@ -14,7 +14,7 @@ read back and compared with the source after each call.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -22,10 +22,10 @@ import torch
 
 from strata_core.errors import StrataError
 from strata_core.plugin.events import ResidencyEvent
-from strata_core.plugin.placement import PHASES, Phase, Placement
+from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 
 if TYPE_CHECKING:
-    from strata_core.engine import Engine
+    from strata_core.experts.table import ResidencyTable
     from strata_core.runtime.session import Session
 
 __all__ = ["HandOffError", "hidden_layers", "masked_phase", "place_state"]
@@ -45,23 +45,23 @@ def hidden_layers(placement: Placement, cached: dict[int, set[int]]) -> dict[Pha
 
 
 @contextmanager
-def masked_phase(engine: Engine, phase: Phase) -> Iterator[None]:
-    """Mask, for the block, the entries ``phase`` must not see; restore them after, also on error."""
-    hidden = engine.hidden_layers[phase]
+def masked_phase(tables: Mapping[int, ResidencyTable], hidden: dict[int, set[int]],
+                 announce: Callable[[ResidencyEvent], None], devices: Sequence[DeviceSlot]) -> Iterator[None]:
+    """Mask in ``tables``, for the block, the layers ``hidden`` names per device slot (one phase's
+    entry of :func:`hidden_layers`); restore them after, also on error. ``announce`` is told each
+    change (``strata_residency``)."""
     records = []
     try:
         for slot, layers in hidden.items():
-            table = engine.experts.tables[slot]
+            table = tables[slot]
             record = table.mask((layer, expert) for layer in sorted(layers) for expert in range(table.shape[1]))
             records.append((slot, record))
-            engine.hook.strata_residency(engine=engine, event=ResidencyEvent(
-                "mask", engine.devices[slot], tuple(map(tuple, record.entries.tolist()))))
+            announce(ResidencyEvent("mask", devices[slot], tuple(map(tuple, record.entries.tolist()))))
         yield
     finally:
         for slot, record in reversed(records):
-            engine.experts.tables[slot].restore(record)
-            engine.hook.strata_residency(engine=engine, event=ResidencyEvent(
-                "restore", engine.devices[slot], tuple(map(tuple, record.entries.tolist()))))
+            tables[slot].restore(record)
+            announce(ResidencyEvent("restore", devices[slot], tuple(map(tuple, record.entries.tolist()))))
 
 
 def _moves(homes: dict[int, int], placement: Placement, phase: Phase) -> list[tuple[range, int, int]]:
@@ -78,17 +78,17 @@ def _moves(homes: dict[int, int], placement: Placement, phase: Phase) -> list[tu
     return runs
 
 
-def place_state(engine: Engine, session: Session, phase: Phase) -> int:
-    """Hand off every layer of ``session`` whose state is not where ``phase`` computes it; returns
-    the number of ``strata_hand_off`` calls made."""
-    runs = _moves(session.kv.home, engine.placement, phase)
+def place_state(session: Session, placement: Placement, phase: Phase, devices: Sequence[DeviceSlot],
+                hand_off: Callable[..., bool | None], verify: bool = False) -> int:
+    """Hand off (``hand_off(session=, layers=, src=, dst=)``: ``strata_hand_off``) every layer of
+    ``session`` whose state is not where ``phase`` computes it; with ``verify`` read each destination
+    back. Returns the number of hand-offs made."""
+    runs = _moves(session.kv.home, placement, phase)
     for layers, src, dst in runs:
-        done = engine.hook.strata_hand_off(engine=engine, session=session, layers=layers,
-                                           src=engine.devices[src], dst=engine.devices[dst])
-        if not done:
+        if not hand_off(session=session, layers=layers, src=devices[src], dst=devices[dst]):
             raise HandOffError(f"no plugin moved layers {layers.start}..{layers.stop - 1} "
-                               f"from {engine.devices[src]} to {engine.devices[dst]}")
-        if engine.settings.dbg_handoff:
+                               f"from {devices[src]} to {devices[dst]}")
+        if verify:
             _verify(session, layers, src, dst)
     return len(runs)
 

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from strata_core.model.kvcache import KVCache, KVSnapshot
+if TYPE_CHECKING:
+    from strata_core.model.kvcache import KVCache, KVSnapshot
 
 _ids = itertools.count(1)
 

@@ -13,7 +13,7 @@ def model_path(tiny_model_factory):
 
 def test_placement_gives_each_device_slot_a_stage(model_path, logical_devices):
     engine = Engine.load(model_path, strategy="even_split", devices=logical_devices)
-    segments = engine.segments["decode"]
+    segments = engine.runner.segments("decode")
     assert [s.device for s in segments] == list(range(len(logical_devices)))
     assert [layer for s in segments for layer in s.layers] == list(range(engine.spec.n_layers))
     assert len(engine.experts.caches) == len(logical_devices)  # one cache per logical device

@@ -14,17 +14,14 @@ two GPUs alternate idle); ``STRATA_DECODE_TIMING=1`` prints each stage's device 
 from __future__ import annotations
 
 import logging
-import math
 import sys
 
 import torch
 from pydantic import Field
 
 from strata_core.errors import ConfigError
-from strata_core.experts.sizing import GIB, available_bytes
-from strata_core.gguf.arch import get_architecture
-from strata_core.plugin import DeviceSlot, Placement, StrategyOptions, StrategySpec, hookimpl
-from strata_core.runtime.session import DecodeBatch
+from strata_core.plugin import DecodeBatch, DeviceSlot, Placement, StrategyOptions, StrategySpec, hookimpl
+from strata_core.plugin.memory import GIB, device_bytes, global_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +42,12 @@ def strata_register_strategies(register):
 
 def _room(devices: list[DeviceSlot], spec, dtype_bytes: int) -> list[int]:
     """Memory each slot has for layers: its torch device's share, less the embedding and head on the first."""
-    globals_bytes = sum(math.prod(s) for s in get_architecture(spec.architecture).global_tensors(spec).values())
+    globals_bytes = global_weight_bytes(spec, dtype_bytes)
     room = []
     for slot in devices:
         sharing = sum(1 for other in devices if other.device == slot.device)
-        have = available_bytes(slot.device) // sharing
-        room.append(max(have - (globals_bytes * dtype_bytes if slot is devices[0] else 0), 1))
+        have = device_bytes(slot.device) // sharing
+        room.append(max(have - (globals_bytes if slot is devices[0] else 0), 1))
     return room
 
 
@@ -100,15 +97,15 @@ def micro_batches(batch: DecodeBatch, n: int) -> list[DecodeBatch]:
 
 
 @hookimpl
-def strata_decode_window(engine, batch):
+def strata_decode_window(ctx, batch):
     """Micro-batches enqueued stage-major across the decode placement's segments (no host wait);
     a window of one session, or one stage, is the core's plain run."""
-    segments = engine.segments["decode"]
-    parts = micro_batches(batch, engine.options.micro_batches)
+    segments = ctx.segments("decode")
+    parts = micro_batches(batch, ctx.options.micro_batches)
     if len(parts) < 2 or len(segments) < 2:
         return None
-    hidden = [engine.embed(part.tokens, engine.device_of(segments[0])) for part in parts]  # [b, H] each
+    hidden = [ctx.embed(part.tokens, ctx.device_of(segments[0])) for part in parts]  # [b, H] each
     for segment in segments:
         for i, part in enumerate(parts):
-            hidden[i] = engine.decode_segment(segment, hidden[i], part)
-    return engine.head(torch.cat([h.to(engine.main.device) for h in hidden]))
+            hidden[i] = ctx.decode_segment(segment, hidden[i], part)
+    return ctx.head(torch.cat([h.to(ctx.main.device) for h in hidden]))

@@ -45,7 +45,7 @@ def _split(model, cut: int, **settings) -> Engine:
 @given(cut=st.integers(1, 3), cache=st.integers(0, 16), chunk=st.integers(1, 40))
 def test_logits_equal_single_for_any_cut_cache_and_chunk(model, reference, cut, cache, chunk):
     engine = _split(model, cut, expert_cache=cache, prefill_chunk=chunk)
-    assert [s.layers for s in engine.segments["decode"]] == [range(0, cut), range(cut, 4)]
+    assert [s.layers for s in engine.runner.segments("decode")] == [range(0, cut), range(cut, 4)]
     assert torch.equal(engine.logits(PROMPT), reference[0])
 
 
@@ -78,8 +78,8 @@ def test_micro_batched_windows_equal_single_and_run_each_stage_per_micro_batch(m
     want = _decode(Engine.load(model, max_context=128, expert_cache=3), prompts, 3)
     engine = _split(model, 2, expert_cache=3)
     calls = []
-    real = engine.decode_segment
-    monkeypatch.setattr(engine, "decode_segment",
+    real = engine.runner.decode_segment
+    monkeypatch.setattr(engine.runner, "decode_segment",
                         lambda segment, hidden, batch: calls.append((segment.device, len(batch))) or
                         real(segment, hidden, batch))
     got = _decode(engine, prompts, 3)
@@ -157,7 +157,7 @@ def test_on_cuda_graphs_per_stage_replay_without_host_sync_and_match_single(mode
                          strategy_options={"split": "2"}, **options)
     got = _decode(engine, prompts, 6)
     assert [row.argmax(-1).tolist() for row in got] == [row.argmax(-1).tolist() for row in want]
-    graphs = engine._decode_graphs()
+    graphs = engine.runner.graphs
     assert graphs.failed is None and graphs.captures == 4  # two stages x two micro-batches
     sessions = [engine.new_session() for _ in prompts]
     for session, prompt in zip(sessions, prompts):

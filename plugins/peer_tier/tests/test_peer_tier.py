@@ -251,7 +251,7 @@ def test_on_cuda_greedy_equals_single_and_a_window_does_not_sync(model, devices,
     with no_host_sync():
         engine.decode_window([(session, 4)])
     if graphs:
-        assert engine._decode_graphs().failed is None and len(engine._decode_graphs()) > 0
+        assert engine.runner.graphs.failed is None and len(engine.runner.graphs) > 0
 
 
 @pytest.mark.skipif(not CUDA_PAIRS, reason="needs a CUDA device")
@@ -268,4 +268,4 @@ def test_on_cuda_bf16_decode_logits_are_single_bit_for_bit(model, devices):
     for token in (5, 7, 11, 13, 17, 19):
         got, expected = (e.decode_window([(session, token)]) for e, session in reversed(sessions))
         assert torch.equal(got, expected)
-    assert engine._decode_graphs().failed is None and len(engine._decode_graphs()) > 0
+    assert engine.runner.graphs.failed is None and len(engine.runner.graphs) > 0

@@ -39,8 +39,8 @@ def _engine(model, cut: int, peer_read: bool = True, **settings) -> Engine:
 @given(cut=st.integers(1, 3), cache=st.integers(0, 16), chunk=st.integers(1, 40), peer_read=st.booleans())
 def test_logits_equal_single_for_any_cut_cache_chunk(model, reference, cut, cache, chunk, peer_read):
     engine = _engine(model, cut, peer_read, expert_cache=cache, prefill_chunk=chunk, dbg_handoff=True)
-    assert [s.layers for s in engine.segments["prompt"]] == [range(0, 4)]
-    assert [s.layers for s in engine.segments["decode"]] == [range(0, cut), range(cut, 4)]
+    assert [s.layers for s in engine.runner.segments("prompt")] == [range(0, 4)]
+    assert [s.layers for s in engine.runner.segments("decode")] == [range(0, cut), range(cut, 4)]
     assert torch.equal(engine.logits(PROMPT), reference[0])
 
 
@@ -57,14 +57,11 @@ class _Watch:
     def __init__(self, engine: Engine, fail_at_layer: int | None = None):
         self.engine, self.fail_at_layer, self.events, self.seen = engine, fail_at_layer, [], []
         module = types.ModuleType("watch")
-        module.strata_residency = hookimpl(lambda engine, event: self.events.append(event))
+        module.strata_residency = hookimpl(lambda ctx, event: self.events.append(event))
 
-        def strata_prefill(engine, session, tokens, logits):
-            engine.layer_observers.append(self._layer)
-            try:
+        def strata_prefill(ctx, session, tokens, logits):
+            with ctx.observe_layers(self._layer):
                 return (yield)
-            finally:
-                engine.layer_observers.remove(self._layer)
 
         module.strata_prefill = hookimpl(wrapper=True)(strata_prefill)
         engine.plugins.register(module, name="watch")

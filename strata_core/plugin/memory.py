@@ -1,0 +1,24 @@
+"""What a topology may weigh when it places layers: a device's memory, the model's global weights."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from strata_core.experts.sizing import GIB, available_bytes
+from strata_core.gguf.arch import get_architecture
+from strata_core.gguf.spec import ModelSpec
+
+__all__ = ["GIB", "device_bytes", "global_weight_bytes"]
+
+
+def device_bytes(device: torch.device, n_sharing: int = 1) -> int:
+    """Memory the engine may use on ``device`` (a CPU's is shared by ``n_sharing`` slots)."""
+    return available_bytes(device, n_sharing)
+
+
+def global_weight_bytes(spec: ModelSpec, dtype_bytes: int = 2) -> int:
+    """Bytes of the embedding, output norm and head at ``dtype_bytes`` a value (they live on the main device)."""
+    shapes = get_architecture(spec.architecture).global_tensors(spec).values()
+    return sum(math.prod(shape) for shape in shapes) * dtype_bytes

@@ -1,0 +1,361 @@
+"""Runner: a loaded model's phases under a placement.
+
+The runner owns what runs between the engine's public calls and the kernels: the embedding and the
+head on the main device, the segments of each phase, the one prompt layer loop and the one decode
+layer loop (run eagerly, or captured as a CUDA graph and replayed: runtime/graphs.py), and the phase
+state around a phase (residency masking in place, the hand-off of per-layer state:
+runtime/phase_state.py). A phase is a hook (``strata_prefill`` per prompt chunk,
+``strata_decode_window`` per window) whose ``ctx`` is this runner seen as the plugin contract's
+:class:`~strata_core.plugin.context.PhaseContext`; the core's answers are :meth:`Runner.run_prompt`
+and :meth:`Runner.run_decode`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+
+import pluggy
+import torch
+
+from strata_core.config import StrataSettings
+from strata_core.experts.backend import ExpertBackend
+from strata_core.experts.telemetry import ExpertTelemetry
+from strata_core.model import MoEModel
+from strata_core.model.fused_decode import decode_layer as fused_decode_layer
+from strata_core.model.fused_decode import kv_tables, why_not_fused
+from strata_core.plugin.context import LayerObserver, PhaseContext, StageTime
+from strata_core.plugin.events import ResidencyEvent
+from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
+from strata_core.plugin.spec import StrategyOptions
+from strata_core.runtime.devices import device_scope, to_device
+from strata_core.runtime.graphs import DecodeGraphs
+from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
+from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
+
+__all__ = ["Runner"]
+
+log = logging.getLogger(__name__)
+
+
+class Runner:
+    """Runs prompt chunks and decode windows of one loaded model under its placement.
+
+    :param hook: the plugin manager's hook relay (phase hooks, residency events, hand-offs).
+    """
+
+    def __init__(self, settings: StrataSettings, hook: pluggy.HookRelay, options: StrategyOptions,
+                 devices: tuple[DeviceSlot, ...], placement: Placement, model: MoEModel,
+                 experts: ExpertBackend) -> None:
+        self.settings = settings
+        self.options = options
+        self.devices = devices
+        self.placement = placement
+        self.main = devices[placement.main]
+        self.model = model
+        self.experts = experts
+        #: what the phase hooks receive as ``ctx`` (the testing kit swaps in a strict view of it)
+        self.context: PhaseContext = self
+        self._hook = hook
+        self._segments = {phase: placement.segments(phase) for phase in PHASES}
+        self._hidden = hidden_layers(placement, placement.cached_layers())
+        self._observers: list[LayerObserver] = []
+        self._stage_times: list[StageTime] | None = None
+        self._graphs: DecodeGraphs | None = None
+        self._said: set[str] = set()
+
+    # --- phases, as the engine runs them ----------------------------------------------------------
+
+    def announce(self, event: ResidencyEvent) -> None:
+        """Tell every plugin of a residency change (``strata_residency``)."""
+        self._hook.strata_residency(ctx=self.context, event=event)
+
+    def plan_residency(self) -> None:
+        """Announce each cache's initial fill (``plan``), once the engine has loaded."""
+        for slot in self.experts.tables:
+            self.announce(ResidencyEvent("plan", self.devices[slot]))
+
+    def _place(self, session: Session, phase: Phase) -> None:
+        hand_off = partial(self._hook.strata_hand_off, ctx=self.context)
+        place_state(session, self.placement, phase, self.devices, hand_off, self.settings.dbg_handoff)
+
+    def _masked(self, phase: Phase):
+        return masked_phase(self.experts.tables, self._hidden[phase], self.announce, self.devices)
+
+    def prefill(self, session: Session, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """Extend ``session`` by int64 ``tokens [T]`` in chunks of ``--prefill-chunk``, one
+        ``strata_prefill`` a chunk under the prompt placement, each committed after its hook.
+
+        :return: float32 logits ``[T, vocab]`` with ``all_logits``, else ``[1, vocab]`` of the last position.
+        """
+        outputs = []
+        chunk = self.settings.prefill_chunk
+        self._place(session, "prompt")
+        with self._masked("prompt"):
+            for start in range(0, len(tokens), chunk):
+                piece = tokens[start:start + chunk]
+                last = start + chunk >= len(tokens)
+                want: LogitsWanted = "all" if all_logits else "last" if last else "none"
+                logits = self._hook.strata_prefill(ctx=self.context, session=session, tokens=piece, logits=want)
+                session.kv.advance(len(piece))
+                session.tokens.extend(piece.tolist())
+                if want != "none":
+                    outputs.append(logits)
+        self._place(session, "decode")
+        return torch.cat(outputs)
+
+    def decode_window(self, batch: DecodeBatch) -> torch.Tensor:
+        """One ``strata_decode_window`` under the decode placement, committed after it; float32
+        logits ``[B, vocab]``. A failed window leaves the caches as they were (no adaptation)."""
+        for session in batch.sessions:
+            self._place(session, "decode")
+        self.experts.begin_window()
+        logits = None
+        try:
+            with self._masked("decode"):
+                logits = self._hook.strata_decode_window(ctx=self.context, batch=batch)
+        finally:
+            for slot, entries in self.experts.end_window(adapt=logits is not None).items():
+                self.announce(ResidencyEvent("adapt", self.devices[slot], tuple(entries)))
+        for session, token in zip(batch.sessions, batch.tokens.tolist()):
+            session.kv.advance(1)
+            session.tokens.append(token)
+        return logits
+
+    # --- building blocks (the PhaseContext) --------------------------------------------------------
+
+    def segments(self, phase: Phase) -> tuple[Segment, ...]:
+        """The maximal runs of consecutive layers on one device slot in ``phase``, in layer order."""
+        return self._segments[phase]
+
+    def device_of(self, segment: Segment) -> torch.device:
+        """The torch device of ``segment``'s device slot."""
+        return self.devices[segment.device].device
+
+    @property
+    def telemetry(self) -> ExpertTelemetry:
+        """The expert-residency counters."""
+        return self.experts.telemetry
+
+    def embed(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Token embeddings ``[T, H]`` on ``device``."""
+        with device_scope(self.main.device):
+            return self.model.embed(to_device(tokens, self.main.device)).to(device)
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Output norm + head on the main device: float32 logits ``[T, vocab]``."""
+        with device_scope(self.main.device):
+            return self.model.head(hidden.to(self.main.device)).float()
+
+    @contextmanager
+    def observe_layers(self, observer: LayerObserver) -> Iterator[None]:
+        """Call ``observer(layer, hidden)`` after every layer while the block runs."""
+        self._observers.append(observer)
+        try:
+            yield
+        finally:
+            self._observers.remove(observer)
+
+    @property
+    def observers(self) -> tuple[LayerObserver, ...]:
+        """The layer observers now watching."""
+        return tuple(self._observers)
+
+    @contextmanager
+    def time_stages(self) -> Iterator[list[StageTime]]:
+        """Record ``(label, start, end)`` per segment run while the block runs."""
+        self._stage_times = []
+        try:
+            yield self._stage_times
+        finally:
+            self._stage_times = None
+
+    def _notify(self, layer: int, hidden: torch.Tensor) -> None:
+        for observer in self._observers:
+            observer(layer, hidden)
+
+    @contextmanager
+    def _timed(self, phase: Phase, segment: Segment) -> Iterator[None]:
+        """Record the segment's device time while a timing observer asks (``time_stages``)."""
+        if self._stage_times is None:
+            yield
+            return
+        label = f"{phase} {self.devices[segment.device]}[{segment.layers.start}..{segment.layers.stop - 1}]"
+        device = self.device_of(segment)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(torch.cuda.current_stream(device))
+            yield
+            end.record(torch.cuda.current_stream(device))
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._stage_times.append((label, start, end))
+
+    # --- the prompt loop ---------------------------------------------------------------------------
+
+    def prefill_segment(self, segment: Segment, hidden: torch.Tensor, session: Session) -> torch.Tensor:
+        """Run a chunk ``[T, H]`` of ``session`` through ``segment`` (prompt placement) on its device."""
+        device = self.device_of(segment)
+        n_ctx = session.n_tokens + hidden.shape[0]
+        positions = to_device(torch.arange(session.n_tokens, n_ctx), device)
+        rows = self.experts.rows_for(segment.device, "prompt")
+        hidden = hidden.to(device)
+        with device_scope(device), self._timed("prompt", segment):
+            for layer in segment.layers:
+                hidden = self.model.attention(layer, hidden, positions, session.kv, n_ctx)
+                hidden = self.model.moe(layer, hidden, rows)
+                self._notify(layer, hidden)
+        return hidden
+
+    def run_prompt(self, session: Session, tokens: torch.Tensor, logits: LogitsWanted) -> torch.Tensor:
+        """One prompt chunk through the prompt placement's segments; the head only where asked."""
+        segments = self._segments["prompt"]
+        hidden = self.embed(tokens, self.device_of(segments[0]))  # [T, H]
+        for segment in segments:
+            hidden = self.prefill_segment(segment, hidden, session)
+        if logits == "none":
+            return torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
+        return self.head(hidden if logits == "all" else hidden[-1:])
+
+    # --- the decode loop ---------------------------------------------------------------------------
+
+    def decode_layers(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch,
+                      positions: torch.Tensor | None = None, tables: torch.Tensor | None = None,
+                      static: bool = False, fused: bool | None = None) -> torch.Tensor:
+        """The decode loop: one token per session ``[B, H]`` through ``segment``'s layers, on the
+        device of ``hidden``; eager windows and graph captures both run it.
+
+        Each layer is the fused one (model/fused_decode.py: few launches, the residual add carried
+        into the next layer's norm) where the model and device allow, else attention per session and
+        the batched MoE rows. ``positions`` (``[B]`` on the device) and ``tables`` (the KV address
+        tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
+        from the positions (what a graph needs, and what the CPU path always does). ``fused`` picks
+        the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
+        references).
+        """
+        device = hidden.device
+        positions = to_device(batch.positions, device) if positions is None else positions
+        rows = self.experts.rows_for(segment.device, "decode")
+        if fused is None:
+            fused = why_not_fused(self.model, device) is None
+        if fused and tables is None:
+            tables = to_device(kv_tables(batch.sessions, segment.layers), device)
+        delta = None
+        for i, layer in enumerate(segment.layers):
+            if fused:
+                hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
+                                                   tables[i])
+            else:
+                hidden = torch.cat([
+                    self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
+                                         session.n_tokens + 1, static=static)
+                    for b, session in enumerate(batch.sessions)
+                ])  # [B, H]
+                hidden = self.model.moe(layer, hidden, rows)
+            if self._observers:
+                self._notify(layer, hidden if delta is None else hidden + delta)
+        return hidden if delta is None else hidden + delta
+
+    def decode_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One token per session ``[B, H]`` through ``segment`` (decode placement): a replayed CUDA
+        graph where it applies (``--cuda-graphs``), else the eager loop."""
+        hidden = hidden.to(self.device_of(segment))
+        with device_scope(hidden.device), self._timed("decode", segment):
+            if self._graphed(segment):
+                fused = why_not_fused(self.model, hidden.device) is None
+                inputs = {"hidden": hidden, "positions": batch.positions}
+                if fused:  # the kernels reach the KV through address tables: one graph serves any sessions
+                    inputs["tables"] = kv_tables(batch.sessions, segment.layers)
+
+                def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
+                    return self.decode_layers(segment, static["hidden"], batch, static["positions"],
+                                              static.get("tables"), static=True)
+
+                out = self.graphs.replay(segment, batch, inputs, body, shared=fused)
+                if out is not None:
+                    return out
+            return self.decode_layers(segment, hidden, batch)
+
+    def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
+        """One decode window through the decode placement's segments, then the head; with one segment
+        on the main device, embedding, layers and head replay as one graph where graphs apply."""
+        segments = self._segments["decode"]
+        if len(segments) == 1 and self._stage_times is None:
+            logits = self._replay_step(segments[0], batch)
+            if logits is not None:
+                return logits
+        hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [B, H]
+        for segment in segments:
+            hidden = self.decode_segment(segment, hidden, batch)
+        return self.head(hidden)
+
+    def _replay_step(self, segment: Segment, batch: DecodeBatch) -> torch.Tensor | None:
+        """Float32 logits ``[B, V]`` of the whole window by one graph replay, or None."""
+        device = self.device_of(segment)
+        if not self._graphed(segment):
+            return None
+        reason = why_not_fused(self.model, self.main.device)
+        if device != self.main.device:
+            reason = "the embedding and head live on another device than the decode layers"
+        if reason is not None:
+            self._say(f"no whole-step graph: {reason}")
+            return None
+        inputs = {"tokens": batch.tokens, "positions": batch.positions,
+                  "tables": kv_tables(batch.sessions, segment.layers)}
+
+        def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
+            hidden = self.model.embed(static["tokens"])  # [B, H]
+            hidden = self.decode_layers(segment, hidden, batch, static["positions"], static["tables"], static=True)
+            return self.model.head(hidden).float()
+
+        with device_scope(device):
+            return self.graphs.replay(segment, batch, inputs, body, shared=True, step=True)
+
+    # --- where graphs apply ------------------------------------------------------------------------
+
+    @property
+    def graphs(self) -> DecodeGraphs:
+        """The CUDA-graph cache of ``--cuda-graphs`` (created on first use)."""
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self.experts)
+        return self._graphs
+
+    def why_not_graphed(self, segment: Segment) -> str | None:
+        """Why ``segment``'s decode windows cannot be replayed as graphs, or None when they can."""
+        if self._graphs is not None and self._graphs.failed is not None:
+            return self._graphs.failed
+        slot = self.devices[segment.device]
+        if slot.device.type != "cuda":
+            return f"the decode runs on {slot}, not a CUDA device"
+        rows = self.experts.rows_for(segment.device, "decode")
+        if not (rows.gather and rows.decoding):
+            return (f"the decode gather is off on {slot} (it needs --arena pinned with every layer "
+                    "pinned, --pcie-frac 1 and Triton)")
+        if any(rows.chains[layer].own is None or not all(map(rows.chains[layer].computes, rows.chains[layer].peers))
+               for layer in segment.layers):  # a peer computing its rows is on events only (experts/peer.py)
+            return f"a layer of {slot} reads a peer's cache across or has no cache of its own"
+        if self.settings.adapt_swaps or any(self.placement.adapt_swaps.values()):
+            return "--adapt-swaps changes the expert cache between windows"
+        if self._observers:
+            return "layer observers (e.g. --dbg-nan) run host code after each layer"
+        return None
+
+    def _graphed(self, segment: Segment) -> bool:
+        """Whether ``segment``'s window replays as a graph now (``--cuda-graphs`` and where it applies);
+        the reason it does not is logged once."""
+        if not self.settings.cuda_graphs:
+            return False
+        reason = self.why_not_graphed(segment)
+        if reason is not None:
+            self._say(reason)
+        return reason is None
+
+    def _say(self, reason: str) -> None:
+        if reason not in self._said:
+            self._said.add(reason)
+            log.info("cuda graphs: decode runs eagerly: %s", reason)
