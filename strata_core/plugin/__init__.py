@@ -33,10 +33,12 @@ A plugin is a module with ``hookimpl`` functions, registered under the entry-poi
         return Placement.stages([(0, range(0, 24)), (1, range(24, spec.n_layers))])
 
 Selecting ``--strategy my_topology`` registers that strategy (and the strategy it builds on) and
-blocks the others. The phase hooks have core defaults that execute the placement; a strategy
-implements one only for what is really its choice (micro-batching a window across stages). Observers
-(timing, NaN guard) wrap the phase hooks with ``@hookimpl(wrapper=True)``. ``plugins/`` and
-``examples/`` hold complete plugins to copy; ``strata_core.testing`` is the pytest plugin to test them.
+blocks the others. ``StrategySpec.gate_options`` tells ``strata gate`` the options under which the
+strategy holds ``single``'s expert set (see :class:`GateLayout`). The phase hooks have core defaults
+that execute the placement; a strategy implements one only for what is really its choice
+(micro-batching a window across stages). Observers (timing, NaN guard) wrap the phase hooks with
+``@hookimpl(wrapper=True)``. ``plugins/`` and ``examples/`` hold complete plugins to copy;
+``strata_core.testing`` is the pytest plugin to test them.
 """
 
 from strata_core.plugin.events import ResidencyEvent
@@ -50,10 +52,12 @@ from strata_core.plugin.placement import (
     Placement,
     Segment,
 )
-from strata_core.plugin.spec import PROJECT_NAME, StrategyOptions, StrategySpec, hookimpl, normalize_strategy_name
+from strata_core.plugin.spec import (PROJECT_NAME, GateLayout, GateOptions, StrategyOptions, StrategySpec, hookimpl,
+                                    normalize_strategy_name)
 
 __all__ = [
-    "PHASES", "PROJECT_NAME", "CacheBudget", "DeviceSlot", "ExpertSource", "LayerPlacement", "Phase",
+    "PHASES", "PROJECT_NAME", "CacheBudget", "DeviceSlot", "ExpertSource", "GateLayout", "GateOptions",
+    "LayerPlacement", "Phase",
     "Placement", "ResidencyEvent", "Segment", "StrategyOptions", "StrategySpec", "hookimpl",
     "normalize_strategy_name",
 ]

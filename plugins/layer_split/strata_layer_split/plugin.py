@@ -23,7 +23,7 @@ from pydantic import Field
 from strata_core.errors import ConfigError
 from strata_core.experts.sizing import GIB, available_bytes
 from strata_core.gguf.arch import get_architecture
-from strata_core.plugin import DeviceSlot, Placement, StrategyOptions, StrategySpec, hookimpl
+from strata_core.plugin import DeviceSlot, GateLayout, Placement, StrategyOptions, StrategySpec, hookimpl
 from strata_core.runtime.session import DecodeBatch
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,13 @@ class LayerSplitOptions(StrategyOptions):
 def strata_register_strategies(register):
     """Declare ``layer_split``."""
     register(StrategySpec(name="layer_split", description="contiguous layer ranges per device, decode pipelined",
-                          plugin=sys.modules[__name__], options=LayerSplitOptions))
+                          plugin=sys.modules[__name__], options=LayerSplitOptions, gate_options=gate_options))
+
+
+def gate_options(layout: GateLayout) -> dict[str, str]:
+    """Under ``strata gate``: ``slots`` equal layer ranges, so that each stage's cache (filled
+    round-robin over its layers) holds exactly ``single``'s experts of those layers."""
+    return {"split": ",".join(str(i * layout.n_layers // layout.slots) for i in range(1, layout.slots))}
 
 
 def _room(devices: list[DeviceSlot], spec, dtype_bytes: int) -> list[int]:

@@ -40,8 +40,8 @@ import sys
 from pydantic import Field
 
 from strata_core.errors import ConfigError
-from strata_core.plugin import (CacheBudget, ExpertSource, LayerPlacement, Placement, StrategyOptions, StrategySpec,
-                                hookimpl)
+from strata_core.plugin import (CacheBudget, ExpertSource, GateLayout, LayerPlacement, Placement, StrategyOptions,
+                                StrategySpec, hookimpl)
 
 
 class PeerTierOptions(StrategyOptions):
@@ -63,7 +63,12 @@ class PeerTierOptions(StrategyOptions):
 def strata_register_strategies(register):
     """Declare ``peer_tier``."""
     register(StrategySpec(name="peer_tier", description="second device as an expert tier computing its own rows",
-                          plugin=sys.modules[__name__], options=PeerTierOptions))
+                          plugin=sys.modules[__name__], options=PeerTierOptions, gate_options=gate_options))
+
+
+def gate_options(layout: GateLayout) -> dict[str, int]:
+    """Under ``strata gate``: the peer's cache holds ``experts_per_slot`` experts, like the primary's."""
+    return {"peer_slots": layout.experts_per_slot}
 
 
 def peer_budget(settings, options: PeerTierOptions) -> CacheBudget | None:
