@@ -1,4 +1,4 @@
-"""``gpu1_experts``: the other devices hold static expert sets whose weights the primary reads (seeds #229).
+"""``gpu1_experts``: the other devices hold static expert sets whose weights the primary reads.
 
 ``--strategy gpu1_experts --devices cuda:0,cuda:1[,cuda:2[,cuda:3]]`` with options ``slots_device1``
 .. ``slots_device3`` (0 = ``--expert-cache`` / auto): device i's cache is filled from the profile after

@@ -7,8 +7,8 @@ cache is filled from the profile with its own layers' experts. The core runs the
 
 Decode windows of two or more sessions are split into micro-batches enqueued stage-major: stage 0
 runs micro-batch 0, then 1, … while stage 1 starts micro-batch 0 as soon as its hidden state lands.
-Nothing on that path waits on the host (the seeds' #2038 regression: a host sync per layer made the
-two GPUs alternate idle); ``STRATA_DECODE_TIMING=1`` prints each stage's device time per window.
+Nothing on that path waits on the host (a host sync per layer would make the two GPUs take turns
+being idle); ``STRATA_DECODE_TIMING=1`` prints each stage's device time per window.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``prefill_main``: prompts run every layer on the main device, decode stays layer-split (seed #269).
+"""``prefill_main``: prompts run every layer on the main device, decode stays layer-split.
 
 Builds on ``layer_split`` (same ``split`` and ``micro_batches`` options; its decode windows). A
 prompt needs the experts of every layer and is bound by streaming the misses from host RAM, so a
