@@ -1,5 +1,5 @@
 """Time ``strata::q8_linear``'s Triton kernel against cuBLAS's bf16 ``x @ W.T`` at the dense decode
-shapes of Qwen3-30B-A3B (issue 7).
+shapes of Qwen3-30B-A3B, the products a decode step reads every dense weight for.
 
     python tools/gemv_bench.py [--tokens 1,4] [--budget 35] [--json PATH] [--small]
 

@@ -1,4 +1,5 @@
-"""Unprofiled host time a prompt layer spends in the expert path, per function (session 7's instrument).
+"""Unprofiled host time a prompt layer spends in the expert path, per function: where the host's time
+goes when a prompt is host-bound.
 
     python tools/prompt_host_time.py MODEL [--strategy peer_tier --devices cuda:0,cuda:1]
         [--strategy-options '{"peer_prefill_rows": 0}'] [--expert-cache 2048] [--prompt 8192] [--repeats 3]

@@ -4,8 +4,8 @@ prompt on, and whether it waits for a device); and, with ``--layer N``, one laye
 
     python tools/trace_summary.py prompt.json [--top 20] [--layer 20] [--marker sdpa]
 
-Session 6 read its traces this way: a prompt whose host never waits (no time in the routing read's
-sync) is host-bound, one whose copy stream idles between layers leaves the link unused.
+How to read it: a prompt whose host never waits (no time in the routing read's sync) is host-bound;
+one whose copy stream idles between layers leaves the link unused.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ class GateCommand(settings_with(ENGINE)):  # type: ignore[misc]
     """Run the gate's prompts greedily under each strategy with the same experts on the devices;
     print IDENTICAL or the first differing token per strategy (exit 1 on a difference)."""
 
-    strategies: str = Field("single,peer_tier,gpu1_experts,layer_split,prefill_main",
-                            description="strategies compared with single (comma-separated)")
+    strategies: str | None = Field(None, description="strategies compared with single (comma-separated; "
+                                   "default: every installed strategy)")
     prompts: str = Field("chat,code,math", description="gate prompts: chat, code, math")
     tokens: int = Field(32, ge=1, description="greedy tokens per prompt")
     experts: int | None = Field(None, ge=0, description="experts single caches, split over two slots for the "
@@ -28,7 +28,8 @@ class GateCommand(settings_with(ENGINE)):  # type: ignore[misc]
         def split(text: str) -> list[str]:
             return [part.strip() for part in text.split(",") if part.strip()]
 
-        results = run_gate(self.strata_settings(), split(self.strategies), split(self.prompts), self.tokens,
+        strategies = None if self.strategies is None else split(self.strategies)
+        results = run_gate(self.strata_settings(), strategies, split(self.prompts), self.tokens,
                            self.experts, Engine.from_settings)
         if any(r.first is not None or not r.expert_set for r in results):
             sys.exit(1)

@@ -127,8 +127,8 @@ class PeerLane:
     def hand_over(self) -> None:
         """Inside ``enqueue()``: make the home's own stream wait for the work enqueued in the block so far
         (a small result it reads before ``join()``, e.g. which pairs the peer serves). Without it a
-        replayed graph has no edge from that work to its reader, which then read the previous replay's
-        (issue 9's runs: peer_tier's graphed greedy text left single's after 4 tokens)."""
+        replayed graph has no edge from that work to its reader, which then reads the previous replay's
+        result (a graphed peer tier's greedy text then leaves single's after a few tokens)."""
         if self._peer_stream is None:
             return
         done = torch.cuda.Event()

@@ -1,18 +1,19 @@
 """A prompt chunk's attention split by heads between its device and a peer (``LayerPlacement.attention_peer``).
 
 In a long prompt the attention of a chunk grows with the context while its experts do not, and it runs
-on the layer's device alone: at 32K on an H200 it is most of a peer_tier layer, with the peer idle. A
-:class:`HeadSplit` gives the peer the last ``peer_kv_heads`` kv heads and the query heads that read them:
-their queries, keys and values go over in one copy, the peer attends on a side stream while the home
-attends over its own heads, and the peer's heads come back to be joined in head order. Each head is
-computed by the same kernel on the same inputs whichever device runs it (attention is independent per
-head), so the output equals the unsplit attention's, bit for bit. One exception is guarded: on CUDA,
-FlashAttention splits the keys of a launch with few (head, query block) programs across thread blocks
-(split-KV, a heuristic on their number against the SMs), which changes the order of its sums; a chunk
-is split only when each part has ``SPLIT_KV_BLOCKS`` such programs a SM, where the heuristic keeps the
-keys whole (``splits``). Short chunks, where the attention is cheap anyway, stay whole, and so does a
-prompt's first chunk (no more keys than queries): its attention is a small part of the layer, and there
-the host, which the split costs a few launches, bounds the layer (BENCHMARKS.md, issue 9, run 8).
+on the layer's device alone: in a 32K prompt it is most of the layer when a peer tier serves the
+experts, with the peer idle. A :class:`HeadSplit` gives the peer the last ``peer_kv_heads`` kv heads
+and the query heads that read them: their queries, keys and values go over in one copy, the peer
+attends on a side stream while the home attends over its own heads, and the peer's heads come back to
+be joined in head order. Each head is computed by the same kernel on the same inputs whichever device
+runs it (attention is independent per head), so the output equals the unsplit attention's, bit for
+bit. One exception is guarded: on CUDA, FlashAttention splits the keys of a launch with few (head,
+query block) programs across thread blocks (split-KV, a heuristic on their number against the SMs),
+which changes the order of its sums; a chunk is split only when each part has ``SPLIT_KV_BLOCKS`` such
+programs a SM, where the heuristic keeps the keys whole (``splits``). Short chunks, where the
+attention is cheap anyway, stay whole, and so does a prompt's first chunk (no more keys than queries):
+its attention is a small part of the layer, and there the host, which the split costs a few launches,
+bounds the layer (see BENCHMARKS.md).
 
 On CUDA only events order the work (the side streams wait for the home's queries, the home for the
 peer's heads); on the CPU the same code runs in order. Decode steps (one token) are not split.

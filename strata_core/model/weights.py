@@ -5,7 +5,8 @@ placement on another); each device holds its own copy.
 
 Where the GGUF stores a dense matrix as Q8_0, a device may also hold it repacked for
 ``strata::q8_linear`` (:class:`~strata_core.ops.dense_q8.Q8Matrix`, ~half the bytes of bf16): the
-decode products read those (model/fused_decode.py, issue 7), everything else the float copy.
+decode products read those (model/fused_decode.py: a decode token reads every dense weight once, so
+fewer bytes are a faster step), everything else the float copy.
 """
 
 from __future__ import annotations

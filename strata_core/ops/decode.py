@@ -1,4 +1,5 @@
-"""Fused decode-step ops: few launches a layer for a decode window on CUDA (issue 7).
+"""Fused decode-step ops: few launches a layer for a decode window on CUDA, where a decode step of
+small products is bound by launches and the host rather than by the GPU's arithmetic.
 
 Each op is a ``strata::`` custom op whose CPU kernel is the torch reference (the oracle of
 ``torch.library.opcheck`` and of tests/test_kernels_cuda.py); on CUDA one Triton launch each
@@ -150,8 +151,8 @@ decode_attention.register_fake(_attention_fake)
 
 #: Context positions one attention program covers at a time; the programs a (session, kv head) splits
 #: into: ``_SPLITS``, or where None as many (16..64) as give a launch about ``_PROGRAMS`` programs
-#: (tools/attention_sweep.py on the H200: 32 positions and 64 splits for one session, 7.9 against 13.0
-#: us a layer at 1K, 58 against 143 at 32K; 32 splits for four sessions).
+#: (chosen with tools/attention_sweep.py on the H200: 32 positions, 64 splits for one session and 32 for
+#: four beat the alternatives at 1K and at 32K of context; see BENCHMARKS.md).
 _BLOCK_N, _SPLITS, _PROGRAMS = 32, None, 512
 
 

@@ -25,7 +25,7 @@ and of up with the shared :func:`strata_core.ops.qdecode.decode`, dots them with
 stores ``silu(g) * u``) and ``down`` (grid pairs x H/BN, the same over the float32 ``h``). A pair's
 weights are found on the device: ``slots + slot * stride`` when resident; a miss in a pinned host
 arena is first copied over the link into a device staging row by the gather kernel, which skips
-resident pairs (``MISS_READ = "staged"``: the copy moves 8-byte words at ~93% of the link, where
+resident pairs (``MISS_READ = "staged"``: the copy moves 8-byte words at nearly the link's bandwidth, where
 byte-wise decoding loads straight from host memory would not), or read zero-copy by the decode
 kernels (``"direct"``). No host read of the routing either way: one fixed launch sequence a
 layer, capturable in a CUDA graph. Formats outside ``KERNEL_TYPES`` run the reference on the
@@ -85,14 +85,14 @@ class LaunchConfig:
     (token, BN rows) decode every pair of the token at once (``[pairs, BN, sub-blocks, SUB]`` tiles),
     combined over the pairs in a fixed order; Q4_K matrices whose bytes are 16-byte aligned are read
     as 16-byte loads of their nibbles (``fast_q4k``); ``"split-loop"`` — the split design's gate_up
-    (``split_k`` 1) with the loop design's down launches (the sweep showed the split gate_up ~2x faster
-    and the loop's combining down faster for one token). All are deterministic (no atomics).
+    (``split_k`` 1) with the loop design's down launches (the sweep showed the split gate_up and the
+    loop's combining down the faster ones for one token). All are deterministic (no atomics).
     ``tile``: values a program decodes per step; ``bn_*``: rows per program of the gate_up, down
     (``moe_pair_rows``) and combining down (``moe_decode``) launches; ``warps_*``: their num_warps.
     Defaults: the fastest in the engine on the H200 (``tools/profile_decode.py --moe-config``, one decode
-    token of the 30B shapes, every expert resident, BENCHMARKS.md): ``split`` with 4 rows a gate_up
-    program (15.4 us a layer against 16.2 with 8) and 16 a combining program (11.8 against 13.2 with 8;
-    the loop design's combining down took 33). tools/moe_sweep.py times one layer alone.
+    token of the 30B shapes, every expert resident; see BENCHMARKS.md): ``split`` with 4 rows a gate_up
+    program and 16 a combining program, each faster than 8; in the engine the loop design's combining
+    down was well behind. tools/moe_sweep.py times one layer alone.
     """
 
     design: str = "split"

@@ -33,10 +33,12 @@ A plugin is a module with ``hookimpl`` functions, registered under the entry-poi
         return Placement.stages([(0, range(0, 24)), (1, range(24, spec.n_layers))])
 
 Selecting ``--strategy my_topology`` registers that strategy (and the strategy it builds on) and
-blocks the others. The phase hooks have core defaults that execute the placement; a strategy
-implements one only for what is really its choice (micro-batching a window across stages). Observers
-(timing, NaN guard) wrap the phase hooks with ``@hookimpl(wrapper=True)``. ``plugins/`` and
-``examples/`` hold complete plugins to copy; ``strata_core.testing`` is the pytest plugin to test them.
+blocks the others. ``StrategySpec.gate_options`` tells ``strata gate`` the options under which the
+strategy holds ``single``'s expert set (see :class:`GateLayout`). The phase hooks have core defaults
+that execute the placement; a strategy implements one only for what is really its choice
+(micro-batching a window across stages). Observers (timing, NaN guard) wrap the phase hooks with
+``@hookimpl(wrapper=True)``. ``plugins/`` and ``examples/`` hold complete plugins to copy;
+``strata_core.testing`` is the pytest plugin to test them.
 """
 
 from strata_core.errors import ConfigError
@@ -52,12 +54,14 @@ from strata_core.plugin.placement import (
     Placement,
     Segment,
 )
-from strata_core.plugin.spec import PROJECT_NAME, StrategyOptions, StrategySpec, hookimpl, normalize_strategy_name
+from strata_core.plugin.spec import (PROJECT_NAME, GateLayout, GateOptions, StrategyOptions, StrategySpec, hookimpl,
+                                     normalize_strategy_name)
 from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
 
 __all__ = [
     "CONTEXT_MEMBERS", "PHASES", "PROJECT_NAME", "CacheBudget", "ConfigError", "DecodeBatch", "DeviceSlot",
-    "ExpertSource", "LayerObserver", "LayerPlacement", "LogitsWanted", "Phase", "PhaseContext", "Placement",
-    "ResidencyEvent", "Segment", "Session", "StageTime", "StrategyOptions", "StrategySpec", "hookimpl",
+    "ExpertSource", "GateLayout", "GateOptions", "LayerObserver", "LayerPlacement", "LogitsWanted", "Phase",
+    "PhaseContext", "Placement", "ResidencyEvent", "Segment", "Session", "StageTime", "StrategyOptions",
+    "StrategySpec", "hookimpl",
     "normalize_strategy_name",
 ]

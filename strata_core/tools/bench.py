@@ -131,8 +131,8 @@ def warm_up(engine: Engine, prompt: int = 64) -> None:
     """A ``prompt``-token prompt and two decode windows on a throw-away session, untimed: the first
     call of each kernel compiles it (Triton) or plans it (cuDNN / flash attention, cuBLAS), and the
     caching allocator grows to the chunk's working set, which would otherwise land in the first
-    timed run (seen on the H200: 9.6K against 25.8K tok/s for the first and second 8K prefill after
-    a 64-token warm-up)."""
+    timed run (on CUDA, after only a 64-token warm-up, the first 8K prefill ran at well under half the
+    speed of the second)."""
     session = engine.new_session()
     n = min(prompt + 2, engine.max_context)
     tokens = _tokens(engine, n, seed=999_999)

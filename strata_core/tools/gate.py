@@ -1,16 +1,17 @@
-"""``strata gate``: the exactness gate (DESIGN invariant 1, seeds #110 / #229).
+"""``strata gate``: the exactness gate (DESIGN invariant 1).
 
 Fixed prompts (``GATE_PROMPTS``: chat, code, math) run greedily under each strategy with the same
 set of experts on the devices, and every strategy's tokens are compared with ``single``'s: the
 answer is IDENTICAL, or the first differing token and its position.
 
-The same expert set: ``single`` caches the first ``experts`` of the fill order on one device. Every
-strategy on two device slots gets half of that per slot (``--expert-cache experts/2``; ``peer_tier``'s
-``peer_slots`` and ``gpu1_experts``' ``slots_device1`` the other half); ``layer_split`` and
-``prefill_main`` cut the layers in two halves, and since the default fill order is round-robin over
-the layers, each stage then holds exactly single's experts of its layers (``experts`` is rounded
-down to a multiple of twice the layer count for that). The gate checks the union of the caches
-against single's before it generates, and adaptation is off (``--adapt-swaps 0``).
+The same expert set: ``single`` caches the first ``experts`` of the fill order on one device; every
+other strategy runs on two device slots with ``--expert-cache experts/2`` each, and its
+``StrategySpec.gate_options`` (given a :class:`~strata_core.plugin.GateLayout`) gives the options
+under which its caches together hold single's experts. The default fill order is round-robin over
+the layers, so ``experts`` is rounded down to a multiple of twice the layer count: each slot then
+holds the same number of experts of each of its layers. A strategy that declares no gate options
+runs with its defaults, and the gate says so. The gate checks the union of the caches against
+single's before it compares tokens, and adaptation is off (``--adapt-swaps 0``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,15 @@ from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.spec import load_model_spec
+from strata_core.plugin import GateLayout, StrategySpec
+from strata_core.plugin.manager import build_plugin_manager
 
-__all__ = ["GATE_PROMPTS", "GateResult", "gate_settings", "greedy_tokens", "run_gate"]
+__all__ = ["GATE_PROMPTS", "GATE_SLOTS", "REFERENCE", "GateResult", "gate_layout", "gate_settings", "greedy_tokens",
+           "run_gate"]
+
+#: The strategy every other one is compared with, and the device slots the others run on.
+REFERENCE = "single"
+GATE_SLOTS = 2
 
 #: The gate's prompts by name (plain text; ``chat`` goes through the model's chat template).
 GATE_PROMPTS = {
@@ -55,22 +63,30 @@ class GateResult:
         return f"{self.strategy:<14} DIFFERS: prompt {prompt}, token {position}: {got} (single: {want})"
 
 
-def gate_settings(settings: StrataSettings, strategy: str, experts: int, n_layers: int) -> StrataSettings:
-    """``settings`` for ``strategy`` in the gate: single on the first device with ``experts`` cached,
-    the others on two device slots with half each (see the module doc)."""
-    devices = list(settings.devices[:2]) if len(settings.devices) > 1 else list(settings.devices) * 2
-    half = experts // 2
-    options: dict[str, Any] = {}
-    if strategy == "peer_tier":
-        options = {"peer_slots": half}
-    elif strategy == "gpu1_experts":
-        options = {"slots_device1": half}
-    elif strategy in ("layer_split", "prefill_main"):
-        options = {"split": str(n_layers // 2)}
-    values = settings.model_dump() | {"strategy": strategy, "strategy_options": options, "adapt_swaps": 0,
-                                      "expert_cache": experts if strategy == "single" else half,
-                                      "expert_cache_gib": None, "expert_profile": None,
-                                      "devices": devices[:1] if strategy == "single" else devices}
+def gate_layout(experts: int | None, n_layers: int, n_experts: int) -> GateLayout:
+    """The gate's layout for ``experts`` cached by single (None: half of all), rounded down to a
+    multiple of ``GATE_SLOTS`` x ``n_layers``; more than the model has is a :class:`ConfigError`."""
+    total = n_layers * n_experts
+    if experts is not None and experts > total:
+        raise ConfigError(f"gate: --experts {experts} is more than the model has ({n_layers} layers x "
+                          f"{n_experts} = {total})")
+    wanted = total // 2 if experts is None else experts
+    return GateLayout(slots=GATE_SLOTS, experts_per_slot=wanted // (GATE_SLOTS * n_layers) * n_layers,
+                      n_layers=n_layers, n_experts=n_experts)
+
+
+def gate_settings(settings: StrataSettings, strategy: StrategySpec, layout: GateLayout) -> StrataSettings:
+    """``settings`` for ``strategy`` in the gate: single on the first device with all of ``layout``'s
+    experts cached, any other on ``layout.slots`` device slots with ``experts_per_slot`` each and the
+    options its spec's ``gate_options`` gives (none declared: its defaults)."""
+    slots = layout.slots
+    devices = list(settings.devices[:slots]) if len(settings.devices) >= slots else [settings.devices[0]] * slots
+    reference = strategy.name == REFERENCE
+    options = {} if reference or strategy.gate_options is None else dict(strategy.gate_options(layout))
+    values = settings.model_dump() | {
+        "strategy": strategy.name, "strategy_options": options, "adapt_swaps": 0,
+        "expert_cache": slots * layout.experts_per_slot if reference else layout.experts_per_slot,
+        "expert_cache_gib": None, "expert_profile": None, "devices": devices[:1] if reference else devices}
     return StrataSettings(**values)
 
 
@@ -98,27 +114,45 @@ def _prompt_ids(engine: Any, name: str) -> list[int]:
     return engine.tokenizer.encode(text)
 
 
-def run_gate(settings: StrataSettings, strategies: Sequence[str], prompts: Sequence[str], tokens: int,
+def _strategies(settings: StrataSettings, names: Sequence[str] | None) -> list[StrategySpec]:
+    """The specs of ``names`` (None: every installed strategy), the reference first."""
+    plugins = build_plugin_manager(settings)
+    chosen = dict.fromkeys(plugins.strategy(name).name for name in (plugins.strategies if names is None else names))
+    return [plugins.strategy(name) for name in (REFERENCE, *(name for name in chosen if name != REFERENCE))]
+
+
+def _experts_line(layout: GateLayout, experts: int | None, prompts: Sequence[str], tokens: int) -> str:
+    held = layout.slots * layout.experts_per_slot
+    rounded = f" (--experts {experts} rounded down to a multiple of {layout.slots} x {layout.n_layers} layers)" \
+        if experts is not None and experts != held else ""
+    return (f"gate: {len(prompts)} prompt(s) x {tokens} tokens, greedy; {held} of {layout.n_layers * layout.n_experts} "
+            f"experts ({layout.n_layers} layers x {layout.n_experts}) on the devices of every strategy: {REFERENCE}'s "
+            f"on one slot, {layout.experts_per_slot} per slot on {layout.slots} slots for the others{rounded}")
+
+
+def run_gate(settings: StrataSettings, strategies: Sequence[str] | None, prompts: Sequence[str], tokens: int,
              experts: int | None, load: Callable[[StrataSettings], Any], say: Callable[[str], None] = print
              ) -> list[GateResult]:
-    """Run the gate; ``load(settings) -> Engine``. ``experts``: single's cache (None: half of the
-    experts). Returns one result per strategy other than single, in order."""
+    """Run the gate; ``load(settings) -> Engine``. ``strategies``: the names to compare with single
+    (None: every installed strategy). ``experts``: single's cache (None: half of the experts).
+    Returns one result per strategy other than single, in order."""
     unknown = [p for p in prompts if p not in GATE_PROMPTS]
     if unknown:
         raise ConfigError(f"gate: unknown prompt(s) {', '.join(unknown)}; the gate has {', '.join(GATE_PROMPTS)}")
     spec = load_model_spec(GGUFFile.open(settings.model))
-    n_layers, n_experts = spec.n_layers, spec.n_experts
-    total = n_layers * n_experts // 2 if experts is None else experts
-    experts = total - total % (2 * n_layers)
-    say(f"gate: {len(prompts)} prompt(s) x {tokens} tokens, greedy; {experts} of {n_layers * n_experts} "
-        "experts on the devices of every strategy")
+    layout = gate_layout(experts, spec.n_layers, spec.n_experts)
+    specs = _strategies(settings, strategies)
+    say(_experts_line(layout, experts, prompts, tokens))
     want: dict[str, list[int]] = {}
     plan: set[tuple[int, int]] = set()
     results = []
-    for strategy in ["single", *[s for s in strategies if s != "single"]]:
+    for strategy in specs:
+        if strategy.name != REFERENCE and strategy.gate_options is None:
+            say(f"{strategy.name:<14} declares no gate options: its default options, {layout.experts_per_slot} "
+                f"experts per slot; compared only if its caches hold {REFERENCE}'s experts")
         engine = None
         try:
-            engine = load(gate_settings(settings, strategy, experts, n_layers))
+            engine = load(gate_settings(settings, strategy, layout))
             held = set().union(*(set(table.resident()) for table in engine.experts.tables.values()))
             got = {name: greedy_tokens(engine, _prompt_ids(engine, name), tokens) for name in prompts}
         finally:
@@ -128,13 +162,13 @@ def run_gate(settings: StrataSettings, strategies: Sequence[str], prompts: Seque
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        if strategy == "single":
+        if strategy.name == REFERENCE:
             want, plan = got, held
-            say(f"{'single':<14} reference ({', '.join(settings.devices[:1])})")
+            say(f"{REFERENCE:<14} reference ({', '.join(settings.devices[:1])})")
             continue
         first = next(((name, i, a, b) for name in prompts for i, (a, b) in enumerate(zip(got[name], want[name]))
                       if a != b), None)
-        result = GateResult(strategy, first, held == plan)
+        result = GateResult(strategy.name, first, held == plan)
         say(result.line())
         results.append(result)
     return results

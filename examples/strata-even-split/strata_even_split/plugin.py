@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from strata_core.errors import ConfigError
-from strata_core.plugin import Placement, StrategyOptions, StrategySpec, hookimpl
+from strata_core.plugin import GateLayout, Placement, StrategyOptions, StrategySpec, hookimpl
 
 
 class EvenSplitOptions(StrategyOptions):
@@ -18,7 +18,13 @@ class EvenSplitOptions(StrategyOptions):
 def strata_register_strategies(register):
     """Declare ``even_split``."""
     register(StrategySpec(name="even_split", description="layers split evenly across the devices",
-                          plugin=sys.modules[__name__], options=EvenSplitOptions))
+                          plugin=sys.modules[__name__], options=EvenSplitOptions, gate_options=gate_options))
+
+
+def gate_options(layout: GateLayout) -> dict[str, int]:
+    """Under ``strata gate``: one stage per device slot, so each stage's cache holds ``single``'s
+    experts of its layers."""
+    return {"stages": layout.slots}
 
 
 @hookimpl

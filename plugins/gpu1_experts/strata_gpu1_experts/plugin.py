@@ -1,4 +1,4 @@
-"""``gpu1_experts``: the other devices hold static expert sets whose weights the primary reads (seeds #229).
+"""``gpu1_experts``: the other devices hold static expert sets whose weights the primary reads.
 
 ``--strategy gpu1_experts --devices cuda:0,cuda:1[,cuda:2[,cuda:3]]`` with options ``slots_device1``
 .. ``slots_device3`` (0 = ``--expert-cache`` / auto): device i's cache is filled from the profile after
@@ -17,8 +17,8 @@ import sys
 from pydantic import Field
 
 from strata_core.errors import ConfigError
-from strata_core.plugin import (CacheBudget, ExpertSource, LayerPlacement, Placement, StrategyOptions, StrategySpec,
-                                hookimpl)
+from strata_core.plugin import (CacheBudget, ExpertSource, GateLayout, LayerPlacement, Placement, StrategyOptions,
+                                StrategySpec, hookimpl)
 
 
 class Gpu1ExpertsOptions(StrategyOptions):
@@ -33,7 +33,12 @@ class Gpu1ExpertsOptions(StrategyOptions):
 def strata_register_strategies(register):
     """Declare ``gpu1_experts``."""
     register(StrategySpec(name="gpu1_experts", description="other devices hold static experts the primary reads",
-                          plugin=sys.modules[__name__], options=Gpu1ExpertsOptions))
+                          plugin=sys.modules[__name__], options=Gpu1ExpertsOptions, gate_options=gate_options))
+
+
+def gate_options(layout: GateLayout) -> dict[str, int]:
+    """Under ``strata gate``: every device after the primary holds ``experts_per_slot`` static experts."""
+    return {f"slots_device{i}": layout.experts_per_slot for i in range(1, layout.slots)}
 
 
 @hookimpl

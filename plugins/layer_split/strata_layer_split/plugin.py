@@ -7,8 +7,8 @@ cache is filled from the profile with its own layers' experts. The core runs the
 
 Decode windows of two or more sessions are split into micro-batches enqueued stage-major: stage 0
 runs micro-batch 0, then 1, … while stage 1 starts micro-batch 0 as soon as its hidden state lands.
-Nothing on that path waits on the host (the seeds' #2038 regression: a host sync per layer made the
-two GPUs alternate idle); ``STRATA_DECODE_TIMING=1`` prints each stage's device time per window.
+Nothing on that path waits on the host (a host sync per layer would make the two GPUs take turns
+being idle); ``STRATA_DECODE_TIMING=1`` prints each stage's device time per window.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from pydantic import Field
 
 from strata_core.errors import ConfigError
-from strata_core.plugin import DecodeBatch, DeviceSlot, Placement, StrategyOptions, StrategySpec, hookimpl
+from strata_core.plugin import DecodeBatch, DeviceSlot, GateLayout, Placement, StrategyOptions, StrategySpec, hookimpl
 from strata_core.plugin.memory import GIB, device_bytes, global_weight_bytes
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,13 @@ class LayerSplitOptions(StrategyOptions):
 def strata_register_strategies(register):
     """Declare ``layer_split``."""
     register(StrategySpec(name="layer_split", description="contiguous layer ranges per device, decode pipelined",
-                          plugin=sys.modules[__name__], options=LayerSplitOptions))
+                          plugin=sys.modules[__name__], options=LayerSplitOptions, gate_options=gate_options))
+
+
+def gate_options(layout: GateLayout) -> dict[str, str]:
+    """Under ``strata gate``: ``slots`` equal layer ranges, so that each stage's cache (filled
+    round-robin over its layers) holds exactly ``single``'s experts of those layers."""
+    return {"split": ",".join(str(i * layout.n_layers // layout.slots) for i in range(1, layout.slots))}
 
 
 def _room(devices: list[DeviceSlot], spec, dtype_bytes: int) -> list[int]:

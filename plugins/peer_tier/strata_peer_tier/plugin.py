@@ -1,4 +1,4 @@
-"""``peer_tier``: a second device as an expert-cache tier that computes its own experts' rows (seeds #110, #229).
+"""``peer_tier``: a second device as an expert-cache tier that computes its own experts' rows.
 
 ``--strategy peer_tier --devices cuda:0,cuda:1`` with options:
 
@@ -9,20 +9,20 @@
   the peer computes its experts' rows (a short chunk's in compact buffers of N (token, k) pairs; a long
   chunk's groups are planned from the residency), and streams ``peer_stream_frac`` of the primary's
   misses and computes those too; 0: its cache is read across
-  (one copy a group over the peer link) and the primary computes every row. On two H200s (NVLink)
-  computing there measured 3-5% faster at 8K than reading across and equal at 32K (BENCHMARKS.md,
-  issue 9, run 7), and it is what PCIe GPUs need, so it is the default;
+  (one copy a group over the peer link) and the primary computes every row. Computing on the peer
+  is no slower than reading across even over NVLink (see BENCHMARKS.md), and it is what PCIe GPUs
+  need, so it is the default;
 * ``peer_stream_frac`` (0.65): with ``peer_prefill_rows`` != 0, the share of the primary's prompt
   misses the peer streams over its own host link and computes, so both links carry them. The
-  primary also runs the dense part, so the peer takes the larger share (run 7, one call: 33,671-34,865
-  tok/s at 8K with 0.65, 28,511-31,279 with 0.35);
+  primary also runs the dense part, so the peer takes the larger share (0.65 measured faster than
+  0.35; see BENCHMARKS.md);
 * ``peer_decode_stream_frac`` (0.5): the same for decode misses (the peer's compute there is small
   beside the link time, so an even split balances the two links);
 * ``peer_attention`` (True): the peer also attends over half of the kv heads of each long prompt chunk
   (``LayerPlacement.attention_peer``, model/head_split.py). Each head is computed by the same kernel
   either way, so the output is unchanged. In a long prompt the attention, not the experts, is most of
-  a layer: on two H200s it took the 32K prompt from 17,451 to 21,760 tok/s, and left 8K unchanged
-  (BENCHMARKS.md, issue 9, run 8). False keeps every head on the primary.
+  a layer, so sharing it speeds up long prompts and leaves short ones as they were (see
+  BENCHMARKS.md). False keeps every head on the primary.
 
 The dense part (every layer, the embedding and the head) stays on the primary, but for half of the long
 prompt chunks' attention heads with ``peer_attention``, so the output equals one device holding the
@@ -40,8 +40,8 @@ import sys
 from pydantic import Field
 
 from strata_core.errors import ConfigError
-from strata_core.plugin import (CacheBudget, ExpertSource, LayerPlacement, Placement, StrategyOptions, StrategySpec,
-                                hookimpl)
+from strata_core.plugin import (CacheBudget, ExpertSource, GateLayout, LayerPlacement, Placement, StrategyOptions,
+                                StrategySpec, hookimpl)
 
 
 class PeerTierOptions(StrategyOptions):
@@ -63,7 +63,12 @@ class PeerTierOptions(StrategyOptions):
 def strata_register_strategies(register):
     """Declare ``peer_tier``."""
     register(StrategySpec(name="peer_tier", description="second device as an expert tier computing its own rows",
-                          plugin=sys.modules[__name__], options=PeerTierOptions))
+                          plugin=sys.modules[__name__], options=PeerTierOptions, gate_options=gate_options))
+
+
+def gate_options(layout: GateLayout) -> dict[str, int]:
+    """Under ``strata gate``: the peer's cache holds ``experts_per_slot`` experts, like the primary's."""
+    return {"peer_slots": layout.experts_per_slot}
 
 
 def peer_budget(settings, options: PeerTierOptions) -> CacheBudget | None:

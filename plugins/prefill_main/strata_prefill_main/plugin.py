@@ -1,4 +1,4 @@
-"""``prefill_main``: prompts run every layer on the main device, decode stays layer-split (seed #269).
+"""``prefill_main``: prompts run every layer on the main device, decode stays layer-split.
 
 Builds on ``layer_split`` (same ``split`` and ``micro_batches`` options; its decode windows). A
 prompt needs the experts of every layer and is bound by streaming the misses from host RAM, so a
@@ -21,7 +21,7 @@ import logging
 import sys
 
 from pydantic import Field
-from strata_layer_split.plugin import LayerSplitOptions, stage_ranges
+from strata_layer_split.plugin import LayerSplitOptions, gate_options, stage_ranges
 
 from strata_core.plugin import DeviceSlot, Placement, StrategySpec, hookimpl
 from strata_prefill_main.links import link_class
@@ -40,7 +40,8 @@ class PrefillMainOptions(LayerSplitOptions):
 def strata_register_strategies(register):
     """Declare ``prefill_main`` (built on ``layer_split``)."""
     register(StrategySpec(name="prefill_main", description="prompt on the main device, decode layer-split",
-                          plugin=sys.modules[__name__], options=PrefillMainOptions, base="layer_split"))
+                          plugin=sys.modules[__name__], options=PrefillMainOptions, base="layer_split",
+                          gate_options=gate_options))  # layer_split's: the same stages hold the experts
 
 
 def by_link(devices: list[DeviceSlot]) -> list[DeviceSlot]:
