@@ -51,7 +51,7 @@ from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import ArenaCopier, StagingRing
 from strata_core.experts.weights import ExpertWeights
 from strata_core.errors import ConfigError
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.spec import ModelSpec
 from strata_core.ops.gather import HAS_TRITON
 from strata_core.plugin.placement import PHASES, DeviceSlot, ExpertSource, Phase, Placement
 

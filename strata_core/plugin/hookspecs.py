@@ -25,7 +25,7 @@ from strata_core.plugin.spec import PROJECT_NAME
 if TYPE_CHECKING:
     from strata_core.config import StrataSettings
     from strata_core.engine import Engine
-    from strata_core.gguf.spec import ModelSpec
+    from strata_core.model.spec import ModelSpec
     from strata_core.plugin.events import ResidencyEvent
     from strata_core.plugin.placement import DeviceSlot, Placement
     from strata_core.plugin.spec import StrategyOptions, StrategySpec

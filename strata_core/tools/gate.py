@@ -25,7 +25,7 @@ import torch
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 
 __all__ = ["GATE_PROMPTS", "GateResult", "gate_settings", "greedy_tokens", "run_gate"]
 

@@ -22,7 +22,7 @@ from pydantic import Field
 
 from strata_core.errors import ConfigError
 from strata_core.experts.sizing import GIB, available_bytes
-from strata_core.gguf.arch import get_architecture
+from strata_core.model.registry import get_architecture
 from strata_core.plugin import DeviceSlot, Placement, StrategyOptions, StrategySpec, hookimpl
 from strata_core.runtime.session import DecodeBatch
 
