@@ -13,7 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from strata_core.experts.rows import DequantExpertRows, combine_rows, group_by_expert
+from strata_core.experts.rows import DequantExpertRows, group_by_expert
+from strata_core.ops.combine import combine_rows
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.tiny import tiny_hf_model

@@ -23,6 +23,8 @@ from tqdm import tqdm
 
 from strata_core.errors import ConfigError
 from strata_core.quant import bytes_for, random_blocks
+from strata_core.text.tokenizer import train_byte_level_bpe
+from strata_core.text.tokenizer_meta import add_tokenizer_metadata
 from strata_core.model.deepseek2.preset import DEEPSEEK_PRESETS, DeepseekPreset
 from strata_core.model.gpt_oss.preset import GPT_OSS_PRESETS, GptOssPreset
 from strata_core.model.preset import Preset
@@ -68,9 +70,6 @@ def _tensors(p: Preset, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tu
 
 
 def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
-    from strata_core.text.tokenizer_meta import add_tokenizer_metadata
-    from strata_core.text.tokenizer import train_byte_level_bpe
-
     w.add_name(f"strata-synthetic-{name}")
     p.add_metadata(w)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
