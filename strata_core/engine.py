@@ -23,12 +23,14 @@ from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
 from strata_core.experts.sizing import check_dense_budget
 from strata_core.experts.weights import ExpertWeights
-from strata_core.gguf.arch import get_architecture
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import ModelSpec, load_model_spec
-from strata_core.runtime.memory_plan import dense_bytes_per_device
-from strata_core.model import DenseWeights, KVCache, MoEModel
 from strata_core.model.fused_decode import place_q8_copies
+from strata_core.model.kvcache import KVCache
+from strata_core.model.registry import get_architecture, load_model_spec
+from strata_core.model.spec import ModelSpec
+from strata_core.model.transformer import MoEModel
+from strata_core.model.weights import DenseWeights
+from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.model.head_split import HeadSplit
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
 from strata_core.plugin.placement import PHASES, DeviceSlot, Placement

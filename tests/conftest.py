@@ -27,7 +27,7 @@ def synthetic(tmp_path_factory):
     from strata_core.experts.rows import DequantExpertRows
     from strata_core.experts.weights import ExpertWeights
     from strata_core.gguf.reader import GGUFFile
-    from strata_core.gguf.spec import load_model_spec
+    from strata_core.model.registry import load_model_spec
     from strata_core.tools.synthetic import PRESETS, write_synthetic
 
     path = tmp_path_factory.mktemp("synthetic") / "tiny-q4k.gguf"

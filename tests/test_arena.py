@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 from strata_core.experts.arena import Arena
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.tools.synthetic import Preset, write_synthetic
 
 PRESET = Preset(n_layers=3, n_experts=4, n_experts_used=2, hidden=64, expert_ffn=32, n_heads=4,

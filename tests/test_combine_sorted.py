@@ -8,8 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_core.experts.rows import combine_rows
-from strata_core.ops.combine import combine_sorted, in_pair_order
+from strata_core.ops.combine import combine_rows, combine_sorted, in_pair_order
 
 
 def _case(T: int, k: int, H: int, seed: int, dtype: torch.dtype, device: str = "cpu"):

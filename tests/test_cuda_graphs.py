@@ -12,8 +12,8 @@ from strata_core.engine import Engine
 from strata_core.testing.sync import no_host_sync
 from strata_core.runtime.graphs import DecodeGraphs, _Graph
 from strata_core.plugin.placement import Segment
-from strata_core.gguf.spec import StateTensor
-from strata_core.model import KVCache
+from strata_core.model.spec import StateTensor
+from strata_core.model.kvcache import KVCache
 from strata_core.runtime.session import DecodeBatch, Session
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

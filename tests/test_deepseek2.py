@@ -19,10 +19,12 @@ from strata_core.engine import Engine
 from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.weights import ExpertWeights
-from strata_core.gguf.arch.deepseek2 import DeepseekSpec
+from strata_core.model.deepseek2.spec import DeepseekSpec
 from strata_core.gguf.reader import GGUFFile
-from strata_core.model import KVCache, MoEModel
-from strata_core.model.deepseek2 import DeepseekModel
+from strata_core.model.kvcache import KVCache
+from strata_core.model.registry import load_model
+from strata_core.model.transformer import MoEModel
+from strata_core.model.deepseek2.forward import DeepseekModel
 from strata_core.model.rope import scaled_inv_freq
 from strata_core.quant import dequantize
 
@@ -90,7 +92,7 @@ def _hf(state: dict[str, torch.Tensor] | None = None, config=None) -> torch.nn.M
 
 def test_llamacpp_f32_matches_transformers_and_the_mapping_inverts():
     f = GGUFFile.open(DATA / "model-f32.gguf")
-    model = MoEModel.load(f)
+    model = load_model(f)
     spec = model.spec
     assert isinstance(model, DeepseekModel) and isinstance(spec, DeepseekSpec)
     assert (spec.n_layers, spec.moe_layers, spec.q_lora_rank, spec.kv_lora_rank) == (3, range(1, 3), 16, 32)
@@ -114,7 +116,7 @@ def test_llamacpp_q8_0_matches_transformers_on_its_weights():
     f = GGUFFile.open(DATA / "model-q8_0.gguf")
     types = {ref.qtype for ref in f.tensors.values()}
     assert {Q.Q8_0, Q.F16} <= types  # the converter keeps rows of 16 in F16 (attn_k_b, ffn_down_exps)
-    model = MoEModel.load(f)
+    model = load_model(f)
     with torch.no_grad():
         ref = _hf(hf_state_dict(f, model.spec))(_tokens(model.spec)[None]).logits[0]  # [T, V]
     assert (_logits(model, f) - ref).abs().max().item() <= 1e-4
@@ -125,7 +127,7 @@ def test_llamacpp_q8_0_matches_transformers_on_its_weights():
 def test_each_routing_and_rope_feature_changes_the_logits(change):
     """The comparisons above would fail without each feature: dropping one moves the logits."""
     f = GGUFFile.open(DATA / "model-f32.gguf")
-    model = MoEModel.load(f)
+    model = load_model(f)
     tokens = torch.arange(T) * 17 % model.spec.vocab_size
     changed = DeepseekModel(dataclasses.replace(model.spec, **change), model.weights)
     assert (_logits(changed, f, tokens) - _logits(model, f, tokens)).abs().max() > 1e-3
@@ -145,7 +147,7 @@ def test_yarn_matches_transformers(factor, orig, mscale_all_dim, dim):
     config = DeepseekV3Config(qk_rope_head_dim=dim, qk_nope_head_dim=128, rope_parameters=rope)
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
     assert torch.allclose(scaled_inv_freq(dim, 10000.0, "yarn", factor, orig), inv_freq, rtol=1e-6, atol=0)
-    spec = dataclasses.replace(MoEModel.load(GGUFFile.open(DATA / "model-f32.gguf")).spec, head_dim=128 + dim,
+    spec = dataclasses.replace(load_model(GGUFFile.open(DATA / "model-f32.gguf")).spec, head_dim=128 + dim,
                                qk_rope_dim=dim, rope_factor=factor, rope_orig_ctx=orig, yarn_log_mul=mscale_all_dim)
     assert spec.rope_mscale == pytest.approx(attention_scaling, rel=1e-6)
     assert spec.kq_scale == pytest.approx(yarn_apply_mscale(rope, (128 + dim) ** -0.5), rel=1e-6)
@@ -154,14 +156,14 @@ def test_yarn_matches_transformers(factor, orig, mscale_all_dim, dim):
 def test_yarn_without_log_multiplier_scales_the_scores_as_llama_cpp():
     """No ``yarn_log_multiplier``: llama.cpp scales cos/sin and the scores by ``1 + 0.1 ln(factor)``
     (transformers would scale only cos/sin); the file means what llama.cpp makes of it."""
-    spec = dataclasses.replace(MoEModel.load(GGUFFile.open(DATA / "model-f32.gguf")).spec, yarn_log_mul=0.0)
+    spec = dataclasses.replace(load_model(GGUFFile.open(DATA / "model-f32.gguf")).spec, yarn_log_mul=0.0)
     mscale = 1 + 0.1 * math.log(spec.rope_factor)
     assert spec.rope_mscale == pytest.approx(mscale)
     assert spec.kq_scale == pytest.approx(mscale * mscale / math.sqrt(spec.head_dim))
 
 
 def test_the_session_state_is_the_latent_and_the_rope_key():
-    spec = MoEModel.load(GGUFFile.open(DATA / "model-f32.gguf")).spec
+    spec = load_model(GGUFFile.open(DATA / "model-f32.gguf")).spec
     per_layer = spec.kv_lora_rank + spec.qk_rope_dim  # what llama.cpp's MLA cache holds per token
     assert spec.state_bytes(1, torch.bfloat16) == spec.n_layers * per_layer * 2
     expanded = spec.n_layers * spec.n_heads * (spec.head_dim + spec.v_head_dim) * 2  # K and V per head
@@ -246,7 +248,7 @@ def test_synthetic_deepseek_with_q4_k_experts_matches_transformers(tmp_path):
     path = tmp_path / "deepseek-tiny.gguf"
     write_synthetic(path, "deepseek-tiny", expert_type=Q.Q4_K, dense_type=Q.Q8_0, progress=False)
     f = GGUFFile.open(path)
-    model = MoEModel.load(f)
+    model = load_model(f)
     spec = model.spec
     assert f.tensors["blk.1.ffn_down_exps.weight"].qtype == Q.Q4_K and spec.moe_layers == range(1, 2)
     tokens = torch.arange(T) * 31 % spec.vocab_size
@@ -264,7 +266,7 @@ def test_v2_lite_direct_q_and_softmax_router_match_transformers():
 
     lite = DATA.parent / "deepseek2lite_llamacpp"
     f = GGUFFile.open(lite / "model-f32.gguf")
-    model = MoEModel.load(f)
+    model = load_model(f)
     spec = model.spec
     assert (spec.q_lora_rank, spec.gating, spec.has_probs_bias, spec.expert_groups) == (0, "softmax", False, 1)
     assert (spec.norm_topk_prob, spec.rope_scaling, spec.moe_layers) == (False, "none", range(1, 2))
@@ -280,7 +282,7 @@ def test_expanded_form_equals_absorbed_form(T, S):
     """The GPU's prompt form (per-head K/V through SDPA, values padded) computes what the absorbed
     form computes, for a whole prompt and for a chunk after cached positions."""
     f = GGUFFile.open(DATA / "model-f32.gguf")
-    model = MoEModel.load(f)
+    model = load_model(f)
     s, w = model.spec, model.weights.at(1, "cpu")
     g = torch.Generator().manual_seed(T)
     q_nope = torch.randn(T, s.n_heads, s.qk_nope_dim, generator=g, dtype=torch.float64)
@@ -324,7 +326,7 @@ def test_served_completions_reuse_the_latent_prefix(engine):
     ({"rope.scaling.type": "longrope"}, UnsupportedError, "scaling.type"),
 ])
 def test_bad_metadata_is_named(changes, error, match):
-    from strata_core.gguf.arch.deepseek2 import ARCH
+    from strata_core.model.deepseek2.architecture import ARCH
 
     f = GGUFFile.open(DATA / "model-f32.gguf")
     meta = dict(f.metadata)
@@ -344,7 +346,7 @@ def _pre_split_copy(src: Path, dst: Path) -> Path:
     import numpy as np
 
     reader, f = gguf.GGUFReader(src), GGUFFile.open(src)
-    spec = MoEModel.load(f).spec
+    spec = load_model(f).spec
     changed = {"deepseek2.attention.key_length": spec.head_dim, "deepseek2.attention.value_length": spec.v_head_dim,
                "deepseek2.attention.head_count_kv": spec.n_heads}
     w = gguf.GGUFWriter(str(dst), "deepseek2")
@@ -375,8 +377,8 @@ def test_files_from_before_the_mla_split_give_the_same_logits(tmp_path):
     have; llama.cpp runs them through its non-MLA graph) loads with the same latent state and logits."""
     old = GGUFFile.open(_pre_split_copy(DATA / "model-f32.gguf", tmp_path / "pre-split.gguf"))
     assert "blk.1.attn_kv_b.weight" in old.tensors and "blk.1.attn_k_b.weight" not in old.tensors
-    model = MoEModel.load(old)
-    assert not model.spec.split_kv_b and model.spec.layer_state(0) == MoEModel.load(
+    model = load_model(old)
+    assert not model.spec.split_kv_b and model.spec.layer_state(0) == load_model(
         GGUFFile.open(DATA / "model-f32.gguf")).spec.layer_state(0)
     with torch.no_grad():
         ref = _hf()(_tokens(model.spec)[None]).logits[0]  # [T, V]

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
-from strata_core.model import deepseek2
-from strata_core.model.deepseek2 import ABSORBED_MAX_ROWS
+from strata_core.model.deepseek2 import forward as deepseek2
+from strata_core.model.deepseek2.forward import ABSORBED_MAX_ROWS
 from strata_core.ops import mla
 from strata_core.tools.synthetic import write_synthetic
 

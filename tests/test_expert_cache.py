@@ -17,7 +17,7 @@ from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.sizing import GIB, cache_slots
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.tools.synthetic import Preset, write_synthetic
 from strata_core.plugin.placement import DeviceSlot, Placement
 

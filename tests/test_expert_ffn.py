@@ -126,7 +126,7 @@ def _op_case(spec, arena, fmt, ffn):
 def test_moe_ops_apply_the_biases_and_activation(synthetic):
     """``moe_pair_rows`` / ``moe_decode`` with an ExpertFFN: the CPU kernels are the gather then
     ``pair_ffn`` with it (bit for bit), and their schema passes opcheck."""
-    from strata_core.experts.rows import combine_rows
+    from strata_core.ops.combine import combine_rows
     from strata_core.ops.gather import gather_experts
     from strata_core.ops.moe import moe_decode, moe_pair_rows
 

@@ -11,7 +11,7 @@ import torch
 
 from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.gguf.tiny import tiny_hf_model
 from strata_core.gguf.writer import write_gguf
 

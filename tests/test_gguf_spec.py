@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from strata_core.errors import UnsupportedError
-from strata_core.gguf.arch import ARCHITECTURES, get_architecture
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.registry import ARCHITECTURES, get_architecture
+from strata_core.model.spec import ModelSpec
 
 SHAPES = {"token_embd.weight": type("T", (), {"shape": (256, 64)})()}
 

@@ -12,7 +12,7 @@ from gguf_corrupt import array_length_slot, layout, set_int, set_metadata, tenso
 
 from strata_core.errors import ModelFileError
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 
 
 @pytest.fixture(scope="module")

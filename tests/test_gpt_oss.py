@@ -17,8 +17,10 @@ from strata_core.text.chat import ChatTemplate
 from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
-from strata_core.model import KVCache, MoEModel
-from strata_core.model.gpt_oss import GptOssModel
+from strata_core.model.kvcache import KVCache
+from strata_core.model.registry import load_model
+from strata_core.model.transformer import MoEModel
+from strata_core.model.gpt_oss.forward import GptOssModel
 from strata_core.text.tokenizer import Tokenizer
 
 DATA = Path(__file__).parent / "data" / "gpt-oss_llamacpp"
@@ -80,7 +82,7 @@ def _logits(model: MoEModel, f: GGUFFile) -> torch.Tensor:
 def _logit_diff(data: Path, name: str) -> float:
     """Max |Strata - transformers| over the logits at every position, both on the weights of ``data / name``."""
     f = GGUFFile.open(data / name)
-    model = MoEModel.load(f)
+    model = load_model(f)
     with torch.no_grad():
         ref = _hf_reference(data, name)(_tokens(model.spec)[None]).logits[0]  # [T, V]
     assert ref.abs().max() > 1.0
@@ -94,7 +96,7 @@ def test_llamacpp_gguf_matches_transformers(name: str, expert_type: str, dense_t
     """The converter's F32 and Q8_0 files and the MXFP4 one: transformers runs on the same weights (the
     HF checkpoint, or gguf-py's dequantization of the file)."""
     f = GGUFFile.open(DATA / name)
-    model = MoEModel.load(f)
+    model = load_model(f)
     spec = model.spec
     assert isinstance(model, GptOssModel)
     assert (spec.architecture, spec.n_layers, spec.n_experts, spec.sliding_window) == ("gpt-oss", 2, 4, 4)
@@ -127,7 +129,7 @@ def test_llamacpp_q4_k_m_matches_transformers():
             ("attn_output.weight", Q.Q5_0), ("ffn_gate_exps.weight", Q.Q4_K), ("ffn_up_exps.weight", Q.Q4_K),
             ("ffn_down_exps.weight", down_type))}
     assert {name: f.tensors[name].qtype for name in expected} == expected
-    spec = MoEModel.load(f).spec
+    spec = load_model(f).spec
     assert (spec.hidden_size, spec.n_layers, spec.n_experts, spec.swa_layers) == (256, 2, 4, (True, False))
     assert _logit_diff(data, "model-q4_k_m.gguf") <= 1e-4
 
@@ -145,7 +147,7 @@ def test_hf_weights_from_gguf_undo_the_converter():
 def test_each_gpt_oss_feature_changes_the_logits(change: str):
     """The comparison above would fail without each feature: dropping one moves the logits."""
     f = GGUFFile.open(DATA / "model-f32.gguf")
-    model = MoEModel.load(f)
+    model = load_model(f)
     reference = _logits(model, f)
     spec = model.spec
     if change == "no window":
@@ -163,10 +165,10 @@ def test_each_gpt_oss_feature_changes_the_logits(change: str):
 
 def test_attention_in_query_blocks_gives_the_same_bits(monkeypatch):
     """A prompt whose scores exceed ``SCORES_BYTES`` is attended in blocks of queries: same logits."""
-    from strata_core.model import gpt_oss
+    from strata_core.model.gpt_oss import forward as gpt_oss
 
     f = GGUFFile.open(DATA / "model-f32.gguf")
-    model = MoEModel.load(f)
+    model = load_model(f)
     whole = _logits(model, f)
     monkeypatch.setattr(gpt_oss, "SCORES_BYTES", 4 * model.spec.n_heads * 32 * 3)  # 3 queries a block
     assert torch.equal(_logits(model, f), whole)
@@ -182,7 +184,7 @@ def test_gate_values_reach_the_swiglu_clamp(monkeypatch):
     monkeypatch.setattr(ExpertFFN, "glu", lambda self, g, u: seen.append(torch.stack(
         [g.max(), u.abs().max()])) or glu(self, g, u))
     f = GGUFFile.open(DATA / "model-f32.gguf")
-    _logits(MoEModel.load(f), f)
+    _logits(load_model(f), f)
     assert (torch.stack(seen) > 7.0).any(0).all()
 
 
@@ -228,7 +230,7 @@ def test_synthetic_presets_have_gpt_oss_shapes_and_info_shows_the_window(tmp_pat
     assert shapes["blk.0.attn_q.weight"][0] == (64 * 64, 2880) and shapes["blk.0.attn_sinks.weight"][0] == (64,)
     path = tmp_path / "gpt-oss-tiny.gguf"
     write_synthetic(path, "gpt-oss-tiny", progress=False)
-    spec = MoEModel.load(GGUFFile.open(path)).spec
+    spec = load_model(GGUFFile.open(path)).spec
     assert (spec.sliding_window, spec.swa_layers, spec.rope_scaling) == (8, (True, False), "yarn")
     assert GGUFFile.open(path).tensors["blk.1.ffn_up_exps.weight"].qtype == GGMLQuantizationType.MXFP4
     assert len(Engine.load(path, max_context=64).generate("hello", max_tokens=4, temperature=0)) > 0
@@ -240,7 +242,7 @@ def test_sliding_window_pattern_as_llama_cpp_reads_it():
     """``attention.sliding_window_pattern``: absent = 2 (layers 0, 2, ... slide), an integer n (layer il
     slides when il % n < n - 1; 0: every layer), or one bool per layer; anything else is an error."""
     from strata_core.errors import ModelFileError
-    from strata_core.gguf.arch.gpt_oss import _swa_layers
+    from strata_core.model.gpt_oss.architecture import _swa_layers
 
     key = "gpt-oss.attention.sliding_window_pattern"
     assert _swa_layers({}, "gpt-oss", 4, "f") == (True, False, True, False)

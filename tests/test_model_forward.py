@@ -13,12 +13,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from strata_core.experts.rows import DequantExpertRows, combine_rows, group_by_expert
+from strata_core.experts.rows import DequantExpertRows, group_by_expert
+from strata_core.ops.combine import combine_rows
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.tiny import tiny_hf_model
 from strata_core.gguf.writer import dequantized_hf_state_dict, write_gguf
-from strata_core.model import KVCache, MoEModel
+from strata_core.model.kvcache import KVCache
+from strata_core.model.registry import load_model
 
 TOKENS = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(7))  # [T]
 CASES = {  # id -> (arch, HF overrides)
@@ -32,7 +34,7 @@ CASES = {  # id -> (arch, HF overrides)
 
 def load(path):
     f = GGUFFile.open(path)
-    model = MoEModel.load(f)
+    model = load_model(f)
     return f, model, DequantExpertRows(ExpertWeights(f, model.spec))
 
 

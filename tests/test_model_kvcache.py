@@ -7,10 +7,12 @@ import torch
 
 from strata_core.errors import ConfigError
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import StateTensor, load_model_spec
+from strata_core.model.registry import load_model_spec
+from strata_core.model.spec import StateTensor
 from strata_core.gguf.tiny import tiny_hf_model
 from strata_core.gguf.writer import write_gguf
-from strata_core.model import DenseWeights, KVCache
+from strata_core.model.kvcache import KVCache
+from strata_core.model.weights import DenseWeights
 
 
 ROW = StateTensor((2, 4))

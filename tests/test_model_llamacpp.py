@@ -10,7 +10,8 @@ import torch
 from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
-from strata_core.model import KVCache, MoEModel
+from strata_core.model.kvcache import KVCache
+from strata_core.model.registry import load_model
 
 DATA = Path(__file__).parent / "data" / "qwen3moe_llamacpp"
 
@@ -19,7 +20,7 @@ def test_llamacpp_gguf_matches_transformers():
     from transformers import Qwen3MoeForCausalLM
 
     f = GGUFFile.open(DATA / "model-f32.gguf")
-    model = MoEModel.load(f)
+    model = load_model(f)
     spec = model.spec
     assert (spec.architecture, spec.n_layers, spec.head_dim, spec.n_experts) == ("qwen3moe", 2, 16, 8)
     assert spec.norm_topk_prob  # llama.cpp's qwen3moe graph always renormalises; the key is absent

@@ -16,11 +16,14 @@ from hypothesis import strategies as st
 from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.weights import ExpertWeights
-from strata_core.gguf.arch.qwen3next import ARCH, Qwen3NextSpec
+from strata_core.model.qwen3next.architecture import ARCH
+from strata_core.model.qwen3next.spec import Qwen3NextSpec
 from strata_core.gguf.reader import GGUFFile
-from strata_core.model import KVCache, MoEModel
-from strata_core.model.deltanet import causal_conv, delta_rule_chunked, delta_rule_recurrent, l2_norm
-from strata_core.model.qwen3next import Qwen3NextModel
+from strata_core.model.kvcache import KVCache
+from strata_core.model.registry import load_model
+from strata_core.model.transformer import MoEModel
+from strata_core.model.qwen3next.deltanet import causal_conv, delta_rule_chunked, delta_rule_recurrent, l2_norm
+from strata_core.model.qwen3next.forward import Qwen3NextModel
 
 DATA = Path(__file__).parent / "data" / "qwen3next_llamacpp"
 
@@ -96,7 +99,7 @@ def _logit_diff(f: GGUFFile, model: MoEModel, hf, seed: int) -> float:
 @pytest.mark.parametrize("gguf_name", ["model-f32.gguf", "model-q8_0.gguf"])
 def test_llamacpp_gguf_matches_transformers(gguf_name, tmp_path):
     f = GGUFFile.open(DATA / gguf_name)
-    model = MoEModel.load(f)
+    model = load_model(f)
     spec = model.spec
     assert isinstance(model, Qwen3NextModel) and isinstance(spec, Qwen3NextSpec)
     assert (spec.n_layers, spec.recurrent, spec.rope_dim, spec.head_dim) == (3, (True, False, True), 4, 16)
@@ -123,7 +126,7 @@ def test_llamacpp_q4_k_m_matches_transformers(tmp_path):
             qtypes["token_embd.weight"], qtypes["blk.1.attn_v.weight"]) == (Q.Q4_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q6_K)
     assert (qtypes["blk.0.ffn_down_exps.weight"], qtypes["blk.1.ffn_down_exps.weight"],
             qtypes["blk.0.ffn_down_shexp.weight"]) == (Q.Q5_0, Q.Q8_0, Q.F16)
-    model = MoEModel.load(f)
+    model = load_model(f)
     spec = model.spec
     assert (spec.hidden_size, spec.n_layers, spec.recurrent) == (256, 2, (True, False))
     assert _logit_diff(f, model, _hf_model(tmp_path, "model-q4_k_m.gguf", data), seed=1) <= 1e-4
@@ -180,7 +183,7 @@ def test_bad_metadata_is_named(changes, error, match):
 
 
 def test_state_declared_per_layer():
-    spec = MoEModel.load(GGUFFile.open(DATA / "model-f32.gguf")).spec
+    spec = load_model(GGUFFile.open(DATA / "model-f32.gguf")).spec
     gdn, attn = spec.layer_state(0), spec.layer_state(1)
     assert set(gdn) == {"conv", "ssm"} and not any(t.per_token for t in gdn.values())
     assert gdn["conv"].shape == (3, spec.conv_dim) and gdn["ssm"].shape == (4, 8, 8)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
-from strata_core.model import deltanet
-from strata_core.model.deltanet import delta_rule, delta_rule_recurrent, l2_norm
+from strata_core.model.qwen3next import deltanet
+from strata_core.model.qwen3next.deltanet import delta_rule, delta_rule_recurrent, l2_norm
 
 DATA = Path(__file__).parent / "data" / "qwen3next_llamacpp"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

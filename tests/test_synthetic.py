@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as Q
 
 from strata_core.errors import ConfigError
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.quant import dequantize
 from strata_core.tools.synthetic import PRESETS, _tensors, write_synthetic
 from strata_core.text.tokenizer import Tokenizer

@@ -33,8 +33,8 @@ timeout 180 python3 -m pytest -q tests/test_qwen3next_cuda.py 2>&1 \
 # one layer's chunked delta rule at Qwen3-Next-80B's shapes (16 key / 32 value heads of 128), bf16, 4k tokens
 timeout 60 python3 - <<'EOF' 2>&1 | tee "$OUT/q3n-gdn-forms.log"
 import torch
-from strata_core.model import deltanet
-from strata_core.model.deltanet import delta_rule, l2_norm
+from strata_core.model.qwen3next import deltanet
+from strata_core.model.qwen3next.deltanet import delta_rule, l2_norm
 T = 4096
 q, k = (l2_norm(torch.randn(T, 16, 128, device="cuda"), 1e-6).bfloat16() for _ in range(2))
 v = torch.randn(T, 32, 128, device="cuda").bfloat16()

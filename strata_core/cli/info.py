@@ -14,7 +14,7 @@ from strata_core.cli.settings import settings_with
 from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.text.harmony import uses_harmony
 
 GIB = 1 << 30

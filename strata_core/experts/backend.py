@@ -40,18 +40,19 @@ from strata_core.config import StrataSettings
 from strata_core.experts.adapt import Adapter
 from strata_core.experts.arena import GIB, Arena
 from strata_core.experts.cache import ExpertCache
-from strata_core.experts.chain import Chain, MissSplit
+from strata_core.experts.chain import Chain
 from strata_core.experts.device_rows import CachedExpertRows
 from strata_core.experts.peer import PeerLane
 from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.sizing import cache_slots, check_dense_budget
+from strata_core.experts.split import MissSplit
 from strata_core.experts.table import ResidencyTable
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import ArenaCopier, StagingRing
 from strata_core.experts.weights import ExpertWeights
 from strata_core.errors import ConfigError
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.spec import ModelSpec
 from strata_core.ops.gather import HAS_TRITON
 from strata_core.plugin.placement import PHASES, DeviceSlot, ExpertSource, Phase, Placement
 

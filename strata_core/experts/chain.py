@@ -1,19 +1,15 @@
 """``Chain``: one layer's expert sources resolved for a device slot (the placement's ``ExpertSource``
-chain made into caches and peer lanes), and ``MissSplit``, the deterministic share of misses a split
-sends one way (``--pcie-frac``; a computing peer's prompt ``stream`` share)."""
+chain made into caches and peer lanes)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from strata_core.experts.cache import ExpertCache
-    from strata_core.experts.peer import PeerLane
+from strata_core.experts.cache import ExpertCache
+from strata_core.experts.peer import PeerLane
 
-__all__ = ["Chain", "MissSplit"]
+__all__ = ["Chain"]
 
 
 @dataclass(frozen=True)
@@ -59,21 +55,3 @@ class Chain:
         """Make ``device``'s stream wait for swaps into ``layer`` still landing in any of the caches."""
         for cache in self.caches():
             cache.wait_layer(layer, device)
-
-
-class MissSplit:
-    """Deterministic ``--pcie-frac`` split of decode misses: a running credit, so the share holds
-    across layers even with one miss per layer. ``take(n)`` = how many of ``n`` misses use the link."""
-
-    def __init__(self, frac: float):
-        self.frac, self.credit = frac, 0.0
-
-    def take(self, n: int) -> int:
-        link = self.peek(n)
-        self.credit += n * self.frac
-        self.credit -= link
-        return link
-
-    def peek(self, n: int) -> int:
-        """What ``take(n)`` would return now, without taking it (a prediction)."""
-        return min(n, int(self.credit + n * self.frac + 1e-9))

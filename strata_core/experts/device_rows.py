@@ -55,17 +55,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from strata_core.runtime.devices import PendingRead, device_scope
-from strata_core.experts.chain import Chain, MissSplit
+from strata_core.experts.chain import Chain
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
                                        fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
 from strata_core.experts.grouped import GroupPlan, group_size, grouped_rows
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.prompt_plan import PromptPlanner, assign, group_plans, peer_shares, ranks
-from strata_core.experts.rows import combine_rows, expert_ffn, group_by_expert
+from strata_core.experts.rows import expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
-from strata_core.ops.combine import combine_sorted, in_pair_order
+from strata_core.experts.split import MissSplit
+from strata_core.ops.combine import combine_rows, combine_sorted, in_pair_order
 from strata_core.ops.gather import gather_experts
 
 if TYPE_CHECKING:

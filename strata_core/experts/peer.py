@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from strata_core.runtime.devices import device_scope
+from strata_core.experts.split import MissSplit
 from strata_core.experts.transfer import ArenaCopier, StagingRing
 
 if TYPE_CHECKING:
     from strata_core.experts.cache import ExpertCache
-    from strata_core.experts.chain import MissSplit
 
 __all__ = ["PeerLane", "packed_copy"]
 

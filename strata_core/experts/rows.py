@@ -14,9 +14,10 @@ from gguf import GGMLQuantizationType
 
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.weights import ExpertWeights
+from strata_core.ops.combine import combine_rows
 from strata_core.quant import quant_matmul
 
-__all__ = ["ExpertRows", "DequantExpertRows", "expert_ffn", "combine_rows", "group_by_expert"]
+__all__ = ["ExpertRows", "DequantExpertRows", "expert_ffn", "group_by_expert"]
 
 QTypes = tuple[GGMLQuantizationType, GGMLQuantizationType, GGMLQuantizationType]
 Shapes = tuple[tuple[int, int], tuple[int, int], tuple[int, int]]
@@ -44,11 +45,6 @@ def expert_ffn(x: torch.Tensor, gate_raw: torch.Tensor, up_raw: torch.Tensor, do
     g = quant_matmul(x, gate_raw, qtypes[0], shapes[0])  # [n, F]
     u = quant_matmul(x, up_raw, qtypes[1], shapes[1])  # [n, F]
     return ffn.post(quant_matmul(ffn.hidden(g, u, expert), down_raw, qtypes[2], shapes[2]), expert)  # [n, H]
-
-
-def combine_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The routed output ``[T, H]`` from ``rows [T, k, H]`` and ``weights [T, k]``, in one fixed order."""
-    return (rows * weights[..., None].to(rows.dtype)).sum(1)  # [T, H]
 
 
 def group_by_expert(expert_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

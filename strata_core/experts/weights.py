@@ -7,9 +7,8 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType
 
-from strata_core.gguf.arch import get_architecture
 from strata_core.gguf.reader import GGUFFile, TensorRef
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.spec import ModelSpec
 
 __all__ = ["ExpertBlocks", "ExpertWeights"]
 
@@ -34,11 +33,10 @@ class ExpertWeights:
     outside ``spec.moe_layers``)."""
 
     def __init__(self, gguf_file: GGUFFile, spec: ModelSpec):
-        arch = get_architecture(spec.architecture, gguf_file.path)
         self.spec = spec
         self.layers: list[tuple[TensorRef, ...]] = []
         for layer in range(spec.n_layers):
-            refs = tuple(gguf_file.tensor(n, s) for n, s in arch.expert_tensors(spec, layer).items())
+            refs = tuple(gguf_file.tensor(n, s) for n, s in spec.expert_tensors(layer).items())
             self.layers.append(refs)
 
     def blocks(self, layer: int, expert: int) -> ExpertBlocks:

@@ -1,1 +1,2 @@
-"""GGUF files: the memory-mapped reader, architecture metadata -> ModelSpec, and a writer."""
+"""GGUF files only: the memory-mapped reader and a writer (an architecture's reading of the metadata is in
+strata_core.model)."""

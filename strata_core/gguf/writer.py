@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from strata_core.errors import UnsupportedError
 from strata_core.quant import dequantize, quantize
+from strata_core.text.tokenizer_meta import add_tokenizer_metadata
 
 __all__ = ["HF_ARCHITECTURES", "write_gguf", "hf_to_gguf_tensors", "dequantized_hf_state_dict", "requantize_gguf"]
 
@@ -146,7 +147,6 @@ def write_gguf(model: torch.nn.Module, path: str | os.PathLike[str], *,
     w = gguf.GGUFWriter(str(path), arch)
     _add_metadata(w, arch, cfg, expert_qtype)
     if tokenizer is not None:
-        from strata_core.text.tokenizer_meta import add_tokenizer_metadata
         add_tokenizer_metadata(w, tokenizer, chat_template, bos=bos_token, eos=eos_token,
                                vocab_size=cfg.vocab_size)
     tied = bool(getattr(cfg, "tie_word_embeddings", False))

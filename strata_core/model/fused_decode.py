@@ -37,7 +37,7 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.experts.sizing import GIB, check_dense_budget
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.ops import rms_norm
-from strata_core.model.transformer import _MIN_WEIGHT_SUM  # llama.cpp's clamp of the top-k weight sum
+from strata_core.model.transformer import _MIN_WEIGHT_SUM, MoEModel  # llama.cpp's top-k weight sum clamp
 from strata_core.model.weights import dense_product, q8_sources
 from strata_core.ops.decode import add_rms_norm, decode_attention, fused_decode_supported, rope_kv_write, route_topk
 from strata_core.ops.dense_q8 import Q8Matrix
@@ -57,8 +57,6 @@ Q8_GLOBAL_NAMES = ("output.weight",)
 
 def why_not_fused(model, device: torch.device) -> str | None:
     """Why ``model``'s decode layers on ``device`` cannot take the fused path, or None when they can."""
-    from strata_core.model.transformer import MoEModel
-
     s = model.spec
     if device.type != "cuda":
         return f"the decode runs on {device}, not a CUDA device"

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_core.gguf.spec import StateTensor
+from strata_core.model.spec import StateTensor
 
 __all__ = ["KVCache", "KVSnapshot", "StateTensor"]
 

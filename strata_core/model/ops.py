@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
 from strata_core.ops.matmul import matmul
@@ -112,9 +114,6 @@ def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, po
     folded into the query length (``[1, nkv, rep, D]``), so any SDPA backend serves GQA decode
     without repeating the keys; prompts use ``enable_gqa`` with a causal mask (flash on CUDA bf16).
     """
-    import torch.nn.functional as F
-    from torch.nn.attention.bias import causal_lower_right
-
     T, nh, D = q.shape
     S, nkv = keys.shape[0], keys.shape[1]
     rep = nh // nkv

@@ -2,24 +2,23 @@
 
 Pieces a topology composes: ``embed`` -> per layer ``attention`` then ``moe`` -> ``head``.
 Each layer runs on the device of its input ``h`` with the weights placed there
-(``DenseWeights.at``); the caller moves ``h`` between devices. Math follows llama.cpp's qwen2moe/qwen3moe graphs (see gguf/arch/*).
+(``DenseWeights.at``); the caller moves ``h`` between devices. Math follows llama.cpp's qwen2moe and
+qwen3moe graphs (see qwen3moe.py, qwen2moe.py); ``registry.load_model`` builds a file's forward.
 """
 
 from __future__ import annotations
-
 
 import torch
 import torch.nn.functional as F
 
 from strata_core.experts.rows import ExpertRows
-from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import ModelSpec, load_model_spec
-from strata_core.model.kvcache import KVCache
 from strata_core.model import ops
 from strata_core.model.head_split import HeadSplit
+from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, masked_attention, norm_rope, rms_norm, rope_cos_sin, sdpa_attention
-from strata_core.ops.matmul import linear, rowwise
+from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
+from strata_core.ops.matmul import linear, rowwise
 
 __all__ = ["MoEModel"]
 
@@ -42,15 +41,6 @@ class MoEModel:
         #: per layer, the split of its prompt chunks' attention heads with a peer (``attention_peer``, set by
         #: the engine from the placement; head_split.py)
         self.head_splits: dict[int, HeadSplit] = {}
-
-    @classmethod
-    def load(cls, gguf_file: GGUFFile, dtype: torch.dtype = torch.float32) -> "MoEModel":
-        """Read the spec and dequantize the dense weights of ``gguf_file`` (CPU): the forward of the
-        file's architecture (``Architecture.model``)."""
-        from strata_core.gguf.arch import get_architecture
-
-        spec = load_model_spec(gguf_file)
-        return get_architecture(spec.architecture).model(spec, DenseWeights.load(gguf_file, spec, dtype))
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [T]`` -> hidden ``[T, H]`` on the embedding's device."""

@@ -17,12 +17,11 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.errors import ConfigError
-from strata_core.gguf.arch import get_architecture
 from strata_core.ops.dense_q8 import Q8Matrix, q8_bytes, q8_linear, repack_q8_0
 from strata_core.ops.matmul import linear
-from strata_core.quant import dequantize
 from strata_core.gguf.reader import GGUFFile, TensorRef
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.spec import ModelSpec
+from strata_core.quant import dequantize
 
 __all__ = ["DenseWeights", "Q8Sources", "dense_product", "q8_sources"]
 
@@ -48,10 +47,9 @@ def q8_sources(gguf_file: GGUFFile, spec: ModelSpec, layer_names: Iterable[str],
                global_names: Iterable[str]) -> Q8Sources:
     """The tensors of ``layer_names`` (in every layer) and ``global_names`` that ``gguf_file`` stores as
     2-D Q8_0 matrices (a tied ``output.weight``: ``token_embd.weight``'s blocks)."""
-    arch = get_architecture(spec.architecture, gguf_file.path)
     found: Q8Sources = {}
-    wanted = [(None, n, n, arch.global_tensors(spec)) for n in global_names]
-    wanted += [(i, n, f"blk.{i}.{n}", arch.layer_tensors(spec, i)) for i in range(spec.n_layers) for n in layer_names]
+    wanted = [(None, n, n, spec.global_tensors()) for n in global_names]
+    wanted += [(i, n, f"blk.{i}.{n}", spec.layer_tensors(i)) for i in range(spec.n_layers) for n in layer_names]
     for layer, name, full, tensors in wanted:
         if name == "output.weight" and spec.tied_embeddings:
             full = "token_embd.weight"
@@ -83,19 +81,17 @@ class DenseWeights:
     @classmethod
     def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> "DenseWeights":
         """Dequantize the dense tensors of ``gguf_file`` to ``dtype`` on the CPU (a copy, not the mmap)."""
-        arch = get_architecture(spec.architecture, gguf_file.path)
-
         def load_one(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             ref = gguf_file.tensor(name, shape)
             return dequantize(ref.raw(), ref.qtype, ref.shape).reshape(shape).to(dtype).clone()
 
-        globals_ = {n: load_one(n, s) for n, s in arch.global_tensors(spec).items()}
+        globals_ = {n: load_one(n, s) for n, s in spec.global_tensors().items()}
         if spec.tied_embeddings:
             globals_["output.weight"] = globals_["token_embd.weight"]
         layers = []
         for i in range(spec.n_layers):
             prefix = f"blk.{i}."
-            layers.append({n.removeprefix(prefix): load_one(n, s) for n, s in arch.layer_tensors(spec, i).items()})
+            layers.append({n.removeprefix(prefix): load_one(n, s) for n, s in spec.layer_tensors(i).items()})
         return cls(globals_, layers)
 
     def at(self, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:

@@ -23,5 +23,9 @@ package before any graph capture.
 """
 
 from strata_core.ops import dense_q8, gather, moe, quant
+from strata_core.ops.qdecode import HAS_TRITON
+
+if HAS_TRITON:  # the CUDA kernels of the moe ops (they register themselves for the ops of moe.py)
+    from strata_core.ops import moe_triton  # noqa: F401
 
 __all__ = ["dense_q8", "gather", "moe", "quant"]

@@ -3,7 +3,7 @@
 The grouped prefill (experts/grouped.py) computes the rows of a layer's (token, k) pairs sorted by
 device and expert and stores each group's rows in one slice of a ``[T*k, H]`` buffer: pair
 ``order[i]``'s row is ``rows[i]``. :func:`combine_sorted` gives the routed output ``[T, H]`` from that
-buffer as :func:`~strata_core.experts.rows.combine_rows` gives it from the rows in pair order (each
+buffer as :func:`combine_rows` gives it from the rows in pair order (each
 product rounded to the rows' dtype, the k of a token summed in float32 in k order). On CUDA that is one
 Triton launch that reads each row once, where putting the rows back in pair order and combining them
 would write and read the buffer twice more; elsewhere it is exactly that (:func:`in_pair_order`).
@@ -14,10 +14,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from strata_core.experts.rows import combine_rows
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 
-__all__ = ["combine_sorted", "in_pair_order"]
+__all__ = ["combine_rows", "combine_sorted", "in_pair_order"]
+
+
+def combine_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed output ``[T, H]`` from ``rows [T, k, H]`` and ``weights [T, k]``, in one fixed order."""
+    return (rows * weights[..., None].to(rows.dtype)).sum(1)  # [T, H]
 
 
 def in_pair_order(rows: Tensor, order: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 
 __all__ = ["add_rms_norm", "decode_attention", "kv_table", "route_topk", "rope_kv_write"]
@@ -46,8 +47,6 @@ __all__ = ["add_rms_norm", "decode_attention", "kv_table", "route_topk", "rope_k
 # --- references (the CPU kernels) ------------------------------------------------------------------
 
 def _rms(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    from strata_core.model.ops import rms_norm  # the model's formula (imported late: model imports ops)
-
     return rms_norm(x, weight, eps)
 
 
@@ -76,8 +75,6 @@ def _split_heads(qkv: Tensor, n_heads: int, n_kv_heads: int) -> tuple[Tensor, Te
 def _rope_kv_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
                  eps: float, n_heads: int, n_kv_heads: int, keys: Sequence[Tensor], values: Sequence[Tensor],
                  table: Tensor | None) -> Tensor:
-    from strata_core.model.ops import apply_rope, rope_cos_sin
-
     q, k, v = _split_heads(qkv, n_heads, n_kv_heads)
     if q_norm is not None:
         q = _rms(q, q_norm, eps)

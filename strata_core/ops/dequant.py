@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry, on_device, table
+from strata_core.quant.registry import type_name
 
 __all__ = ["dequantize_cuda", "fallback_note"]
 
@@ -32,8 +33,6 @@ def fallback_note(qtype: int, what: str) -> None:
     key = hash((int(qtype), what))
     if key not in _NOTED:
         _NOTED.add(key)
-        from strata_core.quant.registry import type_name
-
         log.info("%s: no device kernel for %s, using the torch reference", what, type_name(qtype))
 
 

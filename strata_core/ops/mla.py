@@ -1,6 +1,6 @@
 """``strata::mla_attention``: multi-head latent attention (deepseek2) over the latent cache.
 
-The absorbed form of MLA (strata_core/model/deepseek2.py): every head's query has been taken into
+The absorbed form of MLA (strata_core/model/deepseek2/forward.py): every head's query has been taken into
 latent space (``q_lat = q_nope attn_k_b``); all heads attend over the one shared cache of normed
 latents and rope keys (MQA-like), and the attended latent goes through ``attn_v_b`` afterwards::
 

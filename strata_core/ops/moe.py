@@ -19,7 +19,8 @@ CPU kernel (the oracle): the gather reference of :mod:`strata_core.ops.gather`, 
 :func:`pair_ffn_reference` (dequantize every pair's blocks, per-pair batched products in float32,
 cast step by step like ``expert_ffn``).
 
-CUDA kernel (:mod:`strata_core.ops.moe_kernels`, launched by :mod:`strata_core.ops.moe_triton`): two
+CUDA kernel (:mod:`strata_core.ops.moe_kernels`, launched by :mod:`strata_core.ops.moe_triton`, which
+registers them for the ops here where Triton is installed): two
 Triton launches that read the quantized blocks once and never write a weight: ``gate_up`` (grid pairs x F/BN: each program decodes BN rows of gate
 and of up with the shared :func:`strata_core.ops.qdecode.decode`, dots them with the token's activations in float32 and
 stores ``silu(g) * u``) and ``down`` (grid pairs x H/BN, the same over the float32 ``h``). A pair's
@@ -62,9 +63,9 @@ import torch
 from torch import Tensor
 
 from strata_core.experts.ffn import ACTIVATIONS, SILU, ExpertFFN
+from strata_core.ops.combine import combine_rows
 from strata_core.ops.gather import _reference as _gather_reference
 from strata_core.ops.matmul import matmul
-from strata_core.ops.qdecode import HAS_TRITON
 from strata_core.quant.registry import dequantize_reference
 
 __all__ = ["CONFIG", "MISS_READ", "LaunchConfig", "ffn_args", "moe_decode", "moe_decode_rows", "moe_pair_rows",
@@ -191,8 +192,6 @@ def stages_misses(slots: Tensor, arena: Tensor) -> bool:
 
 def _combined(rows: Tensor, weights: Tensor, served: Tensor | None, served_rows: Tensor | None) -> Tensor:
     """``combine_rows`` of ``rows [P, H]`` (a pair flagged in ``served [P]``: its row of ``served_rows``)."""
-    from strata_core.experts.rows import combine_rows  # experts import the ops
-
     if served is not None:
         rows = torch.where(served[:, None], served_rows.to(rows.dtype), rows)
     return combine_rows(rows.view(weights.shape[0], weights.shape[1], -1), weights).contiguous()
@@ -231,13 +230,8 @@ def _fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor,
           qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
     return x.new_empty((slot.shape[0], shapes[4]))
 
-if HAS_TRITON:  # the CUDA kernels (they read CONFIG and MISS_READ above at each launch)
-    from strata_core.ops.moe_triton import decode_cuda, decode_rows_cuda, pair_rows_cuda
-
 moe_pair_rows = torch.library.custom_op("strata::moe_pair_rows", _reference, mutates_args=(), schema=_SCHEMA)
 moe_pair_rows.register_fake(_fake)
-if HAS_TRITON:  # opaque like strata::dequantize: the CUDA kernel may fall back to the reference
-    moe_pair_rows.register_kernel("cuda")(pair_rows_cuda)
 
 moe_decode = torch.library.custom_op(
     "strata::moe_decode", _decode_reference, mutates_args=(),
@@ -245,10 +239,6 @@ moe_decode = torch.library.custom_op(
             f"int[] qtypes, int[] shapes, int[] nbytes, {_FFN_ARGS}, Tensor? served=None, "
             "Tensor? served_rows=None, bool staged=False) -> Tensor"))
 moe_decode.register_fake(_decode_fake)
-if HAS_TRITON:
-    moe_decode.register_kernel("cuda")(decode_cuda)
 
 moe_decode_rows = torch.library.custom_op("strata::moe_decode_rows", _rows_reference, mutates_args=(), schema=_SCHEMA)
 moe_decode_rows.register_fake(_rows_fake)
-if HAS_TRITON:
-    moe_decode_rows.register_kernel("cuda")(decode_rows_cuda)

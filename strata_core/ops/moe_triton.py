@@ -6,7 +6,8 @@
 :mod:`strata_core.ops.moe` says what they compute and how): the gate_up launch, the down / combining
 down launch of the "loop" or "split" design that ``moe.CONFIG`` (:class:`~strata_core.ops.moe.LaunchConfig`,
 read at each launch) names, and the staging of misses from a pinned host arena (``moe.MISS_READ``).
-Imported by :mod:`strata_core.ops.moe` where Triton is installed.
+Each registers itself for its op at import; :mod:`strata_core.ops` imports this module where Triton
+is installed.
 """
 
 from __future__ import annotations
@@ -215,3 +216,9 @@ def decode_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expe
     with on_device(x.device):
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, unread, _ffn(*ffn),
                            rows_out=True)
+
+
+# opaque like strata::dequantize: a CUDA kernel may fall back to the reference
+moe.moe_pair_rows.register_kernel("cuda")(pair_rows_cuda)
+moe.moe_decode.register_kernel("cuda")(decode_cuda)
+moe.moe_decode_rows.register_kernel("cuda")(decode_rows_cuda)

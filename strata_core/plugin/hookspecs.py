@@ -24,7 +24,7 @@ from strata_core.plugin.spec import PROJECT_NAME
 
 if TYPE_CHECKING:
     from strata_core.config import StrataSettings
-    from strata_core.gguf.spec import ModelSpec
+    from strata_core.model.spec import ModelSpec
     from strata_core.plugin.context import PhaseContext
     from strata_core.plugin.events import ResidencyEvent
     from strata_core.plugin.placement import DeviceSlot, Placement

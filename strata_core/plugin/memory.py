@@ -7,8 +7,8 @@ import math
 import torch
 
 from strata_core.experts.sizing import GIB, available_bytes
-from strata_core.gguf.arch import get_architecture
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.registry import get_architecture
+from strata_core.model.spec import ModelSpec
 
 __all__ = ["GIB", "device_bytes", "global_weight_bytes"]
 

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from strata_core.gguf.arch import get_architecture
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.registry import get_architecture
+from strata_core.model.spec import ModelSpec
 from strata_core.plugin.placement import PHASES, DeviceSlot, Placement
 
 

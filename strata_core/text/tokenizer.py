@@ -19,6 +19,7 @@ import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
 
 from strata_core.errors import ModelFileError, UnsupportedError
+from strata_core.gguf.reader import GGUFFile
 
 __all__ = ["StreamDecoder", "Tokenizer", "train_byte_level_bpe"]
 
@@ -104,8 +105,6 @@ class Tokenizer:
     def from_gguf(cls, metadata: Mapping[str, Any] | str | os.PathLike[str]) -> Tokenizer:
         """Build from a GGUF's metadata dict (or the path of a GGUF file)."""
         if not isinstance(metadata, Mapping):
-            from strata_core.gguf.reader import GGUFFile
-
             metadata = GGUFFile.open(metadata).metadata
         if "tokenizer.ggml.tokens" not in metadata:
             raise ModelFileError("the GGUF has no tokenizer (no tokenizer.ggml.tokens key)")

@@ -26,7 +26,7 @@ import torch
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.plugin import GateLayout, StrategySpec
 from strata_core.plugin.manager import build_plugin_manager
 

@@ -23,10 +23,13 @@ from tqdm import tqdm
 
 from strata_core.errors import ConfigError
 from strata_core.quant import bytes_for, random_blocks
-from strata_core.tools.synthetic_deepseek2 import DEEPSEEK_PRESETS, DeepseekPreset
-from strata_core.tools.synthetic_gpt_oss import GPT_OSS_PRESETS, GptOssPreset
-from strata_core.tools.synthetic_preset import Preset
-from strata_core.tools.synthetic_qwen3next import QWEN3NEXT_PRESETS, Qwen3NextPreset
+from strata_core.text.tokenizer import train_byte_level_bpe
+from strata_core.text.tokenizer_meta import add_tokenizer_metadata
+from strata_core.model.deepseek2.preset import DEEPSEEK_PRESETS, DeepseekPreset
+from strata_core.model.gpt_oss.preset import GPT_OSS_PRESETS, GptOssPreset
+from strata_core.model.preset import Preset
+from strata_core.model.qwen3moe import QWEN3MOE_PRESETS
+from strata_core.model.qwen3next.preset import QWEN3NEXT_PRESETS, Qwen3NextPreset
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
 
@@ -34,10 +37,7 @@ log = logging.getLogger(__name__)
 
 
 PRESETS: dict[str, Preset | DeepseekPreset | Qwen3NextPreset | GptOssPreset] = {
-    "qwen3-30b-a3b": Preset(48, 128, 8, 2048, 768, 32, 4, 128, 151936),
-    "qwen3-235b-a22b": Preset(94, 128, 8, 4096, 1536, 64, 4, 128, 151936),
-    "small": Preset(8, 64, 8, 512, 256, 8, 2, 64, 4096, context=8192),
-    "tiny": Preset(2, 16, 4, 256, 256, 4, 2, 64, 512, context=2048),
+    **QWEN3MOE_PRESETS,
     **DEEPSEEK_PRESETS,
     **QWEN3NEXT_PRESETS,
     **GPT_OSS_PRESETS,
@@ -70,9 +70,6 @@ def _tensors(p: Preset, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tu
 
 
 def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
-    from strata_core.text.tokenizer_meta import add_tokenizer_metadata
-    from strata_core.text.tokenizer import train_byte_level_bpe
-
     w.add_name(f"strata-synthetic-{name}")
     p.add_metadata(w)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)

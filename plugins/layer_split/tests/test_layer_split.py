@@ -13,7 +13,7 @@ from strata_core.engine import Engine
 from strata_core.errors import ConfigError
 from strata_core.experts import device_rows
 from strata_core.gguf.reader import GGUFFile
-from strata_core.gguf.spec import load_model_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.plugin import DeviceSlot
 from strata_core.runtime.session import DecodeBatch
 from strata_core.testing.residency import check_tiers

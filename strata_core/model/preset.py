@@ -1,5 +1,6 @@
 """``Preset``: the shapes of one qwen3moe-architecture model for ``strata make-synthetic`` (the base
-of presets of architectures with the same tensors plus their own, e.g. gpt-oss)."""
+of presets of architectures with the same tensors plus their own, e.g. gpt-oss); each architecture's
+presets sit with it (qwen3moe.py, <arch>/preset.py), ``strata_core.tools.synthetic`` writes them."""
 
 from __future__ import annotations
 

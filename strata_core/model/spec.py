@@ -1,4 +1,5 @@
-"""``ModelSpec``: the numbers the forward needs, read from GGUF metadata by the file's architecture."""
+"""``ModelSpec``: the numbers the forward needs and the tensors they imply (llama.cpp's names and
+torch-order shapes); an architecture's reader (``Architecture.spec_from_metadata``) builds it."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_core.text.vocab import check_tokenizer_metadata
+__all__ = ["ModelSpec", "Shape", "StateTensor"]
 
-__all__ = ["ModelSpec", "StateTensor", "load_model_spec"]
+Shape = tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -100,17 +101,43 @@ class ModelSpec:
                    for t in self.layer_state(layer).values())
 
 
-def load_model_spec(gguf_file) -> ModelSpec:
-    """The ``ModelSpec`` of an opened ``GGUFFile``; validates every tensor the forward will read.
+    # -- tensors (an architecture with other tensors overrides these in its ModelSpec subclass) ---
+    def global_tensors(self) -> dict[str, Shape]:
+        """Non-layer tensors the forward reads: name -> torch-order shape."""
+        out = {"token_embd.weight": (self.vocab_size, self.hidden_size),
+               "output_norm.weight": (self.hidden_size,)}
+        if not self.tied_embeddings:
+            out["output.weight"] = (self.vocab_size, self.hidden_size)
+        return out
 
-    Raises UnsupportedError for an unknown architecture, ModelFileError for missing or ill-typed
-    keys, missing or misshapen tensors, and broken tokenizer keys.
-    """
-    # imported here: the architecture modules build ModelSpec, so they import this module
-    from strata_core.gguf.arch import get_architecture
+    def layer_tensors(self, layer: int) -> dict[str, Shape]:
+        """Dense tensors of ``layer`` (attention, norms, router, shared expert): name -> shape."""
+        H, p = self.hidden_size, f"blk.{layer}."
+        out = {
+            p + "attn_norm.weight": (H,),
+            p + "attn_q.weight": (self.q_size, H),
+            p + "attn_k.weight": (self.kv_size, H),
+            p + "attn_v.weight": (self.kv_size, H),
+            p + "attn_output.weight": (H, self.q_size),
+            p + "ffn_norm.weight": (H,),
+            p + "ffn_gate_inp.weight": (self.n_experts, H),
+        }
+        if self.has_attn_bias:
+            out |= {p + "attn_q.bias": (self.q_size,), p + "attn_k.bias": (self.kv_size,),
+                    p + "attn_v.bias": (self.kv_size,)}
+        if self.has_qk_norm:
+            out |= {p + "attn_q_norm.weight": (self.head_dim,), p + "attn_k_norm.weight": (self.head_dim,)}
+        if self.has_shared_expert:
+            F = self.shared_expert_ffn_size
+            out |= {p + "ffn_gate_inp_shexp.weight": (H,), p + "ffn_gate_shexp.weight": (F, H),
+                    p + "ffn_up_shexp.weight": (F, H), p + "ffn_down_shexp.weight": (H, F)}
+        return out
 
-    arch = get_architecture(gguf_file.architecture, gguf_file.path)
-    spec = arch.spec_from_metadata(gguf_file.metadata, gguf_file.tensors, gguf_file.path)
-    arch.validate(gguf_file, spec)
-    check_tokenizer_metadata(gguf_file.metadata, gguf_file.path, spec.vocab_size)
-    return spec
+    def expert_tensors(self, layer: int) -> dict[str, Shape]:
+        """The routed-expert tensors of ``layer`` in (gate, up, down) order: name -> shape; none for a
+        layer outside ``moe_layers``."""
+        if layer not in self.moe_layers:
+            return {}
+        E, F, H, p = self.n_experts, self.expert_ffn_size, self.hidden_size, f"blk.{layer}."
+        return {p + "ffn_gate_exps.weight": (E, F, H), p + "ffn_up_exps.weight": (E, F, H),
+                p + "ffn_down_exps.weight": (E, H, F)}

@@ -1,4 +1,5 @@
-"""``DeepseekModel``: the deepseek2 forward (llama.cpp's src/models/deepseek2.cpp; see gguf/arch/deepseek2.py).
+"""``DeepseekModel``: the deepseek2 forward (llama.cpp's src/models/deepseek2.cpp; the
+semantics: architecture.py).
 
 What differs from ``MoEModel``: multi-head latent attention whose session state per layer is the
 normed latent and the rotated rope key of each position (``DeepseekSpec.layer_state``), never the
@@ -26,9 +27,10 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from strata_core.experts.rows import ExpertRows
-from strata_core.gguf.arch.deepseek2 import DeepseekSpec
+from strata_core.model.deepseek2.spec import DeepseekSpec
 from strata_core.model import ops
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import rms_norm
@@ -124,8 +126,6 @@ class DeepseekModel(MoEModel):
                   cached: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``[T, nh, v]``: per-head K/V of the ``S`` visible positions through fused SDPA (the chunk's
         queries are the last ``T`` of them)."""
-        from torch.nn.attention.bias import causal_lower_right
-
         s = self.spec
         latent, rope = (t.to(q_nope.dtype) for t in cached)
         S, T, nh = latent.shape[0], q_nope.shape[0], s.n_heads

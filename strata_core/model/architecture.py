@@ -2,8 +2,9 @@
 
 The class covers the llama.cpp "attention + routed MoE (+ optional shared expert)" family with
 llama.cpp's tensor names. An architecture that differs only in options is an instance with other
-flags (see qwen3moe.py, qwen2moe.py); one with other tensors subclasses and overrides
-``layer_tensors`` / ``spec_from_metadata``.
+flags (see qwen3moe.py, qwen2moe.py); one with other tensors or numbers has a ``ModelSpec`` subclass
+(its ``layer_tensors``, its state) and an ``Architecture`` subclass (its ``spec_from_metadata``). The
+tensor methods here read the spec's.
 
 Defaults applied when metadata lacks a key follow llama.cpp's loader (``llama_model::load_hparams``):
 - ``attention.head_count_kv`` -> ``attention.head_count``
@@ -23,81 +24,17 @@ Unsupported: per-layer head counts or expert sizes that differ between layers, R
 
 from __future__ import annotations
 
-import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gguf import Keys as K
 
 from strata_core.errors import ModelFileError, UnsupportedError
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.metadata import Metadata, layers_present
+from strata_core.model.spec import ModelSpec, Shape
 
 __all__ = ["Architecture"]
-
-Shape = tuple[int, ...]
-
-
-class _Metadata:
-    """Typed reads of ``{arch}.*`` keys: each value is checked, and a problem names the file and key."""
-
-    def __init__(self, metadata: Mapping[str, Any], arch: str, path: str) -> None:
-        self._metadata, self._arch, self._path = metadata, arch, path
-
-    def _raw(self, key: str, default: Any) -> tuple[str, Any]:
-        full = key.format(arch=self._arch)
-        if full not in self._metadata:
-            if default is ...:
-                raise ModelFileError(f"{self._path}: metadata key {full!r} is missing")
-            return full, default
-        value = self._metadata[full]
-        if isinstance(value, list):  # a per-layer array: one value for every layer is a scalar
-            if not value or len(set(map(repr, value))) != 1:
-                raise UnsupportedError(f"{self._path}: {full} differs between layers ({value[:8]}); not supported")
-            value = value[0]
-        return full, value
-
-    def _bad(self, key: str, value: Any, expected: str) -> ModelFileError:
-        return ModelFileError(f"{self._path}: metadata key {key!r} is {value!r}, expected {expected}")
-
-    def int(self, key: str, default: Any = ..., minimum: int = 1) -> int:
-        """An integer >= ``minimum`` (a string or float is an error, not converted)."""
-        full, value = self._raw(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise self._bad(full, value, f"an integer >= {minimum}")
-        return value
-
-    def float(self, key: str, default: Any = ..., *, positive: bool = True, below: float = math.inf) -> float:
-        """A finite number, > 0 when ``positive`` (else >= 0), and < ``below``."""
-        full, value = self._raw(key, default)
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if not ok or value < 0 or (positive and value == 0) or value >= below:
-            bound = "" if below == math.inf else f" and < {below:g}"
-            raise self._bad(full, value, "a finite number " + ("> 0" if positive else ">= 0") + bound)
-        return float(value)
-
-    def bool(self, key: str, default: bool) -> bool:
-        """A boolean."""
-        full, value = self._raw(key, default)
-        if not isinstance(value, bool):
-            raise self._bad(full, value, "a boolean")
-        return value
-
-    def str(self, key: str, default: str) -> str:
-        """A string."""
-        full, value = self._raw(key, default)
-        if not isinstance(value, str):
-            raise self._bad(full, value, "a string")
-        return value
-
-
-def layers_present(tensors: Mapping[str, Any]) -> set[int]:
-    """The layer indices ``N`` of the ``blk.N.*`` tensors."""
-    out = set()
-    for name in tensors:
-        parts = name.split(".", 2)
-        if parts[0] == "blk" and len(parts) == 3 and parts[1].isdigit():
-            out.add(int(parts[1]))
-    return out
 
 
 @dataclass(frozen=True)
@@ -110,13 +47,14 @@ class Architecture:
     has_shared_expert: bool  # ffn_{gate,up,down}_shexp + sigmoid gate ffn_gate_inp_shexp
     norm_topk_default: bool  # llama.cpp graph's norm_w when expert_weights_norm is absent
     output_optional: bool  # output.weight may be absent (tied to token_embd)
+    forward: Callable[[Any, Any], Any]  # (spec, DenseWeights) -> the forward: MoEModel or a subclass
 
     # -- metadata -------------------------------------------------------------------------------
     def spec_from_metadata(self, metadata: Mapping[str, Any], tensors: Mapping[str, Any],
                            path: str) -> ModelSpec:
         """Build the ModelSpec from GGUF metadata (with llama.cpp's defaults) and tensor shapes."""
         a = self.name
-        m = _Metadata(metadata, a, path)
+        m = Metadata(metadata, a, path)
         n_layers = m.int(K.LLM.BLOCK_COUNT)
         hidden = m.int(K.LLM.EMBEDDING_LENGTH)
         n_heads = m.int(K.Attention.HEAD_COUNT)
@@ -172,56 +110,29 @@ class Architecture:
         )
 
     def model(self, spec: ModelSpec, dense: Any) -> Any:
-        """The forward of this architecture over ``dense`` (DenseWeights): a ``MoEModel`` here; an
-        architecture with another attention or routing returns its subclass."""
-        from strata_core.model.transformer import MoEModel  # the model package imports this one
+        """The forward of this architecture over ``dense`` (DenseWeights): ``MoEModel`` or the
+        subclass with this architecture's attention or routing."""
+        return self.forward(spec, dense)
 
-        return MoEModel(spec, dense)
-
-    def check_rope_scaling(self, m: _Metadata, path: str) -> None:
+    def check_rope_scaling(self, m: Metadata, path: str) -> None:
         """Reject RoPE scaling the forward does not apply (here: any); an architecture that applies
         one (gpt-oss: YaRN) overrides this and reads the keys into its spec."""
         if m.str(K.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
                 m.float(K.Rope.SCALING_FACTOR, 0.0, positive=False) not in (0.0, 1.0):
             raise UnsupportedError(f"{path}: RoPE scaling ({self.name}.rope.scaling.*) is not supported")
 
-    # -- tensors --------------------------------------------------------------------------------
+    # -- tensors: the spec's (each architecture's ModelSpec subclass knows its own) ---------------
     def global_tensors(self, spec: ModelSpec) -> dict[str, Shape]:
         """Non-layer tensors the forward reads: name -> torch-order shape."""
-        out = {"token_embd.weight": (spec.vocab_size, spec.hidden_size),
-               "output_norm.weight": (spec.hidden_size,)}
-        if not spec.tied_embeddings:
-            out["output.weight"] = (spec.vocab_size, spec.hidden_size)
-        return out
+        return spec.global_tensors()
 
     def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, Shape]:
         """Dense tensors of ``layer`` (attention, norms, router, shared expert): name -> shape."""
-        H, p = spec.hidden_size, f"blk.{layer}."
-        out = {
-            p + "attn_norm.weight": (H,),
-            p + "attn_q.weight": (spec.q_size, H),
-            p + "attn_k.weight": (spec.kv_size, H),
-            p + "attn_v.weight": (spec.kv_size, H),
-            p + "attn_output.weight": (H, spec.q_size),
-            p + "ffn_norm.weight": (H,),
-            p + "ffn_gate_inp.weight": (spec.n_experts, H),
-        }
-        if self.has_attn_bias:
-            out |= {p + "attn_q.bias": (spec.q_size,), p + "attn_k.bias": (spec.kv_size,),
-                    p + "attn_v.bias": (spec.kv_size,)}
-        if self.has_qk_norm:
-            out |= {p + "attn_q_norm.weight": (spec.head_dim,), p + "attn_k_norm.weight": (spec.head_dim,)}
-        if self.has_shared_expert:
-            F = spec.shared_expert_ffn_size
-            out |= {p + "ffn_gate_inp_shexp.weight": (H,), p + "ffn_gate_shexp.weight": (F, H),
-                    p + "ffn_up_shexp.weight": (F, H), p + "ffn_down_shexp.weight": (H, F)}
-        return out
+        return spec.layer_tensors(layer)
 
     def expert_tensors(self, spec: ModelSpec, layer: int) -> dict[str, Shape]:
         """The routed-expert tensors of ``layer`` in (gate, up, down) order: name -> shape."""
-        E, F, H, p = spec.n_experts, spec.expert_ffn_size, spec.hidden_size, f"blk.{layer}."
-        return {p + "ffn_gate_exps.weight": (E, F, H), p + "ffn_up_exps.weight": (E, F, H),
-                p + "ffn_down_exps.weight": (E, H, F)}
+        return spec.expert_tensors(layer)
 
     def validate(self, gguf_file: Any, spec: ModelSpec) -> None:
         """Check the layers present match ``block_count`` and every tensor the forward reads exists with

@@ -1,4 +1,5 @@
-"""``GptOssModel``: the gpt-oss forward (llama.cpp's src/models/openai-moe.cpp; see gguf/arch/gpt_oss.py).
+"""``GptOssModel``: the gpt-oss forward (llama.cpp's src/models/openai-moe.cpp; the
+semantics: architecture.py).
 
 What differs from ``MoEModel``: RoPE tables from the spec (YaRN, per-layer base), attention with
 per-head sinks and a sliding window on alternate layers, the output projection's bias (handled by
@@ -17,14 +18,17 @@ import torch
 
 from strata_core.experts.ffn import ExpertFFN
 from strata_core.experts.rows import ExpertRows
-from strata_core.gguf.arch.gpt_oss import SWIGLU_ALPHA, SWIGLU_LIMIT, GptOssSpec
+from strata_core.model.gpt_oss.spec import GptOssSpec
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, masked_attention, rms_norm, rope_cos_sin
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.matmul import linear
 
-__all__ = ["SCORES_BYTES", "GptOssModel"]
+__all__ = ["SCORES_BYTES", "SWIGLU_ALPHA", "SWIGLU_LIMIT", "GptOssModel"]
+
+#: the swiglu_oai constants of llama.cpp's graph (``LLM_FFN_SWIGLU_OAI_MOE``)
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
 
 #: Largest float32 score tensor ``[nh, queries, S]`` one attention call makes.
 SCORES_BYTES = 1 << 30

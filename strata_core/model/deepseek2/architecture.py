@@ -32,98 +32,19 @@ llama.cpp semantics (src/models/deepseek2.cpp, ``llama_model_deepseek2::load_arc
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from gguf import Keys as K
 
 from strata_core.errors import ModelFileError, UnsupportedError
-from strata_core.gguf.arch.base import Architecture, Shape, _Metadata
-from strata_core.gguf.spec import ModelSpec, StateTensor
+from strata_core.model.architecture import Architecture
+from strata_core.model.deepseek2.forward import DeepseekModel
+from strata_core.model.deepseek2.spec import DeepseekSpec
+from strata_core.model.metadata import Metadata
 
-__all__ = ["ARCH", "DeepseekArchitecture", "DeepseekSpec"]
+__all__ = ["ARCH", "DeepseekArchitecture"]
 
 _GATING = {0: "softmax", 1: "softmax", 2: "sigmoid"}  # llama_expert_gating_func_type (0: not set)
-
-
-@dataclass(frozen=True)
-class DeepseekSpec(ModelSpec):
-    """``ModelSpec`` plus MLA's ranks and head parts, the dense lead, the router and RoPE scaling.
-
-    ``head_dim`` is the key head size (``qk_nope_dim + qk_rope_dim``), ``n_kv_heads`` 1 (the latent
-    is shared by every head), ``shared_expert_ffn_size`` the shared experts' total width.
-    """
-
-    q_lora_rank: int  # 0: q = attn_q x (no q LoRA)
-    kv_lora_rank: int  # the latent's width
-    qk_nope_dim: int
-    qk_rope_dim: int
-    v_head_dim: int
-    split_kv_b: bool  # attn_k_b + attn_v_b (current converters); False: one attn_kv_b (older files)
-    n_dense_lead: int  # leading layers with a dense FFN instead of experts
-    dense_ffn_size: int  # their FFN width
-    gating: str  # "softmax" or "sigmoid"
-    has_probs_bias: bool  # exp_probs_b.bias: a per-expert bias added for the selection only (V3)
-    expert_groups: int  # 1: no group-limited routing
-    expert_groups_used: int
-    rope_scaling: str  # "none", "linear" or "yarn"
-    rope_factor: float
-    rope_orig_ctx: int
-    rope_attn_factor: float  # rope.scaling.attn_factor
-    yarn_log_mul: float  # mscale_all_dim (0: none)
-
-    def layer_state(self, layer: int) -> dict[str, StateTensor]:
-        """Per token: the normed latent ``[kv_lora_rank]`` and the rotated rope key ``[qk_rope_dim]``."""
-        return {"latent": StateTensor((self.kv_lora_rank,)), "rope": StateTensor((self.qk_rope_dim,))}
-
-    @property
-    def moe_layers(self) -> range:
-        """The layers with routed experts (after the dense lead)."""
-        return range(self.n_dense_lead, self.n_layers)
-
-    @property
-    def _attn_factor(self) -> float:
-        """llama.cpp's ``cparams.yarn_attn_factor`` for this file (llama_context's constructor)."""
-        from strata_core.model.rope import yarn_get_mscale  # the model package imports this one
-
-        factor = self.rope_factor
-        if self.rope_scaling != "yarn":
-            return self.rope_attn_factor
-        if self.yarn_log_mul != 0.0:
-            mscale = self.yarn_log_mul if self.yarn_log_mul != 1.0 else 1.0  # the deepseek2 special case
-            attn = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, self.yarn_log_mul)
-        else:
-            attn = yarn_get_mscale(factor, 1.0)
-        return attn / (1.0 + 0.1 * math.log(factor)) * self.rope_attn_factor
-
-    @property
-    def rope_mscale(self) -> float:
-        """What cos and sin are multiplied by (ggml's ``rope_yarn`` mscale)."""
-        if self.rope_scaling != "yarn":
-            return self._attn_factor
-        return self._attn_factor * (1.0 + 0.1 * math.log(self.rope_factor))
-
-    @property
-    def kq_scale(self) -> float:
-        """The attention score scale (deepseek2.cpp's ``kq_scale``)."""
-        attn_factor_org = self._attn_factor * (1.0 + 0.1 * math.log(self.rope_factor))
-        mscale = attn_factor_org * (1.0 + 0.1 * self.yarn_log_mul * math.log(self.rope_factor))
-        return mscale * mscale / math.sqrt(self.head_dim)
-
-    def info_lines(self) -> list[str]:
-        """The architecture-specific lines of ``strata info``."""
-        q = f"q LoRA {self.q_lora_rank}" if self.q_lora_rank else "direct q"
-        rope = (f"RoPE {self.rope_scaling} x{self.rope_factor:g} (original context {self.rope_orig_ctx})"
-                if self.rope_scaling != "none" else "RoPE unscaled")
-        groups = (f", {self.expert_groups_used} of {self.expert_groups} expert groups"
-                  if self.expert_groups > 1 else "")
-        return [f"MLA: latent {self.kv_lora_rank} + rope key {self.qk_rope_dim} per token and layer "
-                f"({self.n_heads} heads of {self.qk_nope_dim}+{self.qk_rope_dim} -> value {self.v_head_dim}; "
-                f"{q}); {rope}",
-                f"dense FFN layers: {self.n_dense_lead} leading (width {self.dense_ffn_size}); router: "
-                f"{self.gating}{groups}, weights x{self.expert_weights_scale:g}"
-                f"{' renormalised' if self.norm_topk_prob else ''}"]
 
 
 class DeepseekArchitecture(Architecture):
@@ -133,7 +54,7 @@ class DeepseekArchitecture(Architecture):
                            path: str) -> DeepseekSpec:
         """Build the ``DeepseekSpec`` with llama.cpp's defaults."""
         a = self.name
-        m = _Metadata(metadata, a, path)
+        m = Metadata(metadata, a, path)
         n_layers = m.int(K.LLM.BLOCK_COUNT)
         hidden = m.int(K.LLM.EMBEDDING_LENGTH)
         n_heads = m.int(K.Attention.HEAD_COUNT)
@@ -198,47 +119,7 @@ class DeepseekArchitecture(Architecture):
             yarn_log_mul=m.float(K.Rope.SCALING_YARN_LOG_MUL, 0.0, positive=False) / 0.1,
         )
 
-    def model(self, spec: ModelSpec, dense: Any) -> Any:
-        """The MLA forward (``DeepseekModel``)."""
-        from strata_core.model.deepseek2 import DeepseekModel  # the model package imports this one
-
-        return DeepseekModel(spec, dense)
-
-    def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, Shape]:
-        """Attention (MLA), norms, and the dense FFN or the router (+ correction bias) and shared experts."""
-        assert isinstance(spec, DeepseekSpec)
-        H, nh, p = spec.hidden_size, spec.n_heads, f"blk.{layer}."
-        out = {p + "attn_norm.weight": (H,),
-               p + "attn_kv_a_mqa.weight": (spec.kv_lora_rank + spec.qk_rope_dim, H),
-               p + "attn_kv_a_norm.weight": (spec.kv_lora_rank,),
-               p + "attn_output.weight": (H, nh * spec.v_head_dim),
-               p + "ffn_norm.weight": (H,)}
-        if spec.split_kv_b:
-            out |= {p + "attn_k_b.weight": (nh, spec.kv_lora_rank, spec.qk_nope_dim),
-                    p + "attn_v_b.weight": (nh, spec.v_head_dim, spec.kv_lora_rank)}
-        else:
-            out[p + "attn_kv_b.weight"] = (nh * (spec.qk_nope_dim + spec.v_head_dim), spec.kv_lora_rank)
-        if spec.q_lora_rank:
-            out |= {p + "attn_q_a.weight": (spec.q_lora_rank, H), p + "attn_q_a_norm.weight": (spec.q_lora_rank,),
-                    p + "attn_q_b.weight": (nh * spec.head_dim, spec.q_lora_rank)}
-        else:
-            out[p + "attn_q.weight"] = (nh * spec.head_dim, H)
-        if layer not in spec.moe_layers:
-            F = spec.dense_ffn_size
-            return out | {p + "ffn_gate.weight": (F, H), p + "ffn_up.weight": (F, H), p + "ffn_down.weight": (H, F)}
-        out[p + "ffn_gate_inp.weight"] = (spec.n_experts, H)
-        if spec.has_probs_bias:
-            out[p + "exp_probs_b.bias"] = (spec.n_experts,)
-        if spec.has_shared_expert:
-            F = spec.shared_expert_ffn_size
-            out |= {p + "ffn_gate_shexp.weight": (F, H), p + "ffn_up_shexp.weight": (F, H),
-                    p + "ffn_down_shexp.weight": (H, F)}
-        return out
-
-    def expert_tensors(self, spec: ModelSpec, layer: int) -> dict[str, Shape]:
-        """The routed experts of an MoE layer; none for a leading dense layer."""
-        return super().expert_tensors(spec, layer) if layer in spec.moe_layers else {}
-
 
 ARCH = DeepseekArchitecture(name="deepseek2", has_qk_norm=False, has_attn_bias=False, has_shared_expert=True,
-                            norm_topk_default=False, output_optional=True)
+                            norm_topk_default=False, output_optional=True,
+                            forward=DeepseekModel)

@@ -8,7 +8,12 @@ the routed output. ``expert_shared_feed_forward_length`` defaults to ``feed_forw
 ``output.weight`` is required.
 """
 
-from strata_core.gguf.arch.base import Architecture
+from __future__ import annotations
+
+from strata_core.model.architecture import Architecture
+from strata_core.model.transformer import MoEModel
+
+__all__ = ["ARCH"]
 
 ARCH = Architecture(name="qwen2moe", has_qk_norm=False, has_attn_bias=True, has_shared_expert=True,
-                    norm_topk_default=False, output_optional=False)
+                    norm_topk_default=False, output_optional=False, forward=MoEModel)

@@ -12,12 +12,14 @@ from typing import ClassVar, Iterator
 import gguf
 from gguf import GGMLQuantizationType as Q
 
+from strata_core.model.preset import Preset
+
 __all__ = ["QWEN3NEXT_PRESETS", "Qwen3NextPreset"]
 
 
 @dataclass(frozen=True)
 class Qwen3NextPreset:
-    """The shapes of one qwen3next model (see ``strata_core.tools.synthetic.Preset`` for the protocol)."""
+    """The shapes of one qwen3next model (see ``strata_core.model.preset.Preset`` for the protocol)."""
 
     architecture: ClassVar[str] = "qwen3next"
     n_layers: int
@@ -86,8 +88,6 @@ class Qwen3NextPreset:
     def add_metadata(self, w: gguf.GGUFWriter) -> None:
         """The keys of a qwen3moe preset of the same sizes, plus the shared expert, the partial RoPE and
         the Gated DeltaNet keys (the layer pattern by interval, no per-layer array)."""
-        from strata_core.tools.synthetic import Preset  # that module imports this one
-
         p = self
         Preset(p.n_layers, p.n_experts, p.n_experts_used, p.hidden, p.expert_ffn, p.n_heads, p.n_kv_heads,
                p.head_dim, p.vocab, context=p.context, rope_theta=p.rope_theta).add_metadata(w)

@@ -36,65 +36,23 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
 from gguf import Keys as K
 
 from strata_core.errors import ModelFileError, UnsupportedError
-from strata_core.gguf.arch.base import Architecture, Shape, _Metadata, layers_present
-from strata_core.gguf.spec import ModelSpec, StateTensor
+from strata_core.model.architecture import Architecture
+from strata_core.model.metadata import Metadata, layers_present
+from strata_core.model.qwen3next.forward import Qwen3NextModel
+from strata_core.model.qwen3next.spec import Qwen3NextSpec
+from strata_core.model.spec import ModelSpec
 
-__all__ = ["ARCH", "Qwen3NextArchitecture", "Qwen3NextSpec"]
+__all__ = ["ARCH", "Qwen3NextArchitecture"]
 
 RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
 #: llama.cpp's default when neither recurrent_layers nor full_attention_interval is in the file
 DEFAULT_FULL_ATTENTION_INTERVAL = 4
 
 
-@dataclass(frozen=True)
-class Qwen3NextSpec(ModelSpec):
-    """``ModelSpec`` plus the layer pattern, the partial RoPE and the Gated DeltaNet shapes."""
-
-    recurrent: tuple[bool, ...]  # per layer: a Gated DeltaNet layer (else gated full attention)
-    rope_dim: int  # RoPE rotates the first rope_dim dims of each head
-    conv_kernel: int  # the causal convolution's width (its state holds conv_kernel - 1 inputs)
-    gdn_k_heads: int  # key (and query) heads of a Gated DeltaNet layer
-    gdn_v_heads: int  # value heads (a multiple of gdn_k_heads)
-    gdn_head_dim: int  # key head dim == value head dim
-    mtp_layers: int  # trailing multi-token-prediction blocks in the file (not run)
-
-    @property
-    def gdn_key_dim(self) -> int:
-        return self.gdn_k_heads * self.gdn_head_dim
-
-    @property
-    def gdn_value_dim(self) -> int:
-        return self.gdn_v_heads * self.gdn_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal convolution: q, k and v."""
-        return 2 * self.gdn_key_dim + self.gdn_value_dim
-
-    def layer_state(self, layer: int) -> dict[str, StateTensor]:
-        """A Gated DeltaNet layer keeps its conv state ``[conv_kernel - 1, conv_dim]`` and its ssm state
-        ``[v_heads, head_dim, head_dim]`` (float32, fixed size, updated in place); a full-attention
-        layer K/V rows."""
-        if not self.recurrent[layer]:
-            return super().layer_state(layer)
-        return {"conv": StateTensor((self.conv_kernel - 1, self.conv_dim), per_token=False, dtype=torch.float32),
-                "ssm": StateTensor((self.gdn_v_heads, self.gdn_head_dim, self.gdn_head_dim), per_token=False,
-                                   dtype=torch.float32)}
-
-    def info_lines(self) -> list[str]:
-        """The architecture-specific line of ``strata info`` (the state sizes are on its KV line)."""
-        full = [i for i, r in enumerate(self.recurrent) if not r]
-        return [f"Gated DeltaNet on {self.n_layers - len(full)} of {self.n_layers} layers ({self.gdn_k_heads} key / "
-                f"{self.gdn_v_heads} value heads of {self.gdn_head_dim}, conv {self.conv_kernel}), gated full "
-                f"attention on layers {', '.join(map(str, full)) or 'none'}; RoPE on {self.rope_dim} of "
-                f"{self.head_dim} head dims" + (f"; {self.mtp_layers} MTP block(s) not run" if self.mtp_layers else "")]
-
-
-def _recurrent_layers(metadata: Mapping[str, Any], m: _Metadata, arch: str, n_all: int, n_layers: int,
+def _recurrent_layers(metadata: Mapping[str, Any], m: Metadata, arch: str, n_all: int, n_layers: int,
                       path: str) -> tuple[bool, ...]:
     """llama.cpp's ``is_recr``: the per-layer bool array (``n_all`` entries, the MTP blocks included),
     else every layer but each ``full_attention_interval``-th."""
@@ -119,7 +77,7 @@ class Qwen3NextArchitecture(Architecture):
         a = self.name
         rope_key = K.Rope.DIMENSION_COUNT.format(arch=a)
         base = super().spec_from_metadata({k: v for k, v in metadata.items() if k != rope_key}, tensors, path)
-        m = _Metadata(metadata, a, path)
+        m = Metadata(metadata, a, path)
         rope_dim = m.int(K.Rope.DIMENSION_COUNT, base.head_dim)
         if rope_dim > base.head_dim or rope_dim % 2:
             raise ModelFileError(f"{path}: {rope_key} is {rope_dim}, expected an even number <= head_dim "
@@ -146,37 +104,6 @@ class Qwen3NextArchitecture(Architecture):
             gdn_head_dim=head_dim,
             mtp_layers=mtp,
         )
-
-    def model(self, spec: ModelSpec, dense: Any) -> Any:
-        """A ``Qwen3NextModel``."""
-        from strata_core.model.qwen3next import Qwen3NextModel  # the model package imports this one
-
-        return Qwen3NextModel(spec, dense)
-
-    def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, Shape]:
-        """``post_attention_norm`` before the MoE; a gated attention layer's ``attn_q`` is twice the
-        query size (query + gate); a Gated DeltaNet layer has no attention tensors but its own."""
-        assert isinstance(spec, Qwen3NextSpec)
-        H, p = spec.hidden_size, f"blk.{layer}."
-        out = super().layer_tensors(spec, layer)
-        del out[p + "ffn_norm.weight"]
-        out[p + "post_attention_norm.weight"] = (H,)
-        if not spec.recurrent[layer]:
-            out[p + "attn_q.weight"] = (2 * spec.q_size, H)
-            return out
-        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-                     "attn_q_norm.weight", "attn_k_norm.weight"):
-            del out[p + name]
-        return out | {
-            p + "attn_qkv.weight": (spec.conv_dim, H),
-            p + "attn_gate.weight": (spec.gdn_value_dim, H),
-            p + "ssm_conv1d.weight": (spec.conv_dim, spec.conv_kernel),
-            p + "ssm_dt.bias": (spec.gdn_v_heads,),
-            p + "ssm_a": (spec.gdn_v_heads,),
-            p + "ssm_ba.weight": (2 * spec.gdn_v_heads, H),
-            p + "ssm_norm.weight": (spec.gdn_head_dim,),
-            p + "ssm_out.weight": (H, spec.gdn_value_dim),
-        }
 
     def validate(self, gguf_file: Any, spec: ModelSpec) -> None:
         """The base checks over the layers that run; the MTP blocks only need to be present; a legacy
@@ -205,4 +132,5 @@ class _RunLayers:
 
 
 ARCH = Qwen3NextArchitecture(name="qwen3next", has_qk_norm=True, has_attn_bias=False, has_shared_expert=True,
-                             norm_topk_default=True, output_optional=True)
+                             norm_topk_default=True, output_optional=True,
+                             forward=Qwen3NextModel)

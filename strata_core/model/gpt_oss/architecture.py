@@ -30,66 +30,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch
 from gguf import Keys as K
 
 from strata_core.errors import ModelFileError, UnsupportedError
-from strata_core.gguf.arch.base import Architecture, Shape, _Metadata
-from strata_core.gguf.spec import ModelSpec
+from strata_core.model.architecture import Architecture
+from strata_core.model.gpt_oss.forward import GptOssModel
+from strata_core.model.gpt_oss.spec import GptOssSpec
+from strata_core.model.metadata import Metadata
 
-__all__ = ["ARCH", "GptOssArchitecture", "GptOssSpec"]
-
-#: the swiglu_oai constants of llama.cpp's graph (``LLM_FFN_SWIGLU_OAI_MOE``)
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
-
-
-@dataclass(frozen=True)
-class GptOssSpec(ModelSpec):
-    """``ModelSpec`` plus gpt-oss's sliding window and RoPE scaling."""
-
-    sliding_window: int  # tokens a sliding layer's query sees (itself included)
-    swa_layers: tuple[bool, ...]  # per layer: sliding-window attention
-    rope_theta_swa: float  # RoPE base of the sliding layers
-    rope_scaling: str  # "none", "linear" or "yarn"
-    rope_factor: float  # context scaling factor (1.0 = none)
-    rope_orig_ctx: int  # YaRN's original context length
-    rope_attn_factor: float  # rope.scaling.attn_factor
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of ``layer``, None for a full-attention layer."""
-        return self.sliding_window if self.swa_layers[layer] else None
-
-    @property
-    def rope_mscale(self) -> float:
-        """What cos and sin are multiplied by (llama.cpp's effective ``mscale``)."""
-        from strata_core.model.rope import yarn_get_mscale  # the model package imports this one
-
-        if self.rope_scaling != "yarn":
-            return self.rope_attn_factor
-        return self.rope_attn_factor * yarn_get_mscale(self.rope_factor)
-
-    def rope_inv_freq(self, layer: int) -> torch.Tensor:
-        """``[head_dim / 2]`` float32 angle per position of each rotated pair of ``layer`` (llama.cpp's
-        YaRN with its fixed betas)."""
-        from strata_core.model.rope import scaled_inv_freq  # the model package imports this one
-
-        base = self.rope_theta_swa if self.swa_layers[layer] else self.rope_theta
-        return scaled_inv_freq(self.head_dim, base, self.rope_scaling, self.rope_factor, self.rope_orig_ctx)
-
-    def info_lines(self) -> list[str]:
-        """The architecture-specific lines of ``strata info``."""
-        sliding = [i for i, s in enumerate(self.swa_layers) if s]
-        rope = (f"RoPE {self.rope_scaling} x{self.rope_factor:g} (original context {self.rope_orig_ctx})"
-                if self.rope_scaling != "none" else "RoPE unscaled")
-        return [f"sliding window: {self.sliding_window} tokens on {len(sliding)} of {self.n_layers} layers "
-                f"({_layer_ranges(sliding)}), the others full attention; attention sinks; {rope}"]
-
-
-def _layer_ranges(layers: list[int]) -> str:
-    """``[0, 2, 4, 6]`` -> ``"0, 2, ..., 6"``; a short list as it is."""
-    if len(layers) > 4 and all(b - a == layers[1] - layers[0] for a, b in zip(layers, layers[1:])):
-        return f"{layers[0]}, {layers[1]}, ..., {layers[-1]}"
-    return ", ".join(map(str, layers)) or "none"
+__all__ = ["ARCH", "GptOssArchitecture"]
 
 
 def _swa_layers(metadata: Mapping[str, Any], arch: str, n_layers: int, path: str) -> tuple[bool, ...]:
@@ -110,14 +59,14 @@ def _swa_layers(metadata: Mapping[str, Any], arch: str, n_layers: int, path: str
 class GptOssArchitecture(Architecture):
     """gpt-oss: the base tensors renamed and extended (see the module doc)."""
 
-    def check_rope_scaling(self, m: _Metadata, path: str) -> None:
+    def check_rope_scaling(self, m: Metadata, path: str) -> None:
         """gpt-oss applies its RoPE scaling (read in ``spec_from_metadata``): nothing to reject."""
 
     def spec_from_metadata(self, metadata: Mapping[str, Any], tensors: Mapping[str, Any],
                            path: str) -> GptOssSpec:
         """The base spec plus the sliding window, its layers and the RoPE scaling."""
         base = super().spec_from_metadata(metadata, tensors, path)
-        m = _Metadata(metadata, self.name, path)
+        m = Metadata(metadata, self.name, path)
         scaling = m.str(K.Rope.SCALING_TYPE, "none")
         if scaling not in ("none", "linear", "yarn"):
             raise UnsupportedError(f"{path}: {self.name}.rope.scaling.type {scaling!r} is not supported "
@@ -134,28 +83,7 @@ class GptOssArchitecture(Architecture):
             rope_attn_factor=m.float(K.Rope.SCALING_ATTN_FACTOR, 1.0),
         )
 
-    def model(self, spec: ModelSpec, dense: Any) -> Any:
-        """A ``GptOssModel``."""
-        from strata_core.model.gpt_oss import GptOssModel  # the model package imports this one
-
-        return GptOssModel(spec, dense)
-
-    def layer_tensors(self, spec: ModelSpec, layer: int) -> dict[str, Shape]:
-        """Attention with biases and sinks, ``post_attention_norm``, the biased router and the
-        per-expert biases (small dense tensors placed with the layer, indexed by expert id)."""
-        H, E, F, p = spec.hidden_size, spec.n_experts, spec.expert_ffn_size, f"blk.{layer}."
-        out = super().layer_tensors(spec, layer)
-        del out[p + "ffn_norm.weight"]
-        return out | {
-            p + "post_attention_norm.weight": (H,),
-            p + "attn_output.bias": (H,),
-            p + "attn_sinks.weight": (spec.n_heads,),
-            p + "ffn_gate_inp.bias": (E,),
-            p + "ffn_gate_exps.bias": (E, F),
-            p + "ffn_up_exps.bias": (E, F),
-            p + "ffn_down_exps.bias": (E, H),
-        }
-
 
 ARCH = GptOssArchitecture(name="gpt-oss", has_qk_norm=False, has_attn_bias=True, has_shared_expert=False,
-                          norm_topk_default=False, output_optional=False)
+                          norm_topk_default=False, output_optional=False,
+                          forward=GptOssModel)

@@ -14,7 +14,7 @@ from typing import ClassVar, Iterator
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-from strata_core.tools.synthetic_preset import Preset, TensorSpec
+from strata_core.model.preset import Preset, TensorSpec
 
 __all__ = ["GPT_OSS_PRESETS", "GptOssPreset"]
 

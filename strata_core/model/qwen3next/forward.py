@@ -1,5 +1,5 @@
 """The Qwen3-Next forward (``Qwen3NextModel``): Gated DeltaNet layers and gated full-attention layers
-over ``MoEModel``'s experts, head and attention kernels (math: strata_core/gguf/arch/qwen3next.py).
+over ``MoEModel``'s experts, head and attention kernels (math: architecture.py).
 
 A Gated DeltaNet layer reads and updates its session state in place (``kv.state(layer, "conv")``,
 ``kv.state(layer, "ssm")``); ``positions`` and ``n_ctx`` do not enter it: the state is the
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from strata_core.gguf.arch.qwen3next import Qwen3NextSpec
-from strata_core.model.deltanet import causal_conv, delta_rule, l2_norm
+from strata_core.model.qwen3next.deltanet import causal_conv, delta_rule, l2_norm
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
+from strata_core.model.qwen3next.spec import Qwen3NextSpec
 from strata_core.model.transformer import MoEModel
 from strata_core.ops.matmul import linear, rowwise
 

@@ -1,0 +1,2 @@
+"""The qwen3next architecture: ``spec.py`` (its ModelSpec), ``architecture.py`` (metadata -> spec, ``ARCH``),
+``forward.py`` (its forward), ``preset.py`` (its synthetic shapes), ``deltanet.py`` (the Gated DeltaNet blocks)."""
