@@ -65,7 +65,7 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
                 "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats,
                 "strategy": self.strategy, "sessions": self.sessions}
             for name, source in (("pinned_h2d_gbps", "pinned"), ("device_copy_gbps", "device")):
-                rate = copy_gbps(engine.main.device, source)
+                rate = copy_gbps(engine.runner.main.device, source)
                 if rate is not None:
                     setup[name] = round(rate, 1)
             results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens,

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The whole test suite on the GPU machine in one call, its failures listed by name (pytest -rfE). From the
+# repo root there, with the wheels of .whl carried (the device README's notes say how to fetch them):
+#   bash tools/gpu_suite.sh                 # $OUT/suite.log; WORKERS=8, SUITE_TIMEOUT=530 by default
+# With MODEL=PATH it also writes the synthetic Qwen3-30B-A3B there in the background, for a bench after it.
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+packages=$(for p in plugins/*/ examples/*/; do [ -f "$p/pyproject.toml" ] && printf -- '-e %s ' "$p"; done)
+# shellcheck disable=SC2086
+python3 -m pip install -q --no-deps --no-build-isolation -e . $packages > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+if [ -n "${MODEL:-}" ] && [ ! -f "$MODEL" ]; then
+  (strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K "$MODEL.tmp" > "$OUT/synth.log" 2>&1 \
+   && mv "$MODEL.tmp" "$MODEL") &
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -q -rfE -n "${WORKERS:-8}" 2>&1 | tee "$OUT/suite.log" | tail -40
+status=${PIPESTATUS[0]}
+[ -n "${MODEL:-}" ] && wait
+exit "$status"
