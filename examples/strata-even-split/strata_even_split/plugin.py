@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from strata_core.errors import ConfigError
-from strata_core.plugin import GateLayout, Placement, StrategyOptions, StrategySpec, hookimpl
+from strata_core.plugin import ConfigError, GateLayout, Placement, StrategyOptions, StrategySpec, hookimpl
 
 
 class EvenSplitOptions(StrategyOptions):

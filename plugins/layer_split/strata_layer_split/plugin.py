@@ -19,8 +19,8 @@ import sys
 import torch
 from pydantic import Field
 
-from strata_core.errors import ConfigError
-from strata_core.plugin import DecodeBatch, DeviceSlot, GateLayout, Placement, StrategyOptions, StrategySpec, hookimpl
+from strata_core.plugin import (ConfigError, DecodeBatch, DeviceSlot, GateLayout, Placement, StrategyOptions,
+                                StrategySpec, hookimpl)
 from strata_core.plugin.memory import GIB, device_bytes, global_weight_bytes
 
 log = logging.getLogger(__name__)

@@ -39,9 +39,8 @@ import sys
 
 from pydantic import Field
 
-from strata_core.errors import ConfigError
-from strata_core.plugin import (CacheBudget, ExpertSource, GateLayout, LayerPlacement, Placement, StrategyOptions,
-                                StrategySpec, hookimpl)
+from strata_core.plugin import (CacheBudget, ConfigError, ExpertSource, GateLayout, LayerPlacement, Placement,
+                                StrategyOptions, StrategySpec, hookimpl)
 
 
 class PeerTierOptions(StrategyOptions):
