@@ -1,1 +1,12 @@
-"""serving"""
+"""Serving: requests from HTTP (or the CLI) turned into engine work and back into text.
+
+- ``scheduler.py``: the generation slots, the queue and the loop that prefills and decodes them.
+- ``requests.py``: a request's parameters and its stream of events.
+- ``sampling.py``: logits to token ids (temperature, top-k/p, min-p, penalties, logit bias, seeds).
+- ``stop_strings.py``: stop strings matched across token boundaries.
+- ``conv_cache.py``: displaced conversations' KV kept in host RAM for their return.
+- ``server/``: the OpenAI-compatible Litestar app (schemas, controllers, errors, metrics, loading).
+
+The scheduler only schedules; the engine (and its runner) computes; the service turns token ids into
+text and events. One request's failure ends only that request.
+"""
