@@ -20,7 +20,7 @@ class StrategyOptions(BaseModel):
 
 
 def normalize_strategy_name(name: str) -> str:
-    """``peer-tier`` and ``Peer_Tier`` both name the strategy ``peer_tier``."""
+    """``my-topology`` and ``My_Topology`` both name the strategy ``my_topology``."""
     return name.strip().lower().replace("-", "_")
 
 
@@ -54,7 +54,7 @@ GateOptions = Callable[[GateLayout], Mapping[str, "str | int | float | bool"]]
 class StrategySpec:
     """A strategy a plugin provides.
 
-    :param name: the ``--strategy`` value; normalised (``peer-tier`` -> ``peer_tier``).
+    :param name: the ``--strategy`` value; normalised (``my-topology`` -> ``my_topology``).
     :param description: one line shown by ``strata plugins``.
     :param plugin: the plugin object (usually the module) whose hookimpls implement the strategy.
     :param options: the pydantic model of its ``--strategy-options`` (``extra="forbid"``).
