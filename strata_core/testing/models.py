@@ -12,9 +12,12 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
-from strata_core.text.chat import CHATML_TEMPLATE
+from strata_core.gguf.reader import GGUFFile
 from strata_core.gguf.tiny import tiny_hf_model
 from strata_core.gguf.writer import write_gguf
+from strata_core.model.registry import load_model_spec
+from strata_core.model.spec import ModelSpec
+from strata_core.text.chat import CHATML_TEMPLATE
 from strata_core.text.tokenizer import train_byte_level_bpe
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -50,3 +53,9 @@ def write_tiny_model(path: Path, options: TinyModelOptions) -> Path:
                dense_qtype=GGMLQuantizationType[options.dense_type],
                tokenizer=tokenizer, chat_template=CHATML_TEMPLATE)
     return path
+
+
+def tiny_spec(path: Path) -> ModelSpec:
+    """The ``ModelSpec`` of a model file (a tiny one from ``tiny_model_factory``, say): what
+    ``strata_topology`` receives as ``spec``, for testing a placement function without an engine."""
+    return load_model_spec(GGUFFile.open(path))

@@ -9,10 +9,22 @@ Fixtures:
 * ``logical_devices`` — ``["cpu", "cpu"]``, plus ``["cuda:0", "cuda:0"]`` where CUDA exists: every
   topology runs on logical devices.
 
-:func:`strata_core.testing.sync.no_host_sync` checks on CUDA that a decode window enqueues its
-work without a host synchronisation; :class:`strata_core.testing.sync.HostReads` counts host reads on
-any device; :func:`strata_core.testing.residency.check_tiers` checks that no two device slots' caches
-hold the same expert.
+Helpers:
+
+* :func:`strata_core.testing.sync.no_host_sync` — checks on CUDA that a decode window enqueues its
+  work without a host synchronisation; :class:`strata_core.testing.sync.HostReads` counts host reads
+  on any device.
+* :func:`strata_core.testing.residency.check_tiers` — checks that no two device slots' caches hold
+  the same expert, and each only layers its placement serves.
+* :func:`strata_core.testing.residency.single_holds` — the experts ``single`` caches with N slots:
+  what a tiered strategy's caches must hold together.
+* :func:`strata_core.testing.models.tiny_spec` — the ``ModelSpec`` of a model file, for testing a
+  placement function without an engine.
+* :func:`strata_core.testing.contract.strict_context` — runs the phase hooks with a ``ctx`` that
+  answers only ``PhaseContext``'s members.
+
+A plugin and its tests import only ``strata_core.plugin``, ``strata_core.testing`` and the public
+``strata_core.Engine`` (``tests/test_plugin_contract.py`` checks it).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from strata_core.engine import Engine
 
 
@@ -18,3 +21,15 @@ def check_tiers(engine: Engine) -> None:
             assert entry not in held, f"expert {entry} is held by slots {held[entry]} and {slot}"
             assert entry[0] in served[slot], f"slot {slot} holds {entry}, a layer it does not serve"
             held[entry] = slot
+
+
+def single_holds(path: str | os.PathLike[str], expert_cache: int, **settings: Any) -> set[tuple[int, int]]:
+    """The (layer, expert) entries ``single`` caches on one CPU device with ``expert_cache`` slots
+    (the other ``settings``, an ``expert_profile`` say, as for the engine compared with it): the set
+    a tiered strategy's caches must hold together to be exact against single (DESIGN invariant 1)."""
+    engine = Engine.load(path, strategy="single", devices=["cpu"], expert_cache=expert_cache,
+                         **{"max_context": 64} | settings)
+    try:
+        return set(engine.experts.tables[0].resident())
+    finally:
+        engine.close()

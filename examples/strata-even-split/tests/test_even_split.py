@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
+from strata_core.plugin import ConfigError
 
 
 @pytest.fixture
@@ -28,8 +29,6 @@ def test_logits_and_greedy_output_equal_single(model_path, logical_devices):
 
 
 def test_too_many_stages_is_a_clear_error(model_path):
-    from strata_core.errors import ConfigError
-
     with pytest.raises(ConfigError, match="even_split: 3 stages"):
         Engine.load(model_path, strategy="even_split", devices=["cpu", "cpu"],
                     strategy_options={"stages": 3})

@@ -9,9 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from strata_core.engine import Engine
-from strata_core.errors import ConfigError
-from strata_core.experts.profile import default_order
-from strata_core.testing.residency import check_tiers
+from strata_core.plugin import ConfigError
+from strata_core.testing.residency import check_tiers, single_holds
 
 PROMPT = list(range(5, 41))
 CHECKS = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -52,7 +51,7 @@ def test_logits_equal_single_holding_the_union(model, reference, primary, others
     assert torch.equal(_window(engine), reference[1])
     held = [set(engine.experts.tables[i].resident()) for i in range(1 + len(others))]
     assert sum(map(len, held)) == len(set().union(*held))  # disjoint
-    assert set().union(*held) == set(default_order(4, 8)[:primary + sum(others)])  # the next in rank
+    assert set().union(*held) == single_holds(model, primary + sum(others))  # the next in rank
     by_device = engine.telemetry.by_device()
     assert set(by_device) == {"cpu#0"}  # the primary computes every row
 

@@ -1,5 +1,6 @@
-"""layer_split on logical devices: single's logits bit for bit, micro-batched windows, no host sync
-growing with the layer count, per-stage timing, and caches that never hold an expert twice."""
+"""layer_split on logical devices: single's logits bit for bit, micro-batched windows, per-stage
+timing, and caches that never hold an expert twice. (The host reads of a window across stages are
+counted in tests/test_stage_host_reads.py.)"""
 
 from __future__ import annotations
 
@@ -10,14 +11,9 @@ from hypothesis import strategies as st
 from strata_layer_split.plugin import micro_batches, stage_ranges
 
 from strata_core.engine import Engine
-from strata_core.errors import ConfigError
-from strata_core.experts import device_rows
-from strata_core.gguf.reader import GGUFFile
-from strata_core.model.registry import load_model_spec
-from strata_core.plugin import DeviceSlot
-from strata_core.runtime.session import DecodeBatch
+from strata_core.plugin import ConfigError, DecodeBatch, DeviceSlot
+from strata_core.testing.models import tiny_spec
 from strata_core.testing.residency import check_tiers
-from strata_core.testing.sync import HostReads
 
 PROMPT = list(range(5, 41))
 CPU2 = [DeviceSlot(0, torch.device("cpu")), DeviceSlot(1, torch.device("cpu"))]
@@ -54,7 +50,7 @@ def test_greedy_output_equals_single(model, reference):
 
 
 def test_auto_cuts_by_memory_and_bad_splits_are_named(tiny_model_factory):
-    spec = load_model_spec(GGUFFile.open(tiny_model_factory(n_layers=8)))
+    spec = tiny_spec(tiny_model_factory(n_layers=8))
     assert stage_ranges(CPU2, spec, "auto") == [(0, range(0, 4)), (1, range(4, 8))]  # cpu,cpu share RAM
     assert stage_ranges(CPU2, spec, "3") == [(0, range(0, 3)), (1, range(3, 8))]
     for bad in ("0", "8", "2,5", "x"):
@@ -88,35 +84,6 @@ def test_micro_batched_windows_equal_single_and_run_each_stage_per_micro_batch(m
     five = DecodeBatch(tuple(engine.new_session() for _ in range(5)), torch.arange(5))
     parts = micro_batches(five, 2)
     assert [len(p) for p in parts] == [2, 3] and torch.equal(torch.cat([p.tokens for p in parts]), five.tokens)
-
-
-def _host_reads(engine: Engine, monkeypatch) -> list[str]:
-    """Tensor reads to the host made while a decode window of two sessions runs."""
-    reads = HostReads(monkeypatch)
-    reads.watch(device_rows, "group_by_expert")
-    sessions = [engine.new_session(), engine.new_session()]
-    for session in sessions:
-        engine.prefill(session, PROMPT[:12])
-    with reads.counting() as seen:
-        engine.decode_window([(sessions[0], 3), (sessions[1], 4)])
-    return seen
-
-
-@pytest.mark.parametrize("gather", [True, False])
-def test_host_syncs_per_window_do_not_grow_with_the_layer_count(tiny_model_factory, monkeypatch, gather):
-    """With the decode gather a window reads nothing back per layer, whatever the split; the
-    per-expert loop reads the routing once per layer (so the count can fail)."""
-    counts = []
-    for n_layers in (2, 4):
-        path = tiny_model_factory(n_layers=n_layers, expert_type="Q8_0")
-        engine = _split(path, n_layers // 2, expert_cache=3, arena="pinned")
-        engine.experts.use_gather(gather)
-        with monkeypatch.context() as patch:
-            counts.append(len(_host_reads(engine, patch)))
-    if gather:
-        assert counts[0] == counts[1]
-    else:
-        assert counts[1] > counts[0]
 
 
 def test_decode_timing_prints_each_stage(model, capsys):

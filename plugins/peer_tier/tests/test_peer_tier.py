@@ -1,9 +1,8 @@
 """peer_tier on logical devices: single's logits bit for bit with the union of both tiers, tiers
-disjoint (also under adaptation) and within budget, a failing peer fails only its request."""
+disjoint (also under adaptation) and within budget. (The peer lane and the prompt planner it drives
+are core machinery, tested in tests/test_peer_rows.py and tests/test_prompt_plan.py.)"""
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -11,10 +10,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from strata_core.engine import Engine
-from strata_core.experts.profile import default_order
-from strata_core.experts.peer import PeerLane
-from strata_core.experts.prompt_plan import assign
-from strata_core.testing.residency import check_tiers
+from strata_core.plugin import ConfigError
+from strata_core.testing.residency import check_tiers, single_holds
 
 PROMPT = list(range(5, 41))
 CHECKS = settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -77,7 +74,7 @@ def test_logits_equal_single_holding_the_union(model, reference, primary, peer, 
         assert torch.equal(logits, reference[0])
         assert all(torch.equal(a, b) for a, b in zip(_windows(engine, 3), reference[1]))
     assert not _held(engine, 0) & _held(engine, 1)
-    assert _held(engine, 0) | _held(engine, 1) == set(default_order(4, 8)[:primary + peer])  # single's, both budgets
+    assert _held(engine, 0) | _held(engine, 1) == single_holds(model, primary + peer)  # single's, both budgets
     assert engine.experts.tables[1].n_slots == min(peer, 4 * 8 - len(_held(engine, 0)))
 
 
@@ -86,86 +83,6 @@ def test_greedy_output_equals_single_and_the_peer_serves(model, reference):
     assert engine.generate(PROMPT, max_tokens=6, temperature=0) == reference[2]
     by_device = engine.telemetry.by_device()
     assert by_device["cpu#0"]["peer"] > 0 and by_device["cpu#1"]["streamed"] > 0
-
-
-def test_the_peer_computes_its_rows_on_its_own_lane(model, monkeypatch):
-    """The decode gather sends the peer its pairs through the lane (once per MoE layer), and the
-    prompt's grouped path too with peer_prefill_rows != 0 (with 0 the prompt reads the peer's cache
-    across)."""
-    entered = []  # a lane's first block of a layer (a prompt layer enters again for the rows coming back)
-    real = PeerLane.enqueue
-
-    def enqueue(lane, after=None, again=False):
-        if not again:
-            entered.append(lane.name)
-        return real(lane, after, again)
-
-    monkeypatch.setattr(PeerLane, "enqueue", enqueue)
-    engine = _tier(model, expert_cache=4, peer_slots=6)  # the default: prompts compute on the peer
-    engine.experts.use_gather(True)
-    engine.experts.use_grouped_prefill(True)
-    session = engine.new_session()
-    engine.prefill(session, PROMPT)
-    prompt = len(entered)
-    engine.decode_window([(session, 3)])
-    assert 0 < prompt <= 4 and len(entered) - prompt == 4 and set(entered) == {"cpu#1"}
-    entered.clear()
-    across = _tier(model, expert_cache=4, peer_slots=6, peer_prefill_rows=0)
-    across.experts.use_grouped_prefill(True)
-    across.prefill(across.new_session(), PROMPT)
-    assert entered == [] and across.telemetry.by_device()["cpu#0"]["peer"] > 0
-
-
-@CHECKS
-@given(primary=st.integers(0, 16), peer=st.integers(1, 16), stream=st.sampled_from([0.0, 0.35, 0.65, 1.0]),
-       seed=st.integers(0, 2 ** 16))
-def test_a_prompt_layer_s_experts_are_split_by_device_and_ordered_by_source(model, primary, peer, stream, seed):
-    """``assign`` (prompt_plan.py: what the grouped prefill sorts a prompt layer's pairs by), for random tier contents:
-    every expert on exactly one device, the peer's only experts of its cache or misses, and each
-    device's list ordered by source (the experts of one cache consecutive, in chain order, the misses
-    last), as ``grouped_rows`` reads them."""
-    engine = _tier(model, expert_cache=primary, peer_slots=peer, peer_stream_frac=stream)
-    rows = engine.experts.rows_for(0, "prompt")
-    n_experts = rows.arena.n_experts
-    everything = [(layer, e) for layer in rows.chains for e in range(n_experts)]
-    random.Random(seed).shuffle(everything)
-    for cache in engine.experts.caches.values():  # the primary's, then the peer's: disjoint by construction
-        for entry in cache.table.resident():
-            cache.table.evict(*entry)
-    for cache in engine.experts.caches.values():
-        cache.fill([entry for entry in everything if all(not c.table.holds(*entry)
-                                                         for c in engine.experts.caches.values())])
-    for layer, chain in rows.chains.items():
-        holder = chain.holders(layer, list(range(n_experts)))
-        owners = assign(chain, holder, peek=True)
-        assert sorted(e for experts in owners for e in experts) == list(range(n_experts))
-        (lane,) = chain.lanes
-        assert all(holder[e] is None or holder[e][0] is lane.cache for e in owners[1])
-        source = [*map(id, chain.caches()), None]
-        for experts in owners:
-            keys = [(source.index(None if holder[e] is None else id(holder[e][0])), e) for e in experts]
-            assert keys == sorted(keys)
-
-
-def test_a_planned_layer_s_plan_is_kept_while_the_residency_and_the_shares_hold(model):
-    """``PromptPlanner``: a prediction and the layer after it share one plan, taking the predicted shares; a
-    change of the residency makes a new plan from the tables."""
-    engine = _tier(model, expert_cache=4, peer_slots=6, peer_stream_frac=0.5)
-    rows = engine.experts.rows_for(0, "prompt")
-    layer, chain = 1, rows.chains[1]
-    (lane,) = chain.lanes
-    first = rows.planner.plan(layer, chain, 4, take=False)
-    assert rows.planner.plan(layer, chain, 4, take=False) is first
-    missing = sum(1 for where in first.holder if where is None)
-    share, credit = lane.split.peek(missing), lane.split.credit
-    assert sum(1 for e in first.owners[1] if first.holder[e] is None) == share
-    assert rows.planner.plan(layer, chain, 4) is first
-    assert lane.split.credit == pytest.approx(credit + missing * 0.5 - share)
-    entry = next(entry for entry in engine.experts.caches[0].table.resident() if entry[0] == layer)
-    engine.experts.caches[0].table.evict(*entry)
-    again = rows.planner.plan(layer, chain, 4, take=False)
-    assert again is not first and again.holder == chain.holders(layer, list(range(rows.arena.n_experts)))
-    assert again.holder[entry[1]] is None and first.holder[entry[1]] is not None
 
 
 @CHECKS
@@ -188,40 +105,7 @@ def test_tiers_stay_disjoint_and_within_budget_under_adaptation(model, primary, 
         assert _held(engine, 1) == peer_before
 
 
-@pytest.mark.parametrize("where", ["prompt", "window"])
-def test_a_failing_peer_fails_the_request_and_the_next_one_runs(model, reference, monkeypatch, where):
-    """An exception in the peer's rows ends the request with it; the tables are as before, the
-    tiers disjoint, and the next request gives single's output."""
-    engine = _tier(model, expert_cache=4, peer_slots=6, adapt_swaps=1, peer_prefill_rows=-1)  # the prompt computes there
-    engine.experts.use_gather(True)
-    engine.experts.use_grouped_prefill(True)
-    session = engine.new_session()
-    if where == "window":
-        engine.prefill(session, PROMPT)
-    before = {slot: table.host.clone() for slot, table in engine.experts.tables.items()}
-    real = PeerLane.enqueue
-
-    def failing(lane, after=None):
-        raise RuntimeError("the peer's rows failed")
-
-    monkeypatch.setattr(PeerLane, "enqueue", failing)
-    with pytest.raises(RuntimeError, match="the peer's rows failed"):
-        if where == "window":
-            engine.decode_window([(session, 3)])
-        else:
-            engine.prefill(session, PROMPT)
-    monkeypatch.setattr(PeerLane, "enqueue", real)
-    assert all(torch.equal(table.host, before[slot]) for slot, table in engine.experts.tables.items())
-    check_tiers(engine)
-    engine.release_session(session)
-    engine.experts.use_grouped_prefill(False)
-    assert torch.equal(engine.logits(PROMPT), reference[0])
-    assert engine.generate(PROMPT, max_tokens=6, temperature=0) == reference[2]
-
-
 def test_bad_device_counts_are_named(model):
-    from strata_core.errors import ConfigError
-
     with pytest.raises(ConfigError, match="peer_tier: --devices names the primary and the peer"):
         Engine.load(model, strategy="peer_tier", devices=["cpu"], max_context=128)
 
