@@ -119,6 +119,31 @@ class StrataSettings(BaseSettings):
         "built at load, counted with the dense part)"
     )
 
+    # --- kernel choices (CUDA; each off: the torch form it replaces, for comparison) ---------------
+    fused_norms: bool = Field(
+        True, description="RMSNorm and the q/k norm + RoPE as fused Triton kernels (off: the torch formulas)"
+    )
+    device_sdpa: bool = Field(
+        True, description="attention through torch SDPA (flash / cuDNN / memory-efficient kernels; off: the "
+        "CPU's masked matmul over the cache)"
+    )
+    mla_kernel: bool = Field(
+        True, description="MLA decode attention (deepseek2) through the flash-decoding kernel reading the latent "
+        "cache in place (off: its torch form)"
+    )
+    deltanet_chunked: Literal["fla", "torch", "recurrent"] = Field(
+        "fla", description="Gated DeltaNet prompts (qwen3next): fla-core's chunked kernel where it is installed, "
+        "the torch chunked form, or token by token"
+    )
+    fused_expert_ffn: bool = Field(
+        True, description="decode's fused expert kernels also compute biased / swiglu_oai experts (gpt-oss; off: "
+        "a dequantize and a grouped product per layer)"
+    )
+    miss_read: Literal["staged", "direct"] = Field(
+        "staged", description="decode kernels read a miss in the pinned arena from a device row copied first "
+        "(staged) or zero-copy over the host link (direct)"
+    )
+
     # --- server --------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address the server binds")
     port: int = Field(8080, ge=0, le=65535, description="port the server listens on")

@@ -151,7 +151,7 @@ class Engine:
                 layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
-        model = get_architecture(spec.architecture).model(spec, dense)
+        model = get_architecture(spec.architecture).model(spec, dense, settings)
         if model.splits_heads and spec.n_kv_heads >= 2:
             model.head_splits = _head_splits(placement, slots, spec)
         elif any(placed.attention_peer is not None for placed in placement.layers("prompt")):

@@ -125,24 +125,24 @@ SPLIT = moe.LaunchConfig(design="split")
                          ids=["split", "split2"])
 @pytest.mark.parametrize("qtypes", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0,) * 3], ids=lambda q: q[-1].name)
 @pytest.mark.parametrize("where", ["resident", "staged"])
-def test_moe_decode_split_design_matches_the_reference_and_repeats(config, qtypes, where, monkeypatch):
+def test_moe_decode_split_design_matches_the_reference_and_repeats(config, qtypes, where):
     """The split design (LaunchConfig): within the float32 tolerance, bit-identical when run again."""
-    monkeypatch.setattr(moe, "CONFIG", config)
-    got, want = _moe_decode_case(where, torch.float32, qtypes)
-    assert _rel(got, want) <= TOL[torch.float32]
-    assert torch.equal(got, _moe_decode_case(where, torch.float32, qtypes)[0])
+    with moe.launched_with(config):
+        got, want = _moe_decode_case(where, torch.float32, qtypes)
+        assert _rel(got, want) <= TOL[torch.float32]
+        assert torch.equal(got, _moe_decode_case(where, torch.float32, qtypes)[0])
 
 
 @pytest.mark.parametrize("config", [SPLIT, moe.LaunchConfig(design="split", split_k=4, fast_q4k=False, tile=1024)],
                          ids=["split", "split4-decoded"])
-def test_moe_split_design_biases_and_rows(config, monkeypatch):
+def test_moe_split_design_biases_and_rows(config):
     """The split design with swiglu_oai and the experts' biases (gpt-oss), and the uncombined rows of
     ``moe_pair_rows``."""
-    monkeypatch.setattr(moe, "CONFIG", config)
-    gen = torch.Generator().manual_seed(8)
-    biases = dict(gate_bias=torch.randn(8, 768, generator=gen) * 0.1, up_bias=torch.randn(8, 768, generator=gen) * 0.1,
-                  down_bias=torch.randn(8, 2048, generator=gen) * 0.1, act=1, alpha=1.702, limit=7.0)
-    got, want = _moe_decode_case("staged", torch.float32, (T.Q4_K,) * 3, **biases)
-    assert _rel(got, want) <= TOL[torch.float32]
-    args, rows_want = _moe_case((T.Q4_K, T.Q4_K, T.Q6_K), 512, 256, torch.float32, "device")
-    assert rel(moe.moe_pair_rows(*args), rows_want) < 1e-5
+    with moe.launched_with(config):
+        gen = torch.Generator().manual_seed(8)
+        biases = dict(gate_bias=torch.randn(8, 768, generator=gen) * 0.1, up_bias=torch.randn(8, 768, generator=gen) * 0.1,
+                      down_bias=torch.randn(8, 2048, generator=gen) * 0.1, act=1, alpha=1.702, limit=7.0)
+        got, want = _moe_decode_case("staged", torch.float32, (T.Q4_K,) * 3, **biases)
+        assert _rel(got, want) <= TOL[torch.float32]
+        args, rows_want = _moe_case((T.Q4_K, T.Q4_K, T.Q6_K), 512, 256, torch.float32, "device")
+        assert rel(moe.moe_pair_rows(*args), rows_want) < 1e-5

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
-from strata_core.model.deepseek2 import forward as deepseek2
 from strata_core.model.deepseek2.forward import ABSORBED_MAX_ROWS
 from strata_core.ops import mla
 from strata_core.tools.synthetic import write_synthetic
@@ -118,11 +117,11 @@ def _greedy(engine: Engine, prompt_lens: list[int], steps: int) -> tuple[list[li
 
 @needs_cuda
 @pytest.mark.parametrize("cuda_graphs", [False, True])
-def test_mla_kernel_greedy_decode_matches_the_torch_form(model, monkeypatch, cuda_graphs):
+def test_mla_kernel_greedy_decode_matches_the_torch_form(model, cuda_graphs):
     engine = Engine.load(model, devices=["cuda:0"], max_context=256, dtype="float32", cuda_graphs=cuda_graphs)
     kernel_tokens, kernel_logits = _greedy(engine, [30, 100], 12)
-    monkeypatch.setattr(deepseek2, "MLA_KERNEL", False)
-    torch_engine = Engine.load(model, devices=["cuda:0"], max_context=256, dtype="float32", cuda_graphs=cuda_graphs)
+    torch_engine = Engine.load(model, devices=["cuda:0"], max_context=256, dtype="float32", cuda_graphs=cuda_graphs,
+                               mla_kernel=False)
     torch_tokens, torch_logits = _greedy(torch_engine, [30, 100], 12)
     assert kernel_tokens == torch_tokens
     assert _close(kernel_logits, torch_logits, 1e-4)

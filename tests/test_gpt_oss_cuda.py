@@ -1,6 +1,6 @@
 """gpt-oss on a CUDA device against the CPU: the fused decode kernels with expert biases and
 swiglu_oai against their CPU reference; prompts (grouped prefill with the biases, misses streamed),
-decode windows (the decode gather: the fused kernels, or ``pair_ffn_grouped`` with ``FUSED_FFN`` off)
+decode windows (the decode gather: the fused kernels, or ``pair_ffn_grouped`` with ``fused_expert_ffn`` off)
 eager and captured as CUDA graphs. The model is ``make-synthetic --preset gpt-oss-tiny`` (MXFP4
 experts, Q8_0 dense, window 8, sinks, YaRN)."""
 
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
-from strata_core.experts import device_rows
 from strata_core.experts.ffn import ExpertFFN
 from strata_core.ops.moe import ffn_args, moe_decode, moe_pair_rows
 from strata_core.tools.synthetic import write_synthetic
@@ -77,10 +76,10 @@ def test_fused_kernels_apply_biases_and_swiglu_oai(dtype, rel):
     ("pinned", False, "float32", 2e-3, 1.0),  # the decode gather through pair_ffn_grouped
     ("pinned", True, "bfloat16", 6e-2, 1.0),  # (on the CPU in bf16: within 0.9%; 2.4% with router noise)
 ])
-def test_prompt_and_decode_on_cuda_match_the_cpu(model, dtype, rel, rows, arena, fused, monkeypatch):
-    monkeypatch.setattr(device_rows, "FUSED_FFN", fused)
+def test_prompt_and_decode_on_cuda_match_the_cpu(model, dtype, rel, rows, arena, fused):
     cpu = Engine.load(model, max_context=128)
-    gpu = Engine.load(model, devices=["cuda:0"], max_context=128, dtype=dtype, expert_cache=12, arena=arena)
+    gpu = Engine.load(model, devices=["cuda:0"], max_context=128, dtype=dtype, expert_cache=12, arena=arena,
+                      fused_expert_ffn=fused)
     reference = cpu.logits(PROMPT)
     assert _close(gpu.logits(PROMPT), reference, rel, rows)
     gpu.settings.prefill_chunk = 7  # chunks across the window of 8

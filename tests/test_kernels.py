@@ -82,8 +82,11 @@ def test_opcheck_moe_pair_rows_and_its_fake_shape():
     slot, expert = torch.tensor([1, -1, 0, -1]), torch.tensor([2, 3, 0, 1])
     args = op_args(torch.randn(2, 64), arena[[0, 2]].clone(), arena, slot, expert, 2, fmt)
     torch.library.opcheck(torch.ops.strata.moe_pair_rows.default, args)
+    torch.library.opcheck(torch.ops.strata.moe_pair_rows.default, args, {"direct_misses": True})
+    assert torch.equal(moe_pair_rows(*args, direct_misses=True), moe_pair_rows(*args))  # the kernels' choice only
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = moe_pair_rows(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args))
+        fake = moe_pair_rows(*(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args),
+                             direct_misses=True)
     assert fake.shape == (4, 64)
 
 

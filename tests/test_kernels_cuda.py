@@ -82,10 +82,9 @@ def _moe_case(qtypes, hidden, ffn, dtype, where, seed=0, tokens=3, k=4):
                                     (T.Q2_K, T.Q3_K, T.MXFP4), (T.IQ3_XXS, T.IQ3_S, T.Q4_0)],
                          ids=lambda q: "-".join(t.name for t in q))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_moe_pair_rows_kernel_matches_the_reference(qtypes, where, dtype, monkeypatch):
-    monkeypatch.setattr(moe, "MISS_READ", "direct" if where == "direct" else "staged")
+def test_moe_pair_rows_kernel_matches_the_reference(qtypes, where, dtype):
     args, want = _moe_case(qtypes, 512, 256, dtype, where)
-    got = moe.moe_pair_rows(*args)
+    got = moe.moe_pair_rows(*args, direct_misses=where == "direct")
     assert got.dtype == dtype and got.shape == want.shape
     assert rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
@@ -159,7 +158,7 @@ def test_sdpa_attention_on_cuda_matches_the_masked_matmul(T_, S, static):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_fused_norm_and_rope_match_the_torch_formulas(dtype, monkeypatch):
+def test_fused_norm_and_rope_match_the_torch_formulas(dtype):
     """``rms_norm`` / ``norm_rope`` on CUDA (one Triton kernel each) against the torch formulas the CPU
     runs, on the same device; positions up to 32K: at ~3e4 rad a 1-ulp difference of a float32
     frequency moves the angle by ~2e-3, hence 1e-3 in float32 (seen: 2.1e-4)."""
@@ -173,9 +172,8 @@ def test_fused_norm_and_rope_match_the_torch_formulas(dtype, monkeypatch):
     positions = torch.tensor([0, 1, 17, 1000, 8191, 32767], device=DEV)
     fused = [ops.rms_norm(x, w, 1e-6), ops.norm_rope(q, positions, 1e6, qw, 1e-6),
              ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0)]
-    monkeypatch.setattr(ops, "DEVICE_FUSED", False)
-    plain = [ops.rms_norm(x, w, 1e-6), ops.norm_rope(q, positions, 1e6, qw, 1e-6),
-             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0)]
+    plain = [ops.rms_norm(x, w, 1e-6, fused=False), ops.norm_rope(q, positions, 1e6, qw, 1e-6, fused=False),
+             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0, fused=False)]
     for got, want in zip(fused, plain):
         assert got.dtype == dtype and got.shape == want.shape
         assert rel(got, want) < (1e-3 if dtype == torch.float32 else 1e-2)

@@ -28,10 +28,11 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
     return _distance(a, b) <= rel
 
 
-def _form(monkeypatch, form: str) -> None:
+def _form(form: str) -> str:
+    """``form`` (a ``deltanet_chunked`` value); skips "fla" where fla-core is not installed."""
     if form == "fla" and deltanet.fla_chunk() is None:
         pytest.skip("flash-linear-attention (fla-core) is not installed")
-    monkeypatch.setattr(deltanet, "DEVICE_CHUNKED", form)
+    return form
 
 
 #: float32 through fla's Triton kernels takes TF32 products (10-bit mantissas): a wider tolerance
@@ -41,9 +42,9 @@ FLA_FLOAT32 = 1e-2
 @needs_cuda
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-3), (torch.bfloat16, 3e-2)], ids=["float32", "bfloat16"])
-def test_chunked_delta_rule_on_cuda_matches_the_recurrent_form(monkeypatch, form, dtype, rel):
+def test_chunked_delta_rule_on_cuda_matches_the_recurrent_form(form, dtype, rel):
     """Qwen3-Next-80B's shapes: 16 key heads, 32 value heads of 128; a state carried in."""
-    _form(monkeypatch, form)
+    _form(form)
     rel = max(rel, FLA_FLOAT32) if form == "fla" else rel
     gen = torch.Generator(device="cuda").manual_seed(0)
     T, Hk, Hv, D = 300, 16, 32, 128
@@ -55,22 +56,21 @@ def test_chunked_delta_rule_on_cuda_matches_the_recurrent_form(monkeypatch, form
     ref_state = s0.clone()
     ref = delta_rule_recurrent(q.repeat_interleave(2, 1), k.repeat_interleave(2, 1), v, g, beta, ref_state)
     state = s0.clone()
-    out = delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), state, Hk)
+    out = delta_rule(q.to(dtype), k.to(dtype), v.to(dtype), g, beta.to(dtype), state, Hk, form)
     assert out.dtype == torch.float32 and _close(out, ref, rel) and _close(state, ref_state, rel)
 
 
 @needs_cuda
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype, rel", [("float32", 2e-3), ("bfloat16", 6e-2)])
-def test_engine_on_cuda_matches_the_cpu(monkeypatch, form, dtype, rel):
+def test_engine_on_cuda_matches_the_cpu(form, dtype, rel):
     """Against float32 on the CPU. In bf16 the rounding of this random model's recurrent state grows
     along the prompt (the CPU's own bf16 is about 40% off float32 by position 100, as in Hugging Face
     transformers), so there the bound is twice the CPU's own bf16 distance, where that is larger."""
-    _form(monkeypatch, form)
     rel = max(rel, FLA_FLOAT32) if form == "fla" else rel
     cpu = Engine.load(DATA / "model-q8_0.gguf", max_context=256)
     gpu = Engine.load(DATA / "model-q8_0.gguf", devices=["cuda:0"], max_context=256, dtype=dtype, expert_cache=8,
-                      prefill_chunk=100, arena="pinned")
+                      prefill_chunk=100, arena="pinned", deltanet_chunked=_form(form))
     reference = cpu.logits(PROMPT)
     if dtype == "bfloat16":
         own = Engine.load(DATA / "model-q8_0.gguf", max_context=256, dtype=dtype)

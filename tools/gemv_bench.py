@@ -9,7 +9,7 @@ Each is timed with ``triton.testing.do_bench`` (median of single calls; do_bench
 between calls) while the calls rotate over copies of the weights whose total exceeds four times the
 H200's 60 MB L2, so no call finds its weights in the L2. Rows: cuBLAS bf16 on the bf16 dequantized
 matrix, then the Q8_0 kernel with each launch configuration of ``_variants()`` (the default
-:data:`strata_core.ops.dense_q8.CONFIG` first; ``bn=1`` is llama.cpp MMVQ's one row a block); each kernel output is checked against the float32
+:data:`strata_core.ops.dense_q8.DEFAULT_LAUNCH` first; ``bn=1`` is llama.cpp MMVQ's one row a block); each kernel output is checked against the float32
 product on the dequantized matrix (bf16 tolerance of tests/test_dense_q8.py: 1e-2 of the largest
 output). Printed as a table (us, GB/s of weight bytes read: Q8_0 34 bytes per 32 values, bf16 2 a
 value) and written to ``$OUT/gemv_bench.json`` (or ``--json``). Variants other than the default not
@@ -40,9 +40,9 @@ ROTATE_BYTES = 4 * 60 * 10**6
 
 
 def _variants():
-    from strata_core.ops.dense_q8 import CONFIG, Q8Config
+    from strata_core.ops.dense_q8 import DEFAULT_LAUNCH, Q8Config
 
-    return [CONFIG, Q8Config(bn=1), Q8Config(tile=4096), Q8Config(tile=16384, warps=8), Q8Config(programs=512),
+    return [DEFAULT_LAUNCH, Q8Config(bn=1), Q8Config(tile=4096), Q8Config(tile=16384, warps=8), Q8Config(programs=512),
             Q8Config(programs=4096), Q8Config(tile=4096, warps=2), Q8Config(max_mb=1), Q8Config(max_bn=4)]
 
 

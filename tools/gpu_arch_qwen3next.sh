@@ -33,20 +33,18 @@ timeout 180 python3 -m pytest -q tests/test_qwen3next_cuda.py 2>&1 \
 # one layer's chunked delta rule at Qwen3-Next-80B's shapes (16 key / 32 value heads of 128), bf16, 4k tokens
 timeout 60 python3 - <<'EOF' 2>&1 | tee "$OUT/q3n-gdn-forms.log"
 import torch
-from strata_core.model.qwen3next import deltanet
 from strata_core.model.qwen3next.deltanet import delta_rule, l2_norm
 T = 4096
 q, k = (l2_norm(torch.randn(T, 16, 128, device="cuda"), 1e-6).bfloat16() for _ in range(2))
 v = torch.randn(T, 32, 128, device="cuda").bfloat16()
 g, beta = -0.3 * torch.rand(T, 32, device="cuda"), torch.rand(T, 32, device="cuda").bfloat16()
 for form in ("fla", "torch"):
-    deltanet.DEVICE_CHUNKED = form
     state = torch.zeros(32, 128, 128, device="cuda")
-    delta_rule(q, k, v, g, beta, state, 16)  # warm-up (Triton compile / autotune)
+    delta_rule(q, k, v, g, beta, state, 16, form)  # warm-up (Triton compile / autotune)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        delta_rule(q, k, v, g, beta, state, 16)
+        delta_rule(q, k, v, g, beta, state, 16, form)
     end.record(); torch.cuda.synchronize()
     ms = start.elapsed_time(end) / 5
     print(f"delta rule {form:5s} T={T}: {ms:.2f} ms per layer ({T / ms * 1e3:,.0f} tok/s per layer)")

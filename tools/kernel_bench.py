@@ -85,10 +85,8 @@ def main() -> None:
         ms = bench(lambda: moe.moe_pair_rows(*margs(hit)))
         row(f"decode MoE layer {name}, 8 pairs resident: moe_pair_rows", ms, f"{read / ms / 1e6:.0f} GB/s")
         for mode in ("staged", "direct"):
-            moe.MISS_READ = mode
-            ms = bench(lambda: moe.moe_pair_rows(*margs(miss)))
+            ms = bench(lambda: moe.moe_pair_rows(*margs(miss), direct_misses=mode == "direct"))
             row(f"decode MoE layer {name}, 8 pairs from the pinned arena ({mode})", ms, f"{read / ms / 1e6:.1f} GB/s")
-        moe.MISS_READ = "staged"
         if name == "Q4_K":
             def old(slot):
                 packed = gather_experts(slots, pinned, slot, expert, fmt.total)

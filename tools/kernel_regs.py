@@ -6,7 +6,7 @@ Compiles ``_gate_up_kernel`` and ``_down_combine_kernel`` (strata_core/ops/moe_k
 sm_90a with Triton and its bundled ptxas, for each values-per-step tile and warp count, and prints
 the registers a thread uses, spills, and the CTAs and warps an SM can hold by registers (grids of
 8 pairs x F/BN and 1 token x H/BN programs over 132 SMs bound them further). Needs Triton
-(``pip install triton``); the kernels' rows per program are those of ``moe.CONFIG`` (``bn_gate_up``,
+(``pip install triton``); the kernels' rows per program are those of ``moe.DEFAULT_LAUNCH`` (``bn_gate_up``,
 ``bn_combine``).
 """
 
@@ -56,12 +56,12 @@ def main() -> None:
     qtype = T[args.qtype]
     bs, ts, sub = block_geometry(qtype)
     kernels = [
-        ("gate_up", moe_kernels._gate_up_kernel, moe.CONFIG.bn_gate_up,
+        ("gate_up", moe_kernels._gate_up_kernel, moe.DEFAULT_LAUNCH.bn_gate_up,
          lambda bn, nt: dict(QG=int(qtype), BSG=bs, TSG=ts, SUBG=sub, NTG=nt, QU=int(qtype), BSU=bs, TSU=ts,
                              SUBU=sub, NTU=nt, BN=bn, BY_PAIR=False, BIAS=False, OAI=False),
          dict(x="*bf16", h="*fp32", slot_ptr="*i64", miss_ptr="*i64", tab_g="*fp32", tab_u="*fp32",
               gate_bias="*fp32", up_bias="*fp32", expert_ptr="*i64")),
-        ("down_combine", moe_kernels._down_combine_kernel, moe.CONFIG.bn_combine,
+        ("down_combine", moe_kernels._down_combine_kernel, moe.DEFAULT_LAUNCH.bn_combine,
          lambda bn, nt: dict(QT=int(qtype), BS=bs, TS=ts, SUB=sub, NT=nt, BN=bn, BY_PAIR=False, BIAS=False),
          dict(h="*fp32", out="*bf16", weights="*fp32", slot_ptr="*i64", miss_ptr="*i64", tab="*fp32",
               down_bias="*fp32", expert_ptr="*i64")),

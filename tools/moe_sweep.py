@@ -93,13 +93,13 @@ def _warm(qname: str, cfgs: list[C], tokens: list[int], topk: int) -> None:
     dev = torch.device("cuda:0")
     slots = torch.zeros((max(tokens) * topk, fmt.total), dtype=torch.uint8, device=dev)
     for cfg in cfgs:
-        moe.CONFIG = cfg
-        for t in tokens:
-            route = torch.arange(t * topk, device=dev)
-            x = torch.zeros((t, 2048), dtype=torch.bfloat16, device=dev)
-            w = torch.zeros((t, topk), dtype=torch.bfloat16, device=dev)
-            moe.moe_decode(x, slots, slots, route, route, w, topk, *op)
-            moe_triton._gate_up(x, slots, slots, route, route, topk, *op)
+        with moe.launched_with(cfg):
+            for t in tokens:
+                route = torch.arange(t * topk, device=dev)
+                x = torch.zeros((t, 2048), dtype=torch.bfloat16, device=dev)
+                w = torch.zeros((t, topk), dtype=torch.bfloat16, device=dev)
+                moe.moe_decode(x, slots, slots, route, route, w, topk, *op)
+                moe_triton._gate_up(x, slots, slots, route, route, topk, *op)
     torch.cuda.synchronize()
 
 
@@ -162,40 +162,39 @@ def main() -> None:
                 if time.monotonic() - start > args.budget:
                     skipped.append(f"{qname} T={tokens} {name}")
                     continue
-                moe.CONFIG = cfg
-                call = moe.moe_decode if not small else moe_triton.decode_cuda  # the CUDA kernel on CPU tensors
-                try:
-                    got = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
-                except Exception as exc:  # a variant that does not compile: reported, the others go on
-                    print(f"{qname} T={tokens} {name}: FAILED {exc!r}"[:400], flush=True)
-                    rows.append(dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),
-                                     error=repr(exc)[:2000], ok=False, deterministic=False))
-                    continue
-                again = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
-                err = ((got.double().cpu() - want.double()).norm() / want.double().norm()).item()
-                row = dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),
-                           rel_err=err, ok=err < TOL, deterministic=bool(torch.equal(got, again)))
-                if not small:
-                    cycle = itertools.cycle(dev_routes)
+                with moe.launched_with(cfg):
+                    call = moe.moe_decode if not small else moe_triton.decode_cuda  # the CUDA kernel on CPU tensors
+                    try:
+                        got = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
+                    except Exception as exc:  # a variant that does not compile: reported, the others go on
+                        print(f"{qname} T={tokens} {name}: FAILED {exc!r}"[:400], flush=True)
+                        rows.append(dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),
+                                         error=repr(exc)[:2000], ok=False, deterministic=False))
+                        continue
+                    again = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
+                    err = ((got.double().cpu() - want.double()).norm() / want.double().norm()).item()
+                    row = dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),
+                               rel_err=err, ok=err < TOL, deterministic=bool(torch.equal(got, again)))
+                    if not small:
+                        cycle = itertools.cycle(dev_routes)
 
-                    def full():
-                        r = next(cycle)
-                        return moe.moe_decode(xd, slots, slots, r, r, wd, K, *op)
+                        def full():
+                            r = next(cycle)
+                            return moe.moe_decode(xd, slots, slots, r, r, wd, K, *op)
 
-                    def gate_up():
-                        r = next(cycle)
-                        return moe_triton._gate_up(xd, slots, slots, r, r, K, *op)
+                        def gate_up():
+                            r = next(cycle)
+                            return moe_triton._gate_up(xd, slots, slots, r, r, K, *op)
 
-                    ms = triton.testing.do_bench(full, warmup=10, rep=60, return_mode="median")
-                    ms_gu = triton.testing.do_bench(gate_up, warmup=10, rep=40, return_mode="median")
-                    row.update(us=ms * 1e3, gate_up_us=ms_gu * 1e3, gbps=P * fmt.total / ms / 1e6,
-                               gate_up_gbps=P * (fmt.nbytes[0] + fmt.nbytes[1]) / ms_gu / 1e6)
-                rows.append(row)
+                        ms = triton.testing.do_bench(full, warmup=10, rep=60, return_mode="median")
+                        ms_gu = triton.testing.do_bench(gate_up, warmup=10, rep=40, return_mode="median")
+                        row.update(us=ms * 1e3, gate_up_us=ms_gu * 1e3, gbps=P * fmt.total / ms / 1e6,
+                                   gate_up_gbps=P * (fmt.nbytes[0] + fmt.nbytes[1]) / ms_gu / 1e6)
+                    rows.append(row)
                 print(f"{qname} T={tokens} {name}: err {err:.1e}{'' if row['ok'] else ' FAIL'}"
                       f"{'' if row['deterministic'] else ' NONDETERMINISTIC'}"
                       + (f" {row['us']:.1f} us (gate_up {row['gate_up_us']:.1f})" if 'us' in row else ""), flush=True)
         del slots
-    moe.CONFIG = C()
     timed = [r for r in rows if "us" in r]
     print(f"\n{'qtype':6} {'T':>2} {'us/layer':>9} {'GB/s':>6} {'gate_up us':>10} {'err':>8}  variant")
     for r in sorted(timed, key=lambda r: (r["qtype"], r["tokens"], r["us"])):

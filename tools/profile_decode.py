@@ -29,7 +29,7 @@ from strata_core.engine import Engine
 from strata_core.ops import moe
 
 
-def launch_config(spec: str, base: moe.LaunchConfig) -> moe.LaunchConfig:
+def parse_launch_config(spec: str, base: moe.LaunchConfig) -> moe.LaunchConfig:
     """``base`` with the fields of ``spec`` (``name=value,...``) replaced."""
     fields = {f.name: f.type for f in dataclasses.fields(moe.LaunchConfig)}
     changes = {}
@@ -70,13 +70,13 @@ def main() -> None:
                          cuda_graphs=args.cuda_graphs)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, engine.spec.vocab_size, (args.context + args.windows + 4,), generator=gen).tolist()
-    default = moe.CONFIG
     for spec in args.moe_config or [""]:
-        moe.CONFIG = launch_config(spec, default)
-        print(f"MoE kernels: {moe.CONFIG}")
+        config = parse_launch_config(spec, moe.DEFAULT_LAUNCH)
+        print(f"MoE kernels: {config}")
         if args.cuda_graphs:
             engine.runner.graphs.invalidate()  # recaptured with this configuration's launches
-        profile_decode(engine, tokens, args)
+        with moe.launched_with(config):
+            profile_decode(engine, tokens, args)
     if args.prefill:
         if args.warm_prefill:
             session = engine.new_session()

@@ -242,7 +242,9 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
                 continue
             chains = {l: _chain(placement, phase, l, caches, lanes) for l in layers}
             rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry, MissSplit(settings.pcie_frac),
-                                                   cpu_pool, name=str(slots[slot]))
+                                                   cpu_pool, name=str(slots[slot]),
+                                                   fused_expert_ffn=settings.fused_expert_ffn,
+                                                   miss_read=settings.miss_read)
             rows[(phase, slot)].gather = (slots[slot].device.type == "cuda" and HAS_TRITON and arena.all_pinned
                                           and settings.pcie_frac == 1.0)
     adapters: dict[int, Adapter] = {}

@@ -73,11 +73,7 @@ if TYPE_CHECKING:
     from strata_core.experts.cache import ExpertCache
     from strata_core.experts.peer import PeerLane
 
-__all__ = ["FUSED_FFN", "PREFETCH_PAIRS", "CachedExpertRows"]
-
-#: The fused CUDA decode kernels compute experts with biases / swiglu_oai too (gpt-oss); False: those
-#: take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
-FUSED_FFN = True
+__all__ = ["PREFETCH_PAIRS", "CachedExpertRows"]
 
 #: A prompt chunk with at least this many (token, k) pairs per expert is planned: every expert is taken as
 #: routed (near certain from here on), so its groups are enqueued, and each layer's first groups of misses
@@ -86,11 +82,21 @@ PREFETCH_PAIRS = 16
 
 
 class CachedExpertRows:
-    """Expert rows on ``ring``'s device: each layer's ``chains[layer]`` says where experts are found."""
+    """Expert rows on ``ring``'s device: each layer's ``chains[layer]`` says where experts are found.
+
+    ``fused_expert_ffn``: the fused CUDA kernels compute experts with biases / swiglu_oai too (gpt-oss);
+    off, those take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
+    ``miss_read``: the fused kernels read a miss in the pinned arena from a device row it is copied to
+    first ("staged") or zero-copy over the host link ("direct"). Both are StrataSettings fields."""
 
     def __init__(self, chains: dict[int, Chain], ring: StagingRing, usage: UsageCounter, telemetry: ExpertTelemetry,
-                 split: MissSplit, cpu_pool: Executor | None = None, name: str = ""):
+                 split: MissSplit, cpu_pool: Executor | None = None, name: str = "", fused_expert_ffn: bool = True,
+                 miss_read: str = "staged"):
+        if miss_read not in ("staged", "direct"):
+            raise ValueError(f"CachedExpertRows: miss_read {miss_read!r} is not 'staged' or 'direct'")
         self.chains, self.ring, self.usage, self.telemetry, self.split = chains, ring, usage, telemetry, split
+        self.fused_expert_ffn = fused_expert_ffn
+        self.direct_misses = miss_read == "direct"
         self.arena = ring.copier.arena
         self.device = ring.copier.device
         self.name = name or str(self.device)
@@ -106,7 +112,7 @@ class CachedExpertRows:
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
         chain = self.chains[layer]
         if (hidden.device.type == "cuda" and self.gather and self.decoding and chain.own is not None
-                and (ffn.plain or FUSED_FFN)):  # one op: the rows combined in its down launch (strata::moe_decode)
+                and (ffn.plain or self.fused_expert_ffn)):  # one op: rows combined in its down launch (moe_decode)
             return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
         if self._takes_grouped(chain):  # combined from the order the rows were computed in
             return combine_sorted(*self._grouped(layer, hidden, expert_ids, chain, ffn), weights)  # [T, H]
@@ -340,7 +346,7 @@ class CachedExpertRows:
             rows = self._pair_rows(hidden, own.padded, arena, slot, expert, fmt, ffn)  # [P, H]
         elif chain.lanes:
             with self.telemetry.timed("copy", self.device):
-                staged = stage_misses(own.padded, arena, slot, expert, fmt)
+                staged = stage_misses(own.padded, arena, slot, expert, fmt, self.direct_misses)
         for lane in chain.lanes:
             lane.join()
         by_peer, peer_rows = None, None  # [P], [P, H]: the pairs the peers serve and their rows
@@ -350,7 +356,7 @@ class CachedExpertRows:
         if weights is not None:
             with self.telemetry.compute(self.device):
                 return fused_decode(hidden, own.padded, arena, slot, expert, weights, fmt, ffn, by_peer,
-                                    peer_rows, staged)  # [T, H]
+                                    peer_rows, staged, self.direct_misses)  # [T, H]
         if by_peer is not None:
             rows = torch.where(by_peer[:, None], peer_rows, rows)
         return rows.view(T, k, -1)
@@ -359,13 +365,13 @@ class CachedExpertRows:
                    expert: torch.Tensor, fmt, ffn: ExpertFFN = SILU) -> torch.Tensor:
         """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k``) on ``hidden``'s device, each
         read from ``slots[slot[p]]`` or, where ``slot[p] < 0``, ``arena[expert[p]]``: on CUDA the fused op
-        (biased / swiglu_oai experts too, unless ``FUSED_FFN`` is off: then ``pair_ffn_grouped``), on the
+        (biased / swiglu_oai experts too, unless ``fused_expert_ffn`` is off: then ``pair_ffn_grouped``), on the
         CPU ``pair_ffn`` (the bit-exact reference)."""
         T = hidden.shape[0]
         device = hidden.device
-        if device.type == "cuda" and (ffn.plain or FUSED_FFN):  # one fused op: misses staged, FFN from the blocks
+        if device.type == "cuda" and (ffn.plain or self.fused_expert_ffn):  # one fused op: FFN from the blocks
             with self.telemetry.compute(device):
-                return fused_rows(hidden, slots, arena, slot, expert, fmt, ffn)
+                return fused_rows(hidden, slots, arena, slot, expert, fmt, ffn, self.direct_misses)
         with self.telemetry.timed("copy", device):
             packed = gather_experts(slots, arena, slot, expert, fmt.total)  # [P, total]
         with self.telemetry.compute(device):
@@ -377,7 +383,7 @@ class CachedExpertRows:
         """Float32 rows ``[P, H]`` of the pairs as ``fused_decode`` computes them before it combines them
         (``strata::moe_decode_rows``), on ``hidden``'s device: a peer's share of a CUDA decode layer."""
         with self.telemetry.compute(hidden.device):
-            return fused_decode_rows(hidden, slots, arena, slot, expert, fmt, ffn)
+            return fused_decode_rows(hidden, slots, arena, slot, expert, fmt, ffn, self.direct_misses)
 
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
                     order: torch.Tensor, k: int, hidden: torch.Tensor,

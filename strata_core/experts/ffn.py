@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata_core.ops.matmul import rowwise
+from strata_core.ops.matmul import batch_invariant
 
 __all__ = ["ACTIVATIONS", "ExpertFFN", "SILU"]
 
@@ -59,11 +59,11 @@ class ExpertFFN:
 
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The gated activation of ``g, u [..., F]`` (on the CPU each row's value is independent of
-        the row count: ``rowwise``)."""
+        the row count: ``batch_invariant``)."""
         if self.activation == "silu":
-            return rowwise(F.silu, g) * u
+            return batch_invariant(F.silu, g) * u
         g = g.clamp(max=self.limit)
-        return g * rowwise(torch.sigmoid, g * self.alpha) * (u.clamp(-self.limit, self.limit) + 1)
+        return g * batch_invariant(torch.sigmoid, g * self.alpha) * (u.clamp(-self.limit, self.limit) + 1)
 
     def post(self, y: torch.Tensor, experts: torch.Tensor | int) -> torch.Tensor:
         """``y [n, H]`` (the down product) with the down bias of expert(s) ``experts`` added."""

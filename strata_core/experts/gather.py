@@ -68,44 +68,50 @@ def _format_args(fmt: ExpertFormat) -> tuple[list[int], list[int], list[int]]:
 
 
 def fused_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
-               expert: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU) -> torch.Tensor:
+               expert: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU,
+               direct_misses: bool = False) -> torch.Tensor:
     """Rows ``[P, H]`` of the pairs (``slot``/``expert [P]``, token ``p // k`` of ``hidden [T, H]``) through
-    ``strata::moe_pair_rows``: the weights read from ``slots`` or the layer's ``arena [E, total]``;
-    ``ffn``'s biases and activation applied in the kernels."""
+    ``strata::moe_pair_rows``: the weights read from ``slots`` or the layer's ``arena [E, total]`` (a host
+    arena's misses zero-copy where ``direct_misses``, else staged first); ``ffn``'s biases and activation
+    applied in the kernels."""
     k = slot.shape[0] // hidden.shape[0]
-    return moe_pair_rows(hidden, slots, arena, slot, expert, k, *_format_args(fmt), **ffn_args(ffn))
+    return moe_pair_rows(hidden, slots, arena, slot, expert, k, *_format_args(fmt), **ffn_args(ffn),
+                         direct_misses=direct_misses)
 
 
 def fused_decode(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
                  expert: torch.Tensor, weights: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU,
                  served: torch.Tensor | None = None, served_rows: torch.Tensor | None = None,
-                 staged: torch.Tensor | None = None) -> torch.Tensor:
+                 staged: torch.Tensor | None = None, direct_misses: bool = False) -> torch.Tensor:
     """The routed output ``[T, H]`` of the pairs of :func:`fused_rows` combined with ``weights [T, k]``
     (``combine_rows``) through ``strata::moe_decode``: on CUDA the down launch sums the rows; the pairs
     flagged in ``served [P]`` take their float32 rows from ``served_rows [P, H]`` (:func:`fused_decode_rows`
-    on a peer); the misses are read from ``staged`` (:func:`stage_misses`) where given, else ``arena``."""
+    on a peer); the misses are read from ``staged`` (:func:`stage_misses`) where given, else ``arena``
+    (zero-copy where ``direct_misses``)."""
     return moe_decode(hidden, slots, arena if staged is None else staged, slot, expert, weights, weights.shape[1],
                       *_format_args(fmt), **ffn_args(ffn), served=served, served_rows=served_rows,
-                      staged=staged is not None)
+                      staged=staged is not None, direct_misses=direct_misses)
 
 
 def stage_misses(slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor, expert: torch.Tensor,
-                 fmt: ExpertFormat) -> torch.Tensor | None:
+                 fmt: ExpertFormat, direct_misses: bool = False) -> torch.Tensor | None:
     """The missed pairs' experts (``slot < 0``) copied from a host ``arena`` into a row per pair on
     ``slots``' device, ``[P, total]`` (the hits' rows unwritten), as :func:`fused_decode` would stage
     them itself: done first, the copy can overlap other work (a peer's rows). None where the kernels
-    read the arena in place (a device arena, ``MISS_READ == "direct"``)."""
-    if not stages_misses(slots, arena):
+    read the arena in place (a device arena, or ``direct_misses``)."""
+    if not stages_misses(slots, arena, direct_misses):
         return None
     return gather_experts(slots, arena, slot, expert, fmt.total, True)
 
 
 def fused_decode_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Tensor, slot: torch.Tensor,
-                      expert: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU) -> torch.Tensor:
+                      expert: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN = SILU,
+                      direct_misses: bool = False) -> torch.Tensor:
     """Float32 rows ``[P, H]`` of the pairs of :func:`fused_rows` exactly as :func:`fused_decode` computes
     them before it combines them (``strata::moe_decode_rows``)."""
     k = slot.shape[0] // hidden.shape[0]
-    return moe_decode_rows(hidden, slots, arena, slot, expert, k, *_format_args(fmt), **ffn_args(ffn))
+    return moe_decode_rows(hidden, slots, arena, slot, expert, k, *_format_args(fmt), **ffn_args(ffn),
+                           direct_misses=direct_misses)
 
 
 def lookup_slots(expert: torch.Tensor, resident: torch.Tensor, usage: torch.Tensor,

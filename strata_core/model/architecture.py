@@ -31,6 +31,7 @@ from typing import Any, Mapping
 from gguf import Keys as K
 
 from strata_core.errors import ModelFileError, UnsupportedError
+from strata_core.model.kernels import ForwardKernels
 from strata_core.model.metadata import Metadata, layers_present
 from strata_core.model.spec import ModelSpec, Shape
 
@@ -47,7 +48,7 @@ class Architecture:
     has_shared_expert: bool  # ffn_{gate,up,down}_shexp + sigmoid gate ffn_gate_inp_shexp
     norm_topk_default: bool  # llama.cpp graph's norm_w when expert_weights_norm is absent
     output_optional: bool  # output.weight may be absent (tied to token_embd)
-    forward: Callable[[Any, Any], Any]  # (spec, DenseWeights) -> the forward: MoEModel or a subclass
+    forward: Callable[..., Any]  # (spec, DenseWeights, ForwardKernels) -> the forward: MoEModel or a subclass
 
     # -- metadata -------------------------------------------------------------------------------
     def spec_from_metadata(self, metadata: Mapping[str, Any], tensors: Mapping[str, Any],
@@ -109,10 +110,12 @@ class Architecture:
             tied_embeddings="output.weight" not in tensors,
         )
 
-    def model(self, spec: ModelSpec, dense: Any) -> Any:
+    def model(self, spec: ModelSpec, dense: Any, settings: Any = None) -> Any:
         """The forward of this architecture over ``dense`` (DenseWeights): ``MoEModel`` or the
-        subclass with this architecture's attention or routing."""
-        return self.forward(spec, dense)
+        subclass with this architecture's attention or routing, running the kernels ``settings`` (a
+        StrataSettings; None: the defaults) choose (``ForwardKernels``)."""
+        kernels = ForwardKernels() if settings is None else ForwardKernels.from_settings(settings)
+        return self.forward(spec, dense, kernels)
 
     def check_rope_scaling(self, m: Metadata, path: str) -> None:
         """Reject RoPE scaling the forward does not apply (here: any); an architecture that applies

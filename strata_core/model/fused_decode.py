@@ -147,7 +147,7 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
     eps = s.rms_norm_eps
     w = model.weights.at(layer, hidden.device)
     if delta is None:
-        x = rms_norm(hidden, w["attn_norm.weight"], eps)
+        x = rms_norm(hidden, w["attn_norm.weight"], eps, model.kernels.fused_norms)
     else:
         hidden, x = add_rms_norm(hidden, delta, w["attn_norm.weight"], eps)
     weight, bias, q8 = _qkv(model, layer, w)

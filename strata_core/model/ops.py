@@ -9,18 +9,15 @@ from torch.nn.attention.bias import causal_lower_right
 from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
 from strata_core.ops.matmul import matmul
 
-__all__ = ["DEVICE_FUSED", "DEVICE_SDPA", "apply_rope", "masked_attention", "norm_rope", "rms_norm", "rope_cos_sin",
+__all__ = ["apply_rope", "masked_attention", "norm_rope", "rms_norm", "rope_cos_sin",
            "sdpa_attention"]
 
-#: Fused Triton RMSNorm / QK-norm+RoPE kernels on CUDA (False: the torch formulas everywhere).
-DEVICE_FUSED = True
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32, returned in ``x``'s dtype.
 
-    On CUDA one fused Triton kernel (``strata_core.ops.dense``) computes the same formula."""
-    if x.device.type == "cuda" and DEVICE_FUSED and rms_norm_cuda is not None:
+    On CUDA with ``fused`` (``ForwardKernels.fused_norms``) one Triton kernel (``strata_core.ops.dense``)
+    computes the same formula; otherwise the torch formula."""
+    if x.device.type == "cuda" and fused and rms_norm_cuda is not None:
         return rms_norm_cuda(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -51,17 +48,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, weight: torch.Tensor | None,
-              eps: float) -> torch.Tensor:
+              eps: float, fused: bool = True) -> torch.Tensor:
     """``x [T, heads, D]``: RMSNorm per head with ``weight`` (if given), then RoPE at ``positions [T]``.
 
-    On CUDA one fused kernel; elsewhere (and for head dims whose half is not a power of two) the
-    torch formulas: ``rms_norm``, ``rope_cos_sin`` and ``apply_rope``, exactly as the CPU path runs them.
+    On CUDA with ``fused`` (``ForwardKernels.fused_norms``) one kernel; otherwise (and for head dims
+    whose half is not a power of two) the torch formulas: ``rms_norm``, ``rope_cos_sin`` and
+    ``apply_rope``, exactly as the CPU path runs them.
     """
     half = x.shape[-1] // 2
-    if x.device.type == "cuda" and DEVICE_FUSED and norm_rope_cuda is not None and half & (half - 1) == 0:
+    if x.device.type == "cuda" and fused and norm_rope_cuda is not None and half & (half - 1) == 0:
         return norm_rope_cuda(x, positions, theta, weight, eps)
     if weight is not None:
-        x = rms_norm(x, weight, eps)
+        x = rms_norm(x, weight, eps, fused)
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta)  # [T, D]
     return apply_rope(x, cos, sin)
 
@@ -94,10 +92,6 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         sink = sinks.float()[:, None, None].expand(nh, T, 1)  # [nh, T, 1]
         probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [nh, T, S]
     return matmul(probs.to(q.dtype), values).transpose(0, 1).reshape(T, nh * D)  # [T, nh*D]
-
-
-#: Device attention through torch SDPA (``sdpa_attention``); False = the CPU's masked matmul everywhere.
-DEVICE_SDPA = True
 
 
 def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

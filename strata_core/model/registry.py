@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from strata_core.config import StrataSettings
 from strata_core.errors import UnsupportedError
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model import qwen2moe, qwen3moe
@@ -50,8 +51,9 @@ def load_model_spec(gguf_file: GGUFFile) -> ModelSpec:
     return spec
 
 
-def load_model(gguf_file: GGUFFile, dtype: torch.dtype = torch.float32) -> MoEModel:
+def load_model(gguf_file: GGUFFile, dtype: torch.dtype = torch.float32,
+               settings: StrataSettings | None = None) -> MoEModel:
     """Read the spec and dequantize the dense weights of ``gguf_file`` (CPU): the forward of the
-    file's architecture (``Architecture.model``)."""
+    file's architecture (``Architecture.model``) with the kernels ``settings`` choose."""
     spec = load_model_spec(gguf_file)
-    return get_architecture(spec.architecture).model(spec, DenseWeights.load(gguf_file, spec, dtype))
+    return get_architecture(spec.architecture).model(spec, DenseWeights.load(gguf_file, spec, dtype), settings)

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from strata_core.ops.matmul import rowwise
+from strata_core.ops.matmul import batch_invariant
 
 __all__ = ["YARN_BETA_FAST", "YARN_BETA_SLOW", "apply_rope_interleaved", "scaled_inv_freq", "yarn_get_mscale"]
 
@@ -57,7 +57,8 @@ def apply_rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: t
     """Rotate adjacent pairs of ``x [T, heads, D]`` at ``positions [T]`` by ``inv_freq [D/2]`` (float32
     angles), scaling cos and sin by ``mscale``; returned in ``x``'s dtype."""
     angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
-    cos, sin = rowwise(torch.cos, angles)[:, None, :], rowwise(torch.sin, angles)[:, None, :]  # [T, 1, D/2]
+    cos = batch_invariant(torch.cos, angles)[:, None, :]  # [T, 1, D/2]
+    sin = batch_invariant(torch.sin, angles)[:, None, :]
     if mscale != 1.0:
         cos, sin = cos * mscale, sin * mscale
     pairs = x.float().unflatten(-1, (-1, 2))  # [T, heads, D/2, 2]

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 
 from strata_core.experts.rows import ExpertRows
-from strata_core.model import ops
 from strata_core.model.head_split import HeadSplit
+from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, masked_attention, norm_rope, rms_norm, rope_cos_sin, sdpa_attention
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
-from strata_core.ops.matmul import linear, rowwise
+from strata_core.ops.matmul import batch_invariant, linear
 
 __all__ = ["MoEModel"]
 
@@ -35,9 +35,11 @@ class MoEModel:
     #: whether a prompt chunk's attention can be split by heads with a peer (``attend`` and ``head_splits``)
     splits_heads = True
 
-    def __init__(self, spec: ModelSpec, weights: DenseWeights):
+    def __init__(self, spec: ModelSpec, weights: DenseWeights, kernels: ForwardKernels = ForwardKernels()):
         self.spec = spec
         self.weights = weights
+        #: the device kernels this forward runs (StrataSettings' kernel choices)
+        self.kernels = kernels
         #: per layer, the split of its prompt chunks' attention heads with a peer (``attention_peer``, set by
         #: the engine from the placement; head_split.py)
         self.head_splits: dict[int, HeadSplit] = {}
@@ -65,7 +67,7 @@ class MoEModel:
         """
         w = self.weights.at(layer, h.device)
         positions = positions.to(h.device)
-        x = rms_norm(h, w["attn_norm.weight"], self.spec.rms_norm_eps)  # [T, H]
+        x = rms_norm(h, w["attn_norm.weight"], self.spec.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
         q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
         kv.write(layer, positions, k=k, v=v)
         out = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
@@ -99,9 +101,9 @@ class MoEModel:
         if q.device.type != "cpu":
             w = self.weights.at(layer, q.device)
             q = norm_rope(q, positions, s.rope_theta, w["attn_q_norm.weight"] if s.has_qk_norm else None,
-                          s.rms_norm_eps)
+                          s.rms_norm_eps, self.kernels.fused_norms)
             k = norm_rope(k, positions, s.rope_theta, w["attn_k_norm.weight"] if s.has_qk_norm else None,
-                          s.rms_norm_eps)
+                          s.rms_norm_eps, self.kernels.fused_norms)
             return q, k
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -110,7 +112,7 @@ class MoEModel:
                static: bool) -> torch.Tensor:
         """``[T, nh*D]``: causal attention of ``q [T, nh, D]`` over the layer's cached K/V (see ``attention``);
         a prompt chunk's heads split with a peer where ``head_splits`` says so (equal output)."""
-        if q.device.type != "cpu" and ops.DEVICE_SDPA:  # flash / cuDNN / memory-efficient kernels
+        if q.device.type != "cpu" and self.kernels.device_sdpa:  # flash / cuDNN / memory-efficient kernels
             if static:
                 n_ctx = kv.max_tokens
             elif n_ctx is None:
@@ -162,19 +164,20 @@ class MoEModel:
     def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """``h + moe(rms_norm(h))`` for ``h [T, H]``: routed experts via ``expert_rows`` (+ shared expert)."""
         s, w = self.spec, self.weights.at(layer, h.device)
-        x = rms_norm(h, w[self.ffn_norm], s.rms_norm_eps)  # [T, H]
+        x = rms_norm(h, w[self.ffn_norm], s.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
         ids, weights = self.route(layer, x)  # [T, k], [T, k]
         out = expert_rows(layer, x, ids, weights)  # [T, H]
         if s.has_shared_expert:
-            gate = rowwise(torch.sigmoid, linear(x, w["ffn_gate_inp_shexp.weight"][None, :]))  # [T, 1]
-            ffn = rowwise(F.silu, linear(x, w["ffn_gate_shexp.weight"])) * linear(x, w["ffn_up_shexp.weight"])  # [T, Fs]
+            gate = batch_invariant(torch.sigmoid, linear(x, w["ffn_gate_inp_shexp.weight"][None, :]))  # [T, 1]
+            ffn = (batch_invariant(F.silu, linear(x, w["ffn_gate_shexp.weight"]))
+                   * linear(x, w["ffn_up_shexp.weight"]))  # [T, Fs]
             out = out + gate * linear(ffn, w["ffn_down_shexp.weight"])  # [T, H]
         return h + out
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection: ``h [T, H]`` -> float32 logits ``[T, V]``."""
         g = self.weights.globals
-        x = rms_norm(h, g["output_norm.weight"], self.spec.rms_norm_eps)  # [T, H]
+        x = rms_norm(h, g["output_norm.weight"], self.spec.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
         return self.weights.product(x, "output.weight").float()  # [T, V] (a Q8_0 copy where decode has one)
 
     def forward(self, tokens: torch.Tensor, kv: KVCache, expert_rows: ExpertRows) -> torch.Tensor:

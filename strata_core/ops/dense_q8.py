@@ -22,7 +22,7 @@ products are summed, scaled, and accumulated per (row of W, block) in float32; t
 once at the end. A program does this for ``MB`` rows of x one after the other (its W tile is read
 again from the SM's cache); ``M > MB``: the x rows are tiled over programs, those of one W tile next
 to each other (the L2 serves the repeated reads). No split-K, no atomics: deterministic. How many
-rows a program takes and how big a step is (:class:`Q8Config`, :data:`CONFIG`) is chosen per shape so
+rows a program takes and how big a step is (:class:`Q8Config`, :data:`DEFAULT_LAUNCH`) is chosen per shape so
 that there are enough programs and bytes in flight to approach HBM bandwidth; tools/gemv_bench.py
 times alternatives against cuBLAS's bf16 product. (llama.cpp's MMVQ, for comparison, takes one row a
 block of 4 warps for one token and quantizes x to q8_1 for dp4a; here x stays in its dtype.)
@@ -43,7 +43,7 @@ from strata_core.ops.matmul import linear
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 from strata_core.quant.bits import fields, reinterpret
 
-__all__ = ["CONFIG", "Q8Config", "Q8Matrix", "q8_bytes", "q8_linear", "repack_q8_0"]
+__all__ = ["DEFAULT_LAUNCH", "Q8Config", "Q8Matrix", "q8_bytes", "q8_linear", "repack_q8_0"]
 
 QK = GGML_QUANT_SIZES[T.Q8_0][0]  # 32 values a block
 _BLOCK_BYTES = GGML_QUANT_SIZES[T.Q8_0][1]  # 34: float16 d + 32 int8
@@ -107,7 +107,8 @@ def repack_q8_0(raw: Tensor, shape: tuple[int, int]) -> Q8Matrix:
 
 @dataclass(frozen=True)
 class Q8Config:
-    """How the CUDA kernel is launched (read at each launch; tools/gemv_bench.py sets :data:`CONFIG`).
+    """How the CUDA kernel is launched (read at each launch: :data:`DEFAULT_LAUNCH`, or the ``config``
+    argument of ``q8_linear_triton``, through which tools/gemv_bench.py times alternatives).
 
     ``tile``: codes a program reads per step, ``BN * NB * 32`` (``BN`` rows of W, ``NB`` blocks of
     each; what bounds its registers); ``bn``: rows of W a program takes (0: chosen from N so that about
@@ -152,8 +153,8 @@ def _pow2_at_most(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
 
 
-#: The launch configuration of the CUDA kernel.
-CONFIG = Q8Config()
+#: The launch configuration of the CUDA kernel (what ``strata::q8_linear`` launches with).
+DEFAULT_LAUNCH = Q8Config()
 
 _SCHEMA = "(Tensor x, Tensor codes, Tensor scales) -> Tensor"
 
@@ -222,9 +223,9 @@ if HAS_TRITON:
                 tl.store(out + m.to(tl.int64) * stride_o + rows, tl.sum(acc, axis=1).to(out.dtype.element_ty),
                          mask=keep)
 
-    def q8_linear_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8Config | None = None) -> Tensor:
+    def q8_linear_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8Config = DEFAULT_LAUNCH) -> Tensor:
         """The Triton kernel of ``q8_linear`` on the tensors' device (CUDA; CPU tensors under
-        ``TRITON_INTERPRET=1``), launched as ``config`` (default :data:`CONFIG`) says."""
+        ``TRITON_INTERPRET=1``), launched as ``config`` says."""
         _check(x, codes, scales)
         if x.stride(1) != 1:
             x = x.contiguous()
@@ -234,12 +235,12 @@ if HAS_TRITON:
         out = x.new_empty((M, N))
         if M == 0 or N == 0:
             return out
-        mb, bn, nb = (config or CONFIG).launch(M, N, K)
+        mb, bn, nb = config.launch(M, N, K)
         m_tiles = triton.cdiv(M, mb)
         with on_device(x.device):  # Triton launches on the current device
             _q8_gemv_kernel[(m_tiles * triton.cdiv(N, bn),)](
                 x, codes, scales, out, M, N, K, m_tiles, x.stride(0), out.stride(0),
-                MB=mb, BN=bn, NB=nb, EVEN_K=(K // QK) % nb == 0, num_warps=(config or CONFIG).warps)
+                MB=mb, BN=bn, NB=nb, EVEN_K=(K // QK) % nb == 0, num_warps=config.warps)
         return out
 
 

@@ -9,8 +9,8 @@ is what makes logits bit-identical across chunk sizes, decode batches and topolo
 
 Elementwise transcendental functions (exp, sigmoid, softplus, SiLU) have the same problem in a
 smaller way: the CPU kernel computes whole SIMD vectors with one implementation and the leftover
-tail with the scalar one, which may round differently. ``rowwise`` pads each row so every element
-of a row goes through the vector code, whatever the number of rows.
+tail with the scalar one, which may round differently. ``batch_invariant(fn, x)`` applies ``fn`` with
+each row padded so every element of a row goes through the vector code, whatever the number of rows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 ROW_TILE = 16
-#: row width ``rowwise`` pads to: a multiple of the widest CPU kernel step (2 AVX-512 vectors of float32)
+#: row width ``batch_invariant`` pads to: a multiple of the widest CPU kernel step (2 AVX-512 vectors of float32)
 LANE_TILE = 64
 
 
@@ -43,9 +43,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out.reshape(*lead, weight.shape[0])
 
 
-def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """``fn(x)`` for an elementwise ``fn``; on the CPU each element's value is independent of the other
-    rows of ``x`` (the last dim padded to :data:`LANE_TILE`, so no row meets the scalar tail)."""
+def batch_invariant(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """``fn(x)`` for an elementwise ``fn``, batch-invariant on the CPU: each row's result does not depend on
+    how many rows ``x`` has (a token's value is the same in a chunk of one or of thousands).
+
+    Why: the CPU kernel runs whole SIMD vectors with one implementation and the leftover tail with the
+    scalar one, which may round differently, and where the tail falls depends on the element count. The
+    last dim is padded to :data:`LANE_TILE`, so every element of a row goes through the vector code.
+    On other devices ``fn(x)`` as it is."""
     if x.device.type != "cpu":
         return fn(x)
     n = x.shape[-1]

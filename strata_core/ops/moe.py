@@ -26,10 +26,10 @@ and of up with the shared :func:`strata_core.ops.qdecode.decode`, dots them with
 stores ``silu(g) * u``) and ``down`` (grid pairs x H/BN, the same over the float32 ``h``). A pair's
 weights are found on the device: ``slots + slot * stride`` when resident; a miss in a pinned host
 arena is first copied over the link into a device staging row by the gather kernel, which skips
-resident pairs (``MISS_READ = "staged"``: the copy moves 8-byte words at nearly the link's bandwidth, where
+resident pairs (the default: the copy moves 8-byte words at nearly the link's bandwidth, where
 byte-wise decoding loads straight from host memory would not), or read zero-copy by the decode
-kernels (``"direct"``). No host read of the routing either way: one fixed launch sequence a
-layer, capturable in a CUDA graph. Formats outside ``KERNEL_TYPES`` run the reference on the
+kernels (the ops' keyword ``direct_misses=True``; the setting ``miss_read = "direct"``). No host read
+of the routing either way: one fixed launch sequence a layer, capturable in a CUDA graph. Formats outside ``KERNEL_TYPES`` run the reference on the
 device (logged once).
 
 ``moe_decode(x, slots, arena, slot, expert, weights, topk, qtypes, shapes, nbytes) -> [T, H]`` is the
@@ -48,7 +48,9 @@ expert, whichever device computed which row (tests/test_moe_served.py). With ``s
 computes, before it waits for the peer's rows (experts/device_rows.py).
 
 How the launches split the work (rows per program, K splits, warps; the "loop" design described
-above or the "split" design) is :data:`CONFIG` (:class:`LaunchConfig`); tools/moe_sweep.py times them.
+above or the "split" design) is a :class:`LaunchConfig`: :data:`DEFAULT_LAUNCH` unless a caller runs
+the ops inside ``with launched_with(config):`` (tools/moe_sweep.py and tools/profile_decode.py time
+alternatives that way).
 
 Tolerance against the reference: float32 within a relative 1e-5 (summation order), bf16 within
 2e-2 (tests/test_kernels_cuda.py).
@@ -56,7 +58,8 @@ Tolerance against the reference: float32 within a relative 1e-5 (summation order
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -68,16 +71,13 @@ from strata_core.ops.gather import _reference as _gather_reference
 from strata_core.ops.matmul import matmul
 from strata_core.quant.registry import dequantize_reference
 
-__all__ = ["CONFIG", "MISS_READ", "LaunchConfig", "ffn_args", "moe_decode", "moe_decode_rows", "moe_pair_rows",
-           "pair_ffn_reference", "stages_misses"]
-
-#: How the CUDA kernel reads a miss from a pinned host arena: "staged" or "direct" (module doc).
-MISS_READ = "staged"
+__all__ = ["DEFAULT_LAUNCH", "LaunchConfig", "ffn_args", "launch_config", "launched_with", "moe_decode",
+           "moe_decode_rows", "moe_pair_rows", "pair_ffn_reference", "stages_misses"]
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """How the CUDA kernels are launched (read on the host at each launch; a sweep sets :data:`CONFIG`).
+    """How the CUDA kernels are launched (read on the host at each launch: :func:`launch_config`).
 
     ``design``: ``"loop"`` — gate_up programs (pair, BN rows) loop over K; the combining down's programs
     (token, BN rows) loop over the token's pairs; ``"split"`` — gate_up programs (pair, BN rows, K split)
@@ -119,15 +119,37 @@ class LaunchConfig:
                 raise ValueError(f"LaunchConfig.{name}: {v} is not a power of two")
 
 
-#: The launch configuration of the CUDA kernels (tools/moe_sweep.py times alternatives).
-CONFIG = LaunchConfig()
+#: The launch configuration of the CUDA kernels outside any ``launched_with``.
+DEFAULT_LAUNCH = LaunchConfig()
+
+_launch = [DEFAULT_LAUNCH]  # the innermost ``launched_with``'s config last
+
+
+def launch_config() -> LaunchConfig:
+    """The launch configuration the CUDA kernels use now: the innermost :func:`launched_with`'s, else
+    :data:`DEFAULT_LAUNCH`."""
+    return _launch[-1]
+
+
+@contextmanager
+def launched_with(config: LaunchConfig) -> Iterator[LaunchConfig]:
+    """Launch the CUDA kernels as ``config`` says inside the block (a tuning sweep or a test of another
+    design; a CUDA graph captured inside replays those launches)."""
+    _launch.append(config)
+    try:
+        yield config
+    finally:
+        _launch.pop()
 
 #: the optional arguments of both ops: the experts' biases (``[E, F]``, ``[E, F]``, ``[E, H]``, indexed
 #: by ``expert[p]``) and the activation (``ACTIVATIONS`` index: 0 silu, 1 swiglu_oai with alpha, limit)
 _FFN_ARGS = "Tensor? gate_bias=None, Tensor? up_bias=None, Tensor? down_bias=None, int act=0, " \
             "float alpha=1.702, float limit=7.0"
+#: the keyword of all three ops: the CUDA kernels read a miss in a host arena zero-copy (True) rather than
+#: stage it in a device row first (module doc); the CPU reference computes the same rows either way
+_MISS_ARG = "bool direct_misses=False"
 _SCHEMA = ("(Tensor x, Tensor slots, Tensor arena, Tensor slot, Tensor expert, int topk, int[] qtypes, "
-           f"int[] shapes, int[] nbytes, {_FFN_ARGS}) -> Tensor")
+           f"int[] shapes, int[] nbytes, {_FFN_ARGS}, *, {_MISS_ARG}) -> Tensor")
 
 
 def ffn_args(ffn: ExpertFFN) -> dict:
@@ -169,7 +191,7 @@ def _shapes(shapes: Sequence[int]) -> tuple[tuple[int, int], ...]:
 
 def _reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
-               by_pair: bool = False, gather=None) -> Tensor:
+               by_pair: bool = False, gather=None, direct_misses: bool = False) -> Tensor:
     """The oracle: gather every pair's packed bytes (``by_pair``: a miss from ``arena``'s row of its
     pair, ``moe_decode``'s ``staged``), then :func:`pair_ffn_reference` (``ffn``: the trailing
     ``_FFN_ARGS``). ``gather``: a ``gather_experts`` reading ``arena`` where it is (the CUDA kernels'
@@ -184,10 +206,10 @@ def _reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Te
     return pair_ffn_reference(xp, *_split(packed, nbytes), qtypes, _shapes(shapes), _ffn(*ffn), expert).contiguous()
 
 
-def stages_misses(slots: Tensor, arena: Tensor) -> bool:
-    """Whether the CUDA kernels copy a layer's misses into device rows first (a host ``arena``,
-    ``MISS_READ == "staged"``) rather than read ``arena`` in place."""
-    return not (arena.device == slots.device or MISS_READ == "direct")
+def stages_misses(slots: Tensor, arena: Tensor, direct_misses: bool = False) -> bool:
+    """Whether the CUDA kernels copy a layer's misses into device rows first (a host ``arena``, not
+    ``direct_misses``) rather than read ``arena`` in place."""
+    return not (arena.device == slots.device or direct_misses)
 
 
 def _combined(rows: Tensor, weights: Tensor, served: Tensor | None, served_rows: Tensor | None) -> Tensor:
@@ -201,7 +223,7 @@ def _decode_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, exp
                       topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
                       gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                       act: int = 0, alpha: float = 1.702, limit: float = 7.0, served: Tensor | None = None,
-                      served_rows: Tensor | None = None, staged: bool = False) -> Tensor:
+                      served_rows: Tensor | None = None, staged: bool = False, direct_misses: bool = False) -> Tensor:
     """The oracle of ``moe_decode``: the rows of :func:`_reference` (the ``served`` pairs' taken from
     ``served_rows``; ``staged``: ``arena`` holds a row per pair, the misses staged), combined by
     ``combine_rows``."""
@@ -211,23 +233,27 @@ def _decode_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, exp
 
 
 def _decode_fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
-                 topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *args) -> Tensor:
+                 topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *args,
+                 direct_misses: bool = False) -> Tensor:
     return x.new_empty((x.shape[0], shapes[4]))
 
 
 def _rows_reference(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
+                    direct_misses: bool = False) -> Tensor:
     """The oracle of ``moe_decode_rows``: the rows of :func:`_reference` in float32."""
     return _reference(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, *ffn).float()
 
 
 def _rows_fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-               qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+               qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
+               direct_misses: bool = False) -> Tensor:
     return x.new_empty((slot.shape[0], shapes[4]), dtype=torch.float32)
 
 
 def _fake(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-          qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+          qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
+          direct_misses: bool = False) -> Tensor:
     return x.new_empty((slot.shape[0], shapes[4]))
 
 moe_pair_rows = torch.library.custom_op("strata::moe_pair_rows", _reference, mutates_args=(), schema=_SCHEMA)
@@ -237,7 +263,7 @@ moe_decode = torch.library.custom_op(
     "strata::moe_decode", _decode_reference, mutates_args=(),
     schema=("(Tensor x, Tensor slots, Tensor arena, Tensor slot, Tensor expert, Tensor weights, int topk, "
             f"int[] qtypes, int[] shapes, int[] nbytes, {_FFN_ARGS}, Tensor? served=None, "
-            "Tensor? served_rows=None, bool staged=False) -> Tensor"))
+            f"Tensor? served_rows=None, bool staged=False, *, {_MISS_ARG}) -> Tensor"))
 moe_decode.register_fake(_decode_fake)
 
 moe_decode_rows = torch.library.custom_op("strata::moe_decode_rows", _rows_reference, mutates_args=(), schema=_SCHEMA)

@@ -4,8 +4,9 @@
 ``pair_rows_cuda``, ``decode_cuda`` and ``decode_rows_cuda`` are the CUDA kernels of
 ``strata::moe_pair_rows``, ``strata::moe_decode`` and ``strata::moe_decode_rows`` (the module doc of
 :mod:`strata_core.ops.moe` says what they compute and how): the gate_up launch, the down / combining
-down launch of the "loop" or "split" design that ``moe.CONFIG`` (:class:`~strata_core.ops.moe.LaunchConfig`,
-read at each launch) names, and the staging of misses from a pinned host arena (``moe.MISS_READ``).
+down launch of the "loop" or "split" design that ``moe.launch_config()`` (:class:`~strata_core.ops.moe.LaunchConfig`,
+read at each launch) names, and the staging of misses from a pinned host arena (unless the op's
+``direct_misses``).
 Each registers itself for its op at import; :mod:`strata_core.ops` imports this module where Triton
 is installed.
 """
@@ -32,20 +33,20 @@ __all__ = ["decode_cuda", "decode_rows_cuda", "pair_rows_cuda"]
 
 def _steps(qtype: int, rows: int) -> tuple[int, int, int, int]:
     """(block size, type size, sub-block size, sub-blocks per step) of ``qtype`` for ``rows`` rows a
-    program (``moe.CONFIG.tile`` values a step, at least one block)."""
+    program (``moe.launch_config().tile`` values a step, at least one block)."""
     bs, ts, sub = block_geometry(qtype)
-    return bs, ts, sub, max(bs // sub, moe.CONFIG.tile // (rows * sub))
+    return bs, ts, sub, max(bs // sub, moe.launch_config().tile // (rows * sub))
 
 def _fast_steps(qtype: int, rows: int, offset: int, row_bytes: int, src: tuple) -> tuple[int, int, int, int, bool]:
     """``_steps`` of the split design, and whether the matrix at byte ``offset`` of an expert is read by
-    16-byte loads (Q4_K with ``moe.CONFIG.fast_q4k`` and every address 16-byte aligned; then a step is
+    16-byte loads (Q4_K with ``moe.launch_config().fast_q4k`` and every address 16-byte aligned; then a step is
     ``NT`` 64-value chunks, at least one block)."""
-    fast = (moe.CONFIG.fast_q4k and int(qtype) == int(T.Q4_K)
+    fast = (moe.launch_config().fast_q4k and int(qtype) == int(T.Q4_K)
             and all(v % 16 == 0 for v in (offset, row_bytes, *src[2:])))
     if not fast:
         return (*_steps(qtype, rows), False)
     bs, ts, _ = block_geometry(qtype)
-    return bs, ts, 32, max(4, moe.CONFIG.tile // (rows * 64)), True
+    return bs, ts, 32, max(4, moe.launch_config().tile // (rows * 64)), True
 
 def _fallback_rows(op: str, x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                    qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], ffn: tuple,
@@ -61,33 +62,36 @@ def _decodes(qtypes: Sequence[int]) -> bool:
     return all(int(q) in KERNEL_TYPES for q in qtypes)
 
 def pair_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-             qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+             qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
+             direct_misses: bool = False) -> Tensor:
     """The CUDA kernel (see the module doc); the reference for formats without a decoder."""
     if not _decodes(qtypes):
         return _fallback_rows("strata::moe_pair_rows", x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn)
     with on_device(x.device):  # Triton launches on the current device
-        return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, None, _ffn(*ffn))
+        return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, None, _ffn(*ffn),
+                           direct_misses=direct_misses)
 
 def _gate_up(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
              qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
-             ffn: ExpertFFN = SILU, by_pair: bool = False) -> tuple[Tensor, tuple, bool]:
-    """The misses staged (a host arena; ``by_pair``: ``arena`` is their staged rows already) and
+             ffn: ExpertFFN = SILU, by_pair: bool = False, direct_misses: bool = False) -> tuple[Tensor, tuple, bool]:
+    """The misses staged (a host arena, unless ``direct_misses``; ``by_pair``: ``arena`` is their staged
+    rows already) and
     ``silu(gate x) * up x`` of every pair (or ``ffn``'s activation of the biased products): float32
     ``[P, F]``, the weight sources of the down launch and whether they are staged rows."""
     (F_, H), _, _ = _shapes(shapes)
     if (ffn.gate_bias is None) != (ffn.up_bias is None):
         raise ValueError("strata::moe_pair_rows: the kernel takes both gate and up biases or neither")
-    staged = by_pair or moe.stages_misses(slots, arena)
+    staged = by_pair or moe.stages_misses(slots, arena, direct_misses)
     miss = gather_experts(slots, arena, slot, expert, sum(nbytes), True) if staged and not by_pair else arena
     src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
-    gate_up = _gate_up_loop if moe.CONFIG.design == "loop" else _gate_up_split
+    gate_up = _gate_up_loop if moe.launch_config().design == "loop" else _gate_up_split
     return gate_up(x, src, staged, topk, qtypes, F_, H, nbytes, ffn), src, staged
 
 def _gate_up_loop(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequence[int], F_: int, H: int,
                   nbytes: Sequence[int], ffn: ExpertFFN) -> Tensor:
     """The loop design's gate_up launch (``LaunchConfig``): ``h [P, F]``."""
     h = torch.empty((src[0].shape[0], F_), dtype=torch.float32, device=x.device)  # [P, F]
-    bn = moe.CONFIG.bn_gate_up
+    bn = moe.launch_config().bn_gate_up
     (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu) = (_steps(q, bn) for q in qtypes[:2])
     _gate_up_kernel[(h.shape[0], triton.cdiv(F_, bn))](
         x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, topk,
@@ -95,14 +99,14 @@ def _gate_up_loop(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequen
         float(ffn.alpha), float(ffn.limit),
         QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg,
         QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=bn, BY_PAIR=staged,
-        BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai", num_warps=moe.CONFIG.warps_gate_up)
+        BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai", num_warps=moe.launch_config().warps_gate_up)
     return h
 
 def _gate_up_split(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequence[int], F_: int, H: int,
                    nbytes: Sequence[int], ffn: ExpertFFN) -> Tensor:
     """The split design's gate_up launch: ``h [P, F]`` (``split_k == 1``) or the partial products
     ``[2 * split_k, P, F]`` (gates, then ups)."""
-    P, bn, S = src[0].shape[0], moe.CONFIG.bn_gate_up, moe.CONFIG.split_k
+    P, bn, S = src[0].shape[0], moe.launch_config().bn_gate_up, moe.launch_config().split_k
     h = torch.empty((P, F_) if S == 1 else (2 * S, P, F_), dtype=torch.float32, device=x.device)
     bsg, tsg, subg, ntg, fastg = _fast_steps(qtypes[0], bn, 0, nbytes[0] // F_, src)
     bsu, tsu, subu, ntu, fastu = _fast_steps(qtypes[1], bn, nbytes[0], nbytes[1] // F_, src)
@@ -115,7 +119,7 @@ def _gate_up_split(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Seque
         QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg, FASTG=fastg,
         QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, FASTU=fastu, BN=bn, BY_PAIR=staged,
         BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai", SPLIT=S,
-        num_warps=moe.CONFIG.warps_gate_up)
+        num_warps=moe.launch_config().warps_gate_up)
     return h
 def _or(bias: Tensor | None, dummy: Tensor) -> Tensor:
     """``bias`` made contiguous, or ``dummy`` for a kernel pointer argument that is not read."""
@@ -124,13 +128,15 @@ def _or(bias: Tensor | None, dummy: Tensor) -> Tensor:
 def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                 qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
                 weights: Tensor | None = None, ffn: ExpertFFN = SILU, served: Tensor | None = None,
-                served_rows: Tensor | None = None, rows_out: bool = False, by_pair: bool = False) -> Tensor:
+                served_rows: Tensor | None = None, rows_out: bool = False, by_pair: bool = False,
+                direct_misses: bool = False) -> Tensor:
     """The two Triton launches (and the staging copy of misses in a host arena); the rows
     ``[P, H]``, or with ``weights [T, topk]`` their combination ``[T, H]``; ``ffn``'s biases and
     activation applied in the launches. With ``weights``: ``served [P]`` / ``served_rows [P, H]``
     float32 rows taken in place of the flagged pairs' own, or (``rows_out``) the float32 rows
     ``[P, H]`` the combination would sum, returned instead (``moe_decode_rows``). ``by_pair``: ``arena``
-    holds the misses staged already, a row per pair (``moe_decode``'s ``staged``)."""
+    holds the misses staged already, a row per pair (``moe_decode``'s ``staged``); ``direct_misses``: the
+    misses in a host ``arena`` read in place, not staged."""
     slot, expert, x = slot.contiguous(), expert.contiguous(), x.contiguous()
     _, _, (H2, F2) = _shapes(shapes)
     P = slot.shape[0]
@@ -138,7 +144,7 @@ def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
            torch.empty((P if weights is None else x.shape[0], H2), dtype=x.dtype, device=x.device))
     if P == 0:
         return out.zero_()
-    h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn, by_pair)
+    h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn, by_pair, direct_misses)
     down = (_or(ffn.down_bias, h), expert)
     if rows_out:
         modes = dict(served=h, rows_buf=out, SERVED=False, ROWS_OUT=True)
@@ -146,24 +152,24 @@ def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
         modes = dict(served=served.contiguous(), rows_buf=served_rows.contiguous(), SERVED=True, ROWS_OUT=False)
     else:  # the kernels' served-rows arguments, unread
         modes = dict(served=h, rows_buf=h, SERVED=False, ROWS_OUT=False)
-    if moe.CONFIG.design == "split":
+    if moe.launch_config().design == "split":
         _down_split(h, out, weights, src, staged, topk, qtypes, H2, F2, nbytes, ffn, modes)
     elif weights is None:
-        bn = moe.CONFIG.bn_down
+        bn = moe.launch_config().bn_down
         bsd, tsd, subd, ntd = _steps(qtypes[2], bn)
         _down_kernel[(P, triton.cdiv(H2, bn))](
             h, out, *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1], nbytes[2] // H2, *down,
             QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=bn, BY_PAIR=staged,
-            BIAS=ffn.down_bias is not None, num_warps=moe.CONFIG.warps_down)
+            BIAS=ffn.down_bias is not None, num_warps=moe.launch_config().warps_down)
     else:
-        bn = moe.CONFIG.bn_combine
+        bn = moe.launch_config().bn_combine
         bsd, tsd, subd, ntd = _steps(qtypes[2], bn)
         _down_combine_kernel[(x.shape[0], triton.cdiv(H2, bn))](
             h, out, weights.contiguous(), *src, table(qtypes[2], x.device), H2, F2, nbytes[0] + nbytes[1],
             nbytes[2] // H2, topk, *down, modes["served"], modes["rows_buf"],
             QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, BN=bn, BY_PAIR=staged,
             BIAS=ffn.down_bias is not None, SERVED=modes["SERVED"], ROWS_OUT=modes["ROWS_OUT"],
-            num_warps=moe.CONFIG.warps_combine)
+            num_warps=moe.launch_config().warps_combine)
     return out
 
 def _down_split(h: Tensor, out: Tensor, weights: Tensor | None, src: tuple, staged: bool, topk: int,
@@ -175,7 +181,7 @@ def _down_split(h: Tensor, out: Tensor, weights: Tensor | None, src: tuple, stag
     P = src[0].shape[0]
     combine = weights is not None
     J = triton.next_power_of_2(topk) if combine else 1
-    bn = moe.CONFIG.bn_combine if combine else moe.CONFIG.bn_down
+    bn = moe.launch_config().bn_combine if combine else moe.launch_config().bn_down
     off = nbytes[0] + nbytes[1]
     bsd, tsd, subd, ntd, fast = _fast_steps(qtypes[2], J * bn, off, nbytes[2] // H2, src)
     programs = weights.shape[0] if combine else P
@@ -186,13 +192,13 @@ def _down_split(h: Tensor, out: Tensor, weights: Tensor | None, src: tuple, stag
         QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, FAST=fast, J=J, BN=bn, BY_PAIR=staged,
         GU_BIAS=h.dim() == 3 and ffn.gate_bias is not None, BIAS=ffn.down_bias is not None,
         OAI=ffn.activation == "swiglu_oai", HS=0 if h.dim() == 2 else h.shape[0] // 2, COMBINE=combine,
-        **modes, num_warps=moe.CONFIG.warps_combine if combine else moe.CONFIG.warps_down)
+        **modes, num_warps=moe.launch_config().warps_combine if combine else moe.launch_config().warps_down)
 
 def decode_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, weights: Tensor,
                 topk: int, qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
                 gate_bias: Tensor | None = None, up_bias: Tensor | None = None, down_bias: Tensor | None = None,
                 act: int = 0, alpha: float = 1.702, limit: float = 7.0, served: Tensor | None = None,
-                served_rows: Tensor | None = None, staged: bool = False) -> Tensor:
+                served_rows: Tensor | None = None, staged: bool = False, direct_misses: bool = False) -> Tensor:
     """``moe_decode`` on CUDA: the rows combined in the down launch (the ``served`` pairs' rows taken
     from ``served_rows``; ``staged``: the misses read from ``arena``'s row of their pair); the
     reference's combination of the fallback rows for formats without a decoder."""
@@ -202,10 +208,12 @@ def decode_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
                                         nbytes, ffn, staged), weights, served, served_rows)
     with on_device(x.device):
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, weights, _ffn(*ffn),
-                           None if served is None else served.view(torch.uint8), served_rows, by_pair=staged)
+                           None if served is None else served.view(torch.uint8), served_rows, by_pair=staged,
+                           direct_misses=direct_misses)
 
 def decode_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-              qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn) -> Tensor:
+              qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int], *ffn,
+              direct_misses: bool = False) -> Tensor:
     """``moe_decode_rows`` on CUDA: the combining down launch storing its float32 rows instead of
     summing them (the same arithmetic, row for row); the fallback rows in float32 for formats
     without a decoder."""
@@ -215,7 +223,7 @@ def decode_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expe
     unread = torch.empty((x.shape[0], topk), dtype=torch.float32, device=x.device)  # the combination's shape
     with on_device(x.device):
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, unread, _ffn(*ffn),
-                           rows_out=True)
+                           rows_out=True, direct_misses=direct_misses)
 
 
 # opaque like strata::dequantize: a CUDA kernel may fall back to the reference

@@ -15,7 +15,8 @@ Attention has two exact forms of the same product:
   the whole cache: logits bit-identical across chunk and batch sizes), decode windows and captured
   graphs (``static``: the whole capacity, masked on the device). Its attention over the cache is the
   ``strata::mla_attention`` op (strata_core/ops/mla.py): on the CPU the torch form, on CUDA a Triton
-  flash-decoding kernel that reads the latent and rope rows in place (``MLA_KERNEL``).
+  flash-decoding kernel that reads the latent and rope rows in place (the setting ``mla_kernel``; off:
+  ``mla_reference``, the torch form).
 - *expanded* (prompt chunks on a GPU): per-head keys ``[latent attn_k_b, rope]`` and values
   ``latent attn_v_b`` of the chunk's visible positions go through torch's fused SDPA (values padded
   to the key width so the flash kernel takes them), so no ``[heads, T, S]`` scores are in memory.
@@ -23,35 +24,28 @@ Attention has two exact forms of the same product:
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from strata_core.experts.rows import ExpertRows
 from strata_core.model.deepseek2.spec import DeepseekSpec
-from strata_core.model import ops
+from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import rms_norm
 from strata_core.model.rope import apply_rope_interleaved, scaled_inv_freq
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
-from strata_core.ops.matmul import linear, matmul, rowwise
+from strata_core.ops.matmul import batch_invariant, linear, matmul
 from strata_core.ops.mla import mla_attention, mla_reference
 
 __all__ = ["DeepseekModel", "swiglu"]
 
 #: chunks of more query rows than this use the expanded form on a GPU (fused SDPA)
 ABSORBED_MAX_ROWS = 64
-#: the absorbed form attends through ``strata::mla_attention`` (the Triton kernel on CUDA); False
-#: (``STRATA_MLA_KERNEL=0``): its torch reference on every device
-MLA_KERNEL = os.environ.get("STRATA_MLA_KERNEL", "1") != "0"
-
-
 def swiglu(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """A SiLU-gated FFN ``down(silu(gate x) * up x)`` of ``x [T, H]`` (dense weights)."""
-    return linear(rowwise(F.silu, linear(x, gate)) * linear(x, up), down)
+    return linear(batch_invariant(F.silu, linear(x, gate)) * linear(x, up), down)
 
 
 class DeepseekModel(MoEModel):
@@ -60,8 +54,8 @@ class DeepseekModel(MoEModel):
     spec: DeepseekSpec
     splits_heads = False  # MLA: its own ``attention`` runs every head here
 
-    def __init__(self, spec: DeepseekSpec, weights: DenseWeights):
-        super().__init__(spec, weights)
+    def __init__(self, spec: DeepseekSpec, weights: DenseWeights, kernels: ForwardKernels = ForwardKernels()):
+        super().__init__(spec, weights, kernels)
         self._inv_freq: dict[torch.device, torch.Tensor] = {}  # [rope/2] per device
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -78,15 +72,16 @@ class DeepseekModel(MoEModel):
         rope key of each position into ``kv`` (``n_ctx`` and ``static`` as in ``MoEModel.attention``)."""
         s, w = self.spec, self.weights.at(layer, h.device)
         T, eps, C = h.shape[0], s.rms_norm_eps, s.kv_lora_rank
-        x = rms_norm(h, w["attn_norm.weight"], eps)  # [T, H]
+        x = rms_norm(h, w["attn_norm.weight"], eps, self.kernels.fused_norms)  # [T, H]
         if s.q_lora_rank:
-            q = linear(rms_norm(linear(x, w["attn_q_a.weight"]), w["attn_q_a_norm.weight"], eps),
-                       w["attn_q_b.weight"])  # [T, nh*Dk]
+            q_a = rms_norm(linear(x, w["attn_q_a.weight"]), w["attn_q_a_norm.weight"], eps, self.kernels.fused_norms)
+            q = linear(q_a, w["attn_q_b.weight"])  # [T, nh*Dk]
         else:
             q = linear(x, w["attn_q.weight"])  # [T, nh*Dk]
         q = q.view(T, s.n_heads, s.head_dim)  # [T, nh, Dk]
         compressed = linear(x, w["attn_kv_a_mqa.weight"])  # [T, C + r]
-        latent = rms_norm(compressed[:, :C].contiguous(), w["attn_kv_a_norm.weight"], eps)  # [T, C]
+        latent = rms_norm(compressed[:, :C].contiguous(), w["attn_kv_a_norm.weight"], eps,
+                          self.kernels.fused_norms)  # [T, C]
         positions = positions.to(h.device)
         q_nope = q[..., :s.qk_nope_dim]  # [T, nh, nope]
         q_rope = self._rope(q[..., s.qk_nope_dim:], positions)  # [T, nh, r]
@@ -97,7 +92,7 @@ class DeepseekModel(MoEModel):
             n_ctx = kv.max_tokens
         elif n_ctx is None:
             n_ctx = int(positions.max()) + 1
-        if on_cpu or static or T <= ABSORBED_MAX_ROWS or not ops.DEVICE_SDPA:
+        if on_cpu or static or T <= ABSORBED_MAX_ROWS or not self.kernels.device_sdpa:
             out = self._absorbed(w, q_nope, q_rope, positions, kv.read(layer, n_ctx, "latent", "rope"))
         else:
             out = self._expanded(w, q_nope, q_rope, kv.read(layer, n_ctx, "latent", "rope"))
@@ -118,7 +113,7 @@ class DeepseekModel(MoEModel):
         latent, rope = (t.to(q_nope.dtype) for t in cached)
         k_b, v_b = self._kv_b(w)
         q_abs = matmul(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [nh, T, C]
-        attend = mla_attention if MLA_KERNEL else mla_reference
+        attend = mla_attention if self.kernels.mla_kernel else mla_reference  # ForwardKernels.mla_kernel
         attended = attend(q_abs, q_rope.transpose(0, 1), latent, rope, positions, self.spec.kq_scale)  # [nh, T, C]
         return matmul(attended, v_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, v]
 
@@ -143,7 +138,8 @@ class DeepseekModel(MoEModel):
         """``(ids [T, k], weights [T, k])`` as llama.cpp's ``build_moe_ffn`` for deepseek2."""
         s, w = self.spec, self.weights.at(layer, x.device)
         logits = linear(x, w["ffn_gate_inp.weight"]).float()  # [T, E]
-        probs = torch.softmax(logits, dim=-1) if s.gating == "softmax" else rowwise(torch.sigmoid, logits)  # [T, E]
+        probs = (torch.softmax(logits, dim=-1) if s.gating == "softmax"
+                 else batch_invariant(torch.sigmoid, logits))  # [T, E]
         choice = probs + w["exp_probs_b.bias"].float() if s.has_probs_bias else probs  # [T, E]
         if s.expert_groups > 1:
             T, G = choice.shape[0], s.expert_groups
@@ -158,7 +154,7 @@ class DeepseekModel(MoEModel):
     def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """``h + ffn(rms_norm(h))``: the dense FFN of a leading layer, else routed + shared experts."""
         s, w = self.spec, self.weights.at(layer, h.device)
-        x = rms_norm(h, w["ffn_norm.weight"], s.rms_norm_eps)  # [T, H]
+        x = rms_norm(h, w["ffn_norm.weight"], s.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
         if layer not in s.moe_layers:
             return h + swiglu(x, w["ffn_gate.weight"], w["ffn_up.weight"], w["ffn_down.weight"])
         ids, weights = self.route(layer, x)  # [T, k], [T, k]

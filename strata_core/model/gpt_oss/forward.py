@@ -19,6 +19,7 @@ import torch
 from strata_core.experts.ffn import ExpertFFN
 from strata_core.experts.rows import ExpertRows
 from strata_core.model.gpt_oss.spec import GptOssSpec
+from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, masked_attention, rms_norm, rope_cos_sin
 from strata_core.model.transformer import MoEModel
@@ -40,8 +41,8 @@ class GptOssModel(MoEModel):
     spec: GptOssSpec
     splits_heads = False  # its own ``attend`` (sinks, sliding windows) runs every head here
 
-    def __init__(self, spec: GptOssSpec, weights: DenseWeights):
-        super().__init__(spec, weights)
+    def __init__(self, spec: GptOssSpec, weights: DenseWeights, kernels: ForwardKernels = ForwardKernels()):
+        super().__init__(spec, weights, kernels)
         self._inv_freq: dict[tuple[int, torch.device], torch.Tensor] = {}  # (layer, device) -> [D/2]
 
     def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -87,6 +88,7 @@ class GptOssModel(MoEModel):
 
     def moe(self, layer: int, h: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """``h + moe(rms_norm(h))`` with ``post_attention_norm`` and the biased experts."""
-        x = rms_norm(h, self.weights.at(layer, h.device)["post_attention_norm.weight"], self.spec.rms_norm_eps)
+        x = rms_norm(h, self.weights.at(layer, h.device)["post_attention_norm.weight"], self.spec.rms_norm_eps,
+                     self.kernels.fused_norms)
         ids, weights = self.route(layer, x)  # [T, k], [T, k]
         return h + expert_rows(layer, x, ids, weights, self.expert_ffn(layer, h.device))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from strata_core.ops.matmul import rowwise
+from strata_core.ops.matmul import batch_invariant
 
 __all__ = ["CHUNK", "causal_conv", "delta_rule", "delta_rule_chunked", "delta_rule_recurrent", "fla_chunk",
            "l2_norm"]
@@ -34,11 +34,6 @@ log = logging.getLogger(__name__)
 
 #: tokens per chunk of the chunked form (transformers' and fla's default)
 CHUNK = 64
-
-#: the chunked prompt form off the CPU: "fla" (flash-linear-attention's kernel, when it imports),
-#: "torch" (``delta_rule_chunked``) or "recurrent" (token by token); tests and benchmarks switch it
-DEVICE_CHUNKED = "fla"
-
 
 @functools.cache
 def fla_chunk() -> Callable[..., Any] | None:
@@ -64,7 +59,7 @@ def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     for j in range(1, K):
         out = out + window[j:j + T] * w[:, j]  # [T, C]
     state.copy_(window[T:])
-    return rowwise(F.silu, out).to(x.dtype)
+    return batch_invariant(F.silu, out).to(x.dtype)
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -81,7 +76,7 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     T, Dk = q.shape[0], q.shape[-1]
     q = (q.float() * Dk ** -0.5).contiguous()
     k, v = k.float().contiguous(), v.float().contiguous()
-    decay = rowwise(torch.exp, g.float())  # [T, Hv]
+    decay = batch_invariant(torch.exp, g.float())  # [T, Hv]
     beta = beta.float().contiguous()
     s = state
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)  # [T, Hv, Dv]
@@ -129,16 +124,19 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor, k_heads: int) -> torch.Tensor:
+               state: torch.Tensor, k_heads: int, chunked: str = "fla") -> torch.Tensor:
     """The gated delta rule for ``q, k [T, Hk, Dk]`` (one key head per ``Hv / Hk`` value heads),
     ``v [T, Hv, Dv]``: ``[T, Hv, Dv]`` float32; ``state`` updated in place.
 
-    The recurrent form on the CPU and for single tokens; a prompt off the CPU runs the chunked form
-    (fla's kernel when installed, else ``delta_rule_chunked``)."""
+    The recurrent form on the CPU and for single tokens; a prompt off the CPU runs the form ``chunked``
+    names (``ForwardKernels.deltanet_chunked``): "fla" (fla's kernel when installed, else
+    ``delta_rule_chunked``), "torch" (``delta_rule_chunked``) or "recurrent" (token by token)."""
+    if chunked not in ("fla", "torch", "recurrent"):
+        raise ValueError(f"delta_rule: chunked {chunked!r} is not 'fla', 'torch' or 'recurrent'")
     rep = v.shape[1] // k_heads
-    if q.device.type == "cpu" or q.shape[0] == 1 or DEVICE_CHUNKED == "recurrent":
+    if q.device.type == "cpu" or q.shape[0] == 1 or chunked == "recurrent":
         return delta_rule_recurrent(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)
-    kernel = fla_chunk() if DEVICE_CHUNKED == "fla" else None
+    kernel = fla_chunk() if chunked == "fla" else None
     if kernel is None:
         return delta_rule_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)
     dtype = v.dtype  # the kernel reads [B, T, H, D] rows contiguous; it repeats the key heads itself

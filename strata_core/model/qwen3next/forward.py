@@ -18,7 +18,7 @@ from strata_core.model.kvcache import KVCache
 from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
 from strata_core.model.qwen3next.spec import Qwen3NextSpec
 from strata_core.model.transformer import MoEModel
-from strata_core.ops.matmul import linear, rowwise
+from strata_core.ops.matmul import batch_invariant, linear
 
 __all__ = ["Qwen3NextModel"]
 
@@ -33,7 +33,8 @@ class Qwen3NextModel(MoEModel):
                   n_ctx: int | None = None, static: bool = False) -> torch.Tensor:
         """``h + mixer(rms_norm(h))``: the layer's Gated DeltaNet or gated attention (see
         ``MoEModel.attention`` for ``positions``, ``n_ctx`` and ``static``)."""
-        x = rms_norm(h, self.weights.at(layer, h.device)["attn_norm.weight"], self.spec.rms_norm_eps)  # [T, H]
+        x = rms_norm(h, self.weights.at(layer, h.device)["attn_norm.weight"], self.spec.rms_norm_eps,
+                     self.kernels.fused_norms)  # [T, H]
         if self.spec.recurrent[layer]:
             return h + self.linear_attention(layer, x, kv)
         return h + self.gated_attention(layer, x, positions.to(h.device), kv, n_ctx, static)
@@ -48,12 +49,12 @@ class Qwen3NextModel(MoEModel):
         q, gate = qg[..., :D].contiguous(), qg[..., D:].reshape(T, s.q_size)
         k = linear(x, w["attn_k.weight"]).view(T, s.n_kv_heads, D)  # [T, nkv, D]
         v = linear(x, w["attn_v.weight"]).view(T, s.n_kv_heads, D)  # [T, nkv, D]
-        q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
-        k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps)
+        q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps, self.kernels.fused_norms)
+        k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps, self.kernels.fused_norms)
         q, k = self.rope(layer, q, k, positions)
         kv.write(layer, positions, k=k, v=v)
         out = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
-        return linear(out * rowwise(torch.sigmoid, gate), w["attn_output.weight"])  # [T, H]
+        return linear(out * batch_invariant(torch.sigmoid, gate), w["attn_output.weight"])  # [T, H]
 
     def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,9 +74,12 @@ class Qwen3NextModel(MoEModel):
         q = l2_norm(q.reshape(T, Hk, Dh), s.rms_norm_eps)  # [T, Hk, Dh]
         k = l2_norm(k.reshape(T, Hk, Dh), s.rms_norm_eps)
         ba = linear(x, w["ssm_ba.weight"]).view(T, Hk, 2 * r).float()  # per key head: [beta x r, alpha x r]
-        beta = rowwise(torch.sigmoid, ba[..., :r].reshape(T, Hv))  # [T, Hv]
-        g = rowwise(F.softplus, ba[..., r:].reshape(T, Hv) + w["ssm_dt.bias"].float()) * w["ssm_a"].float()  # [T, Hv]
-        o = delta_rule(q, k, v.reshape(T, Hv, Dh), g, beta, kv.state(layer, "ssm"), Hk)  # [T, Hv, Dh] f32
+        beta = batch_invariant(torch.sigmoid, ba[..., :r].reshape(T, Hv))  # [T, Hv]
+        g = batch_invariant(F.softplus, ba[..., r:].reshape(T, Hv) + w["ssm_dt.bias"].float())
+        g = g * w["ssm_a"].float()  # [T, Hv]
+        o = delta_rule(q, k, v.reshape(T, Hv, Dh), g, beta, kv.state(layer, "ssm"), Hk,
+                       self.kernels.deltanet_chunked)  # [T, Hv, Dh] f32
         z = linear(x, w["attn_gate.weight"]).view(T, Hv, Dh)  # [T, Hv, Dh]
-        o = rms_norm(o.to(x.dtype), w["ssm_norm.weight"], s.rms_norm_eps) * rowwise(F.silu, z.float()).to(x.dtype)
+        o = (rms_norm(o.to(x.dtype), w["ssm_norm.weight"], s.rms_norm_eps, self.kernels.fused_norms)
+             * batch_invariant(F.silu, z.float()).to(x.dtype))
         return linear(o.reshape(T, s.gdn_value_dim), w["ssm_out.weight"])  # [T, H]

@@ -1,0 +1,30 @@
+"""``ForwardKernels``: which device kernels a model's forward runs (the StrataSettings fields of the same names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+__all__ = ["ForwardKernels"]
+
+
+@dataclass(frozen=True)
+class ForwardKernels:
+    """The kernel choices of the forward on CUDA; the defaults are the fast ones. Each choice off runs the
+    torch form the kernel replaces (what tests compare against); the CPU always runs the torch forms.
+
+    ``fused_norms``: RMSNorm and q/k norm + RoPE as fused Triton kernels; ``device_sdpa``: attention
+    through torch SDPA (else the CPU's masked matmul); ``mla_kernel``: deepseek2's MLA decode through
+    ``strata::mla_attention`` (else ``mla_reference``); ``deltanet_chunked``: qwen3next's Gated DeltaNet
+    prompts through fla's kernel ("fla", where fla-core imports), ``delta_rule_chunked`` ("torch") or
+    token by token ("recurrent")."""
+
+    fused_norms: bool = True
+    device_sdpa: bool = True
+    mla_kernel: bool = True
+    deltanet_chunked: Literal["fla", "torch", "recurrent"] = "fla"
+
+    @classmethod
+    def from_settings(cls, settings: object) -> ForwardKernels:
+        """The choices of ``settings`` (a StrataSettings: its fields of these names)."""
+        return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})
