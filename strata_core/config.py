@@ -154,6 +154,23 @@ class StrataSettings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY`")
     model_alias: str | None = Field(None, description="model name served at /v1/models")
     max_body_mib: float = Field(8.0, gt=0, description="largest request body the server reads (MiB); larger is 413")
+    threads: int | None = Field(None, ge=1, description="CPU threads of torch's compute pool, set once at start on "
+                                "the one thread that runs every model call (default: torch's, one per core)")
+    header_timeout: float = Field(10.0, gt=0, description="seconds a client has to send a request's head (from its "
+                                  "first byte, or from connecting); then 408 and the connection is closed")
+    body_timeout: float = Field(30.0, gt=0, description="seconds a client has to send a request's body after its "
+                                "head; then 408 and the connection is closed")
+    max_connections: int = Field(512, ge=1, description="open connections the server keeps; one more is answered "
+                                 "503 and closed")
+    shutdown_grace: float = Field(10.0, ge=0, description="seconds running requests get to finish on SIGTERM before "
+                                  "each is ended with an error (streams: an error event and [DONE])")
+    template_timeout: float = Field(5.0, gt=0, description="seconds the chat template may take to render one "
+                                    "request; then it is stopped and the request gets a 500 naming it")
+    template_max_mib: float = Field(16.0, gt=0, description="largest prompt the chat template may produce (MiB of "
+                                    "characters); more stops it (500)")
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Host header values the server answers besides the address it binds "
+        "(comma-separated; *.example.com matches subdomains; * turns the check off)")
 
     # --- observers and plugins -------------------------------------------------------------------
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")
@@ -163,7 +180,7 @@ class StrataSettings(BaseSettings):
     plugins: Annotated[list[str] | None, NoDecode] = Field(None, description="allow-list of plugin distributions")
     disable_plugin_autoload: bool = Field(False, description="load no entry-point plugins")
 
-    @field_validator("devices", "plugins", mode="before")
+    @field_validator("devices", "plugins", "allowed_hosts", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

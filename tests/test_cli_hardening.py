@@ -115,6 +115,31 @@ def test_serve_errors_are_one_line(strata, tmp_path: Path) -> None:
         one_line_error(strata("serve", "--port", port), "cannot listen", port)
 
 
+def test_two_servers_starting_at_once_on_one_port_the_loser_is_one_line(strata, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race: both servers bind the port (SO_REUSEADDR allows it while neither listens), the
+    other one listens first; this one must still get the one-line error and exit 2."""
+    import strata_core.cli.serve as serve
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    winner = socket.socket()
+    winner.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+
+    class Racing(socket.socket):
+        def bind(self, address) -> None:  # type: ignore[no-untyped-def, override]
+            super().bind(address)
+            winner.bind(address)  # the other server binds too, then listens before this one does
+            winner.listen()
+
+    monkeypatch.setattr(serve.socket, "socket", Racing)
+    try:
+        result = strata("serve", "--port", str(port))
+    finally:
+        winner.close()
+    assert "in use" in one_line_error(result, "cannot listen", str(port))
+
+
 def test_info_shows_the_parts_of_a_split_model(strata, model: Path, tmp_path: Path) -> None:
     parts = split_copy(model, tmp_path / "tiny.gguf", max_tensors=12)
     out = strata("info", str(parts[0]), "--max-context", "100000")

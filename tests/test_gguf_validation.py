@@ -83,3 +83,22 @@ def test_metadata_is_checked_at_load(model: Path, tmp_path: Path, key: str, valu
     assert str(tmp_path) in str(error.value)
     if value is not None and not key.startswith("tokenizer"):
         assert key in str(error.value) or key.split(".", 1)[1] in str(error.value)
+
+
+def test_a_header_declaring_more_tensors_than_the_architecture_has_fails_before_the_table(tmp_path: Path) -> None:
+    """2^20 declared tensors cost gguf-py's table gigabytes; the count is checked against the layers
+    (64 tensors per layer at most) before any tensor entry is parsed."""
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "many.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(2)
+    for i in range(3000):
+        writer.add_tensor(f"blk.0.t{i}", np.zeros(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelFileError, match=r"declares 3000 tensors, more than a qwen3moe model of 2 layers can have \(192\)"):
+        GGUFFile.open(path)

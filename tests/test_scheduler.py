@@ -182,3 +182,25 @@ def test_idle_slot_keeps_its_session_for_the_next_turn(rewindable: bool) -> None
     finally:
         scheduler.stop()
     assert end.timings.cache_n == (len(first.prompt) if rewindable else 0)
+
+
+def test_a_prompt_sharing_only_the_template_opening_keeps_the_cached_conversation() -> None:
+    """Conversations A, B, C, then A again, one slot: B and C share only the chat template's opening
+    with A, and A's next turn still finds all of A in the cache."""
+    engine = FakeEngine()
+    scheduler = _scheduler(engine, parallel=1, conv_cache=8)
+    opening = "<|im_start|>user\n"
+    a, b, c = (_request(opening + text * 20, 4) for text in ("alpha ", "bravo ", "charlie "))
+    reply = [t for t in greedy_reference(a.prompt, 4) if t not in FakeTokenizer.eos_token_ids]
+    again = GenerationRequest(a.prompt + reply + FakeTokenizer().encode(" and then?"), _greedy(4))
+
+    async def main() -> Finished:
+        for request in (a, b, c):
+            await _run(scheduler.submit(request))
+        return (await _run(scheduler.submit(again)))[2]
+
+    try:
+        end = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert end.timings.cache_n == len(a.prompt) + len(reply) - 1  # all of A (the last reply token was never fed)

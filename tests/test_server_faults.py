@@ -170,7 +170,7 @@ def test_a_cancelled_non_streamed_request_ends_its_handler() -> None:
         body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": 90_000}).encode()
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as client:
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                            b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             assert engine.generating.wait(10)  # hang up while the request generates
         _wait_until(lambda: not server.server_state.tasks, "the handler task to end")

@@ -24,6 +24,7 @@ import uvicorn
 from strata_core.config import StrataSettings
 from strata_core.errors import RequestError
 from strata_core.serving.server import create_app
+from strata_core.serving.server.http import StrataServer, uvicorn_config
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 N_SPECIAL = len(SPECIALS)
@@ -34,8 +35,13 @@ class FakeTokenizer:
     """Byte-level: id = byte + 3; the three specials are 0..2; EOS ids are 0 and 2."""
 
     eos_token_ids = {0, 2}
+    encoded = 0  # characters encoded, by every instance
+
+    def min_tokens(self, text: str) -> int:
+        return -(-len(text) // max(map(len, SPECIALS)))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        FakeTokenizer.encoded += len(text)
         ids: list[int] = []
         while text:
             special = next((i for i, s in enumerate(SPECIALS) if text.startswith(s)), None)
@@ -221,9 +227,8 @@ def serving(settings: StrataSettings, engine: Any = None, ready: bool = True) ->
     """Like ``live_server``, yielding the base URL and the running ``uvicorn.Server``; with ``ready``
     once the model has loaded (``/health`` is no longer 503 loading)."""
     port = free_port()
-    config = uvicorn.Config(create_app(settings, engine), host="127.0.0.1", port=port, log_level="warning",
-                            timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
+    config = uvicorn_config(create_app(settings, engine), settings, host="127.0.0.1", port=port, log_level="warning")
+    server = StrataServer(config, settings)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -9,18 +9,35 @@ from strata_core.cli.settings import ENGINE, SERVER, settings_with
 from strata_core.errors import ConfigError
 
 log = logging.getLogger(__name__)
+BACKLOG = 2048  # uvicorn's default
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port``, or a ConfigError saying why not (the port is taken...)."""
+    """A socket listening on ``host:port``, or a ConfigError saying why not (the port is taken...)."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        # Listening here, not in uvicorn: with SO_REUSEADDR two servers starting at once may both
+        # bind, and only listen() tells the loser the port is taken.
+        sock.listen(BACKLOG)
     except OSError as error:
         raise ConfigError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
     return sock
+
+
+def raise_fd_limit(connections: int) -> None:
+    """Raise the soft limit on open files to fit ``connections`` and the model's files (up to the hard limit)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = connections + 256
+    if soft != resource.RLIM_INFINITY and soft < want:
+        new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < want:
+            log.warning("the open-file limit is %d: fewer than --max-connections %d leave room for", new, connections)
 
 
 class ServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
@@ -34,9 +51,8 @@ class ServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
     def cli_cmd(self) -> None:
         """Bind the port, start uvicorn, load the engine behind it; a load failure stops the server
         and is raised here (one line and exit status 2 for a StrataError)."""
-        import uvicorn
-
         from strata_core.serving.server import create_app
+        from strata_core.serving.server.http import StrataServer, uvicorn_config
 
         if self.host not in {"127.0.0.1", "localhost", "::1"} and self.api_key is None:
             log.warning("listening on %s without --api-key: anyone who can reach it may use the model", self.host)
@@ -47,8 +63,10 @@ class ServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
             failures.append(error)
             server.should_exit = True
 
-        app = create_app(self.strata_settings(), on_load_error=failed)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=5))
+        settings = self.strata_settings()
+        app = create_app(settings, on_load_error=failed)
+        raise_fd_limit(settings.max_connections)
+        server = StrataServer(uvicorn_config(app, settings, log_level="info"), settings)
         log.info("strata serve: model %s, strategy %s, devices %s, %d slots, http://%s:%d/v1",
                  self.model, self.strategy, ",".join(self.devices), self.parallel, self.host, self.port)
         server.run(sockets=[sock])

@@ -66,6 +66,11 @@ _MIN_VALUE_BYTES = {GGUFValueType.STRING: 8, GGUFValueType.ARRAY: 12} | {
     t: np.dtype(n).itemsize for t, n in GGUFReader.gguf_scalar_to_np.items()}
 _MIN_KV_BYTES = 8 + 4 + 1  # key length, value type, at least one byte of value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+# The tensor count a header may declare: no supported architecture has more than ~30 tensors per
+# layer (qwen3next, deepseek2 with its MTP layer), and no model more than a few hundred layers.
+MAX_TENSORS_PER_LAYER = 64
+MAX_GLOBAL_TENSORS = 64
+MAX_LAYERS = 1024
 
 
 class _CheckedReader(GGUFReader):
@@ -100,7 +105,35 @@ class _CheckedReader(GGUFReader):
 
     def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:  # type: ignore[override]
         self._check_count(count, _MIN_TENSOR_INFO_BYTES, offs, "tensors")
+        cap, why = self._tensor_cap()
+        if int(count) > cap:
+            raise self._broken(f"the header declares {int(count)} tensors, more than {why} can have ({cap}); "
+                               "the file is corrupt")
         return super()._build_tensor_info(offs, count)
+
+    def _scalar(self, key: str) -> Any:
+        field = self.fields.get(key)
+        if field is None or not field.types or field.types[0] in (GGUFValueType.ARRAY, GGUFValueType.STRING):
+            return None
+        return int(field.parts[field.data[0]][0])
+
+    def _tensor_cap(self) -> tuple[int, str]:
+        """The most tensors this file may hold, from the metadata read so far: per layer of
+        ``{arch}.block_count`` (capped), or the split's ``split.tensors.count``. Each tensor costs
+        gguf-py's table kilobytes, so the count is checked before the table is built."""
+        arch_field = self.fields.get("general.architecture")
+        arch = bytes(arch_field.parts[-1]).decode("utf-8", "replace") if arch_field is not None else None
+        layers = self._scalar(f"{arch}.block_count") if arch else None
+        split_total = self._scalar("split.tensors.count")
+        if layers is not None:
+            n = min(max(layers, 0), MAX_LAYERS)
+            cap, why = MAX_TENSORS_PER_LAYER * n + MAX_GLOBAL_TENSORS, f"a {arch} model of {layers} layers"
+            if split_total is not None and split_total < cap:
+                cap, why = split_total, f"the split model (split.tensors.count {split_total})"
+            return cap, why
+        if split_total is not None:
+            return split_total, f"the split model (split.tensors.count {split_total})"
+        return MAX_GLOBAL_TENSORS * 256, "a GGUF without a block count"
 
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list, list]:  # type: ignore[override]
         try:

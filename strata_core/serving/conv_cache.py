@@ -83,6 +83,16 @@ class ConvCache:
         """Remove the entry ``key`` and return its snapshot."""
         return self._remove(key).snapshot
 
+    def n_tokens(self, key: int) -> int:
+        """Tokens held by entry ``key``."""
+        return len(self._entries[key].tokens)
+
+    def peek(self, key: int) -> Any:
+        """The snapshot of entry ``key``, which stays (now the most recently used): a prompt that
+        shares only part of a conversation must not cost the cache the rest of it."""
+        self._entries.move_to_end(key)
+        return self._entries[key].snapshot
+
     def _remove(self, key: int) -> _Entry:
         entry = self._entries.pop(key)
         self.nbytes -= entry.nbytes

@@ -21,6 +21,10 @@ class ServerBusyError(StrataError):
     """Every slot is busy and the queue is full (HTTP 503)."""
 
 
+class ShuttingDownError(ServerBusyError):
+    """The server is shutting down: it takes no new request and ends the running ones (HTTP 503)."""
+
+
 class RequestCancelled(StrataError):
     """The request was cancelled (its client went away) before it finished."""
 

@@ -14,6 +14,7 @@ taken by another request first saves its session in the :class:`~strata_core.ser
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from strata_core.serving.conv_cache import ConvCache, common_prefix
+from strata_core.serving.model_files import ModelFileChangedError, ModelFiles
 from strata_core.errors import RequestError, StrataError
 from strata_core.serving.requests import (
     ContextLengthError,
@@ -35,15 +37,61 @@ from strata_core.serving.requests import (
     RequestCancelled,
     SchedulerStats,
     ServerBusyError,
+    ShuttingDownError,
     Timings,
     TokenLogprob,
 )
 from strata_core.serving.sampling import SampleResult, Sampler
 from strata_core.serving.stop_strings import StopMatcher
 
-__all__ = ["RequestHandle", "Scheduler"]
+__all__ = ["ComputeThread", "RequestHandle", "Scheduler"]
 
 log = logging.getLogger(__name__)
+
+
+class ComputeThread:
+    """The one long-lived thread that makes every torch call of a server: the model's load, then the
+    scheduler's loop, then the engine's release.
+
+    torch's CPU pool (OpenMP) is tied to the thread that drives it: a load on a short-lived worker
+    thread leaves OpenMP workers behind that busy-wait against the decode's once that thread is
+    retired. ``threads`` (``--threads``) sets the pool's size on this thread before any work.
+    """
+
+    def __init__(self, threads: int | None = None, name: str = "strata-compute") -> None:
+        self.threads = threads
+        self._jobs: queue.SimpleQueue[tuple[Any, tuple[Any, ...], concurrent.futures.Future[Any]] | None] = (
+            queue.SimpleQueue())
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        while (item := self._jobs.get()) is not None:
+            fn, args, future = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                future.set_exception(exc)
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args)`` on the thread after what is already queued."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((fn, args, future))
+        return future
+
+    async def call(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` on the thread, awaited."""
+        return await asyncio.wrap_future(self.submit(fn, *args))
+
+    def close(self) -> None:
+        """End the thread once the queued work is done."""
+        self._jobs.put(None)
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
 
 
 class RequestHandle:
@@ -99,7 +147,8 @@ class _Slot:
 class Scheduler:
     """``parallel`` slots batched per decode window, a queue of ``max_queue``, a conversation cache."""
 
-    def __init__(self, engine: Any, *, parallel: int, max_queue: int, conv_cache: int, conv_cache_bytes: int) -> None:
+    def __init__(self, engine: Any, *, parallel: int, max_queue: int, conv_cache: int, conv_cache_bytes: int,
+                 worker: ComputeThread | None = None) -> None:
         self.engine = engine
         self.max_context: int = engine.max_context
         self.parallel = parallel
@@ -117,21 +166,50 @@ class Scheduler:
         self._in_flight = 0
         self._clock = 0
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
+        self._drain_deadline: float | None = None  # set by drain(): running requests end by then
+        gguf = getattr(engine, "gguf_file", None)
+        self._files = ModelFiles(gguf.parts or [gguf.path]) if gguf is not None else None
+        self.broken: ModelFileChangedError | None = None  # set once a model file changed: nothing runs
+        # The worker loop runs on ``worker`` (the thread that loaded the engine), else on its own.
+        self._owns_worker = worker is None
+        self._worker = worker
+        self._loop_done: concurrent.futures.Future[Any] | None = None
 
     # --- asyncio side ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the worker thread."""
-        self._thread.start()
+        """Start the worker loop on the compute thread."""
+        if self._worker is None:
+            self._worker = ComputeThread(name="strata-scheduler")
+        self._loop_done = self._worker.submit(self._run)
+
+    @property
+    def worker(self) -> ComputeThread | None:
+        """The thread every engine call runs on."""
+        return self._worker
 
     def stop(self) -> None:
-        """Fail what is left, release every session and end the worker thread."""
+        """Fail what is left, release every session and end the worker loop (and its thread if owned)."""
         self._stopping = True
         self._wake()
-        self._thread.join()
+        if self._loop_done is not None:
+            self._loop_done.result()
+        if self._owns_worker and self._worker is not None:
+            self._worker.close()
+        if self._files is not None:
+            self._files.close()
+
+    def drain(self, grace: float) -> None:
+        """Admit nothing more: the queued requests fail now, the running ones in ``grace`` seconds
+        (with ShuttingDownError) unless they finish first."""
+        self._drain_deadline = time.monotonic() + grace
+        self._wake()
 
     def submit(self, request: GenerationRequest) -> RequestHandle:
         """Queue ``request``; raises RequestError if it cannot run, ServerBusyError if the queue is full."""
+        if self._drain_deadline is not None:
+            raise ShuttingDownError("the server is shutting down and takes no new requests")
+        if self.broken is not None:
+            raise self.broken
         n = len(request.prompt)
         if n == 0:
             raise RequestError("the prompt is empty")
@@ -171,6 +249,9 @@ class Scheduler:
             self._take_inbox(block=not busy)
             try:
                 self._drop_cancelled()
+                self._check_files()
+                if self._drain_deadline is not None:
+                    self._end_for_shutdown()
                 self._admit()
                 self._window()
             except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
@@ -180,6 +261,32 @@ class Scheduler:
             self.stats.active = sum(1 for s in self._slots if s.job)
             self.stats.waiting = len(self._waiting)
         self._shutdown()
+
+    def _check_files(self) -> None:
+        """Before any step: if a model file changed, fail everything and run nothing more."""
+        if self._files is None or self.broken is None and (problem := self._files.changed()) is None:
+            return
+        if self.broken is None:
+            self.broken = problem
+            log.error("%s", problem)
+        for job in list(self._waiting):
+            self._waiting.remove(job)
+            self._fail(job, self.broken)
+        for slot in self._slots:
+            if slot.job:
+                job, slot.job = slot.job, None
+                self._fail(job, self.broken)
+            slot.session = None  # never touched again: releasing it could read the changed file
+
+    def _end_for_shutdown(self) -> None:
+        """While draining: fail the queued requests, and the running ones once the grace is over."""
+        for job in list(self._waiting):
+            self._waiting.remove(job)
+            self._fail(job, ShuttingDownError("the server is shutting down; the request was not started"))
+        if time.monotonic() >= self._drain_deadline:  # type: ignore[operator]
+            for slot in [s for s in self._slots if s.job]:
+                self._fail_in_slot(slot, ShuttingDownError("the server is shutting down; the request was ended "
+                                                           "before it finished"))
 
     def _take_inbox(self, block: bool) -> None:
         try:
@@ -244,7 +351,13 @@ class Scheduler:
         if live_n > 0 and live_n >= cache_n:
             slot, cached = live, live_n
         else:
-            snapshot = self.cache.take(key) if key is not None else None  # before displacing evicts it
+            # Taken before displacing can evict it. A conversation used in full moves into the slot
+            # (it is put back, grown, when displaced); one sharing only a prefix with this prompt
+            # stays cached whole, else a shared chat-template opening would cut it to those tokens.
+            snapshot = None
+            if key is not None:
+                whole = cache_n == self.cache.n_tokens(key)
+                snapshot = self.cache.take(key) if whole else self.cache.peek(key)
             slot = min(idle, key=lambda s: (s.session is not None, s.last_used))
             self._displace(slot)
             if snapshot is not None:

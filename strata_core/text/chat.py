@@ -52,8 +52,31 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, s
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+#: the longest string or list one ``*`` / ``**`` of a template may make (and the largest number, in bits)
+MAX_PRODUCT = 64 << 20
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, with ``*`` and ``**`` checked before they run: ``'a' * 2**34`` is
+    an error, not 16 GiB (jinja2 would even fold it while compiling the template)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_PRODUCT:
+                    raise jinja2.exceptions.SecurityError(f"the template makes a sequence of {len(seq) * n} items "
+                                                          f"(more than {MAX_PRODUCT})")
+        elif (isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > 0
+              and right * abs(left).bit_length() > MAX_PRODUCT):
+            raise jinja2.exceptions.SecurityError(f"the template raises a number to a power of {right} "
+                                                  f"bits past the bound")
+        return super().call_binop(context, operator, left, right)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _Sandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _GenerationTag]
     )
     env.filters["tojson"] = _tojson
@@ -86,11 +109,25 @@ class ChatTemplate:
 
         return cls(str(source), bos_token=text("tokenizer.ggml.bos_token_id"), eos_token=text("tokenizer.ggml.eos_token_id"))
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text for ``messages``; ``kwargs`` (``tools``, ``enable_thinking``...) reach the template."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+               max_chars: int | None = None, **kwargs: Any) -> str:
+        """The prompt text for ``messages``; ``kwargs`` (``tools``, ``enable_thinking``...) reach the template.
+        With ``max_chars``, output past it stops the render (TemplateLimitError)."""
         context = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None, **kwargs}
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+            if max_chars is None:
+                return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
+            from strata_core.text.template_process import TemplateLimitError
+
+            parts, size = [], 0
+            for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                 **context):
+                size += len(piece)
+                if size > max_chars:
+                    raise TemplateLimitError(f"produced more than {max_chars} characters (--template-max-mib); "
+                                             "it was stopped")
+                parts.append(piece)
+            return "".join(parts)
         except jinja2.TemplateError as exc:
             raise RequestError(f"the chat template rejected the messages: {exc}") from exc
         except (TypeError, KeyError, AttributeError) as exc:

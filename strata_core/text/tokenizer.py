@@ -94,12 +94,16 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_ids: set[int],
         add_bos: bool = False,
+        max_token_chars: int | None = None,
     ) -> None:
         self.backend = backend
         self.vocab_size = vocab_size
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
         self.add_bos = add_bos
+        #: characters of the longest token's text (a byte-level token's text has a character per
+        #: byte); a text of n characters has at least n / max_token_chars tokens
+        self.max_token_chars = max_token_chars
 
     @classmethod
     def from_gguf(cls, metadata: Mapping[str, Any] | str | os.PathLike[str]) -> Tokenizer:
@@ -135,7 +139,12 @@ class Tokenizer:
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eog,
             add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None,
+            max_token_chars=max(map(len, tokens), default=1),
         )
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))``, computed without encoding (0 when unknown)."""
+        return -(-len(text) // self.max_token_chars) if self.max_token_chars else 0
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special-token texts in it (``<|im_start|>``) become their ids.

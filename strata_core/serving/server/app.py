@@ -2,7 +2,8 @@
 
 The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
-:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``.
+:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``; every route checks the
+``Host`` header and that a body is JSON (see guards.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from strata_core.serving.server.controllers import (
     ChatController, CompletionsController, LlamaServerController, ModelsController, SystemController,
 )  # fmt: skip
 from strata_core.serving.server.errors import handle_exception
+from strata_core.serving.server.guards import RequestGuard, allowed_host_names
 from strata_core.serving.server.loading import ServiceLoader
 from strata_core.serving.server.service import GenerationService
 
@@ -81,7 +83,8 @@ def create_app(settings: StrataSettings, engine: Any = None,
         ],
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
         lifespan=[lifespan],
-        middleware=[BearerAuth(key)] if key else [],
+        middleware=[RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
+                    *([BearerAuth(key)] if key else [])],
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0"),
         request_max_body_size=int(settings.max_body_mib * 2**20),

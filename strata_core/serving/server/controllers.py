@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from litestar import Controller, MediaType, Request, Response, get, post
 from litestar.datastructures import State
 from litestar.di import NamedDependency
+from litestar.exceptions import ClientException
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 from litestar.response.base import ASGIResponse
@@ -45,6 +48,27 @@ async def _respond(request: Request, handle: RequestHandle, chunks: AsyncIterato
     return body(out)
 
 
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``work``, cancelled if the client goes away first (a chat template still rendering is stopped)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ClientException("the client went away before its request started")
+    return task.result()
+
+
 class ChatController(Controller):
     """``/v1/chat/completions``."""
 
@@ -55,7 +79,7 @@ class ChatController(Controller):
           summary="Generate the next message of a conversation (SSE with stream=true)")
     async def create(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
-        handle = await service.chat(data)
+        handle = await until_disconnect(request, service.chat(data))
         harmony = service.harmony
         chunks = chat_stream(service.model_id, handle, data, harmony) if data.stream else None
         return await _respond(request, handle, chunks,
@@ -120,7 +144,8 @@ class LlamaServerController(Controller):
 
 
 class SystemController(Controller):
-    """``/health`` (never needs the API key; 503 ``loading`` until the model is ready) and ``/metrics``."""
+    """``/health`` (never needs the API key; 503 ``loading`` until the model is ready, 503 ``error`` once a
+    model file changed under the server) and ``/metrics``."""
 
     path = "/"
     tags = ["system"]
@@ -132,6 +157,8 @@ class SystemController(Controller):
             return Response(s.Health("loading", 0, 0, 0, progress=state.loader.progress), status_code=503,
                             headers={"Retry-After": RETRY_AFTER_S})
         stats = service.scheduler.stats
+        if service.scheduler.broken is not None:
+            return Response(s.Health("error", 0, 0, 0, error=str(service.scheduler.broken)), status_code=503)
         return Response(s.Health("ok", service.scheduler.parallel - stats.active, stats.active, stats.waiting))
 
     @get("/metrics", operation_id="metrics", media_type=MediaType.TEXT, summary="Prometheus metrics")

@@ -14,10 +14,12 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from strata_core.errors import InvalidParamError, StrataError
-from strata_core.serving.requests import ContextLengthError, ServerBusyError
+from strata_core.serving.model_files import ModelFileChangedError
+from strata_core.serving.requests import ContextLengthError, ServerBusyError, ShuttingDownError
 from strata_core.serving.server.loading import ModelLoadingError
 from strata_core.serving.server.schemas import ErrorBody, ErrorDetail
 from strata_core.serving.server.service import UnknownModelError
+from strata_core.text.template_process import TemplateLimitError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
         return _validation(exc)
     if isinstance(exc, HTTPException):
         return _body(exc.status_code, str(exc.detail))
+    if isinstance(exc, ModelFileChangedError):
+        return _body(503, str(exc), code="model_file_changed")
+    if isinstance(exc, ShuttingDownError):
+        return _body(503, str(exc), code="shutting_down")
     if isinstance(exc, ServerBusyError):
         return _body(503, str(exc), code="server_busy")
     if isinstance(exc, ModelLoadingError):
@@ -63,6 +69,8 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
         return _body(400, str(exc), exc.param, exc.code)
     if isinstance(exc, ContextLengthError):
         return _body(400, str(exc), None, "context_length_exceeded")
+    if isinstance(exc, TemplateLimitError):
+        return _body(500, str(exc), code="chat_template_limit")
     if isinstance(exc, StrataError):
         return _body(400, str(exc), code="invalid_request")
     if isinstance(exc, RecursionError) and "deserializing" in str(exc):  # msgspec on JSON nested too deep

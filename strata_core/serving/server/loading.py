@@ -1,4 +1,5 @@
-"""The model behind a server that already listens: it loads on a worker thread while ``/health``
+"""The model behind a server that already listens: it loads on the compute thread (the one that
+later runs every step) while ``/health``
 answers 503 ``{"status": "loading"}`` and the API answers 503 with ``Retry-After``."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import anyio
 from strata_core.config import StrataSettings
 from strata_core.errors import StrataError
 from strata_core.runtime.heap import freeze_loaded
-from strata_core.serving.scheduler import Scheduler
+from strata_core.serving.scheduler import ComputeThread, Scheduler
 from strata_core.serving.server.service import GenerationService
 
 __all__ = ["ModelLoadingError", "ServiceLoader"]
@@ -42,6 +43,8 @@ class ServiceLoader:
         self._owned = engine is None
         self._on_error = on_error
         self._task: asyncio.Task[None] | None = None
+        # Every torch call of the server (load, steps, release) runs on this one thread.
+        self.worker = ComputeThread(settings.threads)
 
     def get(self) -> GenerationService:
         """The running service; ModelLoadingError while the model loads."""
@@ -67,7 +70,7 @@ class ServiceLoader:
         settings = self.settings
         try:
             if self._owned:
-                self._engine = await anyio.to_thread.run_sync(Engine.from_settings, settings, self._loaded)
+                self._engine = await self.worker.call(Engine.from_settings, settings, self._loaded)
                 freeze_loaded()  # no full collection scanning the engine in the middle of a request
         except Exception as error:  # noqa: BLE001 - reported to on_error, which stops the server
             log.error("loading %s failed: %s", settings.model, error)
@@ -77,6 +80,7 @@ class ServiceLoader:
         scheduler = Scheduler(
             self._engine, parallel=settings.parallel, max_queue=settings.max_queue,
             conv_cache=settings.conv_cache, conv_cache_bytes=int(settings.conv_cache_gib * 2**30),
+            worker=self.worker,
         )  # fmt: skip
         scheduler.start()
         self.service = GenerationService(self._engine, scheduler, settings)
@@ -84,11 +88,19 @@ class ServiceLoader:
                  self.service.model_id, settings.model, settings.strategy, ",".join(settings.devices),
                  settings.parallel, settings.max_queue, settings.conv_cache, time.monotonic() - self.started)
 
+    def drain(self, grace: float) -> None:
+        """The server is shutting down: the scheduler admits nothing more and ends what runs after
+        ``grace`` seconds."""
+        if self.service is not None:
+            self.service.scheduler.drain(grace)
+
     async def close(self) -> None:
         """Wait for a load under way, stop the scheduler, release an owned engine."""
         if self._task is not None:
             await self._task
         if self.service is not None:
+            self.service.close()
             await anyio.to_thread.run_sync(self.service.scheduler.stop)
         if self._owned and self._engine is not None:
-            self._engine.close()
+            await self.worker.call(self._engine.close)
+        await anyio.to_thread.run_sync(self.worker.close)

@@ -267,11 +267,12 @@ class ModelList(Struct):
 
 
 class Health(Struct):
-    status: Literal["ok", "loading"]
+    status: Literal["ok", "loading", "error"]
     slots_idle: int
     slots_processing: int
     requests_queued: int
     progress: float = 1.0  # of loading the model: 0 while it loads, 1 when it serves
+    error: str | None = None  # why the server no longer serves (status "error")
 
 
 class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):

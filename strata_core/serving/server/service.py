@@ -1,12 +1,15 @@
 """Turn API requests into scheduler requests: model name, prompt tokens, sampling, limits.
 
 Rendering the chat template and tokenizing run on a worker thread, never on the event loop: a
-long prompt must not stall ``/health`` or the other streams.
+long prompt must not stall ``/health`` or the other streams. The template itself renders in a child
+process bounded in time and output (template_process.py); a text that cannot fit the context is
+refused before it is tokenized.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -14,8 +17,10 @@ import anyio
 
 from strata_core.config import StrataSettings
 from strata_core.errors import InvalidParamError, RequestError
+from strata_core.text.chat import ChatTemplate
 from strata_core.text.harmony import uses_harmony
-from strata_core.serving.requests import GenerationRequest
+from strata_core.text.template_process import TemplateProcesses
+from strata_core.serving.requests import ContextLengthError, GenerationRequest
 from strata_core.serving.sampling import SamplingParams
 from strata_core.serving.scheduler import RequestHandle, Scheduler
 from strata_core.serving.server.schemas import ChatCompletionRequest, CompletionRequest
@@ -52,6 +57,12 @@ def _check_supported(body: Any) -> None:
             raise InvalidParamError("best_of > 1 is not supported", "best_of", "unsupported_value")
 
 
+def min_tokens(tokenizer: Any, text: str) -> int:
+    """The tokenizer's lower bound on the tokens of ``text`` (0 for one that has none)."""
+    bound = getattr(tokenizer, "min_tokens", None)
+    return bound(text) if bound is not None else 0
+
+
 def _reasoning(text: str | None, harmony: bool) -> dict[str, str]:
     """An earlier reply's reasoning for the chat template: ``reasoning_content``, and for harmony also
     ``thinking`` (what gpt-oss's template reads; llama.cpp copies it the same way)."""
@@ -77,6 +88,19 @@ class GenerationService:
         self.settings = settings
         self.model_id = settings.model_alias or settings.model.stem
         self.created = int(time.time())
+        # A ChatTemplate (jinja2) renders in killable child processes, bounded in time and size.
+        chat = engine.chat
+        self.templates: TemplateProcesses | None = None
+        if isinstance(chat, ChatTemplate):
+            max_chars = int(settings.template_max_mib * 2**20)
+            self.templates = TemplateProcesses(
+                chat.source, chat.bos_token, chat.eos_token, timeout=settings.template_timeout, max_chars=max_chars,
+                memory_bytes=2**30 + 8 * max_chars, name=f"the chat template of {settings.model.name}")
+
+    def close(self) -> None:
+        """Stop the template processes."""
+        if self.templates is not None:
+            self.templates.close()
 
     def check_model(self, name: str) -> None:
         """Raise UnknownModelError unless ``name`` is the served model (its alias, stem or file name)."""
@@ -89,8 +113,19 @@ class GenerationService:
         and the chat responses split it into reasoning_content and content."""
         return uses_harmony(self.engine.chat.source)
 
-    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, computed on a worker thread."""
+    def _check_size(self, text: str, param: str) -> None:
+        """ContextLengthError, before any tokenizing, for a text with more tokens than the context holds
+        (at least one token per ``max_token_chars`` characters): the tokenizer holds the GIL for the
+        whole encode, so a huge text would freeze every other request meanwhile."""
+        at_least = min_tokens(self.engine.tokenizer, text)
+        if at_least > self.scheduler.max_context:
+            raise ContextLengthError(f"{param} has {len(text)} characters, at least {at_least} tokens, more than the "
+                                     f"context holds ({self.scheduler.max_context}); it was not tokenized")
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "content") -> list[int]:
+        """Token ids of ``text``, computed on a worker thread (a text longer than the context can hold
+        is refused first)."""
+        self._check_size(text, param)
         return await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, add_special_tokens)
 
     async def detokenize(self, tokens: list[int]) -> str:
@@ -105,16 +140,31 @@ class GenerationService:
         if body.top_logprobs and not body.logprobs:
             raise InvalidParamError("top_logprobs needs logprobs set to true", "top_logprobs")
         harmony = self.harmony
+        limit = self.scheduler.max_context
+        if len(body.messages) > limit:  # each message renders to a token at least
+            raise ContextLengthError(f"the request has {len(body.messages)} messages, more than the context holds "
+                                     f"tokens ({limit})")
+        self._check_size("".join(m.text() for m in body.messages), "messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
                      **_reasoning(m.reasoning_content, harmony)} for m in body.messages]
 
         template_args = _template_args(body.reasoning_effort)
 
-        def render_and_encode() -> list[int]:
-            return self.engine.tokenizer.encode(self.engine.chat.render(messages, add_generation_prompt=True,
-                                                                        **template_args))
+        cancelled = threading.Event()
 
-        prompt = await anyio.to_thread.run_sync(render_and_encode)
+        def render_and_encode() -> list[int]:
+            if self.templates is not None:
+                text = self.templates.render(messages, True, cancelled=cancelled, **template_args)
+            else:
+                text = self.engine.chat.render(messages, add_generation_prompt=True, **template_args)
+            self._check_size(text, "the rendered conversation")
+            return self.engine.tokenizer.encode(text)
+
+        try:
+            prompt = await anyio.to_thread.run_sync(render_and_encode, abandon_on_cancel=True)
+        except BaseException:
+            cancelled.set()  # the request went away: its template render is stopped
+            raise
         k = (body.top_logprobs or 0) if body.logprobs else None
         return self._submit(body, prompt, body.max_completion_tokens or body.max_tokens or body.n_predict, k,
                             keep_special_tokens=harmony)
@@ -127,7 +177,7 @@ class GenerationService:
         if isinstance(text, str):
             if not isinstance(body.prompt, str) and len(body.prompt) > 1:
                 raise InvalidParamError("prompt must be one string or a list of token ids (batches are not supported)", "prompt")
-            prompt = await self.tokenize(text)
+            prompt = await self.tokenize(text, param="prompt")
         else:
             prompt = body.prompt  # token ids
             self._check_ids(prompt, "prompt")
