@@ -75,12 +75,24 @@ def _check_config_keys() -> None:
         keys = set(TomlConfigSettingsSource(StrataSettings, toml_file=path).toml_data)
     except (OSError, ValueError) as error:  # tomllib.TOMLDecodeError is a ValueError
         raise ConfigError(f"settings file {path}: {error}") from None
-    known = set(StrataSettings.model_fields)
-    for name, field in Strata.model_fields.items():
-        if name != "version":
-            known |= set(typing.get_args(field.annotation)[0].model_fields)
+    known = set(StrataSettings.model_fields) | _setting_names(Strata)
     if unknown := sorted(keys - known):
         raise ConfigError(f"settings file {path}: unknown key(s) {', '.join(unknown)}")
+
+
+def _subcommand(field: typing.Any) -> type[BaseModel] | None:
+    """The command class of a subcommand field (``CliSubCommand[X]``: an optional X), else None."""
+    return next((arg for arg in typing.get_args(field.annotation) if isinstance(arg, type)
+                 and issubclass(arg, BaseModel)), None)
+
+
+def _setting_names(command: type[BaseModel]) -> set[str]:
+    """The settings of every subcommand under ``command``, nested ones (``bench serve``) too."""
+    names: set[str] = set()
+    for field in command.model_fields.values():
+        if (sub := _subcommand(field)) is not None:
+            names |= {name for name, f in sub.model_fields.items() if _subcommand(f) is None} | _setting_names(sub)
+    return names
 
 
 def _expand_args(argv: list[str]) -> list[str]:

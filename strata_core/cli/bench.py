@@ -7,7 +7,9 @@ import logging
 from pathlib import Path
 
 from pydantic import Field
+from pydantic_settings import CliApp, CliSubCommand, get_subcommand
 
+from strata_core.cli.bench_serve import BenchServeCommand
 from strata_core.cli.settings import ENGINE, settings_with
 
 log = logging.getLogger(__name__)
@@ -34,7 +36,10 @@ def fitting_lengths(prompts: list[int], contexts: list[int], decode_tokens: int,
 
 
 class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
-    """Measure prefill tok/s at prompt lengths and decode tok/s at context lengths (median of runs)."""
+    """Measure prefill tok/s at prompt lengths and decode tok/s at context lengths (median of runs).
+
+    `strata bench serve` instead load-tests an HTTP server (see `strata bench serve --help`).
+    """
 
     prompts: str = Field("8k,32k", description="prompt lengths for prefill, e.g. 512,8k,32k")
     contexts: str = Field("1k,32k", description="context lengths for decode")
@@ -44,13 +49,18 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
                                              "(decode-sampled: what a greedy generation loop gets)")
     repeats: int = Field(3, ge=1, description="runs per figure (the median is reported)")
     json_file: Path | None = Field(None, alias="json", description="write the results as JSON here")
+    serve: CliSubCommand[BenchServeCommand] = Field(description="load-test an OpenAI-compatible server over HTTP")
 
     def cli_cmd(self) -> None:
-        """Load the engine, run every figure, print the table (and write the JSON)."""
-        from strata_core.tools.bench import (copy_gbps, format_table, machine_name, parse_lengths,
-                                        results_json, run_bench)
+        """Load the engine, run every figure, print the table (and write the JSON); or run
+        `bench serve`."""
+        if get_subcommand(self, is_required=False) is not None:
+            CliApp.run_subcommand(self)
+            return
         from strata_core.engine import Engine
         from strata_core.runtime.heap import freeze_loaded
+        from strata_core.tools.bench import (copy_gbps, format_table, machine_name, parse_lengths,
+                                        results_json, run_bench)
 
         prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
         need = max(prompts + [c + self.decode_tokens for c in contexts])
