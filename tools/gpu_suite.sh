@@ -3,7 +3,8 @@
 # repo root there, with the wheels of .whl carried (the device README's notes say how to fetch them):
 #   bash tools/gpu_suite.sh                 # $OUT/suite.log; WORKERS=8, SUITE_TIMEOUT=530 by default
 # With MODEL=PATH it also writes the synthetic Qwen3-30B-A3B there in the background, for a bench after it.
-export PYTHONUNBUFFERED=1
+# Each worker's torch gets two CPU threads (WORKERS x torch's default of every core oversubscribes the host).
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site
@@ -15,7 +16,9 @@ if [ -n "${MODEL:-}" ] && [ ! -f "$MODEL" ]; then
    && mv "$MODEL.tmp" "$MODEL") &
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -q -rfE -n "${WORKERS:-8}" 2>&1 | tee "$OUT/suite.log" | tail -40
-status=${PIPESTATUS[0]}
+timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -v -rfE -n "${WORKERS:-8}" -p no:benchmark > "$OUT/suite.log" 2>&1
+status=$?
+grep -E "^(FAILED|ERROR) |(FAILED|ERROR) [a-z]" "$OUT/suite.log" | sort -u | head -60   # by name, also after a timeout
+tail -3 "$OUT/suite.log"
 [ -n "${MODEL:-}" ] && wait
 exit "$status"
