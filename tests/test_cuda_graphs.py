@@ -40,7 +40,7 @@ def test_cpu_falls_back_to_eager_with_identical_logits(tiny_model_factory, caplo
     prompts = [list(range(5, 30)), list(range(40, 52))]
     want, want_tokens = _decode(Engine.load(path, devices=["cpu"], max_context=64, cuda_graphs=False), prompts, 4)
     engine = Engine.load(path, devices=["cpu"], max_context=64)  # graphs on by default
-    with caplog.at_level(logging.INFO, logger="strata_core.runtime.graphs"):
+    with caplog.at_level(logging.INFO, logger="strata_core.runtime.runner"):
         got, got_tokens = _decode(engine, prompts, 4)
     assert got_tokens == want_tokens
     assert all(torch.equal(a, b) for a, b in zip(got, want))

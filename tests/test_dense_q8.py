@@ -114,7 +114,7 @@ def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
     want = q8_linear(x, m.codes, m.scales)  # the CPU reference
     dev = m.to(device)
-    got = dense_q8.q8_linear_triton(x.to(device), dev.codes, dev.scales, config)
+    got = dense_q8.q8_linear_triton(x.to(device), dev.codes, dev.scales, config or dense_q8.DEFAULT_LAUNCH)
     assert got.dtype == dtype and got.shape == (M, N)
     assert _rel(got, want) <= TOL[dtype], (M, N, K, dtype, config)
 

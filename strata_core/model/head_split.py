@@ -83,8 +83,9 @@ class HeadSplit:
             sent = packed_copy(theirs, self.peer) if self.peer != self.home else theirs  # on the home's side stream
             with torch.cuda.device(self.peer):
                 there = attend(*sent).to(self.home)  # computed, then copied back, on the peer's side stream
-            done = torch.cuda.Event()
-            done.record(self._home_stream)  # the copy back joined the home's side stream
         mine = attend(q[:, :split], keys[:, :kept], values[:, :kept], positions)
-        torch.cuda.current_stream(self.home).wait_event(done)
+        for side in (self._home_stream, self._peer_stream):  # both: with peer == home only the peer's has the work
+            done = torch.cuda.Event()
+            done.record(side)
+            torch.cuda.current_stream(self.home).wait_event(done)
         return torch.cat((mine, there), dim=1)

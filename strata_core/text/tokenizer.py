@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import gguf
 import tokenizers
 from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trainers
 
@@ -83,6 +84,18 @@ def _convert_gguf_tokenizer(architecture: str, spec: dict[str, Any]):
     return convert_gguf_tokenizer(architecture, spec)
 
 
+def _add_whole_tokens(backend: tokenizers.Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Make the CONTROL and USER_DEFINED tokens of the GGUF added tokens of ``backend``, so a text holding
+    one (``<|im_start|>``, ``<think>``) encodes it whole, as llama.cpp does; transformers' conversion does
+    this for some token types only, and which depends on its version."""
+    control = [tokenizers.AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types)
+               if k == gguf.TokenType.CONTROL]
+    user = [tokenizers.AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+            if k == gguf.TokenType.USER_DEFINED]
+    backend.add_special_tokens(control)
+    backend.add_tokens(user)
+
+
 class Tokenizer:
     """Encode text to token ids and decode them back, with the special tokens of the model."""
 
@@ -127,8 +140,9 @@ class Tokenizer:
         except Exception as exc:  # the tokenizers library raises plain Exception on bad vocabularies or merges
             raise ModelFileError(f"the GGUF's tokenizer metadata is malformed: {exc}") from exc
         backend.post_processor = None  # BOS is added here, from tokenizer.ggml.add_bos_token
-
         tokens = spec["tokens"]
+        _add_whole_tokens(backend, tokens, spec["token_type"])
+
         bos = metadata.get("tokenizer.ggml.bos_token_id")
         eog = {i for i, t in enumerate(tokens) if t in _EOG_TEXTS}
         eog |= {int(metadata[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in metadata}
