@@ -41,7 +41,7 @@ from strata_core.serving.requests import (
     Timings,
     TokenLogprob,
 )
-from strata_core.serving.sampling import SampleResult, Sampler
+from strata_core.serving.sampling import SampleResult, Sampler, sample_rows
 from strata_core.serving.stop_strings import StopMatcher
 
 __all__ = ["ComputeThread", "RequestHandle", "Scheduler"]
@@ -325,7 +325,7 @@ class Scheduler:
             t.cache_n, t.prompt_n = cached, len(prompt) - cached
             t.prompt_ms = (time.perf_counter() - start) * 1000.0
             job.decode_start = time.perf_counter()
-            self._accept(job, logits)
+            self._accept(job, job.sampler.sample_result(logits, job.history))
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
             self._read_telemetry()
             if slot is not None:
@@ -390,6 +390,7 @@ class Scheduler:
         before = [j.session.n_tokens for j in jobs]
         start = time.perf_counter()
         counters = self.telemetry
+        logits = None
         try:
             logits = self.engine.decode_window([(j.session, j.pending) for j in jobs])
             rows = list(zip(jobs, logits))
@@ -401,9 +402,11 @@ class Scheduler:
             job.timings.decode_experts.add(counters, after)
         self.stats.windows += 1
         self.stats.decode_seconds += time.perf_counter() - start
-        for job, row in rows:
+        for (job, _), result in zip(rows, self._sample(rows, logits if len(rows) == len(jobs) else None)):
             try:
-                self._accept(job, row)
+                if isinstance(result, Exception):
+                    raise result
+                self._accept(job, result)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends only that request
                 self._fail_in_slot(next(s for s in self._slots if s.job is job), exc)
         for slot in self._slots:
@@ -431,9 +434,27 @@ class Scheduler:
                 self._fail_in_slot(next(s for s in self._slots if s.job is job), exc)
         return rows
 
-    def _accept(self, job: _Job, logits: torch.Tensor) -> None:
-        """Sample the next token from ``logits``, give out its text, decide whether to go on."""
-        result = job.sampler.sample_result(logits, job.history)
+    def _sample(self, rows: list[tuple[_Job, torch.Tensor]], logits: torch.Tensor | None) -> list[SampleResult | Exception]:
+        """Every row's next token in one call on the logits' device (``logits`` is the window's
+        ``[B, V]`` tensor when every job has a row); if the call itself fails, row by row, so a
+        failure ends only the requests it belongs to."""
+        if not rows:
+            return []
+        try:
+            stacked = logits if logits is not None else torch.stack([row for _, row in rows])
+            return sample_rows(stacked, [(job.sampler, job.history) for job, _ in rows])
+        except Exception:  # noqa: BLE001
+            log.exception("sampling a window of %d failed; sampling each row alone", len(rows))
+            out: list[SampleResult | Exception] = []
+            for job, row in rows:
+                try:
+                    out.append(job.sampler.sample_result(row, job.history))
+                except Exception as exc:  # noqa: BLE001
+                    out.append(exc)
+            return out
+
+    def _accept(self, job: _Job, result: SampleResult) -> None:
+        """Take the sampled token: give out its text, decide whether to go on."""
         token = result.token
         job.history.append(token)
         job.generated += 1
