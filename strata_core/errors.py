@@ -37,3 +37,11 @@ class InvalidParamError(RequestError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class TemplateLimitError(StrataError):
+    """The chat template ran past its time or output bound (HTTP 500: the template is the model's)."""
+
+
+class TemplateCancelled(StrataError):
+    """The request went away while its template rendered; the child was stopped."""

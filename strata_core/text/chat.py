@@ -19,7 +19,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from strata_core.errors import ModelFileError, RequestError
+from strata_core.errors import ModelFileError, RequestError, TemplateLimitError
 
 __all__ = ["CHATML_TEMPLATE", "ChatTemplate"]
 
@@ -117,8 +117,6 @@ class ChatTemplate:
         try:
             if max_chars is None:
                 return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)
-            from strata_core.text.template_process import TemplateLimitError
-
             parts, size = [], 0
             for piece in self._template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                                  **context):

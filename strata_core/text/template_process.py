@@ -23,19 +23,12 @@ import threading
 import time
 from typing import Any
 
-from strata_core.errors import RequestError, StrataError
+from strata_core.errors import RequestError, StrataError, TemplateCancelled, TemplateLimitError
+from strata_core.text.chat import ChatTemplate
 
-__all__ = ["TemplateCancelled", "TemplateLimitError", "TemplateProcesses"]
+__all__ = ["TemplateProcesses"]
 
 _HEADER = struct.Struct("<Q")
-
-
-class TemplateLimitError(StrataError):
-    """The chat template ran past its time or output bound (HTTP 500: the template is the model's)."""
-
-
-class TemplateCancelled(StrataError):
-    """The request went away while its template rendered; the child was stopped."""
 
 
 def _send(stream: Any, obj: Any) -> None:
@@ -135,8 +128,6 @@ def _child_main(memory_bytes: int) -> None:
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    from strata_core.text.chat import ChatTemplate
-    from strata_core.text.template_process import TemplateLimitError as Limit  # this file runs as __main__
 
     templates: dict[tuple[str, str, str], ChatTemplate] = {}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
@@ -152,7 +143,7 @@ def _child_main(memory_bytes: int) -> None:
         except MemoryError:
             answer = ("limit", "needed more memory than its bound allows; it was stopped")
         except StrataError as exc:
-            answer = ("limit" if isinstance(exc, Limit) else "error", str(exc))
+            answer = ("limit" if isinstance(exc, TemplateLimitError) else "error", str(exc))
         except Exception as exc:  # noqa: BLE001 - reported to the request
             answer = ("error", f"the chat template failed on the messages: {type(exc).__name__}: {exc}")
         _send(stdout, answer)

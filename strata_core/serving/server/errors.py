@@ -13,13 +13,12 @@ import re
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
-from strata_core.errors import InvalidParamError, StrataError
+from strata_core.errors import InvalidParamError, StrataError, TemplateLimitError
 from strata_core.serving.model_files import ModelFileChangedError
 from strata_core.serving.requests import ContextLengthError, ServerBusyError, ShuttingDownError
 from strata_core.serving.server.loading import ModelLoadingError
 from strata_core.serving.server.schemas import ErrorBody, ErrorDetail
 from strata_core.serving.server.service import UnknownModelError
-from strata_core.text.template_process import TemplateLimitError
 
 log = logging.getLogger(__name__)
 
