@@ -36,9 +36,21 @@ Selecting ``--strategy my_topology`` registers that strategy (and the strategy i
 blocks the others. ``StrategySpec.gate_options`` tells ``strata gate`` the options under which the
 strategy holds ``single``'s expert set (see :class:`GateLayout`). The phase hooks have core defaults
 that execute the placement; a strategy implements one only for what is really its choice
-(micro-batching a window across stages). Observers (timing, NaN guard) wrap the phase hooks with
-``@hookimpl(wrapper=True)``. ``plugins/`` and ``examples/`` hold complete plugins to copy;
-``strata_core.testing`` is the pytest plugin to test them.
+(micro-batching a window across stages). A phase hook receives ``ctx``, a :class:`PhaseContext`
+(context.py): the placement, the strategy's options and the runner's building blocks, the whole of
+what a plugin may touch::
+
+    @hookimpl
+    def strata_decode_window(ctx, batch):
+        hidden = ctx.embed(batch.tokens, ctx.device_of(ctx.segments("decode")[0]))
+        for segment in ctx.segments("decode"):
+            hidden = ctx.decode_segment(segment, hidden, batch)
+        return ctx.head(hidden)
+
+Observers (timing, NaN guard) wrap the phase hooks with ``@hookimpl(wrapper=True)`` and watch
+through ``ctx.observe_layers`` / ``ctx.time_stages``. ``plugins/`` and ``examples/`` hold complete
+plugins to copy; ``strata_core.testing`` is the pytest plugin to test them, and
+``strata_core.testing.contract.strict_context`` fails a test whose plugin reads outside the contract.
 """
 
 from strata_core.errors import ConfigError
