@@ -331,3 +331,63 @@ def test_a_model_file_cut_short_under_the_server_is_an_error_not_sigbus(tiny_mod
             assert error["code"] == "model_file_changed" and str(path) in error["message"] and "cut" in error["message"]
         health = httpx.get(f"{base}/health")
         assert health.status_code == 503 and health.json()["status"] == "error" and str(path) in health.json()["error"]
+
+
+def _leases_work(tmp_path) -> bool:  # type: ignore[no-untyped-def]
+    import fcntl
+    import os
+
+    if not hasattr(fcntl, "F_SETLEASE"):
+        return False
+    probe = tmp_path / "lease-probe"
+    probe.write_bytes(b"x")
+    fd = os.open(probe, os.O_RDONLY)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_model_file_cut_during_a_stream_waits_on_the_lease_and_the_stream_fails(tiny_model_factory, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A cut during a step could still SIGBUS: the read lease holds the truncate until the server has
+    stopped using the file; the stream ends with an error event, /health is 503, the truncate returns."""
+    import json
+    import os
+    import shutil
+    import threading
+
+    from strata_core.serving import model_files
+
+    if not _leases_work(tmp_path):
+        pytest.skip("read leases (F_SETLEASE) are unavailable here")
+    if not model_files._install_handler():
+        pytest.skip("the SIGIO handler is not installed (not imported on the main thread)")
+    path = tmp_path / "served.gguf"
+    shutil.copy(tiny_model_factory(), path)
+    settings = StrataSettings(model=path, model_alias="tiny", max_context=512, expert_cache=0, arena="mmap")
+    cut = threading.Thread(target=os.truncate, args=(path, path.stat().st_size // 2), daemon=True)
+    with live_server(settings) as base:
+        body = {"model": "tiny", "prompt": "The king", "max_tokens": 400, "stream": True, "temperature": 1.0,
+                "seed": 1}
+        lines = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                lines.append(line)
+                if len(lines) == 3:
+                    cut.start()  # blocks in the kernel until the server gives the lease up
+        cut.join(30)  # the lease break time is 45 s by default: returning sooner means it was released
+        assert not cut.is_alive(), "the truncate still waits on the lease"
+        assert path.stat().st_size > 0
+        events = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "model_file_changed" and str(path) in error["message"], error
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503 and health.json()["status"] == "error" and str(path) in health.json()["error"]
+        reply = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "The king", "max_tokens": 3})
+        assert reply.status_code == 503 and reply.json()["error"]["code"] == "model_file_changed"

@@ -168,7 +168,7 @@ class Scheduler:
         self._stopping = False
         self._drain_deadline: float | None = None  # set by drain(): running requests end by then
         gguf = getattr(engine, "gguf_file", None)
-        self._files = ModelFiles(gguf.parts or [gguf.path]) if gguf is not None else None
+        self._files = ModelFiles(gguf.parts or [gguf.path], on_break=self._wake) if gguf is not None else None
         self.broken: ModelFileChangedError | None = None  # set once a model file changed: nothing runs
         # The worker loop runs on ``worker`` (the thread that loaded the engine), else on its own.
         self._owns_worker = worker is None
@@ -277,6 +277,7 @@ class Scheduler:
                 job, slot.job = slot.job, None
                 self._fail(job, self.broken)
             slot.session = None  # never touched again: releasing it could read the changed file
+        self._files.release()  # only now may a writer waiting on a lease go on: nothing reads the file
 
     def _end_for_shutdown(self) -> None:
         """While draining: fail the queued requests, and the running ones once the grace is over."""
@@ -290,7 +291,12 @@ class Scheduler:
 
     def _take_inbox(self, block: bool) -> None:
         try:
-            item = self._inbox.get() if block else self._inbox.get_nowait()
+            if not block:
+                item = self._inbox.get_nowait()
+            elif self._files is not None and self._files.leased:  # a missed SIGIO is seen within 1 s
+                item = self._inbox.get(timeout=1.0)
+            else:
+                item = self._inbox.get()
             while True:
                 if item is not None:
                     self._waiting.append(item)
