@@ -43,7 +43,7 @@ _warned = False
 
 def _on_sigio(signum: int, frame: object) -> None:
     """A lease is being broken: only flag it and wake the watchers (they act on their own thread)."""
-    for files in list(_live):
+    for files in list(_live):  # noqa: PERF101 - a copy: release() may remove one meanwhile
         files._signalled.set()
         if files._on_break is not None:
             files._on_break()  # e.g. SimpleQueue.put: safe in a signal handler
