@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +112,47 @@ class _CheckedReader(GGUFReader):
         if int(count) > cap:
             raise self._broken(f"the header declares {int(count)} tensors, more than {why} can have ({cap}); "
                                "the file is corrupt")
-        return super()._build_tensor_info(offs, count)
+        return self._parse_tensor_infos(int(offs), int(count))
+
+    def _parse_tensor_infos(self, offs: int, count: int) -> tuple[int, list]:
+        """The tensor infos in one pass, as compact tuples ``(info offset, name, dims, type id,
+        data offset)`` (``dims`` in GGUF order) instead of gguf-py's ``ReaderField`` of numpy views
+        per tensor (kilobytes each). Reads past the end fail as ``_get`` does."""
+        host_little = sys.byteorder == "little"
+        order = "<" if host_little == (self.byte_order == "I") else ">"
+        u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+        buf = memoryview(self.data)
+        size = len(buf)
+
+        def need(start: int, nbytes: int) -> None:
+            end = start + nbytes
+            if end > size:
+                raise self._broken(f"the header runs past the end of the file (needs byte {end}, file has "
+                                   f"{size}); the file is truncated or corrupt")
+
+        infos = []
+        for _ in range(count):
+            start = offs
+            need(offs, 8)
+            (name_len,) = u64.unpack_from(buf, offs)
+            offs += 8
+            need(offs, name_len)
+            name = bytes(buf[offs:offs + name_len]).decode("utf-8")  # strict, as gguf-py
+            offs += name_len
+            need(offs, 4)
+            (n_dims,) = u32.unpack_from(buf, offs)
+            offs += 4
+            need(offs, 8 * n_dims)
+            dims = struct.unpack_from(f"{order}{n_dims}Q", buf, offs)
+            offs += 8 * n_dims
+            need(offs, 4)
+            (raw_type,) = u32.unpack_from(buf, offs)
+            offs += 4
+            need(offs, 8)
+            (data_offset,) = u64.unpack_from(buf, offs)
+            offs += 8
+            infos.append((start, name, dims, raw_type, data_offset))
+        return offs, infos
 
     def _scalar(self, key: str) -> Any:
         field = self.fields.get(key)
@@ -119,8 +162,8 @@ class _CheckedReader(GGUFReader):
 
     def _tensor_cap(self) -> tuple[int, str]:
         """The most tensors this file may hold, from the metadata read so far: per layer of
-        ``{arch}.block_count`` (capped), or the split's ``split.tensors.count``. Each tensor costs
-        gguf-py's table kilobytes, so the count is checked before the table is built."""
+        ``{arch}.block_count`` (capped), or the split's ``split.tensors.count``. Checked before the
+        table is built, so a header cannot make the parser walk millions of entries."""
         arch_field = self.fields.get("general.architecture")
         arch = bytes(arch_field.parts[-1]).decode("utf-8", "replace") if arch_field is not None else None
         layers = self._scalar(f"{arch}.block_count") if arch else None
@@ -147,33 +190,76 @@ class _CheckedReader(GGUFReader):
         return super()._get_field_parts(orig_offs, raw_type)
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:  # type: ignore[override]
+        """Check every tensor info (known type, whole blocks, data where the aligned running layout
+        puts it and inside the file, a unique name) and keep the table compact: ``self.table`` holds
+        ``(name, qtype, torch-order shape, absolute data offset, n_bytes)`` per tensor and
+        ``self.tensors`` builds gguf-py's ``ReaderTensor`` only for the one asked for."""
         expected = 0  # where the next tensor's data must start, relative to the data section
         align = int(self.alignment)
-        for field in fields:
-            _len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
+        start_offs = int(start_offs)
+        size = len(self.data)
+        table = []
+        names: set[str] = set()
+        duplicate = None
+        for _start, name, dims, raw_type, offset in fields:
             try:
-                qtype = GGMLQuantizationType(int(raw_dtype[0]))
+                qtype = GGMLQuantizationType(raw_type)
             except ValueError:
                 raise UnsupportedError(f"{self._strata_path}: tensor {name!r} has unknown block type "
-                                       f"id {int(raw_dtype[0])}") from None
+                                       f"id {raw_type}") from None
             block, type_size = GGML_QUANT_SIZES[qtype]
-            shape = [int(d) for d in dims]
+            shape = list(dims)
             if any(d <= 0 for d in shape) or (shape and shape[0] % block):
                 raise self._broken(f"tensor {name!r} has shape {shape[::-1]}, which is not whole "
                                    f"{qtype.name} blocks of {block}")
             n_bytes = math.prod(shape) * type_size // block
-            if int(offset[0]) != expected:
-                raise self._broken(f"tensor {name!r} data starts at offset {int(offset[0])}, expected "
+            if offset != expected:
+                raise self._broken(f"tensor {name!r} data starts at offset {offset}, expected "
                                    f"{expected} (tensors must follow each other, aligned to "
                                    f"{align} bytes); the file is corrupt")
-            end = int(start_offs) + expected + n_bytes
-            if end > len(self.data):
+            end = start_offs + expected + n_bytes
+            if end > size:
                 raise self._broken(f"tensor {name!r} data runs past the end of the file (needs bytes "
-                                   f"{start_offs + expected}..{end}, file has {len(self.data)}); "
+                                   f"{start_offs + expected}..{end}, file has {size}); "
                                    "the file is truncated")
+            if duplicate is None and name in names:
+                duplicate = name
+            names.add(name)
+            table.append((name, qtype, tuple(reversed(dims)), start_offs + expected, n_bytes))
             expected += -(-n_bytes // align) * align
-        super()._build_tensors(start_offs, fields)
+        if duplicate is not None:  # gguf-py's check, after the layout checks as before
+            raise ValueError(f"Found duplicated tensor with name {duplicate}")
+        self._info_offsets = np.fromiter((info[0] for info in fields), dtype=np.int64, count=len(fields))
+        self.table = table
+        self.tensors = _LazyTensors(self)  # type: ignore[assignment]
+
+    def reader_tensor(self, index: int) -> Any:
+        """gguf-py's ``ReaderTensor`` of tensor ``index``, built on demand from its info."""
+        field = GGUFReader._get_tensor_info_field(self, int(self._info_offsets[index]))
+        saved, self.tensors = self.tensors, []
+        try:
+            GGUFReader._build_tensors(self, self.data_offset, [field])
+            return self.tensors[0]
+        finally:
+            self.tensors = saved
+
+
+class _LazyTensors(Sequence):
+    """``reader.tensors`` of a ``_CheckedReader``: a sequence building each ``ReaderTensor`` when read."""
+
+    def __init__(self, reader: _CheckedReader) -> None:
+        self._reader = reader
+
+    def __len__(self) -> int:
+        return len(self._reader.table)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError("tensor index out of range")
+        return self._reader.reader_tensor(index % n)
 
 
 def _field_value(field: Any) -> Any:
@@ -215,10 +301,9 @@ def _metadata(reader: _CheckedReader, path: str) -> dict[str, Any]:
 
 def _tensors(reader: _CheckedReader, path: str) -> dict[str, TensorRef]:
     tensors: dict[str, TensorRef] = {}
-    for t in reader.tensors:
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        data = reader.data[t.data_offset:t.data_offset + t.n_bytes]
-        tensors[t.name] = TensorRef(t.name, GGMLQuantizationType(t.tensor_type), shape, data, path)
+    data = reader.data
+    for name, qtype, shape, offset, n_bytes in reader.table:
+        tensors[name] = TensorRef(name, qtype, shape, data[offset:offset + n_bytes], path)
     return tensors
 
 
