@@ -14,17 +14,8 @@ from test_server_support import free_port, live_server
 from strata_core.cli import main
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
-from strata_core.tools.bench_serve import (
-    BenchServeError,
-    RequestResult,
-    base_url,
-    format_report,
-    percentile,
-    read_input,
-    report,
-    report_json,
-    summary,
-)
+from strata_core.tools.bench_serve import BenchServeError, base_url, read_input
+from strata_core.tools.serve_report import RequestResult, format_report, percentile, report, report_json, summary
 
 LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 

@@ -68,8 +68,9 @@ class BenchServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
 
     def cli_cmd(self) -> None:
         """Run the load against --url or a strata serve of its own; print the tables (and the JSON)."""
-        from strata_core.tools.bench_serve import (LoadOptions, Target, base_url, bench, format_report, free_port,
-                                                   report_json, strata_server)
+        from strata_core.tools.bench_serve import LoadOptions, Target, base_url, bench
+        from strata_core.tools.serve_launcher import free_port, strata_server
+        from strata_core.tools.serve_report import format_report, report_json
 
         options = LoadOptions(clients=self.clients, requests=self.requests, prompt_tokens=self.prompt_tokens,
                               output_tokens=self.output_tokens, input_file=self.input_file, endpoint=self.endpoint,

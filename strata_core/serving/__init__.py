@@ -1,6 +1,7 @@
 """Serving: requests from HTTP (or the CLI) turned into engine work and back into text.
 
 - ``scheduler.py``: the generation slots, the queue and the loop that prefills and decodes them.
+- ``compute_thread.py``: the one long-lived thread that makes every torch call (load, steps, release).
 - ``requests.py``: a request's parameters and its stream of events.
 - ``sampling.py``: logits to token ids (temperature, top-k/p, min-p, penalties, logit bias, seeds).
 - ``stop_strings.py``: stop strings matched across token boundaries.

@@ -17,18 +17,11 @@ Nothing here is Strata-specific: ``--url`` points it at llama-server, vLLM or an
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import math
-import os
 import random
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +30,7 @@ import httpx
 from tqdm import tqdm
 
 from strata_core.errors import ConfigError, StrataError
+from strata_core.tools.serve_report import RequestResult, report
 
 log = logging.getLogger(__name__)
 
@@ -56,31 +50,6 @@ class BenchServeError(StrataError):
     request refused."""
 
 
-# --- statistics ------------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``values``, interpolated linearly between the closest ranks
-    (numpy's default); NaN for no values."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile {q} is not in 0..100")
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
-
-
-def summary(values: Sequence[float]) -> dict[str, float]:
-    """mean, p50, p90, p99 and max of ``values`` (NaN each for none)."""
-    if not values:
-        return dict.fromkeys(("mean", "p50", "p90", "p99", "max"), math.nan)
-    return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
-            "p99": percentile(values, 99), "max": max(values)}
-
-
 # --- requests and results --------------------------------------------------------------------------
 
 
@@ -90,32 +59,6 @@ class RequestSpec:
 
     prompt: str
     max_tokens: int
-
-
-@dataclass
-class RequestResult:
-    """What one request measured; times in seconds from the run's start."""
-
-    ok: bool = False
-    error: str | None = None
-    start: float = 0.0
-    end: float = 0.0
-    ttft: float | None = None  # to the first content chunk
-    itl: list[float] = field(default_factory=list)  # gaps between successive content chunks
-    chunks: int = 0  # content chunks received
-    prompt_tokens: int | None = None  # from usage
-    output_tokens: int = 0  # from usage, else the content chunks
-
-    @property
-    def e2e(self) -> float:
-        return self.end - self.start
-
-    @property
-    def tpot(self) -> float | None:
-        """Time per output token after the first (None for fewer than two tokens)."""
-        if self.ttft is None or self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 def read_input(path: Path, default_max_tokens: int) -> list[RequestSpec]:
@@ -369,73 +312,6 @@ async def _client(client: httpx.AsyncClient, target: Target, endpoint: str, spec
             bar.update(1)
 
 
-def report(results: list[RequestResult], duration: float, setup: dict[str, Any]) -> dict[str, Any]:
-    """The aggregate figures of a run: counts, throughput, latency summaries (ms), the first errors,
-    and each request's own figures."""
-    ok = [r for r in results if r.ok]
-    output = sum(r.output_tokens for r in ok)
-    prompt = sum(r.prompt_tokens or 0 for r in ok)
-    ms = 1000.0
-    errors: dict[str, int] = {}
-    for r in results:
-        if not r.ok:
-            errors[r.error or "failed"] = errors.get(r.error or "failed", 0) + 1
-    return {
-        "setup": setup,
-        "requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
-        "duration_s": duration,
-        "request_throughput": len(ok) / duration if duration > 0 else math.nan,
-        "output_tok_s": output / duration if duration > 0 else math.nan,
-        "total_tok_s": (output + prompt) / duration if duration > 0 else math.nan,
-        "prompt_tokens": prompt, "output_tokens": output,
-        "prompt_tokens_known": all(r.prompt_tokens is not None for r in ok),
-        "ttft_ms": summary([r.ttft * ms for r in ok if r.ttft is not None]),
-        "itl_ms": summary([gap * ms for r in ok for gap in r.itl]),
-        "tpot_ms": summary([r.tpot * ms for r in ok if r.tpot is not None]),
-        "e2e_ms": summary([r.e2e * ms for r in ok]),
-        "errors": errors,
-        "per_request": [{"ok": r.ok, "error": r.error, "start_s": r.start, "prompt_tokens": r.prompt_tokens,
-                         "output_tokens": r.output_tokens, "chunks": r.chunks,
-                         "ttft_ms": None if r.ttft is None else r.ttft * ms, "e2e_ms": r.e2e * ms,
-                         "itl_ms": [gap * ms for gap in r.itl]} for r in results],
-    }
-
-
-def format_report(rep: dict[str, Any]) -> str:
-    """The report as Markdown: the settings line, the throughput table and the latency table."""
-    done = max(rep["completed"], 1)
-    prompt_mean = f"{rep['prompt_tokens'] / done:.1f}" if rep["prompt_tokens_known"] else "n/a"
-    lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in rep["setup"].items()), "",
-             ("| requests | failed | duration s | req/s | output tok/s | total tok/s | prompt tok (mean) "
-              "| output tok (mean) |"),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|",
-             (f"| {rep['completed']} | {rep['failed']} | {rep['duration_s']:.2f} | {rep['request_throughput']:.2f} | "
-              f"{rep['output_tok_s']:.1f} | {rep['total_tok_s']:.1f} | {prompt_mean} | "
-              f"{rep['output_tokens'] / done:.1f} |"), "",
-             "| latency (ms) | mean | p50 | p90 | p99 | max |", "|---|---:|---:|---:|---:|---:|"]
-    for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms")):
-        s = rep[key]
-        lines.append(f"| {name} | " + " | ".join(f"{s[k]:.1f}" for k in ("mean", "p50", "p90", "p99", "max")) + " |")
-    for error, count in rep["errors"].items():
-        lines.append(f"failed x{count}: {error}")
-    return "\n".join(lines)
-
-
-def report_json(rep: dict[str, Any]) -> str:
-    """The report as JSON (NaN, for a figure with no values, written as null)."""
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, list):
-            return [clean(v) for v in value]
-        return value
-
-    return json.dumps(clean(rep), indent=2)
-
-
 @dataclass
 class LoadOptions:
     """What ``bench serve`` sends: the request shape, the load, the sampling fields."""
@@ -486,84 +362,3 @@ async def _bench(target: Target, options: LoadOptions) -> dict[str, Any]:
     if rep["failed"]:
         log.warning("bench serve: %d of %d requests failed", rep["failed"], rep["requests"])
     return rep
-
-
-# --- a server of our own ---------------------------------------------------------------------------
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def setting_env(name: str, value: Any) -> str | None:
-    """A setting's value as its ``STRATA_*`` variable reads it (None: leave the variable unset)."""
-    if value is None:
-        return None
-    if hasattr(value, "get_secret_value"):
-        return value.get_secret_value()
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    if isinstance(value, dict):
-        return json.dumps(value)
-    return os.fspath(value) if isinstance(value, Path) else str(value)
-
-
-@contextlib.contextmanager
-def strata_server(settings: dict[str, Any], startup_timeout: float = 900.0) -> Iterator[str]:
-    """Run ``strata serve`` with ``settings`` (setting name -> value, passed as ``STRATA_*`` variables)
-    in a subprocess, its log in a file; yield its base URL once ``/health`` answers 200, and stop it
-    after. A server that exits or does not become ready in ``startup_timeout`` seconds is an error with
-    the last line of its log."""
-    env = dict(os.environ)
-    for name, value in settings.items():
-        text = setting_env(name, value)
-        if text is None:
-            env.pop(f"STRATA_{name.upper()}", None)
-        else:
-            env[f"STRATA_{name.upper()}"] = text
-    host = "127.0.0.1" if settings.get("host") in (None, "0.0.0.0", "::") else settings["host"]
-    url = f"http://{host}:{settings.get('port')}"
-    log_file = tempfile.NamedTemporaryFile("w+", prefix="strata-serve-", suffix=".log", delete=False)
-    log.info("bench serve: starting strata serve at %s (log in %s)", url, log_file.name)
-    process = subprocess.Popen([sys.executable, "-m", "strata_core", "serve"], env=env, stdout=log_file,
-                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    ok = False
-    try:
-        _wait_ready(process, url, Path(log_file.name), startup_timeout)
-        yield url
-        ok = True
-    finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        log_file.close()
-        if ok:  # kept, and named in the error, when something went wrong
-            Path(log_file.name).unlink(missing_ok=True)
-
-
-def _wait_ready(process: subprocess.Popen, url: str, log_path: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    with httpx.Client(timeout=5.0) as client:
-        while True:
-            if process.poll() is not None:
-                raise BenchServeError(f"strata serve exited with status {process.returncode}: "
-                                      f"{_last_line(log_path)} (log: {log_path})")
-            with contextlib.suppress(httpx.HTTPError):
-                if client.get(f"{url}/health").status_code == 200:
-                    return
-            if time.monotonic() > deadline:
-                raise BenchServeError(f"strata serve was not ready after {timeout:.0f} s (log: {log_path})")
-            time.sleep(0.1)  # polling for readiness, nothing is timed here
-
-
-def _last_line(path: Path) -> str:
-    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1].strip() if lines else "no output"

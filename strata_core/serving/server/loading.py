@@ -15,7 +15,8 @@ import anyio
 from strata_core.config import StrataSettings
 from strata_core.errors import StrataError
 from strata_core.runtime.heap import freeze_loaded
-from strata_core.serving.scheduler import ComputeThread, Scheduler
+from strata_core.serving.compute_thread import ComputeThread
+from strata_core.serving.scheduler import Scheduler
 from strata_core.serving.server.service import GenerationService
 
 __all__ = ["ModelLoadingError", "ServiceLoader"]
