@@ -66,6 +66,7 @@ class Runner:
         self._stage_times: list[StageTime] | None = None
         self._graphs: DecodeGraphs | None = None
         self._said: set[str] = set()
+        self._fused: dict[torch.device, bool] = {}
 
     # --- phases, as the engine runs them ----------------------------------------------------------
 
@@ -242,7 +243,7 @@ class Runner:
         positions = to_device(batch.positions, device) if positions is None else positions
         rows = self.experts.rows_for(segment.device, "decode")
         if fused is None:
-            fused = why_not_fused(self.model, device) is None
+            fused = self._fused_on(device)
         if fused and tables is None:
             tables = to_device(kv_tables(batch.sessions, segment.layers), device)
         delta = None
@@ -261,13 +262,19 @@ class Runner:
                 self._notify(layer, hidden if delta is None else hidden + delta)
         return hidden if delta is None else hidden + delta
 
+    def _fused_on(self, device: torch.device) -> bool:
+        """Whether decode layers on ``device`` take the fused path (decided once per device)."""
+        if device not in self._fused:
+            self._fused[device] = why_not_fused(self.model, device) is None
+        return self._fused[device]
+
     def decode_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per session ``[B, H]`` through ``segment`` (decode placement): a replayed CUDA
         graph where it applies (``--cuda-graphs``), else the eager loop."""
         hidden = hidden.to(self.device_of(segment))
         with device_scope(hidden.device), self._timed("decode", segment):
             if self._graphed(segment):
-                fused = why_not_fused(self.model, hidden.device) is None
+                fused = self._fused_on(hidden.device)
                 inputs = {"hidden": hidden, "positions": batch.positions}
                 if fused:  # the kernels reach the KV through address tables: one graph serves any sessions
                     inputs["tables"] = kv_tables(batch.sessions, segment.layers)
