@@ -16,28 +16,28 @@ from typing import Any
 
 import torch
 
-from strata_core.text.chat import ChatTemplate
 from strata_core.config import StrataSettings
-from strata_core.runtime.devices import resolve_devices
 from strata_core.errors import ConfigError, RequestError
 from strata_core.experts.backend import ExpertBackend, build_expert_backend
 from strata_core.experts.sizing import check_dense_budget
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.fused_decode import place_q8_copies
+from strata_core.model.head_split import HeadSplit
 from strata_core.model.kvcache import KVCache
 from strata_core.model.registry import get_architecture, load_model_spec
 from strata_core.model.spec import ModelSpec
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
-from strata_core.runtime.memory_plan import dense_bytes_per_device
-from strata_core.model.head_split import HeadSplit
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
 from strata_core.plugin.placement import PHASES, DeviceSlot, Placement
 from strata_core.plugin.spec import StrategyOptions
-from strata_core.serving.sampling import Sampler, SamplingParams
+from strata_core.runtime.devices import resolve_devices
+from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.runtime.runner import Runner
 from strata_core.runtime.session import DecodeBatch, Session, SessionSnapshot
+from strata_core.serving.sampling import Sampler, SamplingParams
+from strata_core.text.chat import ChatTemplate
 from strata_core.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

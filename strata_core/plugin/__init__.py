@@ -54,7 +54,12 @@ plugins to copy; ``strata_core.testing`` is the pytest plugin to test them, and
 """
 
 from strata_core.errors import ConfigError
-from strata_core.plugin.context import CONTEXT_MEMBERS, LayerObserver, PhaseContext, StageTime
+from strata_core.plugin.context import (
+    CONTEXT_MEMBERS,
+    LayerObserver,
+    PhaseContext,
+    StageTime,
+)
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import (
     PHASES,
@@ -66,8 +71,15 @@ from strata_core.plugin.placement import (
     Placement,
     Segment,
 )
-from strata_core.plugin.spec import (PROJECT_NAME, GateLayout, GateOptions, StrategyOptions, StrategySpec, hookimpl,
-                                     normalize_strategy_name)
+from strata_core.plugin.spec import (
+    PROJECT_NAME,
+    GateLayout,
+    GateOptions,
+    StrategyOptions,
+    StrategySpec,
+    hookimpl,
+    normalize_strategy_name,
+)
 from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
 
 __all__ = [

@@ -18,7 +18,12 @@ import pluggy
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
 from strata_core.plugin import hookspecs
-from strata_core.plugin.spec import PROJECT_NAME, StrategyOptions, StrategySpec, normalize_strategy_name
+from strata_core.plugin.spec import (
+    PROJECT_NAME,
+    StrategyOptions,
+    StrategySpec,
+    normalize_strategy_name,
+)
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ import torch
 from strata_core.config import StrataSettings
 from strata_core.experts.backend import ExpertBackend
 from strata_core.experts.telemetry import ExpertTelemetry
-from strata_core.model.transformer import MoEModel
 from strata_core.model.fused_decode import decode_layer as fused_decode_layer
 from strata_core.model.fused_decode import kv_tables, why_not_fused
+from strata_core.model.transformer import MoEModel
 from strata_core.plugin.context import LayerObserver, PhaseContext, StageTime
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
