@@ -109,6 +109,15 @@ def test_launch_bounds_a_step(M, N, K):
     assert nb * 32 >= min(K, config.tile // config.max_bn)
 
 
+def test_dot_kernel_takes_half_precision_windows_only():
+    """Several rows of bf16 / fp16 x take the dot kernel (weights read once per x tile); one row, or
+    float32 x (whose tolerance tf32 would not meet), the gemv."""
+    config = Q8Config()
+    assert config.takes_dot(8, torch.bfloat16) and config.takes_dot(2, torch.float16)
+    assert not config.takes_dot(1, torch.bfloat16) and not config.takes_dot(8, torch.float32)
+    assert config.launch_dot(8, 2048) == (16, 16, 16) and config.launch_dot(17, 96)[:2] == (32, 16)
+
+
 def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config: Q8Config | None):
     _, m = _q8(N, K, N + K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
@@ -126,12 +135,13 @@ def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config
 def test_kernel_matches_the_reference(device, dtype, M, N, K):
     """N not a multiple of the rows a program takes, K not a multiple of a step (96: 3 blocks), M
     beyond one tile of x rows (8 > max_mb), with the default launch and with small tiles."""
-    for config in (None, Q8Config(tile=256, bn=2, max_mb=2), Q8Config(tile=128, bn=4)):
+    for config in (None, Q8Config(tile=256, bn=2, max_mb=2), Q8Config(tile=128, bn=4), Q8Config(dot_tile=512)):
         _kernel_case(device, dtype, M, N, K, config)
 
 
 @needs_cuda
-@pytest.mark.parametrize("M, N, K", [(1, 5120, 2048), (4, 2048, 4096), (1, 128, 2048), (16, 151936, 256)])
+@pytest.mark.parametrize("M, N, K", [(1, 5120, 2048), (4, 2048, 4096), (1, 128, 2048), (16, 151936, 256),
+                                     (8, 5120, 2048), (17, 2048, 4096), (32, 128, 2048)])
 def test_kernel_matches_the_reference_at_decode_shapes(M, N, K):
     _kernel_case("cuda", torch.bfloat16, M, N, K, None)
 

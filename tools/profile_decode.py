@@ -1,6 +1,6 @@
 """Where a decode token's time goes: torch profiler over eager decode windows on CUDA.
 
-    python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--expert-cache 6144] [--cuda-graphs]
+    python tools/profile_decode.py MODEL.gguf [--context 1024] [--windows 8] [--sessions 1,8] [--expert-cache 6144] [--cuda-graphs]
         [--strategy NAME --devices cuda:0,cuda:1 [--strategy-options name=value,...]] [--prefill 8192 [--trace prompt.json]]
         [--moe-config design=split-loop,bn_combine=4]
 
@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--expert-cache", default="6144")
     parser.add_argument("--top", type=int, default=14)
+    parser.add_argument("--sessions", default="1", help="sessions per decode window, e.g. 1,8,32 (each profiled in turn)")
     parser.add_argument("--prefill", type=int, default=0, help="also profile one prompt of this many tokens")
     parser.add_argument("--cuda-graphs", action="store_true", help="profile replayed CUDA graphs")
     parser.add_argument("--strategy", default="single")
@@ -76,7 +77,8 @@ def main() -> None:
         if args.cuda_graphs:
             engine.runner.graphs.invalidate()  # recaptured with this configuration's launches
         with moe.launched_with(config):
-            profile_decode(engine, tokens, args)
+            for n_sessions in map(int, args.sessions.split(",")):
+                profile_decode(engine, tokens, args, n_sessions)
     if args.prefill:
         if args.warm_prefill:
             session = engine.new_session()
@@ -96,37 +98,41 @@ def main() -> None:
             print(f"prompt timeline: {args.trace}")
 
 
-def profile_decode(engine: Engine, tokens: list[int], args: argparse.Namespace) -> None:
-    """Profile ``args.windows`` decode windows of one session after a prompt of ``args.context`` tokens."""
-    session = engine.new_session()
-    engine.prefill(session, tokens[:args.context])
-    for t in tokens[args.context:args.context + 4]:  # warm-up: compiles, plans
-        engine.decode_window([(session, t)])
+def profile_decode(engine: Engine, tokens: list[int], args: argparse.Namespace, n_sessions: int) -> None:
+    """Profile ``args.windows`` decode windows of ``n_sessions`` sessions after a prompt of ``args.context`` tokens."""
+    sessions = [engine.new_session() for _ in range(n_sessions)]
+    for session in sessions:
+        engine.prefill(session, tokens[:args.context])
+
+    def window(t: int) -> None:
+        engine.decode_window([(session, t) for session in sessions])
+
+    for t in tokens[args.context:args.context + 4]:  # warm-up: compiles, plans, captures
+        window(t)
     torch.cuda.synchronize()
     steps = tokens[args.context + 4:]
     host = time.perf_counter()
     for t in steps:  # unprofiled: the host's time to enqueue a window, then the device's
-        engine.decode_window([(session, t)])
+        window(t)
     enqueued = time.perf_counter()
     torch.cuda.synchronize()
     unprofiled = (time.perf_counter() - host) / len(steps)
     host = (enqueued - host) / len(steps)
-    engine.release_session(session)
-    session = engine.new_session()
-    engine.prefill(session, tokens[:args.context])
-    engine.decode_window([(session, tokens[args.context])])
-    torch.cuda.synchronize()
+    for session in sessions:
+        session.truncate(args.context)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
         for t in steps:
-            engine.decode_window([(session, t)])
+            window(t)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - start) / len(steps)
     mode = "replayed graphs" if args.cuda_graphs else "eager"
-    print(f"host time to enqueue a window: {host * 1e3:.2f} ms; unprofiled {unprofiled * 1e3:.3f} ms a token "
-          f"({1 / unprofiled:.1f} tok/s)")
-    report(prof, len(steps), wall, f"decode @{args.context}, {mode}, expert cache {args.expert_cache}", args.top)
-    engine.release_session(session)
+    print(f"B={n_sessions}: host time to enqueue a window: {host * 1e3:.2f} ms; unprofiled {unprofiled * 1e3:.3f} ms "
+          f"a window ({n_sessions / unprofiled:.1f} tok/s)")
+    report(prof, len(steps), wall, f"decode @{args.context}, B={n_sessions}, {mode}, expert cache {args.expert_cache}",
+           args.top)
+    for session in sessions:
+        engine.release_session(session)
 
 
 #: CUDA runtime calls in which the host waits for a device (a host read of a device value, a sync)

@@ -29,8 +29,9 @@ __all__ = ["DenseWeights", "Q8Sources", "dense_product", "q8_sources"]
 Q8Sources = dict[tuple[int | None, str], TensorRef]
 
 #: Most rows of x a product reads from a Q8_0 copy (``strata::q8_linear`` is built for decode's
-#: few sessions); more rows (a prompt's) multiply the float copy.
-Q8_MAX_ROWS = 16
+#: sessions: up to 32 rows it reads the weights at most twice, at 1.06 bytes a value where the float
+#: copy is 2); more rows (a prompt's) multiply the float copy.
+Q8_MAX_ROWS = 32
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None) -> torch.Tensor:
