@@ -94,7 +94,8 @@ class Engine:
         self.chat = chat
         self.max_context = min(settings.max_context, spec.context_length)
         self.dtype = _compute_dtype(settings, devices[placement.main].device)
-        self.runner = Runner(settings, plugins.hook, options, devices, placement, model, experts)
+        self.runner = Runner(settings, plugins.hook, options, devices, placement, model, experts,
+                             self._padding_session)
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -183,6 +184,18 @@ class Engine:
         homes = {layer: (placed.device, self.devices[placed.device].device)
                  for layer, placed in enumerate(self.placement.prompt)}
         return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes))
+
+    def _padding_session(self) -> Session:
+        """A session at home in the decode placement whose rows pad a graphed window (the fused kernels
+        take caches of one shape: ``max_context`` positions, of which the padding writes and reads one)."""
+        homes = {layer: (placed.device, self.devices[placed.device].device)
+                 for layer, placed in enumerate(self.placement.decode)}
+        return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes))
+
+    def capture_decode_graphs(self, sessions: int) -> None:
+        """Capture the CUDA graphs of decode windows of up to ``sessions`` sessions now (see
+        ``Runner.capture_buckets``), so serving them never captures."""
+        self.runner.capture_buckets(sessions)
 
     def release_session(self, session: Session) -> None:
         """Free a session's KV memory."""

@@ -10,7 +10,7 @@ import torch
 
 from strata_core.engine import Engine
 from strata_core.testing.sync import no_host_sync
-from strata_core.runtime.graphs import DecodeGraphs, _Graph
+from strata_core.runtime.graphs import BUCKETS, DecodeGraphs, _Graph, bucket
 from strata_core.plugin.placement import Segment
 from strata_core.model.spec import StateTensor
 from strata_core.model.kvcache import KVCache
@@ -153,6 +153,19 @@ def test_capture_cache_keeps_the_most_recent_graphs():
     assert graphs.captures == 4
 
 
+def test_windows_pad_to_the_next_bucket():
+    assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 33, 64, 65, 130)] == [1, 2, 4, 4, 8, 8, 16, 64, 64, 128, 192]
+    assert all(bucket(b) == b for b in BUCKETS)
+    with pytest.raises(ValueError, match="at least one session"):
+        bucket(0)
+
+
+def test_capturing_the_buckets_does_nothing_without_graphs(tiny_model_factory):
+    engine = Engine.load(tiny_model_factory(expert_type="Q4_0", n_layers=2), devices=["cpu"], max_context=32)
+    engine.capture_decode_graphs(8)
+    assert len(engine.runner.graphs) == 0 and engine.telemetry.routed == 0
+
+
 # --- CUDA -----------------------------------------------------------------------------------------
 
 def _cuda_engine(path, graphs: bool) -> Engine:
@@ -160,11 +173,15 @@ def _cuda_engine(path, graphs: bool) -> Engine:
                        expert_cache=7, cuda_graphs=graphs)
 
 
+PROMPTS = [list(range(5, 60)), list(range(70, 90)), list(range(3, 14))]
+
+
 @needs_cuda
-@pytest.mark.parametrize("n_sessions", [1, 2])
+@pytest.mark.parametrize("n_sessions", [1, 2, 3])
 def test_graph_windows_equal_eager_windows(tiny_model_factory, n_sessions):
+    """Three sessions replay the graph of bucket 4: the padded row changes none of theirs."""
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
-    prompts = [list(range(5, 60)), list(range(70, 90))][:n_sessions]
+    prompts = PROMPTS[:n_sessions]
     want, want_tokens = _decode(_cuda_engine(path, False), prompts, 12)
     engine = _cuda_engine(path, True)
     got, got_tokens = _decode(engine, prompts, 12)
@@ -176,9 +193,11 @@ def test_graph_windows_equal_eager_windows(tiny_model_factory, n_sessions):
 
 
 @needs_cuda
-def test_graph_windows_keep_the_telemetry(tiny_model_factory):
+@pytest.mark.parametrize("n_sessions", [2, 3])
+def test_graph_windows_keep_the_telemetry(tiny_model_factory, n_sessions):
+    """The same counts and usage profile as eager windows, also when a padded row rides along (3 in 4)."""
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
-    prompts = [list(range(5, 60)), list(range(70, 90))]
+    prompts = PROMPTS[:n_sessions]
     snaps, profiles = [], []
     for graphs in (False, True):
         engine = _cuda_engine(path, graphs)
@@ -214,3 +233,23 @@ def test_replayed_windows_make_no_host_sync_and_a_new_session_set_captures_again
         engine.decode_window([(third, 5)])
     assert graphs.captures == 2 and len(graphs) == 2
     assert all(key[4] == () and key[5] for key in graphs._graphs)  # shared whole-step graphs
+
+
+@needs_cuda
+def test_buckets_captured_at_start_serve_every_window_size(tiny_model_factory, caplog):
+    """``capture_decode_graphs(5)`` captures buckets 1, 2, 4 and 8 (logged) and counts nothing; windows of
+    1 to 5 sessions joining and leaving then replay them without a capture or a host sync."""
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    engine = _cuda_engine(path, True)
+    with caplog.at_level(logging.INFO, logger="strata_core.runtime.runner"):
+        engine.capture_decode_graphs(5)
+    graphs = engine.runner.graphs
+    assert graphs.captures == 4 and "decode windows of 1, 2, 4, 8 session(s) captured" in caplog.text
+    assert engine.telemetry.routed == 0 and engine.experts.usage_profile().tokens == 0
+    sessions = [engine.new_session() for _ in range(5)]
+    for i, session in enumerate(sessions):
+        engine.prefill(session, list(range(3 + i, 20 + 2 * i)))
+    for n in (1, 3, 5, 2, 4, 5, 1):
+        with no_host_sync():
+            engine.decode_window([(s, 7) for s in sessions[:n]])
+    assert graphs.captures == 4

@@ -109,15 +109,6 @@ def test_launch_bounds_a_step(M, N, K):
     assert nb * 32 >= min(K, config.tile // config.max_bn)
 
 
-def test_dot_kernel_takes_half_precision_windows_only():
-    """Several rows of bf16 / fp16 x take the dot kernel (weights read once per x tile); one row, or
-    float32 x (whose tolerance tf32 would not meet), the gemv."""
-    config = Q8Config()
-    assert config.takes_dot(8, torch.bfloat16) and config.takes_dot(2, torch.float16)
-    assert not config.takes_dot(1, torch.bfloat16) and not config.takes_dot(8, torch.float32)
-    assert config.launch_dot(8, 2048) == (16, 16, 16) and config.launch_dot(17, 96)[:2] == (32, 16)
-
-
 def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config: Q8Config | None):
     _, m = _q8(N, K, N + K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
@@ -135,13 +126,12 @@ def _kernel_case(device: str, dtype: torch.dtype, M: int, N: int, K: int, config
 def test_kernel_matches_the_reference(device, dtype, M, N, K):
     """N not a multiple of the rows a program takes, K not a multiple of a step (96: 3 blocks), M
     beyond one tile of x rows (8 > max_mb), with the default launch and with small tiles."""
-    for config in (None, Q8Config(tile=256, bn=2, max_mb=2), Q8Config(tile=128, bn=4), Q8Config(dot_tile=512)):
+    for config in (None, Q8Config(tile=256, bn=2, max_mb=2), Q8Config(tile=128, bn=4)):
         _kernel_case(device, dtype, M, N, K, config)
 
 
 @needs_cuda
-@pytest.mark.parametrize("M, N, K", [(1, 5120, 2048), (4, 2048, 4096), (1, 128, 2048), (16, 151936, 256),
-                                     (8, 5120, 2048), (17, 2048, 4096), (32, 128, 2048)])
+@pytest.mark.parametrize("M, N, K", [(1, 5120, 2048), (4, 2048, 4096), (1, 128, 2048), (16, 151936, 256)])
 def test_kernel_matches_the_reference_at_decode_shapes(M, N, K):
     _kernel_case("cuda", torch.bfloat16, M, N, K, None)
 
@@ -199,12 +189,15 @@ def test_load_places_and_counts_the_q8_copies(tiny_model_factory, monkeypatch, c
     assert _q8_engine(path, monkeypatch, False).model.weights.q8_at(0, "cpu") == {}
 
 
-def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch):
-    """The fused layers and the head read the Q8_0 copies (q8_linear: the QKV, output and router
-    products of each layer, then the head) and, on the CPU where the op is the float32 reference,
-    give the logits of the float copies bit for bit."""
+@pytest.mark.parametrize("n_sessions", [1, 2])
+def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch, n_sessions):
+    """One session's fused layers and head read the Q8_0 copies (q8_linear: the QKV, output and router
+    products of each layer, then the head); a window of two reads the float copies (cuBLAS is faster
+    from two rows on). On the CPU, where the op is the float32 reference, the logits are the float
+    copies' bit for bit."""
     path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
-    prompts = [list(range(5, 30)), list(range(40, 52))]
+    prompts = [list(range(5, 30)), list(range(40, 52))][:n_sessions]
+    tokens = torch.tensor([3, 9][:n_sessions])
     outs = []
     for on in (False, True):
         engine = _q8_engine(path, monkeypatch, on)
@@ -212,12 +205,12 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch):
         for session, prompt in zip(sessions, prompts):
             engine.prefill(session, prompt)
         (segment,) = engine.runner.segments("decode")
-        hidden = engine.runner.embed(torch.tensor([3, 9]), torch.device("cpu"))
+        hidden = engine.runner.embed(tokens, torch.device("cpu"))
         calls = _counting(monkeypatch)
-        h = engine.runner.decode_layers(segment, hidden, DecodeBatch(tuple(sessions), torch.tensor([3, 9])), fused=True)
+        h = engine.runner.decode_layers(segment, hidden, DecodeBatch(tuple(sessions), tokens), fused=True)
         outs.append(engine.model.head(h))
         monkeypatch.undo()
-        if on:
+        if on and n_sessions == 1:
             per_layer = len(engine.model.weights.q8_at(0, "cpu"))  # q, k and v are one product
             assert len(calls) == engine.spec.n_layers * (per_layer - 2) + 1
             assert calls[-1] == (engine.spec.vocab_size, engine.spec.hidden_size)

@@ -131,3 +131,22 @@ def test_no_host_read_per_layer_in_a_gathered_window(engine_model, monkeypatch, 
         assert reads.reads == []
     else:
         assert reads.reads.count("group_by_expert") == 2 * engine.spec.n_layers
+
+
+def test_a_padded_windows_rows_are_not_counted():
+    """With ``live``, the pairs past it (a window padded to its graph's batch size) add nothing to the
+    usage counts or the gather telemetry: the counts equal those of the live pairs alone."""
+    from strata_core.experts.gather import count_pairs, lookup_slots
+
+    gen = torch.Generator().manual_seed(3)
+    resident = torch.where(torch.rand(64, generator=gen) < 0.5, torch.arange(64), -1).to(torch.int32)
+    expert = torch.randint(0, 64, (40,), generator=gen)
+    alone_usage, alone_counters = torch.zeros(64, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    slot = lookup_slots(expert[:24], resident, alone_usage, alone_counters, 100)
+    usage, counters = torch.zeros(64, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    padded = lookup_slots(expert, resident, usage, counters, 100, torch.tensor([24]))
+    assert torch.equal(padded[:24], slot) and torch.equal(padded, resident[expert])
+    assert torch.equal(usage, alone_usage) and torch.equal(counters, alone_counters)
+    assert counters.sum() > 0 and usage.sum() == 24
+    count_pairs(padded, expert, resident, counters, 100, torch.tensor([0]))
+    assert torch.equal(counters, alone_counters)

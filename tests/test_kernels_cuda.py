@@ -140,6 +140,10 @@ def test_pair_bookkeeping_kernel_equals_the_torch_ops(P):
     count_pairs(redirected, expert, resident, counters, 777)
     count_pairs(redirected.to(DEV), on[0], on[1], on[3], 777)
     assert on[3].tolist() == counters.tolist()
+    live = torch.tensor([P // 2])  # a padded window: only the first half of the pairs count
+    want = lookup_slots(expert, resident, usage, counters, 12345, live)
+    assert lookup_slots(*on, 12345, live.to(DEV)).tolist() == want.tolist()
+    assert on[2].tolist() == usage.tolist() and on[3].tolist() == counters.tolist()
 
 
 @pytest.mark.parametrize("T_, S, static", [(1, 300, False), (1, 300, True), (64, 64, False), (40, 300, False)])

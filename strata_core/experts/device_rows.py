@@ -102,6 +102,9 @@ class CachedExpertRows:
         self.name = name or str(self.device)
         self.cpu_pool = cpu_pool
         self.decoding = False  # set by the backend inside a decode window
+        #: int64 ``[1]`` on the device: how many leading pairs of a decode window are real (the runner sets it
+        #: around a window padded to its graph's batch size); the padded pairs are computed, not counted
+        self.live_pairs: torch.Tensor | None = None
         self.gather = False  # decode windows take the decode gather (set by the backend)
         self.grouped = self.device.type == "cuda"  # prefill chunks take the grouped prefill
         self.group_experts = min(group_size(*fmt.shapes[0]) for fmt in self.arena.formats if fmt is not None)
@@ -310,7 +313,8 @@ class CachedExpertRows:
         expert = expert_ids.reshape(-1)  # [P], P = T*k
         counters = self.telemetry.accumulator(GATHER_COUNTS, expert.device)
         usage = self.usage.row(layer, T)
-        slot = lookup_slots(expert, resident, usage, None if chain.peers else counters, fmt.total)  # [P], -1 = miss
+        slot = lookup_slots(expert, resident, usage, None if chain.peers else counters, fmt.total,
+                            self.live_pairs)  # [P], -1 = miss
         taken = slot >= 0 if chain.peers else None
         served: list[tuple[torch.Tensor, torch.Tensor]] = []  # (pairs a peer serves [P], their rows [P, H])
         rows_of = self._pair_rows if weights is None else self._decode_rows  # rows to merge, or to combine
@@ -338,7 +342,7 @@ class CachedExpertRows:
                 served.append((mine, rows_of(hidden, packed.to(self.device), arena, across, expert, fmt, ffn)))
         if chain.peers:
             slot = torch.where(taken & (slot < 0), own.zero_slot, slot)  # the peers' pairs: a zero row here
-            count_pairs(slot, expert, resident, counters, fmt.total)
+            count_pairs(slot, expert, resident, counters, fmt.total, self.live_pairs)
         self.telemetry.routed += T * k
         own.wait_layer(layer, self.device)
         staged = None  # with weights: this device's misses staged over its link while the peers compute

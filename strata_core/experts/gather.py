@@ -115,22 +115,30 @@ def fused_decode_rows(hidden: torch.Tensor, slots: torch.Tensor, arena: torch.Te
 
 
 def lookup_slots(expert: torch.Tensor, resident: torch.Tensor, usage: torch.Tensor,
-                 counters: torch.Tensor | None = None, nbytes: int = 0) -> torch.Tensor:
+                 counters: torch.Tensor | None = None, nbytes: int = 0,
+                 live: torch.Tensor | None = None) -> torch.Tensor:
     """The slot ``[P]`` of each pair's expert (``expert [P]``; ``resident [E]`` is the layer's row of the
     residency mirror, -1 = miss), each routing added to ``usage [E]`` (int64, in place) and, with
-    ``counters``, the pairs' :func:`count_pairs` too. On CUDA one launch
-    (``strata_core.ops.gather.pair_bookkeeping_cuda``) where torch takes five."""
+    ``counters``, the pairs' :func:`count_pairs` too. ``live`` (int64 ``[1]`` on the device, or None:
+    every pair): only the first ``live`` pairs are counted, the rest are a padded window's rows. On
+    CUDA one launch (``strata_core.ops.gather.pair_bookkeeping_cuda``) where torch takes five."""
     if expert.device.type == "cuda" and HAS_TRITON:
-        return pair_bookkeeping_cuda(expert, resident, usage=usage, counters=counters, nbytes=nbytes)
+        return pair_bookkeeping_cuda(expert, resident, usage=usage, counters=counters, nbytes=nbytes, live=live)
     slot = resident[expert]  # [P]
-    usage.index_add_(0, expert, torch.ones_like(expert))
+    usage.index_add_(0, expert, _live_mask(expert, live).to(usage.dtype))
     if counters is not None:
-        count_pairs(slot, expert, resident, counters, nbytes)
+        count_pairs(slot, expert, resident, counters, nbytes, live)
     return slot
 
 
+def _live_mask(expert: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    """``[P]`` bool: which pairs count (the first ``live``, all without it)."""
+    index = torch.arange(expert.shape[0], device=expert.device)
+    return index < (expert.shape[0] if live is None else live.to(expert.device))
+
+
 def count_pairs(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor, counters: torch.Tensor,
-                nbytes: int) -> None:
+                nbytes: int, live: torch.Tensor | None = None) -> None:
     """Add the ``GATHER_COUNTS`` of one layer's pairs to ``counters`` (int64 ``[4]`` on the device, in place):
     pairs that hit, distinct experts resident in the own cache, distinct experts missed, missed bytes.
 
@@ -139,17 +147,20 @@ def count_pairs(slot: torch.Tensor, expert: torch.Tensor, resident: torch.Tensor
     :param expert: ``[P]`` expert of each pair
     :param resident: ``[E]`` the layer's row of the residency mirror
     :param nbytes: packed bytes of one expert of the layer
+    :param live: int64 ``[1]``: only the first ``live`` pairs count (None: all)
 
     On CUDA one Triton launch (``pair_bookkeeping_cuda``) instead of a dozen small torch kernels;
     the same integers.
     """
     if slot.device.type == "cuda" and HAS_TRITON:
-        pair_bookkeeping_cuda(expert, resident, slot=slot, counters=counters, nbytes=nbytes)
+        pair_bookkeeping_cuda(expert, resident, slot=slot, counters=counters, nbytes=nbytes, live=live)
         return
-    hit = slot >= 0  # [P]
-    routed = torch.zeros_like(resident, dtype=torch.bool).index_fill_(0, expert, True)  # [E]
-    missed = torch.zeros_like(routed).index_fill_(0, expert[~hit], True)  # [E]
-    counters.add_(torch.stack([hit.sum(), (routed & (resident >= 0)).sum(), missed.sum(), (~hit).sum() * nbytes]))
+    counted = _live_mask(expert, live)  # [P]
+    hit = (slot >= 0) & counted  # [P]
+    routed = torch.zeros_like(resident, dtype=torch.bool).index_fill_(0, expert[counted], True)  # [E]
+    missed = torch.zeros_like(routed).index_fill_(0, expert[counted & ~hit], True)  # [E]
+    counters.add_(torch.stack([hit.sum(), (routed & (resident >= 0)).sum(), missed.sum(),
+                               (counted & ~hit).sum() * nbytes]))
 
 
 def peer_pairs(expert: torch.Tensor, taken: torch.Tensor, held: torch.Tensor, zero_slot: int, layer: int,

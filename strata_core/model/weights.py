@@ -28,10 +28,11 @@ __all__ = ["DenseWeights", "Q8Sources", "dense_product", "q8_sources"]
 #: Q8_0 matrices by (layer, name); layer None: a global tensor (``output.weight``)
 Q8Sources = dict[tuple[int | None, str], TensorRef]
 
-#: Most rows of x a product reads from a Q8_0 copy (``strata::q8_linear`` is built for decode's
-#: sessions: up to 32 rows it reads the weights at most twice, at 1.06 bytes a value where the float
-#: copy is 2); more rows (a prompt's) multiply the float copy.
-Q8_MAX_ROWS = 32
+#: Most rows of x a product reads from a Q8_0 copy: ``strata::q8_linear`` beats cuBLAS's bf16 product on
+#: the float copy by 1.4-1.7x for one row (one session's decode) and loses from two rows on, where
+#: cuBLAS reads the weights once for all rows (tools/gemv_bench.py, BENCHMARKS.md); more rows multiply
+#: the float copy.
+Q8_MAX_ROWS = 1
 
 
 def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None) -> torch.Tensor:

@@ -27,14 +27,6 @@ that there are enough programs and bytes in flight to approach HBM bandwidth; to
 times alternatives against cuBLAS's bf16 product. (llama.cpp's MMVQ, for comparison, takes one row a
 block of 4 warps for one token and quantizes x to q8_1 for dp4a; here x stays in its dtype.)
 
-**Several rows of x** (a decode window of ``M >= dot_min_m`` sessions, x in bf16 / fp16): the gemv
-above reads a W tile once per x row, so ``M`` sessions cost ``M`` times the weight traffic. The *dot*
-kernel instead decodes each ``[BN, KT]`` W tile once per program (``codes * scales`` exactly, in
-float32) and multiplies it with ``BM`` rows of x at once on the tensor cores (``tl.dot`` in tf32:
-x's bf16 values are exact in tf32, W's are rounded to 10 bits of mantissa, float32 accumulation),
-so the weights are read once per ``BM`` rows. Still no split-K: each output is one program's fixed
-order of K steps, deterministic for a given M tile.
-
 Tolerance against the reference: float32 within a relative 1e-5 of the largest output (summation
 order); bf16 / fp16 outputs within 1e-2 of it (one rounding of the output) (tests/test_dense_q8.py).
 """
@@ -132,14 +124,9 @@ class Q8Config:
     max_bn: int = 16
     max_mb: int = 4
     warps: int = 4
-    #: the dot kernel: the fewest rows of x (bf16 / fp16) it takes (more than M rows: never), its W rows a
-    #: program (``dot_bn``, at least 16 for ``tl.dot``) and codes a step (``dot_tile``, ``dot_bn * KT``)
-    dot_min_m: int = 2
-    dot_bn: int = 16
-    dot_tile: int = 8192
 
     def __post_init__(self) -> None:
-        for name in ("tile", "programs", "max_bn", "max_mb", "warps", "dot_bn", "dot_tile"):
+        for name in ("tile", "programs", "max_bn", "max_mb", "warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"Q8Config.{name}: {v} is not a power of two")
@@ -156,16 +143,6 @@ class Q8Config:
         bn = min(bn, blocks)
         nb = max(1, min(_pow2_at_least(K // QK), blocks // bn))
         return mb, bn, nb
-
-    def takes_dot(self, M: int, dtype: torch.dtype) -> bool:
-        """Whether an ``[M, K]`` x of ``dtype`` takes the dot kernel (half-precision x, enough rows)."""
-        return M >= self.dot_min_m and dtype in (torch.bfloat16, torch.float16)
-
-    def launch_dot(self, M: int, K: int) -> tuple[int, int, int]:
-        """``(BM, BN, NB)`` of the dot kernel: x rows a program (16 or 32: a ``tl.dot`` tile), W rows, blocks a step."""
-        bm = 16 if M <= 16 else 32
-        nb = max(1, min(_pow2_at_least(K // QK), self.dot_tile // (self.dot_bn * QK)))
-        return bm, self.dot_bn, nb
 
 
 def _pow2_at_least(n: int) -> int:
@@ -246,41 +223,6 @@ if HAS_TRITON:
                 tl.store(out + m.to(tl.int64) * stride_o + rows, tl.sum(acc, axis=1).to(out.dtype.element_ty),
                          mask=keep)
 
-    @triton.jit
-    def _q8_dot_kernel(x, codes, scales, out, M, N, K, stride_x, stride_o,
-                       BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, EVEN_K: tl.constexpr):
-        """Program (n, m): rows ``[n*BN, (n+1)*BN)`` of W times rows ``[m*BM, (m+1)*BM)`` of x; a step
-        decodes ``[BN, NB*32]`` codes once (float32, exact) and takes its product with the BM x rows
-        on the tensor cores (tf32 inputs, float32 accumulation)."""
-        rows = tl.program_id(0) * BN + tl.arange(0, BN)
-        keep = rows < N
-        rows = tl.where(keep, rows, 0).to(tl.int64)  # out-of-range rows read row 0 and are not stored
-        xm = tl.program_id(1) * BM + tl.arange(0, BM)
-        keep_m = xm < M
-        xm = tl.where(keep_m, xm, 0).to(tl.int64)
-        KB = K // 32
-        j = tl.arange(0, NB)
-        w = tl.arange(0, 32)
-        kt = tl.arange(0, NB * 32)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for kb0 in range(0, KB, NB):
-            blk = kb0 + j  # [NB]
-            if EVEN_K:
-                q = tl.load(codes + rows[:, None, None] * K + blk[None, :, None] * 32 + w[None, None, :])
-                s = tl.load(scales + rows[:, None] * KB + blk[None, :])  # [BN, NB]
-                xv = tl.load(x + xm[:, None] * stride_x + kb0 * 32 + kt[None, :])  # [BM, NB*32]
-            else:
-                valid = blk < KB
-                q = tl.load(codes + rows[:, None, None] * K + blk[None, :, None] * 32 + w[None, None, :],
-                            mask=valid[None, :, None], other=0)
-                s = tl.load(scales + rows[:, None] * KB + blk[None, :], mask=valid[None, :], other=0.0)
-                xv = tl.load(x + xm[:, None] * stride_x + kb0 * 32 + kt[None, :],
-                             mask=(kb0 * 32 + kt < K)[None, :], other=0.0)
-            wt = tl.reshape(q.to(tl.float32) * s.to(tl.float32)[:, :, None], (BN, NB * 32))  # [BN, KT]
-            acc = tl.dot(xv.to(tl.float32), tl.trans(wt), acc, input_precision="tf32")  # [BM, BN]
-        tl.store(out + xm[:, None] * stride_o + rows[None, :], acc.to(out.dtype.element_ty),
-                 mask=keep_m[:, None] & keep[None, :])
-
     def q8_linear_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8Config = DEFAULT_LAUNCH) -> Tensor:
         """The Triton kernel of ``q8_linear`` on the tensors' device (CUDA; CPU tensors under
         ``TRITON_INTERPRET=1``), launched as ``config`` says."""
@@ -292,13 +234,6 @@ if HAS_TRITON:
         N = codes.shape[0]
         out = x.new_empty((M, N))
         if M == 0 or N == 0:
-            return out
-        if config.takes_dot(M, x.dtype):
-            bm, bn, nb = config.launch_dot(M, K)
-            with on_device(x.device):
-                _q8_dot_kernel[(triton.cdiv(N, bn), triton.cdiv(M, bm))](
-                    x, codes, scales, out, M, N, K, x.stride(0), out.stride(0),
-                    BM=bm, BN=bn, NB=nb, EVEN_K=(K // QK) % nb == 0, num_warps=config.warps)
             return out
         mb, bn, nb = config.launch(M, N, K)
         m_tiles = triton.cdiv(M, mb)

@@ -99,11 +99,13 @@ if HAS_TRITON:
     gather_experts.register_kernel("cpu")(_reference)
 
     @triton.jit
-    def _bookkeeping_kernel(expert_ptr, resident_ptr, slot_ptr, usage_ptr, counters_ptr, P, nbytes,
-                            LOOKUP: tl.constexpr, USAGE: tl.constexpr, COUNT: tl.constexpr, BLOCK: tl.constexpr):
+    def _bookkeeping_kernel(expert_ptr, resident_ptr, slot_ptr, usage_ptr, counters_ptr, live_ptr, P, nbytes,
+                            LOOKUP: tl.constexpr, USAGE: tl.constexpr, COUNT: tl.constexpr, LIVE: tl.constexpr,
+                            BLOCK: tl.constexpr):
         """One program over the P pairs. ``LOOKUP``: ``slot = resident[expert]`` (else ``slot`` is read);
         ``USAGE``: ``usage[expert] += 1``; ``COUNT``: ``counters [4] +=`` hits, distinct routed experts
-        resident / missed (at their first pair), missed pairs * nbytes."""
+        resident / missed (at their first pair), missed pairs * nbytes; with ``LIVE`` only the first
+        ``live_ptr[0]`` pairs are counted (a padded window's rows follow them)."""
         p = tl.arange(0, BLOCK)
         keep = p < P
         e = tl.load(expert_ptr + p, mask=keep, other=0)
@@ -113,6 +115,8 @@ if HAS_TRITON:
             tl.store(slot_ptr + p, s, mask=keep)
         else:
             s = tl.load(slot_ptr + p, mask=keep, other=0)
+        if LIVE:
+            keep = keep & (p < tl.load(live_ptr))
         if USAGE:
             tl.atomic_add(usage_ptr + e, tl.full([BLOCK], 1, tl.int64), mask=keep)
         if COUNT:
@@ -130,14 +134,16 @@ if HAS_TRITON:
             tl.store(counters_ptr + 3, tl.load(counters_ptr + 3) + tl.sum((keep & (s < 0)).to(tl.int64), axis=0) * nbytes)
 
     def pair_bookkeeping_cuda(expert: Tensor, resident: Tensor, slot: Tensor | None = None,
-                              usage: Tensor | None = None, counters: Tensor | None = None, nbytes: int = 0) -> Tensor:
+                              usage: Tensor | None = None, counters: Tensor | None = None, nbytes: int = 0,
+                              live: Tensor | None = None) -> Tensor:
         """A decode layer's bookkeeping of its pairs ``expert [P]`` in one launch; returns ``slot [P]``.
 
         Without ``slot`` each pair's is looked up in the layer's residency row ``resident [E]``
         (``resident[expert]``); ``usage [E]`` int64 gets each routing added; ``counters`` int64 ``[4]``
         gets the decode gather's telemetry (experts/gather.py ``GATHER_COUNTS``) added: hits, distinct
         experts resident / missed (all pairs of an expert have its slot, so each counts at its first
-        pair), missed pairs * ``nbytes``. In place, stream-ordered (no host read)."""
+        pair), missed pairs * ``nbytes``; ``live`` (int64 ``[1]``): only its first pairs are counted.
+        In place, stream-ordered (no host read)."""
         expert = expert.contiguous()
         P = expert.shape[0]
         lookup = slot is None
@@ -146,9 +152,10 @@ if HAS_TRITON:
         if P:
             with on_device(expert.device):  # Triton launches on the current device
                 _bookkeeping_kernel[(1,)](expert, resident, slot.contiguous(), usage if usage is not None else expert,
-                                          counters if counters is not None else expert, P, nbytes,
-                                          LOOKUP=lookup, USAGE=usage is not None,
-                                          COUNT=counters is not None, BLOCK=max(16, triton.next_power_of_2(P)),
+                                          counters if counters is not None else expert,
+                                          live if live is not None else expert, P, nbytes,
+                                          LOOKUP=lookup, USAGE=usage is not None, COUNT=counters is not None,
+                                          LIVE=live is not None, BLOCK=max(16, triton.next_power_of_2(P)),
                                           num_warps=4)
         return slot
     @triton.jit
@@ -198,7 +205,8 @@ else:
     gather_experts = torch.library.custom_op("strata::gather_experts", _reference, mutates_args=())
 
     def pair_bookkeeping_cuda(expert: Tensor, resident: Tensor, slot: Tensor | None = None,
-                              usage: Tensor | None = None, counters: Tensor | None = None, nbytes: int = 0) -> Tensor:
+                              usage: Tensor | None = None, counters: Tensor | None = None, nbytes: int = 0,
+                              live: Tensor | None = None) -> Tensor:
         raise RuntimeError("pair_bookkeeping_cuda needs Triton")
 
     def peer_pairs_cuda(expert: Tensor, taken: Tensor, held: Tensor, zero_slot: int, layer: int, threshold: int,

@@ -23,6 +23,13 @@ into graph-owned tensors that each replay recomputes, folded into the telemetry 
 (one device add, no host read); the host-side counters a window bumps (routed pairs, tokens of the
 usage profile) are measured once at capture and added per replay.
 
+Batch buckets: the runner pads a window to the next of :data:`BUCKETS` (``bucket``) with rows of a
+padding session, so one graph of a bucket serves every window of 5 to 8 sessions, say: a server's
+sessions joining and leaving never capture again (``Runner.capture_buckets`` captures them at start).
+The padded rows are computed and not counted: the gather counts only the first ``live`` pairs (a
+static input), and the host counters measured at capture (proportional to the rows) are added per
+replay for the live rows only (``replay(..., live=n)``).
+
 Capture: the first graph of a (B, layers) is preceded by ``warmup`` eager windows on a side stream
 (lazy initialisation, Triton compilation; torch.cuda.graphs' advice). They rewrite the same KV rows
 with the same values; a recurrent state they advance is put back; their telemetry is discarded.
@@ -45,7 +52,7 @@ if TYPE_CHECKING:
     from strata_core.plugin.placement import Segment
     from strata_core.runtime.session import DecodeBatch, Session
 
-__all__ = ["Body", "DecodeGraphs"]
+__all__ = ["BUCKETS", "Body", "DecodeGraphs", "bucket"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +72,18 @@ class _Graph:
     host_delta: dict[str, int] = field(default_factory=dict)  # host counters one window adds
     signature: tuple = ()
     sessions: tuple[weakref.ref, ...] = ()
+
+
+#: the batch sizes decode windows are captured at (a larger window: the next multiple of the last)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket(n: int) -> int:
+    """The batch size a window of ``n`` sessions is padded to: the smallest of :data:`BUCKETS` that holds it."""
+    if n < 1:
+        raise ValueError(f"a decode window has at least one session, got {n}")
+    last = BUCKETS[-1]
+    return next((b for b in BUCKETS if b >= n), -(-n // last) * last)
 
 
 def _staged(value: torch.Tensor) -> torch.Tensor:
@@ -148,9 +167,10 @@ class DecodeGraphs:
     # --- replay ----------------------------------------------------------------------------------
 
     def replay(self, segment: Segment, batch: DecodeBatch, inputs: dict[str, torch.Tensor], body: Body,
-               shared: bool = False, step: bool = False) -> torch.Tensor | None:
+               shared: bool = False, step: bool = False, live: int | None = None) -> torch.Tensor | None:
         """The window's output by graph replay (capturing first where needed), or None when a capture
-        failed: the caller runs it eagerly, from then on."""
+        failed: the caller runs it eagerly, from then on. ``live``: how many of the batch's rows are real
+        (the rest pad it to its bucket; None: all)."""
         if self.failed is not None:
             return None
         try:
@@ -163,15 +183,16 @@ class DecodeGraphs:
         for name, value in inputs.items():
             entry.inputs[name].copy_(_staged(value), non_blocking=True)
         entry.graph.replay()
-        self._account(entry)
+        self._account(entry, len(batch) if live is None else live, len(batch))
         return entry.out.clone()
 
-    def _account(self, entry: _Graph) -> None:
-        """Fold one replay's counters into the telemetry (device adds, no host read)."""
+    def _account(self, entry: _Graph, live: int, rows: int) -> None:
+        """Fold one replay's counters into the telemetry (device adds, no host read); the host counters,
+        measured for the graph's ``rows``, for its ``live`` rows."""
         telemetry = self.experts.telemetry
         for (names, _), counts in entry.sink.items():
             telemetry.add_counts(names, counts.clone())
-        _add_host(self.experts, entry.host_delta)
+        _add_host(self.experts, {name: value * live // rows for name, value in entry.host_delta.items()})
 
     # --- capture ---------------------------------------------------------------------------------
 

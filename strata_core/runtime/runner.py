@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 
 import pluggy
 import torch
+import torch.nn.functional as F
 
 from strata_core.config import StrataSettings
 from strata_core.experts.backend import ExpertBackend
@@ -32,7 +33,7 @@ from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
 from strata_core.plugin.spec import StrategyOptions
 from strata_core.runtime.devices import device_scope, to_device
-from strata_core.runtime.graphs import DecodeGraphs
+from strata_core.runtime.graphs import BUCKETS, DecodeGraphs, bucket
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
 
@@ -45,11 +46,13 @@ class Runner:
     """Runs prompt chunks and decode windows of one loaded model under its placement.
 
     :param hook: the plugin manager's hook relay (phase hooks, residency events, hand-offs).
+    :param padding_session: makes the session whose rows pad a graphed decode window to its bucket
+        (one position, every layer at home in the decode placement).
     """
 
     def __init__(self, settings: StrataSettings, hook: pluggy.HookRelay, options: StrategyOptions,
                  devices: tuple[DeviceSlot, ...], placement: Placement, model: MoEModel,
-                 experts: ExpertBackend) -> None:
+                 experts: ExpertBackend, padding_session: Callable[[], Session]) -> None:
         self.settings = settings
         self.options = options
         self.devices = devices
@@ -67,6 +70,8 @@ class Runner:
         self._graphs: DecodeGraphs | None = None
         self._said: set[str] = set()
         self._fused: dict[torch.device, bool] = {}
+        self._new_padding = padding_session
+        self._padding: Session | None = None
 
     # --- phases, as the engine runs them ----------------------------------------------------------
 
@@ -274,19 +279,77 @@ class Runner:
         hidden = hidden.to(self.device_of(segment))
         with device_scope(hidden.device), self._timed("decode", segment):
             if self._graphed(segment):
-                fused = self._fused_on(hidden.device)
-                inputs = {"hidden": hidden, "positions": batch.positions}
-                if fused:  # the kernels reach the KV through address tables: one graph serves any sessions
-                    inputs["tables"] = kv_tables(batch.sessions, segment.layers)
-
-                def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
-                    return self.decode_layers(segment, static["hidden"], batch, static["positions"],
-                                              static.get("tables"), static=True)
-
-                out = self.graphs.replay(segment, batch, inputs, body, shared=fused)
+                out = self._replay_segment(segment, hidden, batch)
                 if out is not None:
                     return out
             return self.decode_layers(segment, hidden, batch)
+
+    def _replay_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
+        """``[B, H]`` out of ``segment`` by the replayed graph of the window's bucket, or None."""
+        padded, live = self._padded(batch)
+        fused = self._fused_on(hidden.device)
+        inputs = {"hidden": F.pad(hidden, (0, 0, 0, len(padded) - len(batch))), "positions": padded.positions,
+                  "live": self._live_pairs(live)}
+        if fused:  # the kernels reach the KV through address tables: one graph serves any sessions
+            inputs["tables"] = kv_tables(padded.sessions, segment.layers)
+
+        def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
+            with self._counting(segment, static["live"]):
+                return self.decode_layers(segment, static["hidden"], padded, static["positions"],
+                                          static.get("tables"), static=True)
+
+        out = self.graphs.replay(segment, padded, inputs, body, shared=fused, live=live)
+        return None if out is None else out[:len(batch)]
+
+    # --- batch buckets ---------------------------------------------------------------------------
+
+    def _padded(self, batch: DecodeBatch) -> tuple[DecodeBatch, int]:
+        """``batch`` padded to its bucket (``graphs.bucket``) with rows of the padding session (token 0,
+        position 0), and how many of its rows are real."""
+        if self._padding is None:
+            self._padding = self._new_padding()
+        live = sum(1 for s in batch.sessions if s is not self._padding)
+        extra = bucket(len(batch)) - len(batch)
+        if extra == 0:
+            return batch, live
+        return DecodeBatch(batch.sessions + (self._padding,) * extra,
+                           torch.cat([batch.tokens, batch.tokens.new_zeros(extra)])), live
+
+    def _live_pairs(self, rows: int) -> torch.Tensor:
+        """int64 ``[1]``: the (token, expert) pairs of ``rows`` real rows (a graph's static input)."""
+        return torch.tensor([rows * self.model.spec.n_experts_used], dtype=torch.int64)
+
+    @contextmanager
+    def _counting(self, segment: Segment, live: torch.Tensor) -> Iterator[None]:
+        """While the block runs, ``segment``'s expert rows count only the first ``live`` pairs."""
+        rows = self.experts.rows_for(segment.device, "decode")
+        rows.live_pairs = live
+        try:
+            yield
+        finally:
+            rows.live_pairs = None
+
+    def capture_buckets(self, sessions: int) -> None:
+        """Capture the decode graphs of every bucket a window of up to ``sessions`` sessions takes, now
+        (a server's start: no capture after it, whoever joins or leaves), by running one window of
+        padding rows per bucket; logs the buckets and the time it took. Nothing where graphs do not apply."""
+        if not self.settings.cuda_graphs or not all(map(self._graphed, self._segments["decode"])):
+            return
+        start = time.perf_counter()
+        sizes = [b for b in BUCKETS if b < sessions] + [bucket(sessions)]
+        if self._padding is None:
+            self._padding = self._new_padding()
+        self.experts.begin_window()
+        try:
+            with self._masked("decode"):
+                for size in sizes:
+                    self.run_decode(DecodeBatch((self._padding,) * size, torch.zeros(size, dtype=torch.int64)))
+        finally:
+            self.experts.end_window(adapt=False)
+        if self.main.device.type == "cuda":
+            torch.cuda.synchronize(self.main.device)
+        log.info("cuda graphs: decode windows of %s session(s) captured in %.2f s (%d graphs)",
+                 ", ".join(map(str, sizes)), time.perf_counter() - start, len(self.graphs))
 
     def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """One decode window through the decode placement's segments, then the head; with one segment
@@ -312,16 +375,20 @@ class Runner:
         if reason is not None:
             self._say(f"no whole-step graph: {reason}")
             return None
-        inputs = {"tokens": batch.tokens, "positions": batch.positions,
-                  "tables": kv_tables(batch.sessions, segment.layers)}
+        padded, live = self._padded(batch)
+        inputs = {"tokens": padded.tokens, "positions": padded.positions, "live": self._live_pairs(live),
+                  "tables": kv_tables(padded.sessions, segment.layers)}
 
         def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
             hidden = self.model.embed(static["tokens"])  # [B, H]
-            hidden = self.decode_layers(segment, hidden, batch, static["positions"], static["tables"], static=True)
+            with self._counting(segment, static["live"]):
+                hidden = self.decode_layers(segment, hidden, padded, static["positions"], static["tables"],
+                                            static=True)
             return self.model.head(hidden).float()
 
         with device_scope(device):
-            return self.graphs.replay(segment, batch, inputs, body, shared=True, step=True)
+            logits = self.graphs.replay(segment, padded, inputs, body, shared=True, step=True, live=live)
+        return None if logits is None else logits[:len(batch)]
 
     # --- where graphs apply ------------------------------------------------------------------------
 
@@ -329,7 +396,7 @@ class Runner:
     def graphs(self) -> DecodeGraphs:
         """The CUDA-graph cache of ``--cuda-graphs`` (created on first use)."""
         if self._graphs is None:
-            self._graphs = DecodeGraphs(self.experts)
+            self._graphs = DecodeGraphs(self.experts, max_graphs=len(BUCKETS) * (len(self._segments["decode"]) + 1))
         return self._graphs
 
     def why_not_graphed(self, segment: Segment) -> str | None:
