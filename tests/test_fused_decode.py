@@ -51,3 +51,24 @@ def test_fused_layers_match_the_eager_layers(tiny_model_factory, device):
         for layer in segment.layers:
             for x, y in zip(a.kv.read(layer, a.n_tokens + 1), b.kv.read(layer, b.n_tokens + 1)):
                 torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+
+
+def test_kv_tables_follow_a_moved_cache():
+    """The address tables the fused kernels read are each cache's K and V addresses, also after a
+    hand-off gives some layers new tensors (the tables are built once per version of a cache)."""
+    from strata_core.model.fused_decode import kv_tables
+    from strata_core.model.kvcache import KVCache
+    from strata_core.model.spec import StateTensor
+    from strata_core.runtime.session import Session
+
+    row = StateTensor((1, 4))
+    sessions = [Session(kv=KVCache(range(3), 8, {i: {"k": row, "v": row} for i in range(3)})) for _ in range(2)]
+
+    def want(layers):
+        return [[[s.kv.tensors[i][n].data_ptr() for n in ("k", "v")] for s in sessions] for i in layers]
+
+    assert kv_tables(sessions, range(3)).tolist() == want(range(3))
+    assert kv_tables(sessions, range(1, 3)).tolist() == want(range(1, 3))
+    sessions[1].kv.move(range(1, 3), 1, "cpu")  # new tensors for layers 1 and 2
+    assert kv_tables(sessions, range(3)).tolist() == want(range(3))
+    assert kv_tables(sessions, range(1, 3)).tolist() == want(range(1, 3)) != kv_tables(sessions[:1] * 2, range(1, 3)).tolist()

@@ -28,6 +28,7 @@ same ops run their references, which is how CI checks this path against the eage
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -76,12 +77,24 @@ def _layer_caches(sessions: Sequence[Session], layer: int) -> tuple[list[torch.T
 
 
 def kv_tables(sessions: Sequence[Session], layers: range) -> torch.Tensor:
-    """int64 ``[len(layers), B, 2]`` on the host: the addresses of each session's K and V cache per layer."""
-    rows = []
-    for layer in layers:
-        keys, values = _layer_caches(sessions, layer)
-        rows.append([[k.data_ptr(), v.data_ptr()] for k, v in zip(keys, values)])
-    return torch.tensor(rows, dtype=torch.int64).view(len(layers), len(sessions), 2)
+    """int64 ``[len(layers), B, 2]`` on the host: the addresses of each session's K and V cache per layer
+    (each session's built once per version of its cache: a window of B sessions costs B lookups)."""
+    return torch.stack([_addresses(session.kv, layers) for session in sessions], dim=1)
+
+
+_ADDRESSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache -> (version, {layers: [L, 2]})
+
+
+def _addresses(kv, layers: range) -> torch.Tensor:
+    """int64 ``[len(layers), 2]``: the K and V cache addresses of ``kv``'s ``layers``."""
+    version, tables = _ADDRESSES.get(kv, (None, {}))
+    if version != kv.version:
+        tables = {}
+        _ADDRESSES[kv] = (kv.version, tables)
+    if layers not in tables:
+        tables[layers] = torch.tensor([[kv.tensors[i]["k"].data_ptr(), kv.tensors[i]["v"].data_ptr()]
+                                       for i in layers], dtype=torch.int64).view(len(layers), 2)
+    return tables[layers]
 
 
 def place_q8_copies(model, gguf_file: GGUFFile, settings: StrataSettings, placement: Placement,

@@ -57,6 +57,8 @@ class KVCache:
         self.home = {i: homes[i][0] for i in layers}  # layer -> device slot holding it now
         self.tensors: dict[int, LayerTensors] = {i: self._new(i, homes[i][1]) for i in layers}
         self._parked: dict[tuple[int, int], LayerTensors] = {}  # (layer, slot) -> tensors left there
+        #: bumped whenever ``tensors`` changes (a move, a release): what caches of their addresses check
+        self.version = 0
 
     def _new(self, layer: int, device: torch.device | str) -> LayerTensors:
         return {name: torch.zeros((self.max_tokens, *t.shape) if t.per_token else t.shape,
@@ -121,6 +123,7 @@ class KVCache:
         self.n_tokens = 0
         self.tensors.clear()
         self._parked.clear()
+        self.version += 1
 
     def move(self, layers: range, slot: int, device: torch.device | str) -> None:
         """Hand-off: make device slot ``slot`` (on ``device``) the home of ``layers``, copying the
@@ -136,6 +139,7 @@ class KVCache:
                 self._committed(i, name, moved[name], n).copy_(self._committed(i, name, source, n),
                                                                non_blocking=True)
             self.tensors[i], self.home[i] = moved, slot
+            self.version += 1
 
     def parked(self, layer: int, slot: int) -> LayerTensors | None:
         """The tensors of ``layer`` left on ``slot`` by a hand-off (what ``STRATA_DBG_HANDOFF`` compares)."""
