@@ -7,9 +7,10 @@ import asyncio
 import pytest
 from test_server_support import FakeEngine, FakeTokenizer, greedy_reference
 
-from strata_core.serving.sampling import SamplingParams
 from strata_core.serving.requests import ContextLengthError, Delta, Finished, GenerationRequest, ServerBusyError
+from strata_core.serving.sampling import SamplingParams
 from strata_core.serving.scheduler import RequestHandle, Scheduler
+
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -31,9 +32,10 @@ async def _run(handle: RequestHandle) -> tuple[list[int], str, Finished]:
     return tokens, text, end
 
 
-def _scheduler(engine: FakeEngine, parallel: int = 2, max_queue: int = 8, conv_cache: int = 0) -> Scheduler:
+def _scheduler(engine: FakeEngine, parallel: int = 2, max_queue: int = 8, conv_cache: int = 0,
+               step_tokens: int = 512) -> Scheduler:
     scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, conv_cache=conv_cache,
-                          conv_cache_bytes=1 << 20)
+                          conv_cache_bytes=1 << 20, step_tokens=step_tokens)
     scheduler.start()
     return scheduler
 
