@@ -1,4 +1,5 @@
-"""The scheduler on the fake engine: batching keeps tokens, queue bound, cancel, failures, context, cache."""
+"""The scheduler on the fake engine: batching keeps tokens, queue bound, cancel, failures, context, cache,
+and the steps: long prompts in chunks beside decoding streams, cancels and failures in the middle of a prompt."""
 
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ Each loop of the worker is one step: take new requests and cancellations, give t
 the oldest waiting requests (:mod:`~strata_core.serving.slots`: prefix reuse, the conversation
 cache), then run what :func:`~strata_core.serving.step_plan.plan_step` plans under ``step_tokens``:
 one decode window over every slot that decodes, then prompt chunks of the slots still prefilling,
-oldest first. The last chunk of a prompt samples its first token; the slot decodes from the next
-step on. :class:`~strata_core.serving.streams.TokenStream` turns each sampled token into text and
-says when the request is done. A request joins and leaves between steps, and a failure in one
-request's chunk or row ends only that request.
+oldest first, run and sampled by :class:`~strata_core.serving.step_runner.StepRunner`. The last
+chunk of a prompt samples its first token; the slot decodes from the next step on.
+:class:`~strata_core.serving.streams.TokenStream` turns each sampled token into text and says when
+the request is done. A request joins and leaves between steps, and a failure in one request's chunk
+or row ends only that request.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from strata_core.errors import RequestError, StrataError
 from strata_core.serving.compute_thread import ComputeThread
 from strata_core.serving.conv_cache import ConvCache
@@ -45,9 +44,10 @@ from strata_core.serving.requests import (
     ShuttingDownError,
     Timings,
 )
-from strata_core.serving.sampling import Sampler, SampleResult, sample_rows
+from strata_core.serving.sampling import Sampler, SampleResult
 from strata_core.serving.slots import Slot, Slots
 from strata_core.serving.step_plan import plan_step
+from strata_core.serving.step_runner import StepRunner
 from strata_core.serving.streams import TokenStream
 
 __all__ = ["RequestHandle", "Scheduler"]
@@ -117,10 +117,7 @@ class Scheduler:
         self._idle_tokens: int = engine.settings.prefill_chunk
         self.cache = ConvCache(conv_cache, conv_cache_bytes)
         self.stats = SchedulerStats()
-        # The engine's counters as last read by the worker (after every engine call that moves
-        # them): the base of the next request's figures, and what /metrics shows.
-        self.telemetry: dict[str, Any] = dict(engine.telemetry.snapshot())
-        self.experts_by_device: dict[str, dict[str, int]] = engine.telemetry.by_device()
+        self._runner = StepRunner(engine)
         self._slots = Slots(engine, parallel, self.cache)
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
@@ -143,6 +140,16 @@ class Scheduler:
         if self._worker is None:
             self._worker = ComputeThread(name="strata-scheduler")
         self._loop_done = self._worker.submit(self._run)
+
+    @property
+    def telemetry(self) -> dict[str, Any]:
+        """The engine's counters as read after its last call (the base of a request's figures; /metrics)."""
+        return self._runner.telemetry
+
+    @property
+    def experts_by_device(self) -> dict[str, dict[str, int]]:
+        """The expert groups each device slot served, by source, as last read (/metrics)."""
+        return self._runner.experts_by_device
 
     @property
     def worker(self) -> ComputeThread | None:
@@ -310,87 +317,34 @@ class Scheduler:
         """Compute the next ``n`` prompt tokens of the slot's request; after its last, sample its first token."""
         job = slot.job
         done, t = job.session.n_tokens, job.timings
-        start, before = time.perf_counter(), self.telemetry
+        start, before = time.perf_counter(), self._runner.telemetry
         try:
-            logits = self.engine.prefill(job.session, job.request.prompt[done : done + n])
-            t.prompt_experts.add(before, self._read_telemetry())
+            first = self._runner.prefill(job, job.request.prompt[done : done + n], sample=n == job.prompt_left)
+            t.prompt_experts.add(before, self._runner.telemetry)
             t.prompt_n += n
             t.prompt_ms += (time.perf_counter() - start) * 1000.0
-            if job.prompt_left == 0:
+            if first is not None:
                 job.decode_start = time.perf_counter()
-                self._accept(slot, job.sampler.sample_result(logits, job.history))
+                self._accept(slot, first)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-            self._read_telemetry()
             self._fail_in_slot(slot, exc)
 
     def _window(self, slots: list[Slot]) -> None:
-        """One decode step for ``slots``."""
+        """One decode window for ``slots``; each request takes its token or fails alone."""
         if not slots:
             return
-        jobs = [s.job for s in slots]
-        before = [j.session.n_tokens for j in jobs]
-        start = time.perf_counter()
-        counters = self.telemetry
-        logits = None
-        try:
-            logits = self.engine.decode_window([(j.session, j.pending) for j in jobs])
-            rows = list(zip(slots, logits))
-        except Exception:  # noqa: BLE001 - retry alone to find the failing request
-            log.exception("decode window of %d failed; retrying each request alone", len(jobs))
-            rows = self._isolate(slots, before)
-        after = self._read_telemetry()
-        for slot, _ in rows:
-            slot.job.timings.decode_experts.add(counters, after)
+        start, before = time.perf_counter(), self._runner.telemetry
+        results = self._runner.decode([s.job for s in slots])
         self.stats.windows += 1
         self.stats.decode_seconds += time.perf_counter() - start
-        for (slot, _), result in zip(rows, self._sample(rows, logits if len(rows) == len(slots) else None)):
+        for slot, result in zip(slots, results):
             try:
                 if isinstance(result, Exception):
                     raise result
+                slot.job.timings.decode_experts.add(before, self._runner.telemetry)
                 self._accept(slot, result)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends only that request
                 self._fail_in_slot(slot, exc)
-
-    def _read_telemetry(self) -> dict[str, Any]:
-        """Read the engine's counters (once per engine call that moves them) and keep them, with the
-        expert groups each device slot served by source (``experts_by_device``, for ``/metrics``)."""
-        self.telemetry = dict(self.engine.telemetry.snapshot())
-        self.experts_by_device = self.engine.telemetry.by_device()
-        return self.telemetry
-
-    def _isolate(self, slots: list[Slot], before: list[int]) -> list[tuple[Slot, torch.Tensor]]:
-        rows = []
-        for slot, n in zip(slots, before):
-            job = slot.job
-            try:
-                if job.session.n_tokens != n:
-                    raise RuntimeError("the decode window failed after this request's step")
-                if not self.engine.spec.rewindable:  # a retry would advance the state a second time
-                    raise RuntimeError("the decode window failed after some layers updated this request's "
-                                       "recurrent state")
-                rows.append((slot, self.engine.decode_window([(job.session, job.pending)])[0]))
-            except Exception as exc:  # noqa: BLE001
-                self._fail_in_slot(slot, exc)
-        return rows
-
-    def _sample(self, rows: list[tuple[Slot, torch.Tensor]], logits: torch.Tensor | None) -> list[SampleResult | Exception]:
-        """Every row's next token in one call on the logits' device (``logits`` is the window's
-        ``[B, V]`` tensor when every job has a row); if the call itself fails, row by row, so a
-        failure ends only the requests it belongs to."""
-        if not rows:
-            return []
-        try:
-            stacked = logits if logits is not None else torch.stack([row for _, row in rows])
-            return sample_rows(stacked, [(slot.job.sampler, slot.job.history) for slot, _ in rows])
-        except Exception:  # noqa: BLE001
-            log.exception("sampling a window of %d failed; sampling each row alone", len(rows))
-            out: list[SampleResult | Exception] = []
-            for slot, row in rows:
-                try:
-                    out.append(slot.job.sampler.sample_result(row, slot.job.history))
-                except Exception as exc:  # noqa: BLE001
-                    out.append(exc)
-            return out
 
     def _accept(self, slot: Slot, result: SampleResult) -> None:
         """Take the slot's sampled token: give out its text; a finished request leaves the slot."""
