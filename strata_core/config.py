@@ -149,11 +149,11 @@ class StrataSettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="port the server listens on")
     parallel: int = Field(4, ge=1, description="concurrent generation slots")
     step_tokens: int = Field(
-        512, gt=0, description="tokens one scheduler step computes: a decode token for every slot that decodes, the "
-        "rest prompt chunks of the requests being admitted, oldest first; a long prompt delays the running "
-        "streams by one step of this size at most (smaller: steadier streams; larger: faster prompts, fewer "
-        "passes over streamed experts). A step with no stream decoding takes up to --prefill-chunk. At least "
-        "--parallel"
+        512, gt=0, description="tokens one scheduler step computes: one for every slot that is generating, the "
+        "rest for prompt chunks of the requests starting, oldest first. A long prompt delays the running streams "
+        "by one step of this size at most (smaller: steadier streams; larger: faster prompts, and fewer passes "
+        "over experts streamed from host RAM); a step in which no slot generates takes up to --prefill-chunk. "
+        "At least --parallel"
     )
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
