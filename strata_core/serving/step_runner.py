@@ -59,26 +59,23 @@ class StepRunner:
     def decode(self, rows: Sequence[Row]) -> list[SampleResult | Exception]:
         """One window over ``rows``: each row's next token, or the error that ends its request."""
         before = [row.session.n_tokens for row in rows]
-        out: list[SampleResult | Exception | None] = [None] * len(rows)
+        failed: dict[int, Exception] = {}
         try:
             logits = self.engine.decode_window([(row.session, row.pending) for row in rows])
-            live = list(range(len(rows)))
         except Exception:  # noqa: BLE001 - run each row alone to find the failing request
             log.exception("decode window of %d failed; retrying each request alone", len(rows))
-            live, alone = [], []
+            alone = []
             for i, (row, n) in enumerate(zip(rows, before)):
                 try:
                     alone.append(self._alone(row, n))
-                    live.append(i)
                 except Exception as exc:  # noqa: BLE001
-                    out[i] = exc
+                    failed[i] = exc
             logits = torch.stack(alone) if alone else None
         finally:
             self.read_telemetry()
-        if logits is not None:
-            for i, result in zip(live, self._sample(logits, [rows[i] for i in live])):
-                out[i] = result
-        return out  # type: ignore[return-value]
+        live = [row for i, row in enumerate(rows) if i not in failed]
+        sampled = iter(self._sample(logits, live) if live else [])
+        return [failed[i] if i in failed else next(sampled) for i in range(len(rows))]
 
     def _alone(self, row: Row, n_before: int) -> torch.Tensor:
         if row.session.n_tokens != n_before:
