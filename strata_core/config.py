@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -148,6 +148,13 @@ class StrataSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address the server binds")
     port: int = Field(8080, ge=0, le=65535, description="port the server listens on")
     parallel: int = Field(4, ge=1, description="concurrent generation slots")
+    step_tokens: int = Field(
+        512, gt=0, description="tokens one scheduler step computes: one for every slot that is generating, the "
+        "rest for prompt chunks of the requests starting, oldest first. A long prompt delays the running streams "
+        "by one step of this size at most (smaller: steadier streams; larger: faster prompts, and fewer passes "
+        "over experts streamed from host RAM); a step in which no slot generates takes up to --prefill-chunk. "
+        "At least --parallel"
+    )
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")
@@ -185,6 +192,15 @@ class StrataSettings(BaseSettings):
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("step_tokens")
+    @classmethod
+    def _step_holds_every_slot(cls, value: int, info: ValidationInfo) -> int:
+        parallel = info.data.get("parallel", 1)
+        if value < parallel:
+            raise ValueError(f"--step-tokens {value} is less than --parallel {parallel}: a step must hold a decode "
+                             "token for every slot and leave room for a prompt chunk")
         return value
 
     @field_validator("devices")

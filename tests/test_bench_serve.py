@@ -138,11 +138,13 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys, strata):
 
 def test_bench_serve_starts_strata_serve(tmp_path, capsys, strata):
     out = tmp_path / "report.json"
-    assert strata("bench", "serve", "--parallel", "2", "--model-alias", "demo", "--clients", "2", "--requests", "2",
-                  "--prompt-tokens", "8", "--output-tokens", "4", "--warmup", "0", "--json", str(out)) == 0
+    assert strata("bench", "serve", "--parallel", "2", "--step-tokens", "64", "--model-alias", "demo", "--clients", "2",
+                  "--requests", "2", "--prompt-tokens", "8", "--output-tokens", "4", "--warmup", "0",
+                  "--json", str(out)) == 0
     rep = json.loads(out.read_text())
     _check(rep, 2, 8, 4)
     assert rep["setup"]["server"] == "strata serve" and rep["setup"]["parallel"] == 2
+    assert rep["setup"]["step_tokens"] == 64
     assert "server=strata serve" in capsys.readouterr().out
 
 

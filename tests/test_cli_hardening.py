@@ -85,6 +85,11 @@ def test_invalid_values_are_one_line(strata, model: Path) -> None:
     one_line_error(strata(), "a command is needed", "make-synthetic")
 
 
+def test_serve_checks_step_tokens_before_it_binds(strata) -> None:
+    one_line_error(strata("serve", "--step-tokens", "0"), "step_tokens", "greater than 0")
+    one_line_error(strata("serve", "--parallel", "8", "--step-tokens", "4"), "--step-tokens 4 is less than --parallel 8")
+
+
 def test_version_and_short_flags(strata, model: Path) -> None:
     version = strata("--version")
     assert version.returncode == 0 and version.stdout.startswith("strata ")

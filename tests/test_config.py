@@ -37,12 +37,28 @@ def test_env_list_and_bool(monkeypatch):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("pcie_frac", 1.5), ("prefill_chunk", 0), ("arena", "disk"), ("expert_cache", "lots"), ("port", 70000)],
+    [("pcie_frac", 1.5), ("prefill_chunk", 0), ("arena", "disk"), ("expert_cache", "lots"), ("port", 70000),
+     ("step_tokens", 0)],
 )
 def test_invalid_values_name_the_option(field, value):
     with pytest.raises(ValidationError) as info:
         StrataSettings(**{field: value})
     assert field in str(info.value)
+
+
+def test_a_step_holds_a_decode_token_for_every_slot():
+    assert StrataSettings(parallel=8, step_tokens=8).step_tokens == 8
+    with pytest.raises(ValidationError, match="--step-tokens 4 is less than --parallel 8"):
+        StrataSettings(parallel=8, step_tokens=4)
+
+
+def test_a_command_s_settings_class_keeps_the_validators():
+    from strata_core.cli.settings import ENGINE, SERVER, settings_with
+
+    command = settings_with(ENGINE, SERVER)
+    assert command(devices="cpu,cpu").devices == ["cpu", "cpu"]
+    with pytest.raises(ValidationError, match="less than --parallel 8"):
+        command(parallel=8, step_tokens=4)
 
 
 def test_unknown_option_is_rejected():

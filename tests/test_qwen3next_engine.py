@@ -119,7 +119,8 @@ def test_a_failed_decode_window_is_not_retried_over_an_advanced_state(single, mo
         return moe(layer, h, rows)
 
     monkeypatch.setattr(engine.model, "moe", failing_once)
-    scheduler = Scheduler(engine, parallel=2, max_queue=4, conv_cache=0, conv_cache_bytes=0)
+    scheduler = Scheduler(engine, parallel=2, max_queue=4, conv_cache=0, conv_cache_bytes=0,
+                          step_tokens=512)
     scheduler.start()
 
     async def one(prompt: list[int]) -> str:

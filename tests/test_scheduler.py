@@ -1,15 +1,22 @@
-"""The scheduler on the fake engine: batching keeps tokens, queue bound, cancel, failures, context, cache."""
+"""The scheduler on the fake engine: batching keeps tokens, queue bound, cancel, failures, context, cache,
+and the steps: long prompts in chunks beside decoding streams, cancels and failures in the middle of a prompt."""
 
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 
 import pytest
-from test_server_support import FakeEngine, FakeTokenizer, greedy_reference
+import torch
+from test_server_support import FakeEngine, FakeTokenizer, greedy_reference, steps_of
 
+from strata_core.config import StrataSettings
+from strata_core.serving.requests import (ContextLengthError, Delta, Finished, GenerationRequest, RequestCancelled,
+                                          ServerBusyError)
 from strata_core.serving.sampling import SamplingParams
-from strata_core.serving.requests import ContextLengthError, Delta, Finished, GenerationRequest, ServerBusyError
 from strata_core.serving.scheduler import RequestHandle, Scheduler
+
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -31,9 +38,10 @@ async def _run(handle: RequestHandle) -> tuple[list[int], str, Finished]:
     return tokens, text, end
 
 
-def _scheduler(engine: FakeEngine, parallel: int = 2, max_queue: int = 8, conv_cache: int = 0) -> Scheduler:
+def _scheduler(engine: FakeEngine, parallel: int = 2, max_queue: int = 8, conv_cache: int = 0,
+               step_tokens: int = 512) -> Scheduler:
     scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, conv_cache=conv_cache,
-                          conv_cache_bytes=1 << 20)
+                          conv_cache_bytes=1 << 20, step_tokens=step_tokens)
     scheduler.start()
     return scheduler
 
@@ -204,3 +212,172 @@ def test_a_prompt_sharing_only_the_template_opening_keeps_the_cached_conversatio
     finally:
         scheduler.stop()
     assert end.timings.cache_n == len(a.prompt) + len(reply) - 1  # all of A (the last reply token was never fed)
+
+
+class _NoEos(FakeEngine):
+    """Never samples an end-of-sequence token, so a stream runs until its max_tokens or a cancel."""
+
+    def prefill(self, session, token_ids):  # type: ignore[no-untyped-def]
+        return self._no_eos(super().prefill(session, token_ids))
+
+    def decode_window(self, steps):  # type: ignore[no-untyped-def]
+        return self._no_eos(super().decode_window(steps))
+
+    def _no_eos(self, logits: torch.Tensor) -> torch.Tensor:
+        logits[..., sorted(FakeTokenizer.eos_token_ids)] = -math.inf
+        return logits
+
+
+async def _first_delta(handle: RequestHandle) -> None:
+    assert isinstance(await handle.events.get(), Delta)
+
+
+async def _cancelled(handle: RequestHandle) -> None:
+    handle.cancel()
+    with pytest.raises(RequestCancelled):
+        async for _ in handle:
+            pass
+
+
+def test_long_prompts_arriving_while_streams_decode_do_not_stop_them() -> None:
+    """Two long prompts arrive while two streams decode: every step keeps both streams' rows and its
+    prompt chunks within --step-tokens, and the first prompt's chunks all run before the second's."""
+    engine = _NoEos(max_context=8192)
+    budget = 64
+    scheduler = _scheduler(engine, parallel=4, step_tokens=budget)
+    long = [GenerationRequest([3 + (i + k) % 200 for k in range(1000)], _greedy(2)) for i in range(2)]
+
+    async def main() -> None:
+        streams = [scheduler.submit(_request(f"stream {i}", max_tokens=5000)) for i in range(2)]
+        for handle in streams:
+            await _first_delta(handle)  # both decode now
+        ends = await asyncio.gather(*(_run(scheduler.submit(r)) for r in long))
+        assert [end.completion_tokens for _, _, end in ends] == [2, 2]
+        for handle in streams:
+            await _cancelled(handle)
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.stop()
+    chunks = [[i for i, (kind, s, _) in enumerate(engine.calls) if kind == "prefill" and s.tokens[:1000] == r.prompt]
+              for r in long]
+    first, last = chunks[0][0], chunks[1][-1]
+    assert max(chunks[0]) < min(chunks[1])  # oldest first
+    during = steps_of(engine.calls[first : last + 1])
+    assert len(during) >= 2 * 1000 // budget  # windows between the prompts' first and last chunks
+    assert all(rows >= 2 for rows, _ in during)
+    assert all(rows + prompt <= budget for rows, prompt in steps_of(engine.calls))
+
+
+def test_a_request_cancelled_in_its_prefill_frees_its_slot_and_session() -> None:
+    entered, gate = threading.Event(), threading.Event()
+    sessions = []
+
+    class Gated(FakeEngine):
+        def prefill(self, session, token_ids):  # type: ignore[no-untyped-def]
+            if len(session.tokens) + len(token_ids) > 100 and not entered.is_set():
+                sessions.append(session)
+                entered.set()
+                gate.wait(10)
+            return super().prefill(session, token_ids)
+
+    engine = Gated(max_context=4096)
+    engine.settings = StrataSettings(prefill_chunk=32)  # the idle step's chunk: the prompt takes 16
+    scheduler = _scheduler(engine, parallel=1, max_queue=1, step_tokens=8)
+    long = GenerationRequest([3 + k % 200 for k in range(500)], _greedy(4))
+
+    async def main() -> Finished:
+        handle = scheduler.submit(long)
+        assert await asyncio.to_thread(entered.wait, 10)  # in the middle of the prompt
+        handle.cancel()
+        gate.set()
+        with pytest.raises(RequestCancelled):
+            await _run(handle)
+        return (await asyncio.wait_for(_run(scheduler.submit(_request("next", 4))), 10))[2]
+
+    try:
+        end = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    (session,) = sessions
+    assert end.completion_tokens >= 1 and scheduler.stats.cancelled == 1
+    assert session.released  # at once, not kept for prefix reuse
+    assert [n for kind, s, n in engine.calls if s is session] == [32] * 4  # no chunk after the cancel
+
+
+class _FailsMidPrompt(FakeEngine):
+    """A prompt that starts with token 7 fails in its second chunk."""
+
+    def prefill(self, session, token_ids):  # type: ignore[no-untyped-def]
+        if session.tokens[:1] == [7]:
+            raise RuntimeError("device fault in a later chunk")
+        return super().prefill(session, token_ids)
+
+
+def test_a_request_whose_prefill_chunk_fails_ends_alone() -> None:
+    engine = _FailsMidPrompt(max_context=4096)
+    engine.settings = StrataSettings(prefill_chunk=16)  # idle steps chunk the prompts too
+    scheduler = _scheduler(engine, parallel=2, step_tokens=16)
+    good = [_request(f"good request number {i} " * 3, 12) for i in range(3)]
+    bad = GenerationRequest([7] + [50] * 200, _greedy(4))
+
+    async def main() -> list:
+        handles = [scheduler.submit(good[0]), scheduler.submit(bad), scheduler.submit(good[1]),
+                   scheduler.submit(good[2])]
+        return await asyncio.gather(*(_run(h) for h in handles), return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert isinstance(results[1], RuntimeError) and "later chunk" in str(results[1])
+    for request, (tokens, _, _) in zip(good, [results[0], results[2], results[3]]):
+        assert tokens == [t for t in _tokens_alone(request) if t not in FakeTokenizer.eos_token_ids]
+    bad_sessions = {id(s) for kind, s, _ in engine.calls if s is not None and s.tokens[:1] == [7]}
+    assert bad_sessions and not bad_sessions & engine.live  # its session was released
+    assert scheduler.stats.failed == 1 and scheduler.stats.requests == 3
+
+
+def test_requests_submitted_together_all_start_in_the_first_step() -> None:
+    engine = FakeEngine()
+    scheduler = Scheduler(engine, parallel=4, max_queue=4, conv_cache=0, conv_cache_bytes=0, step_tokens=16)
+    requests = [_request(f"together {i}", 5) for i in range(4)]
+
+    async def main() -> list[tuple[list[int], str, Finished]]:
+        handles = [scheduler.submit(r) for r in requests]  # all queued before the worker looks
+        scheduler.start()
+        return await asyncio.gather(*(_run(h) for h in handles))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert [kind for kind, _, _ in engine.calls[:5]] == ["prefill"] * 4 + ["window"]
+    assert engine.windows[0] == 4  # every request had its first token in step one
+    for request, (tokens, _, _) in zip(requests, results):
+        assert tokens == [t for t in _tokens_alone(request) if t not in FakeTokenizer.eos_token_ids]
+
+
+def test_an_idle_step_runs_prompt_chunks_of_the_engine_s_size() -> None:
+    """With no stream decoding nobody waits on a step: a prompt goes in --prefill-chunk pieces, and in
+    --step-tokens pieces (less the decode rows) once a stream decodes."""
+    engine = _NoEos(max_context=4096)
+    engine.settings = StrataSettings(prefill_chunk=100)
+    scheduler = _scheduler(engine, parallel=2, step_tokens=20)
+    prompt = [3 + k % 200 for k in range(250)]
+
+    async def main() -> None:
+        await _run(scheduler.submit(GenerationRequest(prompt, _greedy(1))))
+        stream = scheduler.submit(_request("a stream", max_tokens=5000))
+        await _first_delta(stream)
+        await _run(scheduler.submit(GenerationRequest(prompt[::-1], _greedy(1))))
+        await _cancelled(stream)
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.stop()
+    lengths = [n for kind, s, n in engine.calls if kind == "prefill" and len(s.tokens) >= 250]
+    assert lengths[:3] == [100, 100, 50]
+    assert lengths[3:] == [19] * 13 + [3]

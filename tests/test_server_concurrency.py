@@ -6,7 +6,7 @@ import asyncio
 
 import httpx
 import openai
-from test_server_support import FakeEngine, FakeTokenizer, greedy_reference, live_server
+from test_server_support import FakeEngine, FakeTokenizer, greedy_reference, live_server, steps_of
 
 from strata_core.config import StrataSettings
 
@@ -34,12 +34,15 @@ def test_sixteen_streaming_clients_on_four_slots() -> None:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         return await asyncio.gather(*(_stream_chat(client, text, n) for text, n in prompts))
 
-    with live_server(StrataSettings(model_alias=MODEL, parallel=4, max_queue=16), engine) as url:
+    with live_server(StrataSettings(model_alias=MODEL, parallel=4, max_queue=16, step_tokens=16), engine) as url:
         outputs = asyncio.run(main(url))
         metrics = httpx.get(f"{url}/metrics").text
     assert outputs == [_alone(text, n) for text, n in prompts]
     assert max(engine.windows) == 4  # the slots were batched
-    assert "strata_requests_total 16.0" in metrics
+    assert "strata_requests_total 16.0" in metrics and "strata_steps_total" in metrics
+    steps = steps_of(engine.calls)
+    assert all(rows + prompt <= 16 for rows, prompt in steps)  # --step-tokens reached the scheduler
+    assert any(prompt for _, prompt in steps)  # prompts were computed beside decode rows
 
 
 def test_queue_overflow_is_503_with_a_message() -> None:

@@ -179,7 +179,8 @@ def test_a_cancelled_non_streamed_request_ends_its_handler() -> None:
 
 def test_a_cancelled_request_ends_its_event_stream() -> None:
     engine = FakeEngine(max_context=100_000)
-    scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0)
+    scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0,
+                          step_tokens=512)
     scheduler.start()
 
     async def main() -> None:
@@ -208,7 +209,8 @@ class _NanForMarkedSessions(FakeEngine):
 
 def test_one_request_failing_to_sample_ends_only_that_request() -> None:
     engine = _NanForMarkedSessions(step_delay=0.001)
-    scheduler = Scheduler(engine, parallel=2, max_queue=2, conv_cache=0, conv_cache_bytes=0)
+    scheduler = Scheduler(engine, parallel=2, max_queue=2, conv_cache=0, conv_cache_bytes=0,
+                          step_tokens=512)
     scheduler.start()
     sampled = SamplingParams(temperature=1.0, seed=1, max_tokens=6)
     healthy = GenerationRequest([8, 9, 10], SamplingParams(temperature=0, max_tokens=40, stop=["\u2603"]))
@@ -243,7 +245,8 @@ def test_submit_that_fails_before_queueing_leaks_no_slot() -> None:
         return orig(skip_special_tokens)
 
     engine.tokenizer.stream_decoder = stream_decoder
-    scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0)
+    scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0,
+                          step_tokens=512)
     scheduler.start()
 
     async def main() -> Finished:

@@ -127,3 +127,40 @@ def test_metrics_count_each_device_slot_s_experts(model_path: Path) -> None:
               for line in metrics.splitlines() if line.startswith("strata_experts_served_total{")}
     for device in ("cpu#0", "cpu#1"):
         assert served[f'device="{device}",source="resident"'] > 0 and served[f'device="{device}",source="streamed"'] > 0
+
+
+def test_a_prompt_computed_in_chunks_beside_a_decoding_stream_equals_its_run_alone(model_path: Path,
+                                                                                   reference: Engine) -> None:
+    """On the real engine a prompt that arrives while a stream decodes is computed in --step-tokens
+    chunks between the stream's windows, and both give the greedy text they give alone."""
+    from strata_core.serving.requests import Delta, GenerationRequest
+    from strata_core.serving.scheduler import Scheduler
+
+    engine = Engine.load(model_path, max_context=CONTEXT)
+    chunks: list[int] = []
+    prefill = engine.prefill
+    engine.prefill = lambda session, tokens: (chunks.append(len(tokens)), prefill(session, tokens))[1]  # type: ignore[method-assign]
+    scheduler = Scheduler(engine, parallel=2, max_queue=0, conv_cache=0, conv_cache_bytes=0, step_tokens=8)
+    prompts = [engine.tokenizer.encode("The experts lived in host memory"),
+               engine.tokenizer.encode("and the hot ones were cached on the device, " * 3)]
+    params = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0, max_tokens=4)]
+
+    async def text(handle) -> str:  # type: ignore[no-untyped-def]
+        return "".join([event.text async for event in handle if isinstance(event, Delta)])
+
+    async def main() -> list[str]:
+        stream = scheduler.submit(GenerationRequest(prompts[0], params[0]))
+        first = await stream.events.get()  # the stream decodes from here on
+        rest = asyncio.ensure_future(text(stream))
+        late = await text(scheduler.submit(GenerationRequest(prompts[1], params[1])))
+        return [first.text + await rest, late]
+
+    scheduler.start()
+    try:
+        outputs = asyncio.run(main())
+    finally:
+        scheduler.stop()
+        engine.close()
+    assert outputs == ["".join(reference.stream(p, sp)) for p, sp in zip(prompts, params)]
+    assert chunks[0] == len(prompts[0]) and len(chunks) > 2 and max(chunks[1:]) <= 7  # beside one decode row
+    assert sum(chunks[1:]) == len(prompts[1])

@@ -136,6 +136,8 @@ class FakeEngine:
         self.poison = FakeTokenizer().encode("\u2620")  # a prompt containing it fails in prefill
         self.prefilled: list[int] = []  # tokens computed by each prefill call, in order
         self.windows: list[int] = []  # batch size of each decode window
+        # every prefill ("prefill", session, tokens) and decode window ("window", None, rows), in order
+        self.calls: list[tuple[str, FakeSession | None, int]] = []
         self.live: set[int] = set()
         self.telemetry = SimpleNamespace(snapshot=lambda: {"expert_hits": 3, "expert_misses": 1, "bytes_streamed": 42},
                                          by_device=lambda: {"cpu#0": {"resident": 3, "streamed": 1}})
@@ -183,6 +185,7 @@ class FakeEngine:
         time.sleep(self.step_delay)
         session.tokens.extend(token_ids)
         self.prefilled.append(len(token_ids))
+        self.calls.append(("prefill", session, len(token_ids)))
         return fake_logits(session.tokens)
 
     def decode_window(self, steps: list[tuple[FakeSession, int]]) -> torch.Tensor:
@@ -192,9 +195,22 @@ class FakeEngine:
                 raise RequestError("context is full")
         time.sleep(self.step_delay)
         self.windows.append(len(steps))
+        self.calls.append(("window", None, len(steps)))
         for session, token in steps:
             session.tokens.append(token)
         return torch.stack([fake_logits(s.tokens) for s, _ in steps])
+
+
+def steps_of(calls: list[tuple[str, FakeSession | None, int]]) -> list[tuple[int, int]]:
+    """(decode rows, prompt tokens) of each scheduler step that ran a decode window, from
+    ``FakeEngine.calls``: a step runs its window first, then its prompt chunks."""
+    out: list[tuple[int, int]] = []
+    for kind, _, n in calls:
+        if kind == "window":
+            out.append((n, 0))
+        elif out:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+    return out
 
 
 def greedy_reference(prompt: list[int], max_tokens: int, eos: set[int] = FakeTokenizer.eos_token_ids) -> list[int]:

@@ -87,7 +87,7 @@ class BenchServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
             with strata_server(settings, self.startup_timeout) as url:
                 rep = bench(Target(url, self.model_alias or "", headers), options)
             rep["setup"] |= {"server": "strata serve", "devices": ",".join(self.devices), "parallel": self.parallel,
-                             "strategy": self.strategy}
+                             "step_tokens": self.step_tokens, "strategy": self.strategy}
         print(format_report(rep))
         if self.json_file is not None:
             self.json_file.write_text(report_json(rep))

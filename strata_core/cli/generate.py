@@ -57,7 +57,8 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
 async def _generate(engine: Any, request: GenerationRequest, harmony: HarmonyParser | None = None) -> Finished:
     """Run ``request`` through a one-slot scheduler (the server's path), writing text as it comes;
     with ``harmony`` the reply's reasoning goes to stderr and its content to stdout."""
-    scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0)
+    scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0,
+                          step_tokens=engine.settings.step_tokens)
     scheduler.start()
     try:
         async for event in scheduler.submit(request):

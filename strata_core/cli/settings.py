@@ -19,9 +19,9 @@ from strata_core.config import StrataSettings
 __all__ = ["ENGINE", "PLUGINS", "SERVER", "CommandSettings", "settings_with"]
 
 PLUGINS = ("plugins", "disable_plugin_autoload")
-SERVER = ("host", "port", "parallel", "max_queue", "conv_cache", "conv_cache_gib", "api_key", "model_alias",
-          "max_body_mib", "allowed_hosts", "threads", "header_timeout", "body_timeout", "max_connections",
-          "shutdown_grace", "template_timeout", "template_max_mib")
+SERVER = ("host", "port", "parallel", "step_tokens", "max_queue", "conv_cache", "conv_cache_gib", "api_key",
+          "model_alias", "max_body_mib", "allowed_hosts", "threads", "header_timeout", "body_timeout",
+          "max_connections", "shutdown_grace", "template_timeout", "template_max_mib")
 ENGINE = tuple(name for name in StrataSettings.model_fields if name not in SERVER)
 
 
@@ -56,7 +56,8 @@ def _validators(fields: set[str]) -> dict[str, Any]:
     for name, decorator in StrataSettings.__pydantic_decorators__.field_validators.items():
         used = [f for f in decorator.info.fields if f in fields]
         if used:
-            out[name] = field_validator(*used, mode=decorator.info.mode)(decorator.func)
+            # the function, not the method bound to StrataSettings: pydantic binds it to the new class
+            out[name] = field_validator(*used, mode=decorator.info.mode)(decorator.func.__func__)
     return out
 
 

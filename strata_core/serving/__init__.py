@@ -1,6 +1,9 @@
 """Serving: requests from HTTP (or the CLI) turned into engine work and back into text.
 
-- ``scheduler.py``: the generation slots, the queue and the loop that prefills and decodes them.
+- ``scheduler.py``: the queue and the loop of steps that ties the parts below together.
+- ``step_plan.py``: what a step runs: every decoding slot's token and prompt chunks under ``--step-tokens``.
+- ``slots.py``: the generation slots and their sessions (prefix reuse, the conversation cache).
+- ``streams.py``: a request's sampled tokens turned into text, stop strings and its finish reason.
 - ``compute_thread.py``: the one long-lived thread that makes every torch call (load, steps, release).
 - ``requests.py``: a request's parameters and its stream of events.
 - ``sampling.py``: logits to token ids (temperature, top-k/p, min-p, penalties, logit bias, seeds).

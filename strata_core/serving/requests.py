@@ -163,5 +163,6 @@ class SchedulerStats:
     prompt_seconds: float = 0.0
     decode_seconds: float = 0.0
     windows: int = 0
+    steps: int = 0  # steps that ran work: a decode window, prompt chunks or both
     active: int = 0
     waiting: int = 0

@@ -1,20 +1,25 @@
-"""Continuous batching: request slots, decode windows, a bounded queue, the conversation cache.
+"""Continuous batching in steps: request slots, a token budget per step, a bounded queue.
 
 All engine calls run on one worker thread (the engine is not thread-safe). The asyncio side
 submits a :class:`GenerationRequest` and reads :class:`Delta` / :class:`Finished` events from the
 returned :class:`RequestHandle`; the worker hands events over with ``loop.call_soon_threadsafe``.
 
-Each loop of the worker: take new requests and cancellations, start at most one waiting request
-in a free slot (prefix reuse + prefill + its first token), then run one decode window over every
-active slot. A request therefore joins and leaves between windows. A finished request leaves its
-session in the slot, so the next prompt that shares its prefix computes only the new part; a slot
-taken by another request first saves its session in the :class:`~strata_core.serving.conv_cache.ConvCache`.
+Each loop of the worker is one step: take new requests and cancellations, give the free slots to
+the oldest waiting requests (:mod:`~strata_core.serving.slots`: prefix reuse, the conversation
+cache), then run what :func:`~strata_core.serving.step_plan.plan_step` plans under ``step_tokens``:
+one decode window over every slot that decodes, then prompt chunks of the slots still prefilling,
+oldest first, run and sampled by :class:`~strata_core.serving.step_runner.StepRunner`. The last
+chunk of a prompt samples its first token; the slot decodes from the next step on.
+:class:`~strata_core.serving.streams.TokenStream` turns each sampled token into text and says when
+the request is done. A request joins and leaves between steps, and a failure in one request's chunk
+or row ends only that request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import queue
 import threading
@@ -24,12 +29,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from strata_core.serving.compute_thread import ComputeThread
-from strata_core.serving.conv_cache import ConvCache, common_prefix
-from strata_core.serving.model_files import ModelFileChangedError, ModelFiles
 from strata_core.errors import RequestError, StrataError
+from strata_core.serving.compute_thread import ComputeThread
+from strata_core.serving.conv_cache import ConvCache
+from strata_core.serving.model_files import ModelFileChangedError, ModelFiles
 from strata_core.serving.requests import (
     ContextLengthError,
     Delta,
@@ -40,10 +43,12 @@ from strata_core.serving.requests import (
     ServerBusyError,
     ShuttingDownError,
     Timings,
-    TokenLogprob,
 )
-from strata_core.serving.sampling import SampleResult, Sampler, sample_rows
-from strata_core.serving.stop_strings import StopMatcher
+from strata_core.serving.sampling import Sampler, SampleResult
+from strata_core.serving.slots import Slot, Slots
+from strata_core.serving.step_plan import plan_step
+from strata_core.serving.step_runner import StepRunner
+from strata_core.serving.streams import TokenStream
 
 __all__ = ["RequestHandle", "Scheduler"]
 
@@ -60,7 +65,7 @@ class RequestHandle:
         self.cancelled = False
 
     def cancel(self) -> None:
-        """Stop generating; the slot is freed before the next window."""
+        """Stop generating; the slot is freed before the next step."""
         if not self.cancelled:
             self.cancelled = True
             self._scheduler._wake()
@@ -76,51 +81,49 @@ class RequestHandle:
                 return
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     """Worker-side state of one request."""
 
     request: GenerationRequest
     handle: RequestHandle
     sampler: Sampler
-    decoder: Any
-    stop: StopMatcher
+    stream: TokenStream
     history: list[int]
     session: Any = None
-    pending: int = -1  # the sampled token the next window feeds
-    generated: int = 0
+    pending: int = -1  # the sampled token the next window feeds; -1 while the prompt is computed
+    admitted: int = 0  # admission order: an older request's prompt chunks run first
     timings: Timings = field(default_factory=Timings)
     decode_start: float = 0.0
 
-
-@dataclass
-class _Slot:
-    session: Any = None  # live session: the running job's, or an idle one kept for prefix reuse
-    job: _Job | None = None
-    last_used: int = 0
+    @property
+    def prompt_left(self) -> int:
+        """Prompt tokens not yet in the session."""
+        return len(self.request.prompt) - self.session.n_tokens
 
 
 class Scheduler:
-    """``parallel`` slots batched per decode window, a queue of ``max_queue``, a conversation cache."""
+    """``parallel`` slots run in steps of at most ``step_tokens`` tokens (``step_tokens >= parallel``),
+    a queue of ``max_queue``, a conversation cache of ``conv_cache`` entries and ``conv_cache_bytes``."""
 
     def __init__(self, engine: Any, *, parallel: int, max_queue: int, conv_cache: int, conv_cache_bytes: int,
-                 worker: ComputeThread | None = None) -> None:
+                 step_tokens: int, worker: ComputeThread | None = None) -> None:
         self.engine = engine
         self.max_context: int = engine.max_context
         self.parallel = parallel
         self.max_queue = max_queue
+        self.step_tokens = step_tokens
+        # A step with no decode row keeps no stream waiting: its prompt chunks may be the engine's own.
+        self._idle_tokens: int = engine.settings.prefill_chunk
         self.cache = ConvCache(conv_cache, conv_cache_bytes)
         self.stats = SchedulerStats()
-        # The engine's counters as last read by the worker (after every engine call that moves
-        # them): the base of the next request's figures, and what /metrics shows.
-        self.telemetry: dict[str, Any] = dict(engine.telemetry.snapshot())
-        self.experts_by_device: dict[str, dict[str, int]] = engine.telemetry.by_device()
-        self._slots = [_Slot() for _ in range(parallel)]
+        self._runner = StepRunner(engine)
+        self._slots = Slots(engine, parallel, self.cache)
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
+        self._admissions = itertools.count()
         self._lock = threading.Lock()
         self._in_flight = 0
-        self._clock = 0
         self._stopping = False
         self._drain_deadline: float | None = None  # set by drain(): running requests end by then
         gguf = getattr(engine, "gguf_file", None)
@@ -137,6 +140,16 @@ class Scheduler:
         if self._worker is None:
             self._worker = ComputeThread(name="strata-scheduler")
         self._loop_done = self._worker.submit(self._run)
+
+    @property
+    def telemetry(self) -> dict[str, Any]:
+        """The engine's counters as read after its last call (the base of a request's figures; /metrics)."""
+        return self._runner.telemetry
+
+    @property
+    def experts_by_device(self) -> dict[str, dict[str, int]]:
+        """The expert groups each device slot served, by source, as last read (/metrics)."""
+        return self._runner.experts_by_device
 
     @property
     def worker(self) -> ComputeThread | None:
@@ -172,8 +185,7 @@ class Scheduler:
         if n > self.max_context:
             raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}")
         handle = RequestHandle(self, asyncio.get_running_loop())
-        decoder = self.engine.tokenizer.stream_decoder(skip_special_tokens=not request.keep_special_tokens)
-        job = _Job(request, handle, Sampler(request.params), decoder, StopMatcher(request.params.stop),
+        job = _Job(request, handle, Sampler(request.params), TokenStream(self.engine.tokenizer, request),
                    list(request.prompt))
         with self._lock:  # counted last: nothing can fail between counting and queueing
             if self._in_flight >= self.parallel + self.max_queue:
@@ -187,12 +199,12 @@ class Scheduler:
     def slot_states(self) -> list[dict[str, Any]]:
         """Per slot (read from any thread): id, whether it generates, tokens held, the job's progress."""
         out = []
-        for i, slot in enumerate(self._slots):
+        for i, slot in enumerate(self._slots.all):
             job, session = slot.job, slot.session
             out.append({"id": i, "is_processing": job is not None, "n_ctx": self.max_context,
                         "n_tokens": session.n_tokens if session is not None else 0,
                         "n_prompt_tokens": len(job.request.prompt) if job else 0,
-                        "n_decoded": job.generated if job else 0})
+                        "n_decoded": job.stream.generated if job else 0})
         return out
 
     def _wake(self) -> None:
@@ -201,22 +213,34 @@ class Scheduler:
     # --- worker ---------------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopping:
-            busy = self._waiting or any(s.job for s in self._slots)
+            busy = self._waiting or self._slots.busy()
             self._take_inbox(block=not busy)
             try:
                 self._drop_cancelled()
                 self._check_files()
                 if self._drain_deadline is not None:
                     self._end_for_shutdown()
-                self._admit()
-                self._window()
+                self._step()
             except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
                 log.exception("scheduler step failed")
-                for slot in [s for s in self._slots if s.job]:
+                for slot in self._slots.busy():
                     self._fail_in_slot(slot, exc)
-            self.stats.active = sum(1 for s in self._slots if s.job)
+            self.stats.active = len(self._slots.busy())
             self.stats.waiting = len(self._waiting)
         self._shutdown()
+
+    def _step(self) -> None:
+        """Admit, then run the plan: one decode window, then the prompt chunks, oldest request first."""
+        self._admit()
+        busy = self._slots.busy()
+        prefilling = sorted((s for s in busy if s.job.pending < 0), key=lambda s: s.job.admitted)
+        plan = plan_step([s for s in busy if s.job.pending >= 0], [(s, s.job.prompt_left) for s in prefilling],
+                         self.step_tokens, self._idle_tokens)
+        self._window(list(plan.decode))
+        for slot, n in plan.chunks:
+            self._prefill(slot, n)
+        if busy:
+            self.stats.steps += 1
 
     def _check_files(self) -> None:
         """Before any step: if a model file changed, fail everything and run nothing more."""
@@ -228,7 +252,7 @@ class Scheduler:
         for job in list(self._waiting):
             self._waiting.remove(job)
             self._fail(job, self.broken)
-        for slot in self._slots:
+        for slot in self._slots.all:
             if slot.job:
                 job, slot.job = slot.job, None
                 self._fail(job, self.broken)
@@ -241,7 +265,7 @@ class Scheduler:
             self._waiting.remove(job)
             self._fail(job, ShuttingDownError("the server is shutting down; the request was not started"))
         if time.monotonic() >= self._drain_deadline:  # type: ignore[operator]
-            for slot in [s for s in self._slots if s.job]:
+            for slot in self._slots.busy():
                 self._fail_in_slot(slot, ShuttingDownError("the server is shutting down; the request was ended "
                                                            "before it finished"))
 
@@ -261,185 +285,78 @@ class Scheduler:
             pass
 
     def _drop_cancelled(self) -> None:
+        """End the cancelled requests. A decoding one leaves its session for prefix reuse; one cut in
+        the middle of its prompt releases it, so its memory is free for the next step."""
         for job in [j for j in self._waiting if j.handle.cancelled]:
             self._waiting.remove(job)
             self._end(job, None)
-        for slot in self._slots:
-            if slot.job and slot.job.handle.cancelled:
+        for slot in self._slots.busy():
+            if slot.job.handle.cancelled:
+                prefilling = slot.job.pending < 0
                 self._end(slot.job, None)
-                self._free(slot)
+                self._slots.free(slot)
+                if prefilling:
+                    self._slots.drop(slot)
 
     def _admit(self) -> None:
-        """Start the oldest waiting request in a free slot: reuse a prefix, prefill, sample."""
-        idle = [s for s in self._slots if s.job is None]
-        if not self._waiting or not idle:
-            return
-        job = self._waiting.popleft()
-        prompt = job.request.prompt
-        slot = None
-        try:
-            slot, cached = self._place(job, idle)
-            start = time.perf_counter()
-            before = self.telemetry
-            logits = self.engine.prefill(job.session, prompt[cached:])
-            job.timings.prompt_experts.add(before, self._read_telemetry())
-            t = job.timings
-            t.cache_n, t.prompt_n = cached, len(prompt) - cached
-            t.prompt_ms = (time.perf_counter() - start) * 1000.0
-            job.decode_start = time.perf_counter()
-            self._accept(job, job.sampler.sample_result(logits, job.history))
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-            self._read_telemetry()
-            if slot is not None:
-                self._fail_in_slot(slot, exc)
-            else:
+        """Give the free slots to the oldest waiting requests; their prompts run in the coming steps."""
+        idle = self._slots.idle()
+        while self._waiting and idle:
+            job = self._waiting.popleft()
+            try:
+                slot = self._slots.place(job.request.prompt, idle)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                 self._fail(job, exc)
-        else:
-            if job.pending < 0:  # done after its first token
-                self._free(slot)
-
-    def _place(self, job: _Job, idle: list[_Slot]) -> tuple[_Slot, int]:
-        """Give ``job`` an idle slot and a session holding the longest known prefix of its prompt."""
-        prompt = job.request.prompt
-        rewindable = self.engine.spec.rewindable  # else a held state is reused whole or not at all
-        live, live_n = idle[0], 0
-        for s in idle:  # a session is reused in place when it is mostly this prompt's prefix
-            if s.session is None:
                 continue
-            n = common_prefix(s.session.tokens, prompt[:-1])
-            if n > live_n and 2 * n >= s.session.n_tokens and (rewindable or n == s.session.n_tokens):
-                live, live_n = s, n
-        key, cache_n = self.cache.best(prompt[:-1], whole=not rewindable)
-        if live_n > 0 and live_n >= cache_n:
-            slot, cached = live, live_n
-        else:
-            # Taken before displacing can evict it. A conversation used in full moves into the slot
-            # (it is put back, grown, when displaced); one sharing only a prefix with this prompt
-            # stays cached whole, else a shared chat-template opening would cut it to those tokens.
-            snapshot = None
-            if key is not None:
-                whole = cache_n == self.cache.n_tokens(key)
-                snapshot = self.cache.take(key) if whole else self.cache.peek(key)
-            slot = min(idle, key=lambda s: (s.session is not None, s.last_used))
-            self._displace(slot)
-            if snapshot is not None:
-                slot.session, cached = self.engine.restore_session(snapshot), cache_n
-            else:
-                slot.session, cached = self.engine.new_session(), 0
-        if slot.session.n_tokens > cached:  # the last prompt token is always computed, for its logits
-            slot.session.truncate(cached)
-        slot.job, job.session = job, slot.session
-        return slot, cached
+            idle.remove(slot)
+            slot.job, job.session = job, slot.session
+            job.admitted = next(self._admissions)
+            job.timings.cache_n = slot.session.n_tokens
 
-    def _displace(self, slot: _Slot) -> None:
-        """Free the slot's idle session, keeping a snapshot in the conversation cache."""
-        if slot.session is None:
-            return
-        if slot.session.n_tokens and self.cache.max_entries:
-            self.cache.put(list(slot.session.tokens), self.engine.save_session(slot.session))
-        self._drop_session(slot)
-
-    def _drop_session(self, slot: _Slot) -> None:
-        if slot.session is not None:
-            self.engine.release_session(slot.session)
-            slot.session = None
-
-    def _window(self) -> None:
-        """One decode step for every active slot."""
-        jobs = [s.job for s in self._slots if s.job]
-        if not jobs:
-            return
-        before = [j.session.n_tokens for j in jobs]
-        start = time.perf_counter()
-        counters = self.telemetry
-        logits = None
+    def _prefill(self, slot: Slot, n: int) -> None:
+        """Compute the next ``n`` prompt tokens of the slot's request; after its last, sample its first token."""
+        job = slot.job
+        done, t = job.session.n_tokens, job.timings
+        start, before = time.perf_counter(), self._runner.telemetry
         try:
-            logits = self.engine.decode_window([(j.session, j.pending) for j in jobs])
-            rows = list(zip(jobs, logits))
-        except Exception:  # noqa: BLE001 - retry alone to find the failing request
-            log.exception("decode window of %d failed; retrying each request alone", len(jobs))
-            rows = self._isolate(jobs, before)
-        after = self._read_telemetry()
-        for job, _ in rows:
-            job.timings.decode_experts.add(counters, after)
+            first = self._runner.prefill(job, job.request.prompt[done : done + n], sample=n == job.prompt_left)
+            t.prompt_experts.add(before, self._runner.telemetry)
+            t.prompt_n += n
+            t.prompt_ms += (time.perf_counter() - start) * 1000.0
+            if first is not None:
+                job.decode_start = time.perf_counter()
+                self._accept(slot, first)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+            self._fail_in_slot(slot, exc)
+
+    def _window(self, slots: list[Slot]) -> None:
+        """One decode window for ``slots``; each request takes its token or fails alone."""
+        if not slots:
+            return
+        start, before = time.perf_counter(), self._runner.telemetry
+        results = self._runner.decode([s.job for s in slots])
         self.stats.windows += 1
         self.stats.decode_seconds += time.perf_counter() - start
-        for (job, _), result in zip(rows, self._sample(rows, logits if len(rows) == len(jobs) else None)):
+        for slot, result in zip(slots, results):
             try:
                 if isinstance(result, Exception):
                     raise result
-                self._accept(job, result)
+                slot.job.timings.decode_experts.add(before, self._runner.telemetry)
+                self._accept(slot, result)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends only that request
-                self._fail_in_slot(next(s for s in self._slots if s.job is job), exc)
-        for slot in self._slots:
-            if slot.job and slot.job.pending < 0:
-                self._free(slot)
+                self._fail_in_slot(slot, exc)
 
-    def _read_telemetry(self) -> dict[str, Any]:
-        """Read the engine's counters (once per engine call that moves them) and keep them, with the
-        expert groups each device slot served by source (``experts_by_device``, for ``/metrics``)."""
-        self.telemetry = dict(self.engine.telemetry.snapshot())
-        self.experts_by_device = self.engine.telemetry.by_device()
-        return self.telemetry
-
-    def _isolate(self, jobs: list[_Job], before: list[int]) -> list[tuple[_Job, torch.Tensor]]:
-        rows = []
-        for job, n in zip(jobs, before):
-            try:
-                if job.session.n_tokens != n:
-                    raise RuntimeError("the decode window failed after this request's step")
-                if not self.engine.spec.rewindable:  # a retry would advance the state a second time
-                    raise RuntimeError("the decode window failed after some layers updated this request's "
-                                       "recurrent state")
-                rows.append((job, self.engine.decode_window([(job.session, job.pending)])[0]))
-            except Exception as exc:  # noqa: BLE001
-                self._fail_in_slot(next(s for s in self._slots if s.job is job), exc)
-        return rows
-
-    def _sample(self, rows: list[tuple[_Job, torch.Tensor]], logits: torch.Tensor | None) -> list[SampleResult | Exception]:
-        """Every row's next token in one call on the logits' device (``logits`` is the window's
-        ``[B, V]`` tensor when every job has a row); if the call itself fails, row by row, so a
-        failure ends only the requests it belongs to."""
-        if not rows:
-            return []
-        try:
-            stacked = logits if logits is not None else torch.stack([row for _, row in rows])
-            return sample_rows(stacked, [(job.sampler, job.history) for job, _ in rows])
-        except Exception:  # noqa: BLE001
-            log.exception("sampling a window of %d failed; sampling each row alone", len(rows))
-            out: list[SampleResult | Exception] = []
-            for job, row in rows:
-                try:
-                    out.append(job.sampler.sample_result(row, job.history))
-                except Exception as exc:  # noqa: BLE001
-                    out.append(exc)
-            return out
-
-    def _accept(self, job: _Job, result: SampleResult) -> None:
-        """Take the sampled token: give out its text, decide whether to go on."""
-        token = result.token
-        job.history.append(token)
-        job.generated += 1
-        lps = [] if result.logprob is None else [self._logprob(result)]
-        eos = token in self.engine.tokenizer.eos_token_ids
-        text, stopped = job.stop.push("" if eos else job.decoder.push(token))
-        limit = job.request.params.max_tokens
-        full = (limit is not None and job.generated >= limit) or job.session.n_tokens >= self.max_context
-        reason = "stop" if eos or stopped else "length" if full else ""
-        if reason and not stopped:  # give out what the decoder and the stop matcher hold back
-            tail, stopped = job.stop.push(job.decoder.flush())
-            text += tail if stopped else tail + job.stop.held
-            reason = "stop" if stopped else reason
-        job.pending = -1 if reason else token
-        if text or lps:
-            self._emit(job, Delta(text, [token], lps))
+    def _accept(self, slot: Slot, result: SampleResult) -> None:
+        """Take the slot's sampled token: give out its text; a finished request leaves the slot."""
+        job = slot.job
+        job.history.append(result.token)
+        delta, reason = job.stream.push(result, context_full=job.session.n_tokens >= self.max_context)
+        job.pending = -1 if reason else result.token
+        if delta is not None:
+            self._emit(job, delta)
         if reason:
             self._end(job, reason)
-
-    def _logprob(self, result: SampleResult) -> TokenLogprob:
-        decode = self.engine.tokenizer.decode
-        alts = [(i, decode([i]), v) for i, v in result.top_logprobs]
-        return TokenLogprob(result.token, decode([result.token]), float(result.logprob), alts)
+            self._slots.free(slot)
 
     def _end(self, job: _Job, reason: str | None) -> None:
         """Send Finished (RequestCancelled for a cancelled request) and count the request out."""
@@ -450,16 +367,16 @@ class Scheduler:
             self._emit(job, RequestCancelled("the request was cancelled"))
             return
         t = job.timings
-        t.predicted_n = job.generated
+        t.predicted_n = job.stream.generated
         t.predicted_ms = (time.perf_counter() - job.decode_start) * 1000.0
         s = self.stats
         s.requests += 1
         s.prompt_tokens += len(job.request.prompt)
         s.cached_tokens += t.cache_n
-        s.completion_tokens += job.generated
+        s.completion_tokens += job.stream.generated
         s.prompt_seconds += t.prompt_ms / 1000.0
         log.info("request done: %s, finish %s", t.summary(), reason)
-        self._emit(job, Finished(reason, len(job.request.prompt), job.generated, t))
+        self._emit(job, Finished(reason, len(job.request.prompt), job.stream.generated, t))
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         if not isinstance(exc, StrataError):
@@ -469,18 +386,12 @@ class Scheduler:
         self.stats.failed += 1
         self._emit(job, exc)
 
-    def _fail_in_slot(self, slot: _Slot, exc: Exception) -> None:
+    def _fail_in_slot(self, slot: Slot, exc: Exception) -> None:
         """Fail the slot's job and drop its session (its state is unknown after the failure)."""
         job, slot.job = slot.job, None
         if job is not None:
             self._fail(job, exc)
-        self._drop_session(slot)
-
-    def _free(self, slot: _Slot) -> None:
-        """The slot's job left; its session stays for prefix reuse."""
-        slot.job = None
-        self._clock += 1
-        slot.last_used = self._clock
+        self._slots.drop(slot)
 
     def _emit(self, job: _Job, event: Delta | Finished | BaseException) -> None:
         try:
@@ -489,9 +400,9 @@ class Scheduler:
             job.handle.cancelled = True
 
     def _shutdown(self) -> None:
-        jobs = list(self._waiting) + [s.job for s in self._slots if s.job]
+        jobs = list(self._waiting) + [s.job for s in self._slots.busy()]
         for job in jobs:
             self._fail(job, RuntimeError("the server is shutting down"))
-        for slot in self._slots:
+        for slot in self._slots.all:
             slot.job = None
-            self._drop_session(slot)
+            self._slots.drop(slot)

@@ -80,15 +80,16 @@ class ServiceLoader:
                 self._on_error(error)
             return
         scheduler = Scheduler(
-            self._engine, parallel=settings.parallel, max_queue=settings.max_queue,
+            self._engine, parallel=settings.parallel, step_tokens=settings.step_tokens, max_queue=settings.max_queue,
             conv_cache=settings.conv_cache, conv_cache_bytes=int(settings.conv_cache_gib * 2**30),
             worker=self.worker,
         )  # fmt: skip
         scheduler.start()
         self.service = GenerationService(self._engine, scheduler, settings)
-        log.info("serving %s (%s) with strategy %s on %s: %d slots, queue %d, conversation cache %d; loaded in %.1f s",
-                 self.service.model_id, settings.model, settings.strategy, ",".join(settings.devices),
-                 settings.parallel, settings.max_queue, settings.conv_cache, time.monotonic() - self.started)
+        log.info("serving %s (%s) with strategy %s on %s: %d slots, %d tokens a step, queue %d, conversation cache %d; "
+                 "loaded in %.1f s", self.service.model_id, settings.model, settings.strategy, ",".join(settings.devices),
+                 settings.parallel, settings.step_tokens, settings.max_queue, settings.conv_cache,
+                 time.monotonic() - self.started)
 
     def drain(self, grace: float) -> None:
         """The server is shutting down: the scheduler admits nothing more and ends what runs after

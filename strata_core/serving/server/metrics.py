@@ -22,6 +22,7 @@ def render(scheduler: Scheduler) -> str:
         ("prompt_tokens_cached_total", "counter", "prompt tokens read from a kept KV cache", st.cached_tokens),
         ("completion_tokens_total", "counter", "generated tokens", st.completion_tokens),
         ("decode_windows_total", "counter", "decode windows run", st.windows),
+        ("steps_total", "counter", "scheduler steps run (a decode window and prompt chunks)", st.steps),
         ("prompt_tokens_per_second", "gauge", "prompt tokens computed per second of prefill",
          _ratio(computed, st.prompt_seconds)),
         ("decode_tokens_per_second", "gauge", "tokens generated per second of decode windows",

@@ -1,0 +1,100 @@
+"""A planned step on the engine: the decode window and the prompt chunks, and their sampled tokens.
+
+Every call comes from the scheduler's worker thread (the engine is not thread-safe). A failure is
+given back per request, never raised for a window: a window that fails is run again row by row
+where that is exact (K/V is rewritten in place; a recurrent state some layers already advanced is
+not), and a sampling call that fails samples row by row, so a failure ends only the requests it
+belongs to. After every engine call the engine's counters are read once (``telemetry``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from strata_core.serving.sampling import Sampler, SampleResult, sample_rows
+
+__all__ = ["Row", "StepRunner"]
+
+log = logging.getLogger(__name__)
+
+
+class Row(Protocol):
+    """A request as the runner sees it."""
+
+    session: Any
+    pending: int  # the token a window feeds
+    sampler: Sampler
+    history: list[int]  # the tokens the sampler's penalties see
+
+
+class StepRunner:
+    """Runs decode windows and prompt chunks on ``engine`` and samples their tokens."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.telemetry: dict[str, Any] = {}
+        self.experts_by_device: dict[str, dict[str, int]] = {}
+        self.read_telemetry()
+
+    def read_telemetry(self) -> dict[str, Any]:
+        """Read the engine's counters and keep them, with the expert groups each device slot served
+        by source (``experts_by_device``, for ``/metrics``)."""
+        self.telemetry = dict(self.engine.telemetry.snapshot())
+        self.experts_by_device = self.engine.telemetry.by_device()
+        return self.telemetry
+
+    def prefill(self, row: Row, tokens: Sequence[int], sample: bool) -> SampleResult | None:
+        """Extend the row's session by ``tokens``; with ``sample`` (the prompt's last chunk), its
+        first token, sampled from the last position's logits. Raises what the engine raises."""
+        try:
+            logits = self.engine.prefill(row.session, tokens)
+        finally:
+            self.read_telemetry()
+        return row.sampler.sample_result(logits, row.history) if sample else None
+
+    def decode(self, rows: Sequence[Row]) -> list[SampleResult | Exception]:
+        """One window over ``rows``: each row's next token, or the error that ends its request."""
+        before = [row.session.n_tokens for row in rows]
+        failed: dict[int, Exception] = {}
+        try:
+            logits = self.engine.decode_window([(row.session, row.pending) for row in rows])
+        except Exception:  # noqa: BLE001 - run each row alone to find the failing request
+            log.exception("decode window of %d failed; retrying each request alone", len(rows))
+            alone = []
+            for i, (row, n) in enumerate(zip(rows, before)):
+                try:
+                    alone.append(self._alone(row, n))
+                except Exception as exc:  # noqa: BLE001
+                    failed[i] = exc
+            logits = torch.stack(alone) if alone else None
+        finally:
+            self.read_telemetry()
+        live = [row for i, row in enumerate(rows) if i not in failed]
+        sampled = iter(self._sample(logits, live) if live else [])
+        return [failed[i] if i in failed else next(sampled) for i in range(len(rows))]
+
+    def _alone(self, row: Row, n_before: int) -> torch.Tensor:
+        if row.session.n_tokens != n_before:
+            raise RuntimeError("the decode window failed after this request's step")
+        if not self.engine.spec.rewindable:  # a retry would advance the state a second time
+            raise RuntimeError("the decode window failed after some layers updated this request's recurrent state")
+        return self.engine.decode_window([(row.session, row.pending)])[0]
+
+    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> list[SampleResult | Exception]:
+        """Every row's next token from ``logits`` ``[B, V]`` in one call on their device; if the call
+        itself fails, row by row."""
+        try:
+            return list(sample_rows(logits, [(row.sampler, row.history) for row in rows]))
+        except Exception:  # noqa: BLE001
+            log.exception("sampling a window of %d failed; sampling each row alone", len(rows))
+            out: list[SampleResult | Exception] = []
+            for row, row_logits in zip(rows, logits):
+                try:
+                    out.append(row.sampler.sample_result(row_logits, row.history))
+                except Exception as exc:  # noqa: BLE001
+                    out.append(exc)
+            return out
