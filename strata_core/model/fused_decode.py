@@ -164,7 +164,8 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
     else:
         hidden, x = add_rms_norm(hidden, delta, w["attn_norm.weight"], eps)
     weight, bias, q8 = _qkv(model, layer, w)
-    qkv = dense_product(x, weight, q8)  # [B, (nh + 2 nkv) D]
+    invariant = model.kernels.batch_invariant
+    qkv = dense_product(x, weight, q8, invariant)  # [B, (nh + 2 nkv) D]
     if bias is not None:
         qkv = qkv + bias
     keys, values = _layer_caches(sessions, layer)
@@ -172,9 +173,9 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
                       w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
                       s.n_kv_heads, keys, values, table)  # [B, nh, D]
     out = decode_attention(q, positions, keys, values, table)  # [B, nh D]
-    hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer),
+    hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer, invariant),
                              w["ffn_norm.weight"], eps)
-    logits = model.weights.product(x, "ffn_gate_inp.weight", layer)  # [B, E]
+    logits = model.weights.product(x, "ffn_gate_inp.weight", layer, invariant)  # [B, E]
     ids, weights = route_topk(logits, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale,
                               _MIN_WEIGHT_SUM)
     return hidden, rows(layer, x, ids, weights)  # [B, H] (float32 weights: the CUDA kernel reads them so)

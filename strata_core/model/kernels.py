@@ -17,12 +17,15 @@ class ForwardKernels:
     through torch SDPA (else the CPU's masked matmul); ``mla_kernel``: deepseek2's MLA decode through
     ``strata::mla_attention`` (else ``mla_reference``); ``deltanet_chunked``: qwen3next's Gated DeltaNet
     prompts through fla's kernel ("fla", where fla-core imports), ``delta_rule_chunked`` ("torch") or
-    token by token ("recurrent")."""
+    token by token ("recurrent"); ``batch_invariant``: a decode row's logits do not depend on the other
+    rows of its window (``--batch-invariant``: dense products padded to one row count, fixed attention
+    splits, the MoE's per-pair kernels)."""
 
     fused_norms: bool = True
     device_sdpa: bool = True
     mla_kernel: bool = True
     deltanet_chunked: Literal["fla", "torch", "recurrent"] = "fla"
+    batch_invariant: bool = False
 
     @classmethod
     def from_settings(cls, settings: object) -> ForwardKernels:

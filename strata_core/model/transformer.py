@@ -178,7 +178,7 @@ class MoEModel:
         """Final norm + output projection: ``h [T, H]`` -> float32 logits ``[T, V]``."""
         g = self.weights.globals
         x = rms_norm(h, g["output_norm.weight"], self.spec.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
-        return self.weights.product(x, "output.weight").float()  # [T, V] (a Q8_0 copy where decode has one)
+        return self.weights.product(x, "output.weight", batch_invariant=self.kernels.batch_invariant).float()  # [T, V]
 
     def forward(self, tokens: torch.Tensor, kv: KVCache, expert_rows: ExpertRows) -> torch.Tensor:
         """All layers on the CPU for ``tokens [T]`` appended after ``kv.n_tokens``; advances ``kv``;

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.errors import ConfigError
@@ -35,10 +36,22 @@ Q8Sources = dict[tuple[int | None, str], TensorRef]
 Q8_MAX_ROWS = 1
 
 
-def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None) -> torch.Tensor:
+#: ``--batch-invariant`` on CUDA: a product's rows are padded to a multiple of this many, so every decode
+#: window of up to 64 sessions runs the one cuBLAS kernel of 64 rows, whose rows do not depend on each other
+INVARIANT_ROWS = 64
+
+
+def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None,
+                  batch_invariant: bool = False) -> torch.Tensor:
     """``x [..., in] @ weight.T``: from ``q8`` (the same matrix's Q8_0 copy, ``strata::q8_linear``) for
-    at most :data:`Q8_MAX_ROWS` rows of x, else from ``weight`` (``linear``)."""
+    at most :data:`Q8_MAX_ROWS` rows of x, else from ``weight`` (``linear``). ``batch_invariant``: each
+    row's result is the same whatever the other rows (on CUDA the float copy, rows padded to
+    :data:`INVARIANT_ROWS`; on the CPU ``linear`` is so already)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if batch_invariant and x.device.type == "cuda" and rows:
+        flat = x.reshape(rows, x.shape[-1])
+        out = linear(F.pad(flat, (0, 0, 0, (-rows) % INVARIANT_ROWS)), weight)[:rows]  # [rows, out]
+        return out.reshape(*x.shape[:-1], weight.shape[0])
     if q8 is not None and 0 < rows <= Q8_MAX_ROWS:
         out = q8_linear(x.reshape(rows, x.shape[-1]), q8.codes, q8.scales)  # [rows, out]
         return out.reshape(*x.shape[:-1], q8.shape[0])
@@ -148,8 +161,9 @@ class DenseWeights:
         """Layer ``layer``'s (None: the globals') Q8_0 copies on ``device`` by name (empty if none)."""
         return self._q8.get((layer, torch.device(device)), {})
 
-    def product(self, x: torch.Tensor, name: str, layer: int | None = None) -> torch.Tensor:
+    def product(self, x: torch.Tensor, name: str, layer: int | None = None,
+                batch_invariant: bool = False) -> torch.Tensor:
         """``x [..., in] @ W.T`` for layer ``layer``'s (None: the global) weight ``name`` on x's device
         (:func:`dense_product`: its Q8_0 copy there for few rows, else the float copy)."""
         weight = self.globals[name] if layer is None else self.at(layer, x.device)[name]
-        return dense_product(x, weight, self.q8_at(layer, x.device).get(name))
+        return dense_product(x, weight, self.q8_at(layer, x.device).get(name), batch_invariant)
