@@ -63,3 +63,37 @@ def test_decode_window_rows_do_not_depend_on_the_batch(engine, reference):
     batched = engine.decode_window([(s, PROMPT[n]) for s, n in zip(sessions, cut)])
     for row, n in zip(batched, cut):
         assert torch.equal(row, reference[n])
+
+
+def _greedy(engine: Engine, prompts: list[list[int]], windows: int, together: bool) -> tuple[list, list]:
+    """Greedy decode of ``prompts``: in one batch (``together``) or each alone; tokens and logits per prompt."""
+    groups = [prompts] if together else [[p] for p in prompts]
+    tokens, logits = [], []
+    for group in groups:
+        sessions = [engine.new_session() for _ in group]
+        fed = [int(engine.prefill(s, p).argmax()) for s, p in zip(sessions, group)]
+        seqs, rows = [[t] for t in fed], [[] for _ in group]
+        for _ in range(windows):
+            out = engine.decode_window(list(zip(sessions, fed))).cpu()
+            fed = out.argmax(-1).tolist()
+            for seq, row, t, logit in zip(seqs, rows, fed, out):
+                seq.append(t)
+                row.append(logit)
+        for s in sessions:
+            engine.release_session(s)
+        tokens += seqs
+        logits += rows
+    return tokens, logits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batch_invariant_decode_on_cuda_gives_each_session_its_logits_alone(tiny_model_factory):
+    """``--batch-invariant`` on CUDA: three sessions decoded in one window (a graph of bucket 4, a padded
+    row) give bit for bit the logits and the greedy tokens of each decoded alone."""
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    engine = Engine.load(path, devices=["cuda:0"], max_context=128, arena="pinned", batch_invariant=True)
+    prompts = [list(range(5, 60)), list(range(70, 90)), list(range(3, 14))]
+    alone, alone_logits = _greedy(engine, prompts, 8, together=False)
+    batched, batched_logits = _greedy(engine, prompts, 8, together=True)
+    assert batched == alone
+    assert all(torch.equal(a, b) for rows_a, rows_b in zip(alone_logits, batched_logits) for a, b in zip(rows_a, rows_b))
