@@ -220,16 +220,16 @@ class SamplingBatch:
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         filtered = [r for r in sampled if ks[r] < vocab or params[r].top_p < 1]
-        seeds = [s.seed for s, _ in rows]
+        # every row's scalars in two host tensors, each one non-blocking copy (not seven blocking ones)
+        floats = _to(torch.tensor([[min(max(p.temperature, _T_MIN), _T_MAX), p.top_p, p.min_p] for p in params],
+                                  dtype=torch.float32), device)  # [B, 3]
+        ints = _to(torch.tensor([[k, s.seed & _M32, s.seed >> 32, s.step & _M32] for k, (s, _) in zip(ks, rows)],
+                                dtype=torch.int64), device)  # [B, 4]
         return cls(
             vocab=vocab,
-            temperature=torch.tensor([min(max(p.temperature, _T_MIN), _T_MAX) for p in params], **f32),
-            top_k=torch.tensor(ks, **i64),
-            top_p=torch.tensor([p.top_p for p in params], **f32),
-            min_p=torch.tensor([p.min_p for p in params], **f32),
+            temperature=floats[:, 0], top_p=floats[:, 1], min_p=floats[:, 2], top_k=ints[:, 0],
             penalties=penalties, history=history, bias_ids=bias_ids, bias_values=bias_values,
-            u=uniform(torch.tensor([s & _M32 for s in seeds], **i64), torch.tensor([s >> 32 for s in seeds], **i64),
-                      torch.tensor([s.step & _M32 for s, _ in rows], **i64)),
+            u=uniform(ints[:, 1], ints[:, 2], ints[:, 3]),
             sampled=sampled,
             filtered=filtered,
             width=max((ks[r] for r in filtered), default=0),
@@ -238,6 +238,14 @@ class SamplingBatch:
             logprobs=[r for r, p in enumerate(params) if p.logprobs is not None],
             n_top=max((p.logprobs or 0 for p in params), default=0),
         )
+
+
+def _to(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` on ``device``: to a CUDA device by a non-blocking copy from pinned memory."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _rows(t: torch.Tensor, rows: list[int], total: int) -> torch.Tensor:
