@@ -72,7 +72,7 @@ def _run(engine: Engine, first: list[int], pieces: list[int], second: list[int],
 
 @given(block=st.integers(1, 24), first=st.integers(2, 30), pieces=st.lists(st.integers(1, 12), min_size=1, max_size=4),
        common=st.integers(0, 30), tail=st.integers(1, 8), cut=st.integers(1, 30))
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 def test_paged_logits_are_bit_identical_to_a_block_per_session(engines, block, first, pieces, common, tail, cut):
     paged, whole = engines
     repool(paged, block)
