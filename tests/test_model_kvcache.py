@@ -47,7 +47,7 @@ def test_truncate_and_overflow():
 
 def test_reads_gather_the_blocks_and_zeros_past_them():
     kv = filled(n=3)
-    k, v = kv.read(0, 8)  # the whole capacity: blocks not held read as the null block's zeros
+    k, _ = kv.read(0, 8)  # the whole capacity: blocks not held read as the null block's zeros
     assert k.shape == (8, 2, 4) and not k[4:].any()
     assert torch.equal(kv.committed(0)["k"], k[:3])
 
