@@ -5,11 +5,14 @@ The CUDA kernels are compared with these references in tests/test_decode_ops_cud
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.model.ops import rms_norm
+from strata_core.ops import decode
 from strata_core.ops.decode import add_rms_norm, decode_attention, kv_table, rope_kv_write, route_topk
 from strata_core.ops.moe import moe_decode, moe_pair_rows
 from test_kernels import experts, op_args
@@ -111,6 +114,30 @@ def test_paged_decode_ops_match_contiguous_caches_bit_for_bit():
                   torch.arange(1, B + 1, dtype=torch.int32)[:, None])
     assert torch.equal(decode_attention(q, positions, keys, values, table, None),
                        decode_attention(q, positions, *contiguous, None))
+
+
+@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" and decode.HAS_TRITON),
+                    reason="needs TRITON_INTERPRET=1 and a CPU Triton (on CUDA: tests/test_decode_ops_cuda.py)")
+@pytest.mark.parametrize("block", [1, 5, 16, 80])
+def test_block_table_kernels_match_the_references_under_the_interpreter(block):
+    """The Triton kernels of rope_kv_write and decode_attention, run by Triton's interpreter on CPU
+    tensors through an address table: what they write and attend equals the references'."""
+    B, nh, nkv, D, S = 3, 8, 2, 32, 70
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
+    qn, kn = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+    positions = torch.tensor([0, 33, S - 1])
+    keys, values, blocks = _paged(B, S, nkv, D, 3, block)
+    got_keys, got_values = keys.clone(), values.clone()
+    table = kv_table(got_keys, got_values, list(blocks))
+    q = decode._rope_kv_cuda(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, got_keys, got_values, None, table)
+    want_q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, keys, values, blocks, None)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_keys, keys, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_values, values)
+    out = decode._attention_cuda(q, positions, got_keys, got_values, None, table)
+    torch.testing.assert_close(out, decode_attention(q, positions, got_keys, got_values, blocks, None),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_kv_table_holds_the_pool_and_block_table_addresses():

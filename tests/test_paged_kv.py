@@ -9,12 +9,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
 
 from strata_core.engine import Engine, kv_pools
 from strata_core.errors import BudgetError, RequestError
 from strata_core.model.kvpool import KVPoolFull
 from strata_core.plugin.placement import PHASES
+from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
 
 CONTEXT = 64
 

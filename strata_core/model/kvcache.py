@@ -211,11 +211,6 @@ class KVCache:
 
     # --- length ----------------------------------------------------------------------------------
 
-    @property
-    def capacity(self) -> int:
-        """Positions whose blocks are ready on every home slot."""
-        return min(len(self._tables[slot]) for slot in self._home_slots()) * self.block_size if self.home else 0
-
     def reserve(self, n: int) -> None:
         """Make the blocks of positions ``[0, n)`` ready on every home slot, so compute may write up to
         position ``n - 1``; the block holding position ``n_tokens`` is made private first where it is

@@ -207,10 +207,6 @@ class KVPools:
         for entry in self.pools[slot].free(blocks):
             self.unpublish(entry)
 
-    def tokens_to_blocks(self, tokens: int) -> int:
-        """Blocks that hold ``tokens`` positions."""
-        return blocks_for(tokens, self.block_size)
-
     def used(self, slot: int) -> int:
         """Blocks of ``slot`` held now."""
         pool = self.pools[slot]
