@@ -97,6 +97,9 @@ class KVCache:
         self.block_size = self.pools.block_size
         self.max_blocks = blocks_for(max_tokens, self.block_size)
         self.released = False
+        #: bumped whenever a layer's pool or block table changes (a move, a release): what caches of their
+        #: addresses check (fused_decode.kv_tables); growing and truncating refill the tables in place
+        self.version = 0
         homes = homes or {i: (0, torch.device(device)) for i in layers}
         self.home = {i: homes[i][0] for i in layers}  # layer -> device slot holding it now
         self._tables: dict[int, list[int]] = {}  # slot -> block ids (host)
@@ -301,6 +304,7 @@ class KVCache:
         self._state.clear()
         self._parked.clear()
         self.released = True
+        self.version += 1
 
     def blocks(self, slot: int) -> list[int]:
         """The block ids this cache holds on ``slot`` (its table), in position order."""
@@ -334,6 +338,7 @@ class KVCache:
             self._state[i], self.home[i] = moved, slot
             self._left.add((i, src))
             self._left.discard((i, slot))
+            self.version += 1
 
     def parked(self, layer: int, slot: int) -> LayerTensors | None:
         """What a hand-off left of ``layer`` on ``slot``: its committed rows gathered from the blocks
