@@ -91,6 +91,11 @@ class StrataSettings(BaseSettings):
         "auto", description="compute dtype of activations (auto: float32 on CPU, bfloat16 on CUDA)"
     )
     max_context: int = Field(4096, ge=16, description="tokens of KV cache per session, capped by the model (-c, --ctx-size)")
+    kv_block: int = Field(16, ge=1, description="tokens per block of the paged KV cache (prefixes are shared in "
+                          "whole blocks)")
+    kv_pool_tokens: int | None = Field(
+        None, ge=1, description="tokens of paged KV per device slot, every session's blocks together (default: "
+        "--parallel x --max-context); at least --max-context")
 
     # --- expert residency ----------------------------------------------------------------------
     arena: Literal["mmap", "pinned"] = Field("mmap", description="host copy of the expert weights")

@@ -25,6 +25,7 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.model.fused_decode import place_q8_copies
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kvcache import KVCache
+from strata_core.model.kvpool import KVPools
 from strata_core.model.registry import get_architecture, load_model_spec
 from strata_core.model.spec import ModelSpec
 from strata_core.model.transformer import MoEModel
@@ -59,6 +60,15 @@ def _head_splits(placement: Placement, slots: dict[int, DeviceSlot], spec: Model
     return by_layer
 
 
+def kv_pools(settings: StrataSettings, spec: ModelSpec, dtype: torch.dtype) -> KVPools:
+    """The engine's paged-KV pools, sized by ``--kv-block`` and ``--kv-pool-tokens`` (default
+    ``--parallel x`` the context); BudgetError when a pool cannot hold one session. Nothing is
+    allocated yet (``Engine`` gives each device slot's pool its layers)."""
+    max_context = min(settings.max_context, spec.context_length)
+    tokens = settings.kv_pool_tokens or settings.parallel * max_context
+    return KVPools.for_tokens(tokens, settings.kv_block, dtype, max_context)
+
+
 def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtype:
     if settings.dtype == "auto":
         return torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -81,6 +91,7 @@ class Engine:
         experts: ExpertBackend,
         tokenizer: Tokenizer | None,
         chat: ChatTemplate,
+        pools: KVPools | None = None,
     ) -> None:
         self.settings = settings
         self.plugins = plugins
@@ -96,6 +107,13 @@ class Engine:
         self.dtype = _compute_dtype(settings, devices[placement.main].device)
         self.runner = Runner(settings, plugins.hook, options, devices, placement, model, experts,
                              self._padding_session)
+        #: the paged KV: a block pool per device slot holding the layers any phase places there
+        self.kv_pools = pools if pools is not None else kv_pools(settings, spec, self.dtype)
+        for phase in PHASES:
+            for layer, placed in enumerate(placement.layers(phase)):
+                pool = self.kv_pools.pool(placed.device, devices[placed.device].device)
+                pool.add_layer(layer, spec.layer_state(layer))
+        self.kv_pools.log_sizes({d.index: d for d in devices})
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -143,8 +161,8 @@ class Engine:
                 f"{devices[s.device]} layers {s.layers.start}..{s.layers.stop - 1}" for s in placement.segments(phase)))
         slots = {d.index: d for d in devices}
         dtype = _compute_dtype(settings, slots[placement.main].device)
-        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype,
-                                             min(settings.max_context, spec.context_length))
+        pools = kv_pools(settings, spec, dtype)
+        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, pools.n_blocks * pools.block_size)
         check_dense_budget(settings, dense_bytes)
         layer_devices: dict[int, set[torch.device]] = {}
         for phase in PHASES:
@@ -167,7 +185,7 @@ class Engine:
             log.warning("%s has no tokenizer: only token ids can be used", settings.model)
         engine = cls(settings, plugins, selected.options, gguf_file, spec, devices, placement, model, experts,
                      Tokenizer.from_gguf(gguf_file.metadata) if has_tokenizer else None,
-                     ChatTemplate.from_gguf(gguf_file.metadata))
+                     ChatTemplate.from_gguf(gguf_file.metadata), pools)
         engine.runner.plan_residency()
         report(1.0)
         return engine
@@ -178,19 +196,33 @@ class Engine:
 
     # --- sessions ---------------------------------------------------------------------------------
 
-    def new_session(self) -> Session:
-        """An empty session with KV for ``max_context`` positions, each layer on the device slot that
-        computes it in the prompt placement."""
+    def new_session(self, prefix_tokens: Sequence[int] = ()) -> Session:
+        """A session of up to ``max_context`` positions, each layer on the device slot that computes
+        it in the prompt placement, its KV in blocks of the engine's pools taken as it grows.
+
+        ``prefix_tokens``: the session starts holding the longest run of published full KV blocks
+        (kvpool.py: a finished prefill publishes its full blocks) that ``prefix_tokens`` begins with,
+        shared with the sessions holding them (no copy, no recompute); ``session.tokens`` says how
+        many positions that is (a multiple of ``--kv-block``; 0 for a model with recurrent state).
+        Pass a prompt without its last token when that token's logits are wanted.
+        """
         homes = {layer: (placed.device, self.devices[placed.device].device)
                  for layer, placed in enumerate(self.placement.prompt)}
-        return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes))
+        session = Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes,
+                                              pools=self.kv_pools))
+        if prefix_tokens:
+            session.tokens.extend(list(prefix_tokens)[:session.kv.share(prefix_tokens)])
+        return session
 
     def _padding_session(self) -> Session:
-        """A session at home in the decode placement whose rows pad a graphed window (the fused kernels
-        take caches of one shape: ``max_context`` positions, of which the padding writes and reads one)."""
+        """A session at home in the decode placement whose rows pad a graphed window: it writes and reads
+        position 0 only, so it holds one block of each pool."""
         homes = {layer: (placed.device, self.devices[placed.device].device)
                  for layer, placed in enumerate(self.placement.decode)}
-        return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes))
+        session = Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes,
+                                              pools=self.kv_pools))
+        session.kv.reserve(1)
+        return session
 
     def capture_decode_graphs(self, sessions: int) -> None:
         """Capture the CUDA graphs of decode windows of up to ``sessions`` sessions now (see
@@ -198,7 +230,7 @@ class Engine:
         self.runner.capture_buckets(sessions)
 
     def release_session(self, session: Session) -> None:
-        """Free a session's KV memory."""
+        """Give a session's KV blocks back to the pools (shared ones stay with their other holders)."""
         session.kv.release()
         session.tokens.clear()
 
@@ -207,10 +239,15 @@ class Engine:
         return SessionSnapshot(tokens=tuple(session.tokens), kv=session.kv.snapshot())
 
     def restore_session(self, snapshot: SessionSnapshot) -> Session:
-        """A live session equal to the one saved in ``snapshot``."""
-        session = self.new_session()
-        session.kv.restore(snapshot.kv)
-        session.tokens.extend(snapshot.tokens)
+        """A live session equal to the one saved in ``snapshot``: the leading blocks another session
+        has published are shared, the rest copied in from the snapshot."""
+        session = self.new_session(snapshot.tokens)
+        try:
+            session.kv.restore(snapshot.kv, keep=session.n_tokens)
+        except Exception:
+            self.release_session(session)
+            raise
+        session.tokens[:] = snapshot.tokens
         return session
 
     # --- phases -----------------------------------------------------------------------------------
@@ -233,7 +270,12 @@ class Engine:
         tokens = torch.as_tensor(list(token_ids), dtype=torch.int64)
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size:
             raise RequestError(f"token ids must be in [0, {self.spec.vocab_size})")
-        result = self.runner.prefill(session, tokens, all_logits)
+        session.kv.reserve(session.n_tokens + len(tokens))
+        try:
+            result = self.runner.prefill(session, tokens, all_logits)
+        finally:
+            session.kv.trim()
+        session.kv.publish(session.tokens)
         return result if all_logits else result[-1]
 
     def decode_window(self, steps: Sequence[tuple[Session, int]]) -> torch.Tensor:
@@ -242,7 +284,13 @@ class Engine:
             self._check_room(session, 1)
         batch = DecodeBatch(sessions=tuple(s for s, _ in steps),
                             tokens=torch.tensor([t for _, t in steps], dtype=torch.int64))
-        return self.runner.decode_window(batch)
+        try:
+            for session in batch.sessions:
+                session.kv.reserve(session.n_tokens + 1)
+            return self.runner.decode_window(batch)
+        finally:
+            for session in batch.sessions:
+                session.kv.trim()
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Logits of every position of ``token_ids`` in a fresh session: float32 ``[T, vocab]``."""

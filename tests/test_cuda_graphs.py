@@ -122,7 +122,7 @@ def test_capture_cache_invalidation():
     a.truncate(0)  # truncation keeps the KV tensors: still valid
     a.kv.restore(a.kv.snapshot())  # so does a restore into the same tensors
     assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first
-    a.kv.tensors[1] = dict(a.kv.tensors[1], k=a.kv.tensors[1]["k"].clone())  # a moved layer: new tensors -> capture again
+    a.kv.move(range(1, 2), slot=1, device="cpu")  # a moved layer: another pool and block table -> capture again
     second = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
     assert second is not first and graphs.captures == 2
     graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None)

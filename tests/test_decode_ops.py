@@ -5,11 +5,14 @@ The CUDA kernels are compared with these references in tests/test_decode_ops_cud
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.model.ops import rms_norm
+from strata_core.ops import decode
 from strata_core.ops.decode import add_rms_norm, decode_attention, kv_table, rope_kv_write, route_topk
 from strata_core.ops.moe import moe_decode, moe_pair_rows
 from test_kernels import experts, op_args
@@ -39,10 +42,20 @@ def test_route_topk_picks_the_largest_probabilities(norm, scale):
     torch.library.opcheck(torch.ops.strata.route_topk.default, (logits, 4, norm, scale, 6e-5))
 
 
-def _caches(B: int, S: int, nkv: int, D: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _paged(B: int, S: int, nkv: int, D: int, seed: int, block: int = 4) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Key and value pools ``[n_blocks, block, nkv, D]`` of random rows and a block table ``[B, S / block]``
+    giving each session its own blocks in a shuffled order (block 0, the null block, unused)."""
     gen = torch.Generator().manual_seed(seed)
-    return ([torch.randn(S, nkv, D, generator=gen) for _ in range(B)],
-            [torch.randn(S, nkv, D, generator=gen) for _ in range(B)])
+    per = -(-S // block)
+    n_blocks = 1 + B * per
+    table = (torch.randperm(n_blocks - 1, generator=gen) + 1).to(torch.int32).view(B, per)
+    return (torch.randn(n_blocks, block, nkv, D, generator=gen), torch.randn(n_blocks, block, nkv, D, generator=gen),
+            table)
+
+
+def _rows(pool: torch.Tensor, table: torch.Tensor, b: int) -> torch.Tensor:
+    """Session b's rows ``[S, nkv, D]`` in position order."""
+    return pool[table[b].long()].flatten(0, 1)
 
 
 def test_rope_kv_write_writes_each_session_at_its_position():
@@ -51,44 +64,86 @@ def test_rope_kv_write_writes_each_session_at_its_position():
     qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
     qn, kn = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
     positions = torch.tensor([0, 7, 11])
-    keys, values = _caches(B, S, nkv, D, 3)
-    before = [k.clone() for k in keys]
-    q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, keys, values, None)
+    keys, values, table = _paged(B, S, nkv, D, 3)
+    before = keys.clone()
+    q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, keys, values, table, None)
     assert q.shape == (B, nh, D)
     for b, p in enumerate(positions.tolist()):
         v = qkv[b, (nh + nkv) * D:].view(nkv, D)
-        assert torch.equal(values[b][p], v)
-        assert not torch.equal(keys[b][p], before[b][p])
+        assert torch.equal(_rows(values, table, b)[p], v)
+        assert not torch.equal(_rows(keys, table, b)[p], _rows(before, table, b)[p])
         untouched = torch.arange(S) != p
-        assert torch.equal(keys[b][untouched], before[b][untouched])
+        assert torch.equal(_rows(keys, table, b)[untouched], _rows(before, table, b)[untouched])
         # position 0 rotates by nothing: q is the normed input
         if p == 0:
             torch.testing.assert_close(q[b], rms_norm(qkv[b, :nh * D].view(nh, D), qn, 1e-6))
+    assert torch.equal(keys[0], before[0])  # the null block is never written
     torch.library.opcheck(torch.ops.strata.rope_kv_write.default,
-                          (qkv, positions, qn, None, 1e4, 1e-6, nh, nkv, *_caches(B, S, nkv, D, 4), None))
+                          (qkv, positions, qn, None, 1e4, 1e-6, nh, nkv, *_paged(B, S, nkv, D, 4), None))
 
 
-def test_decode_attention_attends_causally_over_each_sessions_cache():
+@pytest.mark.parametrize("block", [1, 3, 4, 16])
+def test_decode_attention_attends_causally_over_each_sessions_blocks(block):
     B, nh, nkv, D, S = 2, 4, 2, 16, 10
     q = torch.randn(B, nh, D, generator=torch.Generator().manual_seed(5))
-    keys, values = _caches(B, S, nkv, D, 6)
+    keys, values, table = _paged(B, S, nkv, D, 6, block)
     positions = torch.tensor([3, 9])
-    out = decode_attention(q, positions, keys, values, None)
+    out = decode_attention(q, positions, keys, values, table, None)
     for b, p in enumerate(positions.tolist()):
-        k = keys[b][:p + 1].repeat_interleave(nh // nkv, dim=1).transpose(0, 1)  # [nh, S, D]
-        v = values[b][:p + 1].repeat_interleave(nh // nkv, dim=1).transpose(0, 1)
+        k = _rows(keys, table, b)[:p + 1].repeat_interleave(nh // nkv, dim=1).transpose(0, 1)  # [nh, S, D]
+        v = _rows(values, table, b)[:p + 1].repeat_interleave(nh // nkv, dim=1).transpose(0, 1)
         want = torch.nn.functional.scaled_dot_product_attention(q[b][:, None], k, v)  # [nh, 1, D]
         torch.testing.assert_close(out[b], want.reshape(-1))
-    garbage = [k.clone() for k in keys]
-    garbage[0][4:] = 1e4  # rows after a session's position are never read
-    assert torch.equal(decode_attention(q, positions, garbage, values, None), out)
-    torch.library.opcheck(torch.ops.strata.decode_attention.default, (q, positions, keys, values, None))
+    garbage = keys.clone()
+    garbage[table[0, 4 // block + 1:].long()] = 1e4  # rows after a session's position are never read
+    garbage[table[0, 4 // block].long(), 4 % block:] = 1e4
+    garbage[0] = 1e4  # nor the null block
+    assert torch.equal(decode_attention(q, positions, garbage, values, table, None), out)
+    torch.library.opcheck(torch.ops.strata.decode_attention.default, (q, positions, keys, values, table, None))
 
 
-def test_kv_table_holds_the_cache_addresses():
-    keys, values = _caches(2, 4, 1, 16, 7)
-    table = kv_table(keys, values)
-    assert table.tolist() == [[k.data_ptr(), v.data_ptr()] for k, v in zip(keys, values)]
+def test_paged_decode_ops_match_contiguous_caches_bit_for_bit():
+    """One block per session (block = the capacity) is the contiguous cache: the same bits whatever the block size."""
+    B, nh, nkv, D, S = 3, 4, 2, 16, 12
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(B, nh, D, generator=gen)
+    positions = torch.tensor([2, 11, 6])
+    keys, values, table = _paged(B, S, nkv, D, 10, block=3)
+    whole = [_rows(t, table, b)[None] for t in (keys, values) for b in range(B)]
+    contiguous = (torch.cat([torch.zeros(1, S, nkv, D)] + whole[:B]), torch.cat([torch.zeros(1, S, nkv, D)] + whole[B:]),
+                  torch.arange(1, B + 1, dtype=torch.int32)[:, None])
+    assert torch.equal(decode_attention(q, positions, keys, values, table, None),
+                       decode_attention(q, positions, *contiguous, None))
+
+
+@pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" and decode.HAS_TRITON),
+                    reason="needs TRITON_INTERPRET=1 and a CPU Triton (on CUDA: tests/test_decode_ops_cuda.py)")
+@pytest.mark.parametrize("block", [1, 5, 16, 80])
+def test_block_table_kernels_match_the_references_under_the_interpreter(block):
+    """The Triton kernels of rope_kv_write and decode_attention, run by Triton's interpreter on CPU
+    tensors through an address table: what they write and attend equals the references'."""
+    B, nh, nkv, D, S = 3, 8, 2, 32, 70
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
+    qn, kn = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+    positions = torch.tensor([0, 33, S - 1])
+    keys, values, blocks = _paged(B, S, nkv, D, 3, block)
+    got_keys, got_values = keys.clone(), values.clone()
+    table = kv_table(got_keys, got_values, list(blocks))
+    q = decode._rope_kv_cuda(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, got_keys, got_values, None, table)
+    want_q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, keys, values, blocks, None)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_keys, keys, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_values, values)
+    out = decode._attention_cuda(q, positions, got_keys, got_values, None, table)
+    torch.testing.assert_close(out, decode_attention(q, positions, got_keys, got_values, blocks, None),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_kv_table_holds_the_pool_and_block_table_addresses():
+    keys, values, table = _paged(2, 4, 1, 16, 7)
+    assert kv_table(keys, values, list(table)).tolist() == [
+        [keys.data_ptr(), values.data_ptr(), row.data_ptr()] for row in table]
 
 
 def test_moe_decode_is_the_combined_pair_rows():

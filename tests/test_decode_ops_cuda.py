@@ -42,53 +42,65 @@ def test_route_topk_kernel(norm, scale):
     torch.library.opcheck(torch.ops.strata.route_topk.default, (logits.cuda(), 8, norm, scale, 6e-5))
 
 
-def _caches(B, S, nkv, D, dtype, seed):
+def _paged(B, S, nkv, D, dtype, seed, block):
+    """Key and value pools ``[n_blocks, block, nkv, D]`` of random rows (block 0, the null block, unused) and
+    a block table ``[B, S / block]`` giving each session its blocks in a shuffled order."""
     gen = torch.Generator().manual_seed(seed)
-    return ([torch.randn(S, nkv, D, generator=gen).to(dtype) for _ in range(B)],
-            [torch.randn(S, nkv, D, generator=gen).to(dtype) for _ in range(B)])
+    per = -(-S // block)
+    n_blocks = 1 + B * per
+    table = (torch.randperm(n_blocks - 1, generator=gen) + 1).to(torch.int32).view(B, per)
+    return (torch.randn(n_blocks, block, nkv, D, generator=gen).to(dtype),
+            torch.randn(n_blocks, block, nkv, D, generator=gen).to(dtype), table)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("table", [False, True])
-def test_rope_kv_write_and_attention_kernels(dtype, table):
+@pytest.mark.parametrize("block", [16, 5, 9000])
+def test_rope_kv_write_and_attention_kernels(dtype, table, block):
+    """The block-table kernels against their CPU references: blocks of 16 (the default), an odd size
+    and one block per session (the contiguous layout)."""
     B, nh, nkv, D, S = 3, 32, 4, 128, 9000
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen).to(dtype)
     qn, kn = ((torch.rand(D, generator=gen) + 0.5).to(dtype) for _ in range(2))
     positions = torch.tensor([0, 1023, S - 1])
-    keys, values = _caches(B, S, nkv, D, dtype, 3)
-    dkeys, dvalues = [k.cuda() for k in keys], [v.cuda() for v in values]
-    tables = kv_table(dkeys, dvalues).cuda() if table else None
-    q = rope_kv_write(qkv.cuda(), positions.cuda(), qn.cuda(), kn.cuda(), 1e6, 1e-6, nh, nkv, dkeys, dvalues, tables)
-    want_q = rope_kv_write(qkv, positions, qn, kn, 1e6, 1e-6, nh, nkv, keys, values, None)
+    keys, values, blocks = _paged(B, S, nkv, D, dtype, 3, block)
+    dkeys, dvalues, dblocks = keys.cuda(), values.cuda(), blocks.cuda()
+    tables = kv_table(dkeys, dvalues, list(dblocks)).cuda() if table else None
+    q = rope_kv_write(qkv.cuda(), positions.cuda(), qn.cuda(), kn.cuda(), 1e6, 1e-6, nh, nkv, dkeys, dvalues,
+                      None if table else dblocks, tables)
+    want_q = rope_kv_write(qkv, positions, qn, kn, 1e6, 1e-6, nh, nkv, keys, values, blocks, None)
     # at position 8999 an ulp of the CPU's inverse frequency moves the angle by ~5e-4 rad: q and k
     # agree with the CPU's to 1e-3 in float32 (test_kernels_cuda compares the RoPE with torch on CUDA)
     rope_tol = max(TOL[dtype], 1e-3)
     assert _rel(q, want_q) <= rope_tol
-    for got_k, want_k, got_v, want_v in zip(dkeys, keys, dvalues, values):
-        assert _rel(got_k, want_k) <= rope_tol and torch.equal(got_v.cpu(), want_v)
-    out = decode_attention(q, positions.cuda(), dkeys, dvalues, tables)
-    want = decode_attention(q.cpu(), positions, [k.cpu() for k in dkeys], [v.cpu() for v in dvalues], None)
+    assert _rel(dkeys, keys) <= rope_tol and torch.equal(dvalues.cpu(), values)
+    out = decode_attention(q, positions.cuda(), dkeys, dvalues, None if table else dblocks, tables)
+    want = decode_attention(q.cpu(), positions, dkeys.cpu(), dvalues.cpu(), blocks, None)
     assert _rel(out, want) <= TOL[dtype]
 
 
-def test_decode_attention_replays_in_a_graph_for_other_caches():
-    """A captured attention reads whichever caches the table names at replay."""
+def test_decode_attention_replays_in_a_graph_for_other_block_tables():
+    """A captured attention reads whichever pools and block tables the table names at replay, and a
+    block table refilled in place (a session that grew) is read as it is at replay."""
     B, nh, nkv, D, S = 2, 8, 2, 64, 300
     q = torch.randn(B, nh, D, device="cuda")
-    first, second = _caches(B, S, nkv, D, torch.float32, 4), _caches(B, S, nkv, D, torch.float32, 5)
-    first = tuple([t.cuda() for t in part] for part in first)
-    second = tuple([t.cuda() for t in part] for part in second)
+    first, second = _paged(B, S, nkv, D, torch.float32, 4, 16), _paged(B, S, nkv, D, torch.float32, 5, 16)
+    first, second = tuple(t.cuda() for t in first), tuple(t.cuda() for t in second)
     positions = torch.tensor([10, 299], device="cuda")
-    table = kv_table(*first).cuda()
+    table = kv_table(first[0], first[1], list(first[2])).cuda()
     decode_attention(q, positions, *first, table)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode_attention(q, positions, *first, table)
-    table.copy_(kv_table(*second).cuda())
+    table.copy_(kv_table(second[0], second[1], list(second[2])).cuda())
     positions.copy_(torch.tensor([200, 5]))
     graph.replay()
-    want = decode_attention(q.cpu(), positions.cpu(), *([t.cpu() for t in part] for part in second), None)
+    want = decode_attention(q.cpu(), positions.cpu(), *(t.cpu() for t in second), None)
+    assert _rel(out, want) <= 1e-5
+    second[2][0] = second[2][0].flip(0)  # the same table tensors, other blocks
+    graph.replay()
+    want = decode_attention(q.cpu(), positions.cpu(), *(t.cpu() for t in second), None)
     assert _rel(out, want) <= 1e-5
 
 

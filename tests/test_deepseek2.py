@@ -173,7 +173,8 @@ def test_the_session_state_is_the_latent_and_the_rope_key():
     assert f"KV per token: {spec.n_layers * per_layer * 2} bytes in bf16 (latent [32] + rope [16] x 3 layers)" \
         in describe(DATA / "model-f32.gguf", [24.0], 64)
     kv = KVCache.for_spec(spec, 8)
-    assert {n: tuple(t.shape) for n, t in kv.tensors[0].items()} == {"latent": (8, 32), "rope": (8, 16)}
+    assert {n: tuple(t.shape[2:]) for n, t in kv.pool_rows(0).items()} == {"latent": (32,), "rope": (16,)}
+    assert [tuple(t.shape) for t in kv.read(0, 8, "latent", "rope")] == [(8, 32), (8, 16)]
 
 
 @pytest.fixture(scope="module")

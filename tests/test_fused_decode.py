@@ -54,8 +54,9 @@ def test_fused_layers_match_the_eager_layers(tiny_model_factory, device):
 
 
 def test_kv_tables_follow_a_moved_cache():
-    """The address tables the fused kernels read are each cache's K and V addresses, also after a
-    hand-off gives some layers new tensors (the tables are built once per version of a cache)."""
+    """The address tables the fused kernels read are each layer's K and V pool and each cache's block
+    table, also after a hand-off puts some layers in another slot's pool (the tables are built once per
+    version of a cache)."""
     from strata_core.model.fused_decode import kv_tables
     from strata_core.model.kvcache import KVCache
     from strata_core.model.spec import StateTensor
@@ -65,10 +66,11 @@ def test_kv_tables_follow_a_moved_cache():
     sessions = [Session(kv=KVCache(range(3), 8, {i: {"k": row, "v": row} for i in range(3)})) for _ in range(2)]
 
     def want(layers):
-        return [[[s.kv.tensors[i][n].data_ptr() for n in ("k", "v")] for s in sessions] for i in layers]
+        return [[[s.kv.pool_rows(i)["k"].data_ptr(), s.kv.pool_rows(i)["v"].data_ptr(), s.kv.block_table(i).data_ptr()]
+                 for s in sessions] for i in layers]
 
     assert kv_tables(sessions, range(3)).tolist() == want(range(3))
     assert kv_tables(sessions, range(1, 3)).tolist() == want(range(1, 3))
-    sessions[1].kv.move(range(1, 3), 1, "cpu")  # new tensors for layers 1 and 2
+    sessions[1].kv.move(range(1, 3), 1, "cpu")  # another pool and block table for layers 1 and 2
     assert kv_tables(sessions, range(3)).tolist() == want(range(3))
     assert kv_tables(sessions, range(1, 3)).tolist() == want(range(1, 3)) != kv_tables(sessions[:1] * 2, range(1, 3)).tolist()

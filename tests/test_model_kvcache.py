@@ -21,10 +21,11 @@ HYBRID = {0: {"k": ROW, "v": ROW}, 1: {"conv": StateTensor((3, 4), per_token=Fal
           2: {"k": ROW, "v": ROW}}
 
 
-def filled(layers=range(3), n=5, layout=None) -> KVCache:
-    kv = KVCache(layers, 8, layout or {i: {"k": ROW, "v": ROW} for i in layers})
+def filled(layers=range(3), n=5, layout=None, block_size=2) -> KVCache:
+    kv = KVCache(layers, 8, layout or {i: {"k": ROW, "v": ROW} for i in layers}, block_size=block_size)
+    kv.reserve(n)
     for i in layers:
-        if "k" in kv.tensors[i]:
+        if "k" in kv.pool_rows(i):
             kv.write(i, torch.arange(n), k=torch.randn(n, 2, 4), v=torch.randn(n, 2, 4))
         else:
             kv.state(i, "conv").normal_()
@@ -34,10 +35,21 @@ def filled(layers=range(3), n=5, layout=None) -> KVCache:
 
 def test_truncate_and_overflow():
     kv = filled()
+    assert kv.blocks(0) == [1, 2, 3]  # 5 positions in blocks of 2
     kv.truncate(3)
     assert kv.n_tokens == 3 and kv.read(0, kv.n_tokens)[0].shape == (3, 2, 4)
+    assert kv.blocks(0) == [1, 2] and kv.pools.pools[0].n_free == 2  # the third block is back in the pool
     with pytest.raises(ValueError, match="overflow"):
         kv.advance(6)
+    with pytest.raises(ValueError, match="overflow"):
+        kv.reserve(9)
+
+
+def test_reads_gather_the_blocks_and_zeros_past_them():
+    kv = filled(n=3)
+    k, _ = kv.read(0, 8)  # the whole capacity: blocks not held read as the null block's zeros
+    assert k.shape == (8, 2, 4) and not k[4:].any()
+    assert torch.equal(kv.committed(0)["k"], k[:3])
 
 
 def test_recurrent_state_is_never_rewound_but_reset_at_zero():
@@ -47,48 +59,62 @@ def test_recurrent_state_is_never_rewound_but_reset_at_zero():
         kv.truncate(3)
     assert kv.n_tokens == 5 and kv.state(1, "conv").abs().sum() > 0
     kv.truncate(0)
-    assert kv.n_tokens == 0 and not kv.state(1, "conv").any()
+    assert kv.n_tokens == 0 and not kv.state(1, "conv").any() and kv.blocks(0) == []
 
 
 def test_hand_off_moves_only_the_given_layers_and_keeps_the_way_back():
     kv = filled(layout=HYBRID)
-    before = {i: {name: t.clone() for name, t in kv.tensors[i].items()} for i in range(3)}
-    originals = {i: kv.tensors[i] for i in range(3)}
+    before = {i: {name: t.clone() for name, t in kv.committed(i).items()} for i in range(3)}
+    conv = kv.state(1, "conv")
     kv.move(range(1, 3), slot=1, device="cpu")
     assert kv.home == {0: 0, 1: 1, 2: 1}
-    assert kv.tensors[0] is originals[0]
-    for i in (1, 2):
-        assert kv.tensors[i] is not originals[i] and kv.parked(i, 0) is originals[i]
+    assert kv.pool_rows(2)["k"] is kv.pools.pools[1].rows[2]["k"] and kv.pool_rows(0) is kv.pools.pools[0].rows[0]
+    assert len(kv.blocks(1)) == 3 and kv.parked(0, 1) is None and kv.parked(1, 0)["conv"] is conv
     assert torch.equal(kv.state(1, "conv"), before[1]["conv"])  # the whole recurrent state
-    assert torch.equal(kv.tensors[2]["k"][:5], before[2]["k"][:5]) and not kv.tensors[2]["k"][5:].any()
+    assert torch.equal(kv.read(2, 5)[0], before[2]["k"]) and not kv.read(2, 8)[0][6:].any()
+    assert torch.equal(kv.parked(2, 0)["k"], before[2]["k"])
+    kv.reserve(6)
     kv.write(2, torch.tensor([5]), k=torch.ones(1, 2, 4), v=torch.ones(1, 2, 4))
     kv.state(1, "conv").add_(1)
     kv.advance(1)
-    kv.move(range(1, 3), slot=0, device="cpu")  # back: the parked tensors again, with the new state
-    assert kv.tensors[2] is originals[2] and kv.home[2] == 0 and torch.equal(kv.tensors[2]["k"][5], torch.ones(2, 4))
+    blocks = kv.blocks(0)
+    kv.move(range(1, 3), slot=0, device="cpu")  # back: the same blocks and parked state, with the new rows
+    assert kv.blocks(0) == blocks and kv.state(1, "conv") is conv and kv.home[2] == 0
+    assert torch.equal(kv.read(2, 6)[0][5], torch.ones(2, 4)) and torch.equal(kv.read(2, 5)[0], before[2]["k"])
     assert torch.equal(kv.state(1, "conv"), before[1]["conv"] + 1)
 
 
 def test_snapshot_restore_roundtrip():
     kv = filled(layout=HYBRID)
     snap = kv.snapshot()
-    k0, conv = kv.tensors[0]["k"][:5].clone(), kv.state(1, "conv").clone()
+    k0, conv = kv.read(0, 5)[0].clone(), kv.state(1, "conv").clone()
+    table = kv.block_table(0)
     kv.truncate(0)
+    kv.reserve(5)
     kv.write(0, torch.arange(5), k=torch.zeros(5, 2, 4), v=torch.zeros(5, 2, 4))
     kv.restore(snap)
-    assert kv.n_tokens == 5 and torch.equal(kv.tensors[0]["k"][:5], k0) and torch.equal(kv.state(1, "conv"), conv)
-    assert snap.tensors[0]["k"].device.type == "cpu" and snap.tensors[0]["k"].data_ptr() != kv.tensors[0]["k"].data_ptr()
+    assert kv.n_tokens == 5 and torch.equal(kv.read(0, 5)[0], k0) and torch.equal(kv.state(1, "conv"), conv)
+    assert kv.block_table(0) is table  # refilled in place: a graph reading it stays valid
+    assert snap.tensors[0]["k"].device.type == "cpu"
     assert snap.nbytes == 2 * (2 * 5 * 2 * 4 * 4) + 3 * 4 * 4
+
+
+def test_release_returns_every_block():
+    kv = filled()
+    pool = kv.pools.pools[0]
+    assert pool.n_free == pool.n_blocks - 1 - 3
+    kv.release()
+    assert pool.n_free == pool.n_blocks - 1 and kv.released and kv.addresses(range(3)) is None
 
 
 def test_state_layout_follows_the_spec(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(tiny_hf_model("qwen3moe"), path)
     spec = load_model_spec(GGUFFile.open(path))
-    kv = KVCache.for_spec(spec, 16, dtype=torch.bfloat16)
-    assert set(kv.tensors[0]) == {"k", "v"} and kv.tensors[0]["k"].shape == (16, spec.n_kv_heads, spec.head_dim)
-    assert spec.rewindable and spec.state_bytes(16, torch.bfloat16) == sum(
-        t.numel() * t.element_size() for named in kv.tensors.values() for t in named.values())
+    kv = KVCache.for_spec(spec, 16, dtype=torch.bfloat16, block_size=4)
+    assert set(kv.pool_rows(0)) == {"k", "v"}
+    assert kv.pool_rows(0)["k"].shape == (5, 4, spec.n_kv_heads, spec.head_dim)  # 4 blocks + the null block
+    assert spec.rewindable and spec.state_bytes(20, torch.bfloat16) == kv.pools.pools[0].nbytes
 
 
 def test_dense_weights_placed_per_layer_on_one_or_several_devices(tmp_path):

@@ -148,7 +148,7 @@ def test_dbg_handoff_catches_a_copy_that_lands_nothing(model, monkeypatch):
     def lossy(ctx, session, layers, src, dst):  # moves the home, drops the rows
         session.kv.move(layers, dst.index, dst.device)
         for layer in layers:
-            session.kv.tensors[layer]["k"].zero_()
+            session.kv.pool_rows(layer)["k"].zero_()
         return True
 
     quiet = _load(model, monkeypatch, placement, hooks={"strata_hand_off": lossy})

@@ -19,11 +19,14 @@ def test_health_says_loading_until_the_model_is_ready(monkeypatch: pytest.Monkey
 
     reported = threading.Event()
 
+    loaded: list[FakeEngine] = []
+
     def slow_load(settings: StrataSettings, progress) -> FakeEngine:
         progress(0.4)  # the dense weights are in, the arena is coming
         reported.set()
         assert release.wait(20)
-        return FakeEngine()
+        loaded.append(FakeEngine())
+        return loaded[0]
 
     monkeypatch.setattr(Engine, "from_settings", staticmethod(slow_load))
     with serving(StrataSettings(model_alias="demo"), ready=False) as (url, _):
@@ -41,6 +44,7 @@ def test_health_says_loading_until_the_model_is_ready(monkeypatch: pytest.Monkey
             if ready.status_code == 200:
                 break
         assert ready.json()["status"] == "ok" and ready.json()["progress"] == 1.0
+        assert loaded[0].captured == StrataSettings().parallel  # the decode graphs of every slot count, before serving
         done = httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
         assert done.status_code == 200
 

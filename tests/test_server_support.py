@@ -153,6 +153,10 @@ class FakeEngine:
         self._check_thread()
         assert not session.released and id(session) in self.live, "session used after release"
 
+    def capture_decode_graphs(self, sessions: int) -> None:
+        self._check_thread()
+        self.captured = sessions  # what a server's start asked to capture
+
     def new_session(self) -> FakeSession:
         self._check_thread()
         session = FakeSession(rewindable=self.spec.rewindable)

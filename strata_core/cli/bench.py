@@ -64,7 +64,10 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
 
         prompts, contexts = parse_lengths(self.prompts), parse_lengths(self.contexts)
         need = max(prompts + [c + self.decode_tokens for c in contexts])
-        engine = Engine.from_settings(self.strata_settings(max_context=max(self.max_context, need)))
+        max_context = max(self.max_context, need)
+        # the KV pool holds the concurrent sessions of the largest decode figure and a warm-up session
+        pool = self.kv_pool_tokens or max(parse_lengths(self.sessions)) * (need + 1) + max_context
+        engine = Engine.from_settings(self.strata_settings(max_context=max_context, kv_pool_tokens=pool))
         freeze_loaded()  # no full collection scanning the engine inside a timed run
         prompts, contexts = fitting_lengths(prompts, contexts, self.decode_tokens, engine.max_context)
         try:

@@ -9,10 +9,12 @@ B sessions is
     -> add_rms_norm -> router product -> route_topk -> expert rows (strata::moe_decode on CUDA)
 
 with every session in one launch each (the ``strata::`` ops of strata_core/ops/decode.py); the
-residual adds ride in the next norm, and the last one closes the segment. The sessions' caches are
-reached through an address table (``kv_tables``: ``[layers, B, 2]`` int64 on the device), which a
-CUDA graph of the window keeps as a static buffer refilled before each replay (graphs.py), so a new
-session does not capture again.
+residual adds ride in the next norm, and the last one closes the segment. The sessions' paged KV
+(model/kvpool.py) is reached through an address table (``kv_tables``: ``[layers, B, 3]`` int64 on the
+device: each layer's key and value pool and each session's device block table), which a CUDA graph
+of the window keeps as a static buffer refilled before each replay (graphs.py), so a new session
+does not capture again; a session's block table is a fixed device tensor its cache refills in
+place as it grows, so a graph reads its new blocks too.
 
 Where the GGUF stores them as Q8_0, the QKV, attention output and router products (and the head)
 read repacked Q8_0 copies of their weights (``strata::q8_linear``: 1.06 bytes a value where the bf16
@@ -70,30 +72,41 @@ def why_not_fused(model, device: torch.device) -> str | None:
     return None
 
 
-def _layer_caches(sessions: Sequence[Session], layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Each session's whole K and V cache of ``layer`` (``[max_tokens, n_kv_heads, D]`` views)."""
-    pairs = [session.kv.read(layer, session.kv.max_tokens) for session in sessions]
-    return [k for k, _ in pairs], [v for _, v in pairs]
+def _layer_pools(sessions: Sequence[Session], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer``'s key and value pools (``[n_blocks, block_size, n_kv_heads, D]``), one for every session
+    of a window (their layer lives on one device slot)."""
+    pools = [session.kv.pool_rows(layer) for session in sessions]
+    if any(p["k"] is not pools[0]["k"] for p in pools):
+        raise ValueError(f"the sessions of a decode window keep layer {layer} on different device slots")
+    return pools[0]["k"], pools[0]["v"]
+
+
+def _block_tables(sessions: Sequence[Session], layer: int) -> torch.Tensor:
+    """int32 ``[B, max_blocks]``: each session's block table of ``layer``'s device slot."""
+    return torch.stack([session.kv.block_table(layer) for session in sessions])
 
 
 def kv_tables(sessions: Sequence[Session], layers: range) -> torch.Tensor:
-    """int64 ``[len(layers), B, 2]`` on the host: the addresses of each session's K and V cache per layer
-    (each session's built once per version of its cache: a window of B sessions costs B lookups)."""
+    """int64 ``[len(layers), B, 3]`` on the host: per layer and session the addresses of the layer's key
+    and value pools and of the session's block table on that device slot: what the fused kernels read
+    to reach the paged KV (each session's rows built once per version of its cache: a window of B
+    sessions costs B lookups; a block table is refilled in place, so growing keeps its version)."""
     return torch.stack([_addresses(session.kv, layers) for session in sessions], dim=1)
 
 
-_ADDRESSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache -> (version, {layers: [L, 2]})
+_ADDRESSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache -> (version, {layers: [L, 3]})
 
 
 def _addresses(kv, layers: range) -> torch.Tensor:
-    """int64 ``[len(layers), 2]``: the K and V cache addresses of ``kv``'s ``layers``."""
+    """int64 ``[len(layers), 3]``: ``kv``'s key pool, value pool and block table addresses of ``layers``."""
     version, tables = _ADDRESSES.get(kv, (None, {}))
     if version != kv.version:
         tables = {}
         _ADDRESSES[kv] = (kv.version, tables)
     if layers not in tables:
-        tables[layers] = torch.tensor([[kv.tensors[i]["k"].data_ptr(), kv.tensors[i]["v"].data_ptr()]
-                                       for i in layers], dtype=torch.int64).view(len(layers), 2)
+        rows = [[kv.pool_rows(i)["k"].data_ptr(), kv.pool_rows(i)["v"].data_ptr(), kv.block_table(i).data_ptr()]
+                for i in layers]
+        tables[layers] = torch.tensor(rows, dtype=torch.int64).view(len(layers), 3)
     return tables[layers]
 
 
@@ -168,11 +181,13 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
     qkv = dense_product(x, weight, q8, invariant)  # [B, (nh + 2 nkv) D]
     if bias is not None:
         qkv = qkv + bias
-    keys, values = _layer_caches(sessions, layer)
+    keys, values = _layer_pools(sessions, layer)
+    # the CPU references read the block tables; CUDA kernels given ``table`` read it instead
+    blocks = _block_tables(sessions, layer) if table is None or hidden.device.type != "cuda" else None
     q = rope_kv_write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
                       w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
-                      s.n_kv_heads, keys, values, table)  # [B, nh, D]
-    out = decode_attention(q, positions, keys, values, table)  # [B, nh D]
+                      s.n_kv_heads, keys, values, blocks, table)  # [B, nh, D]
+    out = decode_attention(q, positions, keys, values, blocks, table)  # [B, nh D]
     hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer, invariant),
                              w["ffn_norm.weight"], eps)
     logits = model.weights.product(x, "ffn_gate_inp.weight", layer, invariant)  # [B, E]

@@ -1,31 +1,50 @@
-"""``KVCache``: one sequence's per-layer session state, preallocated for ``max_tokens`` positions.
+"""``KVCache``: one sequence's per-layer session state, paged in blocks of its device slots' pools.
 
 Each layer keeps the named tensors its ``ModelSpec.layer_state`` declares: *rows* (``per_token``:
-``[max_tokens, ...]``, row i = position i; K and V, an MLA latent) and *recurrent state* (a fixed
-shape updated in place; a linear-attention layer's convolution and ssm state).
+row i = position i; K and V, an MLA latent) and *recurrent state* (a fixed shape updated in place; a
+linear-attention layer's convolution and ssm state). Rows live in the blocks of the device slot's
+``BlockPool`` (kvpool.py): the cache holds a *block table* per slot (int32 block ids; on the slot's
+device as a fixed ``[max_blocks]`` tensor whose unused entries name the null block, so its address
+never changes and a CUDA graph or a fused kernel reads it in place) and grows block by block
+(``reserve``), shrinks by whole blocks (``truncate``), and returns its blocks on ``release``; nothing
+is reallocated. Recurrent state is not paged: each cache owns its tensors.
 
 A cache may hold only some layers; the layers of one cache may sit on different device slots. Each
-layer has a *home* slot (where compute reads and writes it now); a hand-off (``move``) copies the
-committed rows and the whole recurrent state to another slot and parks the old tensors there for the
-way back, so a session that goes back and forth between a prompt and a decode placement allocates
-each tensor once. Compute writes rows at the positions it computes (and updates recurrent state);
+layer has a *home* slot (where compute reads and writes it now). A hand-off (``move``) copies the
+committed rows of the moved layers into the session's blocks on the other slot (one table per slot
+serves every layer the session keeps there) and the recurrent state into tensors parked there for
+the way back; the blocks left on the old slot stay the session's, so going back and forth between
+a prompt and a decode placement allocates each block once. Compute writes rows at the positions it
+computes, into blocks ``reserve`` made ready before (no allocation, no host work inside a layer);
 the caller commits them with ``advance`` once every layer has run, so ``n_tokens`` is the number of
 positions all layers hold. Recurrent state cannot be rewound: ``truncate`` to a shorter non-zero
 length is refused for a cache that holds any (``can_truncate``).
+
+Prefix sharing (kvpool.py has the rule): ``share`` makes an empty cache hold the published full
+blocks a prompt starts with, ``publish`` publishes the cache's own full blocks; a cache with
+recurrent state neither shares nor publishes (its state at a block boundary is not kept).
+
+``read(layer, n)`` gathers positions ``[0, n)`` into contiguous tensors (the eager and prompt
+attention, the CPU reference); the fused decode kernels read the pools through the block tables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from strata_core.model.kvpool import NULL_BLOCK, KVPoolFull, KVPools, PrefixEntry, blocks_for
 from strata_core.model.spec import StateTensor
 
-__all__ = ["KVCache", "KVSnapshot", "StateTensor"]
+__all__ = ["DEFAULT_BLOCK", "KVCache", "KVSnapshot", "StateTensor"]
 
 LayerTensors = dict[str, torch.Tensor]
+
+#: tokens per block of a cache made without an engine's pools (the engine's: ``--kv-block``)
+DEFAULT_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -41,62 +60,208 @@ class KVSnapshot:
         return sum(t.numel() * t.element_size() for named in self.tensors.values() for t in named.values())
 
 
+def _give_back(pools: KVPools, tables: dict[int, list[int]]) -> None:
+    """Return every block of ``tables`` to ``pools`` (a cache released, or dropped unreleased)."""
+    for slot, table in tables.items():
+        pools.free(slot, table)
+    tables.clear()
+
+
+def _on(device: torch.device, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A small host list on ``device`` without making the host wait (pinned, non-blocking on CUDA)."""
+    host = torch.tensor(list(values), dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class KVCache:
-    """Per-layer named state tensors for the layers in ``layers`` (``layout``: layer -> name -> StateTensor)."""
+    """Per-layer named state for the layers in ``layers`` (``layout``: layer -> name -> StateTensor),
+    for up to ``max_tokens`` positions.
+
+    :param pools: the engine's block pools (kvpool.py); None: pools of its own, sized for this one
+        cache, with blocks of ``block_size`` tokens.
+    """
 
     def __init__(self, layers: range, max_tokens: int, layout: Mapping[int, Mapping[str, StateTensor]],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 homes: dict[int, tuple[int, torch.device]] | None = None):
+                 homes: dict[int, tuple[int, torch.device]] | None = None, pools: KVPools | None = None,
+                 block_size: int = DEFAULT_BLOCK):
         self.layers = layers
         self.max_tokens = max_tokens
         self.n_tokens = 0
         self._layout = {i: dict(layout[i]) for i in layers}
         self._dtype = dtype
         self.can_truncate = all(t.per_token for i in layers for t in self._layout[i].values())
+        self.pools = pools if pools is not None else KVPools.for_tokens(max_tokens, block_size, dtype, max_tokens)
+        self.block_size = self.pools.block_size
+        self.max_blocks = blocks_for(max_tokens, self.block_size)
+        self.released = False
+        #: bumped whenever a layer's pool or block table changes (a move, a release): what caches of their
+        #: addresses check (fused_decode.kv_tables); growing and truncating refill the tables in place
+        self.version = 0
         homes = homes or {i: (0, torch.device(device)) for i in layers}
         self.home = {i: homes[i][0] for i in layers}  # layer -> device slot holding it now
-        self.tensors: dict[int, LayerTensors] = {i: self._new(i, homes[i][1]) for i in layers}
-        self._parked: dict[tuple[int, int], LayerTensors] = {}  # (layer, slot) -> tensors left there
-        #: bumped whenever ``tensors`` changes (a move, a release): what caches of their addresses check
-        self.version = 0
-
-    def _new(self, layer: int, device: torch.device | str) -> LayerTensors:
-        return {name: torch.zeros((self.max_tokens, *t.shape) if t.per_token else t.shape,
-                                  device=device, dtype=t.dtype or self._dtype)
-                for name, t in self._layout[layer].items()}
-
-    def _committed(self, layer: int, name: str, tensor: torch.Tensor, n: int) -> torch.Tensor:
-        """What holds information of ``tensor``: its first ``n`` rows, or all of a recurrent state."""
-        return tensor[:n] if self._layout[layer][name].per_token else tensor
+        self._tables: dict[int, list[int]] = {}  # slot -> block ids (host)
+        self._device_tables: dict[int, torch.Tensor] = {}  # slot -> int32 [max_blocks] on the slot's device
+        self._chain: list[PrefixEntry] = []  # index entries of the leading full blocks (shared or published)
+        self._state: dict[int, LayerTensors] = {}  # layer -> its recurrent state (on its home)
+        self._parked: dict[tuple[int, int], LayerTensors] = {}  # (layer, slot) -> recurrent state left there
+        self._left: set[tuple[int, int]] = set()  # (layer, slot): rows left there by a hand-off
+        # a cache dropped without ``release`` still gives its blocks back
+        self._give_back = weakref.finalize(self, _give_back, self.pools, self._tables)
+        for i in layers:
+            slot, where = homes[i]
+            self._place_layer(i, slot, where)
+            self._state[i] = self._new_state(i, where)
 
     @classmethod
     def for_spec(cls, spec, max_tokens: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, layers: range | None = None,
-                 homes: dict[int, tuple[int, torch.device]] | None = None) -> "KVCache":
+                 homes: dict[int, tuple[int, torch.device]] | None = None, pools: KVPools | None = None,
+                 block_size: int = DEFAULT_BLOCK) -> KVCache:
         """A cache for ``spec`` (a ModelSpec: ``layer_state`` gives each layer's tensors) holding
         ``layers`` (all if None), each layer on its ``homes`` entry (device slot, torch device) if
-        given, else on ``device`` as slot 0."""
+        given, else on ``device`` as slot 0; in ``pools`` (None: its own, of ``block_size`` blocks)."""
         layers = layers if layers is not None else range(spec.n_layers)
-        return cls(layers, max_tokens, {i: spec.layer_state(i) for i in layers}, device, dtype, homes)
+        return cls(layers, max_tokens, {i: spec.layer_state(i) for i in layers}, device, dtype, homes, pools,
+                   block_size)
+
+    # --- storage ---------------------------------------------------------------------------------
+
+    def _place_layer(self, layer: int, slot: int, device: torch.device | str) -> None:
+        """Make ``slot``'s pool hold ``layer``'s rows and this cache hold a table there."""
+        self.pools.pool(slot, device).add_layer(layer, self._layout[layer])
+        self._table(slot)
+
+    def _table(self, slot: int) -> list[int]:
+        if slot not in self._tables:
+            self._tables[slot] = []
+            self._device_tables[slot] = torch.full((self.max_blocks,), NULL_BLOCK, dtype=torch.int32,
+                                                    device=self.pools.pools[slot].device)
+        return self._tables[slot]
+
+    def _new_state(self, layer: int, device: torch.device | str) -> LayerTensors:
+        return {name: torch.zeros(t.shape, device=device, dtype=t.dtype or self._dtype)
+                for name, t in self._layout[layer].items() if not t.per_token}
+
+    def _upload(self, slot: int, start: int) -> None:
+        """Copy the host table of ``slot`` from block ``start`` on into its device table."""
+        ids = self._tables[slot][start:]
+        if ids:
+            device_table = self._device_tables[slot]
+            device_table[start:start + len(ids)].copy_(_on(device_table.device, ids, torch.int32), non_blocking=True)
+
+    def _home_slots(self) -> list[int]:
+        return sorted(set(self.home.values()))
+
+    def _rows(self, layer: int, name: str) -> torch.Tensor:
+        """``layer``'s pool tensor ``name`` on its home, as rows ``[n_blocks * block_size, *shape]``."""
+        rows = self.pools.pools[self.home[layer]].rows[layer][name]
+        return rows.view(-1, *rows.shape[2:])
+
+    def _flat(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """int64 row ids in ``slot``'s pool of ``positions`` (on the device table's device: no host work)."""
+        table = self._device_tables[slot]
+        positions = positions.to(table.device)
+        return table[positions // self.block_size].long() * self.block_size + positions % self.block_size
+
+    # --- compute's view --------------------------------------------------------------------------
 
     def write(self, layer: int, positions: torch.Tensor, **rows: torch.Tensor) -> None:
-        """Store each named row tensor ``[T, ...]`` at ``positions [T]`` of ``layer`` (``k=..., v=...``)."""
+        """Store each named row tensor ``[T, ...]`` at ``positions [T]`` of ``layer`` (``k=..., v=...``);
+        the positions' blocks were made ready by ``reserve``."""
+        flat = self._flat(self.home[layer], positions)
         for name, value in rows.items():
-            target = self.tensors[layer][name]
-            target[positions] = value.to(target.dtype)
+            target = self._rows(layer, name)
+            target[flat] = value.to(target.dtype)
 
     def read(self, layer: int, n: int, *names: str) -> tuple[torch.Tensor, ...]:
-        """Views of positions ``[0, n)`` of ``layer``'s rows ``names`` (default ``"k", "v"``)."""
-        named = self.tensors[layer]
-        return tuple(named[name][:n] for name in (names or ("k", "v")))
+        """Positions ``[0, n)`` of ``layer``'s rows ``names`` (default ``"k", "v"``), gathered from its
+        blocks into contiguous tensors ``[n, ...]`` (positions without a block read as zeros)."""
+        slot = self.home[layer]
+        flat = self._flat(slot, torch.arange(n, device=self._device_tables[slot].device))
+        return tuple(self._rows(layer, name).index_select(0, flat) for name in (names or ("k", "v")))
+
+    def block_table(self, layer: int) -> torch.Tensor:
+        """int32 ``[max_blocks]`` block ids of ``layer``'s home slot, on its device (a fixed tensor,
+        refilled in place as the cache grows; unused entries name the null block)."""
+        return self._device_tables[self.home[layer]]
+
+    def pool_rows(self, layer: int) -> LayerTensors:
+        """``layer``'s pool tensors on its home slot, by name: ``[n_blocks, block_size, *shape]``."""
+        return self.pools.pools[self.home[layer]].rows[layer]
 
     def state(self, layer: int, name: str) -> torch.Tensor:
         """``layer``'s recurrent state ``name`` (compute updates it in place)."""
-        return self.tensors[layer][name]
+        return self._state[layer][name]
 
     def recurrent(self, layer: int) -> LayerTensors:
         """``layer``'s fixed-size recurrent state tensors by name (none for a layer of rows only)."""
-        return {name: t for name, t in self.tensors[layer].items() if not self._layout[layer][name].per_token}
+        return dict(self._state.get(layer, {}))
+
+    def addresses(self, layers: range) -> tuple[int, ...] | None:
+        """The addresses of what compute of ``layers`` reads and writes (block tables, pool tensors,
+        recurrent state): what a CUDA graph of this cache depends on; None once released."""
+        if self.released:
+            return None
+        out = [self.max_tokens]
+        for i in layers:
+            out.append(self.block_table(i).data_ptr())
+            out.extend(t.data_ptr() for t in self.pool_rows(i).values())
+            out.extend(t.data_ptr() for t in self._state[i].values())
+        return tuple(out)
+
+    # --- length ----------------------------------------------------------------------------------
+
+    def reserve(self, n: int) -> None:
+        """Make the blocks of positions ``[0, n)`` ready on every home slot, so compute may write up to
+        position ``n - 1``; the block holding position ``n_tokens`` is made private first where it is
+        shared or published (copy-on-write). KVPoolFull, with nothing taken, when a pool is short."""
+        if n > self.max_tokens:
+            raise ValueError(f"KV cache overflow: {n} > {self.max_tokens} tokens")
+        want = blocks_for(n, self.block_size)
+        partial = self.n_tokens // self.block_size if self.n_tokens % self.block_size else None
+        needs = {}
+        for slot in {*self._home_slots(), *(self._tables if partial is not None else ())}:
+            table, pool = self._table(slot), self.pools.pools[slot]
+            need = max(0, want - len(table)) if slot in self.home.values() else 0
+            if partial is not None and partial < len(table) and pool.refs[table[partial]] > 1:
+                need += 1
+            if need > pool.n_free:
+                raise KVPoolFull(f"the KV pool of device slot {slot} is full: {need} more blocks of "
+                                 f"{self.block_size} tokens needed, {pool.n_free} of {pool.n_blocks - 1} free "
+                                 "(--kv-pool-tokens sets its size)")
+            needs[slot] = need
+        for slot in needs:
+            if partial is not None and partial < len(self._tables[slot]):
+                self._make_private(slot, partial)
+            if slot in self.home.values():
+                self._extend(slot, want)
+
+    def _extend(self, slot: int, n_blocks: int) -> None:
+        """Grow ``slot``'s table to ``n_blocks`` blocks (KVPoolFull when its pool is short)."""
+        table = self._tables[slot]
+        if n_blocks > len(table):
+            start = len(table)
+            table.extend(self.pools.pools[slot].allocate(n_blocks - start))
+            self._upload(slot, start)
+
+    def _make_private(self, slot: int, j: int) -> None:
+        """Block ``j`` of ``slot``'s table writable by this cache: unpublished where only it holds the
+        block, else replaced by a copy (copy-on-write)."""
+        table, pool = self._tables[slot], self.pools.pools[slot]
+        block = table[j]
+        if pool.writable(block):
+            return
+        if pool.refs[block] == 1:
+            self.pools.unpublish(pool.published[block])
+            return
+        (copy,) = pool.allocate(1)
+        pool.copy_block(block, copy)
+        self.pools.free(slot, [block])
+        table[j] = copy
+        self._upload(slot, j)
 
     def advance(self, n: int) -> None:
         """Commit ``n`` more positions (after every layer has written them)."""
@@ -105,60 +270,160 @@ class KVCache:
         self.n_tokens += n
 
     def truncate(self, n: int) -> None:
-        """Forget positions ``>= n`` (rows are overwritten by the next write). ``truncate(0)`` also
+        """Forget positions ``>= n``: the blocks past the new length go back to their pools (a block
+        kept partly is written again only after ``reserve`` made it private). ``truncate(0)`` also
         zeroes recurrent state; a shorter non-zero length is a ValueError when recurrent state is held."""
         if n >= self.n_tokens:
             return
         if n == 0:
-            for i in self.layers:
-                for name, tensor in self.tensors[i].items():
-                    if not self._layout[i][name].per_token:
-                        tensor.zero_()
+            for named in self._state.values():
+                for tensor in named.values():
+                    tensor.zero_()
         elif not self.can_truncate:
             raise ValueError(f"cannot rewind recurrent state from {self.n_tokens} to {n} positions")
         self.n_tokens = n
+        self.trim()
+
+    def trim(self) -> None:
+        """Give back the blocks past ``n_tokens`` (reserved for a phase that did not commit them)."""
+        keep = blocks_for(self.n_tokens, self.block_size)
+        del self._chain[self.n_tokens // self.block_size:]
+        for slot, table in self._tables.items():
+            if len(table) > keep:
+                self.pools.free(slot, table[keep:])
+                self._device_tables[slot][keep:len(table)] = NULL_BLOCK
+                del table[keep:]
 
     def release(self) -> None:
-        """Drop the tensors (their memory returns to the allocator); the cache is empty after."""
+        """Give every block back and drop the recurrent state; the cache is empty and unusable after
+        (a cache dropped without it gives its blocks back when it is collected)."""
         self.n_tokens = 0
-        self.tensors.clear()
+        self._give_back()
+        self._device_tables.clear()
+        self._chain.clear()
+        self._state.clear()
         self._parked.clear()
+        self.released = True
         self.version += 1
+
+    def blocks(self, slot: int) -> list[int]:
+        """The block ids this cache holds on ``slot`` (its table), in position order."""
+        return list(self._tables.get(slot, ()))
+
+    # --- hand-off --------------------------------------------------------------------------------
 
     def move(self, layers: range, slot: int, device: torch.device | str) -> None:
         """Hand-off: make device slot ``slot`` (on ``device``) the home of ``layers``, copying the
-        committed rows and the recurrent state device to device (no host round trip); the old
-        tensors are parked."""
-        n = self.n_tokens
+        committed rows into this cache's blocks there (blocks shared there hold them already) and the
+        recurrent state, device to device (no host round trip); what is left behind stays for the way back."""
+        nb = blocks_for(self.n_tokens, self.block_size)
         for i in layers:
-            if self.home[i] == slot:
+            src = self.home[i]
+            if src == slot:
                 continue
-            self._parked[(i, self.home[i])] = self.tensors[i]
-            moved = self._parked.pop((i, slot), None) or self._new(i, device)
-            for name, source in self.tensors[i].items():
-                self._committed(i, name, moved[name], n).copy_(self._committed(i, name, source, n),
-                                                               non_blocking=True)
-            self.tensors[i], self.home[i] = moved, slot
+            self._place_layer(i, slot, device)
+            self._extend(slot, len(self._tables[src]))
+            pool = self.pools.pools[slot]
+            pairs = [(s, d) for s, d in zip(self._tables[src][:nb], self._tables[slot][:nb]) if pool.writable(d)]
+            if pairs:
+                source_rows = self.pools.pools[src].rows[i]
+                at_src = _on(self.pools.pools[src].device, [s for s, _ in pairs], torch.int64)
+                at_dst = _on(pool.device, [d for _, d in pairs], torch.int64)
+                for name, rows in pool.rows[i].items():
+                    rows[at_dst] = source_rows[name][at_src].to(pool.device, non_blocking=True)
+            self._parked[(i, src)] = self._state[i]
+            moved = self._parked.pop((i, slot), None) or self._new_state(i, device)
+            for name, source in self._state[i].items():
+                moved[name].copy_(source, non_blocking=True)
+            self._state[i], self.home[i] = moved, slot
+            self._left.add((i, src))
+            self._left.discard((i, slot))
             self.version += 1
 
     def parked(self, layer: int, slot: int) -> LayerTensors | None:
-        """The tensors of ``layer`` left on ``slot`` by a hand-off (what ``STRATA_DBG_HANDOFF`` compares)."""
-        return self._parked.get((layer, slot))
+        """What a hand-off left of ``layer`` on ``slot``: its committed rows gathered from the blocks
+        there and its parked recurrent state (what ``STRATA_DBG_HANDOFF`` compares), or None."""
+        if (layer, slot) not in self._left:
+            return None
+        table = self._device_tables[slot]
+        flat = self._flat(slot, torch.arange(self.n_tokens, device=table.device))
+        rows = {name: t.view(-1, *t.shape[2:]).index_select(0, flat)
+                for name, t in self.pools.pools[slot].rows[layer].items()}
+        return {**rows, **self._parked.get((layer, slot), {})}
 
     def committed(self, layer: int, tensors: LayerTensors | None = None) -> LayerTensors:
-        """Views of what ``layer`` holds now: its committed rows and its whole recurrent state (of
+        """What ``layer`` holds now: its committed rows (gathered) and its whole recurrent state (of
         ``tensors``, e.g. a parked set, instead of the live ones if given)."""
-        named = self.tensors[layer] if tensors is None else tensors
-        return {name: self._committed(layer, name, t, self.n_tokens) for name, t in named.items()}
+        if tensors is None:
+            names = [name for name, t in self._layout[layer].items() if t.per_token]
+            rows = dict(zip(names, self.read(layer, self.n_tokens, *names))) if names else {}
+            return {**rows, **self._state[layer]}
+        return {name: t[:self.n_tokens] if self._layout[layer][name].per_token else t for name, t in tensors.items()}
+
+    # --- host copies -----------------------------------------------------------------------------
 
     def snapshot(self, layers: range | None = None) -> KVSnapshot:
         """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory."""
         return KVSnapshot(self.n_tokens, {i: {name: t.to("cpu", copy=True) for name, t in self.committed(i).items()}
                                           for i in (self.layers if layers is None else layers)})
 
-    def restore(self, snap: KVSnapshot) -> None:
-        """Load a snapshot's rows and state back (onto each layer's current device) and its ``n_tokens``."""
-        self.n_tokens = snap.n_tokens
+    def restore(self, snap: KVSnapshot, keep: int = 0) -> None:
+        """Load a snapshot's rows and state back (onto each layer's home) and its ``n_tokens``. The
+        first ``keep`` positions this cache holds already are the snapshot's (a shared prefix): they
+        stay and are not written."""
+        if not 0 <= keep <= min(self.n_tokens, snap.n_tokens):
+            raise ValueError(f"cannot keep {keep} positions of a cache of {self.n_tokens} restoring {snap.n_tokens}")
+        if keep == 0:
+            self.truncate(0)
+        self.truncate(keep)
+        self.reserve(snap.n_tokens)
         for i, named in snap.tensors.items():
-            for name, target in self.committed(i).items():
-                target.copy_(named[name])
+            device = self._device_tables[self.home[i]].device
+            rows = {name: t[keep:].to(device) for name, t in named.items() if self._layout[i][name].per_token}
+            if rows:
+                self.write(i, torch.arange(keep, snap.n_tokens, device=device), **rows)
+            for name, t in named.items():
+                if not self._layout[i][name].per_token:
+                    self._state[i][name].copy_(t)
+        self.n_tokens = snap.n_tokens
+
+    # --- prefix sharing --------------------------------------------------------------------------
+
+    def share(self, tokens: Sequence[int]) -> int:
+        """Hold the published full blocks ``tokens`` starts with (no copy, no recompute), for an empty
+        cache without recurrent state; returns the positions now held (a multiple of the block size)."""
+        if self.n_tokens or not self.can_truncate or any(self._tables.values()):
+            return 0
+        bs, homes = self.block_size, set(self.home.values())
+        entries: list[PrefixEntry] = []
+        parent = None
+        for j in range(len(tokens) // bs):
+            entry = self.pools.lookup(parent, tuple(tokens[j * bs:(j + 1) * bs]))
+            if entry is None or not homes <= entry.blocks.keys():
+                break
+            entries.append(entry)
+            parent = entry
+        for entry in entries:
+            for slot, block in entry.blocks.items():
+                self.pools.pools[slot].hold(block)
+                self._table(slot).append(block)
+        for slot in self._tables:
+            self._upload(slot, 0)
+        self._chain = entries
+        self.n_tokens = len(entries) * bs
+        return self.n_tokens
+
+    def publish(self, tokens: Sequence[int]) -> int:
+        """Publish this cache's committed full blocks (``tokens``: the ids of its positions) so other
+        sessions can share them; returns how many leading blocks are published now. The caller
+        publishes only when every slot's blocks hold the rows of every layer there (after a prefill)."""
+        if not self.can_truncate or len(tokens) < self.n_tokens:
+            return len(self._chain)
+        bs = self.block_size
+        for j in range(len(self._chain), self.n_tokens // bs):
+            if any(len(table) <= j for table in self._tables.values()):
+                break
+            blocks = {slot: table[j] for slot, table in self._tables.items()}
+            parent = self._chain[-1] if self._chain else None
+            self._chain.append(self.pools.publish(parent, tuple(tokens[j * bs:(j + 1) * bs]), blocks))
+        return len(self._chain)

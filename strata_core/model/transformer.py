@@ -184,6 +184,7 @@ class MoEModel:
         """All layers on the CPU for ``tokens [T]`` appended after ``kv.n_tokens``; advances ``kv``;
         logits ``[T, V]`` (the reference forward the engine's placements are checked against)."""
         positions = torch.arange(kv.n_tokens, kv.n_tokens + tokens.shape[0])  # [T]
+        kv.reserve(kv.n_tokens + tokens.shape[0])
         h = self.embed(tokens)  # [T, H]
         for layer in range(self.spec.n_layers):
             h = self.moe(layer, self.attention(layer, h, positions, kv), expert_rows)

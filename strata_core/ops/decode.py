@@ -10,20 +10,23 @@ Each op is a ``strata::`` custom op whose CPU kernel is the torch reference (the
 - ``route_topk(logits, k, norm, scale, min_sum) -> (ids int64 [T, k], weights float32 [T, k])``:
   softmax over the experts in float32, top-k (largest first), optional renormalisation (the sum
   clamped to ``min_sum``) and scale;
-- ``rope_kv_write(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, keys, values,
-  table) -> q [B, n_heads, D]``: the fused QKV projection's output split into heads, q and k
-  RMS-normed per head (where weights are given) and NEOX-rotated at ``positions``, k and v written
-  into session b's cache ``keys[b]`` / ``values[b]`` (``[max_tokens, n_kv_heads, D]``) at row
-  ``positions[b]``;
-- ``decode_attention(q, positions, keys, values, table) -> [B, n_heads * D]``: causal GQA
-  attention of each session's query over rows ``0..positions[b]`` of its cache (split over the
-  context, flash-decoding style, then one reduce launch).
+- ``rope_kv_write(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool,
+  value_pool, block_table, table) -> q [B, n_heads, D]``: the fused QKV projection's output split
+  into heads, q and k RMS-normed per head (where weights are given) and NEOX-rotated at
+  ``positions``, k and v written into the paged KV of session b at position ``positions[b]``;
+- ``decode_attention(q, positions, key_pool, value_pool, block_table, table) -> [B, n_heads * D]``:
+  causal GQA attention of each session's query over its positions ``0..positions[b]`` (split over
+  the context, flash-decoding style, then one reduce launch).
 
-``table`` (int64 ``[B, 2]``: the addresses of ``keys[b]`` and ``values[b]``) is what the CUDA kernels
-read to reach the caches; when it is None they build it from the lists. A decode window captured
-as a CUDA graph passes a static table that the engine refills before each replay, so one graph
-serves any sessions of the same batch size (graphs.py): the lists then name the sessions of the
-capture and only the CPU reference reads them. Every cache of one call has the same shape and dtype.
+The KV is paged (model/kvpool.py): ``key_pool`` / ``value_pool`` are one layer's pool tensors
+``[n_blocks, block_size, n_kv_heads, D]`` and session b's position p is row ``p % block_size`` of
+block ``block_table[b, p // block_size]`` (int32 ``[B, max_blocks]``). ``table`` (int64 ``[B, 3]``:
+the addresses of the key pool, the value pool and session b's block table row) is what the CUDA
+kernels read to reach the KV; when it is None they build it from the pools and ``block_table``. A
+decode window captured as a CUDA graph passes a static table that the engine refills before each
+replay, so one graph serves any sessions of the same batch size (graphs.py): the pools and block
+tables named then are those of the capture and only the CPU reference reads them (CUDA callers that
+pass a table may pass no ``block_table``).
 
 Tolerance against the references: float32 within a relative 1e-5, bf16 within its rounding
 (tests/test_kernels_cuda.py).
@@ -72,9 +75,21 @@ def _split_heads(qkv: Tensor, n_heads: int, n_kv_heads: int) -> tuple[Tensor, Te
     return q.reshape(B, n_heads, D), k.reshape(B, n_kv_heads, D), v.reshape(B, n_kv_heads, D)
 
 
+def _paged_rows(block_table: Tensor, b: int, positions: Tensor, block_size: int) -> Tensor:
+    """int64 row ids in a pool viewed as ``[n_blocks * block_size, ...]`` of session b's ``positions``."""
+    return block_table[b, positions // block_size].long() * block_size + positions % block_size
+
+
+def _need_blocks(block_table: Tensor | None) -> Tensor:
+    if block_table is None:
+        raise ValueError("the reference of a paged decode op needs the block table")
+    return block_table
+
+
 def _rope_kv_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
-                 eps: float, n_heads: int, n_kv_heads: int, keys: Sequence[Tensor], values: Sequence[Tensor],
-                 table: Tensor | None) -> Tensor:
+                 eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor, value_pool: Tensor,
+                 block_table: Tensor | None, table: Tensor | None) -> Tensor:
+    block_table = _need_blocks(block_table)
     q, k, v = _split_heads(qkv, n_heads, n_kv_heads)
     if q_norm is not None:
         q = _rms(q, q_norm, eps)
@@ -82,18 +97,24 @@ def _rope_kv_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: 
         k = _rms(k, k_norm, eps)
     cos, sin = rope_cos_sin(positions, q.shape[-1], theta)  # [B, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    bs = key_pool.shape[1]
     for b, p in enumerate(positions.tolist()):
-        keys[b][p] = k[b].to(keys[b].dtype)
-        values[b][p] = v[b].to(values[b].dtype)
+        block = int(block_table[b, p // bs])
+        key_pool[block, p % bs] = k[b].to(key_pool.dtype)
+        value_pool[block, p % bs] = v[b].to(value_pool.dtype)
     return q.contiguous()
 
 
-def _attention_ref(q: Tensor, positions: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
+def _attention_ref(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor, block_table: Tensor | None,
                    table: Tensor | None) -> Tensor:
+    block_table = _need_blocks(block_table)
     B, nh, D = q.shape
+    bs = key_pool.shape[1]
+    keys, values = key_pool.flatten(0, 1), value_pool.flatten(0, 1)  # [n_blocks * bs, nkv, D]
     out = []
     for b, p in enumerate(positions.tolist()):
-        kb, vb = keys[b][:p + 1].float(), values[b][:p + 1].float()  # [S, nkv, D]
+        rows = _paged_rows(block_table.to(keys.device), b, torch.arange(p + 1, device=keys.device), bs)
+        kb, vb = keys[rows].float(), values[rows].float()  # [S, nkv, D]
         rep = nh // kb.shape[1]
         kb = kb.transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
         vb = vb.transpose(0, 1).repeat_interleave(rep, dim=0)
@@ -103,9 +124,11 @@ def _attention_ref(q: Tensor, positions: Tensor, keys: Sequence[Tensor], values:
     return torch.stack(out).to(q.dtype) if out else q.new_empty((0, nh * D))
 
 
-def kv_table(keys: Sequence[Tensor], values: Sequence[Tensor]) -> Tensor:
-    """int64 ``[B, 2]`` on the host: the addresses of each session's K and V cache of one layer."""
-    return torch.tensor([[k.data_ptr(), v.data_ptr()] for k, v in zip(keys, values)], dtype=torch.int64)
+def kv_table(key_pool: Tensor, value_pool: Tensor, block_tables: Sequence[Tensor]) -> Tensor:
+    """int64 ``[B, 3]`` on the host: one layer's key and value pool addresses and each session's block
+    table (int32 ``[max_blocks]`` on the pools' device) address."""
+    return torch.tensor([[key_pool.data_ptr(), value_pool.data_ptr(), t.data_ptr()] for t in block_tables],
+                        dtype=torch.int64).view(len(block_tables), 3)
 
 
 # --- fakes ---------------------------------------------------------------------------------------
@@ -119,12 +142,13 @@ def _route_fake(logits, k, norm, scale, min_sum):
     return (logits.new_empty((T, k), dtype=torch.int64), logits.new_empty((T, k), dtype=torch.float32))
 
 
-def _rope_kv_fake(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, keys, values, table):
+def _rope_kv_fake(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool, value_pool,
+                  block_table, table):
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     return qkv.new_empty((qkv.shape[0], n_heads, D))
 
 
-def _attention_fake(q, positions, keys, values, table):
+def _attention_fake(q, positions, key_pool, value_pool, block_table, table):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -135,12 +159,14 @@ route_topk = torch.library.custom_op(
     "strata::route_topk", _route_ref, mutates_args=(),
     schema="(Tensor logits, int k, bool norm, float scale, float min_sum) -> (Tensor, Tensor)")
 rope_kv_write = torch.library.custom_op(
-    "strata::rope_kv_write", _rope_kv_ref, mutates_args=("keys", "values"),
+    "strata::rope_kv_write", _rope_kv_ref, mutates_args=("key_pool", "value_pool"),
     schema=("(Tensor qkv, Tensor positions, Tensor? q_norm, Tensor? k_norm, float theta, float eps, int n_heads, "
-            "int n_kv_heads, Tensor(a!)[] keys, Tensor(b!)[] values, Tensor? table) -> Tensor"))
+            "int n_kv_heads, Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor? block_table, Tensor? table) "
+            "-> Tensor"))
 decode_attention = torch.library.custom_op(
     "strata::decode_attention", _attention_ref, mutates_args=(),
-    schema="(Tensor q, Tensor positions, Tensor[] keys, Tensor[] values, Tensor? table) -> Tensor")
+    schema=("(Tensor q, Tensor positions, Tensor key_pool, Tensor value_pool, Tensor? block_table, Tensor? table) "
+            "-> Tensor"))
 add_rms_norm.register_fake(_add_rms_norm_fake)
 route_topk.register_fake(_route_fake)
 rope_kv_write.register_fake(_rope_kv_fake)
@@ -232,14 +258,19 @@ if HAS_TRITON:
         return ids, weights
 
     @triton.jit
-    def _cache_ptr(table, b, which, dt: tl.constexpr):
-        """Session b's K (``which`` 0) or V (1) cache of this layer, from the address table."""
-        return tl.load(table + b * 2 + which).to(tl.pointer_type(dt))
+    def _pool_ptr(table, b, which, dt: tl.constexpr):
+        """This layer's K (``which`` 0) or V (1) pool, from session b's row of the address table."""
+        return tl.load(table + b * 3 + which).to(tl.pointer_type(dt))
+
+    @triton.jit
+    def _blocks_ptr(table, b):
+        """Session b's block table (int32 block ids), from its row of the address table."""
+        return tl.load(table + b * 3 + 2).to(tl.pointer_type(tl.int32))
 
     @triton.jit
     def _rope_kv_kernel(qkv, pos, qw, kw, q_out, table, n_heads, n_kv, eps, theta, log2_theta,
                         D: tl.constexpr, HALF: tl.constexpr, QNORM: tl.constexpr, KNORM: tl.constexpr,
-                        LIBDEVICE: tl.constexpr):
+                        BS: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Program (b, head): q heads first, then kv heads (k normed and rotated, v copied)."""
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -260,47 +291,53 @@ if HAS_TRITON:
             g = head - n_heads
             a, c = _norm_rope_halves(a, c, kw, p.to(tl.float32), eps, theta, log2_theta, dt, D, HALF, KNORM,
                                      LIBDEVICE)
-            kc = _cache_ptr(table, b, 0, dt)
-            vc = _cache_ptr(table, b, 1, dt)
-            row = (p * n_kv + g) * D
+            kc = _pool_ptr(table, b, 0, dt)
+            vc = _pool_ptr(table, b, 1, dt)
+            block = tl.load(_blocks_ptr(table, b) + p // BS).to(tl.int64)
+            row = ((block * BS + p % BS) * n_kv + g) * D
             tl.store(kc + row + i, a.to(dt))
             tl.store(kc + row + HALF + i, c.to(dt))
             vsrc = qkv + b * width + (n_heads + n_kv + g) * D
             tl.store(vc + row + i, tl.load(vsrc + i))
             tl.store(vc + row + HALF + i, tl.load(vsrc + HALF + i))
 
-    def _device_table(keys: Sequence[Tensor], values: Sequence[Tensor], device: torch.device) -> Tensor:
-        table = kv_table(keys, values)
-        return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    def _device_table(key_pool: Tensor, value_pool: Tensor, block_table: Tensor | None,
+                      device: torch.device) -> Tensor:
+        block_table = _need_blocks(block_table)
+        if block_table.device != device or block_table.dtype != torch.int32 or not block_table.is_contiguous():
+            raise ValueError("the block table of a CUDA decode call must be a contiguous int32 tensor on its device")
+        table = kv_table(key_pool, value_pool, list(block_table))
+        return table.pin_memory().to(device, non_blocking=True)
 
-    def _check_caches(dtype: torch.dtype, keys: Sequence[Tensor], values: Sequence[Tensor]) -> None:
-        for cache in (*keys, *values):
-            if cache.dtype != dtype or not cache.is_contiguous() or cache.shape != keys[0].shape:
-                raise ValueError(f"the KV caches of one decode call must be contiguous {dtype} tensors of one "
-                                 f"shape, got {cache.dtype} {tuple(cache.shape)}")
+    def _check_pools(dtype: torch.dtype, key_pool: Tensor, value_pool: Tensor) -> None:
+        for pool in (key_pool, value_pool):
+            if pool.dtype != dtype or not pool.is_contiguous() or pool.shape != key_pool.shape or pool.dim() != 4:
+                raise ValueError(f"the KV pools of one decode call must be contiguous {dtype} tensors "
+                                 f"[n_blocks, block_size, n_kv_heads, D] of one shape, got {pool.dtype} "
+                                 f"{tuple(pool.shape)}")
 
     def _rope_kv_cuda(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
-                      eps: float, n_heads: int, n_kv_heads: int, keys: Sequence[Tensor], values: Sequence[Tensor],
-                      table: Tensor | None) -> Tensor:
+                      eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor, value_pool: Tensor,
+                      block_table: Tensor | None, table: Tensor | None) -> Tensor:
         B = qkv.shape[0]
         D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
         q = qkv.new_empty((B, n_heads, D))
         if B == 0:
             return q
-        _check_caches(qkv.dtype, keys, values)
-        table = _device_table(keys, values, qkv.device) if table is None else table
+        _check_pools(qkv.dtype, key_pool, value_pool)
+        table = _device_table(key_pool, value_pool, block_table, qkv.device) if table is None else table
         with on_device(qkv.device):
             _rope_kv_kernel[(B, n_heads + n_kv_heads)](
                 qkv.contiguous(), positions.contiguous(), q_norm if q_norm is not None else qkv,
                 k_norm if k_norm is not None else qkv, q, table, n_heads, n_kv_heads, eps, float(theta),
                 math.log2(theta), D=D, HALF=D // 2, QNORM=q_norm is not None, KNORM=k_norm is not None,
-                LIBDEVICE=_LIBDEVICE, num_warps=1)
+                BS=key_pool.shape[1], LIBDEVICE=_LIBDEVICE, num_warps=1)
         return q
 
     @triton.jit
     def _attention_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
                                 REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                SPLITS: tl.constexpr, IEEE: tl.constexpr):
+                                SPLITS: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
         """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b]."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
@@ -315,15 +352,17 @@ if HAS_TRITON:
         keep = r < REP
         dt = q.dtype.element_ty
         qt = tl.load(q + rows[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)  # [RP, D]
-        kc = _cache_ptr(table, b, 0, dt)
-        vc = _cache_ptr(table, b, 1, dt)
+        kc = _pool_ptr(table, b, 0, dt)
+        vc = _pool_ptr(table, b, 1, dt)
+        bt = _blocks_ptr(table, b)
         m_i = tl.full([RP], float("-inf"), tl.float32)
         l_i = tl.zeros([RP], dtype=tl.float32)
         acc = tl.zeros([RP, D], dtype=tl.float32)
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < end
-            at = (t[:, None] * n_kv + g) * D + d[None, :]  # [BLOCK_N, D]
+            block = tl.load(bt + t // BS, mask=tm, other=0).to(tl.int64)  # [BLOCK_N] block ids
+            at = ((block * BS + t % BS)[:, None] * n_kv + g) * D + d[None, :]  # [BLOCK_N, D]
             k = tl.load(kc + at, mask=tm[:, None], other=0.0)
             if IEEE:  # float32 products (float32 caches; the interpreter, whose bf16 dot is wrong)
                 sc = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -360,16 +399,16 @@ if HAS_TRITON:
         o = tl.sum(acc * w[:, None], axis=0) / total
         tl.store(out + row * D + d, o.to(out.dtype.element_ty))
 
-    def _attention_cuda(q: Tensor, positions: Tensor, keys: Sequence[Tensor], values: Sequence[Tensor],
-                        table: Tensor | None) -> Tensor:
+    def _attention_cuda(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor,
+                        block_table: Tensor | None, table: Tensor | None) -> Tensor:
         B, nh, D = q.shape
         out = q.new_empty((B, nh * D))
         if B == 0:
             return out
-        _check_caches(q.dtype, keys, values)
-        nkv = keys[0].shape[1]
+        _check_pools(q.dtype, key_pool, value_pool)
+        nkv = key_pool.shape[2]
         rep = nh // nkv
-        table = _device_table(keys, values, q.device) if table is None else table
+        table = _device_table(key_pool, value_pool, block_table, q.device) if table is None else table
         splits = _attention_splits(B, nkv)
         m = torch.empty((B * nh * splits,), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
@@ -378,7 +417,7 @@ if HAS_TRITON:
             _attention_split_kernel[(B, nkv, splits)](
                 q.contiguous(), positions.contiguous(), table, m, l, acc, nh, nkv, D ** -0.5,
                 REP=rep, RP=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=_BLOCK_N, SPLITS=splits,
-                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, num_warps=4)
+                BS=key_pool.shape[1], IEEE=q.dtype == torch.float32 or not _LIBDEVICE, num_warps=4)
             _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits, num_warps=1)
         return out
 

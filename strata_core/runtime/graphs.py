@@ -10,10 +10,10 @@ Static shapes: the captured body attends over the whole KV capacity, masked on t
 positions; its inputs (hidden state, positions, token ids, KV address tables) are static device
 buffers refilled before each replay (a device copy, or a non-blocking copy from pinned host memory);
 the output stays in the graph's pool and is returned as a clone. A graph that reads the sessions'
-KV tensors directly is cached per (B, layers, session ids) together with the addresses of those
-tensors: a released session (its tensors dropped), a moved one (new tensors) or a new set of
-sessions captures again; truncating or restoring a session keeps its tensors, so its graph stays
-valid. A *shared* graph reaches the KV through address tables among its inputs, so it is keyed by
+KV directly is cached per (B, layers, session ids) together with the addresses of what it reads
+(the sessions' device block tables, the pools, recurrent state): a released session, a moved one
+(another slot's table and pool) or a new set of sessions captures again; growing, truncating or
+restoring a session refills its block table in place, so its graph stays valid. A *shared* graph reaches the KV through address tables among its inputs, so it is keyed by
 (B, layers) alone and serves any sessions. At most ``max_graphs`` graphs are kept (least recently
 used first out); dead sessions' graphs are purged.
 
@@ -118,14 +118,14 @@ class DecodeGraphs:
 
     @staticmethod
     def signature(layers: range, sessions: tuple[Session, ...]) -> tuple | None:
-        """Addresses of the state tensors a graph of ``sessions`` reads and writes; None if released."""
+        """Addresses of the state a graph of ``sessions`` reads and writes (``KVCache.addresses``: block
+        tables, pools, recurrent state); None if one is released."""
         out = []
         for session in sessions:
-            kv = session.kv
-            try:
-                out.append((kv.max_tokens, *(t.data_ptr() for i in layers for t in kv.tensors[i].values())))
-            except KeyError:
+            addresses = session.kv.addresses(layers)
+            if addresses is None:
                 return None
+            out.append(addresses)
         return tuple(out)
 
     def invalidate(self, session: Session | None = None) -> None:
@@ -137,7 +137,7 @@ class DecodeGraphs:
         """Drop graphs whose sessions are gone or released."""
         for key, entry in list(self._graphs.items()):
             alive = [ref() for ref in entry.sessions]
-            if any(s is None or not s.kv.tensors for s in alive):
+            if any(s is None or s.kv.released for s in alive):
                 del self._graphs[key]
 
     def entry(self, segment: Segment, batch: DecodeBatch, inputs: dict[str, torch.Tensor], body: Body | None,

@@ -13,10 +13,11 @@ from strata_core.plugin.placement import PHASES, DeviceSlot, Placement
 
 def dense_bytes_per_device(spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot], dtype: torch.dtype,
                            kv_tokens: int) -> dict[torch.device, int]:
-    """Bytes of dequantized dense weights plus one session's state (KV rows for ``kv_tokens`` positions) on
-    each torch device of ``placement``: the embedding and head on the main slot's device; a layer's
-    weights once per torch device computing it, its KV once per device slot computing it (in
-    either phase: a hand-off keeps both copies)."""
+    """Bytes of dequantized dense weights plus the paged KV (rows for ``kv_tokens`` positions: a device
+    slot's block pool, every session's blocks together) on each torch device of ``placement``: the
+    embedding and head on the main slot's device; a layer's weights once per torch device computing
+    it, its KV rows once per device slot computing it (in either phase: a hand-off keeps both copies).
+    Recurrent state (one copy per session) is counted once."""
     arch = get_architecture(spec.architecture)
     item = torch.empty((), dtype=dtype).element_size()
     sizes: dict[torch.device, int] = {slots[i].device: 0 for i in placement.devices_used()}

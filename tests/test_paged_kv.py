@@ -1,0 +1,265 @@
+"""The paged KV cache (model/kvpool.py, model/kvcache.py): logits bit-identical to one block per
+session (the contiguous layout) for any block size, chunking and shared prefix; pool accounting of
+growth, truncation, release and shared blocks; copy-on-write; snapshots; hand-offs between device
+slots; pool sizing errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from strata_core.engine import Engine, kv_pools
+from strata_core.errors import BudgetError, RequestError
+from strata_core.model.kvpool import KVPoolFull
+from strata_core.plugin.placement import PHASES
+from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
+
+CONTEXT = 64
+
+
+def repool(engine: Engine, block: int) -> Engine:
+    """``engine`` with fresh pools of ``block``-token blocks (what ``--kv-block block`` loads)."""
+    engine.kv_pools = kv_pools(engine.settings.model_copy(update={"kv_block": block}), engine.spec, engine.dtype)
+    for phase in PHASES:
+        for layer, placed in enumerate(engine.placement.layers(phase)):
+            engine.kv_pools.pool(placed.device, engine.devices[placed.device].device).add_layer(
+                layer, engine.spec.layer_state(layer))
+    return engine
+
+
+def held(engine: Engine, slot: int = 0) -> int:
+    """Blocks of ``slot``'s pool held by some session."""
+    return engine.kv_pools.used(slot)
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next", "deepseek2"])
+def engines(request, tiny_model_factory):
+    """The same model twice: one to page in random block sizes, one with a block per session."""
+    path = ({"gpt-oss": GPT_OSS, "qwen3next": QWEN3NEXT, "deepseek2": DEEPSEEK2}.get(request.param)
+            or tiny_model_factory(expert_type="Q8_0"))
+    return (Engine.load(path, max_context=CONTEXT, parallel=3),
+            Engine.load(path, max_context=CONTEXT, parallel=3, kv_block=CONTEXT))
+
+
+def _run(engine: Engine, first: list[int], pieces: list[int], second: list[int], cut: int) -> tuple[list, int]:
+    """Every logit of: ``first`` prefilled in ``pieces``; a session sharing what it can of ``second``
+    (all but its last token) and prefilling the rest; three batched decode windows; the first session
+    cut back to ``cut`` (into a shared block: copy-on-write) and extended; two more windows."""
+    out = []
+    a = engine.new_session()
+    start = 0
+    for size in pieces:
+        if start < len(first):
+            out.append(engine.prefill(a, first[start:start + size], all_logits=True))
+            start += size
+    b = engine.new_session(second[:-1])
+    shared = b.n_tokens
+    out.append(engine.prefill(b, second[shared:]))  # the last position's (the others were not computed here)
+    steps = [(a, 3), (b, 5)]
+    for _ in range(3):
+        out.append(engine.decode_window(steps))
+    if engine.spec.rewindable:
+        a.truncate(min(cut, a.n_tokens))
+        out.append(engine.prefill(a, [7, 8, 9], all_logits=True))
+    for _ in range(2):
+        out.append(engine.decode_window(steps))
+    engine.release_session(a)
+    engine.release_session(b)
+    return out, shared
+
+
+@given(block=st.integers(1, 24), first=st.integers(2, 30), pieces=st.lists(st.integers(1, 12), min_size=1, max_size=4),
+       common=st.integers(0, 30), tail=st.integers(1, 8), cut=st.integers(1, 30))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_paged_logits_are_bit_identical_to_a_block_per_session(engines, block, first, pieces, common, tail, cut):
+    paged, whole = engines
+    repool(paged, block)
+    one = list(range(10, 10 + first))
+    common = min(common, first)
+    two = one[:common] + list(range(50, 50 + tail))
+    pieces = pieces + [first]  # the rest in one piece
+    got, shared = _run(paged, one, pieces, two, cut)
+    want, none = _run(whole, one, pieces, two, cut)
+    assert none == 0 and all(torch.equal(g, w) for g, w in zip(got, want))
+    expect = (min(common, len(two) - 1) // block) * block if paged.spec.rewindable else 0
+    assert shared == expect  # the full blocks of the common prefix, shared, not recomputed
+    assert held(paged) == 0 and not paged.kv_pools.index  # every block back, no index entry left
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_factory):
+    return Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=CONTEXT, kv_block=4)
+
+
+def test_blocks_grow_shrink_and_return(engine):
+    s = engine.new_session()
+    engine.prefill(s, list(range(10)))
+    assert len(s.kv.blocks(0)) == 3 and held(engine) == 3  # 10 positions in blocks of 4
+    for token in (1, 2):
+        engine.decode_window([(s, token)])  # 11, 12 positions: still 3 blocks
+    assert held(engine) == 3
+    engine.decode_window([(s, 3)])  # 13: a fourth
+    assert held(engine) == 4 and len(engine.kv_pools.index) == 2  # the prompt's 2 full blocks published
+    table = s.kv.block_table(0)
+    s.truncate(5)
+    assert held(engine) == 2 and s.kv.block_table(0) is table and table[2:].eq(0).all()
+    engine.release_session(s)
+    assert held(engine) == 0 and not engine.kv_pools.index
+
+
+def test_shared_prefix_blocks_are_refcounted_and_freed_with_the_last_holder(engine):
+    prompt = list(range(20, 30))
+    a = engine.new_session()
+    engine.prefill(a, prompt)
+    b = engine.new_session(prompt + [1, 2])
+    assert b.tokens == prompt[:8] and b.kv.blocks(0) == a.kv.blocks(0)[:2]  # two full blocks: no copy
+    pool = engine.kv_pools.pools[0]
+    assert [pool.refs[i] for i in a.kv.blocks(0)] == [2, 2, 1] and held(engine) == 3
+    engine.prefill(b, prompt[8:] + [1, 2])
+    assert held(engine) == 4  # b's own third block
+    engine.release_session(a)
+    assert held(engine) == 3 and [pool.refs[i] for i in b.kv.blocks(0)] == [1, 1, 1]
+    c = engine.new_session(prompt)  # the prefix is still published: b holds it
+    assert c.n_tokens == 8
+    engine.release_session(b)
+    engine.release_session(c)
+    assert held(engine) == 0 and not engine.kv_pools.index
+    assert engine.new_session(prompt).n_tokens == 0  # the last holder gone: nothing to share
+
+
+def test_a_write_after_truncating_into_a_shared_block_copies_it_first(engine):
+    prompt = list(range(30, 42))
+    a = engine.new_session()
+    engine.prefill(a, prompt)
+    b = engine.new_session(prompt)
+    assert b.n_tokens == 12
+    rows = [t.clone() for t in b.kv.read(0, 12)]
+    shared = a.kv.blocks(0)[1]
+    a.truncate(6)  # into the second block, which b holds too
+    engine.prefill(a, [1, 2, 3])
+    assert a.kv.blocks(0)[1] != shared and b.kv.blocks(0)[1] == shared  # a wrote a copy
+    assert all(torch.equal(x, y) for x, y in zip(b.kv.read(0, 12), rows))  # b's rows unchanged
+    fresh = engine.new_session()
+    engine.prefill(fresh, prompt[:6] + [1, 2, 3])
+    assert all(torch.equal(x, y) for x, y in zip(a.kv.read(0, 9), fresh.kv.read(0, 9)))
+    for s in (a, b, fresh):
+        engine.release_session(s)
+    assert held(engine) == 0
+
+
+def test_a_truncated_block_held_alone_is_unpublished_not_copied(engine):
+    a = engine.new_session()
+    engine.prefill(a, list(range(8)))
+    blocks = a.kv.blocks(0)
+    a.truncate(6)
+    engine.prefill(a, [9])
+    assert a.kv.blocks(0) == blocks and len(engine.kv_pools.index) == 1  # the second block is a's again
+    b = engine.new_session(list(range(8)))
+    assert b.n_tokens == 4
+    engine.release_session(a)
+    del b  # dropped without release: its block goes back all the same
+    assert held(engine) == 0
+
+
+def test_snapshots_restore_beside_and_after_the_original(engine):
+    a = engine.new_session()
+    engine.prefill(a, list(range(40, 50)))
+    engine.decode_window([(a, 3)])
+    snap = engine.save_session(a)
+    beside = engine.restore_session(snap)  # a holds the published prefix: shared, the rest copied in
+    assert beside.tokens == a.tokens and beside.kv.blocks(0)[:2] == a.kv.blocks(0)[:2]
+    assert beside.kv.blocks(0)[2] != a.kv.blocks(0)[2]
+    want = engine.decode_window([(a, 4)])
+    assert torch.equal(engine.decode_window([(beside, 4)]), want)
+    engine.release_session(a)
+    engine.release_session(beside)
+    assert held(engine) == 0
+    after = engine.restore_session(snap)  # nothing published any more: every row from the snapshot
+    assert after.tokens == list(snap.tokens) and held(engine) == 3
+    assert torch.equal(engine.decode_window([(after, 4)]), want)
+    engine.release_session(after)
+
+
+def test_a_full_pool_fails_the_request_and_loses_nothing(tiny_model_factory):
+    engine = Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=CONTEXT, kv_block=4,
+                         kv_pool_tokens=CONTEXT)
+    a, b = engine.new_session(), engine.new_session()
+    engine.prefill(a, list(range(50)))
+    with pytest.raises(KVPoolFull, match="KV pool of device slot 0 is full: 5 more blocks of 4 tokens needed, "
+                                         "3 of 16 free"):
+        engine.prefill(b, list(range(20)))
+    assert isinstance(KVPoolFull("x"), RequestError)
+    assert b.n_tokens == 0 and b.kv.blocks(0) == [] and held(engine) == 13
+    logits = engine.decode_window([(a, 1)])  # a goes on
+    engine.release_session(a)
+    engine.prefill(b, list(range(20)))
+    assert logits.shape[0] == 1 and held(engine) == 5
+
+
+def test_a_pool_smaller_than_one_session_is_refused_at_load(tiny_model_factory):
+    with pytest.raises(BudgetError, match=r"KV pool of 40 tokens \(--kv-pool-tokens\) cannot hold one session of "
+                                          r"64 tokens \(--max-context\)"):
+        Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=CONTEXT, kv_pool_tokens=40)
+
+
+def test_the_default_pool_holds_parallel_sessions_of_the_context(tiny_model_factory, caplog):
+    with caplog.at_level("INFO", logger="strata_core.model.kvpool"):
+        engine = Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=CONTEXT, parallel=2)
+    pool = engine.kv_pools.pools[0]
+    assert pool.block_size == 16 and pool.n_blocks == 2 * CONTEXT // 16 + 1
+    assert "KV pool of cpu#0: 8 blocks of 16 tokens (128 tokens" in caplog.text
+
+
+def test_hand_offs_between_slots_share_and_match_single(tiny_model_factory):
+    """prefill_main on logical devices: the prompt on slot 0, the later layers' decode on slot 1; a
+    session sharing a prefix holds its blocks on both slots; logits equal single's."""
+    path = tiny_model_factory(expert_type="Q8_0", n_layers=4)
+    split = Engine.load(path, strategy="prefill_main", devices=["cpu", "cpu"], max_context=CONTEXT, kv_block=4,
+                        strategy_options={"split": "2"}, dbg_handoff=True)
+    single = Engine.load(path, max_context=CONTEXT, kv_block=4)
+    prompt = list(range(60, 71))
+    results = []
+    for engine in (split, single):
+        a = engine.new_session()
+        out = [engine.prefill(a, prompt)]
+        b = engine.new_session(prompt[:9] + [3, 4])
+        out.append(engine.prefill(b, prompt[b.n_tokens:9] + [3, 4]))
+        out += [engine.decode_window([(a, 1), (b, 2)]) for _ in range(3)]
+        snap = engine.save_session(b)
+        c = engine.restore_session(snap)
+        out.append(engine.decode_window([(b, 5), (c, 5)]))
+        results.append((out, b.kv, c.kv))
+    (got, b_kv, c_kv), (want, _, _) = results
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert b_kv.home == {0: 0, 1: 0, 2: 1, 3: 1}
+    assert b_kv.blocks(0)[:2] == c_kv.blocks(0)[:2] and b_kv.blocks(1)[:2] == c_kv.blocks(1)[:2]  # shared on both
+    assert split.kv_pools.used(1) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("graphs", [False, True])
+def test_shared_prefixes_decode_on_cuda_as_computed_alone(tiny_model_factory, graphs):
+    """On CUDA (fused decode through the block tables, graphs or not): a session sharing another's
+    prefix decodes the greedy tokens of the same prompt computed alone, and the CPU's."""
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    prompt = list(range(5, 45))
+
+    def greedy(engine: Engine, share: bool) -> list[int]:
+        first = engine.new_session()
+        engine.prefill(first, prompt)
+        session = engine.new_session(prompt[:-1] if share else ())
+        token = int(engine.prefill(session, prompt[session.n_tokens:]).argmax())
+        assert session.n_tokens == len(prompt) and (not share or first.kv.blocks(0)[:2] == session.kv.blocks(0)[:2])
+        out = [token]
+        for _ in range(20):  # past a block boundary or two
+            rows = engine.decode_window([(first, 3), (session, token)])
+            token = int(rows[1].argmax())
+            out.append(token)
+        return out
+
+    cuda = Engine.load(path, devices=["cuda:0"], max_context=CONTEXT, dtype="float32", arena="pinned",
+                       expert_cache=8, cuda_graphs=graphs)
+    cpu = Engine.load(path, max_context=CONTEXT)
+    assert greedy(cuda, True) == greedy(cuda, False) == greedy(cpu, False)
