@@ -164,3 +164,39 @@ def test_a_prompt_computed_in_chunks_beside_a_decoding_stream_equals_its_run_alo
     assert outputs == ["".join(reference.stream(p, sp)) for p, sp in zip(prompts, params)]
     assert chunks[0] == len(prompts[0]) and len(chunks) > 2 and max(chunks[1:]) <= 7  # beside one decode row
     assert sum(chunks[1:]) == len(prompts[1])
+
+
+def test_a_request_sharing_a_running_request_s_prompt_opening_shares_its_kv_blocks(reference: Engine,
+                                                                                   model_path: Path) -> None:
+    """A prompt that begins like a running request's starts holding that request's published KV blocks
+    (computing only its tail) and gives the greedy text it gives alone."""
+    from strata_core.serving.requests import Delta, Finished, GenerationRequest
+    from strata_core.serving.scheduler import Scheduler
+
+    engine = Engine.load(model_path, max_context=CONTEXT)
+    scheduler = Scheduler(engine, parallel=2, max_queue=0, conv_cache=0, conv_cache_bytes=0, step_tokens=512)
+    opening = engine.tokenizer.encode("the hot experts were cached on the device, " * 4)
+    prompts = [opening + engine.tokenizer.encode(" first"), opening + engine.tokenizer.encode(" second")]
+    params = SamplingParams(temperature=0, max_tokens=6)
+
+    async def run(handle) -> tuple[str, Finished]:  # type: ignore[no-untyped-def]
+        events = [event async for event in handle]
+        return "".join(e.text for e in events if isinstance(e, Delta)), events[-1]
+
+    async def main() -> list[tuple[str, Finished]]:
+        running = scheduler.submit(GenerationRequest(prompts[0], SamplingParams(temperature=0, max_tokens=30)))
+        await running.events.get()  # its prompt is computed and its blocks published
+        late = await run(scheduler.submit(GenerationRequest(prompts[1], params)))
+        running.cancel()
+        return [late]
+
+    scheduler.start()
+    try:
+        ((text, finished),) = asyncio.run(main())
+    finally:
+        scheduler.stop()
+        engine.close()
+    block = engine.settings.kv_block
+    assert finished.timings.cache_n >= block and finished.timings.cache_n % block == 0
+    assert finished.timings.cache_n + finished.timings.prompt_n == len(prompts[1])
+    assert text == "".join(reference.stream(prompts[1], params))

@@ -157,7 +157,7 @@ class FakeEngine:
         self._check_thread()
         self.captured = sessions  # what a server's start asked to capture
 
-    def new_session(self) -> FakeSession:
+    def new_session(self, prefix_tokens=()) -> FakeSession:  # shares nothing: no KV blocks are published here
         self._check_thread()
         session = FakeSession(rewindable=self.spec.rewindable)
         self.live.add(id(session))

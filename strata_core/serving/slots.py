@@ -68,8 +68,9 @@ class Slots:
             self._displace(slot)
             if snapshot is not None:
                 slot.session, cached = self.engine.restore_session(snapshot), cache_n
-            else:
-                slot.session, cached = self.engine.new_session(), 0
+            else:  # holding the KV blocks of this prompt's opening that another request computed, if any
+                slot.session = self.engine.new_session(prompt[:-1])
+                cached = slot.session.n_tokens
         if slot.session.n_tokens > cached:
             slot.session.truncate(cached)
         return slot
