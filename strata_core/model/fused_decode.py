@@ -42,7 +42,8 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.model.ops import rms_norm
 from strata_core.model.transformer import _MIN_WEIGHT_SUM, MoEModel  # llama.cpp's top-k weight sum clamp
 from strata_core.model.weights import dense_product, q8_sources
-from strata_core.ops.decode import add_rms_norm, decode_attention, fused_decode_supported, rope_kv_write, route_topk
+from strata_core.ops.decode import (INVARIANT_SPLITS, add_rms_norm, decode_attention, fused_decode_supported,
+                                    rope_kv_write, route_topk)
 from strata_core.ops.dense_q8 import Q8Matrix
 from strata_core.plugin.placement import DeviceSlot, Placement
 from strata_core.runtime.session import Session
@@ -187,7 +188,8 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
     q = rope_kv_write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
                       w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
                       s.n_kv_heads, keys, values, blocks, table)  # [B, nh, D]
-    out = decode_attention(q, positions, keys, values, blocks, table)  # [B, nh D]
+    out = decode_attention(q, positions, keys, values, blocks, table,
+                           INVARIANT_SPLITS if invariant else 0)  # [B, nh D]
     hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer, invariant),
                              w["ffn_norm.weight"], eps)
     logits = model.weights.product(x, "ffn_gate_inp.weight", layer, invariant)  # [B, E]

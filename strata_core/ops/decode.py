@@ -14,9 +14,10 @@ Each op is a ``strata::`` custom op whose CPU kernel is the torch reference (the
   value_pool, block_table, table) -> q [B, n_heads, D]``: the fused QKV projection's output split
   into heads, q and k RMS-normed per head (where weights are given) and NEOX-rotated at
   ``positions``, k and v written into the paged KV of session b at position ``positions[b]``;
-- ``decode_attention(q, positions, key_pool, value_pool, block_table, table) -> [B, n_heads * D]``:
+- ``decode_attention(q, positions, key_pool, value_pool, block_table, table, splits=0) -> [B, n_heads * D]``:
   causal GQA attention of each session's query over its positions ``0..positions[b]`` (split over
-  the context, flash-decoding style, then one reduce launch).
+  the context, flash-decoding style, then one reduce launch; ``splits`` programs per (session, kv
+  head), 0: chosen from the batch size).
 
 The KV is paged (model/kvpool.py): ``key_pool`` / ``value_pool`` are one layer's pool tensors
 ``[n_blocks, block_size, n_kv_heads, D]`` and session b's position p is row ``p % block_size`` of
@@ -106,7 +107,7 @@ def _rope_kv_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: 
 
 
 def _attention_ref(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor, block_table: Tensor | None,
-                   table: Tensor | None) -> Tensor:
+                   table: Tensor | None, splits: int = 0) -> Tensor:
     block_table = _need_blocks(block_table)
     B, nh, D = q.shape
     bs = key_pool.shape[1]
@@ -148,7 +149,7 @@ def _rope_kv_fake(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_head
     return qkv.new_empty((qkv.shape[0], n_heads, D))
 
 
-def _attention_fake(q, positions, key_pool, value_pool, block_table, table):
+def _attention_fake(q, positions, key_pool, value_pool, block_table, table, splits=0):
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
@@ -165,8 +166,8 @@ rope_kv_write = torch.library.custom_op(
             "-> Tensor"))
 decode_attention = torch.library.custom_op(
     "strata::decode_attention", _attention_ref, mutates_args=(),
-    schema=("(Tensor q, Tensor positions, Tensor key_pool, Tensor value_pool, Tensor? block_table, Tensor? table) "
-            "-> Tensor"))
+    schema=("(Tensor q, Tensor positions, Tensor key_pool, Tensor value_pool, Tensor? block_table, Tensor? table, "
+            "int splits=0) -> Tensor"))
 add_rms_norm.register_fake(_add_rms_norm_fake)
 route_topk.register_fake(_route_fake)
 rope_kv_write.register_fake(_rope_kv_fake)
@@ -177,10 +178,14 @@ decode_attention.register_fake(_attention_fake)
 #: (chosen with tools/attention_sweep.py on the H200: 32 positions, 64 splits for one session and 32 for
 #: four beat the alternatives at 1K and at 32K of context; see BENCHMARKS.md).
 _BLOCK_N, _SPLITS, _PROGRAMS = 32, None, 512
+#: the splits of every launch under ``--batch-invariant``: a row's partial sums then do not depend on B
+INVARIANT_SPLITS = 32
 
 
-def _attention_splits(sessions: int, kv_heads: int) -> int:
-    """Programs per (session, kv head) of a decode attention launch (see ``_SPLITS``)."""
+def _attention_splits(sessions: int, kv_heads: int, splits: int = 0) -> int:
+    """Programs per (session, kv head) of a decode attention launch: ``splits`` if given, else see ``_SPLITS``."""
+    if splits:
+        return splits
     if _SPLITS is not None:
         return _SPLITS
     want = max(1, _PROGRAMS // (sessions * kv_heads))
@@ -400,7 +405,7 @@ if HAS_TRITON:
         tl.store(out + row * D + d, o.to(out.dtype.element_ty))
 
     def _attention_cuda(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor,
-                        block_table: Tensor | None, table: Tensor | None) -> Tensor:
+                        block_table: Tensor | None, table: Tensor | None, splits: int = 0) -> Tensor:
         B, nh, D = q.shape
         out = q.new_empty((B, nh * D))
         if B == 0:
@@ -409,7 +414,7 @@ if HAS_TRITON:
         nkv = key_pool.shape[2]
         rep = nh // nkv
         table = _device_table(key_pool, value_pool, block_table, q.device) if table is None else table
-        splits = _attention_splits(B, nkv)
+        splits = _attention_splits(B, nkv, splits)
         m = torch.empty((B * nh * splits,), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         acc = torch.empty((B * nh * splits, D), dtype=torch.float32, device=q.device)
