@@ -333,14 +333,14 @@ class Runner:
         """Capture the decode graphs of every bucket a window of up to ``sessions`` sessions takes, now
         (a server's start: no capture after it, whoever joins or leaves), by running one window of
         padding rows per bucket; logs the buckets and the time it took. Nothing where graphs do not apply."""
-        if not self.settings.cuda_graphs or not all(map(self._graphed, self._segments["decode"])):
-            return
         start = time.perf_counter()
         sizes = [b for b in BUCKETS if b < sessions] + [bucket(sessions)]
         if self._padding is None:
             self._padding = self._new_padding()
-        self.experts.begin_window()
+        self.experts.begin_window()  # where graphs apply is decided inside a window (the decode gather)
         try:
+            if not self.settings.cuda_graphs or not all(map(self._graphed, self._segments["decode"])):
+                return
             with self._masked("decode"):
                 for size in sizes:
                     self.run_decode(DecodeBatch((self._padding,) * size, torch.zeros(size, dtype=torch.int64)))
