@@ -207,6 +207,18 @@ def test_grouped_tiling(device, qtypes, hidden, ffn, bn, kt):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fast, kt", [(True, 64), (True, 512), (False, 64)], ids=["16-byte", "16-byte-past-K", "decoded"])
+def test_grouped_q4_k_both_ways(device, fast, kt):
+    """Q4_K read as 16-byte loads of its nibbles (``fast_q4k``, aligned rows; a step longer than K too)
+    and decoded value by value."""
+    case = layer_case((T.Q4_K,) * 3, 6, 4, 5, 6, 0.5, 10)
+    want = reference("moe_decode", *case, 4)
+    with moe.launched_with(grouped(device, fast_q4k=fast, kt=kt)):
+        got = run("moe_decode", device, "device", *case, 4)
+    assert rel(got, want) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("precision", moe.DOT_PRECISIONS)
 def test_grouped_dot_precisions(device, precision):
     """``dot_precision``: ieee and tf32x3 within the float32 tolerance, tf32 and bf16 within bf16's (on

@@ -50,10 +50,13 @@ computes, before it waits for the peer's rows (experts/device_rows.py).
 How the launches split the work (rows per program, K splits, warps; the "loop" design described
 above or the "split" design) is a :class:`LaunchConfig`: :data:`DEFAULT_LAUNCH` unless a caller runs
 the ops inside ``with launched_with(config):`` (tools/moe_sweep.py and tools/profile_decode.py time
-alternatives that way).
+alternatives that way). A window of ``LaunchConfig.grouped_pairs`` pairs or more (a batch of
+sessions) takes the grouped design instead (:mod:`strata_core.ops.moe_grouped`): the pairs sorted by
+expert on the device, each routed expert's weights decoded once for all its pairs, so the work grows
+with the distinct experts rather than with the pairs; its rows are combined in pair order too.
 
 Tolerance against the reference: float32 within a relative 1e-5 (summation order), bf16 within
-2e-2 (tests/test_kernels_cuda.py).
+2e-2 (tests/test_kernels_cuda.py, tests/test_moe_grouped.py).
 """
 
 from __future__ import annotations

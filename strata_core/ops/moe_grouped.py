@@ -9,7 +9,8 @@ for P replays for any routing; nothing is read on the host):
    with ``R = bm * (P // bm + min(P, E))`` rows, the most any routing needs;
 2. ``gate_up``: a program per (block, ``bn_grouped`` rows of F) decodes a ``[bn_grouped, kt]`` tile of
    the block's expert's gate and up per K step and ``tl.dot``s it with the block's ``[bm, kt]``
-   activations: ``h [R, F]`` float32, activated, in block order; blocks past ``total`` exit;
+   activations: ``h [R, F]`` float32, activated, in block order; blocks past ``total`` exit (Q4_K
+   with ``fast_q4k`` and 16-byte aligned rows: 16-byte loads of its nibbles);
 3. ``down``: the same over ``h`` and the down matrix (a program per block and ``bn_grouped`` rows of
    H), each pair's row stored at its pair (float32 for ``moe_decode`` / ``moe_decode_rows``, a served
    pair's row taken from ``served_rows``);
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 import triton
+from gguf.constants import GGMLQuantizationType as T
 from torch import Tensor
 
 from strata_core.experts.ffn import ExpertFFN
@@ -32,13 +34,23 @@ from strata_core.ops import moe
 from strata_core.ops.moe import _shapes
 from strata_core.ops.moe_grouped_kernels import (_align_kernel, _combine_pairs_kernel, _grouped_down_kernel,
                                                   _grouped_gate_up_kernel)
-from strata_core.ops.moe_sources import Sources, or_unread
+from strata_core.ops.moe_sources import Sources, aligned16, or_unread
 from strata_core.ops.qdecode import block_geometry, table
 
 __all__ = ["align", "combine_pairs", "grouped_gate_up", "grouped_rows"]
 
 #: pairs the align program compares at a time against all of them
 _ALIGN_CHUNK = 16
+
+
+def _geometry(qtype: int, sources: Sources, offset: int, row_bytes: int) -> tuple[int, int, int, bool]:
+    """``(block size, type size, sub-block size, fast)`` of the matrix at byte ``offset`` of an expert:
+    ``fast``, its Q4_K nibbles read as 16-byte loads (``LaunchConfig.fast_q4k``, aligned rows, ``kt`` of
+    whole 64-value chunks)."""
+    cfg = moe.launch_config()
+    fast = (cfg.fast_q4k and int(qtype) == int(T.Q4_K) and cfg.kt % 64 == 0
+            and aligned16(sources.args, offset, row_bytes))
+    return (*block_geometry(qtype), fast)
 
 
 def align(expert: Tensor, bm: int, n_experts: int) -> tuple[Tensor, Tensor]:
@@ -62,12 +74,13 @@ def grouped_gate_up(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int
     P = slot.shape[0]
     sorted_, total = align(expert, cfg.bm, n_experts)
     h = torch.empty((sorted_.shape[0], F_), dtype=torch.float32, device=x.device)  # [R, F]
-    (bsg, tsg, subg), (bsu, tsu, subu) = (block_geometry(q) for q in qtypes[:2])
+    bsg, tsg, subg, fastg = _geometry(qtypes[0], sources, 0, nbytes[0] // F_)
+    bsu, tsu, subu, fastu = _geometry(qtypes[1], sources, nbytes[0], nbytes[1] // F_)
     _grouped_gate_up_kernel[(sorted_.shape[0] // cfg.bm, triton.cdiv(F_, cfg.bn_grouped))](
         x, h, sorted_, total, *sources.args, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, P, topk,
         nbytes[0], nbytes[0] // F_, nbytes[1] // F_, or_unread(ffn.gate_bias, h), or_unread(ffn.up_bias, h), expert,
-        float(ffn.alpha), float(ffn.limit), QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg,
-        QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt,
+        float(ffn.alpha), float(ffn.limit), QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, FASTG=fastg,
+        QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, FASTU=fastu, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt,
         BY_PAIR=sources.staged, BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai",
         PREC=cfg.dot_precision, num_warps=cfg.warps_grouped)
     return h, sorted_, total
@@ -86,11 +99,11 @@ def grouped_rows(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], 
     expert = sources.args[1]
     P = expert.shape[0]
     rows = torch.empty((P, H2), dtype=dtype, device=x.device)  # [P, H]
-    bs, ts, sub = block_geometry(qtypes[2])
+    bs, ts, sub, fast = _geometry(qtypes[2], sources, nbytes[0] + nbytes[1], nbytes[2] // H2)
     _grouped_down_kernel[(sorted_.shape[0] // cfg.bm, triton.cdiv(H2, cfg.bn_grouped))](
         h, rows, sorted_, total, *sources.args, table(qtypes[2], x.device), H2, F2, P, nbytes[0] + nbytes[1],
         nbytes[2] // H2, or_unread(ffn.down_bias, h), expert, or_unread(served, h), or_unread(served_rows, h),
-        QT=int(qtypes[2]), BS=bs, TS=ts, SUB=sub, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt, BY_PAIR=sources.staged,
+        QT=int(qtypes[2]), BS=bs, TS=ts, SUB=sub, FAST=fast, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt, BY_PAIR=sources.staged,
         BIAS=ffn.down_bias is not None, SERVED=served is not None, PREC=cfg.dot_precision,
         num_warps=cfg.warps_grouped)
     return rows

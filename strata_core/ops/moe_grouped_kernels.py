@@ -4,7 +4,8 @@
 expert's run to whole blocks of ``BM`` rows; ``_grouped_gate_up_kernel`` and ``_grouped_down_kernel``
 give each program one block (one expert) and ``BN`` output rows: it decodes a ``[BN, KT]`` tile of
 the expert's weights once per K step (:func:`strata_core.ops.qdecode.decode`) and multiplies it with
-the ``[BM, KT]`` activations of all the block's pairs (``tl.dot``, float32 accumulation);
+the ``[BM, KT]`` activations of all the block's pairs (``tl.dot``, float32 accumulation; Q4_K with
+16-byte aligned rows: each 64-value chunk's 32 bytes of nibbles as 16-byte loads, two products of 32);
 ``_combine_pairs_kernel`` sums each token's rows in pair order. Weights are found as the single-pair
 kernels find them (``_pair_base``): the pairs of one block share their expert, so its first pair's.
 """
@@ -15,7 +16,7 @@ import triton
 import triton.language as tl
 
 from strata_core.ops.moe_kernels import _act, _bias, _pair_base
-from strata_core.ops.qdecode import decode
+from strata_core.ops.qdecode import _f16, _q4_k_scale_min, decode
 
 __all__ = ["_align_kernel", "_combine_pairs_kernel", "_grouped_down_kernel", "_grouped_gate_up_kernel"]
 
@@ -90,12 +91,43 @@ def _dot(a, w, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
+          SUB: tl.constexpr, FAST: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr, PREC: tl.constexpr):
+    """``acc [BM, BN]`` plus values ``[k0, k0 + KT)`` of the activations at ``arow [BM, 1]`` (a row not
+    ``real``, or a value past K: zero) times those of rows ``cols`` of the ``[*, K]`` matrix of ``QT``
+    blocks at ``w``. ``FAST`` (Q4_K, every row 16-byte aligned): per 64-value chunk, its 32 bytes of
+    nibbles as 16-byte loads, the low nibbles (sub-block 2c) and the high (2c + 1) each a product of 32."""
+    if FAST:
+        wv = tl.arange(0, 32)[None, :]
+        for ci in tl.static_range(KT // 64):
+            kc = k0 + ci * 64
+            b = w + cols * row_bytes + tl.minimum(kc // BS, K // BS - 1) * TS  # [BN]: the chunk's block (past K: the last)
+            c = (kc % BS) // 64
+            qp = tl.max_contiguous(tl.multiple_of((b + 16 + c * 32)[:, None] + wv, [1, 16]), [1, 32])
+            q = tl.load(qp).to(tl.int32)  # [BN, 32]
+            sc0, mn0 = _q4_k_scale_min(b + 4, 2 * c)
+            sc1, mn1 = _q4_k_scale_min(b + 4, 2 * c + 1)
+            d, dmin = _f16(b), _f16(b + 2)
+            mask = real[:, None] & (kc + wv < K)  # [BM, 32]
+            lo = tl.load(arow + kc + wv, mask=mask, other=0.0).to(tl.float32)  # [BM, 32]
+            acc = _dot(lo, (d * sc0)[:, None] * (q & 15).to(tl.float32) - (dmin * mn0)[:, None], acc, PREC)
+            hi = tl.load(arow + kc + 32 + wv, mask=mask, other=0.0).to(tl.float32)
+            acc = _dot(hi, (d * sc1)[:, None] * (q >> 4).to(tl.float32) - (dmin * mn1)[:, None], acc, PREC)
+    else:
+        kk = tl.arange(0, KT)[None, :]
+        a = tl.load(arow + k0 + kk, mask=real[:, None] & (k0 + kk < K), other=0.0).to(tl.float32)  # [BM, KT]
+        acc = _dot(a, _tile(w, cols, row_bytes, k0, K, tab, QT, BS, TS, SUB, BN, KT), acc, PREC)
+    return acc
+
+
+@triton.jit
 def _grouped_gate_up_kernel(x, h, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base,
                             miss_stride, tab_g, tab_u, N, K, P, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias, up_bias,
                             expert_ptr, ALPHA, LIMIT, QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr,
-                            SUBG: tl.constexpr, QU: tl.constexpr, BSU: tl.constexpr, TSU: tl.constexpr,
-                            SUBU: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr,
-                            BY_PAIR: tl.constexpr, BIAS: tl.constexpr, OAI: tl.constexpr, PREC: tl.constexpr):
+                            SUBG: tl.constexpr, FASTG: tl.constexpr, QU: tl.constexpr, BSU: tl.constexpr,
+                            TSU: tl.constexpr, SUBU: tl.constexpr, FASTU: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, KT: tl.constexpr, BY_PAIR: tl.constexpr, BIAS: tl.constexpr,
+                            OAI: tl.constexpr, PREC: tl.constexpr):
     """Program (b, n): ``h[row, cols] = act(gate x, up x)`` (float32; ``_act``, the biases first with
     ``BIAS``) for the ``BM`` rows of block b (one expert's pairs, token ``pair // TOPK``; a padding row's
     activations are zero) and the gate / up rows ``cols = [n*BN, (n+1)*BN)``; a block past the rows in
@@ -105,13 +137,11 @@ def _grouped_gate_up_kernel(x, h, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slo
         rows, pair, real, p0, cols, keep = _block(b, sorted_ptr, P, N, BM, BN)
         w = _pair_base(p0, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
         xrow = x + (tl.where(real, pair, 0) // TOPK).to(tl.int64)[:, None] * K  # [BM, 1]
-        kk = tl.arange(0, KT)[None, :]
         g = tl.zeros([BM, BN], dtype=tl.float32)
         u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, KT):
-            a = tl.load(xrow + k0 + kk, mask=real[:, None] & (k0 + kk < K), other=0.0).to(tl.float32)  # [BM, KT]
-            g = _dot(a, _tile(w, cols, ROW_G, k0, K, tab_g, QG, BSG, TSG, SUBG, BN, KT), g, PREC)
-            u = _dot(a, _tile(w + UP_OFF, cols, ROW_U, k0, K, tab_u, QU, BSU, TSU, SUBU, BN, KT), u, PREC)
+            g = _step(g, xrow, real, w, cols, ROW_G, k0, K, tab_g, QG, BSG, TSG, SUBG, FASTG, BN, KT, PREC)
+            u = _step(u, xrow, real, w + UP_OFF, cols, ROW_U, k0, K, tab_u, QU, BSU, TSU, SUBU, FASTU, BN, KT, PREC)
         if BIAS:
             g += _bias(gate_bias, expert_ptr, p0, N, cols, keep)[None, :]
             u += _bias(up_bias, expert_ptr, p0, N, cols, keep)[None, :]
@@ -122,8 +152,8 @@ def _grouped_gate_up_kernel(x, h, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slo
 def _grouped_down_kernel(h, out, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base,
                          miss_stride, tab, N, K, P, DOWN_OFF, ROW, down_bias, expert_ptr, served, served_rows,
                          QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr, BY_PAIR: tl.constexpr,
-                         BIAS: tl.constexpr, SERVED: tl.constexpr, PREC: tl.constexpr):
+                         FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr,
+                         BY_PAIR: tl.constexpr, BIAS: tl.constexpr, SERVED: tl.constexpr, PREC: tl.constexpr):
     """Program (b, n): ``out[pair, cols] = down h[row]`` (plus the down bias with ``BIAS``) for the real
     rows of block b (``h`` float32 ``[rows, K]`` in block order) and ``cols = [n*BN, (n+1)*BN)``, stored
     by pair; with ``SERVED`` a pair whose ``served`` flag is set stores its float32 row of
@@ -133,11 +163,9 @@ def _grouped_down_kernel(h, out, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slot
         rows, pair, real, p0, cols, keep = _block(b, sorted_ptr, P, N, BM, BN)
         w = _pair_base(p0, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR) + DOWN_OFF
         hrow = h + rows[:, None] * K  # [BM, 1]
-        kk = tl.arange(0, KT)[None, :]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, KT):
-            a = tl.load(hrow + k0 + kk, mask=real[:, None] & (k0 + kk < K), other=0.0)  # [BM, KT]
-            acc = _dot(a, _tile(w, cols, ROW, k0, K, tab, QT, BS, TS, SUB, BN, KT), acc, PREC)
+            acc = _step(acc, hrow, real, w, cols, ROW, k0, K, tab, QT, BS, TS, SUB, FAST, BN, KT, PREC)
         if BIAS:
             acc += _bias(down_bias, expert_ptr, p0, N, cols, keep)[None, :]
         at = tl.where(real, pair, 0).to(tl.int64)[:, None] * N + cols[None, :]  # [BM, BN]

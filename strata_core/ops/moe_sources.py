@@ -10,7 +10,7 @@ from torch import Tensor
 from strata_core.ops.gather import gather_experts
 from strata_core.ops.moe import stages_misses
 
-__all__ = ["Sources", "or_unread", "weight_sources"]
+__all__ = ["Sources", "aligned16", "or_unread", "weight_sources"]
 
 
 class Sources(NamedTuple):
@@ -33,6 +33,12 @@ def weight_sources(slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, n
     staged = by_pair or stages_misses(slots, arena, direct_misses)
     miss = gather_experts(slots, arena, slot, expert, nbytes, True) if staged and not by_pair else arena
     return Sources((slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0)), staged, miss)
+
+
+def aligned16(args: tuple, offset: int, row_bytes: int) -> bool:
+    """Whether every row of the matrix at byte ``offset`` of a packed expert (``row_bytes`` a row) starts
+    at a multiple of 16 bytes in all the sources ``args`` (``Sources.args``): 16-byte loads can read it."""
+    return all(v % 16 == 0 for v in (offset, row_bytes, *args[2:]))
 
 
 def or_unread(tensor: Tensor | None, dummy: Tensor) -> Tensor:

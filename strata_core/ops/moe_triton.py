@@ -28,7 +28,7 @@ from strata_core.ops.gather import gather_experts
 from strata_core.ops.moe import _combined, _ffn, _reference, _shapes
 from strata_core.ops.moe_grouped import combine_pairs, grouped_rows
 from strata_core.ops.moe_kernels import _gate_up_kernel, _down_kernel, _down_combine_kernel, _gate_up_split_kernel, _down_split_kernel
-from strata_core.ops.moe_sources import Sources, or_unread, weight_sources
+from strata_core.ops.moe_sources import Sources, aligned16, or_unread, weight_sources
 from strata_core.ops.qdecode import KERNEL_TYPES, block_geometry, on_device, table
 
 __all__ = ["decode_cuda", "decode_rows_cuda", "pair_rows_cuda"]
@@ -44,8 +44,7 @@ def _fast_steps(qtype: int, rows: int, offset: int, row_bytes: int, src: tuple) 
     """``_steps`` of the split design, and whether the matrix at byte ``offset`` of an expert is read by
     16-byte loads (Q4_K with ``moe.launch_config().fast_q4k`` and every address 16-byte aligned; then a step is
     ``NT`` 64-value chunks, at least one block)."""
-    fast = (moe.launch_config().fast_q4k and int(qtype) == int(T.Q4_K)
-            and all(v % 16 == 0 for v in (offset, row_bytes, *src[2:])))
+    fast = moe.launch_config().fast_q4k and int(qtype) == int(T.Q4_K) and aligned16(src, offset, row_bytes)
     if not fast:
         return (*_steps(qtype, rows), False)
     bs, ts, _ = block_geometry(qtype)
