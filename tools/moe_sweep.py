@@ -194,6 +194,8 @@ def main() -> None:
         qtype = T[qname]
         arena, fmt = layer(qtype, H, F, E)
         slots = arena.to(dev)  # every expert resident: slot e holds expert e
+        # --grouped: the calls cycle over copies of the layer, as over the model's layers
+        copies = [slots] + [slots.clone() for _ in range(args.layers - 1 if args.grouped and not small else 0)]
         op = [[int(q) for q in fmt.qtypes], [n for s in fmt.shapes for n in s], list(fmt.nbytes)]
         for tokens in map(int, args.tokens.split(",")):
             P = tokens * K
@@ -201,12 +203,10 @@ def main() -> None:
             x = (torch.randn(tokens, H, generator=gen) * 0.5).to(torch.bfloat16)
             weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1).to(torch.bfloat16)
             if args.grouped:  # a batch's routings, each on its own copy of the layer's experts
-                routes = random_routes(gen, max(1, args.layers), tokens, K, E)
-                copies = [slots] + [slots.clone() for _ in range(len(routes) - 1 if not small else 0)]
+                routes = random_routes(gen, len(copies), tokens, K, E)
             else:  # routings over disjoint expert sets (each pair its own expert)
                 perm = torch.randperm(E, generator=gen)
                 routes = [perm.roll(-i * P)[:P] for i in range(max(1, E // P))]
-                copies = [slots]
             calls = list(zip(itertools.cycle(copies), [r.to(dev) for r in routes]))  # cycled by the timed calls
             read = sum(r.unique().numel() for r in routes) / len(routes) * fmt.total  # routed experts' bytes
             xd, wd = x.to(dev), weights.to(dev)
@@ -250,7 +250,7 @@ def main() -> None:
                 print(f"{qname} T={tokens} {name}: err {err:.1e}{'' if row['ok'] else ' FAIL'}"
                       f"{'' if row['deterministic'] else ' NONDETERMINISTIC'}"
                       + (f" {row['us']:.1f} us (gate_up {row['gate_up_us']:.1f})" if 'us' in row else ""), flush=True)
-        del slots
+        del slots, copies
     timed = [r for r in rows if "us" in r]
     print(f"\n{'qtype':6} {'T':>2} {'us/layer':>9} {'ms/window':>9} {'GB/s':>6} {'gate_up us':>10} {'err':>8}  variant"
           f"\n(GB/s: the routed experts' quantized bytes, each expert once; ms/window: {args.window_layers} layers)")

@@ -61,7 +61,7 @@ def align(expert: Tensor, bm: int, n_experts: int) -> tuple[Tensor, Tensor]:
     total = torch.empty(1, dtype=torch.int32, device=expert.device)
     block = max(16, triton.next_power_of_2(P))
     _align_kernel[(1,)](expert.contiguous(), sorted_, total, P, BM=bm, PB=block, QC=_ALIGN_CHUNK,
-                        num_warps=4 if block <= 512 else 8)
+                        num_warps=4 if block <= 128 else 8)
     return sorted_, total
 
 
