@@ -207,7 +207,8 @@ def test_grouped_tiling(device, qtypes, hidden, ffn, bn, kt):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fast, kt", [(True, 64), (True, 512), (False, 64)], ids=["16-byte", "16-byte-past-K", "decoded"])
+@pytest.mark.parametrize("fast, kt", [(True, 64), (True, 512), (False, 64)],
+                         ids=["16-byte", "16-byte-past-K", "decoded"])
 def test_grouped_q4_k_both_ways(device, fast, kt):
     """Q4_K read as 16-byte loads of its nibbles (``fast_q4k``, aligned rows; a step longer than K too)
     and decoded value by value."""

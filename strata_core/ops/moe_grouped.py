@@ -103,8 +103,8 @@ def grouped_rows(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], 
     _grouped_down_kernel[(sorted_.shape[0] // cfg.bm, triton.cdiv(H2, cfg.bn_grouped))](
         h, rows, sorted_, total, *sources.args, table(qtypes[2], x.device), H2, F2, P, nbytes[0] + nbytes[1],
         nbytes[2] // H2, or_unread(ffn.down_bias, h), expert, or_unread(served, h), or_unread(served_rows, h),
-        QT=int(qtypes[2]), BS=bs, TS=ts, SUB=sub, FAST=fast, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt, BY_PAIR=sources.staged,
-        BIAS=ffn.down_bias is not None, SERVED=served is not None, PREC=cfg.dot_precision,
+        QT=int(qtypes[2]), BS=bs, TS=ts, SUB=sub, FAST=fast, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt,
+        BY_PAIR=sources.staged, BIAS=ffn.down_bias is not None, SERVED=served is not None, PREC=cfg.dot_precision,
         num_warps=cfg.warps_grouped)
     return rows
 

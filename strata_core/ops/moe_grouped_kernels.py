@@ -101,7 +101,7 @@ def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS:
         wv = tl.arange(0, 32)[None, :]
         for ci in tl.static_range(KT // 64):
             kc = k0 + ci * 64
-            b = w + cols * row_bytes + tl.minimum(kc // BS, K // BS - 1) * TS  # [BN]: the chunk's block (past K: the last)
+            b = w + cols * row_bytes + tl.minimum(kc // BS, K // BS - 1) * TS  # [BN]: its block (past K: the last)
             c = (kc % BS) // 64
             qp = tl.max_contiguous(tl.multiple_of((b + 16 + c * 32)[:, None] + wv, [1, 16]), [1, 32])
             q = tl.load(qp).to(tl.int32)  # [BN, 32]
