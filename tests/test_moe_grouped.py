@@ -146,7 +146,7 @@ WHERE = {"cuda": ["device", "by-pair", "pinned", "direct"], "cpu": ["device", "b
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@settings(max_examples=12 if INTERPRET else 60)
+@settings(max_examples=12 if INTERPRET else 40)
 @given(data=st.data(), tokens=st.integers(1, 64), k=st.integers(1, 8), extra=st.integers(0, 8),
        hot=st.integers(0, 64), resident=st.sampled_from([0.0, 0.5, 1.0]), triple=st.sampled_from(TRIPLES),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 999))
