@@ -2,6 +2,7 @@
 Qwen3-30B-A3B shapes and check each against the CPU reference.
 
     python tools/moe_sweep.py [--qtypes Q4_K,Q6_K,Q8_0] [--tokens 1,4] [--budget 120] [--small]
+    python tools/moe_sweep.py --grouped [--qtypes Q4_K] [--tokens 1,8,32]
 
 For each block type and token count (top-8, every expert resident in a device slot table like the
 engine's, routing rotated over disjoint expert sets so the 128 experts' weights — several times the
@@ -14,6 +15,14 @@ and written with everything else to ``$OUT/moe_sweep.json`` (or ``--json``). Eve
 first by ``--jobs`` processes at once; the sweep stops at ``--budget`` seconds, listing the variants
 it did not reach as skipped. Block types other than
 Q4_K get the first ``--others`` variants only.
+
+``--grouped`` times today's per-pair kernels (``grouped=False``) against the grouped design
+(strata_core/ops/moe_grouped.py, forced with ``grouped_pairs=1``) and its variants, on routings like a
+batch's: each token's top-k distinct experts drawn at random, so tokens share experts (B=8: 64 pairs on
+~50 experts; B=32: 256 on ~110). Each timed call reads another of ``--layers`` copies of the layer's
+experts (as the next layer would), so no call finds the previous call's weights in the L2; the
+window column is a layer's time times ``--window-layers`` (48: Qwen3-30B-A3B); the gate_up column
+is the gate_up launch alone (grouped: the align and gate_up launches).
 
 ``--small`` runs small shapes on the CPU with the Triton interpreter (``TRITON_INTERPRET=1``), a check
 of the tool and the kernels' logic, not a measurement.
@@ -37,7 +46,9 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.experts.arena import ExpertFormat
-from strata_core.ops import moe, moe_triton
+from strata_core.experts.ffn import SILU
+from strata_core.ops import moe, moe_grouped, moe_triton
+from strata_core.ops.moe_sources import weight_sources
 from strata_core.ops.qdecode import block_geometry
 from strata_core.quant import random_blocks
 
@@ -63,6 +74,23 @@ VARIANTS: list[C] = [
     C(fast_q4k=False),
     C(design="loop", bn_gate_up=4, bn_combine=2),
 ]
+#: ``--grouped``: today's kernels first, then the grouped design (every window grouped) and its variants
+G = dict(grouped_pairs=1)
+GROUPED_VARIANTS: list[C] = [
+    C(grouped=False),
+    C(**G),
+    C(**G, dot_precision="ieee"),
+    C(**G, dot_precision="tf32"),
+    C(**G, dot_precision="bf16"),
+    C(**G, bn_grouped=16),
+    C(**G, bn_grouped=64),
+    C(**G, kt=32),
+    C(**G, kt=128),
+    C(**G, bn_grouped=64, kt=128, warps_grouped=8),
+    C(**G, warps_grouped=8),
+    C(**G, warps_grouped=2),
+    C(**G, bm=32),
+]
 TOL = 2e-2  # bf16, relative Frobenius error against the CPU reference (tests/test_kernels_cuda.py)
 
 
@@ -84,6 +112,21 @@ def label(cfg: C) -> str:
     return " ".join(diff) or "default"
 
 
+def gate_up_alone(x: torch.Tensor, slots: torch.Tensor, route: torch.Tensor, topk: int, op: list) -> torch.Tensor:
+    """The gate_up launch of the design the config in force picks for ``route``'s pairs (every expert
+    resident: slot e holds expert e); the grouped design's align launch with it."""
+    sources = weight_sources(slots, slots, route, route, sum(op[2]))
+    if moe.launch_config().groups(route.shape[0]):
+        return moe_grouped.grouped_gate_up(x, sources, topk, *op, SILU, slots.shape[0])[0]
+    return moe_triton._gate_up(x, sources, topk, *op)
+
+
+def random_routes(gen: torch.Generator, n: int, tokens: int, topk: int, experts: int) -> list[torch.Tensor]:
+    """``n`` routings ``[tokens * topk]``: each token's ``topk`` distinct experts drawn at random."""
+    return [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).reshape(-1)
+            for _ in range(n)]
+
+
 def _warm(qname: str, cfgs: list[C], tokens: list[int], topk: int) -> None:
     """Compile ``cfgs``' kernels for ``qname`` into Triton's disk cache (run in a worker process):
     the same launches as the sweep's on zero weights of the same shapes and alignments."""
@@ -99,7 +142,7 @@ def _warm(qname: str, cfgs: list[C], tokens: list[int], topk: int) -> None:
                 x = torch.zeros((t, 2048), dtype=torch.bfloat16, device=dev)
                 w = torch.zeros((t, topk), dtype=torch.bfloat16, device=dev)
                 moe.moe_decode(x, slots, slots, route, route, w, topk, *op)
-                moe_triton._gate_up(x, slots, slots, route, route, topk, *op)
+                gate_up_alone(x, slots, route, topk, op)
     torch.cuda.synchronize()
 
 
@@ -120,21 +163,27 @@ def warm_all(plan: list[tuple[str, list[C]]], tokens: list[int], topk: int, jobs
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--qtypes", default="Q4_K,Q6_K,Q8_0")
-    parser.add_argument("--tokens", default="1,4")
+    parser.add_argument("--tokens", help="token counts (default 1,4; with --grouped 1,8,32)")
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--others", type=int, default=4, help="variants timed for block types other than Q4_K")
     parser.add_argument("--budget", type=float, default=110.0, help="seconds; variants after it are skipped")
     parser.add_argument("--small", action="store_true", help="small shapes on the CPU (Triton interpreter)")
     parser.add_argument("--jobs", type=int, default=12, help="processes compiling the variants first (CUDA)")
+    parser.add_argument("--grouped", action="store_true",
+                        help="today's kernels against the grouped design, on random top-k routings")
+    parser.add_argument("--layers", type=int, default=8, help="--grouped: copies of the layer the calls cycle over")
+    parser.add_argument("--window-layers", type=int, default=48, help="MoE layers a decode window (for ms/window)")
     parser.add_argument("--json", default=str(Path(os.environ.get("OUT", ".")) / "moe_sweep.json"))
     args = parser.parse_args()
+    args.tokens = args.tokens or ("1,8,32" if args.grouped else "1,4")
     small = args.small
     dev = torch.device("cpu" if small else "cuda:0")
     H, F, E = (512, 256, 32) if small else (2048, 768, 128)
     K = args.topk
     start = time.monotonic()
     rows, skipped = [], []
-    plan = [(q, VARIANTS if T[q] == T.Q4_K else VARIANTS[:args.others]) for q in args.qtypes.split(",")]
+    variants_of = GROUPED_VARIANTS if args.grouped else VARIANTS
+    plan = [(q, variants_of if T[q] == T.Q4_K else variants_of[:args.others]) for q in args.qtypes.split(",")]
     if not small:
         import triton.testing
 
@@ -145,16 +194,21 @@ def main() -> None:
         qtype = T[qname]
         arena, fmt = layer(qtype, H, F, E)
         slots = arena.to(dev)  # every expert resident: slot e holds expert e
+        # --grouped: the calls cycle over copies of the layer, as over the model's layers
+        copies = [slots] + [slots.clone() for _ in range(args.layers - 1 if args.grouped and not small else 0)]
         op = [[int(q) for q in fmt.qtypes], [n for s in fmt.shapes for n in s], list(fmt.nbytes)]
         for tokens in map(int, args.tokens.split(",")):
             P = tokens * K
             gen = torch.Generator().manual_seed(tokens)
             x = (torch.randn(tokens, H, generator=gen) * 0.5).to(torch.bfloat16)
             weights = torch.softmax(torch.randn(tokens, K, generator=gen), -1).to(torch.bfloat16)
-            # routings over disjoint expert sets (each pair its own expert), cycled by the timed calls
-            perm = torch.randperm(E, generator=gen)
-            routes = [perm.roll(-i * P)[:P] for i in range(max(1, E // P))]
-            dev_routes = [r.to(dev) for r in routes]
+            if args.grouped:  # a batch's routings, each on its own copy of the layer's experts
+                routes = random_routes(gen, len(copies), tokens, K, E)
+            else:  # routings over disjoint expert sets (each pair its own expert)
+                perm = torch.randperm(E, generator=gen)
+                routes = [perm.roll(-i * P)[:P] for i in range(max(1, E // P))]
+            calls = list(zip(itertools.cycle(copies), [r.to(dev) for r in routes]))  # cycled by the timed calls
+            read = sum(r.unique().numel() for r in routes) / len(routes) * fmt.total  # routed experts' bytes
             xd, wd = x.to(dev), weights.to(dev)
             want = moe.moe_decode(x, arena, arena, routes[0], routes[0], weights, K, *op)  # CPU reference
             for cfg in variants:
@@ -165,45 +219,55 @@ def main() -> None:
                 with moe.launched_with(cfg):
                     call = moe.moe_decode if not small else moe_triton.decode_cuda  # the CUDA kernel on CPU tensors
                     try:
-                        got = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
+                        got = call(xd, slots, slots, calls[0][1], calls[0][1], wd, K, *op)
                     except Exception as exc:  # a variant that does not compile: reported, the others go on
                         print(f"{qname} T={tokens} {name}: FAILED {exc!r}"[:400], flush=True)
                         rows.append(dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),
                                          error=repr(exc)[:2000], ok=False, deterministic=False))
                         continue
-                    again = call(xd, slots, slots, dev_routes[0], dev_routes[0], wd, K, *op)
+                    again = call(xd, slots, slots, calls[0][1], calls[0][1], wd, K, *op)
                     err = ((got.double().cpu() - want.double()).norm() / want.double().norm()).item()
                     row = dict(qtype=qname, tokens=tokens, variant=name, config=dataclasses.asdict(cfg),
                                rel_err=err, ok=err < TOL, deterministic=bool(torch.equal(got, again)))
                     if not small:
-                        cycle = itertools.cycle(dev_routes)
+                        cycle = itertools.cycle(calls)
 
                         def full():
-                            r = next(cycle)
-                            return moe.moe_decode(xd, slots, slots, r, r, wd, K, *op)
+                            w, r = next(cycle)
+                            return moe.moe_decode(xd, w, w, r, r, wd, K, *op)
 
                         def gate_up():
-                            r = next(cycle)
-                            return moe_triton._gate_up(xd, slots, slots, r, r, K, *op)
+                            w, r = next(cycle)
+                            return gate_up_alone(xd, w, r, K, op)
 
                         ms = triton.testing.do_bench(full, warmup=10, rep=60, return_mode="median")
                         ms_gu = triton.testing.do_bench(gate_up, warmup=10, rep=40, return_mode="median")
-                        row.update(us=ms * 1e3, gate_up_us=ms_gu * 1e3, gbps=P * fmt.total / ms / 1e6,
-                                   gate_up_gbps=P * (fmt.nbytes[0] + fmt.nbytes[1]) / ms_gu / 1e6)
+                        gu_share = (fmt.nbytes[0] + fmt.nbytes[1]) / fmt.total
+                        row.update(us=ms * 1e3, gate_up_us=ms_gu * 1e3, gbps=read / ms / 1e6,
+                                   gate_up_gbps=read * gu_share / ms_gu / 1e6,
+                                   window_ms=ms * args.window_layers)
                     rows.append(row)
                 print(f"{qname} T={tokens} {name}: err {err:.1e}{'' if row['ok'] else ' FAIL'}"
                       f"{'' if row['deterministic'] else ' NONDETERMINISTIC'}"
                       + (f" {row['us']:.1f} us (gate_up {row['gate_up_us']:.1f})" if 'us' in row else ""), flush=True)
-        del slots
+        del slots, copies
     timed = [r for r in rows if "us" in r]
-    print(f"\n{'qtype':6} {'T':>2} {'us/layer':>9} {'GB/s':>6} {'gate_up us':>10} {'err':>8}  variant")
+    print(f"\n{'qtype':6} {'T':>2} {'us/layer':>9} {'ms/window':>9} {'GB/s':>6} {'gate_up us':>10} {'err':>8}  variant"
+          f"\n(GB/s: the routed experts' quantized bytes, each expert once; ms/window: {args.window_layers} layers)")
     for r in sorted(timed, key=lambda r: (r["qtype"], r["tokens"], r["us"])):
         flag = "" if r["ok"] and r["deterministic"] else "  (REJECTED: error or nondeterministic)"
-        print(f"{r['qtype']:6} {r['tokens']:>2} {r['us']:>9.1f} {r['gbps']:>6.0f} {r['gate_up_us']:>10.1f} "
-              f"{r['rel_err']:>8.1e}  {r['variant']}{flag}")
+        print(f"{r['qtype']:6} {r['tokens']:>2} {r['us']:>9.1f} {r['window_ms']:>9.2f} {r['gbps']:>6.0f} "
+              f"{r['gate_up_us']:>10.1f} {r['rel_err']:>8.1e}  {r['variant']}{flag}")
     good = [r for r in timed if r["qtype"] == "Q4_K" and r["ok"] and r["deterministic"]]
     best = None
-    if good:
+    if good and args.grouped:  # the threshold follows from where the grouped design starts to win
+        for tokens in sorted({r["tokens"] for r in good}):
+            at = [r for r in good if r["tokens"] == tokens]
+            old = next((r for r in at if not r["config"]["grouped"]), None)
+            fast = min(at, key=lambda r: r["us"])
+            versus = f", {old['us'] / fast['us']:.2f}x today's kernels" if old else ""
+            print(f"fastest Q4_K at T={tokens} ({tokens * K} pairs): {fast['variant']} {fast['us']:.1f} us{versus}")
+    elif good:
         by = {}
         for r in good:
             by.setdefault(r["variant"], []).append(r)

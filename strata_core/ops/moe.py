@@ -50,10 +50,13 @@ computes, before it waits for the peer's rows (experts/device_rows.py).
 How the launches split the work (rows per program, K splits, warps; the "loop" design described
 above or the "split" design) is a :class:`LaunchConfig`: :data:`DEFAULT_LAUNCH` unless a caller runs
 the ops inside ``with launched_with(config):`` (tools/moe_sweep.py and tools/profile_decode.py time
-alternatives that way).
+alternatives that way). A window of ``LaunchConfig.grouped_pairs`` pairs or more (a batch of
+sessions) takes the grouped design instead (:mod:`strata_core.ops.moe_grouped`): the pairs sorted by
+expert on the device, each routed expert's weights decoded once for all its pairs, so the work grows
+with the distinct experts rather than with the pairs; its rows are combined in pair order too.
 
 Tolerance against the reference: float32 within a relative 1e-5 (summation order), bf16 within
-2e-2 (tests/test_kernels_cuda.py).
+2e-2 (tests/test_kernels_cuda.py, tests/test_moe_grouped.py).
 """
 
 from __future__ import annotations
@@ -94,6 +97,16 @@ class LaunchConfig:
     token of the 30B shapes, every expert resident; see BENCHMARKS.md): ``split`` with 4 rows a gate_up
     program and 16 a combining program, each faster than 8; in the engine the loop design's combining
     down was well behind. tools/moe_sweep.py times one layer alone.
+
+    ``grouped``: a window of ``grouped_pairs`` pairs or more takes the grouped design instead
+    (:mod:`strata_core.ops.moe_grouped`: each routed expert decoded once per window, its pairs as the
+    ``bm`` rows of a ``tl.dot``; ``bn_grouped`` output rows and ``kt`` values of K a program step,
+    ``warps_grouped`` warps); below it nearly every pair has an expert of its own (8 of 128 experts a
+    token: 16 pairs share ~1 expert, 32 pairs ~4), so the per-pair kernels' fewer launches win.
+    ``dot_precision``: ``tl.dot``'s input precision for the float32 operands (``"ieee"``: FMAs,
+    ``bm`` of them per decoded weight; ``"tf32x3"``: three tensor-core products, within ~1e-6 of
+    float32; ``"tf32"``: one, ~1e-3) or ``"bf16"`` (both operands rounded to bf16); accumulation is
+    float32 in every case.
     """
 
     design: str = "split"
@@ -106,17 +119,40 @@ class LaunchConfig:
     warps_combine: int = 4
     split_k: int = 1
     fast_q4k: bool = True
+    grouped: bool = True
+    grouped_pairs: int = 32
+    bm: int = 16
+    bn_grouped: int = 32
+    kt: int = 64
+    warps_grouped: int = 4
+    dot_precision: str = "tf32x3"
 
     def __post_init__(self) -> None:
         if self.design not in ("loop", "split", "split-loop"):
             raise ValueError(f"LaunchConfig.design: {self.design!r} is not 'loop', 'split' or 'split-loop'")
         if self.design == "split-loop" and self.split_k != 1:
             raise ValueError("LaunchConfig: the loop design's down launch takes activated h (split_k 1)")
+        if self.dot_precision not in DOT_PRECISIONS:
+            raise ValueError(f"LaunchConfig.dot_precision: {self.dot_precision!r} is not one of {DOT_PRECISIONS}")
+        if self.grouped_pairs < 1:
+            raise ValueError(f"LaunchConfig.grouped_pairs: {self.grouped_pairs} is not positive")
         for name in ("tile", "bn_gate_up", "bn_down", "bn_combine", "warps_gate_up", "warps_down",
-                     "warps_combine", "split_k"):
+                     "warps_combine", "split_k", "bm", "bn_grouped", "kt", "warps_grouped"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name}: {v} is not a power of two")
+        # tl.dot's smallest tile is 16 a side; a K step holds whole sub-blocks (16 or 32 values)
+        for name, least in (("bm", 16), ("bn_grouped", 16), ("kt", 32)):
+            if getattr(self, name) < least:
+                raise ValueError(f"LaunchConfig.{name}: {getattr(self, name)} is below {least}")
+
+    def groups(self, pairs: int) -> bool:
+        """Whether a window of ``pairs`` (token, expert) pairs takes the grouped design."""
+        return self.grouped and pairs >= self.grouped_pairs
+
+
+#: The values of ``LaunchConfig.dot_precision``.
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
 
 
 #: The launch configuration of the CUDA kernels outside any ``launched_with``.

@@ -5,8 +5,9 @@
 ``strata::moe_pair_rows``, ``strata::moe_decode`` and ``strata::moe_decode_rows`` (the module doc of
 :mod:`strata_core.ops.moe` says what they compute and how): the gate_up launch, the down / combining
 down launch of the "loop" or "split" design that ``moe.launch_config()`` (:class:`~strata_core.ops.moe.LaunchConfig`,
-read at each launch) names, and the staging of misses from a pinned host arena (unless the op's
-``direct_misses``).
+read at each launch) names, or for a window of enough pairs the grouped design's launches
+(:mod:`strata_core.ops.moe_grouped`), and the staging of misses from a pinned host arena (unless the
+op's ``direct_misses``; :mod:`strata_core.ops.moe_sources`).
 Each registers itself for its op at import; :mod:`strata_core.ops` imports this module where Triton
 is installed.
 """
@@ -25,7 +26,9 @@ from strata_core.ops import moe
 from strata_core.ops.dequant import fallback_note
 from strata_core.ops.gather import gather_experts
 from strata_core.ops.moe import _combined, _ffn, _reference, _shapes
+from strata_core.ops.moe_grouped import combine_pairs, grouped_rows
 from strata_core.ops.moe_kernels import _gate_up_kernel, _down_kernel, _down_combine_kernel, _gate_up_split_kernel, _down_split_kernel
+from strata_core.ops.moe_sources import Sources, aligned16, or_unread, weight_sources
 from strata_core.ops.qdecode import KERNEL_TYPES, block_geometry, on_device, table
 
 __all__ = ["decode_cuda", "decode_rows_cuda", "pair_rows_cuda"]
@@ -41,8 +44,7 @@ def _fast_steps(qtype: int, rows: int, offset: int, row_bytes: int, src: tuple) 
     """``_steps`` of the split design, and whether the matrix at byte ``offset`` of an expert is read by
     16-byte loads (Q4_K with ``moe.launch_config().fast_q4k`` and every address 16-byte aligned; then a step is
     ``NT`` 64-value chunks, at least one block)."""
-    fast = (moe.launch_config().fast_q4k and int(qtype) == int(T.Q4_K)
-            and all(v % 16 == 0 for v in (offset, row_bytes, *src[2:])))
+    fast = moe.launch_config().fast_q4k and int(qtype) == int(T.Q4_K) and aligned16(src, offset, row_bytes)
     if not fast:
         return (*_steps(qtype, rows), False)
     bs, ts, _ = block_geometry(qtype)
@@ -71,21 +73,14 @@ def pair_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, None, _ffn(*ffn),
                            direct_misses=direct_misses)
 
-def _gate_up(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
-             qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
-             ffn: ExpertFFN = SILU, by_pair: bool = False, direct_misses: bool = False) -> tuple[Tensor, tuple, bool]:
-    """The misses staged (a host arena, unless ``direct_misses``; ``by_pair``: ``arena`` is their staged
-    rows already) and
-    ``silu(gate x) * up x`` of every pair (or ``ffn``'s activation of the biased products): float32
-    ``[P, F]``, the weight sources of the down launch and whether they are staged rows."""
+def _gate_up(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], shapes: Sequence[int],
+             nbytes: Sequence[int], ffn: ExpertFFN = SILU) -> Tensor:
+    """``silu(gate x) * up x`` of every pair of ``sources`` (or ``ffn``'s activation of the biased
+    products): the loop or split design's gate_up launch, float32 ``[P, F]`` (split partial products:
+    ``_gate_up_split``)."""
     (F_, H), _, _ = _shapes(shapes)
-    if (ffn.gate_bias is None) != (ffn.up_bias is None):
-        raise ValueError("strata::moe_pair_rows: the kernel takes both gate and up biases or neither")
-    staged = by_pair or moe.stages_misses(slots, arena, direct_misses)
-    miss = gather_experts(slots, arena, slot, expert, sum(nbytes), True) if staged and not by_pair else arena
-    src = (slot, expert, slots.data_ptr(), slots.stride(0), miss.data_ptr(), miss.stride(0))
     gate_up = _gate_up_loop if moe.launch_config().design == "loop" else _gate_up_split
-    return gate_up(x, src, staged, topk, qtypes, F_, H, nbytes, ffn), src, staged
+    return gate_up(x, sources.args, sources.staged, topk, qtypes, F_, H, nbytes, ffn)
 
 def _gate_up_loop(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequence[int], F_: int, H: int,
                   nbytes: Sequence[int], ffn: ExpertFFN) -> Tensor:
@@ -95,7 +90,7 @@ def _gate_up_loop(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Sequen
     (bsg, tsg, subg, ntg), (bsu, tsu, subu, ntu) = (_steps(q, bn) for q in qtypes[:2])
     _gate_up_kernel[(h.shape[0], triton.cdiv(F_, bn))](
         x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, topk,
-        nbytes[0], nbytes[0] // F_, nbytes[1] // F_, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), src[1],
+        nbytes[0], nbytes[0] // F_, nbytes[1] // F_, or_unread(ffn.gate_bias, h), or_unread(ffn.up_bias, h), src[1],
         float(ffn.alpha), float(ffn.limit),
         QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg,
         QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, BN=bn, BY_PAIR=staged,
@@ -114,38 +109,44 @@ def _gate_up_split(x: Tensor, src: tuple, staged: bool, topk: int, qtypes: Seque
     ks = triton.cdiv(triton.cdiv(H, S), unit) * unit  # values of a split, whole blocks of both
     _gate_up_split_kernel[(P, triton.cdiv(F_, bn), S)](
         x, h, *src, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, ks, P * F_, topk,
-        nbytes[0], nbytes[0] // F_, nbytes[1] // F_, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), src[1],
+        nbytes[0], nbytes[0] // F_, nbytes[1] // F_, or_unread(ffn.gate_bias, h), or_unread(ffn.up_bias, h), src[1],
         float(ffn.alpha), float(ffn.limit),
         QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, NTG=ntg, FASTG=fastg,
         QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, NTU=ntu, FASTU=fastu, BN=bn, BY_PAIR=staged,
         BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai", SPLIT=S,
         num_warps=moe.launch_config().warps_gate_up)
     return h
-def _or(bias: Tensor | None, dummy: Tensor) -> Tensor:
-    """``bias`` made contiguous, or ``dummy`` for a kernel pointer argument that is not read."""
-    return dummy if bias is None else bias.to(dummy.device).contiguous()
 
 def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: Tensor, topk: int,
                 qtypes: Sequence[int], shapes: Sequence[int], nbytes: Sequence[int],
                 weights: Tensor | None = None, ffn: ExpertFFN = SILU, served: Tensor | None = None,
                 served_rows: Tensor | None = None, rows_out: bool = False, by_pair: bool = False,
                 direct_misses: bool = False) -> Tensor:
-    """The two Triton launches (and the staging copy of misses in a host arena); the rows
-    ``[P, H]``, or with ``weights [T, topk]`` their combination ``[T, H]``; ``ffn``'s biases and
-    activation applied in the launches. With ``weights``: ``served [P]`` / ``served_rows [P, H]``
-    float32 rows taken in place of the flagged pairs' own, or (``rows_out``) the float32 rows
-    ``[P, H]`` the combination would sum, returned instead (``moe_decode_rows``). ``by_pair``: ``arena``
-    holds the misses staged already, a row per pair (``moe_decode``'s ``staged``); ``direct_misses``: the
-    misses in a host ``arena`` read in place, not staged."""
+    """The Triton launches of the design ``moe.launch_config()`` picks for P pairs (and the staging copy
+    of misses in a host arena); the rows ``[P, H]``, or with ``weights [T, topk]`` their combination
+    ``[T, H]``; ``ffn``'s biases and activation applied in the launches. With ``weights``: ``served [P]``
+    / ``served_rows [P, H]`` float32 rows taken in place of the flagged pairs' own, or (``rows_out``)
+    the float32 rows ``[P, H]`` the combination would sum, returned instead (``moe_decode_rows``).
+    ``by_pair``: ``arena`` holds the misses staged already, a row per pair (``moe_decode``'s ``staged``);
+    ``direct_misses``: the misses in a host ``arena`` read in place, not staged."""
     slot, expert, x = slot.contiguous(), expert.contiguous(), x.contiguous()
     _, _, (H2, F2) = _shapes(shapes)
     P = slot.shape[0]
+    if (ffn.gate_bias is None) != (ffn.up_bias is None):
+        raise ValueError("strata::moe_pair_rows: the kernel takes both gate and up biases or neither")
+    if P and moe.launch_config().groups(P):
+        sources = weight_sources(slots, arena, slot, expert, sum(nbytes), by_pair, direct_misses)
+        rows = grouped_rows(x, sources, topk, qtypes, shapes, nbytes, ffn, arena.shape[0],
+                            x.dtype if weights is None else torch.float32, served, served_rows)
+        return rows if weights is None or rows_out else combine_pairs(rows, weights, x.dtype)
     out = (torch.empty((P, H2), dtype=torch.float32, device=x.device) if rows_out else
            torch.empty((P if weights is None else x.shape[0], H2), dtype=x.dtype, device=x.device))
     if P == 0:
         return out.zero_()
-    h, src, staged = _gate_up(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, ffn, by_pair, direct_misses)
-    down = (_or(ffn.down_bias, h), expert)
+    sources = weight_sources(slots, arena, slot, expert, sum(nbytes), by_pair, direct_misses)
+    h = _gate_up(x, sources, topk, qtypes, shapes, nbytes, ffn)
+    src, staged = sources.args, sources.staged
+    down = (or_unread(ffn.down_bias, h), expert)
     if rows_out:
         modes = dict(served=h, rows_buf=out, SERVED=False, ROWS_OUT=True)
     elif served is not None:
@@ -187,7 +188,7 @@ def _down_split(h: Tensor, out: Tensor, weights: Tensor | None, src: tuple, stag
     programs = weights.shape[0] if combine else P
     _down_split_kernel[(programs, triton.cdiv(H2, bn))](
         h, out, weights.contiguous() if combine else h, *src, table(qtypes[2], h.device), H2, F2, P, P * F2,
-        off, nbytes[2] // H2, topk, _or(ffn.gate_bias, h), _or(ffn.up_bias, h), _or(ffn.down_bias, h), src[1],
+        off, nbytes[2] // H2, topk, or_unread(ffn.gate_bias, h), or_unread(ffn.up_bias, h), or_unread(ffn.down_bias, h), src[1],
         float(ffn.alpha), float(ffn.limit),
         QT=int(qtypes[2]), BS=bsd, TS=tsd, SUB=subd, NT=ntd, FAST=fast, J=J, BN=bn, BY_PAIR=staged,
         GU_BIAS=h.dim() == 3 and ffn.gate_bias is not None, BIAS=ffn.down_bias is not None,
