@@ -12,10 +12,11 @@ and :meth:`Runner.run_decode`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from functools import partial
 
 import pluggy
@@ -28,6 +29,7 @@ from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.model.fused_decode import decode_layer as fused_decode_layer
 from strata_core.model.fused_decode import kv_tables, why_not_fused
 from strata_core.model.transformer import MoEModel
+from strata_core.ops import moe
 from strata_core.plugin.context import LayerObserver, PhaseContext, StageTime
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
@@ -121,7 +123,7 @@ class Runner:
         self.experts.begin_window()
         logits = None
         try:
-            with self._masked("decode"):
+            with self._masked("decode"), self._moe_launches():
                 logits = self._hook.strata_decode_window(ctx=self.context, batch=batch)
         finally:
             for slot, entries in self.experts.end_window(adapt=logits is not None).items():
@@ -130,6 +132,13 @@ class Runner:
             session.kv.advance(1)
             session.tokens.append(token)
         return logits
+
+    def _moe_launches(self) -> AbstractContextManager:
+        """How decode windows launch the MoE kernels: ``--batch-invariant`` keeps every window on the
+        per-pair design (whose rows do not depend on the other pairs), else the default choice."""
+        if not self.model.kernels.batch_invariant:
+            return nullcontext()
+        return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False))
 
     # --- building blocks (the PhaseContext) --------------------------------------------------------
 
@@ -341,7 +350,7 @@ class Runner:
         try:
             if not self.settings.cuda_graphs or not all(map(self._graphed, self._segments["decode"])):
                 return
-            with self._masked("decode"):
+            with self._masked("decode"), self._moe_launches():
                 for size in sizes:
                     self.run_decode(DecodeBatch((self._padding,) * size, torch.zeros(size, dtype=torch.int64)))
         finally:
