@@ -119,7 +119,7 @@ class LaunchConfig:
     warps_combine: int = 4
     split_k: int = 1
     fast_q4k: bool = True
-    grouped: bool = True
+    grouped: bool = False  # measured slower than the split design at 1, 8 and 32 sessions (BENCHMARKS.md)
     grouped_pairs: int = 32
     bm: int = 16
     bn_grouped: int = 32
