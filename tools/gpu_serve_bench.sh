@@ -13,7 +13,7 @@ step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; }
 serve() {  # serve TREE NAME CLIENTS PARALLEL [flags...]: one `strata bench serve` run into $RES/NAME.{log,json}
   local tree=$1 name=$2 clients=$3 parallel=$4; shift 4
   local path=/tmp/site; [ "$tree" = before ] && path="$(realpath "$BEFORE"):/tmp/site"
-  PYTHONPATH=$path timeout 240 python3 -m strata_core bench serve --model $MODEL --devices cuda:0 --arena pinned \
+  PYTHONPATH=$path timeout 120 python3 -m strata_core bench serve --model $MODEL --devices cuda:0 --arena pinned \
     --expert-cache 6144 --max-context 2048 --parallel "$parallel" --clients "$clients" --requests $((clients * 3)) \
     --prompt-tokens 1024 --output-tokens 128 --ignore-eos --no-progress --json "$RES/$name.json" "$@" \
     > "$RES/$name.log" 2>&1
@@ -30,11 +30,12 @@ if [ "${STAGE:-1}" = 1 ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$RES/pip.log" 2>&1 || { tail "$RES/pip.log"; exit 1; }
   [ -f $MODEL ] || strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > "$RES/synth.log" 2>&1
   step "model ready"
-  serve after after-c1 1 8
   serve after after-c8 8 8
+  serve after after-c1 1 8
+  [ -n "${BEFORE:-}" ] && serve before before-c8 8 8
   serve after after-c32 32 32
   serve after after-c8-half 8 8 --expert-cache 3072
-  [ -n "${BEFORE:-}" ] && { serve before before-c8 8 8; serve before before-c8-half 8 8 --expert-cache 3072; }
+  [ -n "${BEFORE:-}" ] && serve before before-c8-half 8 8 --expert-cache 3072
   timeout 150 strata bench --model $MODEL --devices cuda:0 --arena pinned --expert-cache 6144 --prompts 1k \
     --contexts 1k --decode-tokens 64 --sessions 1,4,16,64 --sampled --repeats 2 --max-context 1200 \
     > "$RES/bench-sessions.log" 2>&1; step "bench sessions rc=$?"; grep -E "^\|" "$RES/bench-sessions.log"
