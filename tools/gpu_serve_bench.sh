@@ -4,12 +4,15 @@
 # strata_core's parent folder, `git archive REV strata_core | tar -x -C .before`, git-ignored, carried),
 # `strata bench` decode at several sessions, and llama.cpp's llama-batched-bench on the same file (LLAMACPP:
 # a copy of /work/shared/llamacpp-peer, git-ignored, carried; built niced in the background meanwhile).
-# Two calls, the second within the machine's idle window (the build outlives one call's 600 s):
+# Two calls, the second within the machine's idle window (the build outlives one call's 600 s); about
+# 7 minutes of device time for stage 1 (each server start pins the 16 GiB of experts). Do not pipe the
+# call's output through `tail`: what a call past its limit printed is lost, the tarball is not.
 #   STAGE=1 BEFORE=.before LLAMACPP=.llamacpp bash tools/gpu_serve_bench.sh   # install, build start, Strata runs
 #   STAGE=2 LLAMACPP=.llamacpp bash tools/gpu_serve_bench.sh                  # llama-batched-bench, the summary
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; MODEL=/tmp/q30.gguf; RES=/tmp/serve-results; mkdir -p "$OUT" "$RES"; T0=$(date +%s)
-step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; }
+# after each step the results so far go to $OUT (one tarball: a call past its limit still returns them)
+step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; tar -C /tmp -czf "$OUT/serve-results.tgz" serve-results; }
 serve() {  # serve TREE NAME CLIENTS PARALLEL [flags...]: one `strata bench serve` run into $RES/NAME.{log,json}
   local tree=$1 name=$2 clients=$3 parallel=$4; shift 4
   local path=/tmp/site; [ "$tree" = before ] && path="$(realpath "$BEFORE"):/tmp/site"
@@ -46,4 +49,4 @@ else
   [ -x $BB ] && timeout 300 $BB -m $MODEL -ngl 99 -fa 1 -c 40960 -b 2048 -ub 512 -npp 1024 -ntg 128 -npl 1,8,32 \
     > "$RES/llama-batched.log" 2>&1; step "llama-batched-bench rc=$?"; grep -E "^\|" "$RES/llama-batched.log"
 fi
-tar -C /tmp -czf "$OUT/serve-results.tgz" serve-results
+step "done"
