@@ -123,7 +123,8 @@ class StrataSettings(BaseSettings):
         False, description="greedy output identical whatever the batch a request decodes in (alone or beside "
         "others): a row's logits do not depend on the other rows of its window. On CUDA the dense products "
         "take cuBLAS's 64-row kernel for every window, attention a fixed split, the MoE its per-pair kernels "
-        "(costs decode speed: see BENCHMARKS.md); the CPU is batch-invariant always"
+        "(one session pays most: its products read the bf16 copies, not the Q8_0 ones); the CPU is "
+        "batch-invariant always"
     )
     dense_q8: bool = Field(
         True, description="decode's fused layers read repacked Q8_0 copies of the Q8_0 dense products (CUDA; "

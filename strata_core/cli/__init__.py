@@ -113,8 +113,10 @@ def _expand_args(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``strata`` console script: 0 on success, 2 on a user error (one line)."""
+    # force: a handler an earlier main() in this process left on a stderr since closed (tests capture it
+    # per test) would make every later record a "Logging error"
     logging.basicConfig(level=os.environ.get("STRATA_LOG_LEVEL", "INFO"),
-                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+                        format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr, force=True)
     args = _expand_args(list(sys.argv[1:] if argv is None else argv))
     try:
         _check_config_keys()
