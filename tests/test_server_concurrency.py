@@ -48,7 +48,10 @@ def test_sixteen_streaming_clients_on_four_slots() -> None:
 def test_queue_overflow_is_503_with_a_message() -> None:
     engine = FakeEngine(max_context=4096, step_delay=0.005)
     with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=0), engine) as url:
-        payload = {"model": MODEL, "prompt": "busy", "max_tokens": 3000, "stream": True}
+        # greedy on a prompt whose fake continuation runs long: the slot stays taken (a sampled one
+        # could draw the end of sequence at once and free it before the second request comes)
+        payload = {"model": MODEL, "prompt": long_running_prompt("busy"), "max_tokens": 3000, "temperature": 0,
+                   "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=payload) as first:
             lines = first.iter_lines()
             assert next(lines).startswith("data: ")  # the slot is taken (and the stream kept open)
