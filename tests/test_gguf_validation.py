@@ -152,3 +152,21 @@ def test_the_compact_table_matches_gguf_py(model: Path) -> None:
         assert (qtype, shape, offset, n_bytes) == \
             (t.tensor_type, tuple(int(d) for d in reversed(t.shape.tolist())), t.data_offset, t.n_bytes)
     assert reader.data_offset == plain.data_offset
+
+
+def test_a_header_declaring_fewer_tensors_than_the_file_holds_is_refused(model: Path, tmp_path: Path) -> None:
+    """One tensor fewer in the header's count: the data section would start inside the tensor table and
+    every tensor would read shifted bytes. The data then ends well before the file: one error naming it."""
+    data = model.read_bytes()
+    count = int.from_bytes(data[8:16], "little")  # after the magic and the version: the tensor count
+    with pytest.raises(ModelFileError, match=r"broken\.gguf: the tensor data ends at byte \d+, \d+ bytes before "
+                                             r"the end of the file: the header declares fewer tensors"):
+        _load(data[:8] + (count - 1).to_bytes(8, "little") + data[16:], tmp_path)
+    _load(data, tmp_path)  # the file as written loads
+
+
+def test_bytes_appended_after_the_tensor_data_are_refused(model: Path, tmp_path: Path) -> None:
+    data = model.read_bytes()
+    _load(data + b"\0" * (-len(data) % 32), tmp_path)  # the last tensor's alignment padding is allowed
+    with pytest.raises(ModelFileError, match="something was appended"):
+        _load(data + b"\0" * 4096, tmp_path)

@@ -193,7 +193,8 @@ class _CheckedReader(GGUFReader):
         """Check every tensor info (known type, whole blocks, data where the aligned running layout
         puts it and inside the file, a unique name) and keep the table compact: ``self.table`` holds
         ``(name, qtype, torch-order shape, absolute data offset, n_bytes)`` per tensor and
-        ``self.tensors`` builds gguf-py's ``ReaderTensor`` only for the one asked for."""
+        ``self.tensors`` builds gguf-py's ``ReaderTensor`` only for the one asked for. The last tensor's
+        data must end where the file does (within its alignment padding)."""
         expected = 0  # where the next tensor's data must start, relative to the data section
         align = int(self.alignment)
         start_offs = int(start_offs)
@@ -227,6 +228,10 @@ class _CheckedReader(GGUFReader):
             names.add(name)
             table.append((name, qtype, tuple(reversed(dims)), start_offs + expected, n_bytes))
             expected += -(-n_bytes // align) * align
+        if table and size - end >= align:  # the data must end where the file does (bar the last padding)
+            raise self._broken(f"the tensor data ends at byte {end}, {size - end} bytes before the end of the "
+                               f"file: the header declares fewer tensors ({len(table)}) than the file holds, "
+                               "or something was appended; the file is corrupt")
         if duplicate is not None:  # gguf-py's check, after the layout checks as before
             raise ValueError(f"Found duplicated tensor with name {duplicate}")
         self._info_offsets = np.fromiter((info[0] for info in fields), dtype=np.int64, count=len(fields))
