@@ -45,3 +45,22 @@ class TemplateLimitError(StrataError):
 
 class TemplateCancelled(StrataError):
     """The request went away while its template rendered; the child was stopped."""
+
+
+#: pydantic's messages for the problems a user makes most, said in the CLI's words
+_PROBLEMS = {"missing": "required", "extra_forbidden": "not a known option"}
+
+
+def one_line(error: Exception, flags: bool = False) -> str:
+    """A pydantic or settings error on one line: each problem as ``field: message`` (``--field`` with
+    ``flags``: the command-line spelling), any other error's text with its whitespace folded."""
+    problems = getattr(error, "errors", None)
+    if not callable(problems) or type(error).__name__ != "ValidationError":
+        return " ".join(str(error).split())
+    by_field: dict[str, list[str]] = {}
+    for problem in problems():
+        names = [str(part) for part in problem["loc"] if str(part).isidentifier()]  # not union tags
+        name = names[-1] if names else "value"
+        name = "--" + name.replace("_", "-") if flags and names else name
+        by_field.setdefault(name, []).append(_PROBLEMS.get(problem["type"], problem["msg"]))
+    return "; ".join(f"{name}: {' or '.join(messages)}" for name, messages in by_field.items())

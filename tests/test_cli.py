@@ -49,13 +49,19 @@ def test_plugins_lists_single_with_origin():
         (("info", "/nonexistent/model.gguf"), "/nonexistent/model.gguf"),
         (("generate", "--strategy", "nope"), "unknown strategy 'nope'"),
         (("generate", "--devices", "cuda:7"), "cuda:7 does not exist"),
+        (("make-synthetic", "--preset", "tiny", "/nonexistent/dir/x.gguf"),
+         "/nonexistent/dir/x.gguf: no directory /nonexistent/dir to write the model in"),
+        (("generate", "--strategy-options", "foo=1"),
+         "invalid options for strategy 'single': foo: not a known option (its options: none)"),
+        (("profile",), "invalid settings: --prompts: required"),
     ],
 )
 def test_errors_are_one_line_without_traceback(args, message):
     result = strata(*args)
-    assert result.returncode != 0
-    assert message in result.stderr
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("strata: error:")]
+    assert len(errors) == 1 and message in errors[0]
+    assert "Traceback" not in result.stderr and "pydantic.dev" not in result.stderr
 
 
 def test_invalid_flag_value_names_the_option(model):

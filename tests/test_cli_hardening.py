@@ -81,12 +81,12 @@ def test_settings_file_errors_name_the_file(strata, tmp_path: Path) -> None:
 
 
 def test_invalid_values_are_one_line(strata, model: Path) -> None:
-    one_line_error(strata("generate", "--model", str(model), "--expert-cache", "-3"), "expert_cache", "greater than or equal to 0")
+    one_line_error(strata("generate", "--model", str(model), "--expert-cache", "-3"), "--expert-cache", "greater than or equal to 0")
     one_line_error(strata(), "a command is needed", "make-synthetic")
 
 
 def test_serve_checks_step_tokens_before_it_binds(strata) -> None:
-    one_line_error(strata("serve", "--step-tokens", "0"), "step_tokens", "greater than 0")
+    one_line_error(strata("serve", "--step-tokens", "0"), "--step-tokens", "greater than 0")
     one_line_error(strata("serve", "--parallel", "8", "--step-tokens", "4"), "--step-tokens 4 is less than --parallel 8")
 
 

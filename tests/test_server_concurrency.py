@@ -20,31 +20,43 @@ async def _stream_chat(client: openai.AsyncOpenAI, text: str, max_tokens: int) -
     return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
 
+async def anchor_line(lines) -> str:  # type: ignore[no-untyped-def]
+    """The next non-empty line of a streamed response."""
+    async for line in lines:
+        if line:
+            return line
+    raise AssertionError("the stream ended")
+
+
 def _alone(text: str, max_tokens: int) -> str:
     tok = FakeTokenizer()
     prompt = tok.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
     return tok.decode(greedy_reference(prompt, max_tokens))
 
 
-def test_sixteen_streaming_clients_on_four_slots() -> None:
+def test_sixteen_streaming_clients_on_four_slots_beside_a_long_stream() -> None:
     engine = FakeEngine(step_delay=0.002)
     prompts = [(f"client {i} says hi", 5 + i % 7) for i in range(16)]
 
     async def main(url: str) -> list[str]:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        return await asyncio.gather(*(_stream_chat(client, text, n) for text, n in prompts))
+        # one long greedy stream decodes throughout, so every later step has decode rows (a step without
+        # any may take --prefill-chunk tokens, and ``steps_of`` could not tell it from the step before)
+        payload = {"model": MODEL, "prompt": long_running_prompt("anchor", 200), "max_tokens": 200, "temperature": 0,
+                   "stream": True}
+        async with httpx.AsyncClient() as http, http.stream("POST", f"{url}/v1/completions", json=payload) as anchor:
+            lines = anchor.aiter_lines()
+            assert (await anchor_line(lines)).startswith("data: ")
+            return await asyncio.gather(*(_stream_chat(client, text, n) for text, n in prompts))
 
-    with live_server(StrataSettings(model_alias=MODEL, parallel=4, max_queue=16, step_tokens=16), engine) as url:
+    with live_server(StrataSettings(model_alias=MODEL, parallel=5, max_queue=16, step_tokens=16), engine) as url:
         outputs = asyncio.run(main(url))
         metrics = httpx.get(f"{url}/metrics").text
     assert outputs == [_alone(text, n) for text, n in prompts]
-    assert max(engine.windows) == 4  # the slots were batched
+    assert max(engine.windows) == 5  # the slots were batched
     assert "strata_requests_total 16.0" in metrics and "strata_steps_total" in metrics
     steps = steps_of(engine.calls)
-    # --step-tokens reached the scheduler: a step with decode rows stays in it (one with none, which keeps
-    # nobody waiting, may take up to --prefill-chunk)
-    assert all(rows + prompt <= 16 for rows, prompt in steps if rows)
-    assert all(prompt <= StrataSettings().prefill_chunk for rows, prompt in steps if not rows)
+    assert all(rows + prompt <= 16 for rows, prompt in steps)  # --step-tokens reached the scheduler
     assert any(prompt for _, prompt in steps)  # prompts were computed beside decode rows
 
 

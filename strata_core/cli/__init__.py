@@ -28,7 +28,7 @@ from strata_core.cli.plugins_cmd import PluginsCommand
 from strata_core.cli.profile import ProfileCommand
 from strata_core.cli.serve import ServeCommand
 from strata_core.config import CONFIG_FILE_ENV, StrataSettings, config_file_path
-from strata_core.errors import ConfigError, StrataError
+from strata_core.errors import ConfigError, StrataError, one_line
 
 
 #: the short flags llama.cpp users type, as the long ones they stand for
@@ -127,17 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"strata: error: {error}", file=sys.stderr)
         return 2
     except (SettingsError, ValidationError) as error:
-        print(f"strata: error: invalid settings: {_one_line(error)}", file=sys.stderr)
+        print(f"strata: error: invalid settings: {one_line(error, flags=True)}", file=sys.stderr)
         return 2
     return 0
 
 
-def _one_line(error: Exception) -> str:
-    """A pydantic or settings error on one line: each problem as ``field: message``."""
-    if isinstance(error, ValidationError):
-        by_field: dict[str, list[str]] = {}
-        for problem in error.errors():
-            names = [str(part) for part in problem["loc"] if str(part).isidentifier()]  # not union tags
-            by_field.setdefault(names[-1] if names else "value", []).append(problem["msg"])
-        return "; ".join(f"{name}: {' or '.join(messages)}" for name, messages in by_field.items())
-    return " ".join(str(error).split())

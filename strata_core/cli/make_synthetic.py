@@ -39,10 +39,15 @@ class MakeSyntheticCommand(CommandSettings):
 
         from strata_core.tools.synthetic import write_synthetic
 
+        if not Path(self.out).parent.is_dir():
+            raise ConfigError(f"{self.out}: no directory {Path(self.out).parent} to write the model in")
         start = time.perf_counter()
         expert_type = None if self.expert_type is None else _qtype(self.expert_type, "--expert-type")
-        size = write_synthetic(self.out, self.preset, expert_type=expert_type,
-                               dense_type=_qtype(self.dense_type, "--dense-type"), n_layers=self.layers,
-                               seed=self.seed)
+        try:
+            size = write_synthetic(self.out, self.preset, expert_type=expert_type,
+                                   dense_type=_qtype(self.dense_type, "--dense-type"), n_layers=self.layers,
+                                   seed=self.seed)
+        except OSError as error:  # no such directory, no space, no permission: one line, exit 2
+            raise ConfigError(f"{self.out}: cannot write the model: {error.strerror or error}") from None
         seconds = time.perf_counter() - start
         print(f"{self.out}: {size / 2**30:.2f} GiB in {seconds:.1f} s ({size / seconds / 1e6:.0f} MB/s)")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 import pluggy
 
 from strata_core.config import StrataSettings
-from strata_core.errors import ConfigError
+from strata_core.errors import ConfigError, one_line
 from strata_core.plugin import hookspecs
 from strata_core.plugin.spec import (
     PROJECT_NAME,
@@ -102,7 +102,9 @@ class StrataPluginManager(pluggy.PluginManager):
         try:
             validated = selected.options.model_validate(options or {})
         except Exception as error:  # pydantic ValidationError: name the strategy and the option
-            raise ConfigError(f"invalid options for strategy {selected.name!r}: {error}") from error
+            fields = ", ".join(selected.options.model_fields) or "none"
+            raise ConfigError(f"invalid options for strategy {selected.name!r}: {one_line(error)} "
+                              f"(its options: {fields})") from None
         log.info("strategy %s (%s) from %s", selected.name, selected.description, selected.distribution)
         return SelectedStrategy(spec=selected, options=validated)
 
