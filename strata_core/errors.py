@@ -5,6 +5,8 @@ device) and, where it helps, what would be right. The CLI prints ``str(error)`` 
 traceback and exits non-zero; the server maps them to 4xx responses.
 """
 
+from pydantic import ValidationError
+
 
 class StrataError(Exception):
     """Base class of every user-facing Strata error."""
@@ -54,11 +56,10 @@ _PROBLEMS = {"missing": "required", "extra_forbidden": "not a known option"}
 def one_line(error: Exception, flags: bool = False) -> str:
     """A pydantic or settings error on one line: each problem as ``field: message`` (``--field`` with
     ``flags``: the command-line spelling), any other error's text with its whitespace folded."""
-    problems = getattr(error, "errors", None)
-    if not callable(problems) or type(error).__name__ != "ValidationError":
+    if not isinstance(error, ValidationError):
         return " ".join(str(error).split())
     by_field: dict[str, list[str]] = {}
-    for problem in problems():
+    for problem in error.errors():
         names = [str(part) for part in problem["loc"] if str(part).isidentifier()]  # not union tags
         name = names[-1] if names else "value"
         name = "--" + name.replace("_", "-") if flags and names else name
