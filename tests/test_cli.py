@@ -37,6 +37,20 @@ def test_generate_streams_text(model):
     assert result.stdout.startswith("The engine") and len(result.stdout.strip()) > len("The engine")
 
 
+def test_generate_reads_its_prompt_from_a_file_or_stdin(model, tmp_path):
+    """``-f FILE`` and ``-f -`` (stdin) give the text ``--prompt`` gives; a missing file is one line."""
+    args = ("generate", "--model", str(model), "-n", "6", "--temperature", "0")
+    want = strata(*args, "--prompt", "The engine")
+    (tmp_path / "prompt.txt").write_text("The engine")
+    from_file = strata(*args, "-f", str(tmp_path / "prompt.txt"))
+    piped = subprocess.run([sys.executable, "-m", "strata_core", *args, "-f", "-"], input="The engine",
+                           capture_output=True, text=True, timeout=300)
+    assert want.returncode == from_file.returncode == piped.returncode == 0, piped.stderr
+    assert from_file.stdout == piped.stdout == want.stdout and want.stdout.startswith("The engine")
+    missing = strata(*args, "-f", str(tmp_path / "nope.txt"))
+    assert missing.returncode == 2 and f"--file {tmp_path / 'nope.txt'}: No such file" in missing.stderr
+
+
 def test_plugins_lists_single_with_origin():
     result = strata("plugins")
     assert result.returncode == 0, result.stderr

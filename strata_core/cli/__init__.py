@@ -33,7 +33,7 @@ from strata_core.errors import ConfigError, StrataError, one_line
 
 #: the short flags llama.cpp users type, as the long ones they stand for
 SHORT_FLAGS = {"-m": "--model", "-c": "--max-context", "--ctx-size": "--max-context", "-n": "--max-tokens",
-               "-p": "--prompt"}
+               "-p": "--prompt", "-f": "--file"}
 
 
 class Strata(BaseModel):

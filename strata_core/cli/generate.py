@@ -20,6 +20,7 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
     """Generate text after a prompt (streamed to stdout)."""
 
     prompt: str = Field("Once upon a time", description="the prompt (-p)")
+    file: str | None = Field(None, description="read the prompt from this file instead (-f; - reads stdin)")
     max_tokens: int = Field(64, ge=1, description="tokens to generate at most (-n)")
     temperature: float = Field(0.8, ge=0, description="0 = greedy")
     top_k: int = Field(40, ge=0, description="keep the k most likely tokens (0 = off)")
@@ -34,6 +35,7 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
         """Load the engine and stream the completion; say so on stderr when the context filled up."""
         from strata_core.engine import Engine
 
+        text = self._prompt()  # before the load: a missing file is said at once
         engine = Engine.from_settings(self.strata_settings())
         try:
             if engine.tokenizer is None:
@@ -41,8 +43,8 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
             params = SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
                                     top_p=self.top_p, min_p=self.min_p,
                                     repetition_penalty=self.repetition_penalty, seed=self.seed)
-            prompt = engine.chat.render([{"role": "user", "content": self.prompt}]) if self.chat else self.prompt
-            sys.stdout.write("" if self.chat else self.prompt)
+            prompt = engine.chat.render([{"role": "user", "content": text}]) if self.chat else text
+            sys.stdout.write("" if self.chat else text)
             harmony = self.chat and uses_harmony(engine.chat.source)
             request = GenerationRequest(engine.tokenizer.encode(prompt), params, keep_special_tokens=harmony)
             end = asyncio.run(_generate(engine, request, HarmonyParser() if harmony else None))
@@ -52,6 +54,19 @@ class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
         if end.reason == "length" and end.prompt_tokens + end.completion_tokens > engine.max_context:
             print(f"strata: stopped at the end of the context ({engine.max_context} tokens); "
                   "a larger --max-context (-c) lets it go on", file=sys.stderr)
+
+
+    def _prompt(self) -> str:
+        """The prompt: ``--file``'s text (stdin for ``-``), else ``--prompt``."""
+        if self.file is None:
+            return self.prompt
+        if self.file == "-":
+            return sys.stdin.read()
+        try:
+            with open(self.file, encoding="utf-8") as handle:
+                return handle.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"--file {self.file}: {getattr(error, 'strerror', None) or error}") from None
 
 
 async def _generate(engine: Any, request: GenerationRequest, harmony: HarmonyParser | None = None) -> Finished:
