@@ -73,8 +73,11 @@ def _auto_cuts(devices: list[DeviceSlot], spec) -> list[int]:
 
 def stage_ranges(devices: list[DeviceSlot], spec, split: str) -> list[tuple[int, range]]:
     """``(device slot, layers)`` per stage, in device order, from ``split`` (``auto`` or ``K1,K2,…``)."""
+    if len(devices) < 2:
+        raise ConfigError(f"layer_split: --devices names one device ({devices[0]}); the layer split needs two or "
+                          "more (logical ones like cuda:0,cuda:0 work)")
     if split.strip().lower() == "auto":
-        cuts = _auto_cuts(devices, spec) if len(devices) > 1 else []
+        cuts = _auto_cuts(devices, spec)
     else:
         try:
             cuts = [int(part) for part in split.split(",") if part.strip()]

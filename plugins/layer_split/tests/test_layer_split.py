@@ -56,6 +56,8 @@ def test_auto_cuts_by_memory_and_bad_splits_are_named(tiny_model_factory):
     for bad in ("0", "8", "2,5", "x"):
         with pytest.raises(ConfigError, match="layer_split"):
             stage_ranges(CPU2, spec, bad)
+    with pytest.raises(ConfigError, match="layer_split: --devices names one device .*needs two or more"):
+        stage_ranges(CPU2[:1], spec, "auto")
 
 
 def _decode(engine: Engine, prompts: list[list[int]], windows: int) -> list[torch.Tensor]:
