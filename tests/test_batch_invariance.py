@@ -97,3 +97,12 @@ def test_batch_invariant_decode_on_cuda_gives_each_session_its_logits_alone(tiny
     batched, batched_logits = _greedy(engine, prompts, 8, together=True)
     assert batched == alone
     assert all(torch.equal(a, b) for rows_a, rows_b in zip(alone_logits, batched_logits) for a, b in zip(rows_a, rows_b))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_batch_invariant_refuses_a_cuda_decode_without_the_fused_layers():
+    """gpt-oss's layers are its own (no fused decode): ``--batch-invariant`` says so at load."""
+    from strata_core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="--batch-invariant covers the fused decode layers, and the gpt-oss"):
+        Engine.load(GPT_OSS, devices=["cuda:0"], max_context=64, batch_invariant=True)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from strata_core.config import StrataSettings
+from strata_core.errors import ConfigError
 from strata_core.experts.backend import ExpertBackend
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.model.fused_decode import decode_layer as fused_decode_layer
@@ -74,6 +75,8 @@ class Runner:
         self._fused: dict[torch.device, bool] = {}
         self._new_padding = padding_session
         self._padding: Session | None = None
+        if model.kernels.batch_invariant:
+            self._check_batch_invariant()
 
     # --- phases, as the engine runs them ----------------------------------------------------------
 
@@ -132,6 +135,16 @@ class Runner:
             session.kv.advance(1)
             session.tokens.append(token)
         return logits
+
+    def _check_batch_invariant(self) -> None:
+        """ConfigError unless every CUDA decode segment takes the fused layers, the path ``--batch-invariant``
+        makes batch-invariant (the CPU is so always)."""
+        for segment in self._segments["decode"]:
+            device = self.device_of(segment)
+            reason = why_not_fused(self.model, device) if device.type == "cuda" else None
+            if reason is not None:
+                raise ConfigError(f"--batch-invariant covers the fused decode layers, and {reason} on "
+                                  f"{self.devices[segment.device]}; run without it")
 
     def _moe_launches(self) -> AbstractContextManager:
         """How decode windows launch the MoE kernels: ``--batch-invariant`` keeps every window on the
