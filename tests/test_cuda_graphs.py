@@ -160,6 +160,22 @@ def test_windows_pad_to_the_next_bucket():
         bucket(0)
 
 
+def test_padding_fills_a_window_to_its_bucket_and_counts_the_real_rows():
+    from strata_core.runtime.buckets import BatchPadding
+
+    made: list[Session] = []
+    padding = BatchPadding(lambda: made.append(_session()) or made[-1], experts_used=8)
+    a, b, c = _session(), _session(), _session()
+    padded, live = padding.pad(_batch(a, b, c))
+    assert len(made) == 1 and padded.sessions == (a, b, c, made[0]) and live == 3
+    assert padded.tokens.tolist() == [0, 0, 0, 0] and padded.positions.tolist() == [0, 0, 0, 0]
+    two, live = padding.pad(_batch(a, b))  # a full bucket: as it is
+    assert two.sessions == (a, b) and live == 2
+    assert padding.pad(padded)[1] == 3 and padding.live_pairs(3).tolist() == [24]
+    assert [len(w) for w in padding.windows(5)] == [1, 2, 4, 8] and len(made) == 1
+    assert all(s is made[0] for w in padding.windows(3) for s in w.sessions)
+
+
 def test_capturing_the_buckets_does_nothing_without_graphs(tiny_model_factory):
     engine = Engine.load(tiny_model_factory(expert_type="Q4_0", n_layers=2), devices=["cpu"], max_context=32)
     engine.capture_decode_graphs(8)

@@ -2,7 +2,8 @@
 
 The runner owns what runs between the engine's public calls and the kernels: the embedding and the
 head on the main device, the segments of each phase, the one prompt layer loop and the one decode
-layer loop (run eagerly, or captured as a CUDA graph and replayed: runtime/graphs.py), and the phase
+layer loop (run eagerly, or captured as a CUDA graph and replayed: runtime/graphs.py, each window
+padded to its batch bucket: runtime/buckets.py; ``--batch-invariant``: runtime/invariance.py), and the phase
 state around a phase (residency masking in place, the hand-off of per-layer state:
 runtime/phase_state.py). A phase is a hook (``strata_prefill`` per prompt chunk,
 ``strata_decode_window`` per window) whose ``ctx`` is this runner seen as the plugin contract's
@@ -12,11 +13,10 @@ and :meth:`Runner.run_decode`.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import contextmanager
 from functools import partial
 
 import pluggy
@@ -24,19 +24,19 @@ import torch
 import torch.nn.functional as F
 
 from strata_core.config import StrataSettings
-from strata_core.errors import ConfigError
 from strata_core.experts.backend import ExpertBackend
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.model.fused_decode import decode_layer as fused_decode_layer
 from strata_core.model.fused_decode import kv_tables, why_not_fused
 from strata_core.model.transformer import MoEModel
-from strata_core.ops import moe
 from strata_core.plugin.context import LayerObserver, PhaseContext, StageTime
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
 from strata_core.plugin.spec import StrategyOptions
 from strata_core.runtime.devices import device_scope, to_device
-from strata_core.runtime.graphs import BUCKETS, DecodeGraphs, bucket
+from strata_core.runtime.buckets import BatchPadding
+from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
+from strata_core.runtime.invariance import check_batch_invariant, moe_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
 
@@ -73,10 +73,10 @@ class Runner:
         self._graphs: DecodeGraphs | None = None
         self._said: set[str] = set()
         self._fused: dict[torch.device, bool] = {}
-        self._new_padding = padding_session
-        self._padding: Session | None = None
+        self._padding = BatchPadding(padding_session, model.spec.n_experts_used)
         if model.kernels.batch_invariant:
-            self._check_batch_invariant()
+            check_batch_invariant(model, [(str(devices[s.device]), devices[s.device].device)
+                                          for s in self._segments["decode"]])
 
     # --- phases, as the engine runs them ----------------------------------------------------------
 
@@ -126,7 +126,7 @@ class Runner:
         self.experts.begin_window()
         logits = None
         try:
-            with self._masked("decode"), self._moe_launches():
+            with self._masked("decode"), moe_launches(self.model.kernels.batch_invariant):
                 logits = self._hook.strata_decode_window(ctx=self.context, batch=batch)
         finally:
             for slot, entries in self.experts.end_window(adapt=logits is not None).items():
@@ -135,23 +135,6 @@ class Runner:
             session.kv.advance(1)
             session.tokens.append(token)
         return logits
-
-    def _check_batch_invariant(self) -> None:
-        """ConfigError unless every CUDA decode segment takes the fused layers, the path ``--batch-invariant``
-        makes batch-invariant (the CPU is so always)."""
-        for segment in self._segments["decode"]:
-            device = self.device_of(segment)
-            reason = why_not_fused(self.model, device) if device.type == "cuda" else None
-            if reason is not None:
-                raise ConfigError(f"--batch-invariant covers the fused decode layers, and {reason} on "
-                                  f"{self.devices[segment.device]}; run without it")
-
-    def _moe_launches(self) -> AbstractContextManager:
-        """How decode windows launch the MoE kernels: ``--batch-invariant`` keeps every window on the
-        per-pair design (whose rows do not depend on the other pairs), else the default choice."""
-        if not self.model.kernels.batch_invariant:
-            return nullcontext()
-        return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False))
 
     # --- building blocks (the PhaseContext) --------------------------------------------------------
 
@@ -308,70 +291,41 @@ class Runner:
 
     def _replay_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
         """``[B, H]`` out of ``segment`` by the replayed graph of the window's bucket, or None."""
-        padded, live = self._padded(batch)
+        padded, live = self._padding.pad(batch)
         fused = self._fused_on(hidden.device)
         inputs = {"hidden": F.pad(hidden, (0, 0, 0, len(padded) - len(batch))), "positions": padded.positions,
-                  "live": self._live_pairs(live)}
+                  "live": self._padding.live_pairs(live)}
         if fused:  # the kernels reach the KV through address tables: one graph serves any sessions
             inputs["tables"] = kv_tables(padded.sessions, segment.layers)
 
         def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
-            with self._counting(segment, static["live"]):
+            with self._padding.counting(self.experts.rows_for(segment.device, "decode"), static["live"]):
                 return self.decode_layers(segment, static["hidden"], padded, static["positions"],
                                           static.get("tables"), static=True)
 
         out = self.graphs.replay(segment, padded, inputs, body, shared=fused, live=live)
         return None if out is None else out[:len(batch)]
 
-    # --- batch buckets ---------------------------------------------------------------------------
-
-    def _padded(self, batch: DecodeBatch) -> tuple[DecodeBatch, int]:
-        """``batch`` padded to its bucket (``graphs.bucket``) with rows of the padding session (token 0,
-        position 0), and how many of its rows are real."""
-        if self._padding is None:
-            self._padding = self._new_padding()
-        live = sum(1 for s in batch.sessions if s is not self._padding)
-        extra = bucket(len(batch)) - len(batch)
-        if extra == 0:
-            return batch, live
-        return DecodeBatch(batch.sessions + (self._padding,) * extra,
-                           torch.cat([batch.tokens, batch.tokens.new_zeros(extra)])), live
-
-    def _live_pairs(self, rows: int) -> torch.Tensor:
-        """int64 ``[1]``: the (token, expert) pairs of ``rows`` real rows (a graph's static input)."""
-        return torch.tensor([rows * self.model.spec.n_experts_used], dtype=torch.int64)
-
-    @contextmanager
-    def _counting(self, segment: Segment, live: torch.Tensor) -> Iterator[None]:
-        """While the block runs, ``segment``'s expert rows count only the first ``live`` pairs."""
-        rows = self.experts.rows_for(segment.device, "decode")
-        rows.live_pairs = live
-        try:
-            yield
-        finally:
-            rows.live_pairs = None
-
     def capture_buckets(self, sessions: int) -> None:
         """Capture the decode graphs of every bucket a window of up to ``sessions`` sessions takes, now
         (a server's start: no capture after it, whoever joins or leaves), by running one window of
         padding rows per bucket; logs the buckets and the time it took. Nothing where graphs do not apply."""
         start = time.perf_counter()
-        sizes = [b for b in BUCKETS if b < sessions] + [bucket(sessions)]
-        if self._padding is None:
-            self._padding = self._new_padding()
+        windows = []
         self.experts.begin_window()  # where graphs apply is decided inside a window (the decode gather)
         try:
             if not self.settings.cuda_graphs or not all(map(self._graphed, self._segments["decode"])):
                 return
-            with self._masked("decode"), self._moe_launches():
-                for size in sizes:
-                    self.run_decode(DecodeBatch((self._padding,) * size, torch.zeros(size, dtype=torch.int64)))
+            windows = self._padding.windows(sessions)
+            with self._masked("decode"), moe_launches(self.model.kernels.batch_invariant):
+                for window in windows:
+                    self.run_decode(window)
         finally:
             self.experts.end_window(adapt=False)
         if self.main.device.type == "cuda":
             torch.cuda.synchronize(self.main.device)
         log.info("cuda graphs: decode windows of %s session(s) captured in %.2f s (%d graphs)",
-                 ", ".join(map(str, sizes)), time.perf_counter() - start, len(self.graphs))
+                 ", ".join(str(len(w)) for w in windows), time.perf_counter() - start, len(self.graphs))
 
     def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """One decode window through the decode placement's segments, then the head; with one segment
@@ -397,13 +351,13 @@ class Runner:
         if reason is not None:
             self._say(f"no whole-step graph: {reason}")
             return None
-        padded, live = self._padded(batch)
-        inputs = {"tokens": padded.tokens, "positions": padded.positions, "live": self._live_pairs(live),
+        padded, live = self._padding.pad(batch)
+        inputs = {"tokens": padded.tokens, "positions": padded.positions, "live": self._padding.live_pairs(live),
                   "tables": kv_tables(padded.sessions, segment.layers)}
 
         def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
             hidden = self.model.embed(static["tokens"])  # [B, H]
-            with self._counting(segment, static["live"]):
+            with self._padding.counting(self.experts.rows_for(segment.device, "decode"), static["live"]):
                 hidden = self.decode_layers(segment, hidden, padded, static["positions"], static["tables"],
                                             static=True)
             return self.model.head(hidden).float()
