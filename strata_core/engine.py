@@ -31,7 +31,7 @@ from strata_core.model.spec import ModelSpec
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
-from strata_core.plugin.placement import PHASES, DeviceSlot, Placement
+from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 from strata_core.plugin.spec import StrategyOptions
 from strata_core.runtime.devices import resolve_devices
 from strata_core.runtime.memory_plan import dense_bytes_per_device
@@ -206,10 +206,7 @@ class Engine:
         many positions that is (a multiple of ``--kv-block``; 0 for a model with recurrent state).
         Pass a prompt without its last token when that token's logits are wanted.
         """
-        homes = {layer: (placed.device, self.devices[placed.device].device)
-                 for layer, placed in enumerate(self.placement.prompt)}
-        session = Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes,
-                                              pools=self.kv_pools))
+        session = self._session_at_home("prompt")
         if prefix_tokens:
             session.tokens.extend(list(prefix_tokens)[:session.kv.share(prefix_tokens)])
         return session
@@ -217,12 +214,16 @@ class Engine:
     def _padding_session(self) -> Session:
         """A session at home in the decode placement whose rows pad a graphed window: it writes and reads
         position 0 only, so it holds one block of each pool."""
-        homes = {layer: (placed.device, self.devices[placed.device].device)
-                 for layer, placed in enumerate(self.placement.decode)}
-        session = Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes,
-                                              pools=self.kv_pools))
+        session = self._session_at_home("decode")
         session.kv.reserve(1)
         return session
+
+    def _session_at_home(self, phase: Phase) -> Session:
+        """An empty session of ``max_context`` positions, each layer on its device slot in ``phase``."""
+        homes = {layer: (placed.device, self.devices[placed.device].device)
+                 for layer, placed in enumerate(self.placement.layers(phase))}
+        return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes,
+                                           pools=self.kv_pools))
 
     def capture_decode_graphs(self, sessions: int) -> None:
         """Capture the CUDA graphs of decode windows of up to ``sessions`` sessions now (see

@@ -13,8 +13,9 @@ the output stays in the graph's pool and is returned as a clone. A graph that re
 KV directly is cached per (B, layers, session ids) together with the addresses of what it reads
 (the sessions' device block tables, the pools, recurrent state): a released session, a moved one
 (another slot's table and pool) or a new set of sessions captures again; growing, truncating or
-restoring a session refills its block table in place, so its graph stays valid. A *shared* graph reaches the KV through address tables among its inputs, so it is keyed by
-(B, layers) alone and serves any sessions. At most ``max_graphs`` graphs are kept (least recently
+restoring a session refills its block table in place, so its graph stays valid. A *shared* graph
+reaches the KV through address tables among its inputs, so it is keyed by (B, layers) alone and
+serves any sessions. At most ``max_graphs`` graphs are kept (least recently
 used first out); dead sessions' graphs are purged.
 
 Telemetry inside the graph (``ExpertTelemetry.capturing``): no CUDA timing events (copy/compute
