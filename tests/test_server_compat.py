@@ -44,6 +44,14 @@ def test_n_predict_and_cache_prompt(url: str) -> None:
     assert default["usage"]["completion_tokens"] == 16  # OpenAI's default max_tokens
 
 
+def test_ignore_eos_generates_max_tokens_past_an_end_token(url: str) -> None:
+    payload = {"model": MODEL, "prompt": "abc", "max_tokens": 6, "temperature": 0, "logit_bias": {"0": 100}}
+    ended = httpx.post(f"{url}/v1/completions", json=payload).json()
+    assert ended["usage"]["completion_tokens"] == 1 and ended["choices"][0]["finish_reason"] == "stop"
+    ran = httpx.post(f"{url}/v1/completions", json={**payload, "ignore_eos": True}).json()
+    assert ran["usage"]["completion_tokens"] == 6 and ran["choices"][0]["finish_reason"] == "length"
+
+
 def test_harmless_fields_are_ignored_with_one_log_line(url: str, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="strata_core.serving.server.service")
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "store": False,

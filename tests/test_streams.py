@@ -22,12 +22,19 @@ def _push_all(stream: TokenStream, tokens: list[int], full_at: int = -1) -> tupl
     return text, "", len(tokens)
 
 
-def _stream(max_tokens: int | None = None, stop: list[str] | None = None) -> TokenStream:
-    return TokenStream(TOK, GenerationRequest([5], SamplingParams(max_tokens=max_tokens, stop=stop or [])))
+def _stream(max_tokens: int | None = None, stop: list[str] | None = None, ignore_eos: bool = False) -> TokenStream:
+    params = SamplingParams(max_tokens=max_tokens, stop=stop or [], ignore_eos=ignore_eos)
+    return TokenStream(TOK, GenerationRequest([5], params))
 
 
 def test_end_of_sequence_stops_and_is_not_text() -> None:
     assert _push_all(_stream(), TOK.encode("hello") + [0] + TOK.encode("more")) == ("hello", "stop", 6)
+
+
+def test_ignore_eos_runs_past_end_tokens_to_max_tokens() -> None:
+    tokens = TOK.encode("hi") + [0] + TOK.encode("more")
+    text, reason, taken = _push_all(_stream(max_tokens=5, ignore_eos=True), tokens)
+    assert (reason, taken) == ("length", 5) and text.startswith("hi") and text.endswith("mo")
 
 
 def test_max_tokens_and_a_full_context_are_length() -> None:

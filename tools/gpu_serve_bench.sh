@@ -15,12 +15,17 @@ OUT=${OUT:-/tmp/out}; MODEL=/tmp/q30.gguf; RES=/tmp/serve-results; mkdir -p "$OU
 step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; tar -C /tmp -czf "$OUT/serve-results.tgz" serve-results; }
 serve() {  # serve TREE NAME CLIENTS PARALLEL [flags...]: one `strata bench serve` run into $RES/NAME.{log,json}
   local tree=$1 name=$2 clients=$3 parallel=$4; shift 4
+  [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $name "* ]] || return 0  # ONLY="after-c8 ...": those runs alone
   local path=/tmp/site; [ "$tree" = before ] && path="$(realpath "$BEFORE"):/tmp/site"
-  PYTHONPATH=$path timeout 120 python3 -m strata_core bench serve --model $MODEL --devices cuda:0 --arena pinned \
+  PYTHONPATH=$path PYTHONFAULTHANDLER=1 timeout "${SERVE_LIMIT:-240}" python3 -m strata_core bench serve --model $MODEL --devices cuda:0 --arena pinned \
     --expert-cache 6144 --max-context 2048 --parallel "$parallel" --clients "$clients" --requests $((clients * 3)) \
     --prompt-tokens 1024 --output-tokens 128 --ignore-eos --no-progress --json "$RES/$name.json" "$@" \
     > "$RES/$name.log" 2>&1
-  step "$name rc=$?"; grep -E "^\|" "$RES/$name.log" | head -12
+  local rc=$?
+  # a server left behind by a run past its limit prints where it was (faulthandler) and goes
+  pkill -ABRT -f "strata_core serve" && sleep 2; pkill -9 -f "strata_core serve"
+  for f in /tmp/strata-serve-*.log; do [ -f "$f" ] && mv "$f" "$RES/$name-server.log"; done
+  step "$name rc=$rc"; grep -E "^\|" "$RES/$name.log" | head -12; [ $rc = 0 ] || tail -5 "$RES/$name-server.log"
 }
 if [ "${STAGE:-1}" = 1 ]; then
   if [ -n "${LLAMACPP:-}" ]; then
@@ -39,7 +44,7 @@ if [ "${STAGE:-1}" = 1 ]; then
   serve after after-c32 32 32
   serve after after-c8-half 8 8 --expert-cache 3072
   [ -n "${BEFORE:-}" ] && serve before before-c8-half 8 8 --expert-cache 3072
-  timeout 150 strata bench --model $MODEL --devices cuda:0 --arena pinned --expert-cache 6144 --prompts 1k \
+  [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" bench-sessions "* ]] && timeout 150 strata bench --model $MODEL --devices cuda:0 --arena pinned --expert-cache 6144 --prompts 1k \
     --contexts 1k --decode-tokens 64 --sessions 1,4,16,64 --sampled --repeats 2 --max-context 1200 \
     > "$RES/bench-sessions.log" 2>&1; step "bench sessions rc=$?"; grep -E "^\|" "$RES/bench-sessions.log"
 else

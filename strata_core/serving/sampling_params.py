@@ -31,7 +31,8 @@ class SamplingParams:
     ``top_k=0``, ``top_p=1``, ``min_p=0`` and penalties of 1/0 switch those steps off;
     ``seed=None`` draws a fresh seed; ``max_tokens=None`` generates until an end token or the
     context is full; ``logprobs=n`` reports the chosen token's log-probability and the ``n`` most
-    likely alternatives (``None``: none).
+    likely alternatives (``None``: none); ``ignore_eos``: an end token does not end the generation
+    (benchmarks that want ``max_tokens`` from every request).
     """
 
     temperature: float = 1.0
@@ -47,6 +48,7 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

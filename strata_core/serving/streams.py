@@ -25,6 +25,7 @@ class TokenStream:
         self._decoder = tokenizer.stream_decoder(skip_special_tokens=not request.keep_special_tokens)
         self._stop = StopMatcher(request.params.stop)
         self._limit = request.params.max_tokens
+        self._ends = frozenset() if request.params.ignore_eos else frozenset(tokenizer.eos_token_ids)
         self.generated = 0
 
     def push(self, result: SampleResult, context_full: bool) -> tuple[Delta | None, str]:
@@ -35,7 +36,7 @@ class TokenStream:
         """
         token = result.token
         self.generated += 1
-        eos = token in self._tokenizer.eos_token_ids
+        eos = token in self._ends
         text, stopped = self._stop.push("" if eos else self._decoder.push(token))
         full = (self._limit is not None and self.generated >= self._limit) or context_full
         reason = "stop" if eos or stopped else "length" if full else ""

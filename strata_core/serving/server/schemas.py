@@ -49,6 +49,7 @@ class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
     stream_options: StreamOptions | None = None
     cache_prompt: bool = True  # llama-server: reuse a kept prefix (Strata always does; false is honoured as true)
     n: Annotated[int, Meta(ge=1)] = 1
+    ignore_eos: bool = False  # llama-server, vLLM: run to max_tokens past end tokens (benchmarks)
     # not implemented: a value that would change the answer is a 400 naming the field
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None

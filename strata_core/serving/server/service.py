@@ -209,6 +209,6 @@ class GenerationService:
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
             presence_penalty=body.presence_penalty, seed=body.seed, max_tokens=max_tokens, stop=body.stops(),
-            logprobs=logprobs, logit_bias=self._logit_bias(body),
+            logprobs=logprobs, logit_bias=self._logit_bias(body), ignore_eos=body.ignore_eos,
         )  # fmt: skip
         return self.scheduler.submit(GenerationRequest(prompt, params, keep_special_tokens))
