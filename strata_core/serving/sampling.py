@@ -23,8 +23,7 @@ sort of the whole row when a row uses top-p without top-k; rows with neither dra
 vocabulary in id order, with no sort. The draw is by inverse CDF: the first token (in that order)
 where the running sum of ``exp((logit - max) / temperature)`` over the kept tokens passes ``u``
 times their total, with one uniform ``u`` per row. ``u`` is counter-based: a hash of the row's
-seed and step (how many tokens its sampler has drawn) in exact 32-bit integer arithmetic done in
-int64 torch ops. So a row's token depends only on its own logits, parameters, seed and step,
+seed and step (how many tokens its sampler has drawn) in 32-bit integer arithmetic on the host. So a row's token depends only on its own logits, parameters, seed and step,
 never on the other rows of the batch, and ``u`` is the same on the CPU and on CUDA.
 
 What a request asks and gets (``SamplingParams``, ``SampleResult``) is serving/sampling_params.py.
@@ -49,32 +48,29 @@ _M32 = 0xFFFFFFFF
 _T_MIN, _T_MAX = 1e-30, 1e30
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``x * c mod 2**32`` for int64 ``x`` in [0, 2**32) and a 32-bit constant, with no int64
-    overflow: ``c`` is split into 16-bit halves (each partial product stays below 2**48)."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
+def _fmix32(h: int) -> int:
     """MurmurHash3's 32-bit finaliser, a bijection of [0, 2**32) that mixes every bit."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
     return h ^ (h >> 16)
 
 
-def uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """One uniform number in [0, 1) per row (float64, 53 random bits), a pure function of the row's
-    seed (its low and high 32-bit halves) and step: counter-based, so the same alone, in any batch
-    and on any device. Integer ops only (int64 holding 32-bit words, nothing overflows)."""
-    k = _fmix32(step ^ 0x3C6EF372)
-    k = _fmix32(k ^ seed_hi)
-    a = _fmix32(k ^ seed_lo)
+def uniform_bits(seed: int, step: int) -> int:
+    """53 random bits, a pure function of a row's seed (in [0, 2**64)) and step: counter-based, so
+    the same alone, in any batch and on any device. Computed on the host, where it costs a few
+    integer operations instead of a chain of kernel launches."""
+    k = _fmix32((step & _M32) ^ 0x3C6EF372)
+    k = _fmix32(k ^ (seed >> 32))
+    a = _fmix32(k ^ (seed & _M32))
     b = _fmix32(a ^ 0x1B873593)
-    bits = ((a >> 5) << 26) | (b >> 6)  # 27 + 26 bits
-    return bits.to(torch.float64) * 2.0**-53
+    return ((a >> 5) << 26) | (b >> 6)  # 27 + 26 bits
+
+
+def uniform(seed: int, step: int) -> float:
+    """The row's uniform draw in [0, 1) at ``step``: ``uniform_bits`` scaled (exact in float64)."""
+    return uniform_bits(seed, step) * 2.0**-53
 
 
 @dataclass
@@ -86,15 +82,16 @@ class SamplingBatch:
     """
 
     vocab: int
-    temperature: torch.Tensor  # [B] float32, clamped to [_T_MIN, _T_MAX] (unused for greedy rows)
-    top_k: torch.Tensor  # [B] int64, vocab when off
-    top_p: torch.Tensor  # [B] float32
-    min_p: torch.Tensor  # [B] float32
+    # per-row scalars, None when every row is greedy (only a drawing row reads them)
+    temperature: torch.Tensor | None  # [B] float32, clamped to [_T_MIN, _T_MAX] (unused for greedy rows)
+    top_k: torch.Tensor | None  # [B] int64, vocab when off
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
     penalties: torch.Tensor | None  # [B, 3] float32: repetition, frequency, presence
     history: torch.Tensor | None  # [B, L] int64 recent tokens, padded with vocab
     bias_ids: torch.Tensor | None  # [B, nb] int64, padded with 0
     bias_values: torch.Tensor | None  # [B, nb] float32, padded with 0
-    u: torch.Tensor  # [B] float64: each row's uniform draw for this step
+    u: torch.Tensor | None  # [B] float64: each row's uniform draw for this step (0 for greedy rows)
     sampled: list[int]  # rows that draw (temperature > 0) ...
     filtered: list[int]  # ... and of those, the ones with top-k or top-p (they need the sorted candidates)
     width: int  # candidates the filtered rows need: the largest top-k (the vocabulary for top-p alone)
@@ -131,16 +128,11 @@ class SamplingBatch:
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         filtered = [r for r in sampled if ks[r] < vocab or params[r].top_p < 1]
-        # every row's scalars in two host tensors, each one non-blocking copy (not seven blocking ones)
-        floats = _to(torch.tensor([[min(max(p.temperature, _T_MIN), _T_MAX), p.top_p, p.min_p] for p in params],
-                                  dtype=torch.float32), device)  # [B, 3]
-        ints = _to(torch.tensor([[k, s.seed & _M32, s.seed >> 32, s.step & _M32] for k, (s, _) in zip(ks, rows)],
-                                dtype=torch.int64), device)  # [B, 4]
+        scalars = _row_scalars(rows, ks, sampled, device) if sampled else (None,) * 5
         return cls(
             vocab=vocab,
-            temperature=floats[:, 0], top_p=floats[:, 1], min_p=floats[:, 2], top_k=ints[:, 0],
+            temperature=scalars[0], top_p=scalars[1], min_p=scalars[2], top_k=scalars[3], u=scalars[4],
             penalties=penalties, history=history, bias_ids=bias_ids, bias_values=bias_values,
-            u=uniform(ints[:, 1], ints[:, 2], ints[:, 3]),
             sampled=sampled,
             filtered=filtered,
             width=max((ks[r] for r in filtered), default=0),
@@ -149,6 +141,18 @@ class SamplingBatch:
             logprobs=[r for r, p in enumerate(params) if p.logprobs is not None],
             n_top=max((p.logprobs or 0 for p in params), default=0),
         )
+
+
+def _row_scalars(rows: Sequence[tuple[Sampler, Sequence[int]]], ks: list[int], sampled: list[int],
+                 device: torch.device | str) -> tuple[torch.Tensor, ...]:
+    """Temperature, top-p, min-p (float32), top-k (int64) and the uniform draw (float64) of every
+    row on ``device``, in two non-blocking copies; greedy rows draw nothing (u = 0)."""
+    drawing = set(sampled)
+    floats = _to(torch.tensor([[min(max(s.params.temperature, _T_MIN), _T_MAX), s.params.top_p, s.params.min_p]
+                               for s, _ in rows], dtype=torch.float32), device)  # [B, 3]
+    bits = [uniform_bits(s.seed, s.step) if r in drawing else 0 for r, (s, _) in enumerate(rows)]
+    ints = _to(torch.tensor([[k, b] for k, b in zip(ks, bits)], dtype=torch.int64), device)  # [B, 2]
+    return floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 0], ints[:, 1].double() * 2.0**-53
 
 
 def _to(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -52,29 +52,30 @@ class StepRunner:
         first token, sampled from the last position's logits. Raises what the engine raises."""
         try:
             logits = self.engine.prefill(row.session, tokens)
+            return row.sampler.sample_result(logits, row.history) if sample else None
         finally:
             self.read_telemetry()
-        return row.sampler.sample_result(logits, row.history) if sample else None
 
     def decode(self, rows: Sequence[Row]) -> list[SampleResult | Exception]:
         """One window over ``rows``: each row's next token, or the error that ends its request."""
         before = [row.session.n_tokens for row in rows]
         failed: dict[int, Exception] = {}
         try:
-            logits = self.engine.decode_window([(row.session, row.pending) for row in rows])
-        except Exception:  # noqa: BLE001 - run each row alone to find the failing request
-            log.exception("decode window of %d failed; retrying each request alone", len(rows))
-            alone = []
-            for i, (row, n) in enumerate(zip(rows, before)):
-                try:
-                    alone.append(self._alone(row, n))
-                except Exception as exc:  # noqa: BLE001
-                    failed[i] = exc
-            logits = torch.stack(alone) if alone else None
-        finally:
+            try:
+                logits = self.engine.decode_window([(row.session, row.pending) for row in rows])
+            except Exception:  # noqa: BLE001 - run each row alone to find the failing request
+                log.exception("decode window of %d failed; retrying each request alone", len(rows))
+                alone = []
+                for i, (row, n) in enumerate(zip(rows, before)):
+                    try:
+                        alone.append(self._alone(row, n))
+                    except Exception as exc:  # noqa: BLE001
+                        failed[i] = exc
+                logits = torch.stack(alone) if alone else None
+            live = [row for i, row in enumerate(rows) if i not in failed]
+            sampled = iter(self._sample(logits, live) if live else [])
+        finally:  # after sampling: the device counters are read once the window's tokens came back
             self.read_telemetry()
-        live = [row for i, row in enumerate(rows) if i not in failed]
-        sampled = iter(self._sample(logits, live) if live else [])
         return [failed[i] if i in failed else next(sampled) for i in range(len(rows))]
 
     def _alone(self, row: Row, n_before: int) -> torch.Tensor:
