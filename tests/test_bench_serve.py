@@ -134,6 +134,12 @@ def test_bench_serve_against_a_running_server(tmp_path, capsys, strata):
     assert "| latency (ms) | mean | p50 | p90 | p99 | max |" in table and "| TTFT |" in table and "| ITL |" in table
     assert f"\n| 6 | 0 | {rep['duration_s']:.2f} |" in table
     assert "endpoint=chat" in chat and "requests=3" in chat and "\n| 3 | 0 |" in chat
+    # the server's counters over the timed run alone (the warm-up request before them)
+    server = rep["server"]
+    assert server["windows"] * server["rows_per_window"] == pytest.approx(rep["output_tokens"] - rep["completed"])
+    assert 1 <= server["rows_per_window"] <= 3 and server["steps"] >= server["windows"] > 0
+    assert 0 < server["decode_s"] + server["prefill_s"] <= rep["duration_s"]
+    assert "| server worker | steps |" in table
 
 
 def test_bench_serve_starts_strata_serve(tmp_path, capsys, strata):

@@ -161,7 +161,8 @@ class SchedulerStats:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prompt_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    decode_seconds: float = 0.0  # in decode windows (sampling included)
+    prefill_seconds: float = 0.0  # in prompt chunks, finished or not
     windows: int = 0
     steps: int = 0  # steps that ran work: a decode window, prompt chunks or both
     active: int = 0

@@ -322,7 +322,9 @@ class Scheduler:
             first = self._runner.prefill(job, job.request.prompt[done : done + n], sample=n == job.prompt_left)
             t.prompt_experts.add(before, self._runner.telemetry)
             t.prompt_n += n
-            t.prompt_ms += (time.perf_counter() - start) * 1000.0
+            seconds = time.perf_counter() - start
+            t.prompt_ms += seconds * 1000.0
+            self.stats.prefill_seconds += seconds
             if first is not None:
                 job.decode_start = time.perf_counter()
                 self._accept(slot, first)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import sys
 import time
@@ -274,21 +275,24 @@ def _error_message(text: str) -> str:
 # --- the run ---------------------------------------------------------------------------------------
 
 
+async def warm_up(target: Target, like: RequestSpec, count: int, endpoint: str, sampling: dict[str, Any],
+                  timeout: float = 600.0) -> None:
+    """Send ``count`` untimed requests one after another, as long as ``like`` in other words (no prefix
+    for the timed run to reuse)."""
+    rng = random.Random(-1)
+    extra = [RequestSpec(random_words(rng, max(1, len(like.prompt.split()))), like.max_tokens) for _ in range(count)]
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0)) as client:
+        await _client(client, target, endpoint, extra, list(range(count)), sampling, time.perf_counter(),
+                      [None] * count, None)
+
+
 async def run_load(target: Target, specs: list[RequestSpec], clients: int, endpoint: str,
-                   sampling: dict[str, Any], warmup: int = 0, timeout: float = 600.0,
+                   sampling: dict[str, Any], timeout: float = 600.0,
                    progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send ``specs`` from ``clients`` closed-loop clients, after ``warmup`` untimed requests (as long
-    as the first spec, in other words); the results in the order of ``specs`` and the run's duration
-    in seconds (the first request's start to the last one's end)."""
+    """Send ``specs`` from ``clients`` closed-loop clients; the results in the order of ``specs`` and
+    the run's duration in seconds (the first request's start to the last one's end)."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
-        if warmup:  # the first request's shape, other words (no prefix for the timed run to reuse)
-            rng = random.Random(-1)
-            extra = [RequestSpec(random_words(rng, max(1, len(specs[0].prompt.split()))), specs[0].max_tokens)
-                     for _ in range(warmup)]
-            queue, t0 = list(range(warmup)), time.perf_counter()
-            await asyncio.gather(*(_client(client, target, endpoint, extra, queue, sampling, t0, [None] * warmup,
-                                           None) for _ in range(min(clients, warmup))))
         results: list[RequestResult | None] = [None] * len(specs)
         queue = list(range(len(specs)))
         with tqdm(total=len(specs), desc="bench serve", unit="req", file=sys.stderr, dynamic_ncols=True,
@@ -310,6 +314,41 @@ async def _client(client: httpx.AsyncClient, target: Target, endpoint: str, spec
         results[index] = await send(client, target, endpoint, specs[index], sampling, t0)
         if bar is not None:
             bar.update(1)
+
+
+#: the Strata server counters a run reads from /metrics before and after (other servers: none)
+SERVER_COUNTERS = ("steps_total", "decode_windows_total", "requests_total", "completion_tokens_total",
+                   "decode_seconds_total", "prefill_seconds_total")
+
+
+async def server_counters(client: httpx.AsyncClient, target: Target) -> dict[str, float]:
+    """The SERVER_COUNTERS of a Strata server's ``/metrics`` now; empty for a server without them."""
+    try:
+        response = await client.get(f"{target.base}/metrics", headers=target.headers)
+    except httpx.HTTPError:
+        return {}
+    if response.status_code != 200:
+        return {}
+    values = {}
+    for line in response.text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.removeprefix("strata_") in SERVER_COUNTERS:
+            values[name.removeprefix("strata_")] = float(value)
+    return values if len(values) == len(SERVER_COUNTERS) else {}
+
+
+def server_figures(before: dict[str, float], after: dict[str, float], duration: float) -> dict[str, float]:
+    """Where the server's worker spent a run of ``duration`` seconds, from its counters before and after:
+    steps, decode windows and their mean rows, seconds in windows, in prompt chunks and in neither.
+    (A finished request's first token came from its prompt's last chunk, every other from a window.)"""
+    grown = {name: after[name] - before[name] for name in SERVER_COUNTERS}
+    windows, rows = grown["decode_windows_total"], grown["completion_tokens_total"] - grown["requests_total"]
+    return {
+        "steps": grown["steps_total"], "windows": windows,
+        "rows_per_window": rows / windows if windows else math.nan,
+        "decode_s": grown["decode_seconds_total"], "prefill_s": grown["prefill_seconds_total"],
+        "other_s": duration - grown["decode_seconds_total"] - grown["prefill_seconds_total"],
+    }
 
 
 @dataclass
@@ -354,9 +393,16 @@ async def _bench(target: Target, options: LoadOptions) -> dict[str, Any]:
     setup = {"url": target.base, "model": target.model, "endpoint": options.endpoint, "clients": options.clients,
              "requests": len(specs), "prompts": shape, "warmup": options.warmup}
     setup |= options.sampling
-    results, duration = await run_load(target, specs, options.clients, options.endpoint, options.sampling,
-                                       options.warmup, options.timeout, options.progress)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
+        if options.warmup:
+            await warm_up(target, specs[0], options.warmup, options.endpoint, options.sampling, options.timeout)
+        before = await server_counters(client, target)
+        results, duration = await run_load(target, specs, options.clients, options.endpoint, options.sampling,
+                                           timeout=options.timeout, progress=options.progress)
+        after = await server_counters(client, target)
     rep = report(results, duration, setup)
+    if before and after:
+        rep["server"] = server_figures(before, after, duration)
     if rep["completed"] == 0:
         raise BenchServeError(f"every request failed: {next(iter(rep['errors']))}")
     if rep["failed"]:

@@ -96,7 +96,8 @@ def report(results: list[RequestResult], duration: float, setup: dict[str, Any])
 
 
 def format_report(rep: dict[str, Any]) -> str:
-    """The report as Markdown: the settings line, the throughput table and the latency table."""
+    """The report as Markdown: the settings line, the throughput table, the latency table and, from a
+    Strata server, where its worker spent the run."""
     done = max(rep["completed"], 1)
     prompt_mean = f"{rep['prompt_tokens'] / done:.1f}" if rep["prompt_tokens_known"] else "n/a"
     lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in rep["setup"].items()), "",
@@ -110,6 +111,11 @@ def format_report(rep: dict[str, Any]) -> str:
     for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms")):
         s = rep[key]
         lines.append(f"| {name} | " + " | ".join(f"{s[k]:.1f}" for k in ("mean", "p50", "p90", "p99", "max")) + " |")
+    if server := rep.get("server"):
+        lines += ["", "| server worker | steps | decode windows | rows a window | in windows s | in prompt chunks s "
+                  "| elsewhere s |", "|---|---:|---:|---:|---:|---:|---:|",
+                  (f"| from /metrics | {server['steps']:.0f} | {server['windows']:.0f} | {server['rows_per_window']:.2f} "
+                   f"| {server['decode_s']:.2f} | {server['prefill_s']:.2f} | {server['other_s']:.2f} |")]
     for error, count in rep["errors"].items():
         lines.append(f"failed x{count}: {error}")
     return "\n".join(lines)

@@ -23,6 +23,8 @@ def render(scheduler: Scheduler) -> str:
         ("completion_tokens_total", "counter", "generated tokens", st.completion_tokens),
         ("decode_windows_total", "counter", "decode windows run", st.windows),
         ("steps_total", "counter", "scheduler steps run (a decode window and prompt chunks)", st.steps),
+        ("decode_seconds_total", "counter", "seconds the worker spent in decode windows", st.decode_seconds),
+        ("prefill_seconds_total", "counter", "seconds the worker spent computing prompt chunks", st.prefill_seconds),
         ("prompt_tokens_per_second", "gauge", "prompt tokens computed per second of prefill",
          _ratio(computed, st.prompt_seconds)),
         ("decode_tokens_per_second", "gauge", "tokens generated per second of decode windows",
