@@ -265,12 +265,7 @@ class Engine:
 
         :return: float32 logits of the last position ``[vocab]``, or ``[T, vocab]`` with ``all_logits``.
         """
-        if len(token_ids) == 0:
-            raise RequestError("the prompt is empty")
-        self._check_room(session, len(token_ids))
-        tokens = torch.as_tensor(list(token_ids), dtype=torch.int64)
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size:
-            raise RequestError(f"token ids must be in [0, {self.spec.vocab_size})")
+        tokens = self._prompt_tokens(session, token_ids)
         session.kv.reserve(session.n_tokens + len(tokens))
         try:
             result = self.runner.prefill(session, tokens, all_logits)
@@ -278,6 +273,47 @@ class Engine:
             session.kv.trim()
         session.kv.publish(session.tokens)
         return result if all_logits else result[-1]
+
+    def prefill_batch(self, chunks: Sequence[tuple[Session, Sequence[int]]]) -> torch.Tensor:
+        """Extend each session by its chunk, the chunks computed together in passes of at most
+        ``--prefill-chunk`` tokens (a longer chunk alone, in chunks of that size); float32 logits
+        ``[len(chunks), vocab]`` of each chunk's last position. Each session appears once."""
+        prompts = [(session, self._prompt_tokens(session, ids)) for session, ids in chunks]
+        out: list[torch.Tensor] = []
+        limit = self.settings.prefill_chunk
+        group: list[tuple[Session, torch.Tensor]] = []
+        for i, (session, tokens) in enumerate(prompts):
+            group.append((session, tokens))
+            following = prompts[i + 1][1] if i + 1 < len(prompts) else None
+            if following is None or sum(len(t) for _, t in group) + len(following) > limit:
+                out.append(self._prefill_group(group))
+                group = []
+        return torch.cat(out)
+
+    def _prefill_group(self, group: list[tuple[Session, torch.Tensor]]) -> torch.Tensor:
+        if len(group) == 1:
+            (session, tokens), = group
+            return self.prefill(session, tokens.tolist())[None]
+        for session, tokens in group:
+            session.kv.reserve(session.n_tokens + len(tokens))
+        try:
+            logits = self.runner.prefill_batch(group)
+        finally:
+            for session, _ in group:
+                session.kv.trim()
+        for session, _ in group:
+            session.kv.publish(session.tokens)
+        return logits
+
+    def _prompt_tokens(self, session: Session, token_ids: Sequence[int]) -> torch.Tensor:
+        """``token_ids`` as int64, checked: not empty, in the vocabulary, room in the session."""
+        if len(token_ids) == 0:
+            raise RequestError("the prompt is empty")
+        self._check_room(session, len(token_ids))
+        tokens = torch.as_tensor(list(token_ids), dtype=torch.int64)
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.spec.vocab_size:
+            raise RequestError(f"token ids must be in [0, {self.spec.vocab_size})")
+        return tokens
 
     def decode_window(self, steps: Sequence[tuple[Session, int]]) -> torch.Tensor:
         """Append one token to each session; float32 logits ``[len(steps), vocab]``."""

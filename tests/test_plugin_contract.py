@@ -56,10 +56,30 @@ def test_every_installed_strategy_keeps_to_the_contract(tiny_model_factory, stra
     assert "[strata decode]" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_gives_a_prompt_batch_the_logits_of_its_chunks_alone(tiny_model_factory, strategy):
+    """The three prompts as one prompt batch (a server step starting three requests), then windows:
+    the logits of each prompt prefilled alone, bit for bit, through the contract's ctx."""
+    path = tiny_model_factory(expert_type="Q4_0")
+    engine = Engine.load(path, devices=["cpu", "cpu"], max_context=64, prefill_chunk=64, expert_cache=4,
+                         strategy=strategy)
+    want = _run(engine)
+    sessions = [engine.new_session() for _ in PROMPTS]
+    with strict_context(engine):
+        first = engine.prefill_batch(list(zip(sessions, PROMPTS)))
+        got = list(first)
+        tokens = [int(row.argmax()) for row in first]
+        for _ in range(3):
+            rows = engine.decode_window(list(zip(sessions, tokens)))
+            got.extend(rows)
+            tokens = [int(row.argmax()) for row in rows]
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_a_plugin_reading_outside_the_contract_fails_naming_the_member(tiny_model_factory):
     engine = Engine.load(tiny_model_factory(expert_type="Q4_0"), devices=["cpu"], max_context=64)
     module = types.ModuleType("nosy")
-    module.strata_prefill = hookimpl(tryfirst=True)(lambda ctx, session, tokens, logits: ctx.model)
+    module.strata_prefill = hookimpl(tryfirst=True)(lambda ctx, batch, logits: ctx.model)
     engine.plugins.register(module, name="nosy")
     with strict_context(engine), pytest.raises(ContractViolation, match=r"ctx\.model"):
         engine.prefill(engine.new_session(), PROMPTS[0])

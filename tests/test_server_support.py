@@ -136,6 +136,7 @@ class FakeEngine:
         self.poison = FakeTokenizer().encode("\u2620")  # a prompt containing it fails in prefill
         self.prefilled: list[int] = []  # tokens computed by each prefill call, in order
         self.windows: list[int] = []  # batch size of each decode window
+        self.batches: list[int] = []  # chunks of each prompt batch
         # every prefill ("prefill", session, tokens) and decode window ("window", None, rows), in order
         self.calls: list[tuple[str, FakeSession | None, int]] = []
         self.live: set[int] = set()
@@ -177,7 +178,7 @@ class FakeEngine:
         session.tokens = list(snapshot.tokens)
         return session
 
-    def prefill(self, session: FakeSession, token_ids: list[int]) -> torch.Tensor:
+    def _check_chunk(self, session: FakeSession, token_ids: list[int]) -> None:
         self._live(session)
         if not token_ids:
             raise RequestError("the prompt is empty")
@@ -186,11 +187,20 @@ class FakeEngine:
         text = bytes(t - N_SPECIAL for t in token_ids if t >= N_SPECIAL)
         if bytes(t - N_SPECIAL for t in self.poison) in text:
             raise RuntimeError("poisoned prompt")
+
+    def prefill(self, session: FakeSession, token_ids: list[int]) -> torch.Tensor:
+        self._check_chunk(session, token_ids)
         time.sleep(self.step_delay)
         session.tokens.extend(token_ids)
         self.prefilled.append(len(token_ids))
         self.calls.append(("prefill", session, len(token_ids)))
         return fake_logits(session.tokens)
+
+    def prefill_batch(self, chunks: list[tuple[FakeSession, list[int]]]) -> torch.Tensor:
+        self.batches.append(len(chunks))
+        for session, tokens in chunks:  # as the engine: a batch that fails commits none of its chunks
+            self._check_chunk(session, tokens)
+        return torch.stack([self.prefill(session, tokens) for session, tokens in chunks])
 
     def decode_window(self, steps: list[tuple[FakeSession, int]]) -> torch.Tensor:
         for session, _ in steps:

@@ -27,8 +27,8 @@ def _guarded(ctx, phase: str):
 
 
 @hookimpl(wrapper=True)
-def strata_prefill(ctx, session, tokens, logits):
-    """Check every layer of a prefill chunk."""
+def strata_prefill(ctx, batch, logits):
+    """Check every layer of a prompt batch."""
     return (yield from _guarded(ctx, "prefill"))
 
 

@@ -47,11 +47,11 @@ def _timed(ctx, label: str, n_tokens: int):
 
 
 @hookimpl(wrapper=True)
-def strata_prefill(ctx, session, tokens, logits):
-    """Time one prefill chunk."""
+def strata_prefill(ctx, batch, logits):
+    """Time one prompt batch."""
     if not ctx.settings.prefill_timing:
         return (yield)
-    return (yield from _timed(ctx, "prefill", int(tokens.numel())))
+    return (yield from _timed(ctx, "prefill", int(batch.tokens.numel())))
 
 
 @hookimpl(wrapper=True)

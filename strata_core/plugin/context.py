@@ -23,7 +23,7 @@ from strata_core.plugin.spec import StrategyOptions
 
 if TYPE_CHECKING:
     from strata_core.config import StrataSettings
-    from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
+    from strata_core.runtime.session import DecodeBatch, LogitsWanted, PromptBatch
 
 __all__ = ["CONTEXT_MEMBERS", "LayerObserver", "PhaseContext", "StageTime"]
 
@@ -57,8 +57,8 @@ class PhaseContext(Protocol):
     def embed(self, tokens: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Embeddings ``[T, H]`` of int64 ``tokens [T]``, computed on the main device, moved to ``device``."""
 
-    def prefill_segment(self, segment: Segment, hidden: torch.Tensor, session: Session) -> torch.Tensor:
-        """A prompt chunk's ``hidden [T, H]`` after ``segment``'s layers, its KV written for ``session``."""
+    def prefill_segment(self, segment: Segment, hidden: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
+        """A prompt batch's ``hidden [T, H]`` after ``segment``'s layers, each chunk's KV written for its session."""
 
     def decode_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per session ``[B, H]`` after ``segment``'s layers (a replayed CUDA graph where it
@@ -67,8 +67,8 @@ class PhaseContext(Protocol):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Output norm and head on the main device: float32 logits ``[T, vocab]``."""
 
-    def run_prompt(self, session: Session, tokens: torch.Tensor, logits: LogitsWanted) -> torch.Tensor:
-        """The core's prompt chunk: every prompt segment in order, the head where ``logits`` asks."""
+    def run_prompt(self, batch: PromptBatch, logits: LogitsWanted) -> torch.Tensor:
+        """The core's prompt batch: every prompt segment in order, the head where ``logits`` asks."""
 
     def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """The core's decode window: every decode segment in order, then the head."""

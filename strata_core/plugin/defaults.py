@@ -10,9 +10,9 @@ from strata_core.plugin.spec import hookimpl
 
 
 @hookimpl(trylast=True)
-def strata_prefill(ctx, session, tokens, logits):
-    """The chunk through the prompt placement's segments, then the head where logits are wanted."""
-    return ctx.run_prompt(session, tokens, logits)
+def strata_prefill(ctx, batch, logits):
+    """The batch through the prompt placement's segments, then the head where logits are wanted."""
+    return ctx.run_prompt(batch, logits)
 
 
 @hookimpl(trylast=True)

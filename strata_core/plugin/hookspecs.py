@@ -6,7 +6,8 @@ strategy blocks the other strategies, so each phase hook has exactly one strateg
 core's defaults (:mod:`strata_core.plugin.defaults`, ``trylast``) answer where the strategy does
 not. Observers wrap phase hooks with ``@hookimpl(wrapper=True)`` and must return what they receive.
 
-One request, as the core runs it: ``strata_prefill`` per prompt chunk under the prompt placement
+One request, as the core runs it: ``strata_prefill`` per prompt chunk (batched with other requests'
+chunks in a server step) under the prompt placement
 (entries of caches the phase does not read are masked: ``strata_residency`` ``mask``, then
 ``restore`` when the phase ends, also when it raises); ``strata_hand_off`` once per prompt segment
 for the layers whose state lives on another device slot in the decode placement; then
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from strata_core.plugin.events import ResidencyEvent
     from strata_core.plugin.placement import DeviceSlot, Placement
     from strata_core.plugin.spec import StrategyOptions, StrategySpec
-    from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
+    from strata_core.runtime.session import DecodeBatch, LogitsWanted, PromptBatch, Session
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 
@@ -80,20 +81,21 @@ def strata_topology(
 
 
 @hookspec(firstresult=True)
-def strata_prefill(ctx: PhaseContext, session: Session, tokens: torch.Tensor, logits: LogitsWanted) -> torch.Tensor | None:
-    """Run one prompt chunk through every layer under the prompt placement, writing its K/V.
+def strata_prefill(ctx: PhaseContext, batch: PromptBatch, logits: LogitsWanted) -> torch.Tensor | None:
+    """Run one prompt batch through every layer under the prompt placement, writing its K/V.
 
-    The core default runs ``ctx.run_prompt``; a strategy may compose ``ctx.embed``,
-    ``ctx.prefill_segment`` and ``ctx.head`` itself. The runner commits the chunk
-    (``session.kv.advance``, ``session.tokens``) after the hook.
+    A batch is one prompt chunk of each of its sessions (one session for an engine's ``prefill``,
+    several when a server step starts several requests). The core default runs ``ctx.run_prompt``;
+    a strategy may compose ``ctx.embed``, ``ctx.prefill_segment`` and ``ctx.head`` itself. The
+    runner commits the chunks (``session.kv.advance``, ``session.tokens``) after the hook.
 
     :param ctx: the :class:`~strata_core.plugin.context.PhaseContext` (placement, options, the
         runner's building blocks).
-    :param session: the session being extended; its KV holds ``session.n_tokens`` positions.
-    :param tokens: int64 ``[T]`` token ids of this chunk (T <= ``--prefill-chunk``).
-    :param logits: ``"all"`` positions, the ``"last"`` one, or ``"none"`` (a chunk that is not the
-        last of its prompt: no head is computed).
-    :return: float32 logits ``[T, vocab]``, ``[1, vocab]`` or ``[0, vocab]``, on the main device.
+    :param batch: the sessions being extended (each one's KV holds ``session.n_tokens`` positions)
+        and int64 ``tokens [T]``, their chunks end to end (T <= ``--prefill-chunk``).
+    :param logits: ``"all"`` positions, the ``"last"`` one of each chunk, or ``"none"`` (chunks
+        that are not the last of their prompts: no head is computed).
+    :return: float32 logits ``[T, vocab]``, ``[len(batch), vocab]`` or ``[0, vocab]``, on the main device.
 
     Invariants: each layer's KV is written on the device slot that computes it in the prompt
     placement; logits equal ``single``'s bit for bit on the CPU with the same resident experts.

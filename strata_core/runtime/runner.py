@@ -5,7 +5,7 @@ head on the main device, the segments of each phase, the one prompt layer loop a
 layer loop (run eagerly, or captured as a CUDA graph and replayed: runtime/graphs.py, each window
 padded to its batch bucket: runtime/buckets.py; ``--batch-invariant``: runtime/invariance.py), and the phase
 state around a phase (residency masking in place, the hand-off of per-layer state:
-runtime/phase_state.py). A phase is a hook (``strata_prefill`` per prompt chunk,
+runtime/phase_state.py). A phase is a hook (``strata_prefill`` per prompt batch,
 ``strata_decode_window`` per window) whose ``ctx`` is this runner seen as the plugin contract's
 :class:`~strata_core.plugin.context.PhaseContext`; the core's answers are :meth:`Runner.run_prompt`
 and :meth:`Runner.run_decode`.
@@ -38,7 +38,7 @@ from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
 from strata_core.runtime.invariance import check_batch_invariant, moe_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
-from strata_core.runtime.session import DecodeBatch, LogitsWanted, Session
+from strata_core.runtime.session import DecodeBatch, LogitsWanted, PromptBatch, Session
 
 __all__ = ["Runner"]
 
@@ -110,13 +110,31 @@ class Runner:
                 piece = tokens[start:start + chunk]
                 last = start + chunk >= len(tokens)
                 want: LogitsWanted = "all" if all_logits else "last" if last else "none"
-                logits = self._hook.strata_prefill(ctx=self.context, session=session, tokens=piece, logits=want)
-                session.kv.advance(len(piece))
-                session.tokens.extend(piece.tolist())
+                logits = self._prompt_pass(PromptBatch.of([(session, piece)]), want)
                 if want != "none":
                     outputs.append(logits)
         self._place(session, "decode")
         return torch.cat(outputs)
+
+    def prefill_batch(self, chunks: list[tuple[Session, torch.Tensor]]) -> torch.Tensor:
+        """Extend each session by its chunk (int64 ``[n]``; together at most ``--prefill-chunk``
+        tokens) in one ``strata_prefill``, committed after it; float32 logits ``[len(chunks), vocab]``
+        of each chunk's last position."""
+        batch = PromptBatch.of(chunks)
+        for session in batch.sessions:
+            self._place(session, "prompt")
+        with self._masked("prompt"):
+            logits = self._prompt_pass(batch, "last")
+        for session in batch.sessions:
+            self._place(session, "decode")
+        return logits
+
+    def _prompt_pass(self, batch: PromptBatch, want: LogitsWanted) -> torch.Tensor:
+        logits = self._hook.strata_prefill(ctx=self.context, batch=batch, logits=want)
+        for session, start, end in batch.spans:
+            session.kv.advance(end - start)
+            session.tokens.extend(batch.tokens[start:end].tolist())
+        return logits
 
     def decode_window(self, batch: DecodeBatch) -> torch.Tensor:
         """One ``strata_decode_window`` under the decode placement, committed after it; float32
@@ -209,29 +227,37 @@ class Runner:
 
     # --- the prompt loop ---------------------------------------------------------------------------
 
-    def prefill_segment(self, segment: Segment, hidden: torch.Tensor, session: Session) -> torch.Tensor:
-        """Run a chunk ``[T, H]`` of ``session`` through ``segment`` (prompt placement) on its device."""
+    def prefill_segment(self, segment: Segment, hidden: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
+        """Run a prompt batch's ``hidden [T, H]`` through ``segment`` (prompt placement) on its device:
+        attention (and its KV writes) session by session, everything else over every row at once."""
         device = self.device_of(segment)
-        n_ctx = session.n_tokens + hidden.shape[0]
-        positions = to_device(torch.arange(session.n_tokens, n_ctx), device)
+        positions = to_device(batch.positions, device)
         rows = self.experts.rows_for(segment.device, "prompt")
+        spans = batch.spans
         hidden = hidden.to(device)
         with device_scope(device), self._timed("prompt", segment):
             for layer in segment.layers:
-                hidden = self.model.attention(layer, hidden, positions, session.kv, n_ctx)
+                hidden = torch.cat([
+                    self.model.attention(layer, hidden[a:b], positions[a:b], session.kv, session.n_tokens + b - a)
+                    for session, a, b in spans
+                ]) if len(spans) > 1 else self.model.attention(layer, hidden, positions, batch.sessions[0].kv,
+                                                               batch.sessions[0].n_tokens + len(hidden))
                 hidden = self.model.moe(layer, hidden, rows)
                 self._notify(layer, hidden)
         return hidden
 
-    def run_prompt(self, session: Session, tokens: torch.Tensor, logits: LogitsWanted) -> torch.Tensor:
-        """One prompt chunk through the prompt placement's segments; the head only where asked."""
+    def run_prompt(self, batch: PromptBatch, logits: LogitsWanted) -> torch.Tensor:
+        """One prompt batch through the prompt placement's segments; the head only where asked
+        (``last``: each chunk's last position)."""
         segments = self._segments["prompt"]
-        hidden = self.embed(tokens, self.device_of(segments[0]))  # [T, H]
+        hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [T, H]
         for segment in segments:
-            hidden = self.prefill_segment(segment, hidden, session)
+            hidden = self.prefill_segment(segment, hidden, batch)
         if logits == "none":
             return torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
-        return self.head(hidden if logits == "all" else hidden[-1:])
+        if logits == "all":
+            return self.head(hidden)
+        return self.head(hidden[-1:] if len(batch) == 1 else hidden[to_device(batch.last_rows, hidden.device)])
 
     # --- the decode loop ---------------------------------------------------------------------------
 

@@ -1,8 +1,9 @@
-"""Sessions: one conversation's KV state and the tokens it holds; decode batches of sessions."""
+"""Sessions: one conversation's KV state and the tokens it holds; prompt and decode batches of sessions."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -39,6 +40,49 @@ class Session:
             raise ValueError(f"cannot truncate a session of {self.n_tokens} tokens to {n}")
         self.kv.truncate(n)
         del self.tokens[n:]
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """Prompt chunks of one or more sessions computed in one pass: their ids end to end in
+    ``tokens``, session by session (each session once). The layers run every row together; only
+    attention and the KV writes are per session."""
+
+    sessions: tuple[Session, ...]
+    tokens: torch.Tensor  # [T] int64
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, chunks: Sequence[tuple[Session, torch.Tensor]]) -> PromptBatch:
+        """The batch of ``chunks``: (session, its int64 token ids ``[n]``, n >= 1) each."""
+        sessions = tuple(session for session, _ in chunks)
+        if len({id(s) for s in sessions}) != len(sessions):
+            raise ValueError("a session appears twice in one prompt batch")
+        if not chunks or any(len(tokens) == 0 for _, tokens in chunks):
+            raise ValueError("a prompt batch needs at least one token for every session")
+        return cls(sessions, torch.cat([tokens for _, tokens in chunks]), tuple(len(t) for _, t in chunks))
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    @property
+    def spans(self) -> list[tuple[Session, int, int]]:
+        """``(session, start, end)``: the rows of ``tokens`` that are each session's chunk."""
+        out, start = [], 0
+        for session, n in zip(self.sessions, self.lengths):
+            out.append((session, start, start + n))
+            start += n
+        return out
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The position of every row, ``[T]`` int64 (each chunk continues its session)."""
+        return torch.cat([torch.arange(s.n_tokens, s.n_tokens + n) for s, n in zip(self.sessions, self.lengths)])
+
+    @property
+    def last_rows(self) -> torch.Tensor:
+        """The row of each chunk's last token, ``[len(sessions)]`` int64."""
+        return torch.tensor(self.lengths, dtype=torch.int64).cumsum(0) - 1
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ Each loop of the worker is one step: take new requests and cancellations, give t
 the oldest waiting requests (:mod:`~strata_core.serving.slots`: prefix reuse, the conversation
 cache), then run what :func:`~strata_core.serving.step_plan.plan_step` plans under ``step_tokens``:
 one decode window over every slot that decodes, then prompt chunks of the slots still prefilling,
-oldest first, run and sampled by :class:`~strata_core.serving.step_runner.StepRunner`. The last
+oldest first, in one prompt batch (one pass over the experts for all of them; one by one for a
+model whose recurrent state cannot be rewritten), run and sampled by
+:class:`~strata_core.serving.step_runner.StepRunner`. The last
 chunk of a prompt samples its first token; the slot decodes from the next step on.
 :class:`~strata_core.serving.streams.TokenStream` turns each sampled token into text and says when
 the request is done. A request joins and leaves between steps, and a failure in one request's chunk
@@ -237,8 +239,11 @@ class Scheduler:
         plan = plan_step([s for s in busy if s.job.pending >= 0], [(s, s.job.prompt_left) for s in prefilling],
                          self.step_tokens, self._idle_tokens)
         self._window(list(plan.decode))
-        for slot, n in plan.chunks:
-            self._prefill(slot, n)
+        # a rewindable model's chunks run as one prompt batch (one pass over the experts for all);
+        # a recurrent state cannot be rewritten after a failed batch, so those run one by one
+        batches = [list(plan.chunks)] if self.engine.spec.rewindable else [[chunk] for chunk in plan.chunks]
+        for chunks in filter(None, batches):
+            self._prefill(chunks)
         if busy:
             self.stats.steps += 1
 
@@ -313,23 +318,31 @@ class Scheduler:
             job.admitted = next(self._admissions)
             job.timings.cache_n = slot.session.n_tokens
 
-    def _prefill(self, slot: Slot, n: int) -> None:
-        """Compute the next ``n`` prompt tokens of the slot's request; after its last, sample its first token."""
-        job = slot.job
-        done, t = job.session.n_tokens, job.timings
+    def _prefill(self, chunks: list[tuple[Slot, int]]) -> None:
+        """Compute the next ``n`` prompt tokens of each slot's request in one prompt batch; after a
+        prompt's last, sample its first token. Each request is credited the whole batch's time."""
+        work = []
+        for slot, n in chunks:
+            job = slot.job
+            done = job.session.n_tokens
+            work.append((job, job.request.prompt[done:done + n], n == job.prompt_left))
         start, before = time.perf_counter(), self._runner.telemetry
-        try:
-            first = self._runner.prefill(job, job.request.prompt[done : done + n], sample=n == job.prompt_left)
-            t.prompt_experts.add(before, self._runner.telemetry)
-            t.prompt_n += n
-            seconds = time.perf_counter() - start
-            t.prompt_ms += seconds * 1000.0
-            self.stats.prefill_seconds += seconds
-            if first is not None:
-                job.decode_start = time.perf_counter()
-                self._accept(slot, first)
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-            self._fail_in_slot(slot, exc)
+        results = self._runner.prefill(work)
+        seconds = time.perf_counter() - start
+        self.stats.prefill_seconds += seconds
+        for (slot, n), result in zip(chunks, results):
+            try:
+                if isinstance(result, Exception):
+                    raise result
+                t = slot.job.timings
+                t.prompt_experts.add(before, self._runner.telemetry)
+                t.prompt_n += n
+                t.prompt_ms += seconds * 1000.0
+                if result is not None:
+                    slot.job.decode_start = time.perf_counter()
+                    self._accept(slot, result)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                self._fail_in_slot(slot, exc)
 
     def _window(self, slots: list[Slot]) -> None:
         """One decode window for ``slots``; each request takes its token or fails alone."""

@@ -1,10 +1,10 @@
 """A planned step on the engine: the decode window and the prompt chunks, and their sampled tokens.
 
 Every call comes from the scheduler's worker thread (the engine is not thread-safe). A failure is
-given back per request, never raised for a window: a window that fails is run again row by row
-where that is exact (K/V is rewritten in place; a recurrent state some layers already advanced is
-not), and a sampling call that fails samples row by row, so a failure ends only the requests it
-belongs to. After every engine call the engine's counters are read once (``telemetry``).
+given back per request, never raised for a window or a prompt batch: one that fails is run again
+row by row (chunk by chunk) where that is exact (K/V is rewritten in place; a recurrent state some
+layers already advanced is not), and a sampling call that fails samples row by row, so a failure
+ends only the requests it belongs to. After every engine call the engine's counters are read once (``telemetry``).
 """
 
 from __future__ import annotations
@@ -47,14 +47,36 @@ class StepRunner:
         self.experts_by_device = self.engine.telemetry.by_device()
         return self.telemetry
 
-    def prefill(self, row: Row, tokens: Sequence[int], sample: bool) -> SampleResult | None:
-        """Extend the row's session by ``tokens``; with ``sample`` (the prompt's last chunk), its
-        first token, sampled from the last position's logits. Raises what the engine raises."""
+    def prefill(self, chunks: Sequence[tuple[Row, Sequence[int], bool]]) -> list[SampleResult | None | Exception]:
+        """Extend each row's session by its tokens, the chunks in one engine call; for a chunk with
+        ``sample`` set (its prompt's last), the row's first token, sampled from the last position's
+        logits. A failed call is run again chunk by chunk (only a rewindable model's chunks are
+        batched: their K/V is rewritten in place), so a failure ends only the requests it belongs to."""
+        failed: dict[int, Exception] = {}
         try:
-            logits = self.engine.prefill(row.session, tokens)
-            return row.sampler.sample_result(logits, row.history) if sample else None
+            try:
+                logits = self.engine.prefill_batch([(row.session, tokens) for row, tokens, _ in chunks])
+            except Exception as exc:  # noqa: BLE001 - run each chunk alone to find the failing request
+                if len(chunks) == 1:
+                    return [exc]
+                log.exception("a prompt batch of %d chunks failed; retrying each chunk alone", len(chunks))
+                alone = []
+                for i, (row, tokens, _) in enumerate(chunks):
+                    try:
+                        alone.append(self.engine.prefill_batch([(row.session, tokens)])[0])
+                    except Exception as error:  # noqa: BLE001
+                        failed[i] = error
+                logits = torch.stack(alone) if alone else None
+            live = [i for i in range(len(chunks)) if i not in failed]  # the chunks of the rows of logits
+            sampling = [(row, i) for row, i in enumerate(live) if chunks[i][2]]
+            sampled: dict[int, SampleResult | Exception] = {}
+            if sampling:
+                picked = logits[[row for row, _ in sampling]]
+                for (_, i), result in zip(sampling, self._sample(picked, [chunks[i][0] for _, i in sampling])):
+                    sampled[i] = result
         finally:
             self.read_telemetry()
+        return [failed.get(i, sampled.get(i)) for i in range(len(chunks))]
 
     def decode(self, rows: Sequence[Row]) -> list[SampleResult | Exception]:
         """One window over ``rows``: each row's next token, or the error that ends its request."""

@@ -59,7 +59,7 @@ class _Watch:
         module = types.ModuleType("watch")
         module.strata_residency = hookimpl(lambda ctx, event: self.events.append(event))
 
-        def strata_prefill(ctx, session, tokens, logits):
+        def strata_prefill(ctx, batch, logits):
             with ctx.observe_layers(self._layer):
                 return (yield)
 

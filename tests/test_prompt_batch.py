@@ -1,0 +1,83 @@
+"""Prompt batches: several sessions' prompt chunks in one pass (Engine.prefill_batch, what a server
+step runs when it starts several requests) give each chunk's logits bit for bit as the chunk alone,
+on every architecture, across passes of at most ``--prefill-chunk`` tokens; the scheduler batches a
+step's chunks for a rewindable model only."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
+from test_scheduler import _request, _run
+from test_server_support import FakeEngine
+
+from strata_core.engine import Engine
+from strata_core.runtime.session import PromptBatch, Session
+from strata_core.serving.scheduler import Scheduler
+
+CHUNK = 8  # --prefill-chunk: batches of up to 8 tokens, a longer chunk alone in pieces of 8
+
+
+@pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next", "deepseek2"])
+def engine(request, tiny_model_factory):
+    path = ({"gpt-oss": GPT_OSS, "qwen3next": QWEN3NEXT, "deepseek2": DEEPSEEK2}.get(request.param)
+            or tiny_model_factory(expert_type="Q8_0"))
+    return Engine.load(path, max_context=64, parallel=4, prefill_chunk=CHUNK)
+
+
+def _prompt(seed: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@given(firsts=st.lists(st.integers(1, 12), min_size=1, max_size=4), seconds=st.lists(st.integers(1, 6), min_size=4,
+                                                                                      max_size=4))
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_a_prompt_batch_gives_each_chunk_its_logits_alone(engine, firsts, seconds):
+    vocab = engine.spec.vocab_size
+    prompts = [_prompt(i, a + b, vocab) for i, (a, b) in enumerate(zip(firsts, seconds))]
+    want = []
+    for prompt, a in zip(prompts, firsts):
+        session = engine.new_session()
+        want.append([engine.prefill(session, prompt[:a]), engine.prefill(session, prompt[a:]),
+                     engine.decode_window([(session, 3)])[0]])
+        engine.release_session(session)
+    sessions = [engine.new_session() for _ in prompts]
+    first = engine.prefill_batch([(s, p[:a]) for s, p, a in zip(sessions, prompts, firsts)])
+    second = engine.prefill_batch([(s, p[a:]) for s, p, a in zip(sessions, prompts, firsts)])
+    window = engine.decode_window([(s, 3) for s in sessions])
+    for i, session in enumerate(sessions):
+        assert session.n_tokens == len(prompts[i]) + 1 and session.tokens[:-1] == prompts[i]
+        assert torch.equal(first[i], want[i][0]) and torch.equal(second[i], want[i][1])
+        assert torch.equal(window[i], want[i][2])
+        engine.release_session(session)
+
+
+def test_a_batch_names_each_session_once_and_every_chunk_has_tokens():
+    session = Session(kv=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="twice"):
+        PromptBatch.of([(session, torch.tensor([1])), (session, torch.tensor([2]))])
+    with pytest.raises(ValueError, match="at least one token"):
+        PromptBatch.of([(session, torch.tensor([], dtype=torch.int64))])
+    batch = PromptBatch.of([(session, torch.tensor([4, 5, 6])), (Session(kv=None), torch.tensor([7]))])  # type: ignore[arg-type]
+    assert batch.last_rows.tolist() == [2, 3] and batch.positions.tolist() == [0, 1, 2, 0]
+
+
+@pytest.mark.parametrize("rewindable", [True, False])
+def test_the_scheduler_starts_requests_in_one_prompt_batch_where_the_model_rewinds(rewindable):
+    engine = FakeEngine(rewindable=rewindable)
+    scheduler = Scheduler(engine, parallel=4, max_queue=8, conv_cache=0, conv_cache_bytes=1 << 20, step_tokens=512)
+
+    async def main() -> list:
+        handles = [scheduler.submit(_request(f"prompt {i}", 4)) for i in range(4)]
+        scheduler.start()  # after the four are queued: its first step admits them all
+        return await asyncio.gather(*(_run(h) for h in handles))
+
+    try:
+        asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert engine.batches[0] == (4 if rewindable else 1) and max(engine.batches) == engine.batches[0]
