@@ -294,9 +294,9 @@ class Engine:
         if len(group) == 1:
             (session, tokens), = group
             return self.prefill(session, tokens.tolist())[None]
-        for session, tokens in group:
-            session.kv.reserve(session.n_tokens + len(tokens))
         try:
+            for session, tokens in group:
+                session.kv.reserve(session.n_tokens + len(tokens))
             logits = self.runner.prefill_batch(group)
         finally:
             for session, _ in group:

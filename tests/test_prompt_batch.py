@@ -16,6 +16,7 @@ from test_scheduler import _request, _run
 from test_server_support import FakeEngine
 
 from strata_core.engine import Engine
+from strata_core.model.kvpool import KVPoolFull
 from strata_core.runtime.session import PromptBatch, Session
 from strata_core.serving.scheduler import Scheduler
 
@@ -56,6 +57,15 @@ def test_a_prompt_batch_gives_each_chunk_its_logits_alone(engine, firsts, second
         engine.release_session(session)
 
 
+def test_a_batch_the_pool_cannot_hold_commits_nothing_and_gives_its_blocks_back(tiny_model_factory):
+    engine = Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=64, kv_block=4, kv_pool_tokens=64)
+    a, b = engine.new_session(), engine.new_session()
+    with pytest.raises(KVPoolFull, match="is full"):
+        engine.prefill_batch([(a, list(range(40))), (b, list(range(30)))])  # 10 blocks, then 8 of the 6 left
+    assert a.n_tokens == b.n_tokens == 0 and engine.kv_pools.used(0) == 0
+    assert engine.prefill_batch([(a, list(range(40)))]).shape[0] == 1  # the pool is whole again
+
+
 def test_a_batch_names_each_session_once_and_every_chunk_has_tokens():
     session = Session(kv=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="twice"):
@@ -81,3 +91,18 @@ def test_the_scheduler_starts_requests_in_one_prompt_batch_where_the_model_rewin
     finally:
         scheduler.stop()
     assert engine.batches[0] == (4 if rewindable else 1) and max(engine.batches) == engine.batches[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_prompt_batch_on_cuda_gives_the_tokens_of_its_chunks_alone(tiny_model_factory):
+    engine = Engine.load(tiny_model_factory(expert_type="Q4_K"), devices=["cuda:0"], max_context=256, parallel=4)
+    prompts = [_prompt(i, n, engine.spec.vocab_size) for i, n in enumerate((37, 5, 120, 64))]
+    want = []
+    for prompt in prompts:
+        session = engine.new_session()
+        want.append(engine.prefill(session, prompt))
+        engine.release_session(session)
+    sessions = [engine.new_session() for _ in prompts]
+    got = engine.prefill_batch(list(zip(sessions, prompts)))
+    torch.testing.assert_close(got, torch.stack(want), rtol=2e-2, atol=2e-2)
+    assert got.argmax(-1).tolist() == [int(w.argmax()) for w in want]

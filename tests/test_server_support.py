@@ -184,7 +184,7 @@ class FakeEngine:
             raise RequestError("the prompt is empty")
         if session.n_tokens + len(token_ids) > self.max_context:
             raise RequestError("context is full")
-        text = bytes(t - N_SPECIAL for t in token_ids if t >= N_SPECIAL)
+        text = bytes(t - N_SPECIAL for t in token_ids if N_SPECIAL <= t < N_SPECIAL + 256)
         if bytes(t - N_SPECIAL for t in self.poison) in text:
             raise RuntimeError("poisoned prompt")
 

@@ -1,31 +1,41 @@
 #!/usr/bin/env bash
-# The serving table of BENCHMARKS.md in one device session: `strata bench serve` (1K-token prompts, 128
-# output tokens, every expert resident unless said) of this tree and of an older one (BEFORE: a copy of its
-# strata_core's parent folder, `git archive REV strata_core | tar -x -C .before`, git-ignored, carried),
-# `strata bench` decode at several sessions, and llama.cpp's llama-batched-bench on the same file (LLAMACPP:
-# a copy of /work/shared/llamacpp-peer, git-ignored, carried; built niced in the background meanwhile).
-# Two calls, the second within the machine's idle window (the build outlives one call's 600 s); about
-# 7 minutes of device time for stage 1 (each server start pins the 16 GiB of experts). Do not pipe the
-# call's output through `tail`: what a call past its limit printed is lost, the tarball is not.
-#   STAGE=1 BEFORE=.before LLAMACPP=.llamacpp bash tools/gpu_serve_bench.sh   # install, build start, Strata runs
-#   STAGE=2 LLAMACPP=.llamacpp bash tools/gpu_serve_bench.sh                  # llama-batched-bench, the summary
+# The serving table of BENCHMARKS.md in device calls: `strata bench serve` (1K-token prompts, 128 output
+# tokens) against `strata serve` of this tree, started once per server configuration and driven by
+# several client counts over --url; the same against an older tree's server (BEFORE: a copy of its
+# strata_core's parent folder, `git archive REV strata_core | tar -x -C .before`, git-ignored, carried);
+# `strata bench` decode at several sessions; llama.cpp's llama-batched-bench on the same file (LLAMACPP:
+# a copy of /work/shared/llamacpp-peer, git-ignored, carried; built niced in the background meanwhile,
+# STAGE=2 in a later call within the machine's idle window runs it). Results go to $OUT/serve-results.tgz
+# after every step (a call past its limit still returns them): do not pipe the output through `tail`.
+#   RUNS="full step2048 half" bash tools/gpu_serve_bench.sh      # this tree's servers (after gpu_suite.sh)
+#   RUNS="before-half sessions" BEFORE=.before bash tools/gpu_serve_bench.sh
+#   STAGE=2 LLAMACPP=.llamacpp bash tools/gpu_serve_bench.sh     # llama-batched-bench
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; MODEL=/tmp/q30.gguf; RES=/tmp/serve-results; mkdir -p "$OUT" "$RES"; T0=$(date +%s)
+OUT=${OUT:-/tmp/out}; MODEL=${MODEL:-/tmp/q30.gguf}; DEVICES=${DEVICES:-cuda:0}; RES=/tmp/serve-results; mkdir -p "$OUT" "$RES"; T0=$(date +%s)
 # after each step the results so far go to $OUT (one tarball: a call past its limit still returns them)
 step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; tar -C /tmp -czf "$OUT/serve-results.tgz" serve-results; }
-serve() {  # serve TREE NAME CLIENTS PARALLEL [flags...]: one `strata bench serve` run into $RES/NAME.{log,json}
-  local tree=$1 name=$2 clients=$3 parallel=$4; shift 4
-  [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" $name "* ]] || return 0  # ONLY="after-c8 ...": those runs alone
-  local path=/tmp/site; [ "$tree" = before ] && path="$(realpath "$BEFORE"):/tmp/site"
-  PYTHONPATH=$path PYTHONFAULTHANDLER=1 timeout "${SERVE_LIMIT:-240}" python3 -m strata_core bench serve --model $MODEL --devices cuda:0 --arena pinned \
-    --expert-cache 6144 --max-context 2048 --parallel "$parallel" --clients "$clients" --requests $((clients * 3)) \
-    --prompt-tokens 1024 --output-tokens 128 --ignore-eos --no-progress --json "$RES/$name.json" "$@" \
-    > "$RES/$name.log" 2>&1
-  local rc=$?
-  # a server left behind by a run past its limit prints where it was (faulthandler) and goes
-  pkill -ABRT -f "strata_core serve" && sleep 2; pkill -9 -f "strata_core serve"
-  for f in /tmp/strata-serve-*.log; do [ -f "$f" ] && mv "$f" "$RES/$name-server.log"; done
-  step "$name rc=$rc"; grep -E "^\|" "$RES/$name.log" | head -12; [ $rc = 0 ] || tail -5 "$RES/$name-server.log"
+wanted() { [[ " ${RUNS:-full step2048 half before-half sessions} " == *" $1 "* ]]; }
+# server TREE NAME "CLIENTS..." [serve flags...]: one `strata serve` (every expert resident unless the flags
+# say), then one `bench serve --url` per client count into $RES/NAME-cCLIENTS.{log,json}, then the server goes
+server() {
+  local tree=$1 name=$2 clients=$3; shift 3
+  wanted "$name" || return 0
+  local path=/tmp/site eos=--ignore-eos port=$((8100 + RANDOM % 500))
+  if [ "$tree" = before ]; then path="$(realpath "$BEFORE"):/tmp/site"; eos=""; fi  # it has no ignore_eos
+  PYTHONPATH=$path PYTHONFAULTHANDLER=1 python3 -m strata_core serve --model $MODEL --devices $DEVICES --arena pinned \
+    --expert-cache 6144 --max-context 2048 --port $port "$@" > "$RES/$name-server.log" 2>&1 &
+  local pid=$! t=0
+  until python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2> /dev/null; do
+    sleep 1; t=$((t + 1))
+    if ! kill -0 $pid 2> /dev/null || [ $t -gt 200 ]; then step "$name: server not ready after ${t}s"; tail -3 "$RES/$name-server.log"; kill -ABRT $pid 2> /dev/null; sleep 2; kill -9 $pid 2> /dev/null; return 1; fi
+  done
+  step "$name: server ready after ${t}s"
+  for c in $clients; do
+    timeout 150 strata bench serve --url "http://127.0.0.1:$port" --clients "$c" --requests $((c * 3)) \
+      --prompt-tokens 1024 --output-tokens 128 $eos --no-progress --json "$RES/$name-c$c.json" > "$RES/$name-c$c.log" 2>&1
+    step "$name c$c rc=$?"; grep -E "^\|" "$RES/$name-c$c.log" | head -16
+  done
+  kill $pid; wait $pid 2> /dev/null
 }
 if [ "${STAGE:-1}" = 1 ]; then
   if [ -n "${LLAMACPP:-}" ]; then
@@ -38,15 +48,15 @@ if [ "${STAGE:-1}" = 1 ]; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$RES/pip.log" 2>&1 || { tail "$RES/pip.log"; exit 1; }
   [ -f $MODEL ] || strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > "$RES/synth.log" 2>&1
   step "model ready"
-  serve after after-c8 8 8
-  serve after after-c1 1 8
-  [ -n "${BEFORE:-}" ] && serve before before-c8 8 8
-  serve after after-c32 32 32
-  serve after after-c8-half 8 8 --expert-cache 3072
-  [ -n "${BEFORE:-}" ] && serve before before-c8-half 8 8 --expert-cache 3072
-  [ -z "${ONLY:-}" ] || [[ " $ONLY " == *" bench-sessions "* ]] && timeout 150 strata bench --model $MODEL --devices cuda:0 --arena pinned --expert-cache 6144 --prompts 1k \
-    --contexts 1k --decode-tokens 64 --sessions 1,4,16,64 --sampled --repeats 2 --max-context 1200 \
-    > "$RES/bench-sessions.log" 2>&1; step "bench sessions rc=$?"; grep -E "^\|" "$RES/bench-sessions.log"
+  server after full "1 8 32" --parallel 32
+  server after step2048 "8" --parallel 8 --step-tokens 2048
+  server after half "8" --parallel 8 --expert-cache 3072
+  server before before-half "8" --parallel 8 --expert-cache 3072
+  if wanted sessions; then
+    timeout 150 strata bench --model $MODEL --devices cuda:0 --arena pinned --expert-cache 6144 --prompts 1k \
+      --contexts 1k --decode-tokens 64 --sessions 1,8 --sampled --repeats 2 --max-context 1200 \
+      > "$RES/bench-sessions.log" 2>&1; step "bench sessions rc=$?"; grep -E "^\|" "$RES/bench-sessions.log"
+  fi
 else
   while pgrep -f "llamacpp.sh|cmake --build" > /dev/null; do sleep 2; done
   tail -2 "$RES/llama-build.log"
