@@ -95,7 +95,7 @@ def test_the_scheduler_starts_requests_in_one_prompt_batch_where_the_model_rewin
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_prompt_batch_on_cuda_gives_the_tokens_of_its_chunks_alone(tiny_model_factory):
-    engine = Engine.load(tiny_model_factory(expert_type="Q4_K"), devices=["cuda:0"], max_context=256, parallel=4)
+    engine = Engine.load(tiny_model_factory(expert_type="Q8_0"), devices=["cuda:0"], max_context=256, parallel=4)
     prompts = [_prompt(i, n, engine.spec.vocab_size) for i, n in enumerate((37, 5, 120, 64))]
     want = []
     for prompt in prompts:
