@@ -161,11 +161,11 @@ class StrataSettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="port the server listens on")
     parallel: int = Field(4, ge=1, description="concurrent generation slots")
     step_tokens: int = Field(
-        512, gt=0, description="tokens one scheduler step computes: one for every slot that is generating, the "
-        "rest for prompt chunks of the requests starting, oldest first. A long prompt delays the running streams "
-        "by one step of this size at most (smaller: steadier streams; larger: faster prompts, and fewer passes "
-        "over experts streamed from host RAM); a step in which no slot generates takes up to --prefill-chunk. "
-        "At least --parallel"
+        2048, gt=0, description="tokens one scheduler step computes: one for every slot that is generating, the "
+        "rest for prompt chunks of the requests starting, oldest first, in one pass. A long prompt delays the "
+        "running streams by one step of this size at most (smaller: steadier streams; larger: faster prompts, "
+        "since every prompt pass costs a near-fixed time however few its tokens, and fewer passes over experts "
+        "streamed from host RAM); a step in which no slot generates takes up to --prefill-chunk. At least --parallel"
     )
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")

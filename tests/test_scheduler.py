@@ -192,6 +192,27 @@ def test_idle_slot_keeps_its_session_for_the_next_turn(rewindable: bool) -> None
     assert end.timings.cache_n == (len(first.prompt) if rewindable else 0)
 
 
+def test_a_prompt_kept_but_its_last_token_runs_that_token_in_the_window() -> None:
+    """A repeated prompt finds all but its last token in the idle slot's session: that token is fed by
+    the next decode window (no prompt pass of one token), and the tokens are those of the prompt alone."""
+    engine = FakeEngine()
+    scheduler = _scheduler(engine, parallel=1, conv_cache=0)
+    request = _request("the same prompt", 5)
+
+    async def main() -> tuple:
+        first = await _run(scheduler.submit(request))
+        passes = len(engine.prefilled)
+        return first, await _run(scheduler.submit(request)), passes
+
+    try:
+        first, again, passes = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert again[2].timings.cache_n == len(request.prompt) - 1 and again[2].timings.prompt_n == 0
+    assert len(engine.prefilled) == passes  # the second request made no prompt pass
+    assert again[0] == first[0] == [t for t in _tokens_alone(request) if t not in FakeTokenizer.eos_token_ids]
+
+
 def test_a_prompt_sharing_only_the_template_opening_keeps_the_cached_conversation() -> None:
     """Conversations A, B, C, then A again, one slot: B and C share only the chat template's opening
     with A, and A's next turn still finds all of A in the cache."""

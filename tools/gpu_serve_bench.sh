@@ -16,7 +16,8 @@ OUT=${OUT:-/tmp/out}; MODEL=${MODEL:-/tmp/q30.gguf}; DEVICES=${DEVICES:-cuda:0};
 step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; tar -C /tmp -czf "$OUT/serve-results.tgz" serve-results; }
 wanted() { [[ " ${RUNS:-full step2048 half before-half sessions} " == *" $1 "* ]]; }
 # server TREE NAME "CLIENTS..." [serve flags...]: one `strata serve` (every expert resident unless the flags
-# say), then one `bench serve --url` per client count into $RES/NAME-cCLIENTS.{log,json}, then the server goes
+# say), then one `bench serve --url` per client count into $RES/NAME-cCLIENTS.{log,json}, then the server goes.
+# Each count sends prompts of its own seed: a later run must not find an earlier one's prompts cached.
 server() {
   local tree=$1 name=$2 clients=$3; shift 3
   wanted "$name" || return 0
@@ -32,7 +33,7 @@ server() {
   step "$name: server ready after ${t}s"
   for c in $clients; do
     timeout 150 strata bench serve --url "http://127.0.0.1:$port" --clients "$c" --requests $((c * 3)) \
-      --prompt-tokens 1024 --output-tokens 128 $eos --no-progress --json "$RES/$name-c$c.json" > "$RES/$name-c$c.log" 2>&1
+      --prompt-tokens 1024 --output-tokens 128 --prompt-seed "$c" $eos --no-progress --json "$RES/$name-c$c.json" > "$RES/$name-c$c.log" 2>&1
     step "$name c$c rc=$?"; grep -E "^\|" "$RES/$name-c$c.log" | head -16
   done
   kill $pid; wait $pid 2> /dev/null

@@ -317,6 +317,9 @@ class Scheduler:
             slot.job, job.session = job, slot.session
             job.admitted = next(self._admissions)
             job.timings.cache_n = slot.session.n_tokens
+            if job.prompt_left == 1 and slot.session.n_tokens:  # the rest was kept: the last token rides the
+                job.pending = job.request.prompt[-1]  # next window instead of a prompt pass of its own
+                job.decode_start = time.perf_counter()
 
     def _prefill(self, chunks: list[tuple[Slot, int]]) -> None:
         """Compute the next ``n`` prompt tokens of each slot's request in one prompt batch; after a
