@@ -1,7 +1,7 @@
 """Expert-path counters of one request: hit rate, bytes moved, link speed, copy vs compute time.
 
-CUDA timings are pairs of events resolved only in ``snapshot()`` (once per request, never on
-the compute path); CPU timings are wall-clock spans. Counters known only on the device (hits;
+CUDA timings are pairs of events resolved only in ``snapshot()`` (never on the compute path), each
+once: its seconds are added to the totals and the pair dropped; CPU timings are wall-clock spans. Counters known only on the device (hits;
 everything the decode gather counts) are accumulated there (``add_counts``, or a kernel adding into
 ``accumulator()``: no host read) and read in ``snapshot()``.
 
@@ -118,10 +118,11 @@ class ExpertTelemetry:
     def snapshot(self) -> dict[str, float | int]:
         """Counters as plain numbers: hits/misses (routed pairs), experts by source, bytes streamed,
         copy and compute seconds, and the derived hit rate and link GB/s."""
-        seconds = dict(self._seconds)
-        for kind, start, end in self._events:
-            end.synchronize()
-            seconds[kind] += start.elapsed_time(end) / 1e3
+        for kind, start, end in self._events:  # resolved once, then folded in: a long-lived reader (the
+            end.synchronize()  # server reads after every step) pays for the new events only
+            self._seconds[kind] += start.elapsed_time(end) / 1e3
+        self._events.clear()
+        seconds = self._seconds
         device: dict[str, int] = {}
         for (names, _), acc in self._device.items():
             for name, value in zip(names, acc.tolist()):
