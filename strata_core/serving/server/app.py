@@ -36,6 +36,8 @@ from strata_core.serving.server.webui import chat_page
 
 __all__ = ["StrataState", "create_app"]
 
+OPEN_PATHS = frozenset({"/health", "/"})
+
 
 class StrataState(State):
     """What the lifespan puts on the application state."""
@@ -51,10 +53,14 @@ def provide_service(state: StrataState) -> GenerationService:
 class BearerAuth(ASGIMiddleware):
     """Answer 401 unless ``Authorization: Bearer KEY`` is sent (``/health`` and the chat page ``/`` are open)."""
 
-    exclude_path_pattern = "^/(health)?$"
-
     def __init__(self, key: str) -> None:
         self._expected = f"Bearer {key}".encode()
+
+    @staticmethod
+    def should_bypass_for_scope(scope: Scope) -> bool:
+        """True for the open paths: ``/health`` and the chat page ``/`` (the exact request path, not a
+        handler's own path, which is ``/`` for many routes)."""
+        return scope["path"] in OPEN_PATHS
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         sent = dict(scope["headers"]).get(b"authorization", b"")
