@@ -2,9 +2,10 @@
 
 The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
-:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an API key every route but ``/health`` and the chat page ``/`` needs ``Authorization: Bearer KEY``;
-every route checks the ``Host`` header and that a body is JSON (see guards.py). The API docs at
-``/schema`` are rendered on the server (docs.py), so they need nothing from a CDN.
+:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an
+API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
+KEY``; every route checks the ``Host`` header and that a body is JSON (see guards.py). The API docs
+at ``/schema`` are rendered on the server (docs.py), so they need nothing from a CDN.
 """
 
 from __future__ import annotations
