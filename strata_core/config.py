@@ -187,6 +187,7 @@ class StrataSettings(BaseSettings):
                                     "request; then it is stopped and the request gets a 500 naming it")
     template_max_mib: float = Field(16.0, gt=0, description="largest prompt the chat template may produce (MiB of "
                                     "characters); more stops it (500)")
+    webui: bool = Field(True, description="serve the chat page at / (--no-webui: / is 404)")
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Host header values the server answers besides the address it binds "
         "(comma-separated; *.example.com matches subdomains; * turns the check off)")

@@ -41,11 +41,12 @@ def raise_fd_limit(connections: int) -> None:
 
 
 class ServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
-    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions).
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
+    and a chat page at / (--no-webui: none).
 
     Binds 127.0.0.1 unless --host says otherwise; --api-key (or STRATA_API_KEY) guards every route
-    but /health. The port is bound first and the model loads in the background: /health answers
-    503 {"status": "loading"} until it is ready.
+    but /health and the page. The port is bound first and the model loads in the background:
+    /health answers 503 {"status": "loading"} until it is ready.
     """
 
     def cli_cmd(self) -> None:

@@ -2,8 +2,10 @@
 
 The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
-:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an API key every route but ``/health`` needs ``Authorization: Bearer KEY``; every route checks the
-``Host`` header and that a body is JSON (see guards.py).
+:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an
+API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
+KEY``; every route checks the ``Host`` header and that a body is JSON (see guards.py). The API docs
+at ``/schema`` are rendered on the server (docs.py), so they need nothing from a CDN.
 """
 
 from __future__ import annotations
@@ -19,18 +21,23 @@ from litestar.di import Provide
 from litestar.exceptions import NotAuthorizedException
 from litestar.middleware import ASGIMiddleware
 from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from strata_core.config import StrataSettings
 from strata_core.serving.server.controllers import (
     ChatController, CompletionsController, LlamaServerController, ModelsController, SystemController,
 )  # fmt: skip
+from strata_core.serving.server.docs import EndpointList
 from strata_core.serving.server.errors import handle_exception
 from strata_core.serving.server.guards import RequestGuard, allowed_host_names
 from strata_core.serving.server.loading import ServiceLoader
 from strata_core.serving.server.service import GenerationService
+from strata_core.serving.server.webui import chat_page
 
 __all__ = ["StrataState", "create_app"]
+
+OPEN_PATHS = frozenset({"/health", "/"})
 
 
 class StrataState(State):
@@ -45,12 +52,16 @@ def provide_service(state: StrataState) -> GenerationService:
 
 
 class BearerAuth(ASGIMiddleware):
-    """Answer 401 unless ``Authorization: Bearer KEY`` is sent (``/health`` is open)."""
-
-    exclude_path_pattern = "^/health$"
+    """Answer 401 unless ``Authorization: Bearer KEY`` is sent (``/health`` and the chat page ``/`` are open)."""
 
     def __init__(self, key: str) -> None:
         self._expected = f"Bearer {key}".encode()
+
+    @staticmethod
+    def should_bypass_for_scope(scope: Scope) -> bool:
+        """True for the open paths: ``/health`` and the chat page ``/`` (the exact request path, not a
+        handler's own path, which is ``/`` for many routes)."""
+        return scope["path"] in OPEN_PATHS
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
         sent = dict(scope["headers"]).get(b"authorization", b"")
@@ -80,13 +91,15 @@ def create_app(settings: StrataSettings, engine: Any = None,
             Router("/v1", route_handlers=[ChatController, CompletionsController, ModelsController]),
             SystemController,
             LlamaServerController,
+            *([chat_page] if settings.webui else []),
         ],
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
         lifespan=[lifespan],
         middleware=[RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
                     *([BearerAuth(key)] if key else [])],
         exception_handlers={Exception: handle_exception},
-        openapi_config=OpenAPIConfig(title="Strata", version="0.1.0"),
+        openapi_config=OpenAPIConfig(title="Strata", version="0.1.0",
+                                     render_plugins=[EndpointList(), JsonRenderPlugin()]),
         request_max_body_size=int(settings.max_body_mib * 2**20),
         state=StrataState(),
     )
