@@ -15,6 +15,7 @@ from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
 from test_scheduler import _request, _run
 from test_server_support import FakeEngine
 
+from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.model.kvpool import KVPoolFull
 from strata_core.runtime.session import PromptBatch, Session
@@ -76,9 +77,11 @@ def test_a_batch_names_each_session_once_and_every_chunk_has_tokens():
     assert batch.last_rows.tolist() == [2, 3] and batch.positions.tolist() == [0, 1, 2, 0]
 
 
-@pytest.mark.parametrize("rewindable", [True, False])
-def test_the_scheduler_starts_requests_in_one_prompt_batch_where_the_model_rewinds(rewindable):
+@pytest.mark.parametrize(("rewindable", "invariant"), [(True, False), (False, False), (True, True)])
+def test_the_scheduler_starts_requests_in_one_prompt_batch_where_the_model_rewinds(rewindable, invariant):
+    """Together where the model rewinds; one by one for a recurrent state or under --batch-invariant."""
     engine = FakeEngine(rewindable=rewindable)
+    engine.settings = StrataSettings(batch_invariant=invariant)
     scheduler = Scheduler(engine, parallel=4, max_queue=8, conv_cache=0, conv_cache_bytes=1 << 20, step_tokens=512)
 
     async def main() -> list:
@@ -90,7 +93,8 @@ def test_the_scheduler_starts_requests_in_one_prompt_batch_where_the_model_rewin
         asyncio.run(main())
     finally:
         scheduler.stop()
-    assert engine.batches[0] == (4 if rewindable else 1) and max(engine.batches) == engine.batches[0]
+    together = rewindable and not invariant
+    assert engine.batches[0] == (4 if together else 1) and max(engine.batches) == engine.batches[0]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -239,9 +239,11 @@ class Scheduler:
         plan = plan_step([s for s in busy if s.job.pending >= 0], [(s, s.job.prompt_left) for s in prefilling],
                          self.step_tokens, self._idle_tokens)
         self._window(list(plan.decode))
-        # a rewindable model's chunks run as one prompt batch (one pass over the experts for all);
-        # a recurrent state cannot be rewritten after a failed batch, so those run one by one
-        batches = [list(plan.chunks)] if self.engine.spec.rewindable else [[chunk] for chunk in plan.chunks]
+        # a rewindable model's chunks run as one prompt batch (one pass over the experts for all); one by
+        # one where a recurrent state cannot be rewritten after a failed batch, or under --batch-invariant
+        # (on CUDA a product's rows may depend on how many rows share it)
+        together = self.engine.spec.rewindable and not self.engine.settings.batch_invariant
+        batches = [list(plan.chunks)] if together else [[chunk] for chunk in plan.chunks]
         for chunks in filter(None, batches):
             self._prefill(chunks)
         if busy:
