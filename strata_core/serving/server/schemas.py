@@ -7,6 +7,7 @@ msgspec error into a 400 that names the field. Fields Strata adds to OpenAI's (`
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -126,6 +127,9 @@ class CompletionRequest(_Request, kw_only=True):
 
 # --- responses ------------------------------------------------------------------------------------
 
+#: the ``system_fingerprint`` of every completion object and chunk: the server's name and version
+SYSTEM_FINGERPRINT = f"strata-{importlib.metadata.version('strata')}"
+
 
 class Usage(Struct):
     prompt_tokens: int
@@ -209,6 +213,7 @@ class ChatCompletion(Struct):
     usage: Usage
     timings: Timings
     object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ChatDelta(Struct, omit_defaults=True):
@@ -234,6 +239,7 @@ class ChatCompletionChunk(Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
     timings: Timings | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionChoice(Struct):
@@ -253,6 +259,7 @@ class Completion(Struct):
     object: Literal["text_completion"] = "text_completion"
     usage: Usage | None = None
     timings: Timings | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class Model(Struct):
