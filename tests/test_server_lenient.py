@@ -55,3 +55,17 @@ def test_usage_chunk_carries_timings_and_every_object_a_fingerprint(url: str, pa
     assert {e["system_fingerprint"] for e in events} == {SYSTEM_FINGERPRINT}
     whole = httpx.post(f"{url}{path}", json={"model": MODEL, **body, "max_tokens": 3}).json()
     assert SYSTEM_FINGERPRINT.startswith("strata-") and whole["system_fingerprint"] == SYSTEM_FINGERPRINT
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "n_prompt"),
+    [("/v1/completions", {"prompt": "x" * 500}, 500),  # tokenized: the scheduler counts it
+     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 2000}]}, 154),  # refused untokenized
+     ("/v1/chat/completions", {"messages": HI * 129}, 129)],  # a token per message at least
+)
+def test_context_error_reports_the_prompt_and_context_tokens(url: str, path: str, body: dict, n_prompt: int) -> None:
+    response = httpx.post(f"{url}{path}", json={"model": MODEL, **body})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "context_length_exceeded" and error["message"]
+    assert (error["n_prompt_tokens"], error["n_ctx"]) == (n_prompt, 128)

@@ -334,6 +334,9 @@ class ErrorDetail(Struct):
     type: str
     param: str | None
     code: str | None
+    # llama-server's counts beside a prompt that does not fit the context
+    n_prompt_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    n_ctx: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class ErrorBody(Struct):

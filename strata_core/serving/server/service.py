@@ -120,7 +120,8 @@ class GenerationService:
         at_least = min_tokens(self.engine.tokenizer, text)
         if at_least > self.scheduler.max_context:
             raise ContextLengthError(f"{param} has {len(text)} characters, at least {at_least} tokens, more than the "
-                                     f"context holds ({self.scheduler.max_context}); it was not tokenized")
+                                     f"context holds ({self.scheduler.max_context}); it was not tokenized", at_least,
+                                     self.scheduler.max_context)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "content") -> list[int]:
         """Token ids of ``text``, computed on a worker thread (a text longer than the context can hold
@@ -143,7 +144,7 @@ class GenerationService:
         limit = self.scheduler.max_context
         if len(body.messages) > limit:  # each message renders to a token at least
             raise ContextLengthError(f"the request has {len(body.messages)} messages, more than the context holds "
-                                     f"tokens ({limit})")
+                                     f"tokens ({limit})", len(body.messages), limit)
         self._check_size("".join(m.text() for m in body.messages), "messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
                      **_reasoning(m.reasoning_content, harmony)} for m in body.messages]
