@@ -4,12 +4,13 @@ name, stream chunk shapes, the context error's token counts, the server's defaul
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
-from test_server_support import FakeEngine, live_server
+from test_server_support import N_SPECIAL, FakeEngine, live_server
 
 from strata_core.config import StrataSettings
 from strata_core.serving.server.schemas import SYSTEM_FINGERPRINT
@@ -69,3 +70,72 @@ def test_context_error_reports_the_prompt_and_context_tokens(url: str, path: str
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["message"]
     assert (error["n_prompt_tokens"], error["n_ctx"]) == (n_prompt, 128)
+
+
+@pytest.fixture(scope="module")
+def strict_url() -> Iterator[str]:
+    settings = StrataSettings(model_alias=MODEL, parallel=1, strict_requests=True, strict_model=True)
+    with live_server(settings, FakeEngine(max_context=128)) as base:
+        yield base
+
+
+def _info(caplog: pytest.LogCaptureFixture, start: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and r.getMessage().startswith(start)]
+
+
+def test_unknown_fields_are_accepted_and_each_name_logged_once(url: str, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="strata_core.serving.server.service")
+    chat = {"model": MODEL, "messages": HI, "max_tokens": 2, "cache_control": {"type": "x"}, "n_probs": 0}
+    for _ in range(2):
+        assert httpx.post(f"{url}/v1/chat/completions", json=chat).status_code == 200
+    text = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "n_probs": 0, "mirostat": 0}
+    assert httpx.post(f"{url}/v1/completions", json=text).status_code == 200
+    assert _info(caplog, "ignoring unknown") == ["ignoring unknown request fields: cache_control, n_probs",
+                                                 "ignoring unknown request fields: mirostat"]
+
+
+def test_strict_requests_refuses_an_unknown_field_naming_it(strict_url: str) -> None:
+    payload = {"model": MODEL, "messages": HI, "max_tokens": 2, "cache_control": 1, "n_probs": 0}
+    error = httpx.post(f"{strict_url}/v1/chat/completions", json=payload).json()["error"]
+    assert error["param"] == "cache_control" and error["code"] == "invalid_request"
+    assert "unknown field `cache_control`" in error["message"] and "n_probs" in error["message"]
+    response = httpx.post(f"{strict_url}/v1/completions", json={"model": MODEL, "prompt": "hi", "bogus": 1})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "bogus"
+    known = {"model": MODEL, "messages": HI, "max_tokens": 2, "store": False, "user": "u"}  # declared, ignored
+    assert httpx.post(f"{strict_url}/v1/chat/completions", json=known).status_code == 200
+
+
+def test_any_model_name_or_none_is_served(url: str, client: openai.OpenAI, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="strata_core.serving.server.service")
+    for name in ("gpt-4o", "gpt-4o", "local"):
+        out = client.chat.completions.create(model=name, messages=HI, max_tokens=2)
+        assert out.model == MODEL
+    unnamed = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert unnamed.status_code == 200 and unnamed.json()["model"] == MODEL
+    assert _info(caplog, "serving ") == [f"serving {MODEL} for requests naming gpt-4o",
+                                         f"serving {MODEL} for requests naming local"]
+
+
+def test_strict_model_answers_404_for_another_name(strict_url: str) -> None:
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": HI})):
+        response = httpx.post(f"{strict_url}{path}", json={"model": "gpt-9", **body})
+        assert response.status_code == 404, response.text
+        error = response.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model" and "gpt-9" in error["message"]
+    assert httpx.get(f"{strict_url}/v1/models/gpt-9").status_code == 404
+    for name in (MODEL, None):  # the alias, or no name
+        payload = {"prompt": "x", "max_tokens": 1, **({"model": name} if name else {})}
+        assert httpx.post(f"{strict_url}/v1/completions", json=payload).status_code == 200
+
+
+@pytest.mark.parametrize(("n_predict", "chat", "text"), [(-1, None, 16), (5, 5, 5)])
+def test_n_predict_is_the_default_max_tokens(n_predict: int, chat: int | None, text: int) -> None:
+    q = {"logit_bias": {str(N_SPECIAL + ord("Q")): 100}}  # never an end token: runs to the limit
+    with live_server(StrataSettings(model_alias=MODEL, parallel=1, n_predict=n_predict), FakeEngine(64)) as base:
+        reply = httpx.post(f"{base}/v1/chat/completions", json={"messages": HI, **q}).json()
+        generated = reply["usage"]["completion_tokens"]
+        assert (generated == chat) if chat else (generated >= 64 - reply["usage"]["prompt_tokens"])  # context full
+        completion = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", **q}).json()
+        assert completion["usage"]["completion_tokens"] == text
+        given = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "max_tokens": 3, **q}).json()
+        assert given["usage"]["completion_tokens"] == 3

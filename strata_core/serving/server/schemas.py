@@ -1,7 +1,8 @@
 """Typed request and response bodies of the OpenAI-compatible API (msgspec Structs).
 
-Requests reject unknown fields and values of the wrong type or out of range; Litestar turns the
-msgspec error into a 400 that names the field. Fields Strata adds to OpenAI's (``top_k``,
+Requests reject values of the wrong type or out of range; Litestar turns the msgspec error into a
+400 that names the field. Unknown top-level fields of a completion request are accepted (the service
+logs them, or refuses them with ``strict_requests``). Fields Strata adds to OpenAI's (``top_k``,
 ``min_p``, ``repetition_penalty``) follow llama-server and vLLM.
 """
 
@@ -30,10 +31,10 @@ IGNORED_FIELDS = ("store", "metadata", "service_tier", "parallel_tool_calls", "p
                   "id_slot", "timings_per_token")
 
 
-class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields shared by chat and text completions."""
+class _Request(Struct, kw_only=True):
+    """Fields shared by chat and text completions (unknown ones are decoded past: see ``unknown_fields``)."""
 
-    model: str
+    model: str | None = None  # any name is served by the one model unless strict_model
     max_tokens: MaxTokens | None = None
     n_predict: MaxTokens | None = None  # llama-server's name for max_tokens
     temperature: Temperature = 1.0
@@ -343,6 +344,13 @@ class ErrorBody(Struct):
     """The OpenAI error body."""
 
     error: ErrorDetail
+
+
+def unknown_fields(body: bytes, struct: type[Struct]) -> list[str]:
+    """The top-level keys of the JSON object ``body`` that ``struct`` has no field for, in body order
+    (the values are not decoded)."""
+    known = struct.__struct_encode_fields__
+    return [key for key in msgspec.json.decode(body, type=dict[str, msgspec.Raw]) if key not in known]
 
 
 def encode(value: Struct) -> bytes:

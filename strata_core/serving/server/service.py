@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import anyio
@@ -28,6 +29,20 @@ from strata_core.serving.server.schemas import ChatCompletionRequest, Completion
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]
 
 log = logging.getLogger(__name__)
+
+# names already logged, so each is logged once: unknown request fields, and model names served by the one model
+_FIELDS_LOGGED: set[str] = set()
+_MODELS_LOGGED: set[str] = set()
+_MAX_LOGGED = 1024  # names remembered of each kind; past it new ones go unlogged, so no client grows the sets
+_MAX_NAME_CHARS = 64  # of a name in the log
+
+
+def _log_new(logged: set[str], names: Iterable[str], prefix: str) -> None:
+    """One INFO line, ``prefix`` then the ``names`` not yet in ``logged`` (shortened), which join it."""
+    new = [name for name in dict.fromkeys(n[:_MAX_NAME_CHARS] for n in names) if name not in logged]
+    if new and len(logged) < _MAX_LOGGED:
+        logged.update(new)
+        log.info("%s%s", prefix, ", ".join(new))
 
 
 class UnknownModelError(RequestError):
@@ -102,10 +117,29 @@ class GenerationService:
         if self.templates is not None:
             self.templates.close()
 
-    def check_model(self, name: str) -> None:
-        """Raise UnknownModelError unless ``name`` is the served model (its alias, stem or file name)."""
-        if name not in {self.model_id, self.settings.model.stem, self.settings.model.name}:
+    def check_model(self, name: str | None) -> None:
+        """Accept ``name`` (or none) for the served model, logging each other name once; with
+        ``strict_model`` raise UnknownModelError unless it is the model's alias, stem or file name."""
+        if name is None or name in {self.model_id, self.settings.model.stem, self.settings.model.name}:
+            return
+        if self.settings.strict_model:
             raise UnknownModelError(f"the model {name!r} does not exist; this server serves {self.model_id!r}")
+        _log_new(_MODELS_LOGGED, [name], f"serving {self.model_id} for requests naming ")
+
+    def check_fields(self, unknown: list[str]) -> None:
+        """Accept the ``unknown`` fields of a request, logging each name once; with ``strict_requests``
+        an InvalidParamError (400) naming them."""
+        if not unknown:
+            return
+        if self.settings.strict_requests:
+            raise InvalidParamError("invalid request: " + "; ".join(f"unknown field `{name}`" for name in unknown),
+                                    unknown[0], "invalid_request")
+        _log_new(_FIELDS_LOGGED, unknown, "ignoring unknown request fields: ")
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """``n_predict``, the max_tokens of a request that sets none (None: until the context is full)."""
+        return min(self.settings.n_predict, self.scheduler.max_context) if self.settings.n_predict > 0 else None
 
     @property
     def harmony(self) -> bool:
@@ -167,8 +201,8 @@ class GenerationService:
             cancelled.set()  # the request went away: its template render is stopped
             raise
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return self._submit(body, prompt, body.max_completion_tokens or body.max_tokens or body.n_predict, k,
-                            keep_special_tokens=harmony)
+        max_tokens = body.max_completion_tokens or body.max_tokens or body.n_predict or self.default_max_tokens
+        return self._submit(body, prompt, max_tokens, k, keep_special_tokens=harmony)
 
     async def complete(self, body: CompletionRequest) -> RequestHandle:
         """Submit a text completion of a string or of token ids."""
@@ -182,7 +216,8 @@ class GenerationService:
         else:
             prompt = body.prompt  # token ids
             self._check_ids(prompt, "prompt")
-        return self._submit(body, prompt, body.max_tokens or body.n_predict or 16, body.logprobs)
+        max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or 16  # 16: OpenAI's default
+        return self._submit(body, prompt, max_tokens, body.logprobs)
 
     def _check_ids(self, ids: list[Any], param: str) -> None:
         vocab = self.engine.spec.vocab_size
