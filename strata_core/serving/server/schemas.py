@@ -58,6 +58,8 @@ class _Request(Struct, kw_only=True):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server's constrained output
+    json_schema: dict[str, Any] | None = None  # llama-server's constrained output
     # accepted and ignored (IGNORED_FIELDS)
     store: bool | None = None
     metadata: dict[str, str] | None = None

@@ -63,6 +63,9 @@ def _check_supported(body: Any) -> None:
     if body.response_format is not None and body.response_format.type != "text":
         raise InvalidParamError(f"response_format {body.response_format.type!r} is not supported (only 'text')",
                                 "response_format", "unsupported_value")
+    for name in ("grammar", "json_schema"):
+        if getattr(body, name):
+            raise InvalidParamError(f"{name} (constrained output) is not supported", name, "unsupported_value")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise InvalidParamError("echo is not supported", "echo", "unsupported_value")
