@@ -38,7 +38,8 @@ _MAX_NAME_CHARS = 64  # of a name in the log
 
 
 def _log_new(logged: set[str], names: Iterable[str], prefix: str) -> None:
-    """One INFO line, ``prefix`` then the ``names`` not yet in ``logged`` (shortened), which join it."""
+    """Log ``prefix`` and those of ``names`` (cut to ``_MAX_NAME_CHARS``) not yet in ``logged`` in one INFO
+    line, and add them to it."""
     new = [name for name in dict.fromkeys(n[:_MAX_NAME_CHARS] for n in names) if name not in logged]
     if new and len(logged) < _MAX_LOGGED:
         logged.update(new)
