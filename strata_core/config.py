@@ -191,6 +191,13 @@ class StrataSettings(BaseSettings):
     allowed_hosts: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="Host header values the server answers besides the address it binds "
         "(comma-separated; *.example.com matches subdomains; * turns the check off)")
+    strict_requests: bool = Field(False, description="reject unknown request fields with a 400 naming the field "
+                                  "(default: accept them, each name logged once)")
+    strict_model: bool = Field(False, description="answer 404 to a request naming a model other than the served "
+                               "one (default: any name gets the served model, each name logged once; a request "
+                               "may name none)")
+    n_predict: int = Field(-1, ge=-1, description="default max_tokens when a request sets none; -1 (or 0): until "
+                           "the context is full (text completions: OpenAI's 16)")
 
     # --- observers and plugins -------------------------------------------------------------------
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")

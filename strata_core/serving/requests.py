@@ -30,7 +30,13 @@ class RequestCancelled(StrataError):
 
 
 class ContextLengthError(RequestError):
-    """The prompt does not fit in a session's context."""
+    """The prompt does not fit in a session's context: its ``n_prompt_tokens`` (a lower bound where it
+    was refused before tokenizing) and the context's ``n_ctx``, the counts llama-server reports."""
+
+    def __init__(self, message: str, n_prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(message)
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
 
 
 @dataclass

@@ -185,7 +185,8 @@ class Scheduler:
         if n == 0:
             raise RequestError("the prompt is empty")
         if n > self.max_context:
-            raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}")
+            raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}", n,
+                                     self.max_context)
         handle = RequestHandle(self, asyncio.get_running_loop())
         job = _Job(request, handle, Sampler(request.params), TokenStream(self.engine.tokenizer, request),
                    list(request.prompt))

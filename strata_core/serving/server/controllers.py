@@ -79,6 +79,7 @@ class ChatController(Controller):
           summary="Generate the next message of a conversation (SSE with stream=true)")
     async def create(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
+        service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
         handle = await until_disconnect(request, service.chat(data))
         harmony = service.harmony
         chunks = chat_stream(service.model_id, handle, data, harmony) if data.stream else None
@@ -96,6 +97,7 @@ class CompletionsController(Controller):
           summary="Continue a prompt (SSE with stream=true)")
     async def create(self, request: Request, data: JSONBody[s.CompletionRequest],
                      service: NamedDependency[GenerationService]) -> s.Completion | Stream:
+        service.check_fields(s.unknown_fields(await request.body(), s.CompletionRequest))
         handle = await service.complete(data)
         chunks = completion_stream(service.model_id, handle, data) if data.stream else None
         return await _respond(request, handle, chunks,

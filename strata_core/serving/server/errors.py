@@ -27,9 +27,10 @@ RETRY_AFTER_S = "1"  # the Retry-After of a 503: slots free up within seconds
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_error"}
 
 
-def _body(status: int, message: str, param: str | None = None, code: str | None = None) -> tuple[int, ErrorBody]:
+def _body(status: int, message: str, param: str | None = None, code: str | None = None,
+          **counts: int) -> tuple[int, ErrorBody]:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return status, ErrorBody(ErrorDetail(message, kind, param, code))
+    return status, ErrorBody(ErrorDetail(message, kind, param, code, **counts))
 
 
 def _validation(exc: ValidationException) -> tuple[int, ErrorBody]:
@@ -67,7 +68,8 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
     if isinstance(exc, InvalidParamError):
         return _body(400, str(exc), exc.param, exc.code)
     if isinstance(exc, ContextLengthError):
-        return _body(400, str(exc), None, "context_length_exceeded")
+        return _body(400, str(exc), None, "context_length_exceeded", n_prompt_tokens=exc.n_prompt_tokens,
+                     n_ctx=exc.n_ctx)
     if isinstance(exc, TemplateLimitError):
         return _body(500, str(exc), code="chat_template_limit")
     if isinstance(exc, StrataError):

@@ -145,9 +145,11 @@ def _piece_delta(piece: Piece) -> s.ChatDelta:
 
 def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest,
                 harmony: bool = False) -> AsyncIterator[bytes]:
-    """The SSE stream of a chat completion; a ``harmony`` reply's text is split as it streams into
+    """The SSE stream of a chat completion: a first chunk whose delta is the role alone (as OpenAI and
+    llama-server send it), then the text; a ``harmony`` reply's text is split as it streams into
     ``reasoning_content`` and ``content`` deltas (one chunk each; a delta of header tokens alone
-    sends nothing, or an empty delta with its logprobs)."""
+    sends nothing, or an empty delta with its logprobs). The usage chunk also carries ``timings``, as
+    llama-server's does."""
     cid, created = new_id("chatcmpl"), int(time.time())
     parser = HarmonyParser() if harmony else None
 
@@ -169,14 +171,14 @@ def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest
         out = [chunk(_piece_delta(p)) for p in parser.finish()] if parser is not None else []
         out.append(chunk(s.ChatDelta(), end.reason, end=end))
         if body.stream_options and body.stream_options.include_usage:
-            out.append(_sse(s.ChatCompletionChunk(cid, created, model, [], usage=usage(end))))
+            out.append(_sse(s.ChatCompletionChunk(cid, created, model, [], usage=usage(end), timings=timings(end))))
         return out
 
-    return _events(handle, lambda: chunk(s.ChatDelta(role="assistant", content="")), delta, last)
+    return _events(handle, lambda: chunk(s.ChatDelta(role="assistant")), delta, last)
 
 
 def completion_stream(model: str, handle: RequestHandle, body: s.CompletionRequest) -> AsyncIterator[bytes]:
-    """The SSE stream of a text completion."""
+    """The SSE stream of a text completion (its usage chunk also carries ``timings``)."""
     cid, created = new_id("cmpl"), int(time.time())
     offset = 0
 
@@ -189,7 +191,7 @@ def completion_stream(model: str, handle: RequestHandle, body: s.CompletionReque
     def last(end: Finished) -> list[bytes]:
         out = [_sse(s.Completion(cid, created, model, [s.CompletionChoice(0, "", end.reason)], timings=timings(end)))]
         if body.stream_options and body.stream_options.include_usage:
-            out.append(_sse(s.Completion(cid, created, model, [], usage=usage(end))))
+            out.append(_sse(s.Completion(cid, created, model, [], usage=usage(end), timings=timings(end))))
         return out
 
     return _events(handle, lambda: None, delta, last)

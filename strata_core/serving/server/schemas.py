@@ -1,12 +1,14 @@
 """Typed request and response bodies of the OpenAI-compatible API (msgspec Structs).
 
-Requests reject unknown fields and values of the wrong type or out of range; Litestar turns the
-msgspec error into a 400 that names the field. Fields Strata adds to OpenAI's (``top_k``,
+Requests reject values of the wrong type or out of range; Litestar turns the msgspec error into a
+400 that names the field. Unknown top-level fields of a completion request are accepted (the service
+logs them, or refuses them with ``strict_requests``). Fields Strata adds to OpenAI's (``top_k``,
 ``min_p``, ``repetition_penalty``) follow llama-server and vLLM.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -29,10 +31,10 @@ IGNORED_FIELDS = ("store", "metadata", "service_tier", "parallel_tool_calls", "p
                   "id_slot", "timings_per_token")
 
 
-class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
-    """Fields shared by chat and text completions."""
+class _Request(Struct, kw_only=True):
+    """Fields shared by chat and text completions (unknown ones are decoded past: see ``unknown_fields``)."""
 
-    model: str
+    model: str | None = None  # any name is served by the one model unless strict_model
     max_tokens: MaxTokens | None = None
     n_predict: MaxTokens | None = None  # llama-server's name for max_tokens
     temperature: Temperature = 1.0
@@ -56,6 +58,8 @@ class _Request(Struct, forbid_unknown_fields=True, kw_only=True):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama-server's constrained output
+    json_schema: dict[str, Any] | None = None  # llama-server's constrained output
     # accepted and ignored (IGNORED_FIELDS)
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -125,6 +129,9 @@ class CompletionRequest(_Request, kw_only=True):
 
 
 # --- responses ------------------------------------------------------------------------------------
+
+#: the ``system_fingerprint`` of every completion object and chunk: the server's name and version
+SYSTEM_FINGERPRINT = f"strata-{importlib.metadata.version('strata')}"
 
 
 class Usage(Struct):
@@ -209,6 +216,7 @@ class ChatCompletion(Struct):
     usage: Usage
     timings: Timings
     object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class ChatDelta(Struct, omit_defaults=True):
@@ -234,6 +242,7 @@ class ChatCompletionChunk(Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
     timings: Timings | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class CompletionChoice(Struct):
@@ -253,6 +262,7 @@ class Completion(Struct):
     object: Literal["text_completion"] = "text_completion"
     usage: Usage | None = None
     timings: Timings | None = None
+    system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
 class Model(Struct):
@@ -327,12 +337,22 @@ class ErrorDetail(Struct):
     type: str
     param: str | None
     code: str | None
+    # llama-server's counts beside a prompt that does not fit the context
+    n_prompt_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    n_ctx: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class ErrorBody(Struct):
     """The OpenAI error body."""
 
     error: ErrorDetail
+
+
+def unknown_fields(body: bytes, struct: type[Struct]) -> list[str]:
+    """The top-level keys of the JSON object ``body`` that ``struct`` has no field for, in body order
+    (the values are not decoded)."""
+    known = struct.__struct_encode_fields__
+    return [key for key in msgspec.json.decode(body, type=dict[str, msgspec.Raw]) if key not in known]
 
 
 def encode(value: Struct) -> bytes:

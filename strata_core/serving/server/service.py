@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import anyio
@@ -28,6 +29,21 @@ from strata_core.serving.server.schemas import ChatCompletionRequest, Completion
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]
 
 log = logging.getLogger(__name__)
+
+# names already logged, so each is logged once: unknown request fields, and model names served by the one model
+_FIELDS_LOGGED: set[str] = set()
+_MODELS_LOGGED: set[str] = set()
+_MAX_LOGGED = 1024  # names remembered of each kind; past it new ones go unlogged, so no client grows the sets
+_MAX_NAME_CHARS = 64  # of a name in the log
+
+
+def _log_new(logged: set[str], names: Iterable[str], prefix: str) -> None:
+    """Log ``prefix`` and those of ``names`` (cut to ``_MAX_NAME_CHARS``) not yet in ``logged`` in one INFO
+    line, and add them to it."""
+    new = [name for name in dict.fromkeys(n[:_MAX_NAME_CHARS] for n in names) if name not in logged]
+    if new and len(logged) < _MAX_LOGGED:
+        logged.update(new)
+        log.info("%s%s", prefix, ", ".join(new))
 
 
 class UnknownModelError(RequestError):
@@ -48,6 +64,9 @@ def _check_supported(body: Any) -> None:
     if body.response_format is not None and body.response_format.type != "text":
         raise InvalidParamError(f"response_format {body.response_format.type!r} is not supported (only 'text')",
                                 "response_format", "unsupported_value")
+    for name in ("grammar", "json_schema"):
+        if getattr(body, name):
+            raise InvalidParamError(f"{name} (constrained output) is not supported", name, "unsupported_value")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise InvalidParamError("echo is not supported", "echo", "unsupported_value")
@@ -102,10 +121,29 @@ class GenerationService:
         if self.templates is not None:
             self.templates.close()
 
-    def check_model(self, name: str) -> None:
-        """Raise UnknownModelError unless ``name`` is the served model (its alias, stem or file name)."""
-        if name not in {self.model_id, self.settings.model.stem, self.settings.model.name}:
+    def check_model(self, name: str | None) -> None:
+        """Accept ``name`` (or none) for the served model, logging each other name once; with
+        ``strict_model`` raise UnknownModelError unless it is the model's alias, stem or file name."""
+        if name is None or name in {self.model_id, self.settings.model.stem, self.settings.model.name}:
+            return
+        if self.settings.strict_model:
             raise UnknownModelError(f"the model {name!r} does not exist; this server serves {self.model_id!r}")
+        _log_new(_MODELS_LOGGED, [name], f"serving {self.model_id} for requests naming ")
+
+    def check_fields(self, unknown: list[str]) -> None:
+        """Accept the ``unknown`` fields of a request, logging each name once; with ``strict_requests``
+        an InvalidParamError (400) naming them."""
+        if not unknown:
+            return
+        if self.settings.strict_requests:
+            raise InvalidParamError("invalid request: " + "; ".join(f"unknown field `{name}`" for name in unknown),
+                                    unknown[0], "invalid_request")
+        _log_new(_FIELDS_LOGGED, unknown, "ignoring unknown request fields: ")
+
+    @property
+    def default_max_tokens(self) -> int | None:
+        """``n_predict``, the max_tokens of a request that sets none (None: until the context is full)."""
+        return min(self.settings.n_predict, self.scheduler.max_context) if self.settings.n_predict > 0 else None
 
     @property
     def harmony(self) -> bool:
@@ -120,7 +158,8 @@ class GenerationService:
         at_least = min_tokens(self.engine.tokenizer, text)
         if at_least > self.scheduler.max_context:
             raise ContextLengthError(f"{param} has {len(text)} characters, at least {at_least} tokens, more than the "
-                                     f"context holds ({self.scheduler.max_context}); it was not tokenized")
+                                     f"context holds ({self.scheduler.max_context}); it was not tokenized", at_least,
+                                     self.scheduler.max_context)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True, param: str = "content") -> list[int]:
         """Token ids of ``text``, computed on a worker thread (a text longer than the context can hold
@@ -143,7 +182,7 @@ class GenerationService:
         limit = self.scheduler.max_context
         if len(body.messages) > limit:  # each message renders to a token at least
             raise ContextLengthError(f"the request has {len(body.messages)} messages, more than the context holds "
-                                     f"tokens ({limit})")
+                                     f"tokens ({limit})", len(body.messages), limit)
         self._check_size("".join(m.text() for m in body.messages), "messages")
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
                      **_reasoning(m.reasoning_content, harmony)} for m in body.messages]
@@ -166,8 +205,8 @@ class GenerationService:
             cancelled.set()  # the request went away: its template render is stopped
             raise
         k = (body.top_logprobs or 0) if body.logprobs else None
-        return self._submit(body, prompt, body.max_completion_tokens or body.max_tokens or body.n_predict, k,
-                            keep_special_tokens=harmony)
+        max_tokens = body.max_completion_tokens or body.max_tokens or body.n_predict or self.default_max_tokens
+        return self._submit(body, prompt, max_tokens, k, keep_special_tokens=harmony)
 
     async def complete(self, body: CompletionRequest) -> RequestHandle:
         """Submit a text completion of a string or of token ids."""
@@ -181,7 +220,8 @@ class GenerationService:
         else:
             prompt = body.prompt  # token ids
             self._check_ids(prompt, "prompt")
-        return self._submit(body, prompt, body.max_tokens or body.n_predict or 16, body.logprobs)
+        max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or 16  # 16: OpenAI's default
+        return self._submit(body, prompt, max_tokens, body.logprobs)
 
     def _check_ids(self, ids: list[Any], param: str) -> None:
         vocab = self.engine.spec.vocab_size
