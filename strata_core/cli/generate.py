@@ -19,9 +19,9 @@ from strata_core.serving.scheduler import Scheduler
 class GenerateCommand(settings_with(ENGINE)):  # type: ignore[misc]
     """Generate text after a prompt (streamed to stdout)."""
 
-    prompt: str = Field("Once upon a time", description="the prompt (-p)")
-    file: str | None = Field(None, description="read the prompt from this file instead (-f; - reads stdin)")
-    max_tokens: int = Field(64, ge=1, description="tokens to generate at most (-n)")
+    prompt: str = Field("Once upon a time", description="the prompt")
+    file: str | None = Field(None, description="read the prompt from this file instead (- reads stdin)")
+    max_tokens: int = Field(64, ge=1, description="tokens to generate at most")
     temperature: float = Field(0.8, ge=0, description="0 = greedy")
     top_k: int = Field(40, ge=0, description="keep the k most likely tokens (0 = off)")
     top_p: float = Field(0.95, gt=0, le=1, description="nucleus sampling mass")
