@@ -19,6 +19,7 @@ from pydantic_settings import (
 )  # fmt: skip
 
 from strata_core.cli.bench import BenchCommand
+from strata_core.cli.chat import ChatCommand
 from strata_core.cli.gate import GateCommand
 from strata_core.cli.generate import GenerateCommand
 from strata_core.cli.help import SHORTCUTS, CommandParser, HelpFormatter, HelpLayout, subcommand_model
@@ -38,6 +39,7 @@ class Strata(BaseModel):
 
     info: CliSubCommand[InfoCommand] = Field(description="architecture, block types, sizes, VRAM fit")
     generate: CliSubCommand[GenerateCommand] = Field(description="complete a prompt")
+    chat: CliSubCommand[ChatCommand] = Field(description="talk with the model, turn by turn")
     plugins: CliSubCommand[PluginsCommand] = Field(description="the installed strategies")
     serve: CliSubCommand[ServeCommand] = Field(description="OpenAI-compatible HTTP server")
     profile: CliSubCommand[ProfileCommand] = Field(description="record expert usage over prompts")
