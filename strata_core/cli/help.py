@@ -147,11 +147,11 @@ class HelpLayout:
         if "metavar" in kwargs:
             kwargs["metavar"] = _metavar(name, field.annotation)
         description = field.description or ""
-        default = _default(field)
-        kwargs["help"] = f"{description} ({default})" if default and description else description or default or ""
+        default = f" ({_default(field)})" if _default(field) else ""
+        kwargs["help"] = description + default
         action = context.add_argument(*names, **kwargs)
         action.brief = name in BRIEF  # type: ignore[attr-defined]
-        action.short_help = _first_clause(description) + (f" ({default})" if default else "")  # type: ignore[attr-defined]
+        action.short_help = _first_clause(description) + default  # type: ignore[attr-defined]
         if isinstance(action, argparse.BooleanOptionalAction):
             # the one flag that changes the default (both are accepted)
             on = field.default is True
