@@ -77,7 +77,7 @@ class StrataSettings(BaseSettings):
     )
 
     # --- model and topology -------------------------------------------------------------------
-    model: Path = Field(DEMO_MODEL, description="GGUF model file, or the first part of a split one (-m; "
+    model: Path = Field(DEMO_MODEL, description="GGUF model file, or the first part of a split one ("
                         "default: the embedded demo model)")
     strategy: str = Field("single", description="topology strategy (see `strata plugins`)")
     strategy_options: dict[str, str | int | float | bool] = Field(
@@ -90,7 +90,7 @@ class StrataSettings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute dtype of activations (auto: float32 on CPU, bfloat16 on CUDA)"
     )
-    max_context: int = Field(4096, ge=16, description="tokens of KV cache per session, capped by the model (-c, --ctx-size)")
+    max_context: int = Field(4096, ge=16, description="tokens of KV cache per session, capped by the model")
     kv_block: int = Field(16, ge=1, description="tokens per block of the paged KV cache (prefixes are shared in "
                           "whole blocks)")
     kv_pool_tokens: int | None = Field(

@@ -160,3 +160,9 @@ def test_generate_without_a_tokenizer_is_one_line(strata, tmp_path: Path) -> Non
     path = tmp_path / "no-tokenizer.gguf"
     write_gguf(tiny_hf_model("qwen3moe", seed=1), path)
     one_line_error(strata("generate", "-m", str(path)), str(path), "no tokenizer")
+
+
+def test_gate_errors_are_one_line(strata, model: Path) -> None:
+    one_line_error(strata("gate", "-m", str(model), "--strategies", "single,bogus"),
+                   "unknown strategy 'bogus'", "installed strategies")
+    one_line_error(strata("gate", "-m", str(model), "--experts", "9999"), "--experts 9999 is more than the model has")

@@ -19,7 +19,7 @@ import torch
 from test_server_support import FakeEngine, FakeSession, live_server
 
 from strata_core.text.chat import ChatTemplate
-from strata_core.cli.generate import _generate
+from strata_core.cli.generate import generate
 from strata_core.config import StrataSettings
 from strata_core.gguf.reader import GGUFFile
 from strata_core.text.harmony import HarmonyParser
@@ -144,6 +144,7 @@ def test_generate_cli_writes_reasoning_to_stderr(capsys: pytest.CaptureFixture[s
     engine = HarmonyEngine()
     prompt = engine.tokenizer.encode(engine.chat.render([{"role": "user", "content": "hi"}]))
     request = GenerationRequest(prompt, SamplingParams(temperature=0, max_tokens=200), keep_special_tokens=True)
-    end = asyncio.run(_generate(engine, request, HarmonyParser()))
+    end, content = asyncio.run(generate(engine, request, HarmonyParser()))
     out = capsys.readouterr()
     assert (out.err, out.out) == (REASONING, CONTENT) and end.reason == "stop"
+    assert content == CONTENT  # what strata chat keeps of the reply

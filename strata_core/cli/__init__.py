@@ -12,7 +12,6 @@ import importlib.metadata
 import logging
 import os
 import sys
-import typing
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import (
@@ -20,8 +19,10 @@ from pydantic_settings import (
 )  # fmt: skip
 
 from strata_core.cli.bench import BenchCommand
+from strata_core.cli.chat import ChatCommand
 from strata_core.cli.gate import GateCommand
 from strata_core.cli.generate import GenerateCommand
+from strata_core.cli.help import SHORTCUTS, CommandParser, HelpFormatter, HelpLayout, subcommand_model
 from strata_core.cli.info import InfoCommand
 from strata_core.cli.make_synthetic import MakeSyntheticCommand
 from strata_core.cli.plugins_cmd import PluginsCommand
@@ -31,11 +32,6 @@ from strata_core.config import CONFIG_FILE_ENV, StrataSettings, config_file_path
 from strata_core.errors import ConfigError, StrataError, one_line
 
 
-#: the short flags llama.cpp users type, as the long ones they stand for
-SHORT_FLAGS = {"-m": "--model", "-c": "--max-context", "--ctx-size": "--max-context", "-n": "--max-tokens",
-               "-p": "--prompt", "-f": "--file"}
-
-
 class Strata(BaseModel):
     """Strata: run Mixture-of-Experts GGUF models larger than your GPUs."""
 
@@ -43,6 +39,7 @@ class Strata(BaseModel):
 
     info: CliSubCommand[InfoCommand] = Field(description="architecture, block types, sizes, VRAM fit")
     generate: CliSubCommand[GenerateCommand] = Field(description="complete a prompt")
+    chat: CliSubCommand[ChatCommand] = Field(description="talk with the model, turn by turn")
     plugins: CliSubCommand[PluginsCommand] = Field(description="the installed strategies")
     serve: CliSubCommand[ServeCommand] = Field(description="OpenAI-compatible HTTP server")
     profile: CliSubCommand[ProfileCommand] = Field(description="record expert usage over prompts")
@@ -80,24 +77,17 @@ def _check_config_keys() -> None:
         raise ConfigError(f"settings file {path}: unknown key(s) {', '.join(unknown)}")
 
 
-def _subcommand(field: typing.Any) -> type[BaseModel] | None:
-    """The command class of a subcommand field (``CliSubCommand[X]``: an optional X), else None."""
-    return next((arg for arg in typing.get_args(field.annotation) if isinstance(arg, type)
-                 and issubclass(arg, BaseModel)), None)
-
-
 def _setting_names(command: type[BaseModel]) -> set[str]:
     """The settings of every subcommand under ``command``, nested ones (``bench serve``) too."""
     names: set[str] = set()
     for field in command.model_fields.values():
-        if (sub := _subcommand(field)) is not None:
-            names |= {name for name, f in sub.model_fields.items() if _subcommand(f) is None} | _setting_names(sub)
+        if (sub := subcommand_model(field)) is not None:
+            names |= {name for name, f in sub.model_fields.items() if subcommand_model(f) is None} | _setting_names(sub)
     return names
 
 
 def _expand_args(argv: list[str]) -> list[str]:
-    """``--config FILE`` anywhere on the line sets ``STRATA_CONFIG`` (read before parsing); the
-    short flags of ``SHORT_FLAGS`` become their long names."""
+    """``--config FILE`` anywhere on the line sets ``STRATA_CONFIG`` (read before parsing)."""
     out = []
     it = iter(argv)
     for arg in it:
@@ -106,9 +96,19 @@ def _expand_args(argv: list[str]) -> list[str]:
         elif arg.startswith("--config="):
             os.environ[CONFIG_FILE_ENV] = arg.split("=", 1)[1]
         else:
-            flag, eq, value = arg.partition("=")
-            out.append(SHORT_FLAGS.get(flag, flag) + eq + value if flag in SHORT_FLAGS else arg)
+            out.append(arg)
     return out
+
+
+def _source() -> CliSettingsSource:
+    """The CLI source of ``Strata``: grouped one-line help (cli/help.py), short flags, one-line errors."""
+    layout = HelpLayout(Strata)
+    parser = CommandParser(prog="strata", description=Strata.__doc__,
+                           formatter_class=HelpFormatter, allow_abbrev=False)
+    return CliSettingsSource(Strata, cli_kebab_case=True, cli_implicit_flags=True, cli_avoid_json=True,
+                             cli_hide_none_type=True, cli_shortcuts=SHORTCUTS, root_parser=parser,
+                             formatter_class=HelpFormatter, add_argument_method=layout.add_argument,
+                             add_parser_method=layout.add_parser)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _expand_args(list(sys.argv[1:] if argv is None else argv))
     try:
         _check_config_keys()
-        source = CliSettingsSource(Strata, cli_prog_name="strata", cli_exit_on_error=True, cli_kebab_case=True,
-                                   cli_implicit_flags=True, cli_avoid_json=True)
-        CliApp.run(Strata, cli_args=args, cli_settings_source=source)
+        CliApp.run(Strata, cli_args=args, cli_settings_source=_source())
     except StrataError as error:
         print(f"strata: error: {error}", file=sys.stderr)
         return 2
