@@ -41,8 +41,7 @@ def raise_fd_limit(connections: int) -> None:
 
 
 class ServeCommand(settings_with(ENGINE, SERVER)):  # type: ignore[misc]
-    """Serve the model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions)
-    and a chat page at / (--no-webui: none).
+    """Serve the model over an OpenAI-compatible HTTP API (/v1/...) and a chat page at /.
 
     Binds 127.0.0.1 unless --host says otherwise; --api-key (or STRATA_API_KEY) guards every route
     but /health and the page. The port is bound first and the model loads in the background:
