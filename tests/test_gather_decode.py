@@ -150,3 +150,19 @@ def test_a_padded_windows_rows_are_not_counted():
     assert counters.sum() > 0 and usage.sum() == 24
     count_pairs(padded, expert, resident, counters, 100, torch.tensor([0]))
     assert torch.equal(counters, alone_counters)
+
+
+@pytest.mark.parametrize(("slots", "prompt", "loop_layers"), [(24, 23, 0), (24, 65, 3), (23, 23, 1)])
+def test_a_short_prompt_on_fully_resident_layers_takes_the_gather(engine_model, monkeypatch, slots, prompt,
+                                                                   loop_layers):
+    """A prompt chunk of at most GATHER_PROMPT_TOKENS tokens goes per pair, with no host read of its routing,
+    through every layer whose experts are all resident (3 layers of 8 experts: 23 slots leave one layer a
+    miss); a longer chunk takes the prompt path, which reads each layer's routing."""
+    assert device_rows.GATHER_PROMPT_TOKENS == 64
+    engine = Engine.load(engine_model, max_context=128, expert_cache=slots, arena="pinned")
+    engine.experts.use_gather(True)
+    reads = HostReads(monkeypatch)
+    reads.watch(device_rows, "group_by_expert")
+    with reads.counting():
+        engine.prefill(engine.new_session(), list(range(3, 3 + prompt)))
+    assert reads.reads.count("group_by_expert") == loop_layers

@@ -21,7 +21,9 @@ With ``gather`` set (the backend sets it on CUDA when every arena layer is pinne
 ``--pcie-frac`` is 1; tests force it on the CPU), a decode window takes the decode gather instead
 (gather.py): the routed pairs' experts are found from the device mirror of the residency table,
 read from the slots or zero-copy from the pinned arena, and computed per pair, so the host never
-reads the routing and nothing synchronises per layer. A peer's pairs take the same kernel: a
+reads the routing and nothing synchronises per layer. So does a prompt chunk of at most
+``GATHER_PROMPT_TOKENS`` tokens, at a layer without peers whose experts are all resident (a short
+chat turn: the grouped prefill costs nearly the same for one token as for hundreds). A peer's pairs take the same kernel: a
 computing peer's on the peer (its side stream, enqueued first), a read-across peer's here from its
 bytes copied over; this device points those pairs at its zero slot, and the rows are merged by pair
 (on CUDA ``moe_decode`` takes the peers' float32 rows in place of its own and combines them all).
@@ -57,8 +59,9 @@ import torch
 from strata_core.runtime.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, count_pairs, fused_decode, fused_decode_rows,
-                                       fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped, peer_pairs, stage_misses)
+from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, PROMPT_GATHER_COUNTS, count_pairs, fused_decode,
+                                       fused_decode_rows, fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped,
+                                       peer_pairs, stage_misses)
 from strata_core.experts.grouped import GroupPlan, group_size, grouped_rows
 from strata_core.experts.profile import UsageCounter
 from strata_core.experts.prompt_plan import PromptPlanner, assign, group_plans, peer_shares, ranks
@@ -79,6 +82,8 @@ __all__ = ["PREFETCH_PAIRS", "CachedExpertRows"]
 #: routed (near certain from here on), so its groups are enqueued, and each layer's first groups of misses
 #: streamed (``_prefetch``), before the routing is read.
 PREFETCH_PAIRS = 16
+#: a prompt chunk of at most this many tokens may take the decode gather (see ``_takes_gather``)
+GATHER_PROMPT_TOKENS = 64
 
 
 class CachedExpertRows:
@@ -114,7 +119,7 @@ class CachedExpertRows:
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
         chain = self.chains[layer]
-        if (hidden.device.type == "cuda" and self.gather and self.decoding and chain.own is not None
+        if (hidden.device.type == "cuda" and self._takes_gather(layer, chain, hidden.shape[0])
                 and (ffn.plain or self.fused_expert_ffn)):  # one op: rows combined in its down launch (moe_decode)
             return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
         if self._takes_grouped(chain):  # combined from the order the rows were computed in
@@ -126,7 +131,7 @@ class CachedExpertRows:
         """``[T, k, H]``: row (t, j) is expert ``expert_ids[t, j]`` applied to token t (an FFN as
         ``ffn`` says: its activation, the biases on this device)."""
         chain = self.chains[layer]
-        if self.gather and self.decoding and chain.own is not None:
+        if self._takes_gather(layer, chain, hidden.shape[0]):
             return self._gathered(layer, hidden, expert_ids, chain, ffn)
         T, k = expert_ids.shape
         if self._takes_grouped(chain):
@@ -169,6 +174,17 @@ class CachedExpertRows:
         for lane, streamed in away:
             self.telemetry.count(lane.name, {"streamed": len(streamed)})
         return out.view(T, k, -1)
+
+    def _takes_gather(self, layer: int, chain: Chain, n_tokens: int) -> bool:
+        """Whether ``layer`` (of ``chain``) takes the decode gather now: in a decode window; and for a
+        prompt chunk of at most ``GATHER_PROMPT_TOKENS`` tokens, without peers, when the own cache holds
+        every expert of the layer (per pair and no host read, where the grouped prefill's cost is
+        near-fixed per layer however few the tokens; a miss would be read once per pair, not per expert)."""
+        if not self.gather or chain.own is None:
+            return False
+        if self.decoding:
+            return True
+        return n_tokens <= GATHER_PROMPT_TOKENS and not chain.peers and bool(chain.own.table.host[layer].ge(0).all())
 
     def _takes_grouped(self, chain: Chain) -> bool:
         """Whether a layer of ``chain`` takes the grouped prefill now (a prompt chunk, misses streamed)."""
@@ -311,7 +327,7 @@ class CachedExpertRows:
         fmt, resident = self.arena.formats[layer], own.table.mirror[layer]  # resident [E]
         arena = self.arena.layer_buffer(layer)
         expert = expert_ids.reshape(-1)  # [P], P = T*k
-        counters = self.telemetry.accumulator(GATHER_COUNTS, expert.device)
+        counters = self.telemetry.accumulator(GATHER_COUNTS if self.decoding else PROMPT_GATHER_COUNTS, expert.device)
         usage = self.usage.row(layer, T)
         slot = lookup_slots(expert, resident, usage, None if chain.peers else counters, fmt.total,
                             self.live_pairs)  # [P], -1 = miss

@@ -36,11 +36,13 @@ from strata_core.ops.gather import HAS_TRITON, gather_experts, pair_bookkeeping_
 from strata_core.ops.moe import (ffn_args, moe_decode, moe_decode_rows, moe_pair_rows, pair_ffn_reference,
                                   stages_misses)
 
-__all__ = ["GATHER_COUNTS", "count_pairs", "fused_decode", "fused_decode_rows", "fused_rows", "lookup_slots", "pair_ffn",
+__all__ = ["GATHER_COUNTS", "PROMPT_GATHER_COUNTS", "count_pairs", "fused_decode", "fused_decode_rows", "fused_rows", "lookup_slots", "pair_ffn",
            "pair_ffn_grouped", "peer_pairs", "stage_misses", "PEER_COUNTS"]
 
-#: The telemetry counters ``count_pairs`` adds, in order.
+#: The telemetry counters ``count_pairs`` adds, in order (a decode window's misses are read over the link).
 GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_pcie", "bytes_streamed")
+#: The same counters for a prompt chunk (its misses count as streamed, as the grouped prefill counts them).
+PROMPT_GATHER_COUNTS = ("expert_hits", "experts_resident", "experts_streamed", "bytes_streamed")
 #: The telemetry counters ``peer_pairs`` adds, in order.
 PEER_COUNTS = ("experts_peer", "bytes_streamed")
 
