@@ -96,7 +96,8 @@ def ask(client: openai.OpenAI, messages: list, **extra) -> openai.types.chat.Cha
 def _result_turn(message) -> list[dict]:
     """The assistant's tool-call message as the client sends it back, and the tool's result."""
     call = message.tool_calls[0]
-    return [{"role": "assistant", "content": message.content, "tool_calls": [c.model_dump() for c in message.tool_calls]},
+    return [{"role": "assistant", "content": message.content,
+             "tool_calls": [c.model_dump() for c in message.tool_calls]},
             {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'}]
 
 

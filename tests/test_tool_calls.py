@@ -94,7 +94,8 @@ def test_harmony_function_call() -> None:
 
 def test_harmony_calls_without_tools_and_to_other_recipients_are_dropped() -> None:
     assert whole(HARMONY_CALL, ReplyFormat(harmony=True)) == ("Need the weather.", "", [])
-    browser = "<|channel|>commentary to=browser.search<|message|>{}<|end|><|start|>assistant<|channel|>final<|message|>ok"
+    browser = ("<|channel|>commentary to=browser.search<|message|>{}<|end|>"
+               "<|start|>assistant<|channel|>final<|message|>ok")
     assert whole(browser, HARMONY) == ("", "ok", [])
 
 

@@ -192,7 +192,7 @@ class ReplyParser:
 
     def __init__(self, inner: _Parser, max_calls: int | None) -> None:
         self._inner = inner
-        self._left = max_calls
+        self._max_calls = max_calls
         self.calls = 0  # calls given so far
 
     def feed(self, text: str) -> list[Piece | ToolCall]:
@@ -207,7 +207,7 @@ class ReplyParser:
         out = []
         for item in items:
             if isinstance(item, ToolCall):
-                if self._left is not None and self.calls >= self._left:
+                if self._max_calls is not None and self.calls >= self._max_calls:
                     continue
                 self.calls += 1
             out.append(item)

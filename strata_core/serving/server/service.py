@@ -99,20 +99,23 @@ def _arguments(text: str) -> Any:
     """A tool call's arguments for the chat template: the JSON object parsed (templates read a mapping,
     as transformers passes it), else the text as it is."""
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except ValueError:
         return text
+    return value if isinstance(value, dict) else text
 
 
 def _template_message(message: ChatMessage, harmony: bool) -> dict[str, Any]:
     """A message as the chat template reads it (keys it does not have are left out: templates test
     ``"tool_calls" in message``)."""
-    out: dict[str, Any] = {"role": message.role, "content": message.text(), **_reasoning(message.reasoning_content, harmony)}
+    out: dict[str, Any] = {"role": message.role, "content": message.text(),
+                           **_reasoning(message.reasoning_content, harmony)}
     if message.name:
         out["name"] = message.name
     if message.tool_calls:
-        out["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
-            "name": call.function.name, "arguments": _arguments(call.function.arguments)}} for call in message.tool_calls]
+        out["tool_calls"] = [{"id": call.id, "type": call.type,
+                              "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                             for call in message.tool_calls]
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     return out
