@@ -81,10 +81,10 @@ class ChatController(Controller):
                      service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
         service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
         handle = await until_disconnect(request, service.chat(data))
-        harmony = service.harmony
-        chunks = chat_stream(service.model_id, handle, data, harmony) if data.stream else None
+        fmt = service.reply_format(data)
+        chunks = chat_stream(service.model_id, handle, data, fmt) if data.stream else None
         return await _respond(request, handle, chunks,
-                              lambda out: chat_completion(service.model_id, out, data.logprobs, harmony))
+                              lambda out: chat_completion(service.model_id, out, data.logprobs, fmt))
 
 
 class CompletionsController(Controller):

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 import msgspec
 from litestar import Request
 
-from strata_core.text.harmony import HarmonyParser, Piece, parse
+from strata_core.text.harmony import Piece
 from strata_core.serving.requests import Delta, Finished, TokenLogprob
 from strata_core.serving.scheduler import RequestHandle
 from strata_core.serving.server import schemas as s
 from strata_core.serving.server.errors import error_body
+from strata_core.serving.tool_calls import ReplyFormat, ToolCall, parse_reply
 
 @dataclass
 class Collected:
@@ -97,15 +98,29 @@ def completion_logprobs(items: list[TokenLogprob], offset: int = 0) -> s.Complet
     )  # fmt: skip
 
 
-def chat_completion(model: str, out: Collected, logprobs: bool, harmony: bool = False) -> s.ChatCompletion:
-    """A non-streamed chat completion; a ``harmony`` reply's analysis channel is its ``reasoning_content``."""
+def _tool_call(call: ToolCall) -> s.ToolCall:
+    return s.ToolCall(id=call.id, function=s.FunctionCall(call.name, call.arguments))
+
+
+def _finish_reason(reason: str, calls: int) -> str:
+    """A reply that ended (not cut by max_tokens) after tool calls finishes with "tool_calls"."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def chat_completion(model: str, out: Collected, logprobs: bool, fmt: ReplyFormat = ReplyFormat()) -> s.ChatCompletion:
+    """A non-streamed chat completion: a harmony reply's analysis channel is its ``reasoning_content``;
+    tool calls are ``tool_calls`` (the content then None when empty)."""
     assert out.end is not None
-    if harmony:
-        reasoning, content = parse(out.text)
-        message = s.AssistantMessage(content, reasoning_content=reasoning or msgspec.UNSET)
+    parser = fmt.parser()
+    if parser is None:
+        message, calls = s.AssistantMessage(out.text), []
     else:
-        message = s.AssistantMessage(out.text)
-    choice = s.ChatChoice(0, message, out.end.reason, chat_logprobs(out.logprobs) if logprobs else None)
+        reasoning, content, calls = parse_reply(out.text, parser)
+        message = s.AssistantMessage(None if calls and not content else content,
+                                     reasoning_content=reasoning or msgspec.UNSET,
+                                     tool_calls=[_tool_call(c) for c in calls] or msgspec.UNSET)
+    choice = s.ChatChoice(0, message, _finish_reason(out.end.reason, len(calls)),
+                          chat_logprobs(out.logprobs) if logprobs else None)
     return s.ChatCompletion(new_id("chatcmpl"), int(time.time()), model, [choice], usage=usage(out.end),
                             timings=timings(out.end))
 
@@ -139,19 +154,24 @@ async def _events(handle: RequestHandle, first: Callable[[], bytes | None],
     yield b"data: [DONE]\n\n"
 
 
-def _piece_delta(piece: Piece) -> s.ChatDelta:
-    return s.ChatDelta(reasoning_content=piece.text) if piece.kind == "reasoning" else s.ChatDelta(content=piece.text)
+def _item_delta(item: Piece | ToolCall, index: int) -> s.ChatDelta:
+    """The delta of a reply's piece, or of its tool call number ``index``."""
+    if isinstance(item, ToolCall):
+        return s.ChatDelta(tool_calls=[s.ToolCallDelta(index=index, id=item.id,
+                                                       function=s.FunctionCall(item.name, item.arguments))])
+    return s.ChatDelta(reasoning_content=item.text) if item.kind == "reasoning" else s.ChatDelta(content=item.text)
 
 
 def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest,
-                harmony: bool = False) -> AsyncIterator[bytes]:
+                fmt: ReplyFormat = ReplyFormat()) -> AsyncIterator[bytes]:
     """The SSE stream of a chat completion: a first chunk whose delta is the role alone (as OpenAI and
-    llama-server send it), then the text; a ``harmony`` reply's text is split as it streams into
-    ``reasoning_content`` and ``content`` deltas (one chunk each; a delta of header tokens alone
-    sends nothing, or an empty delta with its logprobs). The usage chunk also carries ``timings``, as
-    llama-server's does."""
+    llama-server send it), then the text; a harmony reply's text is split as it streams into
+    ``reasoning_content`` and ``content`` deltas, and a tool call is one ``tool_calls`` delta once it
+    is whole (one chunk each; a delta of header tokens, or of text held back, alone sends nothing, or
+    an empty delta with its logprobs). The usage chunk also carries ``timings``, as llama-server's does."""
     cid, created = new_id("chatcmpl"), int(time.time())
-    parser = HarmonyParser() if harmony else None
+    parser = fmt.parser()
+    calls = 0  # tool calls sent
 
     def chunk(delta: s.ChatDelta, reason: str | None = None, lps: list[TokenLogprob] | None = None,
               end: Finished | None = None) -> bytes:
@@ -161,15 +181,23 @@ def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest
     def delta(d: Delta) -> list[bytes]:
         if parser is None:
             return [chunk(s.ChatDelta(content=d.text), lps=d.logprobs)]
-        deltas = [_piece_delta(p) for p in parser.feed(d.text)]
+        deltas = _deltas(parser.feed(d.text))
         if not deltas and not (body.logprobs and d.logprobs):
             return []
         deltas = deltas or [s.ChatDelta()]
         return [chunk(deltas[0], lps=d.logprobs)] + [chunk(x) for x in deltas[1:]]
 
+    def _deltas(items: list[Piece | ToolCall]) -> list[s.ChatDelta]:
+        nonlocal calls
+        out = []
+        for item in items:
+            out.append(_item_delta(item, calls))
+            calls += isinstance(item, ToolCall)
+        return out
+
     def last(end: Finished) -> list[bytes]:
-        out = [chunk(_piece_delta(p)) for p in parser.finish()] if parser is not None else []
-        out.append(chunk(s.ChatDelta(), end.reason, end=end))
+        out = [chunk(x) for x in _deltas(parser.finish())] if parser is not None else []
+        out.append(chunk(s.ChatDelta(), _finish_reason(end.reason, calls), end=end))
         if body.stream_options and body.stream_options.include_usage:
             out.append(_sse(s.ChatCompletionChunk(cid, created, model, [], usage=usage(end), timings=timings(end))))
         return out

@@ -27,8 +27,7 @@ Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]  # OpenAI's range (msgspe
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 
 #: fields clients commonly send that change nothing Strata computes: accepted, logged, ignored
-IGNORED_FIELDS = ("store", "metadata", "service_tier", "parallel_tool_calls", "prediction", "modalities",
-                  "id_slot", "timings_per_token")
+IGNORED_FIELDS = ("store", "metadata", "service_tier", "prediction", "modalities", "id_slot", "timings_per_token")
 
 
 class _Request(Struct, kw_only=True):
@@ -52,9 +51,10 @@ class _Request(Struct, kw_only=True):
     cache_prompt: bool = True  # llama-server: reuse a kept prefix (Strata always does; false is honoured as true)
     n: Annotated[int, Meta(ge=1)] = 1
     ignore_eos: bool = False  # llama-server, vLLM: run to max_tokens past end tokens (benchmarks)
+    tools: list[Tool] | None = None  # chat only: rendered by the chat template
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most the first tool call of a reply is returned
     # not implemented: a value that would change the answer is a 400 naming the field
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: ResponseFormat | None = None
@@ -64,7 +64,6 @@ class _Request(Struct, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prediction: dict[str, Any] | None = None
     modalities: list[str] | None = None
     id_slot: int | None = None
@@ -80,6 +79,51 @@ class _Request(Struct, kw_only=True):
     def ignored(self) -> list[str]:
         """The IGNORED_FIELDS this request set."""
         return [name for name in IGNORED_FIELDS if getattr(self, name) is not None]
+
+
+class FunctionDefinition(Struct, kw_only=True, omit_defaults=True):
+    """A function tool, as the chat template receives it (fields left out are not passed)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(Struct, kw_only=True):
+    """A tool call of an assistant message, in a request or a reply."""
+
+    function: FunctionCall
+    id: str = ""  # a reply's is "call_" + hex; a request may leave it out
+    type: Literal["function"] = "function"
+
+
+class ToolCallDelta(Struct, kw_only=True):
+    """One tool call in a streamed chunk, whole: ``index`` counts the reply's calls."""
+
+    index: int
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
 
 
 class ResponseFormat(Struct, kw_only=True):
@@ -101,6 +145,8 @@ class ChatMessage(Struct, forbid_unknown_fields=True, kw_only=True):
     content: str | list[TextPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None  # an earlier reply's reasoning, as llama.cpp's server takes it
+    tool_calls: list[ToolCall] | None = None  # an earlier reply's tool calls
+    tool_call_id: str | None = None  # of a "tool" message: the call it answers
 
     def text(self) -> str:
         """The message's text, content parts joined."""
@@ -196,9 +242,10 @@ class CompletionLogprobs(Struct):
 
 
 class AssistantMessage(Struct):
-    content: str
+    content: str | None  # None: a reply of tool calls alone
     role: Literal["assistant"] = "assistant"
     reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # a harmony reply's analysis channel
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(Struct):
@@ -223,6 +270,7 @@ class ChatDelta(Struct, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(Struct):

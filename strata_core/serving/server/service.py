@@ -8,6 +8,7 @@ refused before it is tokenized.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import anyio
+import msgspec
 
 from strata_core.config import StrataSettings
 from strata_core.errors import InvalidParamError, RequestError
@@ -24,7 +26,8 @@ from strata_core.text.template_process import TemplateProcesses
 from strata_core.serving.requests import ContextLengthError, GenerationRequest
 from strata_core.serving.sampling import SamplingParams
 from strata_core.serving.scheduler import RequestHandle, Scheduler
-from strata_core.serving.server.schemas import ChatCompletionRequest, CompletionRequest
+from strata_core.serving.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from strata_core.serving.tool_calls import ReplyFormat, tool_call_format
 
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]
 
@@ -54,13 +57,12 @@ def _check_supported(body: Any) -> None:
     """400 naming the field for what Strata does not implement and cannot silently leave out."""
     if body.n > 1:
         raise InvalidParamError("n > 1 is not supported: send one request per choice", "n", "unsupported_value")
-    if body.tools or body.functions:
-        name = "tools" if body.tools else "functions"
-        raise InvalidParamError(f"{name} (function calling) is not supported", name, "unsupported_value")
-    for name in ("tool_choice", "function_call"):
-        if getattr(body, name) not in (None, "none", "auto"):
-            raise InvalidParamError(f"{name} is not supported (only 'none' or 'auto' without tools)", name,
-                                    "unsupported_value")
+    if body.functions:
+        raise InvalidParamError("functions (the legacy function calling) is not supported: send tools", "functions",
+                                "unsupported_value")
+    if body.function_call not in (None, "none", "auto"):
+        raise InvalidParamError("function_call (the legacy function calling) is not supported: send tool_choice",
+                                "function_call", "unsupported_value")
     if body.response_format is not None and body.response_format.type != "text":
         raise InvalidParamError(f"response_format {body.response_format.type!r} is not supported (only 'text')",
                                 "response_format", "unsupported_value")
@@ -68,6 +70,9 @@ def _check_supported(body: Any) -> None:
         if getattr(body, name):
             raise InvalidParamError(f"{name} (constrained output) is not supported", name, "unsupported_value")
     if isinstance(body, CompletionRequest):
+        for name in ("tools", "tool_choice"):
+            if getattr(body, name) not in (None, "none", "auto"):
+                raise InvalidParamError(f"{name} is for chat completions", name, "unsupported_value")
         if body.echo:
             raise InvalidParamError("echo is not supported", "echo", "unsupported_value")
         if body.suffix:
@@ -88,6 +93,49 @@ def _reasoning(text: str | None, harmony: bool) -> dict[str, str]:
     if not text:
         return {}
     return {"reasoning_content": text, "thinking": text} if harmony else {"reasoning_content": text}
+
+
+def _arguments(text: str) -> Any:
+    """A tool call's arguments for the chat template: the JSON object parsed (templates read a mapping,
+    as transformers passes it), else the text as it is."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
+
+
+def _template_message(message: ChatMessage, harmony: bool) -> dict[str, Any]:
+    """A message as the chat template reads it (keys it does not have are left out: templates test
+    ``"tool_calls" in message``)."""
+    out: dict[str, Any] = {"role": message.role, "content": message.text(),
+                           **_reasoning(message.reasoning_content, harmony)}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": call.type,
+                              "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                             for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def _offered_tools(body: ChatCompletionRequest, template_source: str) -> list[dict[str, Any]] | None:
+    """The tools the chat template renders, as transformers passes them (None: no tools offered);
+    InvalidParamError for a tool_choice the tools cannot meet or a template whose replies' tool
+    calls Strata cannot read."""
+    choice, names = body.tool_choice, [tool.function.name for tool in body.tools or []]
+    if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
+        raise InvalidParamError("tool_choice needs tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise InvalidParamError(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
+    if not names or choice == "none":
+        return None
+    if tool_call_format(template_source) is None:
+        raise InvalidParamError("tools are not supported for this model: its chat template has no known tool-call "
+                                "format (Qwen-style <tool_call> or gpt-oss harmony)", "tools", "unsupported_value")
+    return [msgspec.to_builtins(tool) for tool in body.tools or []]
 
 
 def _template_args(effort: str | None) -> dict[str, Any]:
@@ -151,6 +199,13 @@ class GenerationService:
         and the chat responses split it into reasoning_content and content."""
         return uses_harmony(self.engine.chat.source)
 
+    def reply_format(self, body: ChatCompletionRequest) -> ReplyFormat:
+        """How a chat reply to ``body`` is read: harmony channels, and tool calls when tools are offered
+        (only the first with ``parallel_tool_calls`` false)."""
+        offered = bool(body.tools) and body.tool_choice != "none"
+        return ReplyFormat(self.harmony, tool_call_format(self.engine.chat.source) if offered else None,
+                           1 if body.parallel_tool_calls is False else None)
+
     def _check_size(self, text: str, param: str) -> None:
         """ContextLengthError, before any tokenizing, for a text with more tokens than the context holds
         (at least one token per ``max_token_chars`` characters): the tokenizer holds the GIL for the
@@ -184,10 +239,11 @@ class GenerationService:
             raise ContextLengthError(f"the request has {len(body.messages)} messages, more than the context holds "
                                      f"tokens ({limit})", len(body.messages), limit)
         self._check_size("".join(m.text() for m in body.messages), "messages")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {}),
-                     **_reasoning(m.reasoning_content, harmony)} for m in body.messages]
-
+        messages = [_template_message(m, harmony) for m in body.messages]
         template_args = _template_args(body.reasoning_effort)
+        tools = _offered_tools(body, self.engine.chat.source)
+        if tools is not None:
+            template_args["tools"] = tools
 
         cancelled = threading.Event()
 

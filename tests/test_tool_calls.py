@@ -1,0 +1,111 @@
+"""Tool calls read out of replies: Qwen-style ``<tool_call>`` blocks and harmony function calls, whole
+and streamed in any split."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from strata_core.serving.tool_calls import ReplyFormat, ToolCall, parse_reply, tool_call_format
+from strata_core.text.harmony import Piece
+
+HERMES = ReplyFormat(tools="hermes")
+HARMONY = ReplyFormat(harmony=True, tools="harmony")
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+
+
+def whole(text: str, fmt: ReplyFormat = HERMES) -> tuple[str, str, list[tuple[str, dict]]]:
+    reasoning, content, calls = parse_reply(text, fmt.parser())
+    return reasoning, content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def streamed(pieces: list[str], fmt: ReplyFormat = HERMES) -> tuple[str, str, list[tuple[str, dict]]]:
+    parser = fmt.parser()
+    items = [item for piece in pieces for item in parser.feed(piece)] + parser.finish()
+    text = {kind: "".join(i.text for i in items if isinstance(i, Piece) and i.kind == kind)
+            for kind in ("reasoning", "content")}
+    return text["reasoning"], text["content"], [(c.name, json.loads(c.arguments)) for c in items
+                                                if isinstance(c, ToolCall)]
+
+
+REPLIES = [
+    "Let me look.\n\n" + CALL + "\n" + CALL.replace("Zürich", "Bern") + "\n",
+    "see: <tool_call>{bad json</tool_call> then " + CALL + " after",
+    "a < b and <tool not a tag, <tool_call>never closed",
+    "no calls at all\n",
+]
+
+
+@pytest.mark.parametrize("text", REPLIES)
+def test_any_split_gives_what_the_whole_text_gives(text: str) -> None:
+    expected = whole(text)
+    assert streamed(list(text)) == expected
+    for cut in range(1, len(text)):
+        assert streamed([text[:cut], text[cut:]]) == expected
+
+
+def test_blocks_are_calls_and_the_text_around_them_content() -> None:
+    assert whole(REPLIES[0]) == ("", "Let me look.", [("get_weather", {"city": "Zürich"}),
+                                                      ("get_weather", {"city": "Bern"})])
+
+
+def test_a_block_that_is_no_call_is_content_as_it_is() -> None:
+    assert whole(REPLIES[1]) == ("", "see: <tool_call>{bad json</tool_call> then after", [("get_weather",
+                                                                                         {"city": "Zürich"})])
+    assert whole(REPLIES[2]) == ("", REPLIES[2], [])
+    no_name = '<tool_call>{"arguments": {}}</tool_call>'
+    assert whole(no_name) == ("", no_name, [])
+
+
+def test_arguments_given_as_a_json_string_are_read() -> None:
+    text = '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>'
+    assert whole(text) == ("", "", [("f", {"a": 1})])
+
+
+def test_text_that_may_start_a_block_is_held_back() -> None:
+    parser = HERMES.parser()
+    assert parser.feed("Sure <tool") == [Piece("content", "Sure")]
+    assert parser.feed("box>") == [Piece("content", " <toolbox>")]
+
+
+def test_calls_past_max_calls_are_dropped() -> None:
+    fmt = ReplyFormat(tools="hermes", max_calls=1)
+    assert whole(REPLIES[0], fmt)[2] == [("get_weather", {"city": "Zürich"})]
+
+
+def test_each_call_has_its_own_id() -> None:
+    calls = parse_reply(REPLIES[0], HERMES.parser())[2]
+    assert all(c.id.startswith("call_") and len(c.id) > 10 for c in calls) and calls[0].id != calls[1].id
+
+
+HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                '<|message|>{"city": "Paris"}')
+
+
+def test_harmony_function_call() -> None:
+    assert whole(HARMONY_CALL, HARMONY) == ("Need the weather.", "", [("get_weather", {"city": "Paris"})])
+    for cut in range(1, len(HARMONY_CALL)):
+        assert streamed([HARMONY_CALL[:cut], HARMONY_CALL[cut:]], HARMONY) == whole(HARMONY_CALL, HARMONY)
+    # the recipient first, as gpt-oss also writes it
+    assert whole(' to=functions.f<|channel|>commentary json<|message|>{"x": 1}', HARMONY) == ("", "", [("f", {"x": 1})])
+
+
+def test_harmony_calls_without_tools_and_to_other_recipients_are_dropped() -> None:
+    assert whole(HARMONY_CALL, ReplyFormat(harmony=True)) == ("Need the weather.", "", [])
+    browser = ("<|channel|>commentary to=browser.search<|message|>{}<|end|>"
+               "<|start|>assistant<|channel|>final<|message|>ok")
+    assert whole(browser, HARMONY) == ("", "ok", [])
+
+
+def test_harmony_arguments_that_are_not_json_are_content() -> None:
+    bad = HARMONY_CALL.replace('{"city": "Paris"}', "Paris please")
+    assert whole(bad, HARMONY) == ("Need the weather.", "Paris please", [])
+
+
+def test_the_format_follows_the_chat_template() -> None:
+    assert tool_call_format("{{ '<|channel|>' }}") == "harmony"
+    assert tool_call_format("... <tool_call>\\n{...}\\n</tool_call> ...") == "hermes"
+    assert tool_call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert ReplyFormat().parser() is None  # no tools, no harmony: the text is all content
