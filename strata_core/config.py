@@ -170,7 +170,8 @@ class StrataSettings(BaseSettings):
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")
-    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY`")
+    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY` "
+                                      "(or `X-Api-Key: KEY`)")
     model_alias: str | None = Field(None, description="model name served at /v1/models")
     max_body_mib: float = Field(8.0, gt=0, description="largest request body the server reads (MiB); larger is 413")
     threads: int | None = Field(None, ge=1, description="CPU threads of torch's compute pool, set once at start on "

@@ -32,3 +32,12 @@ def test_openai_routes_answer_without_v1(url: str, path: str, body: dict) -> Non
 def test_models_answer_without_v1(url: str) -> None:
     assert httpx.get(f"{url}/models").json() == httpx.get(f"{url}/v1/models").json()
     assert httpx.get(f"{url}/models/{MODEL}").json()["id"] == MODEL
+
+
+def test_x_api_key_is_an_alternative_to_bearer() -> None:
+    with live_server(StrataSettings(model_alias=MODEL, api_key="sesame"), FakeEngine()) as base:
+        assert httpx.get(f"{base}/props", headers={"X-Api-Key": "sesame"}).status_code == 200
+        assert httpx.get(f"{base}/props", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        for headers in ({"X-Api-Key": "wrong"}, {"X-Api-Key": "Bearer sesame"}, {}):
+            denied = httpx.get(f"{base}/v1/models", headers=headers)
+            assert denied.status_code == 401 and "X-Api-Key" in denied.json()["error"]["message"]

@@ -5,8 +5,9 @@ the settings in the background unless one is given, and the scheduler) and puts 
 :class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. The OpenAI
 routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs). With an
 API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
-KEY``; every route checks the ``Host`` header and that a body is JSON (see guards.py). The API docs
-at ``/schema`` are rendered on the server (docs.py), so they need nothing from a CDN.
+KEY`` or ``X-Api-Key: KEY``; every route checks the ``Host`` header and that a body is JSON (see
+guards.py). The API docs at ``/schema`` are rendered on the server (docs.py), so they need nothing
+from a CDN.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ def provide_service(state: StrataState) -> GenerationService:
     return state.loader.get()
 
 
-class BearerAuth(ASGIMiddleware):
-    """Answer 401 unless ``Authorization: Bearer KEY`` is sent (``/health`` and the chat page ``/`` are open)."""
+class ApiKeyAuth(ASGIMiddleware):
+    """Answer 401 unless the key is sent as ``Authorization: Bearer KEY`` or, as llama-server takes it,
+    ``X-Api-Key: KEY`` (``/health`` and the chat page ``/`` are open)."""
 
     def __init__(self, key: str) -> None:
-        self._expected = f"Bearer {key}".encode()
+        self._bearer = f"Bearer {key}".encode()
+        self._key = key.encode()
 
     @staticmethod
     def should_bypass_for_scope(scope: Scope) -> bool:
@@ -65,9 +68,12 @@ class BearerAuth(ASGIMiddleware):
         return scope["path"] in OPEN_PATHS
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
-        sent = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(sent, self._expected):
-            raise NotAuthorizedException("a valid API key is needed: send `Authorization: Bearer KEY`")
+        headers = dict(scope["headers"])
+        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self._bearer)
+        key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
+        if not (bearer_ok or key_ok):
+            raise NotAuthorizedException("a valid API key is needed: send `Authorization: Bearer KEY` "
+                                         "or `X-Api-Key: KEY`")
         await next_app(scope, receive, send)
 
 
@@ -99,7 +105,7 @@ def create_app(settings: StrataSettings, engine: Any = None,
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
         lifespan=[lifespan],
         middleware=[RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
-                    *([BearerAuth(key)] if key else [])],
+                    *([ApiKeyAuth(key)] if key else [])],
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0",
                                      render_plugins=[EndpointList(), JsonRenderPlugin()]),
