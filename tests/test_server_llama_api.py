@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server_support import FakeEngine, live_server
+from test_server_support import FakeEngine, FakeTokenizer, live_server
 
 from strata_core.config import StrataSettings
 
@@ -41,3 +41,13 @@ def test_x_api_key_is_an_alternative_to_bearer() -> None:
         for headers in ({"X-Api-Key": "wrong"}, {"X-Api-Key": "Bearer sesame"}, {}):
             denied = httpx.get(f"{base}/v1/models", headers=headers)
             assert denied.status_code == 401 and "X-Api-Key" in denied.json()["error"]["message"]
+
+
+def test_tokenize_with_pieces_gives_each_token_its_text(url: str) -> None:
+    text = "<|im_start|>héllo wörld"
+    ids = httpx.post(f"{url}/tokenize", json={"content": text}).json()["tokens"]
+    out = httpx.post(f"{url}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [t["id"] for t in out] == ids == FakeTokenizer().encode(text)
+    assert "".join(t["piece"] for t in out) == text
+    assert [t["piece"] for t in out[:4]] == ["<|im_start|>", "h", "", "é"]  # é is two byte tokens
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"content": "héllo wörld"}

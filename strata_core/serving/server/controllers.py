@@ -126,9 +126,14 @@ class LlamaServerController(Controller):
     path = "/"
     tags = ["llama-server"]
 
-    @post("/tokenize", operation_id="tokenize", status_code=200, summary="Token ids of a text")
-    async def tokenize(self, data: JSONBody[s.TokenizeRequest], service: NamedDependency[GenerationService]) -> s.Tokens:
-        return s.Tokens(await service.tokenize(data.content, data.add_special))
+    @post("/tokenize", operation_id="tokenize", status_code=200,
+          summary="Token ids of a text (with_pieces: each with its text)")
+    async def tokenize(self, data: JSONBody[s.TokenizeRequest],
+                       service: NamedDependency[GenerationService]) -> s.Tokens | s.TokenPieces:
+        tokens = await service.tokenize(data.content, data.add_special)
+        if not data.with_pieces:
+            return s.Tokens(tokens)
+        return s.TokenPieces([s.TokenPiece(t, piece) for t, piece in zip(tokens, await service.pieces(tokens))])
 
     @post("/detokenize", operation_id="detokenize", status_code=200, summary="The text of token ids")
     async def detokenize(self, data: JSONBody[s.DetokenizeRequest],

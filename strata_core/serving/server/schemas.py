@@ -291,10 +291,22 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
     content: str
     add_special: bool = False
+    with_pieces: bool = False  # each token with its text: TokenPieces
 
 
 class Tokens(Struct):
     tokens: list[int]
+
+
+class TokenPiece(Struct):
+    id: int
+    piece: str  # the text this token completes: the pieces of a text join to it
+
+
+class TokenPieces(Struct):
+    """``/tokenize`` with ``with_pieces``."""
+
+    tokens: list[TokenPiece]
 
 
 class DetokenizeRequest(Struct, forbid_unknown_fields=True):

@@ -167,6 +167,20 @@ class GenerationService:
         self._check_size(text, param)
         return await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, add_special_tokens)
 
+    async def pieces(self, tokens: list[int]) -> list[str]:
+        """The text each of ``tokens`` completes, special tokens included, through the tokenizer's
+        stream decoder (a token that ends inside a character has ``""``, the one that completes it the
+        character), so the pieces join to the text; on a worker thread."""
+
+        def run() -> list[str]:
+            decoder = self.engine.tokenizer.stream_decoder(skip_special_tokens=False)
+            out = [decoder.push(t) for t in tokens]
+            if out:
+                out[-1] += decoder.flush()
+            return out
+
+        return await anyio.to_thread.run_sync(run)
+
     async def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens`` (ids checked against the vocabulary), on a worker thread."""
         self._check_ids(tokens, "tokens")
