@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server_support import FakeEngine, FakeTokenizer, live_server
+from test_server_support import FakeChat, FakeEngine, FakeTokenizer, live_server
 
 from strata_core.config import StrataSettings
 
@@ -51,3 +51,16 @@ def test_tokenize_with_pieces_gives_each_token_its_text(url: str) -> None:
     assert "".join(t["piece"] for t in out) == text
     assert [t["piece"] for t in out[:4]] == ["<|im_start|>", "h", "", "é"]  # é is two byte tokens
     assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"content": "héllo wörld"}
+
+
+def test_apply_template_gives_the_chat_prompt(url: str) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    out = httpx.post(f"{url}/apply-template", json={"messages": messages})
+    assert out.status_code == 200
+    prompt = out.json()["prompt"]
+    assert prompt == FakeChat().render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    # the chat endpoint generates from exactly that prompt
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "temperature": 0})
+    completion = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert chat.json()["choices"][0]["message"]["content"] == completion.json()["choices"][0]["text"]
+    assert httpx.post(f"{url}/apply-template", json={"messages": []}).status_code == 400

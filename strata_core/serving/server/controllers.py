@@ -121,7 +121,7 @@ class ModelsController(Controller):
 
 
 class LlamaServerController(Controller):
-    """llama-server's routes: ``/tokenize``, ``/detokenize``, ``/props``, ``/slots``."""
+    """llama-server's routes: ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``, ``/slots``."""
 
     path = "/"
     tags = ["llama-server"]
@@ -139,6 +139,13 @@ class LlamaServerController(Controller):
     async def detokenize(self, data: JSONBody[s.DetokenizeRequest],
                          service: NamedDependency[GenerationService]) -> s.Content:
         return s.Content(await service.detokenize(data.tokens))
+
+    @post("/apply-template", operation_id="applyTemplate", status_code=200,
+          summary="The prompt a chat request renders to, through the model's chat template")
+    async def apply_template(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
+                             service: NamedDependency[GenerationService]) -> s.Prompt:
+        service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
+        return s.Prompt(await until_disconnect(request, service.render(data)))
 
     @get("/props", operation_id="props", summary="The served model and its context")
     async def props(self, service: NamedDependency[GenerationService]) -> s.Props:

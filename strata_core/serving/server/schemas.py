@@ -319,6 +319,12 @@ class Content(Struct):
     content: str
 
 
+class Prompt(Struct):
+    """llama-server's ``/apply-template`` answer: the prompt text a chat request renders to."""
+
+    prompt: str
+
+
 class GenerationSettings(Struct):
     n_ctx: int
     model: str
