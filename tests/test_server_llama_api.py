@@ -3,11 +3,12 @@ token pieces, X-Api-Key, /props' defaults and CORS."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server_support import FakeChat, FakeEngine, FakeTokenizer, live_server
+from test_server_support import N_SPECIAL, FakeChat, FakeEngine, FakeTokenizer, greedy_reference, live_server
 
 from strata_core.config import StrataSettings
 
@@ -64,3 +65,70 @@ def test_apply_template_gives_the_chat_prompt(url: str) -> None:
     completion = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
     assert chat.json()["choices"][0]["message"]["content"] == completion.json()["choices"][0]["text"]
     assert httpx.post(f"{url}/apply-template", json={"messages": []}).status_code == 400
+
+
+def test_completion_answers_as_v1_completions_does(url: str) -> None:
+    native = httpx.post(f"{url}/completion", json={"prompt": "abc", "n_predict": 7, "temperature": 0}).json()
+    openai_form = httpx.post(f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 7, "temperature": 0}).json()
+    assert native["content"] == openai_form["choices"][0]["text"]
+    assert native["stop"] is True and native["stop_type"] == "limit" and native["stopping_word"] == ""
+    assert native["tokens_predicted"] == 7 and native["tokens_evaluated"] == 3 and native["truncated"] is False
+    assert native["model"] == MODEL and native["timings"]["predicted_n"] == 7
+    assert native["generation_settings"]["n_predict"] == 7 and native["generation_settings"]["temperature"] == 0
+    assert "completion_probabilities" not in native
+    ids = FakeTokenizer().encode("abc")
+    assert httpx.post(f"{url}/completion", json={"prompt": ids, "n_predict": 7, "temperature": 0}).json()["content"] \
+        == native["content"]
+
+
+def test_completion_without_n_predict_runs_past_openais_16_tokens(url: str) -> None:
+    out = httpx.post(f"{url}/completion", json={"prompt": "abc", "temperature": 0}).json()
+    assert out["tokens_predicted"] > 16 and out["generation_settings"]["n_predict"] == -1
+
+
+def test_completion_stop_types() -> None:
+    engine = FakeEngine(max_context=128)
+    greedy = FakeTokenizer().decode(greedy_reference(FakeTokenizer().encode("abc"), 12))
+    engine.tokenizer.eos_token_ids = {N_SPECIAL + ord(greedy[6])}  # the greedy run's 7th character ends it
+    with live_server(StrataSettings(model_alias=MODEL), engine) as base:
+        body = {"prompt": "abc", "n_predict": 12, "temperature": 0}
+        eos = httpx.post(f"{base}/completion", json=body).json()
+        assert eos["stop_type"] == "eos" and eos["stopping_word"] == ""
+        assert eos["content"] == greedy[: greedy.index(greedy[6])]
+        word = greedy[1:3]
+        stopped = httpx.post(f"{base}/completion", json={**body, "stop": ["zzzz", word]}).json()
+        assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+        assert stopped["content"] == greedy[: greedy.index(word)]
+        assert stopped["generation_settings"]["stop"] == ["zzzz", word]
+
+
+def test_completion_stream_ends_with_stop_and_timings(url: str) -> None:
+    body = {"prompt": "abc", "n_predict": 6, "temperature": 0}
+    whole = httpx.post(f"{url}/completion", json=body).json()
+    with httpx.stream("POST", f"{url}/completion", json={**body, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    *chunks, last = events
+    assert all(c["stop"] is False for c in chunks) and "".join(c["content"] for c in chunks) == whole["content"]
+    assert last["stop"] is True and last["content"] == "" and last["stop_type"] == "limit"
+    assert last["timings"]["predicted_n"] == 6 and last["tokens_predicted"] == 6
+
+
+def test_completion_n_probs(url: str) -> None:
+    body = {"prompt": "abc", "n_predict": 4, "temperature": 0, "n_probs": 3}
+    out = httpx.post(f"{url}/completion", json=body).json()
+    probs = out["completion_probabilities"]
+    assert len(probs) == 4 and "".join(p["token"] for p in probs) == out["content"]
+    assert all(len(p["top_logprobs"]) == 3 and p["id"] == p["top_logprobs"][0]["id"] for p in probs)  # greedy
+    openai_form = httpx.post(f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0,
+                                                            "logprobs": 3}).json()["choices"][0]["logprobs"]
+    assert [p["logprob"] for p in probs] == pytest.approx(openai_form["token_logprobs"])
+    with httpx.stream("POST", f"{url}/completion", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")][:-1]
+    assert [p for c in chunks for p in c["completion_probabilities"]] == probs
+
+
+@pytest.mark.parametrize(("field", "value"), [("n_probs", 21), ("n_predict", -2), ("prompt", []), ("top_p", 0)])
+def test_completion_rejects_bad_values_naming_the_field(url: str, field: str, value: object) -> None:
+    response = httpx.post(f"{url}/completion", json={"prompt": "abc", field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field

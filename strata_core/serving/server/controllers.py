@@ -20,6 +20,7 @@ from strata_core.serving.server import schemas as s
 from strata_core.serving.scheduler import RequestHandle
 from strata_core.serving.server.responses import (
     Collected, cancel_on_disconnect, chat_completion, chat_stream, collect, completion, completion_stream,
+    llama_completion, llama_completion_stream,
 )  # fmt: skip
 from strata_core.serving.server.errors import RETRY_AFTER_S
 from strata_core.serving.server.service import GenerationService
@@ -121,7 +122,8 @@ class ModelsController(Controller):
 
 
 class LlamaServerController(Controller):
-    """llama-server's routes: ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``, ``/slots``."""
+    """llama-server's routes: ``/completion``, ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``,
+    ``/slots``."""
 
     path = "/"
     tags = ["llama-server"]
@@ -139,6 +141,17 @@ class LlamaServerController(Controller):
     async def detokenize(self, data: JSONBody[s.DetokenizeRequest],
                          service: NamedDependency[GenerationService]) -> s.Content:
         return s.Content(await service.detokenize(data.tokens))
+
+    @post("/completion", operation_id="llamaCompletion", status_code=200,
+          summary="Continue a prompt, llama-server's native form (SSE with stream=true)")
+    async def native_completion(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
+                                service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
+        service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
+        settings = data.params(data.n_predict if data.n_predict > 0 else service.default_max_tokens or -1)
+        handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
+        chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
+        return await _respond(request, handle, chunks, lambda out: llama_completion(
+            service.model_id, out.text, out.end, settings, out.logprobs if data.n_probs else None))
 
     @post("/apply-template", operation_id="applyTemplate", status_code=200,
           summary="The prompt a chat request renders to, through the model's chat template")

@@ -228,8 +228,10 @@ class GenerationService:
         max_tokens = body.max_completion_tokens or body.max_tokens or body.n_predict or self.default_max_tokens
         return self._submit(body, prompt, max_tokens, k, keep_special_tokens=self.harmony)
 
-    async def complete(self, body: CompletionRequest) -> RequestHandle:
-        """Submit a text completion of a string or of token ids."""
+    async def complete(self, body: CompletionRequest, fallback_max_tokens: int | None = 16) -> RequestHandle:
+        """Submit a text completion of a string or of token ids; ``fallback_max_tokens`` limits one that
+        sets no limit when the server's n_predict does not either (16: OpenAI's default; None: until the
+        context is full)."""
         self.check_model(body.model)
         _check_supported(body)
         text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
@@ -240,7 +242,7 @@ class GenerationService:
         else:
             prompt = body.prompt  # token ids
             self._check_ids(prompt, "prompt")
-        max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or 16  # 16: OpenAI's default
+        max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or fallback_max_tokens
         return self._submit(body, prompt, max_tokens, body.logprobs)
 
     def _check_ids(self, ids: list[Any], param: str) -> None:
