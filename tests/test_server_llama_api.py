@@ -132,3 +132,23 @@ def test_completion_n_probs(url: str) -> None:
 def test_completion_rejects_bad_values_naming_the_field(url: str, field: str, value: object) -> None:
     response = httpx.post(f"{url}/completion", json={"prompt": "abc", field: value})
     assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_props_report_the_sampling_defaults_a_request_gets(url: str) -> None:
+    props = httpx.get(f"{url}/props").json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == 128 and props["total_slots"] == 2 and props["model_alias"] == MODEL
+    assert props["model_path"].endswith(".gguf")
+    params = settings["params"]
+    assert params["n_predict"] == -1 and params["temperature"] == 1.0 and params["top_k"] == 0
+    assert params["seed"] is None and params["stop"] == []
+    plain = httpx.post(f"{url}/completion", json={"prompt": "abc"}).json()
+    assert plain["generation_settings"] == params
+
+
+def test_props_and_completion_follow_the_server_n_predict() -> None:
+    with live_server(StrataSettings(model_alias=MODEL, n_predict=5), FakeEngine()) as base:
+        assert httpx.get(f"{base}/props").json()["default_generation_settings"]["params"]["n_predict"] == 5
+        out = httpx.post(f"{base}/completion", json={"prompt": "abc", "temperature": 0}).json()
+        assert out["tokens_predicted"] == 5 and out["stop_type"] == "limit"
+        assert out["generation_settings"]["n_predict"] == 5

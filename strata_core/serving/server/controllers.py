@@ -147,7 +147,7 @@ class LlamaServerController(Controller):
     async def native_completion(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
                                 service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
         service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
-        settings = data.params(data.n_predict if data.n_predict > 0 else service.default_max_tokens or -1)
+        settings = data.params(service.default_max_tokens)
         handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
         chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
         return await _respond(request, handle, chunks, lambda out: llama_completion(
@@ -160,10 +160,12 @@ class LlamaServerController(Controller):
         service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
         return s.Prompt(await until_disconnect(request, service.render(data)))
 
-    @get("/props", operation_id="props", summary="The served model and its context")
+    @get("/props", operation_id="props", summary="The served model, its context, slots and sampling defaults")
     async def props(self, service: NamedDependency[GenerationService]) -> s.Props:
-        return s.Props(s.GenerationSettings(service.scheduler.max_context, service.model_id),
-                       service.scheduler.parallel, str(service.settings.model), service.engine.chat.source)
+        defaults = s.LlamaCompletionRequest(prompt="").params(service.default_max_tokens)
+        return s.Props(s.GenerationSettings(service.scheduler.max_context, service.model_id, defaults),
+                       service.scheduler.parallel, str(service.settings.model), service.model_id,
+                       service.engine.chat.source)
 
     @get("/slots", operation_id="slots", summary="What each generation slot holds and does")
     async def slots(self, service: NamedDependency[GenerationService]) -> list[s.SlotState]:

@@ -158,9 +158,10 @@ class LlamaCompletionRequest(Struct, kw_only=True):
             frequency_penalty=self.frequency_penalty, logprobs=self.n_probs or None,
         )  # fmt: skip
 
-    def params(self, n_predict: int) -> LlamaParams:
-        """This request's sampling settings as llama-server reports them, ``n_predict`` the token limit it
-        runs under (-1: until the context is full)."""
+    def params(self, default_n_predict: int | None) -> LlamaParams:
+        """This request's sampling settings as llama-server reports them; ``default_n_predict`` is the
+        limit of a request that sets none (None: until the context is full, reported as -1)."""
+        n_predict = self.n_predict if self.n_predict > 0 else default_n_predict or -1
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         return LlamaParams(n_predict, self.seed, self.temperature, self.top_k, self.top_p, self.min_p,
                            self.repeat_penalty, self.presence_penalty, self.frequency_penalty, stops,
@@ -425,6 +426,7 @@ class LlamaCompletion(Struct):
 class GenerationSettings(Struct):
     n_ctx: int
     model: str
+    params: LlamaParams  # what a request that sets none gets
 
 
 class Props(Struct):
@@ -433,6 +435,7 @@ class Props(Struct):
     default_generation_settings: GenerationSettings
     total_slots: int
     model_path: str
+    model_alias: str
     chat_template: str
 
 
