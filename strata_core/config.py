@@ -199,6 +199,9 @@ class StrataSettings(BaseSettings):
                                "may name none)")
     n_predict: int = Field(-1, ge=-1, description="default max_tokens when a request sets none; -1 (or 0): until "
                            "the context is full (text completions: OpenAI's 16)")
+    cors: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins whose web pages may call the API (CORS; comma-separated; * any "
+        "origin); default none: no CORS headers")
 
     # --- observers and plugins -------------------------------------------------------------------
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")
@@ -208,7 +211,7 @@ class StrataSettings(BaseSettings):
     plugins: Annotated[list[str] | None, NoDecode] = Field(None, description="allow-list of plugin distributions")
     disable_plugin_autoload: bool = Field(False, description="load no entry-point plugins")
 
-    @field_validator("devices", "plugins", "allowed_hosts", mode="before")
+    @field_validator("devices", "plugins", "allowed_hosts", "cors", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

@@ -152,3 +152,31 @@ def test_props_and_completion_follow_the_server_n_predict() -> None:
         out = httpx.post(f"{base}/completion", json={"prompt": "abc", "temperature": 0}).json()
         assert out["tokens_predicted"] == 5 and out["stop_type"] == "limit"
         assert out["generation_settings"]["n_predict"] == 5
+
+
+def _preflight(base: str, origin: str) -> httpx.Response:
+    return httpx.options(f"{base}/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_cors_lets_only_the_named_origins_call() -> None:
+    settings = StrataSettings(model_alias=MODEL, cors="https://app.example, https://other.example", api_key="k")
+    assert settings.cors == ["https://app.example", "https://other.example"]
+    with live_server(settings, FakeEngine()) as base:
+        allowed = _preflight(base, "https://app.example")
+        assert allowed.status_code == 204
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+        denied = _preflight(base, "https://evil.example")
+        assert denied.status_code == 400 and "access-control-allow-origin" not in denied.headers
+        call = httpx.get(f"{base}/props", headers={"Origin": "https://app.example", "X-Api-Key": "k"})
+        assert call.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.get(f"{base}/props", headers={"Origin": "https://evil.example", "X-Api-Key": "k"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_no_cors_headers_by_default(url: str) -> None:
+    assert "access-control-allow-origin" not in _preflight(url, "https://app.example").headers
+    call = httpx.get(f"{url}/props", headers={"Origin": "https://app.example"})
+    assert not any(name.startswith("access-control-") for name in call.headers)

@@ -6,8 +6,9 @@ the settings in the background unless one is given, and the scheduler) and puts 
 routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs). With an
 API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
 KEY`` or ``X-Api-Key: KEY``; every route checks the ``Host`` header and that a body is JSON (see
-guards.py). The API docs at ``/schema`` are rendered on the server (docs.py), so they need nothing
-from a CDN.
+guards.py). ``--cors`` lets web pages of the origins it names call the API (no CORS headers without
+it). The API docs at ``/schema`` are rendered on the server (docs.py), so they need nothing from a
+CDN.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Litestar, Router
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import NotAuthorizedException
@@ -109,6 +111,7 @@ def create_app(settings: StrataSettings, engine: Any = None,
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0",
                                      render_plugins=[EndpointList(), JsonRenderPlugin()]),
+        cors_config=CORSConfig(allow_origins=settings.cors) if settings.cors else None,
         request_max_body_size=int(settings.max_body_mib * 2**20),
         state=StrataState(),
     )
