@@ -170,7 +170,8 @@ class StrataSettings(BaseSettings):
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")
-    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY`")
+    api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY` "
+                                      "(or `X-Api-Key: KEY`)")
     model_alias: str | None = Field(None, description="model name served at /v1/models")
     max_body_mib: float = Field(8.0, gt=0, description="largest request body the server reads (MiB); larger is 413")
     threads: int | None = Field(None, ge=1, description="CPU threads of torch's compute pool, set once at start on "
@@ -198,6 +199,9 @@ class StrataSettings(BaseSettings):
                                "may name none)")
     n_predict: int = Field(-1, ge=-1, description="default max_tokens when a request sets none; -1 (or 0): until "
                            "the context is full (text completions: OpenAI's 16)")
+    cors: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="origins whose web pages may call the API (CORS; comma-separated; * any "
+        "origin); default none: no CORS headers")
 
     # --- observers and plugins -------------------------------------------------------------------
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")
@@ -207,7 +211,7 @@ class StrataSettings(BaseSettings):
     plugins: Annotated[list[str] | None, NoDecode] = Field(None, description="allow-list of plugin distributions")
     disable_plugin_autoload: bool = Field(False, description="load no entry-point plugins")
 
-    @field_validator("devices", "plugins", "allowed_hosts", mode="before")
+    @field_validator("devices", "plugins", "allowed_hosts", "cors", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

@@ -57,14 +57,17 @@ class FakeTokenizer:
         return bytes(i - N_SPECIAL for i in ids if i >= N_SPECIAL).decode(errors="replace")
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> FakeStreamDecoder:
-        return FakeStreamDecoder()
+        return FakeStreamDecoder(skip_special_tokens)
 
 
 class FakeStreamDecoder:
-    def __init__(self) -> None:
+    def __init__(self, skip_special_tokens: bool = True) -> None:
         self.buf = b""
+        self.skip = skip_special_tokens
 
     def push(self, token_id: int) -> str:
+        if token_id < N_SPECIAL and not self.skip:
+            return self.flush() + SPECIALS[token_id]
         if token_id >= N_SPECIAL:
             self.buf += bytes([token_id - N_SPECIAL])
         for cut in range(len(self.buf), max(len(self.buf) - 4, -1), -1):

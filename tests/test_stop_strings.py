@@ -18,12 +18,13 @@ def _run(matcher: StopMatcher, pieces: list[str]) -> tuple[str, bool]:
     return out + matcher.held, False
 
 
-def _first_cut(text: str, stops: list[str]) -> int | None:
-    """Where the text is cut: before the stop that is complete first (the longest at a tie)."""
+def _first_cut(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where the text is cut and by which stop: the one complete first (the longest at a tie)."""
     for end in range(1, len(text) + 1):
         done = [s for s in stops if text[:end].endswith(s)]
         if done:
-            return end - max(map(len, done))
+            word = max(done, key=len)
+            return end - len(word), word
     return None
 
 
@@ -34,10 +35,12 @@ def test_cuts_at_the_first_stop_whatever_the_pieces(text: str, cuts: list[int], 
     for n in cuts + [len(text)]:
         pieces.append(text[pos : pos + n])
         pos += n
-    out, stopped = _run(StopMatcher(stops), pieces)
+    matcher = StopMatcher(stops)
+    out, stopped = _run(matcher, pieces)
     cut = _first_cut(text, stops)
     assert stopped == (cut is not None)
-    assert out == (text if cut is None else text[:cut])
+    assert out == (text if cut is None else text[: cut[0]])
+    assert matcher.found == ("" if cut is None else cut[1])
 
 
 class _CountingStr(str):

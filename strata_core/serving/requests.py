@@ -148,12 +148,14 @@ def _rate(n: int, ms: float) -> float:
 
 @dataclass
 class Finished:
-    """The request is done: why (``stop`` or ``length``), token counts and timings."""
+    """The request is done: why (``stop`` or ``length``), token counts, timings, and the stop string
+    that ended it (``""`` for an end-of-sequence token or a limit)."""
 
     reason: str
     prompt_tokens: int
     completion_tokens: int
     timings: Timings
+    stop_word: str = ""
 
 
 @dataclass

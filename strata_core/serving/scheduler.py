@@ -397,7 +397,8 @@ class Scheduler:
         s.completion_tokens += job.stream.generated
         s.prompt_seconds += t.prompt_ms / 1000.0
         log.info("request done: %s, finish %s", t.summary(), reason)
-        self._emit(job, Finished(reason, len(job.request.prompt), job.stream.generated, t))
+        self._emit(job, Finished(reason, len(job.request.prompt), job.stream.generated, t,
+                                 job.stream.stop_word))
 
     def _fail(self, job: _Job, exc: Exception) -> None:
         if not isinstance(exc, StrataError):

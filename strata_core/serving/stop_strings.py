@@ -33,7 +33,8 @@ class StopMatcher:
     """Give out streamed text up to the first stop string, holding back what may start one.
 
     A stop string is found when its last character arrives; of two found at the same character the
-    longer (earlier-starting) one cuts. ``held`` is the text held back so far.
+    longer (earlier-starting) one cuts. ``held`` is the text held back so far; ``found`` the stop
+    string that cut (``""`` until one does).
     """
 
     def __init__(self, stops: Sequence[str]) -> None:
@@ -41,12 +42,13 @@ class StopMatcher:
         self._tables = [_failure(s) for s in self._stops]
         self._states = [0] * len(self._stops)
         self.held = ""
+        self.found = ""
 
     def push(self, text: str) -> tuple[str, bool]:
         """Text safe to give out, and whether a stop string was found (the text ends before it)."""
         buf = self.held + text
         for end, ch in enumerate(text, len(self.held) + 1):
-            found = 0
+            found = ""
             for j, (stop, table) in enumerate(zip(self._stops, self._tables)):
                 k = self._states[j]
                 while k and stop[k] != ch:
@@ -54,12 +56,12 @@ class StopMatcher:
                 if stop[k] == ch:
                     k += 1
                 if k == len(stop):
-                    found = max(found, k)
+                    found = max(found, stop, key=len)
                     k = table[k - 1]
                 self._states[j] = k
             if found:
-                self.held = ""
-                return buf[: end - found], True
+                self.held, self.found = "", found
+                return buf[: end - len(found)], True
         keep = max(self._states, default=0)
         self.held = buf[len(buf) - keep :]
         return buf[: len(buf) - keep], False

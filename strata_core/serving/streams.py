@@ -47,6 +47,11 @@ class TokenStream:
         logprobs = [] if result.logprob is None else [self._logprob(result)]
         return (Delta(text, [token], logprobs) if text or logprobs else None), reason
 
+    @property
+    def stop_word(self) -> str:
+        """The stop string that ended the request (``""``: none did)."""
+        return self._stop.found
+
     def _logprob(self, result: SampleResult) -> TokenLogprob:
         decode = self._tokenizer.decode
         alts = [(i, decode([i]), v) for i, v in result.top_logprobs]

@@ -2,10 +2,13 @@
 
 The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
-:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. With an
+:class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. The OpenAI
+routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs). With an
 API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
-KEY``; every route checks the ``Host`` header and that a body is JSON (see guards.py). The API docs
-at ``/schema`` are rendered on the server (docs.py), so they need nothing from a CDN.
+KEY`` or ``X-Api-Key: KEY``; every route checks the ``Host`` header and that a body is JSON (see
+guards.py). ``--cors`` lets web pages of the origins it names call the API (no CORS headers without
+it). The API docs at ``/schema`` are rendered on the server (docs.py), so they need nothing from a
+CDN.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Litestar, Router
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import NotAuthorizedException
@@ -51,11 +55,13 @@ def provide_service(state: StrataState) -> GenerationService:
     return state.loader.get()
 
 
-class BearerAuth(ASGIMiddleware):
-    """Answer 401 unless ``Authorization: Bearer KEY`` is sent (``/health`` and the chat page ``/`` are open)."""
+class ApiKeyAuth(ASGIMiddleware):
+    """Answer 401 unless the key is sent as ``Authorization: Bearer KEY`` or, as llama-server takes it,
+    ``X-Api-Key: KEY`` (``/health`` and the chat page ``/`` are open)."""
 
     def __init__(self, key: str) -> None:
-        self._expected = f"Bearer {key}".encode()
+        self._bearer = f"Bearer {key}".encode()
+        self._key = key.encode()
 
     @staticmethod
     def should_bypass_for_scope(scope: Scope) -> bool:
@@ -64,9 +70,12 @@ class BearerAuth(ASGIMiddleware):
         return scope["path"] in OPEN_PATHS
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
-        sent = dict(scope["headers"]).get(b"authorization", b"")
-        if not hmac.compare_digest(sent, self._expected):
-            raise NotAuthorizedException("a valid API key is needed: send `Authorization: Bearer KEY`")
+        headers = dict(scope["headers"])
+        bearer_ok = hmac.compare_digest(headers.get(b"authorization", b""), self._bearer)
+        key_ok = hmac.compare_digest(headers.get(b"x-api-key", b""), self._key)
+        if not (bearer_ok or key_ok):
+            raise NotAuthorizedException("a valid API key is needed: send `Authorization: Bearer KEY` "
+                                         "or `X-Api-Key: KEY`")
         await next_app(scope, receive, send)
 
 
@@ -86,9 +95,11 @@ def create_app(settings: StrataSettings, engine: Any = None,
             await loader.close()
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
+    openai_api = [ChatController, CompletionsController, ModelsController]
     return Litestar(
         route_handlers=[
-            Router("/v1", route_handlers=[ChatController, CompletionsController, ModelsController]),
+            Router("/v1", route_handlers=openai_api),
+            Router("/", route_handlers=openai_api, include_in_schema=False),  # llama-server also answers without /v1
             SystemController,
             LlamaServerController,
             *([chat_page] if settings.webui else []),
@@ -96,10 +107,11 @@ def create_app(settings: StrataSettings, engine: Any = None,
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
         lifespan=[lifespan],
         middleware=[RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
-                    *([BearerAuth(key)] if key else [])],
+                    *([ApiKeyAuth(key)] if key else [])],
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0",
                                      render_plugins=[EndpointList(), JsonRenderPlugin()]),
+        cors_config=CORSConfig(allow_origins=settings.cors) if settings.cors else None,
         request_max_body_size=int(settings.max_body_mib * 2**20),
         state=StrataState(),
     )

@@ -20,6 +20,7 @@ from strata_core.serving.server import schemas as s
 from strata_core.serving.scheduler import RequestHandle
 from strata_core.serving.server.responses import (
     Collected, cancel_on_disconnect, chat_completion, chat_stream, collect, completion, completion_stream,
+    llama_completion, llama_completion_stream,
 )  # fmt: skip
 from strata_core.serving.server.errors import RETRY_AFTER_S
 from strata_core.serving.server.service import GenerationService
@@ -121,24 +122,50 @@ class ModelsController(Controller):
 
 
 class LlamaServerController(Controller):
-    """llama-server's routes: ``/tokenize``, ``/detokenize``, ``/props``, ``/slots``."""
+    """llama-server's routes: ``/completion``, ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``,
+    ``/slots``."""
 
     path = "/"
     tags = ["llama-server"]
 
-    @post("/tokenize", operation_id="tokenize", status_code=200, summary="Token ids of a text")
-    async def tokenize(self, data: JSONBody[s.TokenizeRequest], service: NamedDependency[GenerationService]) -> s.Tokens:
-        return s.Tokens(await service.tokenize(data.content, data.add_special))
+    @post("/tokenize", operation_id="tokenize", status_code=200,
+          summary="Token ids of a text (with_pieces: each with its text)")
+    async def tokenize(self, data: JSONBody[s.TokenizeRequest],
+                       service: NamedDependency[GenerationService]) -> s.Tokens | s.TokenPieces:
+        tokens = await service.tokenize(data.content, data.add_special)
+        if not data.with_pieces:
+            return s.Tokens(tokens)
+        return s.TokenPieces([s.TokenPiece(t, piece) for t, piece in zip(tokens, await service.pieces(tokens))])
 
     @post("/detokenize", operation_id="detokenize", status_code=200, summary="The text of token ids")
     async def detokenize(self, data: JSONBody[s.DetokenizeRequest],
                          service: NamedDependency[GenerationService]) -> s.Content:
         return s.Content(await service.detokenize(data.tokens))
 
-    @get("/props", operation_id="props", summary="The served model and its context")
+    @post("/completion", operation_id="llamaCompletion", status_code=200,
+          summary="Continue a prompt, llama-server's native form (SSE with stream=true)")
+    async def native_completion(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
+                                service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
+        service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
+        settings = data.params(service.default_max_tokens)
+        handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
+        chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
+        return await _respond(request, handle, chunks, lambda out: llama_completion(
+            service.model_id, out.text, out.end, settings, out.logprobs if data.n_probs else None))
+
+    @post("/apply-template", operation_id="applyTemplate", status_code=200,
+          summary="The prompt a chat request renders to, through the model's chat template")
+    async def apply_template(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
+                             service: NamedDependency[GenerationService]) -> s.Prompt:
+        service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
+        return s.Prompt(await until_disconnect(request, service.render(data)))
+
+    @get("/props", operation_id="props", summary="The served model, its context, slots and sampling defaults")
     async def props(self, service: NamedDependency[GenerationService]) -> s.Props:
-        return s.Props(s.GenerationSettings(service.scheduler.max_context, service.model_id),
-                       service.scheduler.parallel, str(service.settings.model), service.engine.chat.source)
+        defaults = s.LlamaCompletionRequest(prompt="").params(service.default_max_tokens)
+        return s.Props(s.GenerationSettings(service.scheduler.max_context, service.model_id, defaults),
+                       service.scheduler.parallel, str(service.settings.model), service.model_id,
+                       service.engine.chat.source)
 
     @get("/slots", operation_id="slots", summary="What each generation slot holds and does")
     async def slots(self, service: NamedDependency[GenerationService]) -> list[s.SlotState]:

@@ -138,8 +138,10 @@ def _sse(payload: msgspec.Struct | bytes) -> bytes:
 
 
 async def _events(handle: RequestHandle, first: Callable[[], bytes | None],
-                  delta: Callable[[Delta], list[bytes]], last: Callable[[Finished], list[bytes]]) -> AsyncIterator[bytes]:
-    """SSE bytes of a generation; an error after the start becomes an error event."""
+                  delta: Callable[[Delta], list[bytes]], last: Callable[[Finished], list[bytes]],
+                  done: bool = True) -> AsyncIterator[bytes]:
+    """SSE bytes of a generation, ended by ``[DONE]`` if ``done``; an error after the start becomes an
+    error event."""
     try:
         head = first()
         if head:
@@ -151,7 +153,8 @@ async def _events(handle: RequestHandle, first: Callable[[], bytes | None],
         yield _sse(s.encode(error_body(exc)[1]))
     finally:
         handle.cancel()  # a no-op after Finished; frees the slot when the client went away
-    yield b"data: [DONE]\n\n"
+    if done:
+        yield b"data: [DONE]\n\n"
 
 
 def _item_delta(item: Piece | ToolCall, index: int) -> s.ChatDelta:
@@ -223,3 +226,36 @@ def completion_stream(model: str, handle: RequestHandle, body: s.CompletionReque
         return out
 
     return _events(handle, lambda: None, delta, last)
+
+
+def token_probabilities(items: list[TokenLogprob]) -> list[s.TokenProbability]:
+    """Logprobs in llama-server's ``completion_probabilities`` format."""
+    return [s.TokenProbability(lp.token, lp.text, lp.logprob, list(lp.text.encode()),
+                               [s.TopTokenProbability(i, t, v, list(t.encode())) for i, t, v in lp.top])
+            for lp in items]  # fmt: skip
+
+
+def _stop_type(end: Finished) -> str:
+    return "limit" if end.reason == "length" else "word" if end.stop_word else "eos"
+
+
+def llama_completion(model: str, content: str, end: Finished, settings: s.LlamaParams,
+                     logprobs: list[TokenLogprob] | None = None) -> s.LlamaCompletion:
+    """llama-server's ``/completion`` answer (``content`` the text, or ``""`` ending a stream), with
+    ``completion_probabilities`` when ``logprobs`` are given."""
+    probs = token_probabilities(logprobs) if logprobs is not None else msgspec.UNSET
+    return s.LlamaCompletion(content, model, end.completion_tokens, end.prompt_tokens, _stop_type(end),
+                             end.stop_word, timings(end), settings, completion_probabilities=probs)
+
+
+def llama_completion_stream(model: str, handle: RequestHandle, settings: s.LlamaParams) -> AsyncIterator[bytes]:
+    """The SSE stream of a ``/completion``: ``{"content", "stop": false}`` events, then the answer with
+    ``stop`` true, empty content, and the timings; no ``[DONE]`` (llama-server's native streams end
+    without it)."""
+
+    def delta(d: Delta) -> list[bytes]:
+        probs = token_probabilities(d.logprobs) if settings.n_probs else msgspec.UNSET
+        return [_sse(s.LlamaCompletionChunk(d.text, completion_probabilities=probs))]
+
+    return _events(handle, lambda: None, delta, lambda end: [_sse(llama_completion(model, "", end, settings))],
+                   done=False)

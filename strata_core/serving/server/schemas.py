@@ -174,6 +174,45 @@ class CompletionRequest(_Request, kw_only=True):
     best_of: Annotated[int, Meta(ge=1)] | None = None
 
 
+
+class LlamaCompletionRequest(Struct, kw_only=True):
+    """llama-server's native ``/completion`` body, generated as the text completion it maps to."""
+
+    prompt: str | Annotated[list[int], Meta(min_length=1)]  # text or token ids
+    n_predict: Annotated[int, Meta(ge=-1)] = -1  # -1 (or 0): the server's n_predict, else until the context is full
+    temperature: Temperature = 1.0
+    top_k: Annotated[int, Meta(ge=0)] = 0
+    top_p: TopP = 1.0
+    min_p: Probability = 0.0
+    seed: Seed | None = None
+    stop: Stop = None
+    stream: bool = False
+    n_probs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] = 0  # the top tokens of each step: completion_probabilities
+    cache_prompt: bool = True  # as in _Request
+    ignore_eos: bool = False
+    repeat_penalty: Annotated[float, Meta(ge=0.01, le=100.0)] = 1.0
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+
+    def completion_request(self) -> CompletionRequest:
+        """The OpenAI text completion this request asks for (no max_tokens for an ``n_predict`` of -1 or 0)."""
+        return CompletionRequest(
+            prompt=self.prompt, max_tokens=self.n_predict if self.n_predict > 0 else None,
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
+            stop=self.stop, cache_prompt=self.cache_prompt, ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty, logprobs=self.n_probs or None,
+        )  # fmt: skip
+
+    def params(self, default_n_predict: int | None) -> LlamaParams:
+        """This request's sampling settings as llama-server reports them; ``default_n_predict`` is the
+        limit of a request that sets none (None: until the context is full, reported as -1)."""
+        n_predict = self.n_predict if self.n_predict > 0 else default_n_predict or -1
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+        return LlamaParams(n_predict, self.seed, self.temperature, self.top_k, self.top_p, self.min_p,
+                           self.repeat_penalty, self.presence_penalty, self.frequency_penalty, stops,
+                           self.ignore_eos, self.n_probs)
+
 # --- responses ------------------------------------------------------------------------------------
 
 #: the ``system_fingerprint`` of every completion object and chunk: the server's name and version
@@ -339,10 +378,22 @@ class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
 
     content: str
     add_special: bool = False
+    with_pieces: bool = False  # each token with its text: TokenPieces
 
 
 class Tokens(Struct):
     tokens: list[int]
+
+
+class TokenPiece(Struct):
+    id: int
+    piece: str  # the text this token completes: the pieces of a text join to it
+
+
+class TokenPieces(Struct):
+    """``/tokenize`` with ``with_pieces``."""
+
+    tokens: list[TokenPiece]
 
 
 class DetokenizeRequest(Struct, forbid_unknown_fields=True):
@@ -355,9 +406,75 @@ class Content(Struct):
     content: str
 
 
+class Prompt(Struct):
+    """llama-server's ``/apply-template`` answer: the prompt text a chat request renders to."""
+
+    prompt: str
+
+
+class LlamaParams(Struct):
+    """llama-server's sampling settings: a ``/completion``'s ``generation_settings``, and the defaults
+    in ``/props``."""
+
+    n_predict: int
+    seed: int | None  # None: a random seed
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    stop: list[str]
+    ignore_eos: bool
+    n_probs: int
+
+
+class TopTokenProbability(Struct):
+    id: int
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenProbability(Struct):
+    """One generated token in llama-server's ``completion_probabilities``."""
+
+    id: int
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopTokenProbability]
+
+
+class LlamaCompletionChunk(Struct):
+    """One server-sent event of a streamed ``/completion`` before its last."""
+
+    content: str
+    stop: bool = False
+    completion_probabilities: list[TokenProbability] | msgspec.UnsetType = msgspec.UNSET  # with n_probs
+
+
+class LlamaCompletion(Struct):
+    """llama-server's ``/completion`` answer, or the last event of its stream."""
+
+    content: str
+    model: str
+    tokens_predicted: int
+    tokens_evaluated: int
+    stop_type: Literal["eos", "limit", "word"]  # an end token, n_predict or the context, a stop string
+    stopping_word: str
+    timings: Timings
+    generation_settings: LlamaParams
+    stop: bool = True
+    truncated: bool = False  # a prompt longer than the context is refused, never cut
+    completion_probabilities: list[TokenProbability] | msgspec.UnsetType = msgspec.UNSET  # with n_probs
+
+
 class GenerationSettings(Struct):
     n_ctx: int
     model: str
+    params: LlamaParams  # what a request that sets none gets
 
 
 class Props(Struct):
@@ -366,6 +483,7 @@ class Props(Struct):
     default_generation_settings: GenerationSettings
     total_slots: int
     model_path: str
+    model_alias: str
     chat_template: str
 
 

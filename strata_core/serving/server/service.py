@@ -222,24 +222,34 @@ class GenerationService:
         self._check_size(text, param)
         return await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, add_special_tokens)
 
+    async def pieces(self, tokens: list[int]) -> list[str]:
+        """The text each of ``tokens`` completes, special tokens included, through the tokenizer's
+        stream decoder (a token that ends inside a character has ``""``, the one that completes it the
+        character), so the pieces join to the text; on a worker thread."""
+
+        def run() -> list[str]:
+            decoder = self.engine.tokenizer.stream_decoder(skip_special_tokens=False)
+            out = [decoder.push(t) for t in tokens]
+            if out:
+                out[-1] += decoder.flush()
+            return out
+
+        return await anyio.to_thread.run_sync(run)
+
     async def detokenize(self, tokens: list[int]) -> str:
         """The text of ``tokens`` (ids checked against the vocabulary), on a worker thread."""
         self._check_ids(tokens, "tokens")
         return await anyio.to_thread.run_sync(self.engine.tokenizer.decode, tokens)
 
-    async def chat(self, body: ChatCompletionRequest) -> RequestHandle:
-        """Submit a chat completion: the messages rendered by the model's chat template."""
-        self.check_model(body.model)
-        _check_supported(body)
-        if body.top_logprobs and not body.logprobs:
-            raise InvalidParamError("top_logprobs needs logprobs set to true", "top_logprobs")
-        harmony = self.harmony
+    async def render(self, body: ChatCompletionRequest) -> str:
+        """The prompt text of a chat request: its messages through the model's chat template, on a worker
+        thread (the render is stopped if the request goes away)."""
         limit = self.scheduler.max_context
         if len(body.messages) > limit:  # each message renders to a token at least
             raise ContextLengthError(f"the request has {len(body.messages)} messages, more than the context holds "
                                      f"tokens ({limit})", len(body.messages), limit)
         self._check_size("".join(m.text() for m in body.messages), "messages")
-        messages = [_template_message(m, harmony) for m in body.messages]
+        messages = [_template_message(m, self.harmony) for m in body.messages]
         template_args = _template_args(body.reasoning_effort)
         tools = _offered_tools(body, self.engine.chat.source)
         if tools is not None:
@@ -247,25 +257,36 @@ class GenerationService:
 
         cancelled = threading.Event()
 
-        def render_and_encode() -> list[int]:
+        def render() -> str:
             if self.templates is not None:
                 text = self.templates.render(messages, True, cancelled=cancelled, **template_args)
             else:
                 text = self.engine.chat.render(messages, add_generation_prompt=True, **template_args)
             self._check_size(text, "the rendered conversation")
-            return self.engine.tokenizer.encode(text)
+            return text
 
         try:
-            prompt = await anyio.to_thread.run_sync(render_and_encode, abandon_on_cancel=True)
+            return await anyio.to_thread.run_sync(render, abandon_on_cancel=True)
         except BaseException:
             cancelled.set()  # the request went away: its template render is stopped
             raise
+
+    async def chat(self, body: ChatCompletionRequest) -> RequestHandle:
+        """Submit a chat completion: the messages rendered by the model's chat template."""
+        self.check_model(body.model)
+        _check_supported(body)
+        if body.top_logprobs and not body.logprobs:
+            raise InvalidParamError("top_logprobs needs logprobs set to true", "top_logprobs")
+        text = await self.render(body)
+        prompt = await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, abandon_on_cancel=True)
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or body.n_predict or self.default_max_tokens
-        return self._submit(body, prompt, max_tokens, k, keep_special_tokens=harmony)
+        return self._submit(body, prompt, max_tokens, k, keep_special_tokens=self.harmony)
 
-    async def complete(self, body: CompletionRequest) -> RequestHandle:
-        """Submit a text completion of a string or of token ids."""
+    async def complete(self, body: CompletionRequest, fallback_max_tokens: int | None = 16) -> RequestHandle:
+        """Submit a text completion of a string or of token ids; ``fallback_max_tokens`` limits one that
+        sets no limit when the server's n_predict does not either (16: OpenAI's default; None: until the
+        context is full)."""
         self.check_model(body.model)
         _check_supported(body)
         text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
@@ -276,7 +297,7 @@ class GenerationService:
         else:
             prompt = body.prompt  # token ids
             self._check_ids(prompt, "prompt")
-        max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or 16  # 16: OpenAI's default
+        max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or fallback_max_tokens
         return self._submit(body, prompt, max_tokens, body.logprobs)
 
     def _check_ids(self, ids: list[Any], param: str) -> None:

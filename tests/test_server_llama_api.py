@@ -1,0 +1,182 @@
+"""llama-server's own API as its clients use it: routes without /v1, /completion, /apply-template,
+token pieces, X-Api-Key, /props' defaults and CORS."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from test_server_support import N_SPECIAL, FakeChat, FakeEngine, FakeTokenizer, greedy_reference, live_server
+
+from strata_core.config import StrataSettings
+
+MODEL = "demo"
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    with live_server(StrataSettings(model_alias=MODEL, parallel=2), FakeEngine(max_context=128)) as base:
+        yield base
+
+
+@pytest.mark.parametrize(("path", "body"), [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                            ("/completions", {"prompt": "hi"})])
+def test_openai_routes_answer_without_v1(url: str, path: str, body: dict) -> None:
+    root, v1 = (httpx.post(f"{url}{prefix}{path}", json={**body, "max_tokens": 6, "temperature": 0}).json()
+                for prefix in ("", "/v1"))
+    assert root["object"] == v1["object"]
+    assert root["choices"][0] == v1["choices"][0] and root["usage"]["completion_tokens"] == 6
+
+
+def test_models_answer_without_v1(url: str) -> None:
+    assert httpx.get(f"{url}/models").json() == httpx.get(f"{url}/v1/models").json()
+    assert httpx.get(f"{url}/models/{MODEL}").json()["id"] == MODEL
+
+
+def test_x_api_key_is_an_alternative_to_bearer() -> None:
+    with live_server(StrataSettings(model_alias=MODEL, api_key="sesame"), FakeEngine()) as base:
+        assert httpx.get(f"{base}/props", headers={"X-Api-Key": "sesame"}).status_code == 200
+        assert httpx.get(f"{base}/props", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        for headers in ({"X-Api-Key": "wrong"}, {"X-Api-Key": "Bearer sesame"}, {}):
+            denied = httpx.get(f"{base}/v1/models", headers=headers)
+            assert denied.status_code == 401 and "X-Api-Key" in denied.json()["error"]["message"]
+
+
+def test_tokenize_with_pieces_gives_each_token_its_text(url: str) -> None:
+    text = "<|im_start|>héllo wörld"
+    ids = httpx.post(f"{url}/tokenize", json={"content": text}).json()["tokens"]
+    out = httpx.post(f"{url}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+    assert [t["id"] for t in out] == ids == FakeTokenizer().encode(text)
+    assert "".join(t["piece"] for t in out) == text
+    assert [t["piece"] for t in out[:4]] == ["<|im_start|>", "h", "", "é"]  # é is two byte tokens
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"content": "héllo wörld"}
+
+
+def test_apply_template_gives_the_chat_prompt(url: str) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    out = httpx.post(f"{url}/apply-template", json={"messages": messages})
+    assert out.status_code == 200
+    prompt = out.json()["prompt"]
+    assert prompt == FakeChat().render([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+    # the chat endpoint generates from exactly that prompt
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "temperature": 0})
+    completion = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0})
+    assert chat.json()["choices"][0]["message"]["content"] == completion.json()["choices"][0]["text"]
+    assert httpx.post(f"{url}/apply-template", json={"messages": []}).status_code == 400
+
+
+def test_completion_answers_as_v1_completions_does(url: str) -> None:
+    native = httpx.post(f"{url}/completion", json={"prompt": "abc", "n_predict": 7, "temperature": 0}).json()
+    openai_form = httpx.post(f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 7, "temperature": 0}).json()
+    assert native["content"] == openai_form["choices"][0]["text"]
+    assert native["stop"] is True and native["stop_type"] == "limit" and native["stopping_word"] == ""
+    assert native["tokens_predicted"] == 7 and native["tokens_evaluated"] == 3 and native["truncated"] is False
+    assert native["model"] == MODEL and native["timings"]["predicted_n"] == 7
+    assert native["generation_settings"]["n_predict"] == 7 and native["generation_settings"]["temperature"] == 0
+    assert "completion_probabilities" not in native
+    ids = FakeTokenizer().encode("abc")
+    assert httpx.post(f"{url}/completion", json={"prompt": ids, "n_predict": 7, "temperature": 0}).json()["content"] \
+        == native["content"]
+
+
+def test_completion_without_n_predict_runs_past_openais_16_tokens(url: str) -> None:
+    out = httpx.post(f"{url}/completion", json={"prompt": "abc", "temperature": 0}).json()
+    assert out["tokens_predicted"] > 16 and out["generation_settings"]["n_predict"] == -1
+
+
+def test_completion_stop_types() -> None:
+    engine = FakeEngine(max_context=128)
+    greedy = FakeTokenizer().decode(greedy_reference(FakeTokenizer().encode("abc"), 12))
+    engine.tokenizer.eos_token_ids = {N_SPECIAL + ord(greedy[6])}  # the greedy run's 7th character ends it
+    with live_server(StrataSettings(model_alias=MODEL), engine) as base:
+        body = {"prompt": "abc", "n_predict": 12, "temperature": 0}
+        eos = httpx.post(f"{base}/completion", json=body).json()
+        assert eos["stop_type"] == "eos" and eos["stopping_word"] == ""
+        assert eos["content"] == greedy[: greedy.index(greedy[6])]
+        word = greedy[1:3]
+        stopped = httpx.post(f"{base}/completion", json={**body, "stop": ["zzzz", word]}).json()
+        assert stopped["stop_type"] == "word" and stopped["stopping_word"] == word
+        assert stopped["content"] == greedy[: greedy.index(word)]
+        assert stopped["generation_settings"]["stop"] == ["zzzz", word]
+
+
+def test_completion_stream_ends_with_stop_and_timings(url: str) -> None:
+    body = {"prompt": "abc", "n_predict": 6, "temperature": 0}
+    whole = httpx.post(f"{url}/completion", json=body).json()
+    with httpx.stream("POST", f"{url}/completion", json={**body, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    *chunks, last = events
+    assert all(c["stop"] is False for c in chunks) and "".join(c["content"] for c in chunks) == whole["content"]
+    assert last["stop"] is True and last["content"] == "" and last["stop_type"] == "limit"
+    assert last["timings"]["predicted_n"] == 6 and last["tokens_predicted"] == 6
+
+
+def test_completion_n_probs(url: str) -> None:
+    body = {"prompt": "abc", "n_predict": 4, "temperature": 0, "n_probs": 3}
+    out = httpx.post(f"{url}/completion", json=body).json()
+    probs = out["completion_probabilities"]
+    assert len(probs) == 4 and "".join(p["token"] for p in probs) == out["content"]
+    assert all(len(p["top_logprobs"]) == 3 and p["id"] == p["top_logprobs"][0]["id"] for p in probs)  # greedy
+    openai_form = httpx.post(f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 4, "temperature": 0,
+                                                            "logprobs": 3}).json()["choices"][0]["logprobs"]
+    assert [p["logprob"] for p in probs] == pytest.approx(openai_form["token_logprobs"])
+    with httpx.stream("POST", f"{url}/completion", json={**body, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")][:-1]
+    assert [p for c in chunks for p in c["completion_probabilities"]] == probs
+
+
+@pytest.mark.parametrize(("field", "value"), [("n_probs", 21), ("n_predict", -2), ("prompt", []), ("top_p", 0)])
+def test_completion_rejects_bad_values_naming_the_field(url: str, field: str, value: object) -> None:
+    response = httpx.post(f"{url}/completion", json={"prompt": "abc", field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+def test_props_report_the_sampling_defaults_a_request_gets(url: str) -> None:
+    props = httpx.get(f"{url}/props").json()
+    settings = props["default_generation_settings"]
+    assert settings["n_ctx"] == 128 and props["total_slots"] == 2 and props["model_alias"] == MODEL
+    assert props["model_path"].endswith(".gguf")
+    params = settings["params"]
+    assert params["n_predict"] == -1 and params["temperature"] == 1.0 and params["top_k"] == 0
+    assert params["seed"] is None and params["stop"] == []
+    plain = httpx.post(f"{url}/completion", json={"prompt": "abc"}).json()
+    assert plain["generation_settings"] == params
+
+
+def test_props_and_completion_follow_the_server_n_predict() -> None:
+    with live_server(StrataSettings(model_alias=MODEL, n_predict=5), FakeEngine()) as base:
+        assert httpx.get(f"{base}/props").json()["default_generation_settings"]["params"]["n_predict"] == 5
+        out = httpx.post(f"{base}/completion", json={"prompt": "abc", "temperature": 0}).json()
+        assert out["tokens_predicted"] == 5 and out["stop_type"] == "limit"
+        assert out["generation_settings"]["n_predict"] == 5
+
+
+def _preflight(base: str, origin: str) -> httpx.Response:
+    return httpx.options(f"{base}/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def test_cors_lets_only_the_named_origins_call() -> None:
+    settings = StrataSettings(model_alias=MODEL, cors="https://app.example, https://other.example", api_key="k")
+    assert settings.cors == ["https://app.example", "https://other.example"]
+    with live_server(settings, FakeEngine()) as base:
+        allowed = _preflight(base, "https://app.example")
+        assert allowed.status_code == 204
+        assert allowed.headers["access-control-allow-origin"] == "https://app.example"
+        assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+        denied = _preflight(base, "https://evil.example")
+        assert denied.status_code == 400 and "access-control-allow-origin" not in denied.headers
+        call = httpx.get(f"{base}/props", headers={"Origin": "https://app.example", "X-Api-Key": "k"})
+        assert call.headers["access-control-allow-origin"] == "https://app.example"
+        other = httpx.get(f"{base}/props", headers={"Origin": "https://evil.example", "X-Api-Key": "k"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_no_cors_headers_by_default(url: str) -> None:
+    assert "access-control-allow-origin" not in _preflight(url, "https://app.example").headers
+    call = httpx.get(f"{url}/props", headers={"Origin": "https://app.example"})
+    assert not any(name.startswith("access-control-") for name in call.headers)
