@@ -50,23 +50,15 @@ class HarmonyEngine(FakeEngine):
         self.starts: dict[int, int] = {}  # session -> its length after the prompt
         self.prompts: list[list[int]] = []  # each request's whole prompt
 
-    def _logits(self, session: FakeSession) -> torch.Tensor:
+    def next_logits(self, session: FakeSession) -> torch.Tensor:
         logits = torch.zeros(self.spec.vocab_size)
         logits[self.script[session.n_tokens - self.starts[id(session)]]] = 1.0
         return logits
 
     def prefill(self, session: FakeSession, token_ids: list[int]) -> torch.Tensor:
-        self._live(session)
-        session.tokens.extend(token_ids)
-        self.starts[id(session)] = session.n_tokens
-        self.prompts.append(list(session.tokens))
-        return self._logits(session)
-
-    def decode_window(self, steps: list[tuple[FakeSession, int]]) -> torch.Tensor:
-        for session, token in steps:
-            self._live(session)
-            session.tokens.append(token)
-        return torch.stack([self._logits(s) for s, _ in steps])
+        self.starts[id(session)] = session.n_tokens + len(token_ids)
+        self.prompts.append(list(session.tokens) + list(token_ids))
+        return super().prefill(session, token_ids)
 
 
 @pytest.fixture(scope="module")

@@ -197,6 +197,10 @@ class FakeEngine:
         session.tokens.extend(token_ids)
         self.prefilled.append(len(token_ids))
         self.calls.append(("prefill", session, len(token_ids)))
+        return self.next_logits(session)
+
+    def next_logits(self, session: FakeSession) -> torch.Tensor:
+        """The logits after the session's tokens (a subclass scripts its replies here)."""
         return fake_logits(session.tokens)
 
     def prefill_batch(self, chunks: list[tuple[FakeSession, list[int]]]) -> torch.Tensor:
@@ -215,7 +219,7 @@ class FakeEngine:
         self.calls.append(("window", None, len(steps)))
         for session, token in steps:
             session.tokens.append(token)
-        return torch.stack([fake_logits(s.tokens) for s, _ in steps])
+        return torch.stack([self.next_logits(s) for s, _ in steps])
 
 
 def steps_of(calls: list[tuple[str, FakeSession | None, int]]) -> list[tuple[int, int]]:

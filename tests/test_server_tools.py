@@ -49,7 +49,7 @@ class ToolEngine(FakeEngine):
         self.opening = self.tokenizer.encode("<|im_start|>assistant\n")
         self.prompts: list[str] = []  # each request's whole prompt
 
-    def _logits(self, session: FakeSession) -> torch.Tensor:
+    def next_logits(self, session: FakeSession) -> torch.Tensor:
         start = len(session.tokens) - session.tokens[::-1].index(self.opening[0]) - 1  # the last <|im_start|>
         assert session.tokens[start:start + len(self.opening)] == self.opening, "no generation prompt"
         prompt = self.tokenizer.decode(session.tokens[:start])
@@ -60,17 +60,6 @@ class ToolEngine(FakeEngine):
         logits = torch.zeros(self.spec.vocab_size)
         logits[self.tokenizer.encode(reply + "<|im_end|>")[done]] = 1.0
         return logits
-
-    def prefill(self, session: FakeSession, token_ids: list[int]) -> torch.Tensor:
-        self._live(session)
-        session.tokens.extend(token_ids)
-        return self._logits(session)
-
-    def decode_window(self, steps: list[tuple[FakeSession, int]]) -> torch.Tensor:
-        for session, token in steps:
-            self._live(session)
-            session.tokens.append(token)
-        return torch.stack([self._logits(s) for s, _ in steps])
 
 
 @pytest.fixture(scope="module")
