@@ -265,13 +265,7 @@ class Engine:
 
         :return: float32 logits of the last position ``[vocab]``, or ``[T, vocab]`` with ``all_logits``.
         """
-        tokens = self._prompt_tokens(session, token_ids)
-        session.kv.reserve(session.n_tokens + len(tokens))
-        try:
-            result = self.runner.prefill(session, tokens, all_logits)
-        finally:
-            session.kv.trim()
-        session.kv.publish(session.tokens)
+        result = self._prefill_tokens(session, self._prompt_tokens(session, token_ids), all_logits)
         return result if all_logits else result[-1]
 
     def prefill_batch(self, chunks: Sequence[tuple[Session, Sequence[int]]]) -> torch.Tensor:
@@ -279,21 +273,31 @@ class Engine:
         ``--prefill-chunk`` tokens (a longer chunk alone, in chunks of that size); float32 logits
         ``[len(chunks), vocab]`` of each chunk's last position. Each session appears once."""
         prompts = [(session, self._prompt_tokens(session, ids)) for session, ids in chunks]
-        out: list[torch.Tensor] = []
-        limit = self.settings.prefill_chunk
-        group: list[tuple[Session, torch.Tensor]] = []
-        for i, (session, tokens) in enumerate(prompts):
-            group.append((session, tokens))
-            following = prompts[i + 1][1] if i + 1 < len(prompts) else None
-            if following is None or sum(len(t) for _, t in group) + len(following) > limit:
-                out.append(self._prefill_group(group))
-                group = []
-        return torch.cat(out)
+        groups: list[list[tuple[Session, torch.Tensor]]] = []
+        size = 0  # tokens of the last group
+        for session, tokens in prompts:
+            if not groups or size + len(tokens) > self.settings.prefill_chunk:
+                groups.append([])
+                size = 0
+            groups[-1].append((session, tokens))
+            size += len(tokens)
+        return torch.cat([self._prefill_group(group) for group in groups])
+
+    def _prefill_tokens(self, session: Session, tokens: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        """Checked ``tokens`` through the runner (chunked), the KV reserved, trimmed and published."""
+        session.kv.reserve(session.n_tokens + len(tokens))
+        try:
+            result = self.runner.prefill(session, tokens, all_logits)
+        finally:
+            session.kv.trim()
+        session.kv.publish(session.tokens)
+        return result
 
     def _prefill_group(self, group: list[tuple[Session, torch.Tensor]]) -> torch.Tensor:
+        """``[len(group), vocab]``: one chunk alone (chunked if it is long), several in one pass."""
         if len(group) == 1:
             (session, tokens), = group
-            return self.prefill(session, tokens.tolist())[None]
+            return self._prefill_tokens(session, tokens, all_logits=False)
         try:
             for session, tokens in group:
                 session.kv.reserve(session.n_tokens + len(tokens))

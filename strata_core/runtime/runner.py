@@ -235,14 +235,15 @@ class Runner:
         rows = self.experts.rows_for(segment.device, "prompt")
         spans = batch.spans
         hidden = hidden.to(device)
+
+        def attend(layer: int, x: torch.Tensor) -> torch.Tensor:  # each chunk over its own session's KV
+            parts = [self.model.attention(layer, x[a:b], positions[a:b], session.kv, session.n_tokens + b - a)
+                     for session, a, b in spans]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
         with device_scope(device), self._timed("prompt", segment):
             for layer in segment.layers:
-                hidden = torch.cat([
-                    self.model.attention(layer, hidden[a:b], positions[a:b], session.kv, session.n_tokens + b - a)
-                    for session, a, b in spans
-                ]) if len(spans) > 1 else self.model.attention(layer, hidden, positions, batch.sessions[0].kv,
-                                                               batch.sessions[0].n_tokens + len(hidden))
-                hidden = self.model.moe(layer, hidden, rows)
+                hidden = self.model.moe(layer, attend(layer, hidden), rows)
                 self._notify(layer, hidden)
         return hidden
 

@@ -4,7 +4,8 @@ Every call comes from the scheduler's worker thread (the engine is not thread-sa
 given back per request, never raised for a window or a prompt batch: one that fails is run again
 row by row (chunk by chunk) where that is exact (K/V is rewritten in place; a recurrent state some
 layers already advanced is not), and a sampling call that fails samples row by row, so a failure
-ends only the requests it belongs to. After every engine call the engine's counters are read once (``telemetry``).
+ends only the requests it belongs to. After every engine call the engine's counters are read once
+(``telemetry``).
 """
 
 from __future__ import annotations
