@@ -74,9 +74,9 @@ def test_the_load_and_every_step_run_on_one_long_lived_thread(tiny_model_factory
     def record(what: str) -> None:
         seen[what].add((threading.get_ident(), torch.get_num_threads()))
 
-    load, prefill, decode = Engine.from_settings.__func__, Engine.prefill, Engine.decode_window  # type: ignore[attr-defined]
+    load, prefill, decode = Engine.from_settings.__func__, Engine.prefill_batch, Engine.decode_window  # type: ignore[attr-defined]
     monkeypatch.setattr(Engine, "from_settings", classmethod(lambda cls, *a: (record("load"), load(cls, *a))[1]))
-    monkeypatch.setattr(Engine, "prefill", lambda self, *a: (record("prefill"), prefill(self, *a))[1])
+    monkeypatch.setattr(Engine, "prefill_batch", lambda self, *a: (record("prefill"), prefill(self, *a))[1])
     monkeypatch.setattr(Engine, "decode_window", lambda self, *a: (record("decode"), decode(self, *a))[1])
     before = torch.get_num_threads()
     try:

@@ -138,8 +138,8 @@ def test_a_prompt_computed_in_chunks_beside_a_decoding_stream_equals_its_run_alo
 
     engine = Engine.load(model_path, max_context=CONTEXT)
     chunks: list[int] = []
-    prefill = engine.prefill
-    engine.prefill = lambda session, tokens: (chunks.append(len(tokens)), prefill(session, tokens))[1]  # type: ignore[method-assign]
+    prefill = engine.prefill_batch  # the scheduler's prompt chunks, each one's length recorded
+    engine.prefill_batch = lambda batch: (chunks.extend(len(t) for _, t in batch), prefill(batch))[1]  # type: ignore[method-assign]
     scheduler = Scheduler(engine, parallel=2, max_queue=0, conv_cache=0, conv_cache_bytes=0, step_tokens=8)
     prompts = [engine.tokenizer.encode("The experts lived in host memory"),
                engine.tokenizer.encode("and the hot ones were cached on the device, " * 3)]
