@@ -58,11 +58,13 @@ log = logging.getLogger(__name__)
 
 
 class RequestHandle:
-    """The asyncio side of one request: iterate its events, or cancel it."""
+    """The asyncio side of one request: iterate its events, or cancel it; ``prompt_tokens`` counts its
+    prompt (what a stream's opening event reports before the request finishes)."""
 
-    def __init__(self, scheduler: Scheduler, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, scheduler: Scheduler, loop: asyncio.AbstractEventLoop, prompt_tokens: int) -> None:
         self._scheduler = scheduler
         self.loop = loop
+        self.prompt_tokens = prompt_tokens
         self.events: asyncio.Queue[Delta | Finished | BaseException] = asyncio.Queue()
         self.cancelled = False
 
@@ -187,7 +189,7 @@ class Scheduler:
         if n > self.max_context:
             raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}", n,
                                      self.max_context)
-        handle = RequestHandle(self, asyncio.get_running_loop())
+        handle = RequestHandle(self, asyncio.get_running_loop(), n)
         job = _Job(request, handle, Sampler(request.params), TokenStream(self.engine.tokenizer, request),
                    list(request.prompt))
         with self._lock:  # counted last: nothing can fail between counting and queueing

@@ -36,6 +36,7 @@ from strata_core.serving.server.docs import EndpointList
 from strata_core.serving.server.errors import handle_exception
 from strata_core.serving.server.guards import RequestGuard, allowed_host_names
 from strata_core.serving.server.loading import ServiceLoader
+from strata_core.serving.server.responses_api import ResponsesController
 from strata_core.serving.server.service import GenerationService
 from strata_core.serving.server.webui import chat_page
 
@@ -95,7 +96,7 @@ def create_app(settings: StrataSettings, engine: Any = None,
             await loader.close()
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    openai_api = [ChatController, CompletionsController, ModelsController]
+    openai_api = [ChatController, CompletionsController, ModelsController, ResponsesController]
     return Litestar(
         route_handlers=[
             Router("/v1", route_handlers=openai_api),

@@ -38,7 +38,7 @@ class EventStream(Stream):
         return super().to_asgi_response(*args, **{**kwargs, "media_type": self.media_type})
 
 
-async def _respond(request: Request, handle: RequestHandle, chunks: AsyncIterator[bytes] | None,
+async def respond(request: Request, handle: RequestHandle, chunks: AsyncIterator[bytes] | None,
                    body: Callable[[Collected], T]) -> T | Stream:
     """Server-sent events when ``chunks`` is given, else the whole body once generation ends
     (cancelled if the client goes away first)."""
@@ -84,7 +84,7 @@ class ChatController(Controller):
         handle = await until_disconnect(request, service.chat(data))
         fmt = service.reply_format(data)
         chunks = chat_stream(service.model_id, handle, data, fmt) if data.stream else None
-        return await _respond(request, handle, chunks,
+        return await respond(request, handle, chunks,
                               lambda out: chat_completion(service.model_id, out, data.logprobs, fmt))
 
 
@@ -101,7 +101,7 @@ class CompletionsController(Controller):
         service.check_fields(s.unknown_fields(await request.body(), s.CompletionRequest))
         handle = await service.complete(data)
         chunks = completion_stream(service.model_id, handle, data) if data.stream else None
-        return await _respond(request, handle, chunks,
+        return await respond(request, handle, chunks,
                               lambda out: completion(service.model_id, out, data.logprobs is not None))
 
 
@@ -150,7 +150,7 @@ class LlamaServerController(Controller):
         settings = data.params(service.default_max_tokens)
         handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
         chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
-        return await _respond(request, handle, chunks, lambda out: llama_completion(
+        return await respond(request, handle, chunks, lambda out: llama_completion(
             service.model_id, out.text, out.end, settings, out.logprobs if data.n_probs else None))
 
     @post("/apply-template", operation_id="applyTemplate", status_code=200,

@@ -58,9 +58,9 @@ async def cancel_on_disconnect(request: Request, handle: RequestHandle) -> Async
             await task
 
 
-def new_id(prefix: str) -> str:
-    """An OpenAI-style object id."""
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """An OpenAI-style object id (``sep`` "_" for the Responses and Anthropic APIs' ids: ``resp_...``)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex[:24]}"
 
 
 def usage(end: Finished) -> s.Usage:
@@ -107,18 +107,41 @@ def _finish_reason(reason: str, calls: int) -> str:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
+def read_reply(text: str, fmt: ReplyFormat) -> tuple[str, str, list[ToolCall]]:
+    """``(reasoning, content, calls)`` of a whole reply read as ``fmt`` says (all content when there is
+    nothing to parse)."""
+    parser = fmt.parser()
+    return ("", text, []) if parser is None else parse_reply(text, parser)
+
+
+async def reply_items(handle: RequestHandle, fmt: ReplyFormat) -> AsyncIterator[Piece | ToolCall | Finished]:
+    """A reply as it streams, read as ``fmt`` says: its pieces (content, reasoning) and whole tool calls
+    in output order, then its Finished; the request is cancelled if the consumer stops early."""
+    parser = fmt.parser()
+    try:
+        async for event in handle:
+            if isinstance(event, Finished):
+                for item in parser.finish() if parser is not None else []:
+                    yield item
+                yield event
+            elif parser is None:
+                if event.text:
+                    yield Piece("content", event.text)
+            else:
+                for item in parser.feed(event.text):
+                    yield item
+    finally:
+        handle.cancel()  # a no-op after Finished; frees the slot when the client went away
+
+
 def chat_completion(model: str, out: Collected, logprobs: bool, fmt: ReplyFormat = ReplyFormat()) -> s.ChatCompletion:
     """A non-streamed chat completion: a harmony reply's analysis channel is its ``reasoning_content``;
     tool calls are ``tool_calls`` (the content then None when empty)."""
     assert out.end is not None
-    parser = fmt.parser()
-    if parser is None:
-        message, calls = s.AssistantMessage(out.text), []
-    else:
-        reasoning, content, calls = parse_reply(out.text, parser)
-        message = s.AssistantMessage(None if calls and not content else content,
-                                     reasoning_content=reasoning or msgspec.UNSET,
-                                     tool_calls=[_tool_call(c) for c in calls] or msgspec.UNSET)
+    reasoning, content, calls = read_reply(out.text, fmt)
+    message = s.AssistantMessage(None if calls and not content else content,
+                                 reasoning_content=reasoning or msgspec.UNSET,
+                                 tool_calls=[_tool_call(c) for c in calls] or msgspec.UNSET)
     choice = s.ChatChoice(0, message, _finish_reason(out.end.reason, len(calls)),
                           chat_logprobs(out.logprobs) if logprobs else None)
     return s.ChatCompletion(new_id("chatcmpl"), int(time.time()), model, [choice], usage=usage(out.end),
@@ -130,6 +153,11 @@ def completion(model: str, out: Collected, logprobs: bool) -> s.Completion:
     assert out.end is not None
     choice = s.CompletionChoice(0, out.text, out.end.reason, completion_logprobs(out.logprobs) if logprobs else None)
     return s.Completion(new_id("cmpl"), int(time.time()), model, [choice], usage=usage(out.end), timings=timings(out.end))
+
+
+def named_event(name: str, payload: object) -> bytes:
+    """One server-sent event with an ``event:`` line, as the Responses and Anthropic streams send them."""
+    return b"event: " + name.encode() + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def _sse(payload: msgspec.Struct | bytes) -> bytes:
