@@ -29,6 +29,7 @@ from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.types import ASGIApp, Receive, Scope, Send
 
 from strata_core.config import StrataSettings
+from strata_core.serving.server.anthropic_api import MessagesController
 from strata_core.serving.server.controllers import (
     ChatController, CompletionsController, LlamaServerController, ModelsController, SystemController,
 )  # fmt: skip
@@ -96,7 +97,7 @@ def create_app(settings: StrataSettings, engine: Any = None,
             await loader.close()
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    openai_api = [ChatController, CompletionsController, ModelsController, ResponsesController]
+    openai_api = [ChatController, CompletionsController, ModelsController, ResponsesController, MessagesController]
     return Litestar(
         route_handlers=[
             Router("/v1", route_handlers=openai_api),

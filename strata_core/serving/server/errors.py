@@ -80,8 +80,12 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
     return _body(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+def error_headers(status: int) -> dict[str, str] | None:
+    """The headers an error response of ``status`` carries: how to authenticate (401), when to retry (503)."""
+    return {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": RETRY_AFTER_S}}.get(status)
+
+
 def handle_exception(_: Request, exc: Exception) -> Response[ErrorBody]:
     """Litestar exception handler for every exception type."""
     status, body = error_body(exc)
-    headers = {401: {"WWW-Authenticate": "Bearer"}, 503: {"Retry-After": RETRY_AFTER_S}}.get(status)
-    return Response(body, status_code=status, headers=headers)
+    return Response(body, status_code=status, headers=error_headers(status))
