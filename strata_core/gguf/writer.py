@@ -182,19 +182,24 @@ def dequantized_hf_state_dict(gguf_file: Any, template: dict[str, torch.Tensor])
 
 def requantize_gguf(src: str | os.PathLike[str], dst: str | os.PathLike[str], choose: Callable[[str], Q | None],
                     file_type: gguf.LlamaFileType | None = None,
-                    encode: Callable[[np.ndarray, Q], np.ndarray] = quantize) -> None:
+                    encode: Callable[[np.ndarray, Q], np.ndarray] = quantize,
+                    metadata: dict[str, Any] | None = None) -> None:
     """Copy the GGUF ``src`` to ``dst`` with every tensor for which ``choose(name)`` names a block type
     dequantized and re-encoded in it (``encode``: float32 ``[..., row]`` -> uint8 ``[..., row bytes]``,
     by default ``quantize``); metadata and the other tensors are copied as they are,
-    ``general.file_type`` set to ``file_type`` when given. How the llama.cpp fixtures get variants the
-    converter cannot write (MXFP4 experts; K-quants with ggml's own encoder)."""
+    ``general.file_type`` set to ``file_type`` when given and each key of ``metadata`` (one the file
+    has, keeping its type) to its value. How the llama.cpp fixtures get variants the converter cannot
+    write (MXFP4 experts; K-quants with ggml's own encoder)."""
+    overrides = dict(metadata or {})
+    if file_type is not None:
+        overrides["general.file_type"] = int(file_type)
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields["general.architecture"].contents()
     w = gguf.GGUFWriter(str(dst), arch)
     for field in reader.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
-        value = int(file_type) if field.name == "general.file_type" and file_type is not None else field.contents()
+        value = overrides.get(field.name, field.contents())
         sub_type = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(field.name, value, field.types[0], sub_type=sub_type)
     for t in reader.tensors:
