@@ -24,9 +24,9 @@ def test_flags_map_to_strata_serve_options(capsys: pytest.CaptureFixture[str]) -
         "--alias", "tiny", "--jinja", "--chat-template-file", "t.jinja", "--api-key", "k", "--no-ui",
         "--cors-origins", "http://a", "--pooling", "last", "--metrics"])
     assert options == ["--shutdown-grace", shim.SHUTDOWN_GRACE_S, "--port", "8080", "--host", "127.0.0.1",
-                       "--max-context", "2048", "--parallel", "2", "--n-predict", "-1", "--model-alias", "tiny",
-                       "--api-key", "k", "--no-webui", "--cors", "http://a"]
-    assert (n_ctx, template) == (2048, "t.jinja")
+                       "--kv-pool-tokens", "2048", "--parallel", "2", "--n-predict", "-1", "--model-alias", "tiny",
+                       "--api-key", "k", "--no-webui", "--cors", "http://a", "--max-context", "1024"]
+    assert (n_ctx, template) == (1024, "t.jinja")  # llama-server's --ctx-size is shared by the slots
     logged = capsys.readouterr().err
     for ignored in ("--temp 0.8", "--seed 42", "--offline", "--jinja", "--pooling last", "--metrics"):
         assert f"ignoring {ignored}\n" in logged

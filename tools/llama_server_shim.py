@@ -25,7 +25,7 @@ from pathlib import Path
 
 # llama-server flag -> strata serve option (each takes a value)
 VALUE_FLAGS = {
-    "--port": "--port", "--host": "--host", "-c": "--max-context", "--ctx-size": "--max-context",
+    "--port": "--port", "--host": "--host", "-c": "--kv-pool-tokens", "--ctx-size": "--kv-pool-tokens",
     "-np": "--parallel", "--parallel": "--parallel", "-n": "--n-predict", "--n-predict": "--n-predict",
     "--alias": "--model-alias", "-a": "--model-alias", "--api-key": "--api-key", "--cors-origins": "--cors",
     "-t": "--threads", "--threads": "--threads",
@@ -54,8 +54,9 @@ def _takes_value(flag: str, following: str | None) -> bool:
 
 
 def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
-    """``strata serve`` options for llama-server's ``argv``, with the context size and the chat
-    template file asked for (None where not given); unknown flags are logged and dropped."""
+    """``strata serve`` options for llama-server's ``argv``, with the context of a slot (``--ctx-size``
+    over ``--parallel``) and the chat template file asked for (None where not given); unknown flags are
+    logged and dropped."""
     argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--") else [arg])]
     out, n_ctx, template = ["--shutdown-grace", SHUTDOWN_GRACE_S], None, None
     i = 0
@@ -63,7 +64,7 @@ def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
         flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         if flag in VALUE_FLAGS and value is not None:
             out += [VALUE_FLAGS[flag], value]
-            n_ctx = int(value) if VALUE_FLAGS[flag] == "--max-context" else n_ctx
+            n_ctx = int(value) if VALUE_FLAGS[flag] == "--kv-pool-tokens" else n_ctx
         elif flag in MODEL_FLAGS or flag in TEMPLATE_FLAGS:
             template = value if flag in TEMPLATE_FLAGS else template
         elif flag in SWITCHES:
@@ -77,6 +78,10 @@ def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
             i += 1
             continue
         i += 2
+    if n_ctx is not None:  # llama-server's --ctx-size is the KV of all slots; each slot gets its share
+        parallel = int(out[out.index("--parallel") + 1]) if "--parallel" in out else 1
+        n_ctx = n_ctx // parallel
+        out += ["--max-context", str(n_ctx)]
     return out, n_ctx, template
 
 
