@@ -87,27 +87,33 @@ def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
 
 def served_model(model: Path, n_ctx: int | None, template: str | None) -> Path:
     """``model``, or a cached copy of it with its context length raised to ``n_ctx`` and its chat
-    template replaced by the text of the file ``template``."""
+    template replaced by the text of the file ``template`` (a copy once made is found without
+    importing the GGUF modules, so a server starts at once)."""
+    text = Path(template).read_text() if template else None
+    if n_ctx is None and text is None:
+        return model
+    stat = model.stat()
+    key = repr((str(model.resolve()), stat.st_size, stat.st_mtime_ns, n_ctx, text))
+    cache = Path(os.environ.get("STRATA_SHIM_CACHE", Path(tempfile.gettempdir()) / "strata-shim"))
+    path = cache / f"{model.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.gguf"
+    if path.exists():
+        return path
     from strata_core.gguf.reader import GGUFFile
     from strata_core.gguf.writer import requantize_gguf
 
     metadata = GGUFFile.open(model).metadata
     overrides: dict[str, object] = {}
-    key = f"{metadata['general.architecture']}.context_length"
-    if n_ctx and key in metadata and n_ctx > metadata[key]:
-        overrides[key] = n_ctx
-    if template and "tokenizer.chat_template" in metadata:
-        overrides["tokenizer.chat_template"] = Path(template).read_text()
+    context = f"{metadata['general.architecture']}.context_length"
+    if n_ctx and context in metadata and n_ctx > metadata[context]:
+        overrides[context] = n_ctx
+    if text is not None and "tokenizer.chat_template" in metadata:
+        overrides["tokenizer.chat_template"] = text
     if not overrides:
         return model
-    digest = hashlib.sha256(repr((str(model.resolve()), sorted(overrides.items()))).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("STRATA_SHIM_CACHE", Path(tempfile.gettempdir()) / "strata-shim"))
-    path = cache / f"{model.stem}-{digest}.gguf"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.part")
-        requantize_gguf(model, partial, lambda name: None, metadata=overrides)
-        partial.replace(path)  # whole or absent, also with servers starting side by side
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.part")
+    requantize_gguf(model, partial, lambda name: None, metadata=overrides)
+    partial.replace(path)  # whole or absent, also with servers starting side by side
     return path
 
 
