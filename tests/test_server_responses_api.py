@@ -128,3 +128,9 @@ def test_harmony_reasoning_and_call_stream_as_items(harmony_client: openai.OpenA
     assert reasoning.type == "reasoning" and reasoning.content[0].text == "Need the weather."
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Need the weather."
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+def test_the_api_docs_list_the_responses_and_messages_routes(base_url: str) -> None:
+    schema = httpx.get(f"{base_url}/schema/openapi.json").json()
+    ops = {op["operationId"] for path in schema["paths"].values() for op in path.values()}
+    assert {"createResponse", "createMessage", "countMessageTokens"} <= ops

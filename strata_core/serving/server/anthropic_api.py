@@ -199,22 +199,19 @@ def chat_request(body: MessagesRequest) -> s.ChatCompletionRequest:
 
 # --- the response -----------------------------------------------------------------------------------
 
-class TextContent(Struct):
+class TextContent(Struct, tag_field="type", tag="text"):
     text: str
-    type: Literal["text"] = "text"
 
 
-class ThinkingContent(Struct):
+class ThinkingContent(Struct, tag_field="type", tag="thinking"):
     thinking: str
     signature: str = ""
-    type: Literal["thinking"] = "thinking"
 
 
-class ToolUseContent(Struct):
+class ToolUseContent(Struct, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
-    type: Literal["tool_use"] = "tool_use"
 
 
 class MessageUsage(Struct):

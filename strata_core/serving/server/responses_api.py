@@ -226,29 +226,26 @@ class ReasoningText(Struct):
     type: Literal["reasoning_text"] = "reasoning_text"
 
 
-class MessageOutput(Struct):
+class MessageOutput(Struct, tag_field="type", tag="message"):
     id: str
     content: list[OutputText]
     status: str = "completed"
     role: Literal["assistant"] = "assistant"
-    type: Literal["message"] = "message"
 
 
-class ReasoningOutput(Struct):
+class ReasoningOutput(Struct, tag_field="type", tag="reasoning"):
     id: str
     content: list[ReasoningText]
     summary: list[Any] = []
     status: str = "completed"
-    type: Literal["reasoning"] = "reasoning"
 
 
-class FunctionCallOutput(Struct):
+class FunctionCallOutput(Struct, tag_field="type", tag="function_call"):
     id: str
     call_id: str
     name: str
     arguments: str
     status: str = "completed"
-    type: Literal["function_call"] = "function_call"
 
 
 OutputItem = MessageOutput | ReasoningOutput | FunctionCallOutput
