@@ -14,10 +14,6 @@
 * **Graceful shutdown** (:class:`StrataServer`): on SIGTERM/SIGINT the server stops accepting, fails
   the queued requests at once (503), gives the running ones ``--shutdown-grace`` seconds to finish
   and then ends each with an error (a stream gets an ``error`` event and ``[DONE]``), then exits 0.
-* **A short GIL switch interval** (``GIL_SWITCH_SECONDS``): the scheduler's worker thread and the
-  event loop share the interpreter. Every torch call of the worker gives the GIL up and takes it back;
-  while the loop's thread writes a window's stream chunks, taking it back waits for the interpreter's
-  forced switch (5 ms by default), once per torch call.
 """
 
 from __future__ import annotations
@@ -26,7 +22,6 @@ import asyncio
 import logging
 import signal
 import socket
-import sys
 from typing import Any
 
 import h11
@@ -38,9 +33,6 @@ from strata_core.config import StrataSettings
 __all__ = ["StrataServer", "guarded_protocol", "uvicorn_config"]
 
 log = logging.getLogger(__name__)
-
-#: the interpreter's thread switch interval while a server runs (Python's default is 0.005)
-GIL_SWITCH_SECONDS = 0.0005
 
 
 def _raw_response(status: int, reason: str, message: str) -> bytes:
@@ -135,15 +127,6 @@ class StrataServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, settings: StrataSettings) -> None:
         super().__init__(config)
         self.grace = settings.shutdown_grace
-
-    def run(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's run, with the interpreter's thread switch interval at ``GIL_SWITCH_SECONDS``."""
-        before = sys.getswitchinterval()
-        sys.setswitchinterval(min(before, GIL_SWITCH_SECONDS))
-        try:
-            super().run(sockets)
-        finally:
-            sys.setswitchinterval(before)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         """uvicorn re-raises a caught signal once it has shut down (the process then dies of it); a
