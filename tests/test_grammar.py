@@ -125,6 +125,17 @@ def test_server_grammar_from_flags(tmp_path) -> None:
         server_grammar(None, '{"type": "foo"}')
 
 
+def test_objects_get_no_keys_their_schema_does_not_name(grammars: Grammars) -> None:
+    open_schema = {"type": "object", "properties": {"a": {"type": "array", "items": {
+        "type": "object", "properties": {"b": {"type": "boolean"}}}}}}
+    constraint = grammars.compile(json_schema_grammar(open_schema, "x"), "x")
+    assert constraint.matcher.validate_tokens(TOK.encode('{"a": [{"b": true}]}')) == len('{"a": [{"b": true}]}')
+    assert constraint.matcher.validate_tokens(TOK.encode('{"a": [{"c"')) == len('{"a": [{"')
+    assert constraint.matcher.validate_tokens(TOK.encode('{"z"')) == 2
+    explicit = grammars.compile(json_schema_grammar({**open_schema, "additionalProperties": True}, "x"), "x")
+    assert explicit.matcher.validate_tokens(TOK.encode('{"z": 1}')) == len('{"z": 1}')
+
+
 def test_tool_call_grammars(grammars: Grammars) -> None:
     tools = [("get_weather", SCHEMA), ("noop", None)]
     for parallel in (False, True):

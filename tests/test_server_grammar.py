@@ -212,3 +212,17 @@ def test_forced_harmony_tool_call() -> None:
             (call,) = out["message"]["tool_calls"]
             assert call["function"]["name"] == "point"
             jsonschema.validate(json.loads(call["function"]["arguments"]), POINT)
+
+
+def test_response_format_on_the_real_engine(tiny_model_factory) -> None:
+    """A tiny model with its GGUF's BPE tokenizer (merged tokens, specials): the mask is built from the
+    real tokenizer and the JSON validates, greedy and sampled."""
+    path = tiny_model_factory()
+    with live_server(StrataSettings(model=path, model_alias=MODEL, max_context=512, parallel=2)) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        response_format = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT}}
+        for temperature in (0.0, 1.0):
+            out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=response_format,
+                                                 temperature=temperature, seed=3, max_tokens=200)
+            assert out.choices[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(out.choices[0].message.content), POINT)

@@ -9,7 +9,8 @@ token. The tokenizer's llguidance form (a token trie over the whole vocabulary, 
 is built once per :class:`Grammars`, on its first compile.
 
 JSON is generated with at most ``MAX_WHITESPACE`` white-space characters between two tokens of it,
-as llama.cpp's schema grammars do: a model cannot spend its whole budget on indentation.
+and an object schema with ``properties`` but no ``additionalProperties`` gets no other keys, as in
+llama.cpp's schema grammars: a model cannot spend its budget on indentation or invented keys.
 """
 
 from __future__ import annotations
@@ -31,11 +32,37 @@ MAX_WHITESPACE = 20
 JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_WHITESPACE}}}"}
 
 
+#: the keywords whose value is a subschema, a list of them, or a map of names to them
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def _closed(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on each object schema that has ``properties``
+    and says nothing of other keys (a copy; every subschema too)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = _closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _lark_json(schema: Any, param: str) -> str:
     """A Lark expression matching JSON valid for ``schema`` (an object)."""
     if not isinstance(schema, dict):
         raise InvalidParamError(f"{param} must be a JSON schema object, got {type(schema).__name__}", param)
-    return "%json " + json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return "%json " + json.dumps({**_closed(schema), "x-guidance": JSON_OPTIONS})
 
 
 def json_schema_grammar(schema: Any, param: str) -> str:
