@@ -40,8 +40,8 @@ SCRIPT = [("<tool_response>", ANSWER),
 
 class ToolEngine(FakeEngine):
     """The fake engine with Qwen2.5's chat template: greedy sampling after a generation prompt emits the
-    ``SCRIPT`` reply to the prompt's last turn, then ``<|im_end|>``, then all logits equal (the reply is read off the session's
-    tokens, so it holds whichever way the scheduler reaches them)."""
+    ``SCRIPT`` reply to the prompt's last turn, then ``<|im_end|>``, then all logits equal (the reply is
+    read off the session's tokens, so it holds whichever way the scheduler reaches them)."""
 
     def __init__(self) -> None:
         super().__init__(max_context=2048)
