@@ -183,7 +183,7 @@ def _tool(name: str, schema: dict) -> dict:
     return {"type": "function", "function": {"name": name, "description": "a tool", "parameters": schema}}
 
 
-@settings(max_examples=30, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(schemas=st.lists(SCHEMAS, min_size=1, max_size=2), named=st.booleans(), seed=st.integers(0, 2**32))
 def test_forced_tool_calls_have_valid_arguments(url: str, schemas: list[dict], named: bool, seed: int) -> None:
     tools = [_tool(f"tool_{i}", schema) for i, schema in enumerate(schemas)]
@@ -216,13 +216,12 @@ def test_forced_harmony_tool_call() -> None:
 
 def test_response_format_on_the_real_engine(tiny_model_factory) -> None:
     """A tiny model with its GGUF's BPE tokenizer (merged tokens, specials): the mask is built from the
-    real tokenizer and the JSON validates, greedy and sampled."""
+    real tokenizer and the JSON validates."""
     path = tiny_model_factory()
     with live_server(StrataSettings(model=path, model_alias=MODEL, max_context=512, parallel=2)) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         response_format = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT}}
-        for temperature in (0.0, 1.0):
-            out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=response_format,
-                                                 temperature=temperature, seed=3, max_tokens=200)
-            assert out.choices[0].finish_reason == "stop"
-            jsonschema.validate(json.loads(out.choices[0].message.content), POINT)
+        out = client.chat.completions.create(model=MODEL, messages=ASK, response_format=response_format, seed=3,
+                                             max_tokens=200)
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), POINT)
