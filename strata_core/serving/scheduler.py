@@ -189,8 +189,8 @@ class Scheduler:
             raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}", n,
                                      self.max_context)
         handle = RequestHandle(self, asyncio.get_running_loop())
-        job = _Job(request, handle, Sampler(request.params), TokenStream(self.engine.tokenizer, request),
-                   list(request.prompt))
+        job = _Job(request, handle, Sampler(request.params, request.constraint),
+                   TokenStream(self.engine.tokenizer, request), list(request.prompt))
         with self._lock:  # counted last: nothing can fail between counting and queueing
             if self._in_flight >= self.parallel + self.max_queue:
                 raise ServerBusyError(
