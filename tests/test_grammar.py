@@ -77,6 +77,23 @@ def test_unconstrained_rows_are_bit_identical_to_a_window_without_grammars(gramm
     assert torch.isinf(masked[2]).sum() == VOCAB - 1
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_window_on_cuda_masks_and_samples_as_on_the_cpu(grammars: Grammars) -> None:
+    """The bitmask copied to the device masks the same logits, and a mixed window samples the same
+    tokens on CUDA as on the CPU."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(2)) * 4
+    mask = fill_bitmask([grammars.compile(json_schema_grammar(SCHEMA, "x"), "x")], VOCAB)
+    on_cuda = apply_bitmask(logits.cuda(), mask.cuda(), [1]).cpu()
+    assert torch.equal(on_cuda, apply_bitmask(logits, mask, [1]))
+
+    def window(device: str) -> list[int]:
+        samplers = [Sampler(SamplingParams(temperature=0)),
+                    Sampler(SamplingParams(temperature=0), grammars.compile(json_schema_grammar(SCHEMA, "x"), "x"))]
+        return [r.token for r in sample_rows(logits[:2].to(device), [(s, [5, 6]) for s in samplers])]
+
+    assert window("cuda") == window("cpu")
+
+
 def test_a_sampled_sequence_follows_its_grammar_to_the_end(grammars: Grammars) -> None:
     for seed in range(5):
         constraint = grammars.compile(json_schema_grammar(SCHEMA, "x"), "x")
