@@ -199,6 +199,10 @@ class StrataSettings(BaseSettings):
                                "may name none)")
     n_predict: int = Field(-1, ge=-1, description="default max_tokens when a request sets none; -1 (or 0): until "
                            "the context is full (text completions: OpenAI's 16)")
+    grammar_file: Path | None = Field(None, description="GBNF grammar the output of every request follows unless "
+                                      "it asks for its own grammar, schema or tool call")
+    json_schema: str | None = Field(None, description="JSON schema (its text) the output of every request follows "
+                                    "unless it asks for its own grammar, schema or tool call")
     cors: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins whose web pages may call the API (CORS; comma-separated; * any "
         "origin); default none: no CORS headers")
@@ -216,6 +220,21 @@ class StrataSettings(BaseSettings):
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("grammar_file", "json_schema")
+    @classmethod
+    def _grammar_is_valid(cls, value: Any, info: ValidationInfo) -> Any:
+        from strata_core.serving.grammar import server_grammar  # llguidance is loaded only where it is used
+
+        if value is None:
+            return value
+        if info.field_name == "json_schema":
+            if info.data.get("grammar_file") is not None:
+                raise ValueError("set --json-schema or --grammar-file, not both")
+            server_grammar(None, value)
+        else:
+            server_grammar(value, None)
         return value
 
     @field_validator("step_tokens")

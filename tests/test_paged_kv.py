@@ -263,3 +263,25 @@ def test_shared_prefixes_decode_on_cuda_as_computed_alone(tiny_model_factory, gr
                        expert_cache=8, cuda_graphs=graphs)
     cpu = Engine.load(path, max_context=CONTEXT)
     assert greedy(cuda, True) == greedy(cuda, False) == greedy(cpu, False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_snapshot_lands_in_pinned_memory_before_its_blocks_are_reused(tiny_model_factory):
+    """A snapshot of a CUDA session is copied to pinned memory without the host waiting; its blocks
+    freed and rewritten by another session at once, it still restores the saved rows exactly."""
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    engine = Engine.load(path, devices=["cuda:0"], max_context=CONTEXT, dtype="float32", arena="pinned",
+                         expert_cache=8)
+    a = engine.new_session()
+    engine.prefill(a, list(range(5, 45)))
+    want = engine.decode_window([(a, 3)])
+    a.truncate(a.n_tokens - 1)
+    snap = engine.save_session(a)
+    assert snap.kv.ready and all(t.is_pinned() for named in snap.kv.tensors.values() for t in named.values())
+    engine.release_session(a)
+    other = engine.new_session()  # takes the freed blocks and overwrites them
+    engine.prefill(other, list(range(100, 140)))
+    restored = engine.restore_session(snap)
+    assert torch.equal(engine.decode_window([(restored, 3)]), want)
+    engine.release_session(other)
+    engine.release_session(restored)

@@ -402,3 +402,32 @@ def test_an_idle_step_runs_prompt_chunks_of_the_engine_s_size() -> None:
     lengths = [n for kind, s, n in engine.calls if kind == "prefill" and len(s.tokens) >= 250]
     assert lengths[:3] == [100, 100, 50]
     assert lengths[3:] == [19] * 13 + [3]
+
+
+def test_a_window_hands_its_events_to_the_event_loop_in_one_call(monkeypatch) -> None:
+    """Each call onto the event loop wakes it through its self-pipe and competes for the GIL: the
+    events of a window's rows go over together, one call per window, not one per row."""
+    from strata_core.serving import scheduler as scheduler_module
+
+    handed: list[int] = []  # events per call
+    deliver = scheduler_module._deliver
+
+    def counted(events):
+        handed.append(len(events))
+        deliver(events)
+
+    monkeypatch.setattr(scheduler_module, "_deliver", counted)
+    engine = FakeEngine(step_delay=0.001)
+    scheduler = _scheduler(engine, parallel=4)
+    requests = [_request(f"prompt {i}", max_tokens=12) for i in range(4)]
+
+    async def main() -> list[tuple[list[int], str, Finished]]:
+        return await asyncio.gather(*(_run(scheduler.submit(r)) for r in requests))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert all(end.completion_tokens for _, _, end in results)
+    assert len(handed) <= len(engine.windows) + len(engine.batches)  # at most one call per engine call
+    assert max(handed) >= 2 and max(engine.windows) == 4  # a window of several rows: one call for them

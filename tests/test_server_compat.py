@@ -67,10 +67,6 @@ def test_harmless_fields_are_ignored_with_one_log_line(url: str, caplog: pytest.
         ({"n": 2}, "n"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
-        ({"grammar": "root ::= \"yes\""}, "grammar"),
-        ({"json_schema": {"type": "object"}}, "json_schema"),
     ],
 )
 def test_fields_whose_omission_would_change_the_answer_are_400(url: str, extra: dict, param: str) -> None:

@@ -8,6 +8,7 @@ and checks that every engine call comes from one thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import socket
 import threading
@@ -18,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import tokenizers
 import torch
 import uvicorn
 
@@ -40,6 +42,17 @@ class FakeTokenizer:
     def min_tokens(self, text: str) -> int:
         return -(-len(text) // max(map(len, SPECIALS)))
 
+    @functools.cached_property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The same vocabulary as a byte-level Hugging Face tokenizer without merges (what llguidance reads)."""
+        byte_chars = _byte_level_chars()
+        vocab = {s: i for i, s in enumerate(SPECIALS)} | {byte_chars[b]: b + N_SPECIAL for b in range(256)}
+        backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], fuse_unk=False))
+        backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        backend.decoder = tokenizers.decoders.ByteLevel()
+        backend.add_special_tokens(SPECIALS)
+        return backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         FakeTokenizer.encoded += len(text)
         ids: list[int] = []
@@ -58,6 +71,14 @@ class FakeTokenizer:
 
     def stream_decoder(self, skip_special_tokens: bool = True) -> FakeStreamDecoder:
         return FakeStreamDecoder(skip_special_tokens)
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level map: the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
 
 
 class FakeStreamDecoder:

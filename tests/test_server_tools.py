@@ -40,8 +40,8 @@ SCRIPT = [("<tool_response>", ANSWER),
 
 class ToolEngine(FakeEngine):
     """The fake engine with Qwen2.5's chat template: greedy sampling after a generation prompt emits the
-    ``SCRIPT`` reply to the prompt's last turn, then ``<|im_end|>`` (the reply is read off the session's
-    tokens, so it holds whichever way the scheduler reaches them)."""
+    ``SCRIPT`` reply to the prompt's last turn, then ``<|im_end|>``, then all logits equal (the reply is
+    read off the session's tokens, so it holds whichever way the scheduler reaches them)."""
 
     def __init__(self) -> None:
         super().__init__(max_context=2048)
@@ -58,7 +58,9 @@ class ToolEngine(FakeEngine):
         if done == 0:
             self.prompts.append(prompt)
         logits = torch.zeros(self.spec.vocab_size)
-        logits[self.tokenizer.encode(reply + "<|im_end|>")[done]] = 1.0
+        script = self.tokenizer.encode(reply + "<|im_end|>")
+        if done < len(script):  # past it (a reply a grammar kept off the script): no preference
+            logits[script[done]] = 1.0
         return logits
 
 
@@ -154,11 +156,16 @@ def test_tool_choice_none_renders_no_tools(client: openai.OpenAI, engine: ToolEn
 
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_choice_renders_the_tools_but_is_not_constrained(client: openai.OpenAI, engine: ToolEngine,
-                                                                     choice) -> None:
-    out = ask(client, [{"role": "user", "content": "hi"}], tools=TOOLS, tool_choice=choice)
+def test_forced_tool_choice_renders_the_tools_and_constrains_the_reply(client: openai.OpenAI, engine: ToolEngine,
+                                                                       choice) -> None:
+    tools = json.loads(json.dumps(TOOLS))
+    tools[0]["function"]["parameters"]["properties"]["city"]["maxLength"] = 8
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=400,
+                                         temperature=0, tools=tools, tool_choice=choice)
     assert "get_weather" in engine.prompts[-1]
-    assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("Hello there.", "stop")
+    assert out.choices[0].finish_reason == "tool_calls", repr(out.choices[0].message.content)
+    (call,) = out.choices[0].message.tool_calls  # the scripted "Hello there." is not allowed: a call is
+    assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
 
 
 @pytest.mark.parametrize(("extra", "param"), [

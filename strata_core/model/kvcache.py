@@ -49,10 +49,18 @@ DEFAULT_BLOCK = 16
 
 @dataclass(frozen=True)
 class KVSnapshot:
-    """A host copy of the first ``n_tokens`` rows (and the recurrent state) of some layers."""
+    """A host copy of the first ``n_tokens`` rows (and the recurrent state) of some layers. From a
+    CUDA cache the copies are still in flight until ``ready`` (one event per device) has passed:
+    ``wait()`` before reading them."""
 
     n_tokens: int
     tensors: dict[int, LayerTensors]  # layer -> name -> rows [n_tokens, ...] or the whole state
+    ready: tuple[torch.cuda.Event, ...] = ()
+
+    def wait(self) -> None:
+        """Block until every copy to the host has landed."""
+        for event in self.ready:
+            event.synchronize()
 
     @property
     def nbytes(self) -> int:
@@ -65,6 +73,14 @@ def _give_back(pools: KVPools, tables: dict[int, list[int]]) -> None:
     for slot, table in tables.items():
         pools.free(slot, table)
     tables.clear()
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``t``: from a CUDA device into pinned memory by a copy that does not wait."""
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def _on(device: torch.device, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -363,9 +379,17 @@ class KVCache:
     # --- host copies -----------------------------------------------------------------------------
 
     def snapshot(self, layers: range | None = None) -> KVSnapshot:
-        """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory."""
-        return KVSnapshot(self.n_tokens, {i: {name: t.to("cpu", copy=True) for name, t in self.committed(i).items()}
-                                          for i in (self.layers if layers is None else layers)})
+        """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory:
+        from a CUDA device into pinned memory without waiting (each copy follows the work queued before
+        it on the device's stream; the snapshot's events say when they have landed)."""
+        tensors = {i: {name: _to_host(t) for name, t in self.committed(i).items()}
+                   for i in (self.layers if layers is None else layers)}
+        ready = []
+        for device in {t.device for named in tensors.values() for t in named.values() if t.is_pinned()}:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            ready.append(event)
+        return KVSnapshot(self.n_tokens, tensors, tuple(ready))
 
     def restore(self, snap: KVSnapshot, keep: int = 0) -> None:
         """Load a snapshot's rows and state back (onto each layer's home) and its ``n_tokens``. The
@@ -373,6 +397,7 @@ class KVCache:
         stay and are not written."""
         if not 0 <= keep <= min(self.n_tokens, snap.n_tokens):
             raise ValueError(f"cannot keep {keep} positions of a cache of {self.n_tokens} restoring {snap.n_tokens}")
+        snap.wait()  # its copies may have been queued on another device's stream
         if keep == 0:
             self.truncate(0)
         self.truncate(keep)

@@ -65,14 +65,30 @@ class MoEModel:
         positions to be the last ``T`` of ``n_ctx`` (what prefill chunks and decode windows are);
         the CPU keeps the masked matmul over the whole cache (bit-identical logits).
         """
+        return self.attention_spans(layer, h, positions.to(h.device), [(kv, 0, h.shape[0], n_ctx)], static)
+
+    def attention_spans(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                        spans: list[tuple[KVCache, int, int, int | None]], static: bool = False) -> torch.Tensor:
+        """``attention`` of a prompt batch: rows ``[a, b)`` of ``h [T, H]`` (at ``positions [T]``, on ``h``'s
+        device) are one session's chunk for each span ``(kv, a, b, n_ctx)``. The norm, the projections and
+        RoPE run over every row at once (their rows do not depend on the others: ops/matmul.py on the
+        CPU), the K/V writes and the attention per session."""
         w = self.weights.at(layer, h.device)
-        positions = positions.to(h.device)
         x = rms_norm(h, w["attn_norm.weight"], self.spec.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
         q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
-        kv.write(layer, positions, k=k, v=v)
-        out = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
-        out = linear(out, w["attn_output.weight"])  # [T, H]
+        parts = []
+        for kv, a, b, n_ctx in spans:
+            kv.write(layer, positions[a:b], k=k[a:b], v=v[a:b])
+            parts.append(self.attend(layer, q[a:b], positions[a:b], kv, n_ctx, static))  # [b - a, nh*D]
+        out = linear(parts[0] if len(parts) == 1 else torch.cat(parts), w["attn_output.weight"])  # [T, H]
         return h + (out + w["attn_output.bias"] if "attn_output.bias" in w else out)
+
+    def attention_per_span(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                           spans: list[tuple[KVCache, int, int, int | None]], static: bool = False) -> torch.Tensor:
+        """``attention_spans`` as one ``attention`` call per session: for a forward whose attention is one
+        piece (MLA, a recurrent mixer) rather than ``qkv`` and ``attend``."""
+        parts = [self.attention(layer, h[a:b], positions[a:b], kv, n_ctx, static) for kv, a, b, n_ctx in spans]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries ``[T, nh, D]``, keys and values ``[T, nkv, D]`` of normed ``x [T, H]``: the

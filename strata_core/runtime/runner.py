@@ -236,14 +236,10 @@ class Runner:
         spans = batch.spans
         hidden = hidden.to(device)
 
-        def attend(layer: int, x: torch.Tensor) -> torch.Tensor:  # each chunk over its own session's KV
-            parts = [self.model.attention(layer, x[a:b], positions[a:b], session.kv, session.n_tokens + b - a)
-                     for session, a, b in spans]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
-
+        sessions = [(session.kv, a, b, session.n_tokens + b - a) for session, a, b in spans]  # each over its own KV
         with device_scope(device), self._timed("prompt", segment):
             for layer in segment.layers:
-                hidden = self.model.moe(layer, attend(layer, hidden), rows)
+                hidden = self.model.moe(layer, self.model.attention_spans(layer, hidden, positions, sessions), rows)
                 self._notify(layer, hidden)
         return hidden
 

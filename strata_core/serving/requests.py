@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from strata_core.errors import RequestError, StrataError
+from strata_core.serving.grammar import TokenConstraint
 from strata_core.serving.sampling import SamplingParams
 
 __all__ = [
@@ -43,11 +44,13 @@ class ContextLengthError(RequestError):
 class GenerationRequest:
     """One generation: prompt token ids, and how to sample and when to stop (``max_tokens``,
     ``stop``, ``logprobs`` of the params; ``max_tokens=None`` runs until the context is full).
-    ``keep_special_tokens``: the text keeps control tokens (a harmony reply's channel markers)."""
+    ``keep_special_tokens``: the text keeps control tokens (a harmony reply's channel markers).
+    ``constraint``: the grammar the generated tokens follow (None: any), this request's own."""
 
     prompt: list[int]
     params: SamplingParams
     keep_special_tokens: bool = False
+    constraint: TokenConstraint | None = None
 
 
 @dataclass

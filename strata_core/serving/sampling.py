@@ -8,7 +8,9 @@ transforms run in the order of llama.cpp's default sampler chain:
 1. ``logit_bias`` added to its tokens' logits; then penalties over the last ``repeat_last_n``
    tokens of ``history``: a repeated token's logit is divided by ``repetition_penalty`` when
    positive and multiplied by it when not, then lowered by ``count * frequency_penalty +
-   presence_penalty``;
+   presence_penalty``; then, for a row whose sampler has a grammar (``constraint``), every token
+   the grammar does not allow next set to -inf (serving/token_mask.py: one bitmask for the
+   window's constrained rows, filled on the host and copied once);
 2. top-k: keep the ``top_k`` largest logits (ties go to the lower id);
 3. top-p: keep the smallest set of most likely tokens whose probability reaches ``top_p``;
 4. min-p: keep tokens whose probability is at least ``min_p`` times the top one's;
@@ -26,6 +28,9 @@ times their total, with one uniform ``u`` per row. ``u`` is counter-based: a has
 seed and step (how many tokens its sampler has drawn) in 32-bit integer arithmetic on the host. So a row's token depends only on its own logits, parameters, seed and step,
 never on the other rows of the batch, and ``u`` is the same on the CPU and on CUDA.
 
+A constrained row's grammar takes its chosen token before the results are given out; a result
+says ``complete`` when the grammar then accepts nothing more (the request is done).
+
 What a request asks and gets (``SamplingParams``, ``SampleResult``) is serving/sampling_params.py.
 """
 
@@ -38,7 +43,9 @@ from dataclasses import dataclass
 
 import torch
 
+from strata_core.serving.grammar import TokenConstraint
 from strata_core.serving.sampling_params import MAX_LOGPROBS, SEED_RANGE, SampleResult, SamplingParams
+from strata_core.serving.token_mask import apply_bitmask, fill_bitmask
 
 __all__ = ["MAX_LOGPROBS", "SEED_RANGE", "SampleResult", "Sampler", "SamplingBatch", "SamplingParams", "sample_rows"]
 
@@ -99,6 +106,8 @@ class SamplingBatch:
     any_min_p: bool
     logprobs: list[int]  # rows that report log-probabilities
     n_top: int  # the most top alternatives a row asks for
+    constrained: list[int]  # rows whose sampler has a grammar ...
+    mask: torch.Tensor | None  # ... and their allowed tokens: [len(constrained), ceil(vocab / 32)] int32 bitmask
 
     @classmethod
     def build(cls, rows: Sequence[tuple[Sampler, Sequence[int]]], vocab: int, device: torch.device | str) -> SamplingBatch:
@@ -129,6 +138,8 @@ class SamplingBatch:
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         filtered = [r for r in sampled if ks[r] < vocab or params[r].top_p < 1]
         scalars = _row_scalars(rows, ks, sampled, device) if sampled else (None,) * 5
+        constrained = [r for r, (s, _) in enumerate(rows) if s.constraint is not None]
+        mask = _to(fill_bitmask([rows[r][0].constraint for r in constrained], vocab), device) if constrained else None
         return cls(
             vocab=vocab,
             temperature=scalars[0], top_p=scalars[1], min_p=scalars[2], top_k=scalars[3], u=scalars[4],
@@ -140,6 +151,8 @@ class SamplingBatch:
             any_min_p=any(params[r].min_p > 0 for r in sampled),
             logprobs=[r for r, p in enumerate(params) if p.logprobs is not None],
             n_top=max((p.logprobs or 0 for p in params), default=0),
+            constrained=constrained,
+            mask=mask,
         )
 
 
@@ -265,6 +278,8 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     n_rows, vocab = logits.shape
     raw = logits.detach().to(torch.float32)
     x = _penalize(raw, batch)
+    if batch.mask is not None:
+        x = apply_bitmask(x, batch.mask, batch.constrained)
     top, token = x.max(dim=-1)  # the first maximum: the lowest id on ties
     bad = torch.isnan(top)
     if batch.sampled:
@@ -310,23 +325,30 @@ def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[Sampler, Sequence[int
             continue
         sampler.step += 1
         token, n = int(row[0]), sampler.params.logprobs
+        try:
+            complete = sampler.constraint is not None and sampler.constraint.advance(token)
+        except RuntimeError as exc:
+            out.append(exc)
+            continue
         if n is None:
-            out.append(SampleResult(token))
+            out.append(SampleResult(token, complete=complete))
             continue
         ids, values = row[3 : 3 + batch.n_top], row[3 + batch.n_top :]
-        out.append(SampleResult(token, row[2], tuple((int(i), v) for i, v in zip(ids[:n], values[:n]))))
+        out.append(SampleResult(token, row[2], tuple((int(i), v) for i, v in zip(ids[:n], values[:n])), complete))
     return out
 
 
 class Sampler:
-    """One sequence's sampling state: its parameters, its seed and how many tokens it has drawn.
+    """One sequence's sampling state: its parameters, its seed, how many tokens it has drawn, and
+    the grammar its tokens must follow (``constraint``; None: any token).
 
     ``sample`` / ``sample_result`` choose for one sequence (a window of one row of
     :func:`sample_rows`: on the logits' device, the same code as a batch).
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: TokenConstraint | None = None) -> None:
         self.params = params
+        self.constraint = constraint
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
         self.seed = seed % 2**64
         self.step = 0

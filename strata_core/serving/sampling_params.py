@@ -95,9 +95,11 @@ class SampleResult:
     """A chosen token; with ``logprobs`` requested, its log-probability and the top alternatives.
 
     Log-probabilities are of the model's distribution (``log_softmax`` of the raw logits, before
-    penalties and temperature), as OpenAI-style APIs report them.
+    penalties and temperature), as OpenAI-style APIs report them. ``complete``: the sequence's
+    grammar accepts nothing after this token.
     """
 
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    complete: bool = False

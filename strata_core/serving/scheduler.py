@@ -125,6 +125,7 @@ class Scheduler:
         self._slots = Slots(engine, parallel, self.cache)
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
+        self._outbox: list[tuple[RequestHandle, Any]] = []  # events for the handles, passed on by _hand_over
         self._admissions = itertools.count()
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -190,8 +191,8 @@ class Scheduler:
             raise ContextLengthError(f"the prompt has {n} tokens but the context holds {self.max_context}", n,
                                      self.max_context)
         handle = RequestHandle(self, asyncio.get_running_loop(), n)
-        job = _Job(request, handle, Sampler(request.params), TokenStream(self.engine.tokenizer, request),
-                   list(request.prompt))
+        job = _Job(request, handle, Sampler(request.params, request.constraint),
+                   TokenStream(self.engine.tokenizer, request), list(request.prompt))
         with self._lock:  # counted last: nothing can fail between counting and queueing
             if self._in_flight >= self.parallel + self.max_queue:
                 raise ServerBusyError(
@@ -230,9 +231,11 @@ class Scheduler:
                 log.exception("scheduler step failed")
                 for slot in self._slots.busy():
                     self._fail_in_slot(slot, exc)
+            self._hand_over()
             self.stats.active = len(self._slots.busy())
             self.stats.waiting = len(self._waiting)
         self._shutdown()
+        self._hand_over()
 
     def _step(self) -> None:
         """Admit, then run the plan: one decode window, then the prompt chunks, oldest request first."""
@@ -368,6 +371,7 @@ class Scheduler:
                 self._accept(slot, result)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends only that request
                 self._fail_in_slot(slot, exc)
+        self._hand_over()  # the window's tokens go out before the step's prompt chunks run
 
     def _accept(self, slot: Slot, result: SampleResult) -> None:
         """Take the slot's sampled token: give out its text; a finished request leaves the slot."""
@@ -418,10 +422,22 @@ class Scheduler:
         self._slots.drop(slot)
 
     def _emit(self, job: _Job, event: Delta | Finished | BaseException) -> None:
-        try:
-            job.handle.loop.call_soon_threadsafe(job.handle.events.put_nowait, event)
-        except RuntimeError:  # the event loop is closed: nobody is listening
-            job.handle.cancelled = True
+        """Queue ``event`` for the job's handle; ``_hand_over`` passes the queued events on."""
+        self._outbox.append((job.handle, event))
+
+    def _hand_over(self) -> None:
+        """Give the queued events to their event loops: one call per loop, not one per event (each call
+        wakes the loop through its self-pipe, and the loop's thread competes with this one for the GIL)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestHandle, Any]]] = {}
+        for handle, event in self._outbox:
+            by_loop.setdefault(handle.loop, []).append((handle, event))
+        self._outbox.clear()
+        for loop, events in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, events)
+            except RuntimeError:  # the event loop is closed: nobody is listening
+                for handle, _ in events:
+                    handle.cancelled = True
 
     def _shutdown(self) -> None:
         jobs = list(self._waiting) + [s.job for s in self._slots.busy()]
@@ -430,3 +446,9 @@ class Scheduler:
         for slot in self._slots.all:
             slot.job = None
             self._slots.drop(slot)
+
+
+def _deliver(events: list[tuple[RequestHandle, Any]]) -> None:
+    """On the event loop: put each event on its handle's queue, in order."""
+    for handle, event in events:
+        handle.events.put_nowait(event)

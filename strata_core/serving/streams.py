@@ -2,8 +2,8 @@
 
 A :class:`TokenStream` takes each token sampled for one request and gives out the text it completes
 (through the tokenizer's stream decoder, cut before a stop string) with its log-probabilities, and
-says when the request is done: an end-of-sequence token or a stop string (``stop``), ``max_tokens``
-or a full context (``length``). It knows nothing of slots, sessions or the engine.
+says when the request is done: an end-of-sequence token, a stop string or a complete grammar
+(``stop``), ``max_tokens`` or a full context (``length``). It knows nothing of slots, sessions or the engine.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class TokenStream:
         eos = token in self._ends
         text, stopped = self._stop.push("" if eos else self._decoder.push(token))
         full = (self._limit is not None and self.generated >= self._limit) or context_full
-        reason = "stop" if eos or stopped else "length" if full else ""
+        reason = "stop" if eos or stopped or result.complete else "length" if full else ""
         if reason and not stopped:  # give out what the decoder and the stop matcher hold back
             tail, stopped = self._stop.push(self._decoder.flush())
             text += tail if stopped else tail + self._stop.held

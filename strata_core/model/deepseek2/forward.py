@@ -66,6 +66,8 @@ class DeepseekModel(MoEModel):
                 s.qk_rope_dim, s.rope_theta, s.rope_scaling, s.rope_factor, s.rope_orig_ctx).to(positions.device)
         return apply_rope_interleaved(x, positions, self._inv_freq[positions.device], s.rope_mscale)
 
+    attention_spans = MoEModel.attention_per_span  # its attention is one piece per session
+
     def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                   n_ctx: int | None = None, static: bool = False) -> torch.Tensor:
         """``h + mla(rms_norm(h))`` for ``h [T, H]`` at ``positions [T]``; writes the latent and the

@@ -29,6 +29,8 @@ class Qwen3NextModel(MoEModel):
     spec: Qwen3NextSpec
     ffn_norm = "post_attention_norm.weight"
 
+    attention_spans = MoEModel.attention_per_span  # its attention is one piece per session
+
     def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
                   n_ctx: int | None = None, static: bool = False) -> torch.Tensor:
         """``h + mixer(rms_norm(h))``: the layer's Gated DeltaNet or gated attention (see

@@ -54,12 +54,13 @@ class _Request(Struct, kw_only=True):
     tools: list[Tool] | None = None  # chat only: rendered by the chat template
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most the first tool call of a reply is returned
+    # constrained output (one of them): OpenAI's, and llama-server's GBNF grammar and JSON schema
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None
+    json_schema: dict[str, Any] | None = None
     # not implemented: a value that would change the answer is a 400 naming the field
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
-    grammar: str | None = None  # llama-server's constrained output
-    json_schema: dict[str, Any] | None = None  # llama-server's constrained output
     # accepted and ignored (IGNORED_FIELDS)
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -127,8 +128,12 @@ class ToolCallDelta(Struct, kw_only=True):
 
 
 class ResponseFormat(Struct, kw_only=True):
-    type: str
+    """OpenAI's output format: free text, any JSON object, or JSON valid for ``json_schema["schema"]``
+    (``json_object`` with a ``schema``: llama-server's form of the latter)."""
+
+    type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
+    schema: dict[str, Any] | None = None
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -193,6 +198,8 @@ class LlamaCompletionRequest(Struct, kw_only=True):
     repeat_penalty: Annotated[float, Meta(ge=0.01, le=100.0)] = 1.0
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
+    grammar: str | None = None  # GBNF the output follows
+    json_schema: dict[str, Any] | None = None  # a JSON schema the output follows
 
     def completion_request(self) -> CompletionRequest:
         """The OpenAI text completion this request asks for (no max_tokens for an ``n_predict`` of -1 or 0)."""
@@ -201,7 +208,8 @@ class LlamaCompletionRequest(Struct, kw_only=True):
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
             stop=self.stop, cache_prompt=self.cache_prompt, ignore_eos=self.ignore_eos,
             repetition_penalty=self.repeat_penalty, presence_penalty=self.presence_penalty,
-            frequency_penalty=self.frequency_penalty, logprobs=self.n_probs or None,
+            frequency_penalty=self.frequency_penalty, logprobs=self.n_probs or None, grammar=self.grammar,
+            json_schema=self.json_schema,
         )  # fmt: skip
 
     def params(self, default_n_predict: int | None) -> LlamaParams:

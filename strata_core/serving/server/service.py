@@ -23,9 +23,11 @@ from strata_core.errors import InvalidParamError, RequestError
 from strata_core.text.chat import ChatTemplate
 from strata_core.text.harmony import uses_harmony
 from strata_core.text.template_process import TemplateProcesses
+from strata_core.serving.grammar import Grammars, TokenConstraint, server_grammar
 from strata_core.serving.requests import ContextLengthError, GenerationRequest
 from strata_core.serving.sampling import SamplingParams
 from strata_core.serving.scheduler import RequestHandle, Scheduler
+from strata_core.serving.server.constraints import request_grammar
 from strata_core.serving.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
 from strata_core.serving.tool_calls import ReplyFormat, tool_call_format
 
@@ -63,12 +65,6 @@ def _check_supported(body: Any) -> None:
     if body.function_call not in (None, "none", "auto"):
         raise InvalidParamError("function_call (the legacy function calling) is not supported: send tool_choice",
                                 "function_call", "unsupported_value")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise InvalidParamError(f"response_format {body.response_format.type!r} is not supported (only 'text')",
-                                "response_format", "unsupported_value")
-    for name in ("grammar", "json_schema"):
-        if getattr(body, name):
-            raise InvalidParamError(f"{name} (constrained output) is not supported", name, "unsupported_value")
     if isinstance(body, CompletionRequest):
         for name in ("tools", "tool_choice"):
             if getattr(body, name) not in (None, "none", "auto"):
@@ -155,6 +151,8 @@ class GenerationService:
         self.settings = settings
         self.model_id = settings.model_alias or settings.model.stem
         self.created = int(time.time())
+        self.grammars = Grammars(engine.tokenizer, engine.spec.vocab_size)
+        self.default_grammar = server_grammar(settings.grammar_file, settings.json_schema)
         # A ChatTemplate (jinja2) renders in killable child processes, bounded in time and size.
         chat = engine.chat
         self.templates: TemplateProcesses | None = None
@@ -241,6 +239,14 @@ class GenerationService:
         self._check_ids(tokens, "tokens")
         return await anyio.to_thread.run_sync(self.engine.tokenizer.decode, tokens)
 
+    async def constraint(self, body: Any) -> TokenConstraint | None:
+        """The grammar ``body``'s output must follow (its own, or the server's), compiled for this request
+        on a worker thread; None for free text. InvalidParamError for one that is not valid."""
+        grammar = request_grammar(body, tool_call_format(self.engine.chat.source), self.default_grammar)
+        if grammar is None:
+            return None
+        return await anyio.to_thread.run_sync(self.grammars.compile, *grammar)
+
     async def render(self, body: ChatCompletionRequest) -> str:
         """The prompt text of a chat request: its messages through the model's chat template, on a worker
         thread (the render is stopped if the request goes away)."""
@@ -277,11 +283,12 @@ class GenerationService:
         _check_supported(body)
         if body.top_logprobs and not body.logprobs:
             raise InvalidParamError("top_logprobs needs logprobs set to true", "top_logprobs")
+        constraint = await self.constraint(body)
         text = await self.render(body)
         prompt = await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, abandon_on_cancel=True)
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or body.n_predict or self.default_max_tokens
-        return self._submit(body, prompt, max_tokens, k, keep_special_tokens=self.harmony)
+        return self._submit(body, prompt, max_tokens, k, constraint, keep_special_tokens=self.harmony)
 
     async def complete(self, body: CompletionRequest, fallback_max_tokens: int | None = 16) -> RequestHandle:
         """Submit a text completion of a string or of token ids; ``fallback_max_tokens`` limits one that
@@ -289,6 +296,7 @@ class GenerationService:
         context is full)."""
         self.check_model(body.model)
         _check_supported(body)
+        constraint = await self.constraint(body)
         text = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         if isinstance(text, str):
             if not isinstance(body.prompt, str) and len(body.prompt) > 1:
@@ -298,7 +306,7 @@ class GenerationService:
             prompt = body.prompt  # token ids
             self._check_ids(prompt, "prompt")
         max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or fallback_max_tokens
-        return self._submit(body, prompt, max_tokens, body.logprobs)
+        return self._submit(body, prompt, max_tokens, body.logprobs, constraint)
 
     def _check_ids(self, ids: list[Any], param: str) -> None:
         vocab = self.engine.spec.vocab_size
@@ -316,7 +324,7 @@ class GenerationService:
         return tuple(out)
 
     def _submit(self, body: Any, prompt: list[int], max_tokens: int | None, logprobs: int | None,
-                keep_special_tokens: bool = False) -> RequestHandle:
+                constraint: TokenConstraint | None, keep_special_tokens: bool = False) -> RequestHandle:
         limit = self.scheduler.max_context
         if max_tokens is not None and max_tokens > limit:
             raise InvalidParamError(f"max_tokens is {max_tokens} but the context holds {limit} tokens", "max_tokens")
@@ -328,4 +336,4 @@ class GenerationService:
             presence_penalty=body.presence_penalty, seed=body.seed, max_tokens=max_tokens, stop=body.stops(),
             logprobs=logprobs, logit_bias=self._logit_bias(body), ignore_eos=body.ignore_eos,
         )  # fmt: skip
-        return self.scheduler.submit(GenerationRequest(prompt, params, keep_special_tokens))
+        return self.scheduler.submit(GenerationRequest(prompt, params, keep_special_tokens, constraint))
