@@ -53,8 +53,6 @@ STRATA_INLINE float e8m0_half(uint8_t e) {  // 2**(e - 128), ggml_e8m0_to_fp32_h
   return f;
 }
 
-const int8_t IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 struct Geometry { int values, bytes; };
 
@@ -82,32 +80,48 @@ STRATA_INLINE void scale_min(const uint8_t* s, int j, float& sc, float& mn) {
   }
 }
 
-// Decoders: one block's values in float32, as strata_core/quant computes them.
-STRATA_INLINE void decode_q8_0(const uint8_t* b, float* out) {
-  const float d = fp16(b);
-  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-  for (int i = 0; i < 32; ++i) out[i] = float(q[i]) * d;
+// 16 lanes as GCC vector types: one zmm register with AVX-512, two ymm with AVX2; the same lane
+// arithmetic either way.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16u __attribute__((vector_size(16), aligned(1)));
+
+STRATA_INLINE u8x16 load16(const uint8_t* p) { return *reinterpret_cast<const u8x16u*>(p); }
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+// widened to int32 first: a direct byte -> float conversion is scalarised by GCC
+STRATA_INLINE f32x16 floats(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+STRATA_INLINE f32x16 floats(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+STRATA_INLINE f32x16 splat(float v) { return f32x16{} + v; }
+// table[code] of 16 int8 values for 16 codes 0..15 (a byte shuffle)
+STRATA_INLINE f32x16 lookup(const i8x16 table, u8x16 codes) { return floats(__builtin_shuffle(table, codes)); }
+
+// Decoders: one block's values in float32 (``out`` as 16-lane vectors), as strata_core/quant computes them.
+STRATA_INLINE void decode_q8_0(const uint8_t* b, f32x16* out) {
+  const f32x16 d = splat(fp16(b));
+  out[0] = floats(i8x16(load16(b + 2))) * d;
+  out[1] = floats(i8x16(load16(b + 18))) * d;
 }
 
-STRATA_INLINE void decode_q4_0(const uint8_t* b, float* out) {
-  const float d = fp16(b);
-  const uint8_t* q = b + 2;
-  for (int i = 0; i < 16; ++i) {
-    out[i] = d * float(int(q[i] & 15) - 8);
-    out[i + 16] = d * float(int(q[i] >> 4) - 8);
-  }
+STRATA_INLINE void decode_q4_0(const uint8_t* b, f32x16* out) {
+  const f32x16 d = splat(fp16(b)), eight = splat(8.f);
+  const u8x16 q = load16(b + 2);
+  out[0] = d * (floats(u8x16(q & 15)) - eight);
+  out[1] = d * (floats(u8x16(q >> 4)) - eight);
 }
 
-STRATA_INLINE void decode_mxfp4(const uint8_t* b, float* out) {
-  const float d = e8m0_half(b[0]);
-  const uint8_t* q = b + 1;
-  for (int i = 0; i < 16; ++i) {
-    out[i] = d * float(MXFP4_VALUES[q[i] & 15]);
-    out[i + 16] = d * float(MXFP4_VALUES[q[i] >> 4]);
-  }
+const i8x16 IQ4NL = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const i8x16 MXFP4_VALUES = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+STRATA_INLINE void decode_mxfp4(const uint8_t* b, f32x16* out) {
+  const f32x16 d = splat(e8m0_half(b[0]));
+  const u8x16 q = load16(b + 1);
+  out[0] = d * lookup(MXFP4_VALUES, q & 15);
+  out[1] = d * lookup(MXFP4_VALUES, q >> 4);
 }
 
-STRATA_INLINE void decode_q4_k(const uint8_t* b, float* out) {
+STRATA_INLINE void decode_q4_k(const uint8_t* b, f32x16* out) {
   const float d = fp16(b), dmin = fp16(b + 2);
   const uint8_t* s = b + 4;
   const uint8_t* q = b + 16;
@@ -115,17 +129,16 @@ STRATA_INLINE void decode_q4_k(const uint8_t* b, float* out) {
     float sc0, m0, sc1, m1;
     scale_min(s, 2 * j, sc0, m0);
     scale_min(s, 2 * j + 1, sc1, m1);
-    const float d0 = d * sc0, n0 = dmin * m0, d1 = d * sc1, n1 = dmin * m1;
-    const uint8_t* qj = q + 32 * j;
-    float* o = out + 64 * j;
-    for (int i = 0; i < 32; ++i) {
-      o[i] = d0 * float(qj[i] & 15) - n0;
-      o[i + 32] = d1 * float(qj[i] >> 4) - n1;
+    const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
+    for (int h = 0; h < 2; ++h) {
+      const u8x16 v = load16(q + 32 * j + 16 * h);
+      out[4 * j + h] = d0 * floats(u8x16(v & 15)) - n0;
+      out[4 * j + 2 + h] = d1 * floats(u8x16(v >> 4)) - n1;
     }
   }
 }
 
-STRATA_INLINE void decode_q5_k(const uint8_t* b, float* out) {
+STRATA_INLINE void decode_q5_k(const uint8_t* b, f32x16* out) {
   const float d = fp16(b), dmin = fp16(b + 2);
   const uint8_t* s = b + 4;
   const uint8_t* qh = b + 16;
@@ -134,52 +147,46 @@ STRATA_INLINE void decode_q5_k(const uint8_t* b, float* out) {
     float sc0, m0, sc1, m1;
     scale_min(s, 2 * j, sc0, m0);
     scale_min(s, 2 * j + 1, sc1, m1);
-    const float d0 = d * sc0, n0 = dmin * m0, d1 = d * sc1, n1 = dmin * m1;
-    const uint8_t* qj = q + 32 * j;
-    float* o = out + 64 * j;
-    for (int i = 0; i < 32; ++i) {
-      const int lo = (qj[i] & 15) | (((qh[i] >> (2 * j)) & 1) << 4);
-      const int hi = (qj[i] >> 4) | (((qh[i] >> (2 * j + 1)) & 1) << 4);
-      o[i] = d0 * float(lo) - n0;
-      o[i + 32] = d1 * float(hi) - n1;
+    const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
+    for (int h = 0; h < 2; ++h) {
+      const u8x16 v = load16(q + 32 * j + 16 * h), hb = load16(qh + 16 * h);
+      const u8x16 lo = (v & 15) | (((hb >> (2 * j)) & 1) << 4);
+      const u8x16 hi = (v >> 4) | (((hb >> (2 * j + 1)) & 1) << 4);
+      out[4 * j + h] = d0 * floats(lo) - n0;
+      out[4 * j + 2 + h] = d1 * floats(hi) - n1;
     }
   }
 }
 
-STRATA_INLINE void decode_q6_k(const uint8_t* b, float* out) {
+STRATA_INLINE void decode_q6_k(const uint8_t* b, f32x16* out) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
   const float d = fp16(b + 208);
+  const f32x16 off = splat(32.f);
   for (int r = 0; r < 2; ++r) {  // two runs of 128 values
-    const uint8_t* l = ql + 64 * r;
-    const uint8_t* h = qh + 32 * r;
-    float* o = out + 128 * r;
-    for (int k = 0; k < 4; ++k) {  // 32 values a step: nibble k / 2 of l, bits 2k of h
-      const float s0 = d * float(sc[8 * r + 2 * k]), s1 = d * float(sc[8 * r + 2 * k + 1]);
-      const uint8_t* lk = l + 32 * (k & 1);
+    for (int k = 0; k < 4; ++k) {  // 32 values a step: nibble k / 2 of ql, bits 2k of qh
       const int shift = 4 * (k >> 1);
-      for (int i = 0; i < 32; ++i) {
-        const int q = ((lk[i] >> shift) & 15) | (((h[i] >> (2 * k)) & 3) << 4);
-        o[32 * k + i] = (i < 16 ? s0 : s1) * float(q - 32);
+      for (int h = 0; h < 2; ++h) {  // 16 values, one scale
+        const u8x16 l = load16(ql + 64 * r + 32 * (k & 1) + 16 * h), hb = load16(qh + 32 * r + 16 * h);
+        const u8x16 q = ((l >> shift) & 15) | (((hb >> (2 * k)) & 3) << 4);
+        out[8 * r + 2 * k + h] = splat(d * float(sc[8 * r + 2 * k + h])) * (floats(q) - off);
       }
     }
   }
 }
 
-STRATA_INLINE void decode_iq4_xs(const uint8_t* b, float* out) {
+STRATA_INLINE void decode_iq4_xs(const uint8_t* b, f32x16* out) {
   const float d = fp16(b);
   const uint16_t sh = uint16_t(b[2] | (b[3] << 8));
   const uint8_t* sl = b + 4;
   const uint8_t* q = b + 8;
   for (int j = 0; j < 8; ++j) {
     const int sc = ((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
-    const float dl = d * float(sc - 32);
-    const uint8_t* qj = q + 16 * j;
-    for (int i = 0; i < 16; ++i) {
-      out[32 * j + i] = dl * float(IQ4NL[qj[i] & 15]);
-      out[32 * j + i + 16] = dl * float(IQ4NL[qj[i] >> 4]);
-    }
+    const f32x16 dl = splat(d * float(sc - 32));
+    const u8x16 v = load16(q + 16 * j);
+    out[2 * j] = dl * lookup(IQ4NL, v & 15);
+    out[2 * j + 1] = dl * lookup(IQ4NL, v >> 4);
   }
 }
 
@@ -189,17 +196,17 @@ struct Segment { const uint8_t* w; int64_t t0, n; };
 // Rows [r0, r1) of one segment: tokens in tiles, each block decoded once per tile.
 template <int QT, int VALUES, int BYTES>
 STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,
-                      int64_t out_features) {
+                             int64_t out_features) {
+  constexpr int V = VALUES / LANES;
   const int64_t blocks = K / VALUES, row_bytes = blocks * BYTES;
-  alignas(64) float w[VALUES];
-  alignas(64) float acc[TOKEN_TILE][LANES];
+  f32x16 w[V];
+  f32x16 acc[TOKEN_TILE];
   for (int64_t t0 = 0; t0 < seg.n; t0 += TOKEN_TILE) {
     const int nt = int(seg.n - t0 < TOKEN_TILE ? seg.n - t0 : TOKEN_TILE);
     const float* xt = x + (seg.t0 + t0) * K;
     for (int64_t r = r0; r < r1; ++r) {
       const uint8_t* row = seg.w + r * row_bytes;
-      for (int t = 0; t < nt; ++t)
-        for (int l = 0; l < LANES; ++l) acc[t][l] = 0.f;
+      for (int t = 0; t < TOKEN_TILE; ++t) acc[t] = f32x16{};
       for (int64_t bi = 0; bi < blocks; ++bi) {
         const uint8_t* blk = row + bi * BYTES;
         if constexpr (QT == Q8_0) decode_q8_0(blk, w);
@@ -210,14 +217,13 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
         else if constexpr (QT == Q6_K) decode_q6_k(blk, w);
         else decode_iq4_xs(blk, w);
         for (int t = 0; t < nt; ++t) {
-          const float* xb = xt + t * K + bi * VALUES;
-          for (int i = 0; i < VALUES; i += LANES)
-            for (int l = 0; l < LANES; ++l) acc[t][l] = __builtin_fmaf(xb[i + l], w[i + l], acc[t][l]);
+          const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES);
+          for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // contracted to an FMA
         }
       }
       for (int t = 0; t < nt; ++t) {  // fixed pairwise order over the lanes
         float s[LANES];
-        for (int l = 0; l < LANES; ++l) s[l] = acc[t][l];
+        std::memcpy(s, &acc[t], sizeof(s));
         for (int width = LANES / 2; width >= 1; width /= 2)
           for (int l = 0; l < width; ++l) s[l] = s[l] + s[l + width];
         y[(seg.t0 + t0 + t) * out_features + r] = s[0];
