@@ -58,6 +58,8 @@ import torch
 
 from strata_core.runtime.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain
+from strata_core.experts.cpu_ffn import cpu_experts_ffn, takes_cpu_kernels
+from strata_core.ops.cpu_kernels import has_cpu_kernel
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, PROMPT_GATHER_COUNTS, count_pairs, fused_decode,
                                        fused_decode_rows, fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped,
@@ -73,6 +75,7 @@ from strata_core.ops.combine import combine_rows, combine_sorted, in_pair_order
 from strata_core.ops.gather import gather_experts
 
 if TYPE_CHECKING:
+    from strata_core.experts.arena import ExpertFormat
     from strata_core.experts.cache import ExpertCache
     from strata_core.experts.peer import PeerLane
 
@@ -158,10 +161,19 @@ class CachedExpertRows:
         link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
         on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
         chain.wait(layer, self.device)
+        batched = takes_cpu_kernels(hidden, fmt.qtypes)  # a CPU device: its own experts in one kernel call
         with self.telemetry.compute(self.device):
+            here = []
             for expert, (cache, slot) in resident:  # a peer's bytes come across, or its rows come back
                 parts = cache.parts(layer, slot)
-                run(expert, *(parts if chain.computes(cache) else (p.to(self.device) for p in parts)))
+                if chain.computes(cache):
+                    run(expert, *parts)
+                elif batched and cache.device.type == "cpu":
+                    here.append((expert, parts))
+                else:
+                    run(expert, *(p.to(self.device) for p in parts))
+            if here:
+                self._cpu_batch(here, groups, order, k, hidden, fmt, ffn, out)
             self.ring.run(layer, link, lambda e, packed: run(e, *fmt.split(packed)))
             for lane, streamed in away:  # over the peer's own host link, computed there
                 lane.ring().run(layer, streamed, lambda e, packed: run(e, *fmt.split(packed)))
@@ -405,21 +417,45 @@ class CachedExpertRows:
         with self.telemetry.compute(hidden.device):
             return fused_decode_rows(hidden, slots, arena, slot, expert, fmt, ffn, self.direct_misses)
 
+    def _cpu_batch(self, experts: list[tuple[int, tuple[torch.Tensor, ...]]], groups: dict[int, tuple[int, int]],
+                   order: torch.Tensor, k: int, hidden: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN,
+                   out: torch.Tensor) -> None:
+        """The rows of ``experts`` ((id, raw gate/up/down) each, on the CPU) through one call of the CPU
+        kernels, written to ``out`` at their pairs."""
+        pairs, counts = _segments([e for e, _ in experts], groups, order)
+        rows = cpu_experts_ffn(hidden[pairs // k], [parts for _, parts in experts], counts, fmt.qtypes, fmt.shapes,
+                               ffn, [e for e, _ in experts])  # [n, H]
+        out[pairs] = rows.to(out.dtype)
+
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
                     order: torch.Tensor, k: int, hidden: torch.Tensor,
                     ffn: ExpertFFN) -> list[tuple[torch.Tensor, Future]]:
-        """Start the CPU rows of ``experts`` from the arena; returns (pairs, future rows) per expert."""
+        """Start the CPU rows of ``experts`` from the arena, read in place; returns (pairs, future rows) per
+        expert, or one entry for them all where the CPU kernels cover the formats (one call a layer)."""
         fmt = self.arena.formats[layer]
+        if experts and has_cpu_kernel(*fmt.qtypes):
+            pairs, counts = _segments(experts, groups, order)
+            parts = [self.arena.parts(layer, e) for e in experts]
+            return [(pairs, self._on_cpu(cpu_experts_ffn, hidden[pairs // k].cpu(), parts, counts, fmt.qtypes,
+                                         fmt.shapes, ffn, experts))]
         jobs = []
         for expert in experts:
-            start, end = groups[expert]
-            pairs = order[start:end]  # [n]
+            pairs = order[groups[expert][0]:groups[expert][1]]  # [n]
             x = hidden[pairs // k].cpu()  # [n, H]
-            parts = self.arena.parts(layer, expert)
-            if self.cpu_pool is None:
-                fut: Future = Future()
-                fut.set_result(expert_ffn(x, *parts, fmt.qtypes, fmt.shapes, ffn, expert))
-            else:
-                fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes, ffn, expert)
-            jobs.append((pairs, fut))
+            jobs.append((pairs, self._on_cpu(expert_ffn, x, *self.arena.parts(layer, expert), fmt.qtypes, fmt.shapes,
+                                             ffn, expert)))
         return jobs
+
+    def _on_cpu(self, fn, *args) -> Future:
+        """``fn(*args)`` on the CPU pool's worker (a GPU device), else now."""
+        if self.cpu_pool is not None:
+            return self.cpu_pool.submit(fn, *args)
+        fut: Future = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+
+def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The pairs of ``experts`` (their spans ``groups`` of ``order``) one after another, and how many each."""
+    pairs = torch.cat([order[groups[e][0]:groups[e][1]] for e in experts])  # [n]
+    return pairs, [groups[e][1] - groups[e][0] for e in experts]

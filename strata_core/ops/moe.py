@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from strata_core.experts.cpu_ffn import cpu_experts_ffn, takes_cpu_kernels
 from strata_core.experts.ffn import ACTIVATIONS, SILU, ExpertFFN
 from strata_core.ops.combine import combine_rows
 from strata_core.ops.gather import _reference as _gather_reference
@@ -210,7 +211,12 @@ def _pair_linear(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) -> Te
 def pair_ffn_reference(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: Sequence[int],
                        shapes: Sequence[Sequence[int]], ffn: ExpertFFN = SILU, expert: Tensor | None = None) -> Tensor:
     """Rows ``[P, H]``: pair p's expert (blocks ``gate[p]``, ``up[p]``, ``down[p]``) on ``x[p]`` (``[P, H]``);
-    ``ffn`` other than plain SiLU: its activation and the biases of ``expert [P]`` (as ``expert_ffn``)."""
+    ``ffn`` other than plain SiLU: its activation and the biases of ``expert [P]`` (as ``expert_ffn``).
+    On the CPU the block kernels compute it where they cover the formats, one weight each pair, so a
+    pair's row has the bits ``expert_ffn`` gives it."""
+    if takes_cpu_kernels(x, qtypes):
+        experts = () if expert is None else expert
+        return cpu_experts_ffn(x, list(zip(gate, up, down)), [1] * x.shape[0], qtypes, shapes, ffn, experts)
     g = _pair_linear(x, gate, qtypes[0], shapes[0])  # [P, F]
     u = _pair_linear(x, up, qtypes[1], shapes[1])  # [P, F]
     return ffn.post(_pair_linear(ffn.hidden(g, u, expert), down, qtypes[2], shapes[2]), expert)  # [P, H]
