@@ -52,6 +52,7 @@ reference) keeps the loop.
 from __future__ import annotations
 
 from concurrent.futures import Executor, Future
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -159,7 +160,8 @@ class CachedExpertRows:
 
         n_link = self._link_share(len(missed), chain)
         link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
-        on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
+        with self.telemetry.compute(self.device) if self.cpu_pool is None else nullcontext():  # here, or overlapped
+            on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
         chain.wait(layer, self.device)
         batched = takes_cpu_kernels(hidden, fmt.qtypes)  # a CPU device: its own experts in one kernel call
         with self.telemetry.compute(self.device):
@@ -180,6 +182,7 @@ class CachedExpertRows:
         for pairs, rows in on_cpu:
             out[pairs] = rows.result().to(self.device, out.dtype)
         n_peer = sum(1 for _, (cache, _) in resident if cache is not chain.own)
+        self.telemetry.add_expert_bytes(len(groups) * sum(fmt.nbytes))
         self.telemetry.count(self.name, {"resident": len(resident) - n_peer, "peer": n_peer,
                                          "pcie" if self.decoding else "streamed": len(link),
                                          "cpu": len(missed) - n_link})
@@ -275,6 +278,7 @@ class CachedExpertRows:
         for lane in chain.lanes:
             lane.join()
         self._count_sources(chain, holder, owners, per_expert, plans[0].n_missed())
+        self.telemetry.add_expert_bytes(sum(1 for experts in owners for e in experts if per_expert[e]) * sum(fmt.nbytes))
         return out, order
 
     def _count_sources(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None], owners: list[list[int]],
