@@ -23,6 +23,7 @@ constexpr int Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, 
 constexpr int LANES = 16;      // accumulator lanes of one token
 constexpr int TOKEN_TILE = 8;  // tokens multiplied per decoded block
 constexpr int ROW_CHUNK = 16;  // rows of one work item
+constexpr int64_t MIN_THREAD_BYTES = 64 << 10;
 
 STRATA_INLINE float fp16(const uint8_t* p) {
   uint16_t h;
@@ -317,7 +318,9 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
   const int64_t items = int64_t(segs.size()) * chunks;
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+  // at least MIN_THREAD_BYTES of weights a thread: a small product runs inline, sparing a wake-up of the pool
+  const int64_t grain = (MIN_THREAD_BYTES + ROW_CHUNK * row_bytes - 1) / (ROW_CHUNK * row_bytes);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const Segment& seg = segs[item / chunks];
       const int64_t r0 = (item % chunks) * ROW_CHUNK;
