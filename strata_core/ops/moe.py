@@ -16,8 +16,9 @@ activation (gpt-oss: swiglu_oai); the CUDA kernels apply them in registers. The 
 topologies or residency tables: a caller finds ``slot`` from its table on the device.
 
 CPU kernel (the oracle): the gather reference of :mod:`strata_core.ops.gather`, then
-:func:`pair_ffn_reference` (dequantize every pair's blocks, per-pair batched products in float32,
-cast step by step like ``expert_ffn``).
+:func:`pair_ffn_reference`: the CPU block kernels (:mod:`strata_core.ops.cpu_kernels`, one weight a
+pair) where they cover the formats, else dequantize every pair's blocks and per-pair batched products
+in float32; cast step by step like ``expert_ffn`` either way.
 
 CUDA kernel (:mod:`strata_core.ops.moe_kernels`, launched by :mod:`strata_core.ops.moe_triton`, which
 registers them for the ops here where Triton is installed): two
