@@ -42,7 +42,7 @@ def test_cpu_engine_computes_its_experts_with_the_kernels(model, monkeypatch, on
     monkeypatch.setattr(cpu_ffn, "qlinear_grouped", lambda *args: calls.append(args[3]) or kernel(*args))
     got = _logits(Engine.load(model, max_context=64))
     assert calls and all(qtype in kernels.CPU_KERNEL_TYPES for qtype in calls)
-    monkeypatch.setattr(cpu_ffn, "has_cpu_kernel", lambda *qtypes: False)
+    monkeypatch.setattr(cpu_ffn, "has_cpu_kernel", lambda qtypes, shapes: False)
     want = _logits(Engine.load(model, max_context=64))  # the reference dequantize + matmul
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 

@@ -20,9 +20,9 @@ from strata_core.ops.cpu_kernels import has_cpu_kernel, qlinear_grouped
 __all__ = ["cpu_experts_ffn", "takes_cpu_kernels"]
 
 
-def takes_cpu_kernels(x: torch.Tensor, qtypes: Sequence[int]) -> bool:
-    """Whether experts of ``qtypes`` on ``x`` (a CPU tensor) go through the CPU kernels."""
-    return x.device.type == "cpu" and has_cpu_kernel(*qtypes)
+def takes_cpu_kernels(x: torch.Tensor, qtypes: Sequence[int], shapes: Sequence[Sequence[int]]) -> bool:
+    """Whether experts of ``qtypes`` / ``shapes`` (gate, up, down) on ``x`` (a CPU tensor) go through the CPU kernels."""
+    return x.device.type == "cpu" and has_cpu_kernel(qtypes, shapes)
 
 
 def cpu_experts_ffn(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],

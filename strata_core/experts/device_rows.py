@@ -163,7 +163,7 @@ class CachedExpertRows:
         with self.telemetry.compute(self.device) if self.cpu_pool is None else nullcontext():  # here, or overlapped
             on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
         chain.wait(layer, self.device)
-        batched = takes_cpu_kernels(hidden, fmt.qtypes)  # a CPU device: its own experts in one kernel call
+        batched = takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes)  # a CPU device: its own experts in one kernel call
         with self.telemetry.compute(self.device):
             here = []
             for expert, (cache, slot) in resident:  # a peer's bytes come across, or its rows come back
@@ -437,7 +437,7 @@ class CachedExpertRows:
         """Start the CPU rows of ``experts`` from the arena, read in place; returns (pairs, future rows) per
         expert, or one entry for them all where the CPU kernels cover the formats (one call a layer)."""
         fmt = self.arena.formats[layer]
-        if experts and has_cpu_kernel(*fmt.qtypes):
+        if experts and has_cpu_kernel(fmt.qtypes, fmt.shapes):
             pairs, counts = _segments(experts, groups, order)
             parts = [self.arena.parts(layer, e) for e in experts]
             return [(pairs, self._on_cpu(cpu_experts_ffn, hidden[pairs // k].cpu(), parts, counts, fmt.qtypes,

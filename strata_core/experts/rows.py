@@ -44,7 +44,7 @@ def expert_ffn(x: torch.Tensor, gate_raw: torch.Tensor, up_raw: torch.Tensor, do
     """Expert ``expert``'s gated FFN on ``x [n, H]`` from raw blocks: ``down(silu(gate x) * up x)``,
     or as ``ffn`` says (its activation, the expert's biases). On the CPU the block kernels compute it
     where they cover the formats (``cpu_experts_ffn``), else ``quant_matmul``."""
-    if takes_cpu_kernels(x, qtypes):
+    if takes_cpu_kernels(x, qtypes, shapes):
         return cpu_experts_ffn(x, [(gate_raw, up_raw, down_raw)], [x.shape[0]], qtypes, shapes, ffn, [expert])
     g = quant_matmul(x, gate_raw, qtypes[0], shapes[0])  # [n, F]
     u = quant_matmul(x, up_raw, qtypes[1], shapes[1])  # [n, F]

@@ -24,10 +24,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from gguf import GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
 __all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "has_cpu_kernel", "qlinear_grouped"]
@@ -62,9 +63,11 @@ def cpu_kernels() -> bool:
     return True
 
 
-def has_cpu_kernel(*qtypes: int) -> bool:
-    """Whether the CPU kernels are loaded and cover every one of ``qtypes``."""
-    return all(int(q) in CPU_KERNEL_TYPES for q in qtypes) and cpu_kernels()
+def has_cpu_kernel(qtypes: Sequence[int], shapes: Sequence[Sequence[int]]) -> bool:
+    """Whether the CPU kernels are loaded and cover matrices of ``qtypes`` and ``shapes`` (``(out, in)``
+    each, rows of whole blocks)."""
+    return all(int(q) in CPU_KERNEL_TYPES and shape[1] % GGML_QUANT_SIZES[T(int(q))][0] == 0
+               for q, shape in zip(qtypes, shapes)) and cpu_kernels()
 
 
 def qlinear_grouped(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:

@@ -215,7 +215,7 @@ def pair_ffn_reference(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes
     ``ffn`` other than plain SiLU: its activation and the biases of ``expert [P]`` (as ``expert_ffn``).
     On the CPU the block kernels compute it where they cover the formats, one weight each pair, so a
     pair's row has the bits ``expert_ffn`` gives it."""
-    if takes_cpu_kernels(x, qtypes):
+    if takes_cpu_kernels(x, qtypes, shapes):
         experts = () if expert is None else expert
         return cpu_experts_ffn(x, list(zip(gate, up, down)), [1] * x.shape[0], qtypes, shapes, ffn, experts)
     g = _pair_linear(x, gate, qtypes[0], shapes[0])  # [P, F]
