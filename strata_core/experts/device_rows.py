@@ -11,7 +11,11 @@ bytes, whichever source holds them:
 * prefill miss: streamed from the arena through the double-buffered ``StagingRing``; a computing
   peer's ``stream`` share of them over the peer's own host link, computed there;
 * decode miss: a ``--pcie-frac`` share read over the host link (the ring again), the rest computed
-  on the CPU from the arena (on a worker thread when the device is a GPU).
+  on the CPU from the arena where it lies (on a worker thread when the device is a GPU).
+
+On the CPU the block kernels (experts/cpu_ffn.py) compute the rows where they cover the layer's formats:
+a CPU device's resident experts of a layer in one call, the CPU share of its misses in another; each
+row has the bits the per-expert ``expert_ffn`` gives it, so every mix of sources combines to the same output.
 
 ``combine_rows`` then sums the rows in one fixed order, so the output is bit-identical to the
 reference for any cache content, split and chunking. The host reads the layer's distinct experts
