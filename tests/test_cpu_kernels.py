@@ -74,3 +74,17 @@ def test_bad_arguments_are_errors_with_messages() -> None:
         qlinear_grouped(x, [w], [2], T.Q8_0, 5)
     with pytest.raises(RuntimeError, match="no CPU kernel"):
         qlinear_grouped(x, [w], [2], T.Q2_K, 4)
+
+
+@pytest.mark.skipif(torch.ops.strata.cpu_kernel_isa() < 2 if cpu_kernels() else True, reason="no AVX-512 here")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_avx2_body_gives_the_avx512_bits(qtype: T) -> None:
+    rng = np.random.default_rng(int(qtype))
+    w, K = _weight(qtype, 40, 2, rng)
+    x = torch.from_numpy(rng.standard_normal((11, K), dtype=np.float32))
+    wide = qlinear_grouped(x, [w], [11], qtype, 40)
+    try:
+        assert torch.ops.strata.cpu_kernel_limit_isa(1) == 1
+        assert torch.equal(qlinear_grouped(x, [w], [11], qtype, 40), wide)
+    finally:
+        torch.ops.strata.cpu_kernel_limit_isa(2)

@@ -334,13 +334,24 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
 // The instruction set the kernels run with: 0 generic, 1 AVX2, 2 AVX-512.
 int64_t kernel_isa() { return int64_t(chosen_isa()); }
 
+// Run with at most instruction set ``isa`` from now on (tests compare the bodies); returns the one chosen.
+int64_t limit_kernel_isa(int64_t isa) {
+  const Isa best = detect_isa();
+  chosen_isa() = int64_t(best) < isa ? best : Isa(isa < 0 ? 0 : isa);
+  return int64_t(chosen_isa());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");
   m.def("cpu_kernel_isa() -> int");
+  m.def("cpu_kernel_limit_isa(int isa) -> int");
 }
 
 TORCH_LIBRARY_IMPL(strata, CPU, m) { m.impl("qlinear_grouped", &qlinear_grouped); }
 
-TORCH_LIBRARY_IMPL(strata, CompositeExplicitAutograd, m) { m.impl("cpu_kernel_isa", &kernel_isa); }
+TORCH_LIBRARY_IMPL(strata, CompositeExplicitAutograd, m) {
+  m.impl("cpu_kernel_isa", &kernel_isa);
+  m.impl("cpu_kernel_limit_isa", &limit_kernel_isa);
+}
