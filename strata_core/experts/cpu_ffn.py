@@ -34,9 +34,14 @@ def cpu_experts_ffn(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.T
     ``x.dtype`` as ``quant_matmul`` does."""
     (F, _), _, (H, _) = shapes
     gates, ups, downs = zip(*parts)
-    g = qlinear_grouped(x, list(gates), counts, qtypes[0], F).to(x.dtype)  # [N, F]
-    u = qlinear_grouped(x, list(ups), counts, qtypes[1], F).to(x.dtype)  # [N, F]
+    N = x.shape[0]
+    if qtypes[0] == qtypes[1]:  # gate and up in one call (each row's bits are its own either way)
+        both = qlinear_grouped(torch.cat((x, x)), [*gates, *ups], counts + counts, qtypes[0], F)  # [2N, F]
+        g, u = both[:N].to(x.dtype), both[N:].to(x.dtype)  # [N, F] each
+    else:
+        g = qlinear_grouped(x, list(gates), counts, qtypes[0], F).to(x.dtype)  # [N, F]
+        u = qlinear_grouped(x, list(ups), counts, qtypes[1], F).to(x.dtype)  # [N, F]
     ids = None if ffn.plain else torch.repeat_interleave(torch.as_tensor(experts, dtype=torch.long),
-                                                         torch.as_tensor(counts), output_size=x.shape[0])  # [N]
+                                                         torch.as_tensor(counts), output_size=N)  # [N]
     h = ffn.hidden(g, u, ids)  # [N, F]
     return ffn.post(qlinear_grouped(h, list(downs), counts, qtypes[2], H).to(x.dtype), ids)  # [N, H]
