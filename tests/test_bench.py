@@ -38,6 +38,10 @@ def test_bench_runs_on_cpu(tmp_path):
     for r in results:
         assert r.tok_s > 0 and len(r.runs) == 2 and 0 <= r.hit_rate < 1  # 4 of 16 experts resident
         assert r.bytes_streamed > 0
+        assert 0 < r.expert_gbps < r.kernel_gbps  # the routed experts' bytes over the run, and over their compute
+    decode = results[-1]  # one token a window: top-4 experts of 16, each read once a token
+    per_token = engine.experts.arena.slot_bytes * engine.spec.n_experts_used * len(engine.spec.moe_layers)
+    assert decode.expert_gbps == pytest.approx(per_token * decode.tok_s / 1e9)
     assert "| prefill | 16 |" in format_table(results, {"expert_cache": 4})
 
 

@@ -23,7 +23,8 @@ auto (memory of a torch device shared equally by the slots on it).
 
 Decode windows take the decode gather (gather.py: no host read per layer) on a CUDA device when
 Triton is installed, every arena layer is pinned and ``--pcie-frac`` is 1 (every miss over the
-link); elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert.
+link); elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert (on the CPU
+its experts through the CPU kernels, ops/cpu_kernels.py).
 Prefill chunks take the grouped prefill (grouped.py) on a CUDA device and the loop per expert (the
 bit-exact reference) on the CPU.
 """

@@ -11,7 +11,11 @@ bytes, whichever source holds them:
 * prefill miss: streamed from the arena through the double-buffered ``StagingRing``; a computing
   peer's ``stream`` share of them over the peer's own host link, computed there;
 * decode miss: a ``--pcie-frac`` share read over the host link (the ring again), the rest computed
-  on the CPU from the arena (on a worker thread when the device is a GPU).
+  on the CPU from the arena where it lies (on a worker thread when the device is a GPU).
+
+On the CPU the block kernels (experts/cpu_ffn.py) compute the rows where they cover the layer's formats:
+a CPU device's resident experts of a layer in one call, the CPU share of its misses in another; each
+row has the bits the per-expert ``expert_ffn`` gives it, so every mix of sources combines to the same output.
 
 ``combine_rows`` then sums the rows in one fixed order, so the output is bit-identical to the
 reference for any cache content, split and chunking. The host reads the layer's distinct experts
@@ -52,12 +56,15 @@ reference) keeps the loop.
 from __future__ import annotations
 
 from concurrent.futures import Executor, Future
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
 from strata_core.runtime.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain
+from strata_core.experts.cpu_ffn import cpu_experts_ffn, takes_cpu_kernels
+from strata_core.ops.cpu_kernels import has_cpu_kernel
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, PROMPT_GATHER_COUNTS, count_pairs, fused_decode,
                                        fused_decode_rows, fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped,
@@ -73,6 +80,7 @@ from strata_core.ops.combine import combine_rows, combine_sorted, in_pair_order
 from strata_core.ops.gather import gather_experts
 
 if TYPE_CHECKING:
+    from strata_core.experts.arena import ExpertFormat
     from strata_core.experts.cache import ExpertCache
     from strata_core.experts.peer import PeerLane
 
@@ -156,18 +164,29 @@ class CachedExpertRows:
 
         n_link = self._link_share(len(missed), chain)
         link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
-        on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
+        with self.telemetry.compute(self.device) if self.cpu_pool is None else nullcontext():  # here, or overlapped
+            on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
         chain.wait(layer, self.device)
+        batched = takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes)  # a CPU device: its own experts in one kernel call
         with self.telemetry.compute(self.device):
+            here = []
             for expert, (cache, slot) in resident:  # a peer's bytes come across, or its rows come back
                 parts = cache.parts(layer, slot)
-                run(expert, *(parts if chain.computes(cache) else (p.to(self.device) for p in parts)))
+                if chain.computes(cache):
+                    run(expert, *parts)
+                elif batched and cache.device.type == "cpu":
+                    here.append((expert, parts))
+                else:
+                    run(expert, *(p.to(self.device) for p in parts))
+            if here:
+                self._cpu_batch(here, groups, order, k, hidden, fmt, ffn, out)
             self.ring.run(layer, link, lambda e, packed: run(e, *fmt.split(packed)))
             for lane, streamed in away:  # over the peer's own host link, computed there
                 lane.ring().run(layer, streamed, lambda e, packed: run(e, *fmt.split(packed)))
         for pairs, rows in on_cpu:
             out[pairs] = rows.result().to(self.device, out.dtype)
         n_peer = sum(1 for _, (cache, _) in resident if cache is not chain.own)
+        self.telemetry.add_expert_bytes(len(groups) * sum(fmt.nbytes))
         self.telemetry.count(self.name, {"resident": len(resident) - n_peer, "peer": n_peer,
                                          "pcie" if self.decoding else "streamed": len(link),
                                          "cpu": len(missed) - n_link})
@@ -263,6 +282,7 @@ class CachedExpertRows:
         for lane in chain.lanes:
             lane.join()
         self._count_sources(chain, holder, owners, per_expert, plans[0].n_missed())
+        self.telemetry.add_expert_bytes(sum(1 for experts in owners for e in experts if per_expert[e]) * sum(fmt.nbytes))
         return out, order
 
     def _count_sources(self, chain: Chain, holder: list[tuple[ExpertCache, int] | None], owners: list[list[int]],
@@ -405,21 +425,45 @@ class CachedExpertRows:
         with self.telemetry.compute(hidden.device):
             return fused_decode_rows(hidden, slots, arena, slot, expert, fmt, ffn, self.direct_misses)
 
+    def _cpu_batch(self, experts: list[tuple[int, tuple[torch.Tensor, ...]]], groups: dict[int, tuple[int, int]],
+                   order: torch.Tensor, k: int, hidden: torch.Tensor, fmt: ExpertFormat, ffn: ExpertFFN,
+                   out: torch.Tensor) -> None:
+        """The rows of ``experts`` ((id, raw gate/up/down) each, on the CPU) through one call of the CPU
+        kernels, written to ``out`` at their pairs."""
+        pairs, counts = _segments([e for e, _ in experts], groups, order)
+        rows = cpu_experts_ffn(hidden[pairs // k], [parts for _, parts in experts], counts, fmt.qtypes, fmt.shapes,
+                               ffn, [e for e, _ in experts])  # [n, H]
+        out[pairs] = rows.to(out.dtype)
+
     def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
                     order: torch.Tensor, k: int, hidden: torch.Tensor,
                     ffn: ExpertFFN) -> list[tuple[torch.Tensor, Future]]:
-        """Start the CPU rows of ``experts`` from the arena; returns (pairs, future rows) per expert."""
+        """Start the CPU rows of ``experts`` from the arena, read in place; returns (pairs, future rows) per
+        expert, or one entry for them all where the CPU kernels cover the formats (one call a layer)."""
         fmt = self.arena.formats[layer]
+        if experts and has_cpu_kernel(fmt.qtypes, fmt.shapes):
+            pairs, counts = _segments(experts, groups, order)
+            parts = [self.arena.parts(layer, e) for e in experts]
+            return [(pairs, self._on_cpu(cpu_experts_ffn, hidden[pairs // k].cpu(), parts, counts, fmt.qtypes,
+                                         fmt.shapes, ffn, experts))]
         jobs = []
         for expert in experts:
-            start, end = groups[expert]
-            pairs = order[start:end]  # [n]
+            pairs = order[groups[expert][0]:groups[expert][1]]  # [n]
             x = hidden[pairs // k].cpu()  # [n, H]
-            parts = self.arena.parts(layer, expert)
-            if self.cpu_pool is None:
-                fut: Future = Future()
-                fut.set_result(expert_ffn(x, *parts, fmt.qtypes, fmt.shapes, ffn, expert))
-            else:
-                fut = self.cpu_pool.submit(expert_ffn, x, *parts, fmt.qtypes, fmt.shapes, ffn, expert)
-            jobs.append((pairs, fut))
+            jobs.append((pairs, self._on_cpu(expert_ffn, x, *self.arena.parts(layer, expert), fmt.qtypes, fmt.shapes,
+                                             ffn, expert)))
         return jobs
+
+    def _on_cpu(self, fn, *args) -> Future:
+        """``fn(*args)`` on the CPU pool's worker (a GPU device), else now."""
+        if self.cpu_pool is not None:
+            return self.cpu_pool.submit(fn, *args)
+        fut: Future = Future()
+        fut.set_result(fn(*args))
+        return fut
+
+
+def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The pairs of ``experts`` (their spans ``groups`` of ``order``) one after another, and how many each."""
+    pairs = torch.cat([order[groups[e][0]:groups[e][1]] for e in experts])  # [n]
+    return pairs, [groups[e][1] - groups[e][0] for e in experts]

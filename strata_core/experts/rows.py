@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 from gguf import GGMLQuantizationType
 
+from strata_core.experts.cpu_ffn import cpu_experts_ffn, takes_cpu_kernels
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.weights import ExpertWeights
 from strata_core.ops.combine import combine_rows
@@ -41,7 +42,10 @@ class ExpertRows(Protocol):
 def expert_ffn(x: torch.Tensor, gate_raw: torch.Tensor, up_raw: torch.Tensor, down_raw: torch.Tensor,
                qtypes: QTypes, shapes: Shapes, ffn: ExpertFFN = SILU, expert: int = 0) -> torch.Tensor:
     """Expert ``expert``'s gated FFN on ``x [n, H]`` from raw blocks: ``down(silu(gate x) * up x)``,
-    or as ``ffn`` says (its activation, the expert's biases)."""
+    or as ``ffn`` says (its activation, the expert's biases). On the CPU the block kernels compute it
+    where they cover the formats (``cpu_experts_ffn``), else ``quant_matmul``."""
+    if takes_cpu_kernels(x, qtypes, shapes):
+        return cpu_experts_ffn(x, [(gate_raw, up_raw, down_raw)], [x.shape[0]], qtypes, shapes, ffn, [expert])
     g = quant_matmul(x, gate_raw, qtypes[0], shapes[0])  # [n, F]
     u = quant_matmul(x, up_raw, qtypes[1], shapes[1])  # [n, F]
     return ffn.post(quant_matmul(ffn.hidden(g, u, expert), down_raw, qtypes[2], shapes[2]), expert)  # [n, H]

@@ -39,6 +39,7 @@ class ExpertTelemetry:
         self.experts = {"resident": 0, "peer": 0, "streamed": 0, "pcie": 0, "cpu": 0}
         self._by_device: dict[str, dict[str, int]] = {}
         self.bytes_copied = 0
+        self.expert_bytes = 0  # blocks of the routed experts the loop per expert computed
         self.swaps = 0
         self._seconds = {"copy": 0.0, "compute": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -55,6 +56,10 @@ class ExpertTelemetry:
         for source, n in by_source.items():
             self.experts[source] += n
             per_device[source] += n
+
+    def add_expert_bytes(self, nbytes: int) -> None:
+        """Add the bytes of expert blocks one layer computed (read once each, wherever they were)."""
+        self.expert_bytes += nbytes
 
     def by_device(self) -> dict[str, dict[str, int]]:
         """The expert groups served per device slot, by source, since ``reset()`` (host counters)."""
@@ -117,7 +122,8 @@ class ExpertTelemetry:
     # --- reading -------------------------------------------------------------------------------
     def snapshot(self) -> dict[str, float | int]:
         """Counters as plain numbers: hits/misses (routed pairs), experts by source, bytes streamed,
-        copy and compute seconds, and the derived hit rate and link GB/s."""
+        expert bytes computed, copy and compute seconds, and the derived hit rate, link GB/s and expert GB/s
+        (expert bytes a second of expert compute)."""
         for kind, start, end in self._events:  # resolved once, then folded in: a long-lived reader (the
             end.synchronize()  # server reads after every step) pays for the new events only
             self._seconds[kind] += start.elapsed_time(end) / 1e3
@@ -133,6 +139,7 @@ class ExpertTelemetry:
             "expert_misses": self.routed - hits,
             **{f"experts_{k}": v + device.get(f"experts_{k}", 0) for k, v in self.experts.items()},
             "bytes_streamed": self.bytes_copied + device.get("bytes_streamed", 0),
+            "expert_bytes": self.expert_bytes,
             "copy_s": seconds["copy"],
             "compute_s": seconds["compute"],
             "swaps": self.swaps,
@@ -145,11 +152,12 @@ class ExpertTelemetry:
         return _with_rates({k: v - before.get(k, 0) for k, v in now.items() if k not in _RATES})
 
 
-_RATES = ("hit_rate", "link_gbps")
+_RATES = ("hit_rate", "link_gbps", "expert_gbps")
 
 
 def _with_rates(c: dict[str, float | int]) -> dict[str, float | int]:
     routed = c["expert_hits"] + c["expert_misses"]
     c["hit_rate"] = c["expert_hits"] / routed if routed else 1.0
     c["link_gbps"] = c["bytes_streamed"] / c["copy_s"] / 1e9 if c["copy_s"] > 0 else 0.0
+    c["expert_gbps"] = c["expert_bytes"] / c["compute_s"] / 1e9 if c["compute_s"] > 0 else 0.0
     return c

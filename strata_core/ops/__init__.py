@@ -10,6 +10,10 @@
   :mod:`strata_core.ops.moe_kernels`, launched by :mod:`strata_core.ops.moe_triton`; see :mod:`strata_core.ops.moe`)
 - ``strata::q8_linear(Tensor x, Tensor codes, Tensor scales) -> Tensor``: ``x @ W.T`` read straight from a
   repacked Q8_0 matrix (decode's dense products on CUDA; see :mod:`strata_core.ops.dense_q8`)
+- ``strata::qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor``:
+  quantized products on the CPU read from the blocks in place, one weight per segment of ``x`` (every CPU
+  expert path; a C++ extension compiled on first use, see :mod:`strata_core.ops.cpu_kernels`; its oracle is
+  ``x @ dequantize(W).T``)
 - ``strata::mla_attention(...)``: deepseek2's multi-head latent attention over the latent cache
   (Triton flash decoding on CUDA; see :mod:`strata_core.ops.mla`, imported by the deepseek2 model)
 

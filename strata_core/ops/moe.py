@@ -16,8 +16,9 @@ activation (gpt-oss: swiglu_oai); the CUDA kernels apply them in registers. The 
 topologies or residency tables: a caller finds ``slot`` from its table on the device.
 
 CPU kernel (the oracle): the gather reference of :mod:`strata_core.ops.gather`, then
-:func:`pair_ffn_reference` (dequantize every pair's blocks, per-pair batched products in float32,
-cast step by step like ``expert_ffn``).
+:func:`pair_ffn_reference`: the CPU block kernels (:mod:`strata_core.ops.cpu_kernels`, one weight a
+pair) where they cover the formats, else dequantize every pair's blocks and per-pair batched products
+in float32; cast step by step like ``expert_ffn`` either way.
 
 CUDA kernel (:mod:`strata_core.ops.moe_kernels`, launched by :mod:`strata_core.ops.moe_triton`, which
 registers them for the ops here where Triton is installed): two
@@ -68,6 +69,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from strata_core.experts.cpu_ffn import cpu_experts_ffn, takes_cpu_kernels
 from strata_core.experts.ffn import ACTIVATIONS, SILU, ExpertFFN
 from strata_core.ops.combine import combine_rows
 from strata_core.ops.gather import _reference as _gather_reference
@@ -210,7 +212,12 @@ def _pair_linear(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) -> Te
 def pair_ffn_reference(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, qtypes: Sequence[int],
                        shapes: Sequence[Sequence[int]], ffn: ExpertFFN = SILU, expert: Tensor | None = None) -> Tensor:
     """Rows ``[P, H]``: pair p's expert (blocks ``gate[p]``, ``up[p]``, ``down[p]``) on ``x[p]`` (``[P, H]``);
-    ``ffn`` other than plain SiLU: its activation and the biases of ``expert [P]`` (as ``expert_ffn``)."""
+    ``ffn`` other than plain SiLU: its activation and the biases of ``expert [P]`` (as ``expert_ffn``).
+    On the CPU the block kernels compute it where they cover the formats, one weight each pair, so a
+    pair's row has the bits ``expert_ffn`` gives it."""
+    if takes_cpu_kernels(x, qtypes, shapes):
+        experts = () if expert is None else expert
+        return cpu_experts_ffn(x, list(zip(gate, up, down)), [1] * x.shape[0], qtypes, shapes, ffn, experts)
     g = _pair_linear(x, gate, qtypes[0], shapes[0])  # [P, F]
     u = _pair_linear(x, up, qtypes[1], shapes[1])  # [P, F]
     return ffn.post(_pair_linear(ffn.hidden(g, u, expert), down, qtypes[2], shapes[2]), expert)  # [P, H]

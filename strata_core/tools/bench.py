@@ -2,7 +2,8 @@
 
 Each figure is the median of ``repeats`` runs on fresh sessions with seeded random token ids,
 after one untimed warm-up (kernel compilation), timed until every device of the plan has finished, and reported with the expert telemetry of
-those runs (hit rate, link GB/s, bytes streamed) and the cache settings in effect.
+those runs (hit rate, link GB/s, bytes streamed; routed-expert bytes read a second of the run and of
+expert compute) and the cache settings in effect.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ class BenchResult:
     hit_rate: float
     link_gbps: float
     bytes_streamed: int
+    expert_gbps: float = 0.0  # routed-expert bytes computed per second of the figure's wall time
+    kernel_gbps: float = 0.0  # the same per second of expert compute
     sessions: int = 1
 
 
@@ -69,14 +72,20 @@ def _sync(engine: Engine) -> None:
         synchronize(slot.device)
 
 
-def _result(kind: str, length: int, runs: list[float], deltas: list[dict[str, Any]], sessions: int = 1) -> BenchResult:
-    """The median of ``runs`` with the telemetry of all runs (``ExpertTelemetry.delta`` each)."""
-    total = {k: sum(d[k] for d in deltas) for k in ("expert_hits", "expert_misses", "bytes_streamed", "copy_s")}
+def _result(kind: str, length: int, runs: list[float], deltas: list[dict[str, Any]], tokens: int,
+            sessions: int = 1) -> BenchResult:
+    """The median of ``runs`` (tok/s of ``tokens`` tokens each) with the telemetry of all runs
+    (``ExpertTelemetry.delta`` each); the expert GB/s is the bytes of routed experts a token times the median tok/s."""
+    total = {k: sum(d[k] for d in deltas)
+             for k in ("expert_hits", "expert_misses", "bytes_streamed", "copy_s", "expert_bytes", "compute_s")}
     routed = total["expert_hits"] + total["expert_misses"]
-    return BenchResult(kind, length, statistics.median(runs), runs,
+    tok_s = statistics.median(runs)
+    return BenchResult(kind, length, tok_s, runs,
                        hit_rate=total["expert_hits"] / routed if routed else 1.0,
                        link_gbps=total["bytes_streamed"] / total["copy_s"] / 1e9 if total["copy_s"] else 0.0,
-                       bytes_streamed=int(total["bytes_streamed"]), sessions=sessions)
+                       bytes_streamed=int(total["bytes_streamed"]), sessions=sessions,
+                       expert_gbps=total["expert_bytes"] / (tokens * len(runs)) * tok_s / 1e9,
+                       kernel_gbps=total["expert_bytes"] / total["compute_s"] / 1e9 if total["compute_s"] else 0.0)
 
 
 def _timed(engine: Engine, work) -> tuple[float, dict[str, Any]]:
@@ -99,7 +108,7 @@ def bench_prefill(engine: Engine, length: int, repeats: int) -> BenchResult:
         engine.release_session(session)
         runs.append(length / seconds)
         deltas.append(delta)
-    return _result("prefill", length, runs, deltas)
+    return _result("prefill", length, runs, deltas, length)
 
 
 def bench_decode(engine: Engine, context: int, steps: int, repeats: int, sessions: int = 1,
@@ -124,7 +133,7 @@ def bench_decode(engine: Engine, context: int, steps: int, repeats: int, session
             engine.release_session(session)
         runs.append(sessions * steps / seconds)
         deltas.append(delta)
-    return _result("decode-sampled" if sampled else "decode", context, runs, deltas, sessions)
+    return _result("decode-sampled" if sampled else "decode", context, runs, deltas, sessions * steps, sessions)
 
 
 def warm_up(engine: Engine, prompt: int = 64) -> None:
@@ -202,12 +211,13 @@ def machine_name(devices: list[torch.device]) -> str:
 def format_table(results: list[BenchResult], setup: dict[str, Any]) -> str:
     """A Markdown table of the results with the settings line above it."""
     lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in setup.items()), "",
-             "| phase | tokens | sessions | tok/s (median) | runs | hit rate | link GB/s | MB streamed |",
-             "|---|---:|---:|---:|---|---:|---:|---:|"]
+             "| phase | tokens | sessions | tok/s (median) | runs | hit rate | link GB/s | MB streamed "
+             "| expert GB/s | expert GB/s of compute |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         runs = " / ".join(f"{x:.1f}" for x in r.runs)
         lines.append(f"| {r.kind} | {r.length} | {r.sessions} | {r.tok_s:.1f} | {runs} | {r.hit_rate:.1%} | "
-                     f"{r.link_gbps:.2f} | {r.bytes_streamed / 1e6:.1f} |")
+                     f"{r.link_gbps:.2f} | {r.bytes_streamed / 1e6:.1f} | {r.expert_gbps:.2f} | {r.kernel_gbps:.2f} |")
     return "\n".join(lines)
 
 

@@ -1,0 +1,83 @@
+"""``strata::qlinear_grouped``: quantized products on the CPU that read GGML blocks in place.
+
+``qlinear_grouped(x [N, K] float32, weights: list of uint8 [out * row_bytes], counts: list[int],
+qtype, out) -> [N, out] float32``: the rows of ``x`` are cut into consecutive segments, segment i
+(``counts[i]`` rows) multiplied by ``weights[i]`` transposed (``out`` rows of ``K`` values in
+``qtype`` blocks). One call computes every routed expert of a layer (its pairs sorted by expert) or
+one weight each pair, threaded over (segment, 16 rows) on ``torch.get_num_threads()`` threads.
+
+The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
+reference (strata_core/quant), and multiplies it into up to 8 tokens with lane-wise fused
+multiply-adds; a row's result does not depend on the other rows, the threads or the instruction set
+(AVX-512 or AVX2, chosen at run time; ``strata::cpu_kernel_limit_isa`` caps it, for tests), so every
+CPU expert path computes the same bits. Tolerance
+against the reference dequantize + matmul: float32 within a relative 1e-5 (summation order), as the
+CUDA kernels (tests/test_cpu_kernels.py).
+
+The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
+extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
+changes). Without a compiler, or with ``STRATA_CPU_KERNELS=0``, :func:`cpu_kernels` is False and
+callers use the reference (one warning).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from torch import Tensor
+
+__all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "has_cpu_kernel", "qlinear_grouped"]
+
+log = logging.getLogger(__name__)
+
+#: The block formats with a CPU kernel; the others run the torch reference.
+CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_experts.cpp"
+_ISA = ("generic", "AVX2", "AVX-512")
+
+
+@functools.cache
+def cpu_kernels() -> bool:
+    """Whether the CPU kernels are loaded (compiled on the first call); logs the instruction set and
+    the thread count, or warns once why the reference is used instead."""
+    if os.environ.get("STRATA_CPU_KERNELS", "1") == "0":
+        log.info("CPU expert kernels off (STRATA_CPU_KERNELS=0): the torch reference computes CPU experts")
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="strata_cpu_experts", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
+        log.warning("CPU expert kernels unavailable (%s: %s): the torch reference computes CPU experts",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+    torch.library.register_fake("strata::qlinear_grouped")(_qlinear_fake)
+    log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
+    return True
+
+
+def has_cpu_kernel(qtypes: Sequence[int], shapes: Sequence[Sequence[int]]) -> bool:
+    """Whether the CPU kernels are loaded and cover matrices of ``qtypes`` and ``shapes`` (``(out, in)``
+    each, rows of whole blocks)."""
+    return all(int(q) in CPU_KERNEL_TYPES and shape[1] % GGML_QUANT_SIZES[T(int(q))][0] == 0
+               for q, shape in zip(qtypes, shapes)) and cpu_kernels()
+
+
+def qlinear_grouped(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
+    """``[N, out]`` float32: segment i of ``x`` (its next ``counts[i]`` rows) times ``weights[i]``
+    (``out`` rows of ``x.shape[1]`` values in ``qtype`` blocks, contiguous uint8) transposed.
+    Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.qlinear_grouped(x.float().contiguous(), [w.contiguous() for w in weights],
+                                            counts, int(qtype), out)
+
+
+def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
+    return x.new_empty((x.shape[0], out), dtype=torch.float32)

@@ -1,0 +1,357 @@
+// Quantized products of GGML blocks on the CPU, read in place: y[t, r] = x[t] . W[r] for segments of
+// rows of x, each against its own weight matrix (the routed experts of a layer, or one pair each).
+//
+// Each block is decoded once into float32 (the reference's values), then multiplied into every token
+// of a tile with lane-wise fused multiply-adds over 16 lanes, reduced in a fixed order at the end of a
+// row: the result of one (token, row) does not depend on the other tokens, the tile, the thread count
+// or the instruction set (the AVX2 and AVX-512 bodies are the same lane arithmetic), so every CPU
+// expert path computes the same bits.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define STRATA_INLINE inline __attribute__((always_inline))
+
+// GGML type ids (gguf GGMLQuantizationType)
+constexpr int Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39;
+constexpr int LANES = 16;      // accumulator lanes of one token
+constexpr int TOKEN_TILE = 8;  // tokens multiplied per decoded block
+constexpr int ROW_CHUNK = 16;  // rows of one work item
+constexpr int64_t MIN_THREAD_BYTES = 64 << 10;
+
+STRATA_INLINE float fp16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+  if (exp == 0) {
+    if (man == 0) {
+      bits = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while (!(man & 0x400)) { man <<= 1; --exp; }
+      bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+STRATA_INLINE float e8m0_half(uint8_t e) {  // 2**(e - 128), ggml_e8m0_to_fp32_half
+  uint32_t bits = e < 2 ? 0x00200000u << e : uint32_t(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+
+struct Geometry { int values, bytes; };
+
+Geometry geometry(int64_t qtype) {
+  switch (qtype) {
+    case Q4_0: return {32, 18};
+    case Q8_0: return {32, 34};
+    case MXFP4: return {32, 17};
+    case Q4_K: return {256, 144};
+    case Q5_K: return {256, 176};
+    case Q6_K: return {256, 210};
+    case IQ4_XS: return {256, 136};
+    default: return {0, 0};
+  }
+}
+
+// The 6-bit scale and min j of a Q4_K / Q5_K block's 12 scale bytes.
+STRATA_INLINE void scale_min(const uint8_t* s, int j, float& sc, float& mn) {
+  if (j < 4) {
+    sc = float(s[j] & 63);
+    mn = float(s[j + 4] & 63);
+  } else {
+    sc = float((s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4));
+    mn = float((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// 16 lanes as GCC vector types: one zmm register with AVX-512, two ymm with AVX2; the same lane
+// arithmetic either way.
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
+typedef int8_t i8x16 __attribute__((vector_size(16)));
+typedef uint8_t u8x16u __attribute__((vector_size(16), aligned(1)));
+
+STRATA_INLINE u8x16 load16(const uint8_t* p) { return *reinterpret_cast<const u8x16u*>(p); }
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+// widened to int32 first: a direct byte -> float conversion is scalarised by GCC
+STRATA_INLINE f32x16 floats(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+STRATA_INLINE f32x16 floats(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+STRATA_INLINE f32x16 splat(float v) { return f32x16{} + v; }
+// table[code] of 16 int8 values for 16 codes 0..15 (a byte shuffle)
+STRATA_INLINE f32x16 lookup(const i8x16 table, u8x16 codes) { return floats(__builtin_shuffle(table, codes)); }
+
+// Decoders: one block's values in float32 (``out`` as 16-lane vectors), as strata_core/quant computes them.
+STRATA_INLINE void decode_q8_0(const uint8_t* b, f32x16* out) {
+  const f32x16 d = splat(fp16(b));
+  out[0] = floats(i8x16(load16(b + 2))) * d;
+  out[1] = floats(i8x16(load16(b + 18))) * d;
+}
+
+STRATA_INLINE void decode_q4_0(const uint8_t* b, f32x16* out) {
+  const f32x16 d = splat(fp16(b)), eight = splat(8.f);
+  const u8x16 q = load16(b + 2);
+  out[0] = d * (floats(u8x16(q & 15)) - eight);
+  out[1] = d * (floats(u8x16(q >> 4)) - eight);
+}
+
+const i8x16 IQ4NL = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+const i8x16 MXFP4_VALUES = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+STRATA_INLINE void decode_mxfp4(const uint8_t* b, f32x16* out) {
+  const f32x16 d = splat(e8m0_half(b[0]));
+  const u8x16 q = load16(b + 1);
+  out[0] = d * lookup(MXFP4_VALUES, q & 15);
+  out[1] = d * lookup(MXFP4_VALUES, q >> 4);
+}
+
+STRATA_INLINE void decode_q4_k(const uint8_t* b, f32x16* out) {
+  const float d = fp16(b), dmin = fp16(b + 2);
+  const uint8_t* s = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0; j < 4; ++j) {
+    float sc0, m0, sc1, m1;
+    scale_min(s, 2 * j, sc0, m0);
+    scale_min(s, 2 * j + 1, sc1, m1);
+    const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
+    for (int h = 0; h < 2; ++h) {
+      const u8x16 v = load16(q + 32 * j + 16 * h);
+      out[4 * j + h] = d0 * floats(u8x16(v & 15)) - n0;
+      out[4 * j + 2 + h] = d1 * floats(u8x16(v >> 4)) - n1;
+    }
+  }
+}
+
+STRATA_INLINE void decode_q5_k(const uint8_t* b, f32x16* out) {
+  const float d = fp16(b), dmin = fp16(b + 2);
+  const uint8_t* s = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* q = b + 48;
+  for (int j = 0; j < 4; ++j) {
+    float sc0, m0, sc1, m1;
+    scale_min(s, 2 * j, sc0, m0);
+    scale_min(s, 2 * j + 1, sc1, m1);
+    const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
+    for (int h = 0; h < 2; ++h) {
+      const u8x16 v = load16(q + 32 * j + 16 * h), hb = load16(qh + 16 * h);
+      const u8x16 lo = (v & 15) | (((hb >> (2 * j)) & 1) << 4);
+      const u8x16 hi = (v >> 4) | (((hb >> (2 * j + 1)) & 1) << 4);
+      out[4 * j + h] = d0 * floats(lo) - n0;
+      out[4 * j + 2 + h] = d1 * floats(hi) - n1;
+    }
+  }
+}
+
+STRATA_INLINE void decode_q6_k(const uint8_t* b, f32x16* out) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = fp16(b + 208);
+  const f32x16 off = splat(32.f);
+  for (int r = 0; r < 2; ++r) {  // two runs of 128 values
+    for (int k = 0; k < 4; ++k) {  // 32 values a step: nibble k / 2 of ql, bits 2k of qh
+      const int shift = 4 * (k >> 1);
+      for (int h = 0; h < 2; ++h) {  // 16 values, one scale
+        const u8x16 l = load16(ql + 64 * r + 32 * (k & 1) + 16 * h), hb = load16(qh + 32 * r + 16 * h);
+        const u8x16 q = ((l >> shift) & 15) | (((hb >> (2 * k)) & 3) << 4);
+        out[8 * r + 2 * k + h] = splat(d * float(sc[8 * r + 2 * k + h])) * (floats(q) - off);
+      }
+    }
+  }
+}
+
+STRATA_INLINE void decode_iq4_xs(const uint8_t* b, f32x16* out) {
+  const float d = fp16(b);
+  const uint16_t sh = uint16_t(b[2] | (b[3] << 8));
+  const uint8_t* sl = b + 4;
+  const uint8_t* q = b + 8;
+  for (int j = 0; j < 8; ++j) {
+    const int sc = ((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+    const f32x16 dl = splat(d * float(sc - 32));
+    const u8x16 v = load16(q + 16 * j);
+    out[2 * j] = dl * lookup(IQ4NL, v & 15);
+    out[2 * j + 1] = dl * lookup(IQ4NL, v >> 4);
+  }
+}
+
+// One segment: tokens [t0, t0 + n) of x against rows of W.
+struct Segment { const uint8_t* w; int64_t t0, n; };
+
+// Rows [r0, r1) of one segment: tokens in tiles, each block decoded once per tile.
+template <int QT, int VALUES, int BYTES>
+STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,
+                             int64_t out_features) {
+  constexpr int V = VALUES / LANES;
+  const int64_t blocks = K / VALUES, row_bytes = blocks * BYTES;
+  f32x16 w[V];
+  f32x16 acc[TOKEN_TILE];
+  for (int64_t t0 = 0; t0 < seg.n; t0 += TOKEN_TILE) {
+    const int nt = int(seg.n - t0 < TOKEN_TILE ? seg.n - t0 : TOKEN_TILE);
+    const float* xt = x + (seg.t0 + t0) * K;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = seg.w + r * row_bytes;
+      for (int t = 0; t < TOKEN_TILE; ++t) acc[t] = f32x16{};
+      for (int64_t bi = 0; bi < blocks; ++bi) {
+        const uint8_t* blk = row + bi * BYTES;
+        if constexpr (QT == Q8_0) decode_q8_0(blk, w);
+        else if constexpr (QT == Q4_0) decode_q4_0(blk, w);
+        else if constexpr (QT == MXFP4) decode_mxfp4(blk, w);
+        else if constexpr (QT == Q4_K) decode_q4_k(blk, w);
+        else if constexpr (QT == Q5_K) decode_q5_k(blk, w);
+        else if constexpr (QT == Q6_K) decode_q6_k(blk, w);
+        else decode_iq4_xs(blk, w);
+        for (int t = 0; t < nt; ++t) {
+          const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES);
+          for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // contracted to an FMA
+        }
+      }
+      for (int t = 0; t < nt; ++t) {  // fixed pairwise order over the lanes
+        float s[LANES];
+        std::memcpy(s, &acc[t], sizeof(s));
+        for (int width = LANES / 2; width >= 1; width /= 2)
+          for (int l = 0; l < width; ++l) s[l] = s[l] + s[l + width];
+        y[(seg.t0 + t0 + t) * out_features + r] = s[0];
+      }
+    }
+  }
+}
+
+using RowsFn = void (*)(const float*, int64_t, const Segment&, int64_t, int64_t, float*, int64_t);
+
+// The same body compiled for each instruction set (inlined, so vectorised with its registers).
+#define STRATA_ROWS(NAME, ATTRIBUTES)                                                                       \
+  template <int QT, int VALUES, int BYTES>                                                                 \
+  ATTRIBUTES void NAME(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,     \
+                       int64_t out_features) {                                                             \
+    rows_body<QT, VALUES, BYTES>(x, K, seg, r0, r1, y, out_features);                                      \
+  }
+STRATA_ROWS(rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
+STRATA_ROWS(rows_avx2, __attribute__((target("avx2,fma,f16c"))))
+STRATA_ROWS(rows_generic, )
+#undef STRATA_ROWS
+
+enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
+
+Isa detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return Isa::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
+  return Isa::generic;
+}
+
+Isa& chosen_isa() {
+  static Isa isa = detect_isa();
+  return isa;
+}
+
+template <int QT, int VALUES, int BYTES>
+RowsFn pick() {
+  switch (chosen_isa()) {
+    case Isa::avx512: return &rows_avx512<QT, VALUES, BYTES>;
+    case Isa::avx2: return &rows_avx2<QT, VALUES, BYTES>;
+    default: return &rows_generic<QT, VALUES, BYTES>;
+  }
+}
+
+RowsFn rows_fn(int64_t qtype) {
+  switch (qtype) {
+    case Q8_0: return pick<Q8_0, 32, 34>();
+    case Q4_0: return pick<Q4_0, 32, 18>();
+    case MXFP4: return pick<MXFP4, 32, 17>();
+    case Q4_K: return pick<Q4_K, 256, 144>();
+    case Q5_K: return pick<Q5_K, 256, 176>();
+    case Q6_K: return pick<Q6_K, 256, 210>();
+    case IQ4_XS: return pick<IQ4_XS, 256, 136>();
+    default: return nullptr;
+  }
+}
+
+// x [N, K] float32; weights[i] the packed rows (out_features x K values) of segment i, which owns
+// counts[i] consecutive rows of x; returns [N, out_features] float32.
+at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntArrayRef counts, int64_t qtype,
+                           int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "qlinear_grouped: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(weights.size() == counts.size(), "qlinear_grouped: ", weights.size(), " weights for ",
+              counts.size(), " counts");
+  RowsFn fn = rows_fn(qtype);
+  const Geometry g = geometry(qtype);
+  TORCH_CHECK(fn != nullptr, "qlinear_grouped: no CPU kernel for GGML type ", qtype);
+  const at::Tensor xc = x.contiguous();
+  const int64_t N = xc.size(0), K = xc.size(1);
+  TORCH_CHECK(K % g.values == 0, "qlinear_grouped: row length ", K, " is not a multiple of ", g.values);
+  const int64_t row_bytes = K / g.values * g.bytes;
+  std::vector<Segment> segs;
+  int64_t t0 = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.is_contiguous(),
+                "qlinear_grouped: weights must be contiguous uint8 CPU tensors");
+    TORCH_CHECK(w.numel() == out_features * row_bytes, "qlinear_grouped: weight ", i, " holds ", w.numel(),
+                " bytes, expected ", out_features * row_bytes);
+    TORCH_CHECK(counts[i] >= 0, "qlinear_grouped: negative count");
+    if (counts[i] > 0) segs.push_back({w.data_ptr<uint8_t>(), t0, counts[i]});
+    t0 += counts[i];
+  }
+  TORCH_CHECK(t0 == N, "qlinear_grouped: counts sum to ", t0, ", x has ", N, " rows");
+  at::Tensor y = at::empty({N, out_features}, xc.options());
+  const int64_t chunks = (out_features + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t items = int64_t(segs.size()) * chunks;
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // at least MIN_THREAD_BYTES of weights a thread: a small product runs inline, sparing a wake-up of the pool
+  const int64_t grain = (MIN_THREAD_BYTES + ROW_CHUNK * row_bytes - 1) / (ROW_CHUNK * row_bytes);
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const Segment& seg = segs[item / chunks];
+      const int64_t r0 = (item % chunks) * ROW_CHUNK;
+      const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
+      fn(xp, K, seg, r0, r1, yp, out_features);
+    }
+  });
+  return y;
+}
+
+// The instruction set the kernels run with: 0 generic, 1 AVX2, 2 AVX-512.
+int64_t kernel_isa() { return int64_t(chosen_isa()); }
+
+// Run with at most instruction set ``isa`` from now on (tests compare the bodies); returns the one chosen.
+int64_t limit_kernel_isa(int64_t isa) {
+  const Isa best = detect_isa();
+  chosen_isa() = int64_t(best) < isa ? best : Isa(isa < 0 ? 0 : isa);
+  return int64_t(chosen_isa());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(strata, m) {
+  m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");
+  m.def("cpu_kernel_isa() -> int");
+  m.def("cpu_kernel_limit_isa(int isa) -> int");
+}
+
+TORCH_LIBRARY_IMPL(strata, CPU, m) { m.impl("qlinear_grouped", &qlinear_grouped); }
+
+TORCH_LIBRARY_IMPL(strata, CompositeExplicitAutograd, m) {
+  m.impl("cpu_kernel_isa", &kernel_isa);
+  m.impl("cpu_kernel_limit_isa", &limit_kernel_isa);
+}

@@ -1,0 +1,78 @@
+"""The engine's CPU expert paths through the CPU kernels: used on ``--devices cpu``, the same logits as the
+reference dequantize + matmul within float tolerance, bit-identical whichever CPU path computes a row,
+and the reference when the kernels cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from strata_core.engine import Engine
+from strata_core.experts import cpu_ffn
+from strata_core.ops import cpu_kernels as kernels
+from strata_core.tools.synthetic import PRESETS, write_synthetic
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
+DECODE = [26, 43, 38, 32, 79]
+
+pytestmark = pytest.mark.skipif(not kernels.cpu_kernels(), reason="the CPU kernels did not build (see the warning)")
+
+
+@pytest.fixture(scope="module", params=[Q.Q4_K, Q.Q6_K])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("cpu-experts") / f"tiny-{request.param.name}.gguf"
+    write_synthetic(path, PRESETS["tiny"], expert_type=request.param, dense_type=Q.Q8_0, progress=False)
+    return path
+
+
+def _logits(engine: Engine) -> torch.Tensor:
+    """Prompt logits, then decode windows of one session."""
+    session = engine.new_session()
+    logits = [engine.prefill(session, PROMPT, all_logits=True)]
+    logits += [engine.decode_window([(session, token)]) for token in DECODE]
+    return torch.cat(logits)
+
+
+def test_cpu_engine_computes_its_experts_with_the_kernels(model, monkeypatch, one_thread):
+    calls = []
+    kernel = cpu_ffn.qlinear_grouped
+    monkeypatch.setattr(cpu_ffn, "qlinear_grouped", lambda *args: calls.append(args[3]) or kernel(*args))
+    got = _logits(Engine.load(model, max_context=64))
+    assert calls and all(qtype in kernels.CPU_KERNEL_TYPES for qtype in calls)
+    monkeypatch.setattr(cpu_ffn, "has_cpu_kernel", lambda qtypes, shapes: False)
+    want = _logits(Engine.load(model, max_context=64))  # the reference dequantize + matmul
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("options", [{"expert_cache": 0, "pcie_frac": 0.0}, {"expert_cache": 5, "pcie_frac": 0.5},
+                                     {"expert_cache": 5, "arena": "pinned", "gather": True}])
+def test_every_cpu_path_gives_the_resident_bits(model, options, one_thread):
+    """Misses computed from the arena in place (all, or a share beside the link) or the per-pair decode
+    gather: logits bit-identical to every expert resident."""
+    options = dict(options)
+    gather = options.pop("gather", False)
+    engine = Engine.load(model, max_context=64, **options)
+    if gather:
+        engine.experts.use_gather(True)
+    got = _logits(engine)
+    assert torch.equal(got, _logits(Engine.load(model, max_context=64)))
+    if options.get("pcie_frac", 1.0) < 1:
+        assert engine.telemetry.snapshot()["experts_cpu"] > 0
+
+
+def test_without_a_compiler_the_reference_runs_with_one_warning(monkeypatch, caplog):
+    def no_compiler(**kwargs):
+        raise RuntimeError("error: command 'c++' failed: No such file or directory")
+
+    monkeypatch.setattr("torch.utils.cpp_extension.load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert kernels.cpu_kernels.__wrapped__() is False
+    assert "torch reference computes CPU experts" in caplog.text and "No such file" in caplog.text
+
+
+def test_the_switch_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv("STRATA_CPU_KERNELS", "0")
+    assert kernels.cpu_kernels.__wrapped__() is False

@@ -1,0 +1,90 @@
+"""The CPU expert kernels (``strata::qlinear_grouped``) against the reference dequantize + matmul."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strata_core.ops.cpu_kernels import CPU_KERNEL_TYPES, cpu_kernels, qlinear_grouped
+from strata_core.quant import dequantize, random_blocks
+
+TYPES = sorted(CPU_KERNEL_TYPES)
+
+pytestmark = pytest.mark.skipif(not cpu_kernels(), reason="the CPU kernels did not build (see the warning)")
+
+
+def _weight(qtype: T, out: int, blocks_per_row: int, rng: np.random.Generator) -> tuple[torch.Tensor, int]:
+    """Random ``[out, in]`` blocks as a uint8 ``[out * row_bytes]`` tensor, and ``in``."""
+    block_size, _ = GGML_QUANT_SIZES[qtype]
+    raw = random_blocks(qtype, out * blocks_per_row, rng, scale=0.1)
+    return torch.from_numpy(raw).reshape(-1), blocks_per_row * block_size
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), counts=st.lists(st.integers(0, 19), min_size=1, max_size=4),
+       out=st.integers(1, 40), blocks=st.integers(1, 3))
+def test_grouped_product_matches_the_reference(qtype: T, seed: int, counts: list[int], out: int, blocks: int) -> None:
+    """Every segment's rows equal ``x @ dequantize(W).T`` within the CUDA kernels' float32 tolerance."""
+    rng = np.random.default_rng(seed)
+    weights, K = zip(*(_weight(qtype, out, blocks, rng) for _ in counts))
+    x = torch.from_numpy(rng.standard_normal((sum(counts), K[0]), dtype=np.float32))
+    got = qlinear_grouped(x, list(weights), counts, qtype, out)
+    want = torch.cat([xs @ dequantize(w, qtype, (out, K[0])).T for xs, w in zip(x.split(counts), weights)])
+    scale = want.abs().max().item() if want.numel() else 1.0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, scale))
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(TYPES), n=st.integers(1, 21), threads=st.integers(1, 2))
+def test_a_rows_bits_do_not_depend_on_the_batch(seed: int, qtype: T, n: int, threads: int) -> None:
+    """A token's row is the same bits alone, in a batch of ``n``, split per pair, with any thread count."""
+    rng = np.random.default_rng(seed)
+    w, K = _weight(qtype, 24, 2, rng)
+    x = torch.from_numpy(rng.standard_normal((n, K), dtype=np.float32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = qlinear_grouped(x, [w], [n], qtype, 24)
+        pairs = qlinear_grouped(x, [w] * n, [1] * n, qtype, 24)
+    finally:
+        torch.set_num_threads(before)
+    alone = qlinear_grouped(x[-1:], [w], [1], qtype, 24)
+    assert torch.equal(batch, pairs) and torch.equal(batch[-1:], alone)
+
+
+def test_opcheck_qlinear_grouped() -> None:
+    rng = np.random.default_rng(0)
+    w, K = _weight(T.Q4_K, 8, 1, rng)
+    x = torch.randn(3, K)
+    torch.library.opcheck(torch.ops.strata.qlinear_grouped.default, (x, [w, w], [1, 2], int(T.Q4_K), 8))
+
+
+def test_bad_arguments_are_errors_with_messages() -> None:
+    rng = np.random.default_rng(0)
+    w, K = _weight(T.Q8_0, 4, 1, rng)
+    x = torch.randn(2, K)
+    with pytest.raises(RuntimeError, match="counts sum to 1"):
+        qlinear_grouped(x, [w], [1], T.Q8_0, 4)
+    with pytest.raises(RuntimeError, match="expected"):
+        qlinear_grouped(x, [w], [2], T.Q8_0, 5)
+    with pytest.raises(RuntimeError, match="no CPU kernel"):
+        qlinear_grouped(x, [w], [2], T.Q2_K, 4)
+
+
+@pytest.mark.skipif(torch.ops.strata.cpu_kernel_isa() < 2 if cpu_kernels() else True, reason="no AVX-512 here")
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_the_avx2_body_gives_the_avx512_bits(qtype: T) -> None:
+    rng = np.random.default_rng(int(qtype))
+    w, K = _weight(qtype, 40, 2, rng)
+    x = torch.from_numpy(rng.standard_normal((11, K), dtype=np.float32))
+    wide = qlinear_grouped(x, [w], [11], qtype, 40)
+    try:
+        assert torch.ops.strata.cpu_kernel_limit_isa(1) == 1
+        assert torch.equal(qlinear_grouped(x, [w], [11], qtype, 40), wide)
+    finally:
+        torch.ops.strata.cpu_kernel_limit_isa(2)
