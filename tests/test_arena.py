@@ -44,3 +44,11 @@ def test_pinned_arena_copies_bytes_and_respects_the_limit(weights):
     packed = torch.empty(arena.slot_bytes, dtype=torch.uint8)
     arena.pack_into(2, 1, packed)
     assert torch.equal(packed[: arena.formats[2].total], torch.cat(arena.parts(2, 1)))
+
+
+def test_the_pinned_fill_reports_its_progress_and_rate(weights, caplog):
+    seen: list[float] = []
+    with caplog.at_level("INFO", logger="strata_core.experts.arena"):
+        arena = Arena(weights, 3, 4, "pinned", progress=seen.append)
+    assert arena.all_pinned and seen == sorted(seen) and seen[-1] == 1.0 and len(seen) == 3
+    assert any("GB/s" in r.getMessage() and "threads" in r.getMessage() for r in caplog.records)
