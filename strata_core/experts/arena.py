@@ -7,8 +7,8 @@ layer is one contiguous buffer, so expert e of it starts at ``base + e * total``
 can address any expert of the layer from the base pointer and the stride alone (the decode gather,
 see gather.py). The layers past the cap stay mmap views and are moved through pinned staging
 buffers (see transfer.py). The layers are filled by ``FILL_THREADS`` threads at once (page-locking a
-buffer and copying from the mapped file both release the GIL; one thread leaves most of the host's
-memory bandwidth unused); the log says the fill rate.
+buffer and numpy's copy from the mapped file both release the GIL; one thread leaves most of the
+host's memory bandwidth unused); the log says the fill rate.
 Without an accelerator the "pinned" copy is ordinary RAM (page-locking needs a device driver).
 """
 
@@ -22,6 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
@@ -106,9 +107,12 @@ class Arena:
                   unit_scale=True, desc="pinning experts", leave=False, disable=self.total_bytes < GIB) as bar:
 
             def fill(layer: int) -> None:
-                buf = torch.empty((self.n_experts, self.formats[layer].total), dtype=torch.uint8, pin_memory=pin)
-                for expert in range(self.n_experts):
-                    self.pack_into(layer, expert, buf[expert])
+                fmt = self.formats[layer]
+                buf = torch.empty((self.n_experts, fmt.total), dtype=torch.uint8, pin_memory=pin)
+                for expert in range(self.n_experts):  # numpy's copy: no OpenMP team left on this short-lived thread
+                    b = self.weights.blocks(layer, expert)
+                    for part, src in zip(fmt.split(buf[expert]), (b.gate, b.up, b.down)):
+                        np.copyto(part.numpy(), src.numpy())
                 self._packed[layer] = buf
                 with lock:
                     done[0] += 1
