@@ -74,7 +74,7 @@ if [ "${STAGE:-1}" = 1 ]; then
      step "llama.cpp built rc=$?") &
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # the carried ninja builds the CPU kernels
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$RES/pip.log" 2>&1 || { tail "$RES/pip.log"; exit 1; }
   [ -f $MODEL ] || strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > "$RES/synth.log" 2>&1
   step "model ready"

@@ -7,7 +7,7 @@
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # the carried ninja builds the CPU kernels
 packages=$(for p in plugins/*/ examples/*/; do [ -f "$p/pyproject.toml" ] && printf -- '-e %s ' "$p"; done)
 # shellcheck disable=SC2086
 python3 -m pip install -q --no-deps --no-build-isolation -e . $packages > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
