@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.ops.cpu_kernels import cpu_kernels, qlinear_grouped
 from strata_core.ops.matmul import linear
@@ -58,8 +60,8 @@ def main() -> None:
         repeats = max(3, min(10 * args.repeats, args.repeats * 4096 * 2048 // (out * k)))  # small: more calls
         for n in (int(t) for t in args.tokens.split(",")):
             x = torch.randn(n, k)
-            dense = best_ms(lambda: linear(x, weight), repeats)
-            kernel = best_ms(lambda: qlinear_grouped(x, [blocks], [n], qtype, out), repeats)
+            dense = best_ms(partial(linear, x, weight), repeats)
+            kernel = best_ms(partial(qlinear_grouped, x, [blocks], [n], qtype, out), repeats)
             diff = (linear(x, weight) - qlinear_grouped(x, [blocks], [n], qtype, out)).abs().max().item()
             print(f"| {out} x {k} | {n} | {dense:.3f} | {kernel:.3f} | {dense / kernel:.2f} | "
                   f"{blocks.numel() / kernel / 1e6:.1f} | {diff:.1e} |", flush=True)

@@ -15,8 +15,8 @@ from typing import Any
 
 from torch.profiler import ProfilerActivity, profile
 
-import strata_core.tools.bench as bench
 from strata_core.cli import main as strata_main
+from strata_core.tools import bench
 
 
 def main() -> None:
