@@ -75,23 +75,27 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         (gpt-oss's attention sinks)
 
     Every query row sees the same shapes whatever T is, so logits are bit-identical across chunk
-    and batch sizes (what the CPU path relies on); the scores ``[nh, T, S]`` are in memory.
+    and batch sizes (what the CPU path relies on); the scores ``[nh, T, S]`` are in memory. The
+    ``rep = nh / nkv`` query heads sharing a kv head are stacked as rows of one product with it
+    (``[nkv, rep * T, D]``), so the keys and values are read as they are, never repeated per head.
     """
     T, nh, D = q.shape
     S, nkv = keys.shape[0], keys.shape[1]
     rep = nh // nkv
-    keys = keys.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
-    values = values.to(q.dtype).transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
-    scores = matmul(q.transpose(0, 1), keys.transpose(1, 2)) * D ** -0.5  # [nh, T, S]
+    keys = keys.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
+    values = values.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
+    rows = q.view(T, nkv, rep, D).permute(1, 2, 0, 3).reshape(nkv, rep * T, D)  # row r*T + t: head kv*rep + r
+    scores = matmul(rows, keys.transpose(1, 2)) * D ** -0.5  # [nkv, rep*T, S]
     offset = positions[:, None] - torch.arange(S, device=q.device)[None, :]  # [T, S]
     visible = offset >= 0 if window is None else (offset >= 0) & (offset < window)  # [T, S]
-    scores = scores.masked_fill(~visible, float("-inf")).float()
+    scores = scores.masked_fill(~visible.repeat(rep, 1), float("-inf")).float()
     if sinks is None:
-        probs = torch.softmax(scores, dim=-1)  # [nh, T, S]
+        probs = torch.softmax(scores, dim=-1)  # [nkv, rep*T, S]
     else:
-        sink = sinks.float()[:, None, None].expand(nh, T, 1)  # [nh, T, 1]
-        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [nh, T, S]
-    return matmul(probs.to(q.dtype), values).transpose(0, 1).reshape(T, nh * D)  # [T, nh*D]
+        sink = sinks.float().view(nkv, rep, 1, 1).expand(nkv, rep, T, 1).reshape(nkv, rep * T, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [nkv, rep*T, S]
+    out = matmul(probs.to(q.dtype), values)  # [nkv, rep*T, D]
+    return out.view(nkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, nh * D)  # [T, nh*D]
 
 
 def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
