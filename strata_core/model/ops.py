@@ -64,9 +64,13 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, weight: to
     return apply_rope(x, cos, sin)
 
 
+#: keys a block of the CPU's masked attention (``masked_attention``): the blocks past a chunk's last query are skipped
+ATTN_BLOCK = 256
+
+
 def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                      window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal GQA attention as masked products over all ``S`` cached positions: ``[T, nh*D]``.
+    """Causal GQA attention as masked products over the ``S`` cached positions: ``[T, nh*D]``.
 
     :param q: ``[T, nh, D]`` queries (RoPE applied); ``keys``/``values``: ``[S, nkv, D]``
     :param positions: ``[T]`` the queries' positions; key ``s`` is visible when ``s <= position``
@@ -74,10 +78,14 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     :param sinks: ``[nh]`` a learned logit per head joining each softmax's denominator only
         (gpt-oss's attention sinks)
 
-    Every query row sees the same shapes whatever T is, so logits are bit-identical across chunk
-    and batch sizes (what the CPU path relies on); the scores ``[nh, T, S]`` are in memory. The
-    ``rep = nh / nkv`` query heads sharing a kv head are stacked as rows of one product with it
+    The ``rep = nh / nkv`` query heads sharing a kv head are stacked as rows of one product with it
     (``[nkv, rep * T, D]``), so the keys and values are read as they are, never repeated per head.
+    On the CPU the keys go in fixed blocks of ``ATTN_BLOCK`` positions merged by an online softmax,
+    and the blocks past the last query's position are skipped: a block no key of which a row sees
+    adds exactly nothing to that row (its scale is exp(0) = 1, its terms exp(-inf) = 0), so every
+    row's logits are bit-identical whatever the chunk, the batch or the cache's capacity around
+    it (what the CPU path relies on). Elsewhere one product over all S, with no host read (a
+    captured decode window runs it).
     """
     T, nh, D = q.shape
     S, nkv = keys.shape[0], keys.shape[1]
@@ -85,17 +93,52 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     keys = keys.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
     values = values.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
     rows = q.view(T, nkv, rep, D).permute(1, 2, 0, 3).reshape(nkv, rep * T, D)  # row r*T + t: head kv*rep + r
-    scores = matmul(rows, keys.transpose(1, 2)) * D ** -0.5  # [nkv, rep*T, S]
-    offset = positions[:, None] - torch.arange(S, device=q.device)[None, :]  # [T, S]
-    visible = offset >= 0 if window is None else (offset >= 0) & (offset < window)  # [T, S]
-    scores = scores.masked_fill(~visible.repeat(rep, 1), float("-inf")).float()
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)  # [nkv, rep*T, S]
+    row_positions = positions.repeat(rep)  # [rep*T]
+    sink = None if sinks is None else sinks.float().view(nkv, rep, 1, 1).expand(nkv, rep, T, 1).reshape(nkv, rep * T, 1)
+    if q.device.type == "cpu":
+        out = _blocked_attention(rows, keys, values, row_positions, window, sink)
     else:
-        sink = sinks.float().view(nkv, rep, 1, 1).expand(nkv, rep, T, 1).reshape(nkv, rep * T, 1)
-        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]  # [nkv, rep*T, S]
-    out = matmul(probs.to(q.dtype), values)  # [nkv, rep*T, D]
-    return out.view(nkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, nh * D)  # [T, nh*D]
+        scores = _masked_scores(rows, keys, row_positions, 0, window)  # [nkv, rep*T, S]
+        if sink is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :S]
+        out = matmul(probs.to(q.dtype), values)  # [nkv, rep*T, D]
+    return out.to(q.dtype).view(nkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, nh * D)  # [T, nh*D]
+
+
+def _masked_scores(rows: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor, first: int,
+                   window: int | None) -> torch.Tensor:
+    """float32 scores ``[nkv, R, S']`` of ``rows [nkv, R, D]`` (at ``positions [R]``) against ``keys [nkv, S', D]``
+    (positions ``first..``), -inf where a key is not visible."""
+    scores = matmul(rows, keys.transpose(1, 2)) * rows.shape[-1] ** -0.5
+    offset = positions[:, None] - torch.arange(first, first + keys.shape[1], device=rows.device)[None, :]  # [R, S']
+    visible = offset >= 0 if window is None else (offset >= 0) & (offset < window)
+    return scores.masked_fill(~visible, float("-inf")).float()
+
+
+def _blocked_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                       window: int | None, sink: torch.Tensor | None) -> torch.Tensor:
+    """``masked_attention``'s CPU form: float32 ``[nkv, R, D]``, key blocks of ``ATTN_BLOCK`` up to the last
+    row's position merged by an online softmax."""
+    end = min(keys.shape[1], int(positions.max()) + 1)
+    top = total = acc = None
+    for first in range(0, end, ATTN_BLOCK):
+        scores = _masked_scores(rows, keys[:, first:first + ATTN_BLOCK], positions, first, window)  # [nkv, R, b]
+        block_top = scores.amax(dim=-1, keepdim=True)  # [nkv, R, 1]
+        new_top = block_top if top is None else torch.maximum(top, block_top)
+        shift = new_top.nan_to_num(0.0, 0.0, 0.0)  # a row that sees no key yet: every term exp(-inf) = 0
+        weights = torch.exp(scores - shift)  # [nkv, R, b]
+        part = matmul(weights.to(rows.dtype), values[:, first:first + ATTN_BLOCK]).float()  # [nkv, R, D]
+        if top is None:
+            total, acc = weights.sum(dim=-1, keepdim=True), part
+        else:
+            scale = torch.exp(top - shift)  # [nkv, R, 1]
+            total, acc = total * scale + weights.sum(dim=-1, keepdim=True), acc * scale + part
+        top = new_top
+    if sink is not None:
+        total = total + torch.exp(sink - top.nan_to_num(0.0, 0.0, 0.0))
+    return acc / total
 
 
 def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -15,7 +15,8 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
-from strata_core.model.ops import apply_rope, masked_attention, norm_rope, rms_norm, rope_cos_sin, sdpa_attention
+from strata_core.model.ops import (ATTN_BLOCK, apply_rope, masked_attention, norm_rope, rms_norm, rope_cos_sin,
+                                   sdpa_attention)
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.matmul import batch_invariant, linear
@@ -149,12 +150,16 @@ class MoEModel:
     @staticmethod
     def masked_context(q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,
                        static: bool) -> int:
-        """How many cached positions the masked attention reads: on the CPU the whole cache, so every
-        query sees the same shapes whatever the chunk or batch (logits bit-identical across both), and
-        in a static (captured) window; else ``n_ctx`` (read from ``positions`` when not given)."""
-        if q.device.type == "cpu" or static:
+        """How many cached positions the masked attention reads: the whole cache in a static (captured)
+        window; on the CPU ``n_ctx`` (read from ``positions`` when not given) rounded up to whole
+        ``ATTN_BLOCK`` s, so every key block a query sees has the shape it has in any chunk or batch
+        (logits bit-identical across both); else ``n_ctx``."""
+        if static:
             return kv.max_tokens
-        return n_ctx if n_ctx is not None else int(positions.max()) + 1
+        n = n_ctx if n_ctx is not None else int(positions.max()) + 1
+        if q.device.type == "cpu":
+            return min(kv.max_tokens, -(-n // ATTN_BLOCK) * ATTN_BLOCK)
+        return n
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router for normed ``x [T, H]``: ``(expert_ids [T, k], weights [T, k])``.
