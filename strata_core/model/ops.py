@@ -92,7 +92,7 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     rep = nh // nkv
     keys = keys.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
     values = values.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
-    rows = q.view(T, nkv, rep, D).permute(1, 2, 0, 3).reshape(nkv, rep * T, D)  # row r*T + t: head kv*rep + r
+    rows = q.reshape(T, nkv, rep, D).permute(1, 2, 0, 3).reshape(nkv, rep * T, D)  # row r*T + t: head kv*rep + r
     row_positions = positions.repeat(rep)  # [rep*T]
     sink = None if sinks is None else sinks.float().view(nkv, rep, 1, 1).expand(nkv, rep, T, 1).reshape(nkv, rep * T, 1)
     if q.device.type == "cpu":
