@@ -80,11 +80,11 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 
     The ``rep = nh / nkv`` query heads sharing a kv head are stacked as rows of one product with it
     (``[nkv, rep * T, D]``), so the keys and values are read as they are, never repeated per head.
-    On the CPU the keys go in fixed blocks of ``ATTN_BLOCK`` positions merged by an online softmax,
-    and the blocks past the last query's position are skipped: a block no key of which a row sees
-    adds exactly nothing to that row (its scale is exp(0) = 1, its terms exp(-inf) = 0), so every
-    row's logits are bit-identical whatever the chunk, the batch or the cache's capacity around
-    it (what the CPU path relies on). Elsewhere one product over all S, with no host read (a
+    On the CPU the keys go in fixed blocks of ``ATTN_BLOCK`` positions merged by an online softmax:
+    a block no key of which a row sees adds exactly nothing to that row (its scale is exp(0) = 1, its
+    terms exp(-inf) = 0), so every row's logits are bit-identical however many keys past its own
+    position are given (the chunk, the batch, the capacity: what the CPU path relies on), and a
+    caller may give only the blocks up to its last query (``MoEModel.masked_context``). Elsewhere one product over all S, with no host read (a
     captured decode window runs it).
     """
     T, nh, D = q.shape
@@ -119,11 +119,10 @@ def _masked_scores(rows: torch.Tensor, keys: torch.Tensor, positions: torch.Tens
 
 def _blocked_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                        window: int | None, sink: torch.Tensor | None) -> torch.Tensor:
-    """``masked_attention``'s CPU form: float32 ``[nkv, R, D]``, key blocks of ``ATTN_BLOCK`` up to the last
-    row's position merged by an online softmax."""
-    end = min(keys.shape[1], int(positions.max()) + 1)
+    """``masked_attention``'s CPU form: float32 ``[nkv, R, D]``, the key blocks of ``ATTN_BLOCK`` merged by an
+    online softmax (the caller reads the keys only up to the blocks its queries see: ``masked_context``)."""
     top = total = acc = None
-    for first in range(0, end, ATTN_BLOCK):
+    for first in range(0, keys.shape[1], ATTN_BLOCK):
         scores = _masked_scores(rows, keys[:, first:first + ATTN_BLOCK], positions, first, window)  # [nkv, R, b]
         block_top = scores.amax(dim=-1, keepdim=True)  # [nkv, R, 1]
         new_top = block_top if top is None else torch.maximum(top, block_top)

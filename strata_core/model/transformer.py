@@ -151,15 +151,15 @@ class MoEModel:
     def masked_context(q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,
                        static: bool) -> int:
         """How many cached positions the masked attention reads: the whole cache in a static (captured)
-        window; on the CPU ``n_ctx`` (read from ``positions`` when not given) rounded up to whole
-        ``ATTN_BLOCK`` s, so every key block a query sees has the shape it has in any chunk or batch
-        (logits bit-identical across both); else ``n_ctx``."""
-        if static:
+        window; on the CPU ``n_ctx`` rounded up to whole ``ATTN_BLOCK`` s, so every key block a query
+        sees has the shape it has in any chunk or batch (logits bit-identical across both), and the
+        whole cache when ``n_ctx`` is not given (no host read); else ``n_ctx`` (read from ``positions``
+        when not given)."""
+        if static or (q.device.type == "cpu" and n_ctx is None):
             return kv.max_tokens
-        n = n_ctx if n_ctx is not None else int(positions.max()) + 1
         if q.device.type == "cpu":
-            return min(kv.max_tokens, -(-n // ATTN_BLOCK) * ATTN_BLOCK)
-        return n
+            return min(kv.max_tokens, -(-n_ctx // ATTN_BLOCK) * ATTN_BLOCK)
+        return n_ctx if n_ctx is not None else int(positions.max()) + 1
 
     def route(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Router for normed ``x [T, H]``: ``(expert_ids [T, k], weights [T, k])``.
