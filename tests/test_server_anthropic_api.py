@@ -12,7 +12,7 @@ import anthropic
 import httpx
 import pytest
 from test_server_support import live_server
-from test_server_tools import ANSWER, MODEL, ToolEngine
+from test_server_tools import ANSWER, MODEL, ToolEngine, scripted_server
 
 from strata_core.config import StrataSettings
 
@@ -29,7 +29,7 @@ def engine() -> ToolEngine:
 
 @pytest.fixture(scope="module")
 def base_url(engine: ToolEngine) -> Iterator[str]:
-    with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=4, conv_cache=0), engine) as url:
+    with scripted_server(engine) as url:
         yield url
 
 

@@ -11,10 +11,8 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-from test_server_support import live_server
-from test_server_tools import ANSWER, MODEL, HarmonyToolEngine, ToolEngine
+from test_server_tools import ANSWER, HarmonyToolEngine, MODEL, ToolEngine, scripted_server
 
-from strata_core.config import StrataSettings
 
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather in a city, in °C",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
@@ -28,7 +26,7 @@ def engine() -> ToolEngine:
 
 @pytest.fixture(scope="module")
 def base_url(engine: ToolEngine) -> Iterator[str]:
-    with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=4, conv_cache=0), engine) as url:
+    with scripted_server(engine) as url:
         yield url
 
 
@@ -114,8 +112,7 @@ def test_previous_response_id_says_nothing_is_stored(client: openai.OpenAI) -> N
 
 @pytest.fixture(scope="module")
 def harmony_client() -> Iterator[openai.OpenAI]:
-    with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=4, conv_cache=0),
-                     HarmonyToolEngine()) as url:
+    with scripted_server(HarmonyToolEngine()) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 

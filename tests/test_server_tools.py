@@ -9,6 +9,8 @@ real ones."""
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 from collections.abc import Iterator
 
@@ -69,9 +71,14 @@ def engine() -> ToolEngine:
     return ToolEngine()
 
 
+def scripted_server(engine: FakeEngine) -> contextlib.AbstractContextManager[str]:
+    """A one-slot live server of a scripted engine, serving it as ``MODEL``; yields the base URL."""
+    return live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=4, conv_cache=0), engine)
+
+
 @pytest.fixture(scope="module")
 def base_url(engine: ToolEngine) -> Iterator[str]:
-    with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=4, conv_cache=0), engine) as url:
+    with scripted_server(engine) as url:
         yield url
 
 
@@ -207,7 +214,7 @@ def harmony_engine() -> HarmonyToolEngine:
 
 @pytest.fixture(scope="module")
 def harmony_client(harmony_engine: HarmonyToolEngine) -> Iterator[openai.OpenAI]:
-    with live_server(StrataSettings(model_alias=MODEL, parallel=1, max_queue=4, conv_cache=0), harmony_engine) as url:
+    with scripted_server(harmony_engine) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
