@@ -18,7 +18,7 @@ fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -v -rfE -n "${WORKERS:-8}" -p no:benchmark > "$OUT/suite.log" 2>&1
 status=$?
-grep -E "^(FAILED|ERROR) |(FAILED|ERROR) [a-z]" "$OUT/suite.log" | sort -u | head -60   # by name, also after a timeout
+grep -E "^(FAILED|ERROR) [A-Za-z0-9_/.-]+\.py" "$OUT/suite.log" | sort -u | head -60   # by name, also after a timeout
 tail -3 "$OUT/suite.log"
 [ -n "${MODEL:-}" ] && wait
 exit "$status"

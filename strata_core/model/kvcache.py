@@ -382,10 +382,10 @@ class KVCache:
         """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory:
         from a CUDA device into pinned memory without waiting (each copy follows the work queued before
         it on the device's stream; the snapshot's events say when they have landed)."""
-        tensors = {i: {name: _to_host(t) for name, t in self.committed(i).items()}
-                   for i in (self.layers if layers is None else layers)}
+        committed = {i: self.committed(i) for i in (self.layers if layers is None else layers)}
+        tensors = {i: {name: _to_host(t) for name, t in named.items()} for i, named in committed.items()}
         ready = []
-        for device in {t.device for named in tensors.values() for t in named.values() if t.is_pinned()}:
+        for device in {t.device for named in committed.values() for t in named.values() if t.device.type == "cuda"}:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             ready.append(event)

@@ -53,7 +53,7 @@ def cpu_kernels() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="strata_cpu_experts", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=fast"],
+        load(name="strata_cpu_experts", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
         log.warning("CPU expert kernels unavailable (%s: %s): the torch reference computes CPU experts",

@@ -219,7 +219,7 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
         else decode_iq4_xs(blk, w);
         for (int t = 0; t < nt; ++t) {
           const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES);
-          for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // contracted to an FMA
+          for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // rounded twice (-ffp-contract=off): the same bits from every body and compiler
         }
       }
       for (int t = 0; t < nt; ++t) {  // fixed pairwise order over the lanes
