@@ -7,8 +7,8 @@ qtype, out) -> [N, out] float32``: the rows of ``x`` are cut into consecutive se
 one weight each pair, threaded over (segment, 16 rows) on ``torch.get_num_threads()`` threads.
 
 The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
-reference (strata_core/quant), and multiplies it into up to 8 tokens with lane-wise fused
-multiply-adds; a row's result does not depend on the other rows, the threads or the instruction set
+reference (strata_core/quant), and multiplies it into up to 8 tokens lane-wise (a multiply and an
+add, each rounded: compiled without FP contraction, so no compiler fuses some and not others); a row's result does not depend on the other rows, the threads or the instruction set
 (AVX-512 or AVX2, chosen at run time; ``strata::cpu_kernel_limit_isa`` caps it, for tests), so every
 CPU expert path computes the same bits. Tolerance
 against the reference dequantize + matmul: float32 within a relative 1e-5 (summation order), as the
@@ -74,9 +74,30 @@ def has_cpu_kernel(qtypes: Sequence[int], shapes: Sequence[Sequence[int]]) -> bo
 def qlinear_grouped(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
     """``[N, out]`` float32: segment i of ``x`` (its next ``counts[i]`` rows) times ``weights[i]``
     (``out`` rows of ``x.shape[1]`` values in ``qtype`` blocks, contiguous uint8) transposed.
-    Needs :func:`cpu_kernels`."""
+    Needs :func:`cpu_kernels`. Arguments that do not fit are a ValueError naming the mismatch (checked
+    here: an exception thrown inside the extension is not safe to unwind on every toolchain)."""
+    _check(x, weights, counts, int(qtype), out)
     return torch.ops.strata.qlinear_grouped(x.float().contiguous(), [w.contiguous() for w in weights],
                                             counts, int(qtype), out)
+
+
+def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> None:
+    """ValueError unless ``qlinear_grouped``'s arguments fit one another (module doc)."""
+    if qtype not in CPU_KERNEL_TYPES:
+        raise ValueError(f"qlinear_grouped: no CPU kernel for {T(qtype).name}")
+    if x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"qlinear_grouped: x must be a 2-D CPU tensor, got {tuple(x.shape)} on {x.device}")
+    if len(weights) != len(counts) or any(c < 0 for c in counts) or sum(counts) != x.shape[0]:
+        raise ValueError(f"qlinear_grouped: {len(weights)} weights for counts {list(counts)} (counts sum to "
+                         f"{sum(counts)}, x has {x.shape[0]} rows)")
+    values, size = GGML_QUANT_SIZES[T(qtype)]
+    if x.shape[1] % values:
+        raise ValueError(f"qlinear_grouped: row length {x.shape[1]} is not a multiple of {values}")
+    want = out * x.shape[1] // values * size
+    for i, w in enumerate(weights):
+        if w.dtype != torch.uint8 or w.device.type != "cpu" or w.numel() != want:
+            raise ValueError(f"qlinear_grouped: weight {i} is {w.numel()} {w.dtype} on {w.device}, expected "
+                             f"{want} uint8 bytes on the CPU")
 
 
 def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
