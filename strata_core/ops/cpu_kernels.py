@@ -8,8 +8,8 @@ one weight each pair, threaded over (segment, 16 rows) on ``torch.get_num_thread
 
 The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
 reference (strata_core/quant), and multiplies it into up to 8 tokens lane-wise (a multiply and an
-add, each rounded: compiled without FP contraction, so no compiler fuses some and not others); a row's result does not depend on the other rows, the threads or the instruction set
-(AVX-512 or AVX2, chosen at run time; ``strata::cpu_kernel_limit_isa`` caps it, for tests), so every
+add, each rounded: compiled without FP contraction, so no compiler fuses some and not others); a row's
+result does not depend on the other rows, the threads or the instruction set (AVX-512 or AVX2, chosen at run time; ``strata::cpu_kernel_limit_isa`` caps it, for tests), so every
 CPU expert path computes the same bits. Tolerance
 against the reference dequantize + matmul: float32 within a relative 1e-5 (summation order), as the
 CUDA kernels (tests/test_cpu_kernels.py).
