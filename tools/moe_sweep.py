@@ -79,17 +79,12 @@ G = dict(grouped_pairs=1)
 GROUPED_VARIANTS: list[C] = [
     C(grouped=False),
     C(**G),
-    C(**G, dot_precision="ieee"),
-    C(**G, dot_precision="tf32"),
     C(**G, dot_precision="bf16"),
-    C(**G, bn_grouped=16),
-    C(**G, bn_grouped=64),
-    C(**G, kt=32),
-    C(**G, kt=128),
     C(**G, bn_grouped=64, kt=128, warps_grouped=8),
-    C(**G, warps_grouped=8),
-    C(**G, warps_grouped=2),
-    C(**G, bm=32),
+    *(C(**G, dot_precision="fma", bm=bm, bn_grouped=bn, kt=kt, warps_grouped=w)
+      for bm, bn, kt, w in ((2, 8, 64, 4), (2, 16, 64, 4), (4, 8, 64, 4), (4, 16, 64, 4), (4, 4, 64, 2),
+                            (8, 8, 64, 4), (2, 8, 128, 4), (4, 8, 128, 4), (4, 16, 128, 2), (2, 4, 256, 2),
+                            (4, 32, 64, 4), (8, 16, 64, 8), (2, 32, 128, 8), (4, 32, 256, 8))),
 ]
 TOL = 2e-2  # bf16, relative Frobenius error against the CPU reference (tests/test_kernels_cuda.py)
 

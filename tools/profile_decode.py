@@ -65,10 +65,11 @@ def main() -> None:
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
     options = dict(item.partition("=")[::2] for item in filter(None, args.strategy_options.split(",")))
+    context = max(args.context + args.windows + 8, args.prefill + 8)
+    most = max(map(int, args.sessions.split(",")))
     engine = Engine.load(args.model, strategy=args.strategy, devices=args.devices.split(","), arena="pinned",
-                         expert_cache=cache, strategy_options=options,
-                         max_context=max(args.context + args.windows + 8, args.prefill + 8),
-                         cuda_graphs=args.cuda_graphs)
+                         expert_cache=cache, strategy_options=options, max_context=context,
+                         parallel=most, kv_pool_tokens=most * context, cuda_graphs=args.cuda_graphs)
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, engine.spec.vocab_size, (args.context + args.windows + 4,), generator=gen).tolist()
     for spec in args.moe_config or [""]:
