@@ -161,7 +161,7 @@ class StrataSettings(BaseSettings):
     port: int = Field(8080, ge=0, le=65535, description="port the server listens on")
     parallel: int = Field(4, ge=1, description="concurrent generation slots")
     step_tokens: int = Field(
-        2048, gt=0, description="tokens one scheduler step computes: one for every slot that is generating, the "
+        8192, gt=0, description="tokens one scheduler step computes: one for every slot that is generating, the "
         "rest for prompt chunks of the requests starting, oldest first, in one pass. A long prompt delays the "
         "running streams by one step of this size at most (smaller: steadier streams; larger: faster prompts, "
         "since every prompt pass costs a near-fixed time however few its tokens, and fewer passes over experts "

@@ -47,7 +47,7 @@ HIDDEN, FFN = 256, 256
 def grouped(device: str, **fields) -> moe.LaunchConfig:
     """Every window grouped; on the interpreter large tiles (fewer programs and steps)."""
     tiles = dict(bn_grouped=128, kt=256) if device == "cpu" else {}
-    return moe.LaunchConfig(**{"grouped_pairs": 1, **tiles, **fields})
+    return moe.LaunchConfig(**{"grouped": True, "grouped_pairs": 1, **tiles, **fields})
 
 
 def kernel(op: str, device: str):

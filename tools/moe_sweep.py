@@ -17,7 +17,7 @@ it did not reach as skipped. Block types other than
 Q4_K get the first ``--others`` variants only.
 
 ``--grouped`` times today's per-pair kernels (``grouped=False``) against the grouped design
-(strata_core/ops/moe_grouped.py, forced with ``grouped_pairs=1``) and its variants, on routings like a
+(strata_core/ops/moe_grouped.py, forced with ``grouped=True, grouped_pairs=1``) and its variants, on routings like a
 batch's: each token's top-k distinct experts drawn at random, so tokens share experts (B=8: 64 pairs on
 ~50 experts; B=32: 256 on ~110). Each timed call reads another of ``--layers`` copies of the layer's
 experts (as the next layer would), so no call finds the previous call's weights in the L2; the
@@ -75,7 +75,7 @@ VARIANTS: list[C] = [
     C(design="loop", bn_gate_up=4, bn_combine=2),
 ]
 #: ``--grouped``: today's kernels first, then the grouped design (every window grouped) and its variants
-G = dict(grouped_pairs=1)
+G = dict(grouped=True, grouped_pairs=1)
 GROUPED_VARIANTS: list[C] = [
     C(grouped=False),
     C(**G),
