@@ -7,7 +7,8 @@ Qwen3-30B-A3B shapes and check each against the CPU reference.
 For each block type and token count (top-8, every expert resident in a device slot table like the
 engine's, routing rotated over disjoint expert sets so the 128 experts' weights — several times the
 L2 — are not served from the L2), each variant's ``strata::moe_decode`` (gate_up + combining down
-launch) is timed with ``triton.testing.do_bench`` (median), and so is its gate_up launch alone. A
+launch) is timed as a replayed CUDA graph of several calls (as the engine replays a window: no host
+time between launches in the figure), and so is its gate_up launch alone. A
 variant's output must be within the documented tolerance of the CPU reference (bf16: relative
 Frobenius error 2e-2, ``tests/test_kernels_cuda.py``) and bit-identical over two runs
 (deterministic); it is printed in a table sorted by time (us a layer, GB/s of quantized bytes read)
@@ -78,13 +79,13 @@ VARIANTS: list[C] = [
 G = dict(grouped=True, grouped_pairs=1)
 GROUPED_VARIANTS: list[C] = [
     C(grouped=False),
-    C(**G),
     C(**G, dot_precision="bf16"),
-    C(**G, bn_grouped=64, kt=128, warps_grouped=8),
-    *(C(**G, dot_precision="fma", bm=bm, bn_grouped=bn, kt=kt, warps_grouped=w)
-      for bm, bn, kt, w in ((2, 8, 64, 4), (2, 16, 64, 4), (4, 8, 64, 4), (4, 16, 64, 4), (4, 4, 64, 2),
-                            (8, 8, 64, 4), (2, 8, 128, 4), (4, 8, 128, 4), (4, 16, 128, 2), (2, 4, 256, 2),
-                            (4, 32, 64, 4), (8, 16, 64, 8), (2, 32, 128, 8), (4, 32, 256, 8))),
+    C(**G, dot_precision="bf16", bn_grouped=64),
+    C(design="q8"),
+    *(C(design="q8", **f) for f in (dict(tile=8192), dict(tile=2048), dict(bn_gate_up=8), dict(bn_gate_up=2),
+                                    dict(bn_combine=8), dict(bn_combine=32, warps_combine=8),
+                                    dict(warps_gate_up=2, warps_combine=2), dict(bn_gate_up=8, tile=8192),
+                                    dict(bn_combine=8, tile=8192), dict(bn_gate_up=16, tile=16384, warps_gate_up=8))),
 ]
 TOL = 2e-2  # bf16, relative Frobenius error against the CPU reference (tests/test_kernels_cuda.py)
 
@@ -120,6 +121,29 @@ def random_routes(gen: torch.Generator, n: int, tokens: int, topk: int, experts:
     """``n`` routings ``[tokens * topk]``: each token's ``topk`` distinct experts drawn at random."""
     return [torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)]).reshape(-1)
             for _ in range(n)]
+
+
+def graph_ms(fn, calls: int, replays: int = 20) -> float:
+    """Milliseconds a call of ``fn`` takes on the device: ``calls`` calls captured in one CUDA graph,
+    the graph replayed ``replays`` times between two events (the median of three such timings)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / (replays * calls))
+    return sorted(times)[1]
 
 
 def _warm(qname: str, cfgs: list[C], tokens: list[int], topk: int) -> None:
@@ -180,8 +204,6 @@ def main() -> None:
     variants_of = GROUPED_VARIANTS if args.grouped else VARIANTS
     plan = [(q, variants_of if T[q] == T.Q4_K else variants_of[:args.others]) for q in args.qtypes.split(",")]
     if not small:
-        import triton.testing
-
         if args.jobs > 1:
             warm_all(plan, [int(t) for t in args.tokens.split(",")], K, args.jobs)
             print(f"compiled in {time.monotonic() - start:.0f} s", flush=True)
@@ -235,8 +257,8 @@ def main() -> None:
                             w, r = next(cycle)
                             return gate_up_alone(xd, w, r, K, op)
 
-                        ms = triton.testing.do_bench(full, warmup=10, rep=60, return_mode="median")
-                        ms_gu = triton.testing.do_bench(gate_up, warmup=10, rep=40, return_mode="median")
+                        ms = graph_ms(full, max(8, len(calls)))
+                        ms_gu = graph_ms(gate_up, max(8, len(calls)))
                         gu_share = (fmt.nbytes[0] + fmt.nbytes[1]) / fmt.total
                         row.update(us=ms * 1e3, gate_up_us=ms_gu * 1e3, gbps=read / ms / 1e6,
                                    gate_up_gbps=read * gu_share / ms_gu / 1e6,

@@ -133,8 +133,8 @@ class LaunchConfig:
     dot_precision: str = "tf32x3"
 
     def __post_init__(self) -> None:
-        if self.design not in ("loop", "split", "split-loop"):
-            raise ValueError(f"LaunchConfig.design: {self.design!r} is not 'loop', 'split' or 'split-loop'")
+        if self.design not in ("loop", "split", "split-loop", "q8"):
+            raise ValueError(f"LaunchConfig.design: {self.design!r} is not 'loop', 'split', 'split-loop' or 'q8'")
         if self.design == "split-loop" and self.split_k != 1:
             raise ValueError("LaunchConfig: the loop design's down launch takes activated h (split_k 1)")
         if self.dot_precision not in DOT_PRECISIONS:
