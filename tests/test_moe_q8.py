@@ -24,7 +24,7 @@ if HAS_TRITON:
     from strata_core.ops.moe_q8 import quantize_q8
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
-Q8 = moe.LaunchConfig(design="q8")
+Q8 = moe.LaunchConfig(design="q8", q8_pairs=1)  # every window q8
 TOL = 2e-2
 #: all Q4_K (every launch q8), a Q6_K down (the split design's down after a q8 gate_up), no Q4_K at all
 TRIPLES = [(T.Q4_K,) * 3, (T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q5_K, T.Q4_K)]
@@ -56,7 +56,7 @@ def test_q8_engine_shapes_and_steps(tile):
     one block a step, the default and a whole row a step."""
     case = layer_case((T.Q4_K,) * 3, 8, 8, 32, 4, 1.0, 7, torch.bfloat16, hidden=2048, ffn=768)
     want = reference("moe_decode", *case, 8)
-    with moe.launched_with(moe.LaunchConfig(design="q8", tile=tile)):
+    with moe.launched_with(moe.LaunchConfig(design="q8", q8_pairs=1, tile=tile)):
         got = run("moe_decode", "cuda", "device", *case, 8)
     assert rel(got, want) < TOL
 
@@ -97,6 +97,19 @@ def test_float32_activations_take_the_split_design():
     with moe.launched_with(moe.LaunchConfig(design="split")):
         split = run("moe_decode", "cuda", "device", *case, 4)
     assert torch.equal(q8, split)
+
+
+def test_the_pair_count_picks_the_design():
+    """Below ``q8_pairs`` the split design runs (its output bit for bit), from it the q8 design (the
+    output of ``q8_pairs=1``)."""
+    config = moe.LaunchConfig(design="q8", q8_pairs=8)
+    for tokens, design in ((1, moe.LaunchConfig(design="split")), (2, Q8)):
+        case = layer_case((T.Q4_K,) * 3, tokens, 4, 8, tokens, 1.0, 13, torch.bfloat16)
+        with moe.launched_with(config):
+            got = run("moe_decode", "cuda", "device", *case, 4)
+        with moe.launched_with(design):
+            want = run("moe_decode", "cuda", "device", *case, 4)
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

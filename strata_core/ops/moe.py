@@ -49,7 +49,8 @@ expert, whichever device computed which row (tests/test_moe_served.py). With ``s
 computes, before it waits for the peer's rows (experts/device_rows.py).
 
 How the launches split the work (rows per program, K splits, warps; the "loop" design described
-above or the "split" design) is a :class:`LaunchConfig`: :data:`DEFAULT_LAUNCH` unless a caller runs
+above, the "split" design, or for batches the "q8" design: Q4_K against int8 activations by dp4a) is
+a :class:`LaunchConfig`: :data:`DEFAULT_LAUNCH` unless a caller runs
 the ops inside ``with launched_with(config):`` (tools/moe_sweep.py and tools/profile_decode.py time
 alternatives that way). A window of ``LaunchConfig.grouped_pairs`` pairs or more (a batch of
 sessions) takes the grouped design instead (:mod:`strata_core.ops.moe_grouped`): the pairs sorted by
@@ -57,7 +58,7 @@ expert on the device, each routed expert's weights decoded once for all its pair
 with the distinct experts rather than with the pairs; its rows are combined in pair order too.
 
 Tolerance against the reference: float32 within a relative 1e-5 (summation order), bf16 within
-2e-2 (tests/test_kernels_cuda.py, tests/test_moe_grouped.py).
+2e-2 (tests/test_kernels_cuda.py, tests/test_moe_grouped.py, tests/test_moe_q8.py).
 """
 
 from __future__ import annotations
@@ -100,6 +101,12 @@ class LaunchConfig:
     program and 16 a combining program, each faster than 8; in the engine the loop design's combining
     down was well behind. tools/moe_sweep.py times one layer alone.
 
+    ``"q8"`` — for a window of ``q8_pairs`` pairs or more with bf16 / fp16 activations, Q4_K matrices
+    are dotted with the activations quantized to int8 by ``dp4a`` (:mod:`strata_core.ops.moe_q8`;
+    ``warps_q8`` warps, ``bn_gate_up`` / ``bn_combine`` / ``bn_down`` rows a program); everything else
+    as "split" (a single token's 8 pairs are faster there: 27 against 44 µs a layer of the 30B; at 8
+    tokens q8 takes 92 µs to split's 155, at 32 267 to 565; tools/moe_sweep.py, BENCHMARKS.md).
+
     ``grouped``: a window of ``grouped_pairs`` pairs or more takes the grouped design instead
     (:mod:`strata_core.ops.moe_grouped`: each routed expert decoded once per window, its pairs as the
     ``bm`` rows of a ``tl.dot``; ``bn_grouped`` output rows and ``kt`` values of K a program step,
@@ -114,7 +121,7 @@ class LaunchConfig:
     every case.
     """
 
-    design: str = "split"
+    design: str = "q8"
     tile: int = 4096
     bn_gate_up: int = 4
     bn_down: int = 16
@@ -124,6 +131,8 @@ class LaunchConfig:
     warps_combine: int = 4
     split_k: int = 1
     fast_q4k: bool = True
+    q8_pairs: int = 16
+    warps_q8: int = 2
     grouped: bool = False  # measured slower than the split design at 1, 8 and 32 sessions (BENCHMARKS.md)
     grouped_pairs: int = 32
     bm: int = 16
@@ -139,10 +148,11 @@ class LaunchConfig:
             raise ValueError("LaunchConfig: the loop design's down launch takes activated h (split_k 1)")
         if self.dot_precision not in DOT_PRECISIONS:
             raise ValueError(f"LaunchConfig.dot_precision: {self.dot_precision!r} is not one of {DOT_PRECISIONS}")
-        if self.grouped_pairs < 1:
-            raise ValueError(f"LaunchConfig.grouped_pairs: {self.grouped_pairs} is not positive")
+        for name in ("grouped_pairs", "q8_pairs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LaunchConfig.{name}: {getattr(self, name)} is not positive")
         for name in ("tile", "bn_gate_up", "bn_down", "bn_combine", "warps_gate_up", "warps_down",
-                     "warps_combine", "split_k", "bm", "bn_grouped", "kt", "warps_grouped"):
+                     "warps_combine", "split_k", "bm", "bn_grouped", "kt", "warps_grouped", "warps_q8"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name}: {v} is not a power of two")

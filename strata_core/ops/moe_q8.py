@@ -5,9 +5,11 @@ A layer takes four launches (shapes fixed by the pairs and the layer; capturable
 the tokens' activations quantized (``quantize_q8``), the gate_up launch (a program per pair and
 ``bn_gate_up`` rows: ``h [P, F]`` float32, activated), ``h`` quantized, and the down launch (a
 program per token and ``bn_combine`` rows summing its pairs in pair order, or per pair and
-``bn_down`` rows for the rows of ``moe_pair_rows``). It serves bf16 / fp16 activations on Q4_K
-matrices whose every row is 16-byte aligned (:func:`takes_q8`); the split design serves the rest, a
-half of the layer at a time (a Q6_K down matrix after a Q4_K gate_up). Quantizing the activations
+``bn_down`` rows for the rows of ``moe_pair_rows``). It serves windows of ``q8_pairs`` pairs or more of
+bf16 / fp16 activations on Q4_K matrices whose every row is 16-byte aligned (:func:`takes_q8`); the
+split design serves the rest, a half of the layer at a time (a Q6_K down matrix after a Q4_K gate_up).
+A pair's row depends on its own token's activations alone (each token quantized by itself), so the
+rows of any batch are those of the pairs alone in a window of the design. Quantizing the activations
 costs accuracy like llama.cpp's GPU path: within the bf16 tolerance of the reference (2e-2 relative,
 tests/test_moe_q8.py), not the float32 one, so float32 activations take the split design.
 """
@@ -32,10 +34,12 @@ _QUANT_BLOCKS = 8
 
 def takes_q8(x: Tensor, qtype: int, args: tuple, offset: int, row_bytes: int) -> bool:
     """Whether the q8 design serves the matrix at byte ``offset`` of an expert (``row_bytes`` a row)
-    for activations like ``x``: the design in force, Q4_K, 16-byte aligned rows in every source
-    (``Sources.args``), bf16 / fp16 activations."""
-    return (moe.launch_config().design == "q8" and int(qtype) == int(T.Q4_K) and x.dtype != torch.float32
-            and aligned16(args, offset, row_bytes))
+    for activations like ``x``: the design in force, a window of ``q8_pairs`` pairs or more
+    (``args[0]``: their slots), Q4_K, 16-byte aligned rows in every source (``Sources.args``), bf16 /
+    fp16 activations."""
+    cfg = moe.launch_config()
+    return (cfg.design == "q8" and args[0].shape[0] >= cfg.q8_pairs and int(qtype) == int(T.Q4_K)
+            and x.dtype != torch.float32 and aligned16(args, offset, row_bytes))
 
 
 def quantize_q8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -68,7 +72,7 @@ def gate_up_q8(x: Tensor, sources: Sources, topk: int, F_: int, H: int, nbytes: 
         xw, xd, xs, h, *sources.args, F_, H, topk, nbytes[0], nbytes[0] // F_, nbytes[1] // F_,
         or_unread(ffn.gate_bias, h), or_unread(ffn.up_bias, h), sources.args[1], float(ffn.alpha), float(ffn.limit),
         BN=bn, BK=_blocks(bn, H), BY_PAIR=sources.staged, BIAS=ffn.gate_bias is not None,
-        OAI=ffn.activation == "swiglu_oai", num_warps=cfg.warps_gate_up)
+        OAI=ffn.activation == "swiglu_oai", num_warps=cfg.warps_q8)
     return h
 
 
@@ -86,4 +90,4 @@ def down_q8(h: Tensor, out: Tensor, weights: Tensor | None, sources: Sources, to
         nbytes[2] // H2, topk if combine else 1, or_unread(ffn.down_bias, h), sources.args[1], modes["served"],
         modes["rows_buf"], BN=bn, BK=_blocks(bn, F2), BY_PAIR=sources.staged, BIAS=ffn.down_bias is not None,
         COMBINE=combine, SERVED=modes["SERVED"], ROWS_OUT=modes["ROWS_OUT"],
-        num_warps=cfg.warps_combine if combine else cfg.warps_down)
+        num_warps=cfg.warps_q8)

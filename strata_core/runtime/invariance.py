@@ -2,7 +2,8 @@
 
 The fused decode layers (model/fused_decode.py) take its dense products and attention split from
 ``ForwardKernels.batch_invariant``; the MoE kernels choose their design by the window's pair count,
-so under it every window keeps the per-pair design, whose rows do not depend on the other pairs.
+so under it every window takes one design whatever its pairs: not the grouped one, and the q8 one
+(whose rows do not depend on the other pairs) down to one pair.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def check_batch_invariant(model, decode_devices: Iterable[tuple[str, torch.devic
 
 
 def moe_launches(batch_invariant: bool) -> AbstractContextManager:
-    """How decode windows launch the MoE kernels: with ``batch_invariant`` the per-pair design for every
+    """How decode windows launch the MoE kernels: with ``batch_invariant`` one per-pair design for every
     window, else the default choice."""
     if not batch_invariant:
         return nullcontext()
-    return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False))
+    return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False, q8_pairs=1))
