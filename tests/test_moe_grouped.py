@@ -234,25 +234,6 @@ def test_grouped_dot_precisions(device, precision):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("qtypes, bm, bn, kt, fast", [((T.Q4_K, T.Q4_K, T.Q6_K), 2, 8, 128, True),
-                                                     ((T.Q4_K, T.Q4_K, T.Q4_K), 4, 4, 64, False),
-                                                     ((T.Q8_0, T.Q5_K, T.IQ4_XS), 2, 16, 64, True)],
-                         ids=["q4k-16-byte", "q4k-decoded", "other-formats"])
-def test_grouped_fma_blocks_of_a_few_pairs(device, qtypes, bm, bn, kt, fast):
-    """``dot_precision="fma"``: blocks of a few pairs and narrow output tiles (below tl.dot's 16), every
-    token's experts shared with others, within the float32 tolerance and bit-identical over two runs (on
-    the interpreter the output tiles are wide and the K steps long: its cost is per program and step)."""
-    case = layer_case(qtypes, 5, 3, 4, 5, 0.5, 11)
-    want = reference("moe_decode", *case, 3)
-    tiles = dict(bn_grouped=128, kt=256) if device == "cpu" else dict(bn_grouped=bn, kt=kt)
-    with moe.launched_with(grouped(device, dot_precision="fma", bm=bm, fast_q4k=fast, **tiles)):
-        got = run("moe_decode", device, "device", *case, 3)
-        again = run("moe_decode", device, "device", *case, 3)
-    assert rel(got, want) < TOL[torch.float32]
-    assert torch.equal(got, again)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_the_pair_count_picks_the_design(device):
     """Below ``grouped_pairs`` the per-pair kernels run (the output of ``grouped=False``, bit for bit), from
     it the grouped ones (the output of ``grouped_pairs=1``)."""
@@ -330,10 +311,3 @@ def test_opcheck_grouped_decode():
 def test_launch_config_rejects_grouped_fields_the_kernels_cannot_take(fields):
     with pytest.raises(ValueError):
         moe.LaunchConfig(**fields)
-
-
-def test_fma_takes_tiles_below_tl_dots_minimum():
-    config = moe.LaunchConfig(dot_precision="fma", bm=2, bn_grouped=4)
-    assert (config.bm, config.bn_grouped) == (2, 4)
-    with pytest.raises(ValueError):
-        moe.LaunchConfig(dot_precision="fma", bm=3)

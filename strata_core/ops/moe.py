@@ -114,10 +114,7 @@ class LaunchConfig:
     token: 16 pairs share ~1 expert, 32 pairs ~4), so the per-pair kernels' fewer launches win.
     ``dot_precision``: ``tl.dot``'s input precision for the float32 operands (``"ieee"``: FMAs,
     ``bm`` of them per decoded weight; ``"tf32x3"``: three tensor-core products, within ~1e-6 of
-    float32; ``"tf32"``: one, ~1e-3), ``"bf16"`` (both operands rounded to bf16), or ``"fma"``: no
-    ``tl.dot`` — float32 products on the CUDA cores, any ``bm`` and ``bn_grouped`` (a block of a few
-    pairs: each decoded weight multiplied by its ``bm`` activations; Q4_K's codes summed against the
-    activations first, each sub-block's scale and min applied to the sums); accumulation is float32 in
+    float32; ``"tf32"``: one, ~1e-3) or ``"bf16"`` (both operands rounded to bf16); accumulation is float32 in
     every case.
     """
 
@@ -156,10 +153,8 @@ class LaunchConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name}: {v} is not a power of two")
-        # tl.dot's smallest tile is 16 a side (the CUDA cores' "fma" takes any); a K step holds whole
-        # sub-blocks (16 or 32 values)
-        dot = 1 if self.dot_precision == "fma" else 16
-        for name, least in (("bm", dot), ("bn_grouped", dot), ("kt", 32)):
+        # tl.dot's smallest tile is 16 a side; a K step holds whole sub-blocks (16 or 32 values)
+        for name, least in (("bm", 16), ("bn_grouped", 16), ("kt", 32)):
             if getattr(self, name) < least:
                 raise ValueError(f"LaunchConfig.{name}: {getattr(self, name)} is below {least}")
 
@@ -169,7 +164,7 @@ class LaunchConfig:
 
 
 #: The values of ``LaunchConfig.dot_precision``.
-DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16", "fma")
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
 
 
 #: The launch configuration of the CUDA kernels outside any ``launched_with``.

@@ -82,12 +82,9 @@ def _tile(w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS: tl.constexpr, TS
 @triton.jit
 def _dot(a, w, acc, PREC: tl.constexpr):
     """``acc + a @ w.T`` (``a [BM, KT]``, ``w [BN, KT]`` float32, ``acc [BM, BN]`` float32): ``PREC`` is
-    ``tl.dot``'s input precision, ``"bf16"``: both operands rounded to bf16, or ``"fma"``: float32 products
-    on the CUDA cores, summed over KT (tiles of any size, no tensor-core minimum)."""
+    ``tl.dot``'s input precision, or ``"bf16"``: both operands rounded to bf16."""
     if PREC == "bf16":
         out = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
-    elif PREC == "fma":
-        out = acc + tl.sum(a[:, None, :] * w[None, :, :], axis=2)
     else:
         out = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     return out
@@ -114,15 +111,8 @@ def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS:
             mask = real[:, None] & (kc + wv < K)  # [BM, 32]
             lo = tl.load(arow + kc + wv, mask=mask, other=0.0).to(tl.float32)  # [BM, 32]
             hi = tl.load(arow + kc + 32 + wv, mask=mask, other=0.0).to(tl.float32)
-            if PREC == "fma":  # the codes times the activations, each sub-block's scale and min after the sum
-                sl = tl.sum((q & 15).to(tl.float32)[None, :, :] * lo[:, None, :], axis=2)  # [BM, BN]
-                sh = tl.sum((q >> 4).to(tl.float32)[None, :, :] * hi[:, None, :], axis=2)
-                acc += ((d * sc0)[None, :] * sl + (d * sc1)[None, :] * sh
-                        - (dmin * mn0)[None, :] * tl.sum(lo, axis=1)[:, None]
-                        - (dmin * mn1)[None, :] * tl.sum(hi, axis=1)[:, None])
-            else:
-                acc = _dot(lo, (d * sc0)[:, None] * (q & 15).to(tl.float32) - (dmin * mn0)[:, None], acc, PREC)
-                acc = _dot(hi, (d * sc1)[:, None] * (q >> 4).to(tl.float32) - (dmin * mn1)[:, None], acc, PREC)
+            acc = _dot(lo, (d * sc0)[:, None] * (q & 15).to(tl.float32) - (dmin * mn0)[:, None], acc, PREC)
+            acc = _dot(hi, (d * sc1)[:, None] * (q >> 4).to(tl.float32) - (dmin * mn1)[:, None], acc, PREC)
     else:
         kk = tl.arange(0, KT)[None, :]
         a = tl.load(arow + k0 + kk, mask=real[:, None] & (k0 + kk < K), other=0.0).to(tl.float32)  # [BM, KT]
