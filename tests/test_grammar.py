@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
 import pytest
+import tokenizers
 import torch
-from test_server_support import VOCAB, FakeTokenizer
+from test_server_support import VOCAB, FakeTokenizer, _byte_level_chars
 
 from strata_core.errors import InvalidParamError
 from strata_core.serving.grammar import Grammars, gbnf_grammar, json_schema_grammar, server_grammar, tool_call_grammar
 from strata_core.serving.sampling import Sampler, SamplingParams, sample_rows
 from strata_core.serving.token_mask import apply_bitmask, fill_bitmask
+from strata_core.serving.tool_calls import ReplyFormat, parse_reply
 
 TOK = FakeTokenizer()
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -163,3 +166,47 @@ def test_tool_call_grammars(grammars: Grammars) -> None:
     bad = '<tool_call>\n{"name": "get_weather", "arguments": {"n": "x"'
     constraint = grammars.compile(tool_call_grammar("hermes", tools, False), "tool_choice")
     assert constraint.matcher.validate_tokens(TOK.encode(bad)) < len(TOK.encode(bad))
+
+
+
+class _DeepSeekTokenizer:
+    """Byte-level like FakeTokenizer, with DeepSeek's end of sentence and tool-call tokens as specials."""
+
+    SPECIALS = ["<｜end▁of▁sentence｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"]
+    eos_token_ids = {0}
+
+    def __init__(self) -> None:
+        byte_chars = _byte_level_chars()
+        n = len(self.SPECIALS)
+        vocab = {s: i for i, s in enumerate(self.SPECIALS)} | {byte_chars[b]: b + n for b in range(256)}
+        self.backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], fuse_unk=False))
+        self.backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        self.backend.decoder = tokenizers.decoders.ByteLevel()
+        self.backend.add_special_tokens(self.SPECIALS)
+
+
+@pytest.mark.parametrize("call_format", ["deepseek", "deepseek-v3.1"])
+def test_deepseek_tool_call_grammar_gives_calls_valid_for_the_schema(call_format: str) -> None:
+    """Random draws under a forced DeepSeek call (its tool-call tokens as special tokens): the reply is
+    one section of calls that the reply parser reads, each to the tool with arguments valid for its schema."""
+    tok = _DeepSeekTokenizer()
+    n_vocab = len(tok.SPECIALS) + 256
+    grammars = Grammars(tok, n_vocab)
+    for seed in range(4):
+        constraint = grammars.compile(tool_call_grammar(call_format, [("get_weather", SCHEMA)], True), "tool_choice")
+        gen = torch.Generator().manual_seed(seed)
+        tokens: list[int] = []
+        while not constraint.matcher.is_stopped() and len(tokens) < 400:
+            mask = fill_bitmask([constraint], n_vocab)[0]
+            allowed = [t for t in range(n_vocab) if (int(mask[t // 32]) >> (t % 32)) & 1]
+            token = allowed[int(torch.randint(len(allowed), (1,), generator=gen))]
+            constraint.advance(token)
+            tokens.append(token)
+        assert constraint.matcher.is_stopped()
+        text = tok.backend.decode(tokens, skip_special_tokens=False)
+        _, content, calls = parse_reply(text, ReplyFormat(tools=call_format).parser())
+        assert content.replace("<｜end▁of▁sentence｜>", "") == "" and calls, text
+        for call in calls:
+            assert call.name == "get_weather"
+            jsonschema.validate(json.loads(call.arguments), SCHEMA)

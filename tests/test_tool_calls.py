@@ -109,3 +109,51 @@ def test_the_format_follows_the_chat_template() -> None:
     assert tool_call_format("... <tool_call>\\n{...}\\n</tool_call> ...") == "hermes"
     assert tool_call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
     assert ReplyFormat().parser() is None  # no tools, no harmony: the text is all content
+
+
+DEEPSEEK = ReplyFormat(tools="deepseek")
+DS_V3 = ("<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Zürich\"}\n```"
+         "<｜tool▁call▁end｜>")
+DS_V31 = '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Bern"}<｜tool▁call▁end｜>'
+DS_REPLIES = [
+    "Let me look. \n<｜tool▁calls▁begin｜>" + DS_V3 + DS_V31 + "<｜tool▁calls▁end｜>",
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>not json<｜tool▁call▁end｜>"
+    + DS_V31 + "<｜tool▁calls▁end｜> and after",
+    "cut short <｜tool▁calls▁begin｜>" + DS_V31 + "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{",
+    "no calls at all, a <｜tool but no tag\n",
+]
+
+
+@pytest.mark.parametrize("text", DS_REPLIES)
+def test_deepseek_any_split_gives_what_the_whole_text_gives(text: str) -> None:
+    expected = whole(text, DEEPSEEK)
+    assert streamed(list(text), DEEPSEEK) == expected
+    for cut in range(1, len(text)):
+        assert streamed([text[:cut], text[cut:]], DEEPSEEK) == expected
+
+
+def test_deepseek_calls_in_both_layouts() -> None:
+    """V3 / R1's ``function<｜tool▁sep｜>NAME`` with fenced JSON and V3.1's bare ``NAME<｜tool▁sep｜>JSON``;
+    the content before the section, less the white space before it."""
+    assert whole(DS_REPLIES[0], DEEPSEEK) == ("", "Let me look.", [("get_weather", {"city": "Zürich"}),
+                                                                  ("get_weather", {"city": "Bern"})])
+
+
+def test_deepseek_bodies_that_are_no_call_are_content_as_they_are() -> None:
+    bad = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>not json<｜tool▁call▁end｜>"
+    assert whole(DS_REPLIES[1], DEEPSEEK) == ("", bad + " and after", [("get_weather", {"city": "Bern"})])
+    unclosed = "<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"
+    assert whole(DS_REPLIES[2], DEEPSEEK) == ("", "cut short" + unclosed, [("get_weather", {"city": "Bern"})])
+    assert whole(DS_REPLIES[3], DEEPSEEK) == ("", DS_REPLIES[3], [])
+
+
+def test_deepseek_calls_past_max_calls_are_dropped() -> None:
+    _, _, calls = parse_reply(DS_REPLIES[0], ReplyFormat(tools="deepseek", max_calls=1).parser())
+    assert [json.loads(c.arguments) for c in calls] == [{"city": "Zürich"}]
+
+
+def test_the_deepseek_layout_follows_the_chat_template() -> None:
+    v3 = "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + name + '\\n```json\\n'}}"
+    v31 = "{{'<｜tool▁calls▁begin｜>'}}{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments}}"
+    assert tool_call_format(v3) == "deepseek"
+    assert tool_call_format(v31) == "deepseek-v3.1"

@@ -86,21 +86,32 @@ def _literal(text: str) -> str:
 def tool_call_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
     """The grammar of a reply that is tool calls only, in ``call_format`` ("hermes": ``<tool_call>``
     JSON blocks, one or more when ``parallel``; "harmony": one call to ``functions.NAME`` on the
-    commentary channel, ending with ``<|call|>``), to one of ``tools`` (name, parameters schema;
-    None: any object), its arguments valid for the tool's schema."""
+    commentary channel, ending with ``<|call|>``; "deepseek" / "deepseek-v3.1": DeepSeek's section
+    of calls, one or more when ``parallel``, each ``function<｜tool▁sep｜>NAME`` and fenced JSON
+    arguments / V3.1's ``NAME<｜tool▁sep｜>ARGUMENTS``), to one of ``tools`` (name, parameters
+    schema; None: any object), its arguments valid for the tool's schema."""
     rules = []
     for i, (name, parameters) in enumerate(tools):
         arguments = _lark_json(parameters if parameters is not None else {"type": "object"}, "tools")
         if call_format == "harmony":
             rules.append(f"call_{i}: <|channel|> {_literal(f'commentary to=functions.{name} ')} <|constrain|> "
                          f"\"json\" <|message|> {arguments} <|call|>")
+        elif call_format.startswith("deepseek"):
+            fenced = call_format == "deepseek"
+            head = (f"{_literal('function')} <｜tool▁sep｜> {_literal(name + chr(10) + '```json' + chr(10))}"
+                    if fenced else f"{_literal(name)} <｜tool▁sep｜>")
+            tail = f" {_literal(chr(10) + '```')}" if fenced else ""
+            rules.append(f"call_{i}: <｜tool▁call▁begin｜> {head} {arguments}{tail} <｜tool▁call▁end｜>")
         else:
             opening = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
             rules.append(f"call_{i}: {_literal(chr(10).join(['<tool_call>', opening]))} {arguments} "
                          f"{_literal(chr(10).join(['}', '</tool_call>']))}")
     call = " | ".join(f"call_{i}" for i in range(len(tools)))
-    repeat = f' ("\\n" ({call}))*' if parallel and call_format == "hermes" else ""
-    return llguidance.LLMatcher.grammar_from_lark(f"start: ({call}){repeat}\n" + "\n".join(rules) + "\n")
+    if call_format.startswith("deepseek"):
+        start = f"<｜tool▁calls▁begin｜> ({call}){'+' if parallel else ''} <｜tool▁calls▁end｜>"
+    else:
+        start = f"({call})" + (f' ("\\n" ({call}))*' if parallel and call_format == "hermes" else "")
+    return llguidance.LLMatcher.grammar_from_lark(f"start: {start}\n" + "\n".join(rules) + "\n")
 
 
 def server_grammar(grammar_file: Path | None, json_schema: str | None) -> tuple[str, str] | None:

@@ -1,6 +1,6 @@
 """Read tool calls out of a chat reply, whole or as it streams, per model family.
 
-Two formats are known, chosen by the chat template (``tool_call_format``):
+Three formats are known, chosen by the chat template (``tool_call_format``):
 
 - "hermes" (Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
   blocks, one or more; the text outside them is content. White space before a block, and white
@@ -8,7 +8,10 @@ Two formats are known, chosen by the chat template (``tool_call_format``):
   held back as it streams, the way stop strings are; a block is given whole once its closing tag
   arrives. A block whose body is not such a JSON object, or one never closed, is content as it is.
 - "harmony" (gpt-oss): a message to ``functions.NAME`` whose body is the JSON arguments
-  (strata_core.text.harmony).
+  (strata_core.text.harmony);
+- "deepseek" (DeepSeek-V3, R1: arguments fenced as JSON) and "deepseek-v3.1" (V3.1 on: bare): a
+  section of ``<｜tool▁call▁begin｜>`` calls after the content (strata_core.serving.deepseek_calls; its
+  parser reads both layouts, the grammar of a forced call writes the template's).
 
 ``ReplyParser`` turns reply text into ``Piece``s (reasoning, content) and ``ToolCall``s in output
 order; any split of the text gives the same calls and the same text as feeding it whole.
@@ -16,11 +19,11 @@ order; any split of the text gives the same calls and the same text as feeding i
 
 from __future__ import annotations
 
-import json
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from strata_core.serving.deepseek_calls import CALLS_BEGIN, DeepSeekParser
+from strata_core.serving.tool_call import ToolCall, arguments_json, json_object, new_call_id
 from strata_core.text.harmony import HarmonyParser, Piece, held_prefix, uses_harmony
 
 __all__ = ["HermesParser", "ReplyFormat", "ReplyParser", "ToolCall", "hermes_call", "new_call_id", "parse_reply",
@@ -29,48 +32,22 @@ __all__ = ["HermesParser", "ReplyFormat", "ReplyParser", "ToolCall", "hermes_cal
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-def new_call_id() -> str:
-    """An OpenAI-style tool call id: "call_" and random hex."""
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A call the model made: the function's name and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-    id: str = field(default_factory=new_call_id)
-
-
 def tool_call_format(template_source: str) -> str | None:
-    """The tool-call format of replies under a chat template: "harmony", "hermes", or None (unknown)."""
+    """The tool-call format of replies under a chat template: "harmony", "hermes", "deepseek",
+    "deepseek-v3.1", or None (unknown)."""
     if uses_harmony(template_source):
         return "harmony"
+    if CALLS_BEGIN in template_source:
+        return "deepseek" if "```json" in template_source else "deepseek-v3.1"
     return "hermes" if OPEN in template_source else None
-
-
-def _json_object(text: str) -> dict[str, Any] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def _arguments(value: Any) -> str | None:
-    """JSON text of a call's arguments: an object, or a string holding one (as some models write it)."""
-    if isinstance(value, str):
-        value = _json_object(value)
-    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
 def hermes_call(body: str) -> ToolCall | None:
     """The call of a ``<tool_call>`` block's body, None unless it is ``{"name": str, "arguments": {...}}``."""
-    value = _json_object(body)
+    value = json_object(body)
     if value is None or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = _arguments(value.get("arguments", {}))
+    arguments = arguments_json(value.get("arguments", {}))
     return ToolCall(value["name"], arguments) if arguments is not None else None
 
 
@@ -156,7 +133,7 @@ class _HarmonyCalls:
         for piece in pieces:
             if piece.kind != "tool":
                 out.append(piece)
-            elif (arguments := _arguments(piece.text)) is not None:
+            elif (arguments := arguments_json(piece.text)) is not None:
                 out.append(ToolCall(piece.name, arguments))
             elif piece.text:
                 out.append(Piece("content", piece.text))
@@ -178,6 +155,8 @@ class ReplyFormat:
             return None
         if self.tools == "harmony":
             return ReplyParser(_HarmonyCalls(), self.max_calls)
+        if self.tools is not None and self.tools.startswith("deepseek"):
+            return ReplyParser(DeepSeekParser(), self.max_calls)
         return ReplyParser(HarmonyParser() if self.harmony else HermesParser(), self.max_calls)
 
 

@@ -130,7 +130,7 @@ def _offered_tools(body: ChatCompletionRequest, template_source: str) -> list[di
         return None
     if tool_call_format(template_source) is None:
         raise InvalidParamError("tools are not supported for this model: its chat template has no known tool-call "
-                                "format (Qwen-style <tool_call> or gpt-oss harmony)", "tools", "unsupported_value")
+                                "format (Qwen-style <tool_call>, gpt-oss harmony or DeepSeek's tool-call tokens)", "tools", "unsupported_value")
     return [msgspec.to_builtins(tool) for tool in body.tools or []]
 
 
