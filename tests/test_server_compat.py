@@ -65,7 +65,7 @@ def test_harmless_fields_are_ignored_with_one_log_line(url: str, caplog: pytest.
     ("extra", "param"),
     [
         ({"n": 2}, "n"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
     ],
 )
@@ -73,7 +73,7 @@ def test_fields_whose_omission_would_change_the_answer_are_400(url: str, extra: 
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra}
     response = httpx.post(f"{url}/v1/chat/completions", json=payload)
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    assert response.json()["error"]["param"].startswith(param)
     assert param in response.json()["error"]["message"]
 
 

@@ -45,9 +45,10 @@ class ToolEngine(FakeEngine):
     ``SCRIPT`` reply to the prompt's last turn, then ``<|im_end|>``, then all logits equal (the reply is
     read off the session's tokens, so it holds whichever way the scheduler reaches them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, template: str = QWEN_TEMPLATE, script: list[tuple[str, str]] = SCRIPT) -> None:
         super().__init__(max_context=2048)
-        self.chat = ChatTemplate(QWEN_TEMPLATE, eos_token="<|im_end|>")
+        self.chat = ChatTemplate(template, eos_token="<|im_end|>")
+        self.script = script
         self.opening = self.tokenizer.encode("<|im_start|>assistant\n")
         self.prompts: list[str] = []  # each request's whole prompt
 
@@ -55,7 +56,7 @@ class ToolEngine(FakeEngine):
         start = len(session.tokens) - session.tokens[::-1].index(self.opening[0]) - 1  # the last <|im_start|>
         assert session.tokens[start:start + len(self.opening)] == self.opening, "no generation prompt"
         prompt = self.tokenizer.decode(session.tokens[:start])
-        reply = next(reply for trigger, reply in SCRIPT if trigger in prompt.rsplit("user\n", 1)[-1])
+        reply = next(reply for trigger, reply in self.script if trigger in prompt.rsplit("user\n", 1)[-1])
         done = session.n_tokens - start - len(self.opening)
         if done == 0:
             self.prompts.append(prompt)
@@ -189,6 +190,73 @@ def test_tools_and_tool_choice_that_cannot_be_met_are_400(base_url: str, extra: 
 def test_text_completions_refuse_tools(base_url: str) -> None:
     r = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "tools": TOOLS})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+# --- a template that knows no tools: the generic JSON format -----------------------------------------
+
+PLAIN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+GENERIC_CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Zürich"}}]}'
+GENERIC_SCRIPT = [("Tool result", json.dumps({"response": ANSWER}, ensure_ascii=False)), ("weather", GENERIC_CALL),
+                  ("", "Hello there.")]
+
+
+@pytest.fixture(scope="module")
+def generic_engine() -> ToolEngine:
+    return ToolEngine(PLAIN_TEMPLATE, GENERIC_SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def generic_client(generic_engine: ToolEngine) -> Iterator[openai.OpenAI]:
+    with scripted_server(generic_engine) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_generic_round_trip(generic_client: openai.OpenAI, generic_engine: ToolEngine) -> None:
+    """The tools described in a system message; the JSON reply's calls as ``tool_calls``; the call and the
+    tool's result given back as plain turns; a ``{"response": ...}`` reply as content."""
+    out = ask(generic_client, ASK, tools=TOOLS)
+    prompt = generic_engine.prompts[-1]
+    assert prompt.startswith("system\nYou can call these tools") and "The current weather" in prompt  # specials skipped
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    [call] = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Zürich"})
+    final = ask(generic_client, ASK + _result_turn(choice.message), tools=TOOLS)
+    assert (final.choices[0].message.content, final.choices[0].finish_reason) == (ANSWER, "stop")
+    prompt = generic_engine.prompts[-1]
+    assert f"assistant\n{GENERIC_CALL}\n" in prompt
+    assert f'user\nTool result ({call.id}):\n{{"temp": 21}}\n' in prompt
+
+
+def test_generic_streamed_call(generic_client: openai.OpenAI) -> None:
+    with generic_client.chat.completions.stream(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=200,
+                                                temperature=0) as stream:
+        final = stream.get_final_completion()
+    [call] = final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Zürich"})
+
+
+def test_generic_text_reply_streams_as_content(generic_client: openai.OpenAI) -> None:
+    out = ask(generic_client, [{"role": "user", "content": "hi"}], tools=TOOLS)
+    assert (out.choices[0].message.content, out.choices[0].finish_reason) == ("Hello there.", "stop")
+
+
+def test_generic_forced_tool_choice(generic_client: openai.OpenAI) -> None:
+    """A forced call on a template without tools: the grammar of ``{"tool_calls": [...]}`` keeps the
+    scripted text reply off; the call's arguments are valid for the schema. (Off its script the fake
+    engine's logits are all equal: greedy takes the lowest id the grammar allows, a tab, wherever JSON
+    allows white space, up to its limit: hence the many tokens; and "," before "]": one call, so the list
+    ends.)"""
+    tools = json.loads(json.dumps(TOOLS))
+    tools[0]["function"]["parameters"]["properties"]["city"]["maxLength"] = 8
+    out = generic_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=1200, temperature=0, tools=tools, tool_choice="required",
+                                                 parallel_tool_calls=False)
+    assert out.choices[0].finish_reason == "tool_calls", repr(out.choices[0].message.content)
+    (call,) = out.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
 
 
 # --- gpt-oss ----------------------------------------------------------------------------------------

@@ -107,7 +107,7 @@ def test_harmony_arguments_that_are_not_json_are_content() -> None:
 def test_the_format_follows_the_chat_template() -> None:
     assert tool_call_format("{{ '<|channel|>' }}") == "harmony"
     assert tool_call_format("... <tool_call>\\n{...}\\n</tool_call> ...") == "hermes"
-    assert tool_call_format("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    assert tool_call_format("{% for m in messages %}{{ m.content }}{% endfor %}") == "json"
     assert ReplyFormat().parser() is None  # no tools, no harmony: the text is all content
 
 
@@ -157,3 +157,33 @@ def test_the_deepseek_layout_follows_the_chat_template() -> None:
     v31 = "{{'<｜tool▁calls▁begin｜>'}}{{'<｜tool▁call▁begin｜>' + name + '<｜tool▁sep｜>' + arguments}}"
     assert tool_call_format(v3) == "deepseek"
     assert tool_call_format(v31) == "deepseek-v3.1"
+
+
+GENERIC = ReplyFormat(tools="json")
+GENERIC_REPLIES = [
+    ' {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Zürich"}}, '
+    '{"name": "get_weather", "arguments": "{\\"city\\": \\"Bern\\"}"}]}',
+    '{"tool_call": {"name": "get_weather", "arguments": {"city": "Zürich"}}}',
+    '{"response": "It is warm."}',
+    '{"tool_calls": [{"arguments": {}}]}',
+    "Plain text, {not json} at all",
+]
+
+
+@pytest.mark.parametrize("text", GENERIC_REPLIES)
+def test_generic_any_split_gives_what_the_whole_text_gives(text: str) -> None:
+    expected = whole(text, GENERIC)
+    assert streamed(list(text), GENERIC) == expected
+    for cut in range(1, len(text)):
+        assert streamed([text[:cut], text[cut:]], GENERIC) == expected
+
+
+def test_generic_replies() -> None:
+    """``tool_calls`` (arguments as an object or a JSON string) and ``tool_call`` are calls, ``response``
+    is content; an object of neither shape, or a call without a name, is content as it is."""
+    assert whole(GENERIC_REPLIES[0], GENERIC) == ("", "", [("get_weather", {"city": "Zürich"}),
+                                                          ("get_weather", {"city": "Bern"})])
+    assert whole(GENERIC_REPLIES[1], GENERIC) == ("", "", [("get_weather", {"city": "Zürich"})])
+    assert whole(GENERIC_REPLIES[2], GENERIC) == ("", "It is warm.", [])
+    assert whole(GENERIC_REPLIES[3], GENERIC) == ("", GENERIC_REPLIES[3], [])
+    assert whole(GENERIC_REPLIES[4], GENERIC) == ("", GENERIC_REPLIES[4], [])

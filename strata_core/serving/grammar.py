@@ -24,6 +24,7 @@ from typing import Any
 import llguidance
 
 from strata_core.errors import InvalidParamError
+from strata_core.serving.generic_calls import call_schema
 
 __all__ = ["Grammars", "TokenConstraint", "gbnf_grammar", "json_schema_grammar", "server_grammar", "tool_call_grammar"]
 
@@ -89,7 +90,10 @@ def tool_call_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any
     commentary channel, ending with ``<|call|>``; "deepseek" / "deepseek-v3.1": DeepSeek's section
     of calls, one or more when ``parallel``, each ``function<｜tool▁sep｜>NAME`` and fenced JSON
     arguments / V3.1's ``NAME<｜tool▁sep｜>ARGUMENTS``), to one of ``tools`` (name, parameters
-    schema; None: any object), its arguments valid for the tool's schema."""
+    schema; None: any object), its arguments valid for the tool's schema; "json": the generic
+    format's ``{"tool_calls": [...]}`` object (strata_core.serving.generic_calls)."""
+    if call_format == "json":
+        return json_schema_grammar(call_schema(tools, parallel), "tools")
     rules = []
     for i, (name, parameters) in enumerate(tools):
         arguments = _lark_json(parameters if parameters is not None else {"type": "object"}, "tools")

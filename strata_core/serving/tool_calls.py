@@ -1,6 +1,6 @@
 """Read tool calls out of a chat reply, whole or as it streams, per model family.
 
-Three formats are known, chosen by the chat template (``tool_call_format``):
+Four formats are known, chosen by the chat template (``tool_call_format``):
 
 - "hermes" (Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
   blocks, one or more; the text outside them is content. White space before a block, and white
@@ -11,7 +11,9 @@ Three formats are known, chosen by the chat template (``tool_call_format``):
   (strata_core.text.harmony);
 - "deepseek" (DeepSeek-V3, R1: arguments fenced as JSON) and "deepseek-v3.1" (V3.1 on: bare): a
   section of ``<｜tool▁call▁begin｜>`` calls after the content (strata_core.serving.deepseek_calls; its
-  parser reads both layouts, the grammar of a forced call writes the template's).
+  parser reads both layouts, the grammar of a forced call writes the template's);
+- "json" (any other template): the tools described in a system message and a reply that is one JSON
+  object (strata_core.serving.generic_calls).
 
 ``ReplyParser`` turns reply text into ``Piece``s (reasoning, content) and ``ToolCall``s in output
 order; any split of the text gives the same calls and the same text as feeding it whole.
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from strata_core.serving.deepseek_calls import CALLS_BEGIN, DeepSeekParser
+from strata_core.serving.generic_calls import GenericParser
 from strata_core.serving.tool_call import ToolCall, arguments_json, json_object, new_call_id
 from strata_core.text.harmony import HarmonyParser, Piece, held_prefix, uses_harmony
 
@@ -32,14 +35,14 @@ __all__ = ["HermesParser", "ReplyFormat", "ReplyParser", "ToolCall", "hermes_cal
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-def tool_call_format(template_source: str) -> str | None:
+def tool_call_format(template_source: str) -> str:
     """The tool-call format of replies under a chat template: "harmony", "hermes", "deepseek",
     "deepseek-v3.1", or None (unknown)."""
     if uses_harmony(template_source):
         return "harmony"
     if CALLS_BEGIN in template_source:
         return "deepseek" if "```json" in template_source else "deepseek-v3.1"
-    return "hermes" if OPEN in template_source else None
+    return "hermes" if OPEN in template_source else "json"
 
 
 def hermes_call(body: str) -> ToolCall | None:
@@ -157,6 +160,8 @@ class ReplyFormat:
             return ReplyParser(_HarmonyCalls(), self.max_calls)
         if self.tools is not None and self.tools.startswith("deepseek"):
             return ReplyParser(DeepSeekParser(), self.max_calls)
+        if self.tools == "json":
+            return ReplyParser(GenericParser(), self.max_calls)
         return ReplyParser(HarmonyParser() if self.harmony else HermesParser(), self.max_calls)
 
 

@@ -29,6 +29,7 @@ from strata_core.serving.sampling import SamplingParams
 from strata_core.serving.scheduler import RequestHandle, Scheduler
 from strata_core.serving.server.constraints import request_grammar
 from strata_core.serving.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
+from strata_core.serving.generic_calls import generic_messages
 from strata_core.serving.tool_calls import ReplyFormat, tool_call_format
 
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]
@@ -117,10 +118,9 @@ def _template_message(message: ChatMessage, harmony: bool) -> dict[str, Any]:
     return out
 
 
-def _offered_tools(body: ChatCompletionRequest, template_source: str) -> list[dict[str, Any]] | None:
-    """The tools the chat template renders, as transformers passes them (None: no tools offered);
-    InvalidParamError for a tool_choice the tools cannot meet or a template whose replies' tool
-    calls Strata cannot read."""
+def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    """The tools offered, as transformers passes them to a chat template (None: none offered);
+    InvalidParamError for a tool_choice the tools cannot meet."""
     choice, names = body.tool_choice, [tool.function.name for tool in body.tools or []]
     if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
         raise InvalidParamError("tool_choice needs tools", "tool_choice")
@@ -128,9 +128,6 @@ def _offered_tools(body: ChatCompletionRequest, template_source: str) -> list[di
         raise InvalidParamError(f"tool_choice names {choice.function.name!r}, which is not in tools", "tool_choice")
     if not names or choice == "none":
         return None
-    if tool_call_format(template_source) is None:
-        raise InvalidParamError("tools are not supported for this model: its chat template has no known tool-call "
-                                "format (Qwen-style <tool_call>, gpt-oss harmony or DeepSeek's tool-call tokens)", "tools", "unsupported_value")
     return [msgspec.to_builtins(tool) for tool in body.tools or []]
 
 
@@ -257,8 +254,10 @@ class GenerationService:
         self._check_size("".join(m.text() for m in body.messages), "messages")
         messages = [_template_message(m, self.harmony) for m in body.messages]
         template_args = _template_args(body.reasoning_effort)
-        tools = _offered_tools(body, self.engine.chat.source)
-        if tools is not None:
+        tools = _offered_tools(body)
+        if tool_call_format(self.engine.chat.source) == "json":  # the template knows no tools: described here
+            messages = generic_messages(messages, tools, body.parallel_tool_calls is not False)
+        elif tools is not None:
             template_args["tools"] = tools
 
         cancelled = threading.Event()
