@@ -210,3 +210,27 @@ def test_deepseek_tool_call_grammar_gives_calls_valid_for_the_schema(call_format
         for call in calls:
             assert call.name == "get_weather"
             jsonschema.validate(json.loads(call.arguments), SCHEMA)
+
+
+@pytest.mark.parametrize("think, opening", [("tags", "<think>"), ("open", "")])
+@pytest.mark.parametrize("call_format, call", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"n": 7}}\n</tool_call>'),
+    ("json", '{"tool_calls": [{"name": "get_weather", "arguments": {"n": 7}}]}')])
+def test_forced_calls_may_follow_think_reasoning(grammars: Grammars, think: str, opening: str, call_format: str,
+                                                 call: str) -> None:
+    """A forced call after a ``<think>`` block (its rest when the prompt opened it; optional with "tags"),
+    the block ending at its first ``</think>``; no other text before the call."""
+    tools = [("get_weather", SCHEMA)]
+    for text in (f"{opening}Which city? Zürich.</think>\n\n{call}", f"{opening}</think>{call}"):
+        constraint = grammars.compile(tool_call_grammar(call_format, tools, False, think), "tool_choice")
+        assert constraint.matcher.consume_tokens(TOK.encode(text)), text
+        assert constraint.matcher.is_stopped()
+    if think == "tags":
+        assert grammars.compile(tool_call_grammar(call_format, tools, False, think),
+                                "tool_choice").matcher.consume_tokens(TOK.encode(call))
+    for bad in (f"{opening}hm</think>Sure, calling it. {call}", f"Hello {call}"):
+        constraint = grammars.compile(tool_call_grammar(call_format, tools, False, think), "tool_choice")
+        ids = TOK.encode(bad)
+        if think == "open" and bad.startswith("Hello"):
+            continue  # inside the opened block any text is reasoning
+        assert constraint.matcher.validate_tokens(ids) < len(ids), bad

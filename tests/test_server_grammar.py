@@ -204,9 +204,13 @@ def test_forced_parallel_tool_calls(url: str) -> None:
 
 
 def test_forced_harmony_tool_call() -> None:
-    with live_server(StrataSettings(model_alias=MODEL, conv_cache=0), RandomHarmonyEngine()) as base:
+    """A forced call to ``point``: its arguments valid, whether the random model first writes an analysis
+    message (which the grammar allows) or not; ``<|end|>`` favoured so that a random analysis ends."""
+    engine = RandomHarmonyEngine()
+    (end,) = engine.tokenizer.encode("<|end|>")
+    with live_server(StrataSettings(model_alias=MODEL, conv_cache=0), engine) as base:
         for seed in range(3):
-            out = _chat(base, seed=seed, max_tokens=300, tools=[_tool("point", POINT)],
+            out = _chat(base, seed=seed, max_tokens=300, tools=[_tool("point", POINT)], logit_bias={str(end): 12},
                         tool_choice={"type": "function", "function": {"name": "point"}})
             assert out["finish_reason"] == "tool_calls", out
             (call,) = out["message"]["tool_calls"]

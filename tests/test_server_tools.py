@@ -259,6 +259,37 @@ def test_generic_forced_tool_choice(generic_client: openai.OpenAI) -> None:
     assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
 
 
+# --- <think> reasoning (a template whose generation prompt opens the block, as DeepSeek-R1's) ----------
+
+THINK_TEMPLATE = QWEN_TEMPLATE.replace("{{- '<|im_start|>assistant\\n' }}", "{{- '<|im_start|>assistant\\n<think>\\n' }}")
+THINK_SCRIPT = [("weather", "<think>\nA call, then.</think>\n\n" + CALL), ("", "<think>\nThinking it over.\n</think>\n\nHello.")]
+
+
+@pytest.fixture(scope="module")
+def think_client() -> Iterator[openai.OpenAI]:
+    engine = ToolEngine(THINK_TEMPLATE, THINK_SCRIPT)
+    engine.opening = engine.tokenizer.encode("<|im_start|>assistant\n")  # the script's reply starts with <think>
+    with scripted_server(engine) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_think_block_is_reasoning_content(think_client: openai.OpenAI) -> None:
+    out = ask(think_client, [{"role": "user", "content": "hi"}])
+    message = out.choices[0].message
+    assert (message.content, message.reasoning_content) == ("Hello.", "Thinking it over.\n")
+    assert THINK_TEMPLATE != QWEN_TEMPLATE
+
+
+def test_think_then_tool_call(think_client: openai.OpenAI) -> None:
+    """A call after the reasoning; forced, the grammar lets the opened block finish first."""
+    for choice in ("auto", "required"):
+        out = ask(think_client, ASK, tools=TOOLS, tool_choice=choice)
+        message = out.choices[0].message
+        assert out.choices[0].finish_reason == "tool_calls" and message.reasoning_content == "A call, then."
+        [call] = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Zürich"})
+
+
 # --- gpt-oss ----------------------------------------------------------------------------------------
 
 HARMONY_CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"

@@ -187,3 +187,35 @@ def test_generic_replies() -> None:
     assert whole(GENERIC_REPLIES[2], GENERIC) == ("", "It is warm.", [])
     assert whole(GENERIC_REPLIES[3], GENERIC) == ("", GENERIC_REPLIES[3], [])
     assert whole(GENERIC_REPLIES[4], GENERIC) == ("", GENERIC_REPLIES[4], [])
+
+
+THINK_REPLIES = [
+    ("tags", "<think>\nThe user wants weather.\n</think>\n\n" + CALL, HERMES),
+    ("open", "Weather, then.\n</think>\n\nLet me look.\n" + CALL, HERMES),
+    ("tags", "  No thinking here, a < b.", HERMES),
+    ("tags", "<think>cut short", HERMES),
+    ("open", "all reasoning, never closed", ReplyFormat()),
+]
+
+
+@pytest.mark.parametrize("think, text, fmt", THINK_REPLIES)
+def test_think_any_split_gives_what_the_whole_text_gives(think: str, text: str, fmt: ReplyFormat) -> None:
+    fmt = ReplyFormat(fmt.harmony, fmt.tools, fmt.max_calls, think)
+    expected = whole(text, fmt)
+    assert streamed(list(text), fmt) == expected
+    for cut in range(1, len(text)):
+        assert streamed([text[:cut], text[cut:]], fmt) == expected
+
+
+def test_think_blocks_are_reasoning() -> None:
+    """A leading block (or the rest of the one the prompt opened) is reasoning, the white space after it
+    dropped, the rest the reply; a reply that does not open one is all reply; one never closed is all
+    reasoning."""
+    fmt = [ReplyFormat(tools=f.tools, think=t) for t, _, f in THINK_REPLIES]
+    texts = [text for _, text, _ in THINK_REPLIES]
+    assert whole(texts[0], fmt[0]) == ("\nThe user wants weather.\n", "", [("get_weather", {"city": "Zürich"})])
+    assert whole(texts[1], fmt[1]) == ("Weather, then.\n", "Let me look.", [("get_weather", {"city": "Zürich"})])
+    assert whole(texts[2], fmt[2]) == ("", texts[2], [])
+    assert whole(texts[3], fmt[3]) == ("cut short", "", [])
+    assert whole(texts[4], fmt[4]) == (texts[4], "", [])
+    assert ReplyFormat(think=None).parser() is None

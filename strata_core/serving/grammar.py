@@ -84,17 +84,33 @@ def _literal(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def tool_call_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool) -> str:
+#: the rule ``reasoning`` of a forced call's grammar by ``ReplyFormat.think``: a whole ``<think>`` block, or
+#: the rest of the one the prompt opened (a lazy lexeme ending at the first ``</think>``); then the white
+#: space before the call
+_THOUGHT = 'thought[suffix="</think>"]: /(.|\\n)*/\nGAP: /[ \\t\\n]*/'
+_REASONING = {"tags": 'reasoning: "<think>" thought GAP\n' + _THOUGHT, "open": "reasoning: thought GAP\n" + _THOUGHT}
+
+
+def tool_call_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool,
+                      think: str | None = None) -> str:
     """The grammar of a reply that is tool calls only, in ``call_format`` ("hermes": ``<tool_call>``
     JSON blocks, one or more when ``parallel``; "harmony": one call to ``functions.NAME`` on the
     commentary channel, ending with ``<|call|>``; "deepseek" / "deepseek-v3.1": DeepSeek's section
     of calls, one or more when ``parallel``, each ``function<｜tool▁sep｜>NAME`` and fenced JSON
     arguments / V3.1's ``NAME<｜tool▁sep｜>ARGUMENTS``), to one of ``tools`` (name, parameters
     schema; None: any object), its arguments valid for the tool's schema; "json": the generic
-    format's ``{"tool_calls": [...]}`` object (strata_core.serving.generic_calls)."""
+    format's ``{"tool_calls": [...]}`` object (strata_core.serving.generic_calls). Reasoning may come
+    first: harmony's analysis message; with ``think`` (``ReplyFormat.think``) a ``<think>`` block
+    ("open": the rest of the block the prompt opened)."""
+    rules = [_REASONING[think]] if think is not None else []
+    first = "reasoning " if think == "open" else "reasoning? " if think is not None else ""
     if call_format == "json":
-        return json_schema_grammar(call_schema(tools, parallel), "tools")
-    rules = []
+        schema = _lark_json(call_schema(tools, parallel), "tools")
+        return llguidance.LLMatcher.grammar_from_lark(f"start: {first}{schema}\n" + "\n".join(rules) + "\n")
+    if call_format == "harmony":
+        rules.append(f"analysis: <|channel|> {_literal('analysis')} <|message|> ANALYSIS <|end|> <|start|> "
+                     f"{_literal('assistant')}\nANALYSIS: /(.|\\n)*/")
+        first = "analysis? "
     for i, (name, parameters) in enumerate(tools):
         arguments = _lark_json(parameters if parameters is not None else {"type": "object"}, "tools")
         if call_format == "harmony":
@@ -115,7 +131,7 @@ def tool_call_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any
         start = f"<｜tool▁calls▁begin｜> ({call}){'+' if parallel else ''} <｜tool▁calls▁end｜>"
     else:
         start = f"({call})" + (f' ("\\n" ({call}))*' if parallel and call_format == "hermes" else "")
-    return llguidance.LLMatcher.grammar_from_lark(f"start: {start}\n" + "\n".join(rules) + "\n")
+    return llguidance.LLMatcher.grammar_from_lark(f"start: {first}{start}\n" + "\n".join(rules) + "\n")
 
 
 def server_grammar(grammar_file: Path | None, json_schema: str | None) -> tuple[str, str] | None:

@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 
 class RequestHandle:
     """The asyncio side of one request: iterate its events, or cancel it; ``prompt_tokens`` counts its
-    prompt (what a stream's opening event reports before the request finishes)."""
+    prompt (what a stream's opening event reports before the request finishes); ``opens_in_reasoning``:
+    the reply starts inside a ``<think>`` block its prompt opened (set by the chat service)."""
 
     def __init__(self, scheduler: Scheduler, loop: asyncio.AbstractEventLoop, prompt_tokens: int) -> None:
         self._scheduler = scheduler
@@ -67,6 +68,7 @@ class RequestHandle:
         self.prompt_tokens = prompt_tokens
         self.events: asyncio.Queue[Delta | Finished | BaseException] = asyncio.Queue()
         self.cancelled = False
+        self.opens_in_reasoning = False
 
     def cancel(self) -> None:
         """Stop generating; the slot is freed before the next step."""

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 from strata_core.serving.deepseek_calls import CALLS_BEGIN, DeepSeekParser
 from strata_core.serving.generic_calls import GenericParser
+from strata_core.serving.think import ThinkParser
 from strata_core.serving.tool_call import ToolCall, arguments_json, json_object, new_call_id
 from strata_core.text.harmony import HarmonyParser, Piece, held_prefix, uses_harmony
 
@@ -146,23 +147,30 @@ class _HarmonyCalls:
 @dataclass(frozen=True)
 class ReplyFormat:
     """How a chat reply is read: harmony channels, a tool-call format (None: no tools were offered),
-    and at most ``max_calls`` calls kept (None: all)."""
+    at most ``max_calls`` calls kept (None: all), and ``<think>`` reasoning (strata_core.serving.think:
+    None, "tags": a reply may open a block, "open": the prompt opened one)."""
 
     harmony: bool = False
     tools: str | None = None
     max_calls: int | None = None
+    think: str | None = None
 
     def parser(self) -> ReplyParser | None:
         """A fresh parser of one reply; None when the text is all content."""
-        if not self.harmony and self.tools is None:
+        if self.harmony:
+            return ReplyParser(_HarmonyCalls() if self.tools == "harmony" else HarmonyParser(), self.max_calls)
+        inner = self._calls()
+        if self.think is not None:
+            inner = ThinkParser(inner, self.think == "open")
+        return None if inner is None else ReplyParser(inner, self.max_calls)
+
+    def _calls(self) -> _Parser | None:
+        """The parser of the reply's tool calls (None: no tools)."""
+        if self.tools is None:
             return None
-        if self.tools == "harmony":
-            return ReplyParser(_HarmonyCalls(), self.max_calls)
-        if self.tools is not None and self.tools.startswith("deepseek"):
-            return ReplyParser(DeepSeekParser(), self.max_calls)
-        if self.tools == "json":
-            return ReplyParser(GenericParser(), self.max_calls)
-        return ReplyParser(HarmonyParser() if self.harmony else HermesParser(), self.max_calls)
+        if self.tools.startswith("deepseek"):
+            return DeepSeekParser()
+        return GenericParser() if self.tools == "json" else HermesParser()
 
 
 class _Parser(Protocol):

@@ -366,7 +366,7 @@ class MessagesController(Controller):
             raise InvalidParamError("max_tokens is required", "max_tokens")
         chat = chat_request(data)
         handle = await until_disconnect(request, service.chat(chat))
-        fmt = service.reply_format(chat)
+        fmt = service.reply_format(chat, handle)
         chunks = message_stream(service.model_id, handle, fmt) if data.stream else None
         return await respond(request, handle, chunks, lambda out: message_object(service.model_id, out.text, out.end, fmt))
 

@@ -39,13 +39,15 @@ def _response_format_schema(body: Any) -> Any:
     return rf.json_schema.get("schema", ANY_OBJECT)
 
 
-def request_grammar(body: Any, call_format: str | None, default: tuple[str, str] | None) -> tuple[str, str] | None:
+def request_grammar(body: Any, call_format: str | None, default: tuple[str, str] | None,
+                    think: str | None = None) -> tuple[str, str] | None:
     """The llguidance grammar ``body`` asks for and the field it comes from, None for free text;
-    ``call_format`` is the model's tool-call format, ``default`` the server's grammar.
+    ``call_format`` is the model's tool-call format, ``default`` the server's grammar, ``think`` the
+    reply's ``<think>`` reasoning (``ReplyFormat.think``: a forced call may come after it).
     InvalidParamError for two constraints at once or one that is not valid."""
     tools = _forced_tools(body) if isinstance(body, ChatCompletionRequest) else []
     if tools and call_format is not None:
-        return tool_call_grammar(call_format, tools, body.parallel_tool_calls is not False), "tool_choice"
+        return tool_call_grammar(call_format, tools, body.parallel_tool_calls is not False, think), "tool_choice"
     asked = [name for name in ("response_format", "json_schema", "grammar") if getattr(body, name) is not None]
     if "response_format" in asked and body.response_format.type == "text":
         asked.remove("response_format")

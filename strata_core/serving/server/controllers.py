@@ -82,7 +82,7 @@ class ChatController(Controller):
                      service: NamedDependency[GenerationService]) -> s.ChatCompletion | Stream:
         service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
         handle = await until_disconnect(request, service.chat(data))
-        fmt = service.reply_format(data)
+        fmt = service.reply_format(data, handle)
         chunks = chat_stream(service.model_id, handle, data, fmt) if data.stream else None
         return await respond(request, handle, chunks,
                               lambda out: chat_completion(service.model_id, out, data.logprobs, fmt))

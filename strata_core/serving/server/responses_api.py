@@ -427,6 +427,6 @@ class ResponsesController(Controller):
         service.check_fields(s.unknown_fields(await request.body(), ResponsesRequest))
         chat = chat_request(data)
         handle = await until_disconnect(request, service.chat(chat))
-        fmt, head = service.reply_format(chat), _Head(service.model_id, data, chat)
+        fmt, head = service.reply_format(chat, handle), _Head(service.model_id, data, chat)
         chunks = response_stream(head, handle, fmt) if data.stream else None
         return await respond(request, handle, chunks, lambda out: response_object(head, out.text, out.end, fmt))

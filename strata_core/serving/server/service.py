@@ -30,6 +30,7 @@ from strata_core.serving.scheduler import RequestHandle, Scheduler
 from strata_core.serving.server.constraints import request_grammar
 from strata_core.serving.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, NamedToolChoice
 from strata_core.serving.generic_calls import generic_messages
+from strata_core.serving.think import opens_reasoning, thinks
 from strata_core.serving.tool_calls import ReplyFormat, tool_call_format
 
 __all__ = ["GenerationService", "InvalidParamError", "UnknownModelError"]
@@ -194,12 +195,20 @@ class GenerationService:
         and the chat responses split it into reasoning_content and content."""
         return uses_harmony(self.engine.chat.source)
 
-    def reply_format(self, body: ChatCompletionRequest) -> ReplyFormat:
-        """How a chat reply to ``body`` is read: harmony channels, and tool calls when tools are offered
-        (only the first with ``parallel_tool_calls`` false)."""
+    def reply_format(self, body: ChatCompletionRequest, handle: RequestHandle) -> ReplyFormat:
+        """How the chat reply of ``handle`` to ``body`` is read: harmony channels, tool calls when tools
+        are offered (only the first with ``parallel_tool_calls`` false), ``<think>`` reasoning where the
+        template has it."""
         offered = bool(body.tools) and body.tool_choice != "none"
         return ReplyFormat(self.harmony, tool_call_format(self.engine.chat.source) if offered else None,
-                           1 if body.parallel_tool_calls is False else None)
+                           1 if body.parallel_tool_calls is False else None, self._think(handle.opens_in_reasoning))
+
+    def _think(self, opened: bool) -> str | None:
+        """``ReplyFormat.think`` of a reply: "open" when its prompt opened a ``<think>`` block, "tags" when
+        the template reasons in them, else None."""
+        if self.harmony or not thinks(self.engine.chat.source):
+            return None
+        return "open" if opened else "tags"
 
     def _check_size(self, text: str, param: str) -> None:
         """ContextLengthError, before any tokenizing, for a text with more tokens than the context holds
@@ -236,10 +245,12 @@ class GenerationService:
         self._check_ids(tokens, "tokens")
         return await anyio.to_thread.run_sync(self.engine.tokenizer.decode, tokens)
 
-    async def constraint(self, body: Any) -> TokenConstraint | None:
+    async def constraint(self, body: Any, opened: bool = False) -> TokenConstraint | None:
         """The grammar ``body``'s output must follow (its own, or the server's), compiled for this request
-        on a worker thread; None for free text. InvalidParamError for one that is not valid."""
-        grammar = request_grammar(body, tool_call_format(self.engine.chat.source), self.default_grammar)
+        on a worker thread; None for free text (``opened``: the prompt opened a ``<think>`` block, which a
+        forced tool call may finish first). InvalidParamError for one that is not valid."""
+        grammar = request_grammar(body, tool_call_format(self.engine.chat.source), self.default_grammar,
+                                  self._think(opened))
         if grammar is None:
             return None
         return await anyio.to_thread.run_sync(self.grammars.compile, *grammar)
@@ -282,12 +293,15 @@ class GenerationService:
         _check_supported(body)
         if body.top_logprobs and not body.logprobs:
             raise InvalidParamError("top_logprobs needs logprobs set to true", "top_logprobs")
-        constraint = await self.constraint(body)
         text = await self.render(body)
+        opened = opens_reasoning(text)
+        constraint = await self.constraint(body, opened)
         prompt = await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, abandon_on_cancel=True)
         k = (body.top_logprobs or 0) if body.logprobs else None
         max_tokens = body.max_completion_tokens or body.max_tokens or body.n_predict or self.default_max_tokens
-        return self._submit(body, prompt, max_tokens, k, constraint, keep_special_tokens=self.harmony)
+        handle = self._submit(body, prompt, max_tokens, k, constraint, keep_special_tokens=self.harmony)
+        handle.opens_in_reasoning = opened
+        return handle
 
     async def complete(self, body: CompletionRequest, fallback_max_tokens: int | None = 16) -> RequestHandle:
         """Submit a text completion of a string or of token ids; ``fallback_max_tokens`` limits one that
