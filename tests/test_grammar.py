@@ -13,7 +13,8 @@ import torch
 from test_server_support import VOCAB, FakeTokenizer, _byte_level_chars
 
 from strata_core.errors import InvalidParamError
-from strata_core.serving.grammar import Grammars, gbnf_grammar, json_schema_grammar, server_grammar, tool_call_grammar
+from strata_core.serving.grammar import (Grammars, gbnf_grammar, json_schema_grammar, server_grammar, strict_tools_grammar,
+                                        tool_call_grammar)
 from strata_core.serving.sampling import Sampler, SamplingParams, sample_rows
 from strata_core.serving.token_mask import apply_bitmask, fill_bitmask
 from strata_core.serving.tool_calls import ReplyFormat, parse_reply
@@ -193,6 +194,14 @@ def test_deepseek_tool_call_grammar_gives_calls_valid_for_the_schema(call_format
     tok = _DeepSeekTokenizer()
     n_vocab = len(tok.SPECIALS) + 256
     grammars = Grammars(tok, n_vocab)
+    strict = strict_tools_grammar(call_format, [("get_weather", SCHEMA)], True)
+    text = ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + ("function<｜tool▁sep｜>get_weather\n```json\n"
+            '{"n": 3}\n```' if call_format == "deepseek" else 'get_weather<｜tool▁sep｜>{"n": 3}')
+            + "<｜tool▁call▁end｜><｜tool▁calls▁end｜>")
+    ids = tok.backend.encode(text).ids
+    assert grammars.compile(strict, "tools").matcher.consume_tokens(ids)  # strict: text, then the section
+    bad = tok.backend.encode(text.replace('"n": 3', '"n": 300')).ids
+    assert grammars.compile(strict, "tools").matcher.validate_tokens(bad) < len(bad)
     for seed in range(4):
         constraint = grammars.compile(tool_call_grammar(call_format, [("get_weather", SCHEMA)], True), "tool_choice")
         gen = torch.Generator().manual_seed(seed)
@@ -234,3 +243,29 @@ def test_forced_calls_may_follow_think_reasoning(grammars: Grammars, think: str,
         if think == "open" and bad.startswith("Hello"):
             continue  # inside the opened block any text is reasoning
         assert constraint.matcher.validate_tokens(ids) < len(ids), bad
+
+
+def test_strict_tools_grammar_hermes(grammars: Grammars) -> None:
+    """Free text around ``<tool_call>`` blocks, each valid for its tool (a tool not marked strict: any
+    object); at most one block unless parallel."""
+    tools = [("get_weather", SCHEMA), ("noop", None)]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"n": 7}}\n</tool_call>'
+    free = '<tool_call>\n{"name": "noop", "arguments": {"anything": [1]}}\n</tool_call>'
+    for parallel in (True, False):
+        grammar = strict_tools_grammar("hermes", tools, parallel)
+        for text in ("Just text, a < b.", f"Let me look.\n{call}", f"{free}\nthen text"):
+            assert grammars.compile(grammar, "tools").matcher.consume_tokens(TOK.encode(text)), text
+        for bad in (call.replace('"n": 7', '"n": "x"'), call.replace("get_weather", "other")):
+            ids = TOK.encode(bad)
+            assert grammars.compile(grammar, "tools").matcher.validate_tokens(ids) < len(ids), bad
+        ids = TOK.encode(f"{call}\n{call}")
+        assert (grammars.compile(grammar, "tools").matcher.validate_tokens(ids) == len(ids)) is parallel
+
+
+def test_strict_tools_grammar_json_and_harmony(grammars: Grammars) -> None:
+    grammar = strict_tools_grammar("json", [("get_weather", SCHEMA)], False)
+    for text in ('{"response": "hi"}', '{"tool_calls": [{"name": "get_weather", "arguments": {"n": 1}}]}'):
+        assert grammars.compile(grammar, "tools").matcher.consume_tokens(TOK.encode(text)), text
+    ids = TOK.encode('{"tool_calls": [{"name": "get_weather", "arguments": {"n": -1}}]}')
+    assert grammars.compile(grammar, "tools").matcher.validate_tokens(ids) < len(ids)
+    assert strict_tools_grammar("harmony", [("get_weather", SCHEMA)], True) is None

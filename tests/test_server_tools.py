@@ -176,6 +176,19 @@ def test_forced_tool_choice_renders_the_tools_and_constrains_the_reply(client: o
     assert call.function.name == "get_weather" and len(json.loads(call.function.arguments)["city"]) <= 8
 
 
+def test_strict_tools_keep_text_and_valid_calls(client: openai.OpenAI) -> None:
+    """A ``strict`` tool under ``tool_choice`` auto: the reply is constrained (text, or calls valid for the
+    schema), and the scripted text and call come through as they are."""
+    strict = json.loads(json.dumps(TOOLS))
+    strict[0]["function"]["strict"] = True
+    out = ask(client, ASK, tools=strict)
+    [call] = out.choices[0].message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Zürich"})
+    assert out.choices[0].message.content == "Let me look."
+    text = ask(client, [{"role": "user", "content": "hi"}], tools=strict)
+    assert (text.choices[0].message.content, text.choices[0].finish_reason) == ("Hello there.", "stop")
+
+
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),

@@ -91,6 +91,28 @@ _THOUGHT = 'thought[suffix="</think>"]: /(.|\\n)*/\nGAP: /[ \\t\\n]*/'
 _REASONING = {"tags": 'reasoning: "<think>" thought GAP\n' + _THOUGHT, "open": "reasoning: thought GAP\n" + _THOUGHT}
 
 
+def _call_rules(call_format: str, tools: Sequence[tuple[str, dict[str, Any] | None]], opened: bool = False) -> list[str]:
+    """Rules ``call_0 ...`` of one call to each of ``tools`` in ``call_format``, arguments valid for the
+    tool's schema; ``opened``: the hermes call's ``<tool_call>`` already read (a lazy lexeme's suffix)."""
+    rules = []
+    for i, (name, parameters) in enumerate(tools):
+        arguments = _lark_json(parameters if parameters is not None else {"type": "object"}, "tools")
+        if call_format == "harmony":
+            rules.append(f"call_{i}: <|channel|> {_literal(f'commentary to=functions.{name} ')} <|constrain|> "
+                         f"\"json\" <|message|> {arguments} <|call|>")
+        elif call_format.startswith("deepseek"):
+            fenced = call_format == "deepseek"
+            head = (f"{_literal('function')} <｜tool▁sep｜> {_literal(name + chr(10) + '```json' + chr(10))}"
+                    if fenced else f"{_literal(name)} <｜tool▁sep｜>")
+            tail = f" {_literal(chr(10) + '```')}" if fenced else ""
+            rules.append(f"call_{i}: <｜tool▁call▁begin｜> {head} {arguments}{tail} <｜tool▁call▁end｜>")
+        else:
+            opening = ("" if opened else "<tool_call>") + "\n" + '{"name": ' + json.dumps(name, ensure_ascii=False) \
+                + ', "arguments": '
+            rules.append(f"call_{i}: {_literal(opening)} {arguments} {_literal(chr(10).join(['}', '</tool_call>']))}")
+    return rules
+
+
 def tool_call_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any] | None]], parallel: bool,
                       think: str | None = None) -> str:
     """The grammar of a reply that is tool calls only, in ``call_format`` ("hermes": ``<tool_call>``
@@ -111,27 +133,42 @@ def tool_call_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any
         rules.append(f"analysis: <|channel|> {_literal('analysis')} <|message|> ANALYSIS <|end|> <|start|> "
                      f"{_literal('assistant')}\nANALYSIS: /(.|\\n)*/")
         first = "analysis? "
-    for i, (name, parameters) in enumerate(tools):
-        arguments = _lark_json(parameters if parameters is not None else {"type": "object"}, "tools")
-        if call_format == "harmony":
-            rules.append(f"call_{i}: <|channel|> {_literal(f'commentary to=functions.{name} ')} <|constrain|> "
-                         f"\"json\" <|message|> {arguments} <|call|>")
-        elif call_format.startswith("deepseek"):
-            fenced = call_format == "deepseek"
-            head = (f"{_literal('function')} <｜tool▁sep｜> {_literal(name + chr(10) + '```json' + chr(10))}"
-                    if fenced else f"{_literal(name)} <｜tool▁sep｜>")
-            tail = f" {_literal(chr(10) + '```')}" if fenced else ""
-            rules.append(f"call_{i}: <｜tool▁call▁begin｜> {head} {arguments}{tail} <｜tool▁call▁end｜>")
-        else:
-            opening = '{"name": ' + json.dumps(name, ensure_ascii=False) + ', "arguments": '
-            rules.append(f"call_{i}: {_literal(chr(10).join(['<tool_call>', opening]))} {arguments} "
-                         f"{_literal(chr(10).join(['}', '</tool_call>']))}")
+    rules += _call_rules(call_format, tools)
     call = " | ".join(f"call_{i}" for i in range(len(tools)))
     if call_format.startswith("deepseek"):
         start = f"<｜tool▁calls▁begin｜> ({call}){'+' if parallel else ''} <｜tool▁calls▁end｜>"
     else:
         start = f"({call})" + (f' ("\\n" ({call}))*' if parallel and call_format == "hermes" else "")
     return llguidance.LLMatcher.grammar_from_lark(f"start: {first}{start}\n" + "\n".join(rules) + "\n")
+
+
+#: free text of a reply with ``strict`` tools: anything without the hermes opening tag (which starts a call)
+_FREE_TEXT = "TEXT: /(.|\\n)*/ & ~/(.|\\n)*<tool_call>(.|\\n)*/"
+
+
+def strict_tools_grammar(call_format: str, tools: Sequence[tuple[str, dict[str, Any] | None]],
+                         parallel: bool) -> str | None:
+    """The grammar of a reply that may call ``tools`` (``tool_choice`` auto, a tool marked ``strict``):
+    any text, but a call, once it starts, valid for its tool's schema (several when ``parallel``) —
+    hermes: free text around ``<tool_call>`` blocks; deepseek: free text, then at most one section of
+    calls; json: the generic format's calls or response object. None for harmony (its calls are left
+    free)."""
+    if call_format == "harmony":
+        return None
+    if call_format == "json":
+        response = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                    "additionalProperties": False}
+        return json_schema_grammar({"anyOf": [call_schema(tools, parallel), response]}, "tools")
+    rules = _call_rules(call_format, tools, opened=call_format == "hermes")
+    call = " | ".join(f"call_{i}" for i in range(len(tools)))
+    if call_format == "hermes":
+        start = f"(opening ({call}))* TEXT" if parallel else f"(opening ({call}))? TEXT"
+        rules += ['opening[suffix="<tool_call>"]: /(.|\\n)*/', _FREE_TEXT]
+    else:
+        section = f"<｜tool▁calls▁begin｜> ({call}){'+' if parallel else ''} <｜tool▁calls▁end｜>"
+        start = f"TEXT ({section} TEXT)?"
+        rules.append("TEXT: /(.|\\n)*/")
+    return llguidance.LLMatcher.grammar_from_lark(f"start: {start}\n" + "\n".join(rules) + "\n")
 
 
 def server_grammar(grammar_file: Path | None, json_schema: str | None) -> tuple[str, str] | None:

@@ -2,8 +2,9 @@
 
 A forced tool call (``tool_choice`` "required" or a named function) is the tool-call grammar of the
 model family; else at most one of ``response_format`` (``json_object``, ``json_schema``),
-llama-server's ``json_schema`` and ``grammar`` (GBNF); else the server's default (``--json-schema``,
-``--grammar-file``); else none.
+llama-server's ``json_schema`` and ``grammar`` (GBNF); else, when a tool the reply may call is marked
+``strict``, free text with every call valid for its tool (``strict_tools_grammar``; other tools' arguments
+any object); else the server's default (``--json-schema``, ``--grammar-file``); else none.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from strata_core.errors import InvalidParamError
-from strata_core.serving.grammar import gbnf_grammar, json_schema_grammar, tool_call_grammar
+from strata_core.serving.grammar import gbnf_grammar, json_schema_grammar, strict_tools_grammar, tool_call_grammar
 from strata_core.serving.server.schemas import ChatCompletionRequest, NamedToolChoice
 
 __all__ = ["request_grammar"]
@@ -27,6 +28,15 @@ def _forced_tools(body: ChatCompletionRequest) -> list[tuple[str, dict[str, Any]
     elif choice != "required":
         return []
     return [(tool.function.name, tool.function.parameters) for tool in tools]
+
+
+def _strict_tools(body: ChatCompletionRequest) -> list[tuple[str, dict[str, Any] | None]]:
+    """The tools of an unforced reply (name, schema; None for one not marked ``strict``), none unless one
+    of them is ``strict``."""
+    tools = body.tools or []
+    if body.tool_choice == "none" or not any(tool.function.strict for tool in tools):
+        return []
+    return [(tool.function.name, tool.function.parameters if tool.function.strict else None) for tool in tools]
 
 
 def _response_format_schema(body: Any) -> Any:
@@ -54,7 +64,9 @@ def request_grammar(body: Any, call_format: str | None, default: tuple[str, str]
     if len(asked) > 1:
         raise InvalidParamError(f"{' and '.join(asked)} are set: a request takes one of them", asked[1])
     if not asked:
-        return default
+        strict = _strict_tools(body) if isinstance(body, ChatCompletionRequest) and call_format is not None else []
+        grammar = strict_tools_grammar(call_format, strict, body.parallel_tool_calls is not False) if strict else None
+        return (grammar, "tools") if grammar is not None else default
     name = asked[0]
     if name == "grammar":
         return gbnf_grammar(body.grammar, name), name
