@@ -167,6 +167,11 @@ class StrataSettings(BaseSettings):
         "since every prompt pass costs a near-fixed time however few its tokens, and fewer passes over experts "
         "streamed from host RAM); a step in which no slot generates takes up to --prefill-chunk. At least --parallel"
     )
+    overlap_windows: bool = Field(
+        True, description="enqueue each decode window before the tokens of the one before reach the host (they "
+        "feed it on the device), so the host's work between windows runs beside the device's; off: every "
+        "window waits for its tokens first"
+    )
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")

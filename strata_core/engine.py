@@ -319,12 +319,14 @@ class Engine:
             raise RequestError(f"token ids must be in [0, {self.spec.vocab_size})")
         return tokens
 
-    def decode_window(self, steps: Sequence[tuple[Session, int]]) -> torch.Tensor:
-        """Append one token to each session; float32 logits ``[len(steps), vocab]``."""
+    def decode_window(self, steps: Sequence[tuple[Session, int]], fed: torch.Tensor | None = None) -> torch.Tensor:
+        """Append one token to each session; float32 logits ``[len(steps), vocab]``. ``fed``: the tokens
+        as int64 ``[len(steps)]`` on the device (the steps' own are ignored), read there without a host
+        wait; each session records ``UNSET`` for it until ``Session.settle``."""
         for session, _ in steps:
             self._check_room(session, 1)
-        batch = DecodeBatch(sessions=tuple(s for s, _ in steps),
-                            tokens=torch.tensor([t for _, t in steps], dtype=torch.int64))
+        tokens = torch.tensor([t for _, t in steps], dtype=torch.int64) if fed is None else fed
+        batch = DecodeBatch(sessions=tuple(s for s, _ in steps), tokens=tokens, fed=fed is not None)
         try:
             for session in batch.sessions:
                 session.kv.reserve(session.n_tokens + 1)

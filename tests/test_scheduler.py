@@ -167,7 +167,8 @@ def test_conversation_cache_reuses_the_prefix(conv_cache: int, rewindable: bool)
         end = asyncio.run(main())
     finally:
         scheduler.stop()
-    cached = len(first.prompt) + len(reply) - 1 if conv_cache else 0  # the last reply token was never fed
+    # overlapped windows (a rewindable model) fed the last reply token to the window after it
+    cached = len(first.prompt) + len(reply) - (not rewindable) if conv_cache else 0
     assert end.timings.cache_n == cached
     assert end.timings.prompt_n == len(second.prompt) - cached == engine.prefilled[-1]
     assert len(scheduler.cache) == (1 if conv_cache else 0)  # "something else" was displaced in turn
@@ -232,7 +233,7 @@ def test_a_prompt_sharing_only_the_template_opening_keeps_the_cached_conversatio
         end = asyncio.run(main())
     finally:
         scheduler.stop()
-    assert end.timings.cache_n == len(a.prompt) + len(reply) - 1  # all of A (the last reply token was never fed)
+    assert end.timings.cache_n == len(a.prompt) + len(reply)  # all of A (the last reply token fed the window after it)
 
 
 class _NoEos(FakeEngine):
@@ -241,8 +242,8 @@ class _NoEos(FakeEngine):
     def prefill(self, session, token_ids):  # type: ignore[no-untyped-def]
         return self._no_eos(super().prefill(session, token_ids))
 
-    def decode_window(self, steps):  # type: ignore[no-untyped-def]
-        return self._no_eos(super().decode_window(steps))
+    def decode_window(self, steps, fed=None):  # type: ignore[no-untyped-def]
+        return self._no_eos(super().decode_window(steps, fed))
 
     def _no_eos(self, logits: torch.Tensor) -> torch.Tensor:
         logits[..., sorted(FakeTokenizer.eos_token_ids)] = -math.inf
@@ -431,3 +432,49 @@ def test_a_window_hands_its_events_to_the_event_loop_in_one_call(monkeypatch) ->
     assert all(end.completion_tokens for _, _, end in results)
     assert len(handed) <= len(engine.windows) + len(engine.batches)  # at most one call per engine call
     assert max(handed) >= 2 and max(engine.windows) == 4  # a window of several rows: one call for them
+
+
+class _Recorded(FakeEngine):
+    """The fake engine keeping every session it made."""
+
+    def __init__(self) -> None:
+        super().__init__(step_delay=0.0005, max_context=96)
+        self.sessions: list = []
+
+    def new_session(self, prefix_tokens=()):  # type: ignore[no-untyped-def]
+        session = super().new_session(prefix_tokens)
+        self.sessions.append(session)
+        return session
+
+
+def test_overlapped_windows_give_what_windows_one_at_a_time_give() -> None:
+    """Overlapped (each window fed its tokens on the "device") and one at a time, the same requests give
+    the same tokens, text and endings: greedy and seeded draws, penalties, log-probabilities, stop
+    strings, max_tokens, the end of the context, more requests than slots; every position a window was
+    fed is settled with the token it was fed (FakeSession.settle checks it), none left unsettled."""
+    def params(i: int) -> SamplingParams:
+        return [SamplingParams(temperature=0, max_tokens=5 + i),
+                SamplingParams(temperature=0.8, seed=i, max_tokens=40, repetition_penalty=1.3),
+                SamplingParams(temperature=1.0, seed=i, top_k=5, logprobs=2, max_tokens=12),
+                SamplingParams(temperature=0, stop=("e",), max_tokens=30),
+                SamplingParams(temperature=0, max_tokens=None)][i % 5]
+
+    requests = [GenerationRequest(FakeTokenizer().encode(f"request {i} " * (1 + i % 3)), params(i)) for i in range(11)]
+    runs = {}
+    for overlap in (False, True):
+        engine = _Recorded()
+        scheduler = Scheduler(engine, parallel=3, max_queue=16, conv_cache=2, conv_cache_bytes=1 << 20,
+                              step_tokens=24, overlap=overlap)
+        scheduler.start()
+
+        async def main() -> list:
+            return await asyncio.gather(*(_run(scheduler.submit(r)) for r in requests))
+
+        try:
+            out = asyncio.run(main())
+        finally:
+            scheduler.stop()
+        runs[overlap] = [(tokens, text, end.reason, end.completion_tokens) for tokens, text, end in out]
+        assert all(not s.unsettled for s in engine.sessions)
+    assert runs[True] == runs[False]
+    assert {reason for _, _, reason, _ in runs[True]} >= {"length", "stop"}

@@ -155,9 +155,9 @@ class _Endless(FakeEngine):
     def prefill(self, session, token_ids):  # type: ignore[no-untyped-def]
         return self._no_eos(super().prefill(session, token_ids))
 
-    def decode_window(self, steps):  # type: ignore[no-untyped-def]
+    def decode_window(self, steps, fed=None):  # type: ignore[no-untyped-def]
         self.generating.set()
-        return self._no_eos(super().decode_window(steps))
+        return self._no_eos(super().decode_window(steps, fed))
 
     def _no_eos(self, logits: torch.Tensor) -> torch.Tensor:
         logits[..., sorted(self.tokenizer.eos_token_ids)] = -math.inf
@@ -199,8 +199,8 @@ def test_a_cancelled_request_ends_its_event_stream() -> None:
 class _NanForMarkedSessions(FakeEngine):
     """Decode logits are NaN for sessions whose prompt starts with token 7."""
 
-    def decode_window(self, steps):  # type: ignore[no-untyped-def]
-        logits = super().decode_window(steps)
+    def decode_window(self, steps, fed=None):  # type: ignore[no-untyped-def]
+        logits = super().decode_window(steps, fed)
         for row, (session, _) in enumerate(steps):
             if session.tokens[0] == 7:
                 logits[row] = float("nan")

@@ -200,3 +200,37 @@ def test_a_request_sharing_a_running_request_s_prompt_opening_shares_its_kv_bloc
     assert finished.timings.cache_n >= block and finished.timings.cache_n % block == 0
     assert finished.timings.cache_n + finished.timings.prompt_n == len(prompts[1])
     assert text == "".join(reference.stream(prompts[1], params))
+
+
+def test_overlapped_windows_on_the_real_engine_equal_windows_one_at_a_time(model_path: Path) -> None:
+    """On the real engine windows fed from the device (their sessions hold ``UNSET`` until the token is
+    settled) give the greedy and seeded text of windows one at a time, and leave no ``UNSET`` behind."""
+    from strata_core.runtime.session import UNSET
+    from strata_core.serving.requests import Delta, GenerationRequest
+    from strata_core.serving.scheduler import Scheduler
+
+    texts = {}
+    for overlap in (False, True):
+        engine = Engine.load(model_path, max_context=CONTEXT)
+        scheduler = Scheduler(engine, parallel=3, max_queue=8, conv_cache=2, conv_cache_bytes=1 << 24,
+                              step_tokens=64, overlap=overlap)
+        prompts = [engine.tokenizer.encode(f"The {word} experts were cached") for word in ("hot", "cold", "warm", "odd")]
+        params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.9, seed=3, max_tokens=20),
+                  SamplingParams(temperature=0, max_tokens=7), SamplingParams(temperature=0.7, seed=5, max_tokens=9)]
+
+        async def text(handle) -> str:  # type: ignore[no-untyped-def]
+            return "".join([event.text async for event in handle if isinstance(event, Delta)])
+
+        async def main() -> list[str]:
+            return await asyncio.gather(*(text(scheduler.submit(GenerationRequest(p, sp)))
+                                          for p, sp in zip(prompts, params)))
+
+        scheduler.start()
+        try:
+            texts[overlap] = asyncio.run(main())
+            sessions = [slot.session for slot in scheduler._slots.idle() if slot.session is not None]
+        finally:
+            scheduler.stop()
+            engine.close()
+        assert sessions and all(UNSET not in s.tokens for s in sessions)
+    assert texts[True] == texts[False]

@@ -118,10 +118,15 @@ class FakeSession:
     tokens: list[int] = field(default_factory=list)
     released: bool = False
     rewindable: bool = True  # False: a recurrent state, cut back only to 0
+    unsettled: dict[int, int] = field(default_factory=dict)  # position -> the token a window fed on the "device"
 
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    def settle(self, position: int, token: int) -> None:
+        """As ``Session.settle``; the token must be the one the window was fed there."""
+        assert self.unsettled.pop(position) == token, (position, token)
 
     def truncate(self, n: int) -> None:
         if not 0 <= n <= self.n_tokens or (not self.rewindable and 0 < n < self.n_tokens):
@@ -230,7 +235,9 @@ class FakeEngine:
             self._check_chunk(session, tokens)
         return torch.stack([self.prefill(session, tokens) for session, tokens in chunks])
 
-    def decode_window(self, steps: list[tuple[FakeSession, int]]) -> torch.Tensor:
+    def decode_window(self, steps: list[tuple[FakeSession, int]], fed: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``Engine.decode_window``; tokens ``fed`` on the "device" are recorded as unsettled (the fake's
+        logits read their values, a real session holds ``UNSET`` until they are settled)."""
         for session, _ in steps:
             self._live(session)
             if session.n_tokens + 1 > self.max_context:
@@ -238,7 +245,10 @@ class FakeEngine:
         time.sleep(self.step_delay)
         self.windows.append(len(steps))
         self.calls.append(("window", None, len(steps)))
-        for session, token in steps:
+        tokens = [t for _, t in steps] if fed is None else fed.tolist()
+        for (session, _), token in zip(steps, tokens):
+            if fed is not None:
+                session.unsettled[session.n_tokens] = token
             session.tokens.append(token)
         return torch.stack([self.next_logits(s) for s, _ in steps])
 

@@ -15,10 +15,10 @@ from strata_core.serving.step_runner import StepRunner
 class _FailsWithSeven(FakeEngine):
     """A window holding a session whose prompt starts with token 7 fails before any step."""
 
-    def decode_window(self, steps):  # type: ignore[no-untyped-def]
+    def decode_window(self, steps, fed=None):  # type: ignore[no-untyped-def]
         if any(s.tokens[:1] == [7] for s, _ in steps):
             raise RuntimeError("device fault")
-        return super().decode_window(steps)
+        return super().decode_window(steps, fed)
 
 
 @dataclass

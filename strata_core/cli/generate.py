@@ -115,7 +115,7 @@ async def generate(engine: Any, request: GenerationRequest,
     with ``harmony`` the reply's reasoning goes to stderr and its content to stdout. The end of the
     generation and the text written to stdout."""
     scheduler = Scheduler(engine, parallel=1, max_queue=0, conv_cache=0, conv_cache_bytes=0,
-                          step_tokens=engine.settings.step_tokens)
+                          step_tokens=engine.settings.step_tokens, overlap=engine.settings.overlap_windows)
     content: list[str] = []
     scheduler.start()
     try:

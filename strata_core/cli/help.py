@@ -37,7 +37,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "sampling": ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"),
     "server": SERVER,
     # the kernel choices (CUDA) are there to compare each with the torch form it replaces
-    "debug": ("cuda_graphs", "batch_invariant", "dense_q8", "fused_norms", "device_sdpa", "mla_kernel",
+    "debug": ("cuda_graphs", "overlap_windows", "batch_invariant", "dense_q8", "fused_norms", "device_sdpa", "mla_kernel",
               "deltanet_chunked", "fused_expert_ffn", "miss_read", "prefill_timing", "decode_timing", "dbg_nan",
               "dbg_handoff", "plugins", "disable_plugin_autoload"),
 }

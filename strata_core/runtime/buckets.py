@@ -44,7 +44,7 @@ class BatchPadding:
         if extra == 0:
             return batch, live
         return DecodeBatch(batch.sessions + (self.session,) * extra,
-                           torch.cat([batch.tokens, batch.tokens.new_zeros(extra)])), live
+                           torch.cat([batch.tokens, batch.tokens.new_zeros(extra)]), batch.fed), live
 
     def live_pairs(self, rows: int) -> torch.Tensor:
         """int64 ``[1]``: the (token, expert) pairs of ``rows`` real rows (a graph's static input)."""

@@ -38,7 +38,7 @@ from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
 from strata_core.runtime.invariance import check_batch_invariant, moe_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
-from strata_core.runtime.session import DecodeBatch, LogitsWanted, PromptBatch, Session
+from strata_core.runtime.session import UNSET, DecodeBatch, LogitsWanted, PromptBatch, Session
 
 __all__ = ["Runner"]
 
@@ -149,7 +149,7 @@ class Runner:
         finally:
             for slot, entries in self.experts.end_window(adapt=logits is not None).items():
                 self.announce(ResidencyEvent("adapt", self.devices[slot], tuple(entries)))
-        for session, token in zip(batch.sessions, batch.tokens.tolist()):
+        for session, token in zip(batch.sessions, [UNSET] * len(batch) if batch.fed else batch.tokens.tolist()):
             session.kv.advance(1)
             session.tokens.append(token)
         return logits

@@ -16,13 +16,16 @@ _ids = itertools.count(1)
 
 #: which logits a prompt chunk returns: every position, the last one, or none (not the last chunk)
 LogitsWanted = Literal["all", "last", "none"]
+#: ``Session.tokens`` at a position whose token a decode window read on the device, until ``settle``
+UNSET = -1
 
 
 @dataclass
 class Session:
     """The state of one sequence: the tokens whose KV is held, and the KV cache itself.
 
-    Compute reads and writes ``kv``; ``tokens`` is the record used for prefix reuse.
+    Compute reads and writes ``kv``; ``tokens`` is the record used for prefix reuse (``UNSET`` at a
+    position a window fed from the device, until the token is known on the host: ``settle``).
     """
 
     kv: KVCache
@@ -33,6 +36,12 @@ class Session:
     def n_tokens(self) -> int:
         """Positions held in the KV cache."""
         return len(self.tokens)
+
+    def settle(self, position: int, token: int) -> None:
+        """Record ``token`` at ``position``, which a decode window fed from the device (``UNSET`` there)."""
+        if self.tokens[position] != UNSET:
+            raise ValueError(f"position {position} holds token {self.tokens[position]}, not one to settle")
+        self.tokens[position] = token
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` tokens' state (for reusing a shared prefix)."""
@@ -87,10 +96,12 @@ class PromptBatch:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """One decode window: every session appends exactly one token."""
+    """One decode window: every session appends exactly one token (``fed``: the tokens are on the device,
+    the sampled ones of the window before; the sessions record ``UNSET`` until they are settled)."""
 
     sessions: tuple[Session, ...]
     tokens: torch.Tensor  # [B] int64
+    fed: bool = False
 
     def __len__(self) -> int:
         return len(self.sessions)

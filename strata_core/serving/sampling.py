@@ -47,7 +47,8 @@ from strata_core.serving.grammar import TokenConstraint
 from strata_core.serving.sampling_params import MAX_LOGPROBS, SEED_RANGE, SampleResult, SamplingParams
 from strata_core.serving.token_mask import apply_bitmask, fill_bitmask
 
-__all__ = ["MAX_LOGPROBS", "SEED_RANGE", "SampleResult", "Sampler", "SamplingBatch", "SamplingParams", "sample_rows"]
+__all__ = ["MAX_LOGPROBS", "SEED_RANGE", "PendingSamples", "SampleResult", "Sampler", "SamplingBatch", "SamplingParams",
+           "sample_rows", "start_sampling"]
 
 _M32 = 0xFFFFFFFF
 #: temperatures are clamped into this range in float32: below it the draw is already the top token
@@ -309,33 +310,61 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.cat(columns + [lp], dim=1)
 
 
-def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[Sampler, Sequence[int]]]) -> list[SampleResult | Exception]:
-    """The next token of each row of ``logits`` ``[B, V]``: ``rows[i]`` is row i's sampler and its
-    sequence's tokens so far (prompt and generated). One device-to-host copy for the window; a row
-    whose logits cannot be sampled gets a ``FloatingPointError`` in its place, the others go on.
-    Each sampler that chose a token advances its step."""
+class PendingSamples:
+    """A window's choice enqueued on the logits' device (``start_sampling``): ``tokens`` ``[B]`` int64 there
+    (a next window can read them without the host), ``results`` once the host needs them."""
+
+    def __init__(self, packed: torch.Tensor, rows: Sequence[tuple[Sampler, Sequence[int]]], n_top: int) -> None:
+        self.tokens = packed[:, 0].long()
+        self._rows, self._n_top = rows, n_top
+        if packed.device.type == "cuda":  # copied to pinned memory without making the host wait
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._copied: torch.cuda.Event | None = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._host, self._copied = packed, None
+
+    def results(self) -> list[SampleResult | Exception]:
+        """Each row's token (waiting for the copy): a row whose logits could not be sampled gets a
+        ``FloatingPointError`` in its place. Each sampler that chose a token advances its step (and
+        its grammar takes the token)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        out: list[SampleResult | Exception] = []
+        for (sampler, _), row in zip(self._rows, self._host.tolist()):
+            if row[1]:
+                out.append(FloatingPointError("cannot sample: the logits are not finite (NaN or infinite)"))
+                continue
+            sampler.step += 1
+            token, n = int(row[0]), sampler.params.logprobs
+            try:
+                complete = sampler.constraint is not None and sampler.constraint.advance(token)
+            except RuntimeError as exc:
+                out.append(exc)
+                continue
+            if n is None:
+                out.append(SampleResult(token, complete=complete))
+                continue
+            ids, values = row[3 : 3 + self._n_top], row[3 + self._n_top :]
+            out.append(SampleResult(token, row[2], tuple((int(i), v) for i, v in zip(ids[:n], values[:n])), complete))
+        return out
+
+
+def start_sampling(logits: torch.Tensor, rows: Sequence[tuple[Sampler, Sequence[int]]]) -> PendingSamples:
+    """Enqueue the choice of each row of ``logits`` ``[B, V]`` (``rows[i]``: row i's sampler and its
+    sequence's tokens so far, prompt and generated) on their device, and one device-to-host copy of it."""
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} for {len(rows)} rows")
     batch = SamplingBatch.build(rows, logits.shape[1], logits.device)
-    packed = sample_batch(logits, batch).cpu().tolist()
-    out: list[SampleResult | Exception] = []
-    for (sampler, _), row in zip(rows, packed):
-        if row[1]:
-            out.append(FloatingPointError("cannot sample: the logits are not finite (NaN or infinite)"))
-            continue
-        sampler.step += 1
-        token, n = int(row[0]), sampler.params.logprobs
-        try:
-            complete = sampler.constraint is not None and sampler.constraint.advance(token)
-        except RuntimeError as exc:
-            out.append(exc)
-            continue
-        if n is None:
-            out.append(SampleResult(token, complete=complete))
-            continue
-        ids, values = row[3 : 3 + batch.n_top], row[3 + batch.n_top :]
-        out.append(SampleResult(token, row[2], tuple((int(i), v) for i, v in zip(ids[:n], values[:n])), complete))
-    return out
+    return PendingSamples(sample_batch(logits, batch), rows, batch.n_top)
+
+
+def sample_rows(logits: torch.Tensor, rows: Sequence[tuple[Sampler, Sequence[int]]]) -> list[SampleResult | Exception]:
+    """The next token of each row of ``logits`` ``[B, V]`` (``start_sampling``, then its results): one
+    device-to-host copy for the window; a row whose logits cannot be sampled gets a
+    ``FloatingPointError`` in its place, the others go on."""
+    return start_sampling(logits, rows).results()
 
 
 class Sampler:

@@ -49,7 +49,7 @@ from strata_core.serving.requests import (
 from strata_core.serving.sampling import Sampler, SampleResult
 from strata_core.serving.slots import Slot, Slots
 from strata_core.serving.step_plan import plan_step
-from strata_core.serving.step_runner import StepRunner
+from strata_core.serving.step_runner import TELEMETRY_WINDOWS, StepRunner
 from strata_core.serving.streams import TokenStream
 
 __all__ = ["RequestHandle", "Scheduler"]
@@ -110,11 +110,18 @@ class _Job:
 
 class Scheduler:
     """``parallel`` slots run in steps of at most ``step_tokens`` tokens (``step_tokens >= parallel``),
-    a queue of ``max_queue``, a conversation cache of ``conv_cache`` entries and ``conv_cache_bytes``."""
+    a queue of ``max_queue``, a conversation cache of ``conv_cache`` entries and ``conv_cache_bytes``;
+    ``overlap``: each decode window enqueued before the one before it has given its tokens to the host
+    (for a model whose state can be rewound)."""
 
     def __init__(self, engine: Any, *, parallel: int, max_queue: int, conv_cache: int, conv_cache_bytes: int,
-                 step_tokens: int, worker: ComputeThread | None = None) -> None:
+                 step_tokens: int, worker: ComputeThread | None = None, overlap: bool = True) -> None:
         self.engine = engine
+        # decode windows overlapped (StepRunner.decode_overlapped); not over recurrent state, which a window
+        # that fails part way has advanced: its requests must fail, not take the tokens of the window before
+        self.overlap = overlap and engine.spec.rewindable
+        self._uncounted: dict[int, _Job] = {}  # the requests of overlapped windows since the counters' last read
+        self._counted: dict[str, Any] = {}  # the counters at that read
         self.max_context: int = engine.max_context
         self.parallel = parallel
         self.max_queue = max_queue
@@ -339,8 +346,11 @@ class Scheduler:
             job = slot.job
             done = job.session.n_tokens
             work.append((job, job.request.prompt[done:done + n], n == job.prompt_left))
+        if self._runner.unread:  # the decode windows' counts first, apart from the prompt batch's
+            self._read_counters()
         start, before = time.perf_counter(), self._runner.telemetry
         results = self._runner.prefill(work)
+        self._counted = self._runner.telemetry
         seconds = time.perf_counter() - start
         self.stats.prefill_seconds += seconds
         for (slot, n), result in zip(chunks, results):
@@ -358,28 +368,82 @@ class Scheduler:
                 self._fail_in_slot(slot, exc)
 
     def _window(self, slots: list[Slot]) -> None:
-        """One decode window for ``slots``; each request takes its token or fails alone."""
-        if not slots:
+        """One decode window for ``slots``; each request takes its token or fails alone. Overlapped, the
+        tokens taken are those of the window before, this one's sampling enqueued after them."""
+        if self.overlap:
+            self._overlapped(slots)
+        elif slots:
+            start, before = time.perf_counter(), self._runner.telemetry
+            self._take(slots, self._runner.decode([s.job for s in slots]), before)
+            self.stats.windows += 1
+            self.stats.decode_seconds += time.perf_counter() - start
+        self._hand_over()  # the window's tokens go out before the step's prompt chunks run
+
+    def _overlapped(self, slots: list[Slot]) -> None:
+        """``_window`` overlapped: the window enqueued, the tokens of the one in flight taken, then this
+        window's sampling enqueued for its rows still generating (a window that could not be enqueued
+        runs as ``decode`` does, after the tokens). A row at the end of the context ends with the
+        token in flight, so it is left out. The counters are read (``_read_counters``) when a request
+        ended, when nothing is left in flight, and every ``TELEMETRY_WINDOWS`` windows."""
+        if not slots and not self._runner.in_flight:
             return
-        start, before = time.perf_counter(), self._runner.telemetry
-        results = self._runner.decode([s.job for s in slots])
-        self.stats.windows += 1
+        start = time.perf_counter()
+        rows = [s for s in slots if s.job.session.n_tokens < self.max_context]
+        results, queued = self._runner.decode_overlapped([s.job for s in rows])
+        if queued:
+            self._uncounted.update((id(s.job), s.job) for s in rows)
+        fed = {id(s.job) for s in rows} if queued else set()
+        held = {id(s.job): s for s in self._slots.busy()}
+        ended = False
+        for job, result in results:
+            slot = held.get(id(job))
+            if slot is not None:  # else the request left (cancelled) while its token was in flight
+                self._take([slot], [result], None, fed=id(job) in fed)
+                ended |= slot.job is not job
+        live = [s for s in rows if s.job is not None and s.job.pending >= 0]
+        if queued:
+            generating = {id(s.job) for s in live}
+            self._runner.sample_in_flight(lambda job: id(job) in generating)
+            self.stats.windows += 1
+        elif live:
+            self._take(live, self._runner.decode([s.job for s in live]), self._runner.telemetry)
+            self.stats.windows += 1
+        if ended or not self._runner.in_flight or self._runner.unread >= TELEMETRY_WINDOWS:
+            self._read_counters()
         self.stats.decode_seconds += time.perf_counter() - start
+
+    def _read_counters(self) -> None:
+        """Read the engine's counters; each request of the overlapped windows since the last read is
+        credited their difference (its decode expert counts: those of the reads its windows fell in)."""
+        before = self._counted or self._runner.telemetry
+        after = self._runner.read_telemetry() if self._runner.unread else self._runner.telemetry
+        for job in self._uncounted.values():
+            job.timings.decode_experts.add(before, after)
+        self._uncounted.clear()
+        self._counted = after
+
+    def _take(self, slots: list[Slot], results: list[SampleResult | Exception], before: dict[str, Any] | None,
+              fed: bool = False) -> None:
+        """Each slot's request takes its result or fails alone (``fed``: its next window is in flight);
+        ``before``: the counters before the window, whose difference each request is credited (None:
+        ``_read_counters`` credits them)."""
         for slot, result in zip(slots, results):
             try:
                 if isinstance(result, Exception):
                     raise result
-                slot.job.timings.decode_experts.add(before, self._runner.telemetry)
-                self._accept(slot, result)
+                if before is not None:
+                    slot.job.timings.decode_experts.add(before, self._runner.telemetry)
+                self._accept(slot, result, fed)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends only that request
                 self._fail_in_slot(slot, exc)
-        self._hand_over()  # the window's tokens go out before the step's prompt chunks run
 
-    def _accept(self, slot: Slot, result: SampleResult) -> None:
-        """Take the slot's sampled token: give out its text; a finished request leaves the slot."""
+    def _accept(self, slot: Slot, result: SampleResult, fed: bool = False) -> None:
+        """Take the slot's sampled token: give out its text; a finished request leaves the slot (``fed``:
+        the token is in its session already, fed to the window in flight)."""
         job = slot.job
         job.history.append(result.token)
-        delta, reason = job.stream.push(result, context_full=job.session.n_tokens >= self.max_context)
+        held = job.session.n_tokens - (1 if fed else 0)
+        delta, reason = job.stream.push(result, context_full=held >= self.max_context)
         job.pending = -1 if reason else result.token
         if delta is not None:
             self._emit(job, delta)

@@ -6,19 +6,32 @@ row by row (chunk by chunk) where that is exact (K/V is rewritten in place; a re
 layers already advanced is not), and a sampling call that fails samples row by row, so a failure
 ends only the requests it belongs to. After every engine call the engine's counters are read once
 (``telemetry``).
+
+Overlapped windows (``decode_overlapped``): window N+1 is enqueued before the host waits for window
+N's tokens, each row that was in window N fed N's sampled token on the device; then N's tokens come
+back and are taken (text, stops) while N+1 runs, and N+1's sampling is enqueued for the rows still
+generating (``sample_in_flight``). A row that ended with N's token was in N+1 too: its session keeps
+that last token (a consistent state, one position longer), its N+1 token is never sampled. The
+counters are not read after each overlapped window (a read waits for the device): the scheduler
+reads them when a request ends, when nothing is in flight, before a prompt batch and every
+``TELEMETRY_WINDOWS`` windows.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from strata_core.serving.sampling import Sampler, SampleResult, sample_rows
+from strata_core.serving.sampling import PendingSamples, Sampler, SampleResult, sample_rows, start_sampling
 
-__all__ = ["Row", "StepRunner"]
+__all__ = ["Row", "StepRunner", "TELEMETRY_WINDOWS"]
+
+#: overlapped windows between two reads of the engine's counters
+TELEMETRY_WINDOWS = 64
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +45,18 @@ class Row(Protocol):
     history: list[int]  # the tokens the sampler's penalties see
 
 
+@dataclass
+class _Flight:
+    """An overlapped window: its rows, the position each row's fed token took, its logits, and its
+    sampling once enqueued (for the rows in ``sampled``)."""
+
+    rows: list[Row]
+    positions: list[int]
+    logits: torch.Tensor
+    samples: PendingSamples | None = None
+    sampled: list[Row] = field(default_factory=list)
+
+
 class StepRunner:
     """Runs decode windows and prompt chunks on ``engine`` and samples their tokens."""
 
@@ -39,6 +64,8 @@ class StepRunner:
         self.engine = engine
         self.telemetry: dict[str, Any] = {}
         self.experts_by_device: dict[str, dict[str, int]] = {}
+        self._flight: _Flight | None = None
+        self._unread = 0  # overlapped windows since the counters were last read
         self.read_telemetry()
 
     def read_telemetry(self) -> dict[str, Any]:
@@ -46,6 +73,7 @@ class StepRunner:
         by source (``experts_by_device``, for ``/metrics``)."""
         self.telemetry = dict(self.engine.telemetry.snapshot())
         self.experts_by_device = self.engine.telemetry.by_device()
+        self._unread = 0
         return self.telemetry
 
     def prefill(self, chunks: Sequence[tuple[Row, Sequence[int], bool]]) -> list[SampleResult | None | Exception]:
@@ -100,6 +128,83 @@ class StepRunner:
         finally:  # after sampling: the device counters are read once the window's tokens came back
             self.read_telemetry()
         return [failed[i] if i in failed else next(sampled) for i in range(len(rows))]
+
+    @property
+    def unread(self) -> int:
+        """Overlapped windows enqueued since the counters were last read."""
+        return self._unread
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an overlapped window's tokens are still to be taken."""
+        return self._flight is not None
+
+    def decode_overlapped(self, rows: Sequence[Row]) -> tuple[list[tuple[Row, SampleResult | Exception]], bool]:
+        """Enqueue a window over ``rows`` (a row of the window in flight fed its sampled token there,
+        the others their ``pending``; none: nothing enqueued), then wait for the window in flight: its
+        rows' results, and whether the new window is in flight now (False: none, or it could not be
+        enqueued, and ``decode`` runs it after the scheduler took the results)."""
+        prev, queued = self._flight, False
+        self._flight = None
+        if rows:
+            try:
+                fed, taken = self._fed_tokens(rows, prev)
+                positions = [row.session.n_tokens for row in rows]
+                logits = self.engine.decode_window([(row.session, row.pending) for row in rows], fed)
+                if fed is not None:  # the rows fed from the host know their token now
+                    for row, position, device_fed in zip(rows, positions, taken):
+                        if not device_fed:
+                            row.session.settle(position, row.pending)
+                self._flight, queued = _Flight(list(rows), positions, logits), True
+                self._unread += 1
+            except Exception:  # noqa: BLE001 - run again by ``decode``, which finds the failing rows
+                log.exception("an overlapped decode window of %d failed to enqueue; running it again", len(rows))
+        return self._take(prev), queued
+
+    def sample_in_flight(self, keep: Callable[[Row], bool]) -> None:
+        """Enqueue the sampling of the window in flight for its rows that ``keep`` (still generating)."""
+        flight = self._flight
+        if flight is None:
+            return
+        kept = [i for i, row in enumerate(flight.rows) if keep(row)]
+        flight.sampled = [flight.rows[i] for i in kept]
+        if not kept:
+            self._flight = None
+            return
+        logits = flight.logits if len(kept) == len(flight.rows) else flight.logits[kept]
+        flight.samples = start_sampling(logits, [(row.sampler, row.history) for row in flight.sampled])
+
+    def _fed_tokens(self, rows: Sequence[Row], prev: _Flight | None) -> tuple[torch.Tensor | None, list[bool]]:
+        """The window's tokens on the device, int64 ``[len(rows)]``: a row sampled in ``prev`` its token
+        there, the others their ``pending`` (None when no row is fed from ``prev``: the steps' own
+        tokens), and which rows were fed from ``prev``."""
+        at = {id(row): i for i, row in enumerate(prev.sampled)} if prev is not None and prev.samples else {}
+        taken = [id(row) in at for row in rows]
+        if not any(taken):
+            return None, taken
+        tokens = prev.samples.tokens
+        host = torch.tensor([row.pending for row in rows], dtype=torch.int64)
+        index = torch.tensor([at.get(id(row), -1) for row in rows], dtype=torch.int64)
+        if tokens.device.type == "cuda":  # small copies that do not make the host wait
+            host, index = host.pin_memory(), index.pin_memory()
+        host, index = host.to(tokens.device, non_blocking=True), index.to(tokens.device, non_blocking=True)
+        return torch.where(index >= 0, tokens[index.clamp(min=0)], host), taken
+
+    def _take(self, flight: _Flight | None) -> list[tuple[Row, SampleResult | Exception]]:
+        """The sampled rows of ``flight`` with their results (waiting for them); a row of the window
+        after it (the one in flight now) that it fed gets its position settled with the token."""
+        if flight is None or flight.samples is None:
+            return []
+        try:
+            results = flight.samples.results()
+        except Exception as exc:  # noqa: BLE001 - a failed copy fails the window's rows, not the server
+            results = [exc] * len(flight.sampled)
+        now = self._flight
+        fed = {id(row): p for row, p in zip(now.rows, now.positions)} if now is not None else {}
+        for row, result in zip(flight.sampled, results):
+            if id(row) in fed and not isinstance(result, Exception):
+                row.session.settle(fed[id(row)], result.token)
+        return list(zip(flight.sampled, results))
 
     def _alone(self, row: Row, n_before: int) -> torch.Tensor:
         if row.session.n_tokens != n_before:
