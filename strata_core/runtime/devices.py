@@ -41,8 +41,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """Copy a small host tensor to ``device`` without making the host wait (pinned, non-blocking)."""
+    device = torch.device(device)
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

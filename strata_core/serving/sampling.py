@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata_core.runtime.devices import to_device
 from strata_core.serving.grammar import TokenConstraint
 from strata_core.serving.sampling_params import MAX_LOGPROBS, SEED_RANGE, SampleResult, SamplingParams
 from strata_core.serving.token_mask import apply_bitmask, fill_bitmask
@@ -123,24 +124,24 @@ class SamplingBatch:
             recent = list(history[-p.repeat_last_n:]) if penalised and len(history) else []
             hists.append([t if 0 <= t < vocab else vocab for t in recent])
             biases.append([(i, b) for i, b in p.logit_bias if i < vocab])
-        f32 = {"dtype": torch.float32, "device": device}
-        i64 = {"dtype": torch.int64, "device": device}
+        f32, i64 = {"dtype": torch.float32}, {"dtype": torch.int64}  # built on the host, copied without a wait
         history = penalties = bias_ids = bias_values = None
         if any(hists):
             width = max(map(len, hists))
-            history = torch.tensor([h + [vocab] * (width - len(h)) for h in hists], **i64)
-            penalties = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
-                                     **f32)
+            history = to_device(torch.tensor([h + [vocab] * (width - len(h)) for h in hists], **i64), device)
+            penalties = to_device(torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty]
+                                          for p in params], **f32), device)
         if any(biases):
             width = max(map(len, biases))
-            bias_ids = torch.tensor([[i for i, _ in b] + [0] * (width - len(b)) for b in biases], **i64)
-            bias_values = torch.tensor([[v for _, v in b] + [0.0] * (width - len(b)) for b in biases], **f32)
+            bias_ids = to_device(torch.tensor([[i for i, _ in b] + [0] * (width - len(b)) for b in biases], **i64), device)
+            bias_values = to_device(torch.tensor([[v for _, v in b] + [0.0] * (width - len(b)) for b in biases], **f32),
+                              device)
         ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         sampled = [r for r, p in enumerate(params) if not p.greedy]
         filtered = [r for r in sampled if ks[r] < vocab or params[r].top_p < 1]
         scalars = _row_scalars(rows, ks, sampled, device) if sampled else (None,) * 5
         constrained = [r for r, (s, _) in enumerate(rows) if s.constraint is not None]
-        mask = _to(fill_bitmask([rows[r][0].constraint for r in constrained], vocab), device) if constrained else None
+        mask = to_device(fill_bitmask([rows[r][0].constraint for r in constrained], vocab), device) if constrained else None
         return cls(
             vocab=vocab,
             temperature=scalars[0], top_p=scalars[1], min_p=scalars[2], top_k=scalars[3], u=scalars[4],
@@ -162,26 +163,18 @@ def _row_scalars(rows: Sequence[tuple[Sampler, Sequence[int]]], ks: list[int], s
     """Temperature, top-p, min-p (float32), top-k (int64) and the uniform draw (float64) of every
     row on ``device``, in two non-blocking copies; greedy rows draw nothing (u = 0)."""
     drawing = set(sampled)
-    floats = _to(torch.tensor([[min(max(s.params.temperature, _T_MIN), _T_MAX), s.params.top_p, s.params.min_p]
+    floats = to_device(torch.tensor([[min(max(s.params.temperature, _T_MIN), _T_MAX), s.params.top_p, s.params.min_p]
                                for s, _ in rows], dtype=torch.float32), device)  # [B, 3]
     bits = [uniform_bits(s.seed, s.step) if r in drawing else 0 for r, (s, _) in enumerate(rows)]
-    ints = _to(torch.tensor([[k, b] for k, b in zip(ks, bits)], dtype=torch.int64), device)  # [B, 2]
+    ints = to_device(torch.tensor([[k, b] for k, b in zip(ks, bits)], dtype=torch.int64), device)  # [B, 2]
     return floats[:, 0], floats[:, 1], floats[:, 2], ints[:, 0], ints[:, 1].double() * 2.0**-53
-
-
-def _to(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """``host`` on ``device``: to a CUDA device by a non-blocking copy from pinned memory."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _rows(t: torch.Tensor, rows: list[int], total: int) -> torch.Tensor:
     """``t[rows]``, without a copy when ``rows`` is every row."""
     if len(rows) == total:
         return t
-    return t.index_select(0, torch.tensor(rows, dtype=torch.long, device=t.device))
+    return t.index_select(0, to_device(torch.tensor(rows, dtype=torch.long), t.device))
 
 
 def _penalize(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -258,7 +251,7 @@ def _sampled_tokens(x: torch.Tensor, top: torch.Tensor, batch: SamplingBatch) ->
         shifted = xs - ts[:, None]
         kept = shifted >= torch.log(_rows(min_p, plain, n))[:, None] if batch.any_min_p else None
         drawn = _draw(shifted, kept, _rows(temperature, plain, n), _rows(u, plain, n))
-        token = token.index_copy(0, torch.tensor(plain, dtype=torch.long, device=x.device), drawn)
+        token = token.index_copy(0, to_device(torch.tensor(plain, dtype=torch.long), x.device), drawn)
     if batch.filtered:  # over each row's sorted candidates
         among = [rows.index(r) for r in batch.filtered]
         k = _rows(batch.top_k, batch.filtered, len(batch.top_k))
@@ -267,7 +260,7 @@ def _sampled_tokens(x: torch.Tensor, top: torch.Tensor, batch: SamplingBatch) ->
                      _rows(min_p, among, n) if batch.any_min_p else None)
         pos = _draw(values - values[:, :1], kept, _rows(temperature, among, n), _rows(u, among, n))
         drawn = ids.gather(1, pos[:, None])[:, 0]
-        token = token.index_copy(0, torch.tensor(among, dtype=torch.long, device=x.device), drawn)
+        token = token.index_copy(0, to_device(torch.tensor(among, dtype=torch.long), x.device), drawn)
     return token
 
 
@@ -290,7 +283,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if len(rows) == n_rows:
             token, bad = drawn, ~torch.isfinite(top)
         else:
-            index = torch.tensor(rows, dtype=torch.long, device=x.device)
+            index = to_device(torch.tensor(rows, dtype=torch.long), x.device)
             token = token.index_copy(0, index, drawn)
             bad = bad.index_copy(0, index, ~torch.isfinite(ts))
     columns = [token.double()[:, None], bad.double()[:, None]]
@@ -306,7 +299,7 @@ def sample_batch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if len(rows) == n_rows and packed.shape[1] == lp.shape[1]:
             lp = packed
         else:
-            lp[torch.tensor(rows, dtype=torch.long, device=x.device), : packed.shape[1]] = packed
+            lp[to_device(torch.tensor(rows, dtype=torch.long), x.device), : packed.shape[1]] = packed
     return torch.cat(columns + [lp], dim=1)
 
 

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
+from strata_core.runtime.devices import to_device
 from strata_core.serving.sampling import PendingSamples, Sampler, SampleResult, sample_rows, start_sampling
 
 __all__ = ["Row", "StepRunner", "TELEMETRY_WINDOWS"]
@@ -171,7 +172,8 @@ class StepRunner:
         if not kept:
             self._flight = None
             return
-        logits = flight.logits if len(kept) == len(flight.rows) else flight.logits[kept]
+        logits = (flight.logits if len(kept) == len(flight.rows) else
+                  flight.logits.index_select(0, to_device(torch.tensor(kept), flight.logits.device)))
         flight.samples = start_sampling(logits, [(row.sampler, row.history) for row in flight.sampled])
 
     def _fed_tokens(self, rows: Sequence[Row], prev: _Flight | None) -> tuple[torch.Tensor | None, list[bool]]:
@@ -183,11 +185,8 @@ class StepRunner:
         if not any(taken):
             return None, taken
         tokens = prev.samples.tokens
-        host = torch.tensor([row.pending for row in rows], dtype=torch.int64)
-        index = torch.tensor([at.get(id(row), -1) for row in rows], dtype=torch.int64)
-        if tokens.device.type == "cuda":  # small copies that do not make the host wait
-            host, index = host.pin_memory(), index.pin_memory()
-        host, index = host.to(tokens.device, non_blocking=True), index.to(tokens.device, non_blocking=True)
+        host = to_device(torch.tensor([row.pending for row in rows]), tokens.device)
+        index = to_device(torch.tensor([at.get(id(row), -1) for row in rows]), tokens.device)
         return torch.where(index >= 0, tokens[index.clamp(min=0)], host), taken
 
     def _take(self, flight: _Flight | None) -> list[tuple[Row, SampleResult | Exception]]:
