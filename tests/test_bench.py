@@ -76,9 +76,9 @@ def test_sampled_decode_feeds_each_window_the_previous_argmax(tmp_path, monkeypa
     windows = []  # (tokens fed, argmax of the logits) per window
     real = engine.decode_window
 
-    def record(steps):
-        logits = real(steps)
-        windows.append(([token for _, token in steps], logits.argmax(-1).tolist()))
+    def record(steps, fed=None):
+        logits = real(steps, fed)
+        windows.append(([token for _, token in steps] if fed is None else fed.tolist(), logits.argmax(-1).tolist()))
         return logits
 
     monkeypatch.setattr(engine, "decode_window", record)
@@ -86,5 +86,5 @@ def test_sampled_decode_feeds_each_window_the_previous_argmax(tmp_path, monkeypa
     engine.close()
     assert (known.kind, sampled.kind) == ("decode", "decode-sampled") and sampled.sessions == 2
     fed = windows[-4:]  # the sampled figure's windows
-    assert all(fed[i + 1][0] == fed[i][1] for i in range(3))
+    assert all(fed[i + 1][0] == fed[i][1] for i in range(3))  # fed on the device, settled in the sessions after
     assert any(window[0] != previous[1] for previous, window in zip(windows[-8:-5], windows[-7:-4]))  # known: not

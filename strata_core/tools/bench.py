@@ -30,8 +30,9 @@ __all__ = ["BenchResult", "format_table", "warm_up", "copy_gbps", "machine_name"
 class BenchResult:
     """One figure: ``kind`` is "prefill" (``length`` = prompt tokens), "decode" (``length`` = context; the
     windows are fed known tokens, so the host enqueues the next while the device runs) or
-    "decode-sampled" (each window fed the argmax of the previous one's logits, read on the host: the loop
-    a greedy generation runs, host time included)."""
+    "decode-sampled" (each window fed the argmax of the previous one's logits on the device, the argmax
+    read on the host one window behind: the loop a greedy generation runs with overlapped windows, host
+    time included)."""
 
     kind: str
     length: int
@@ -124,9 +125,11 @@ def bench_decode(engine: Engine, context: int, steps: int, repeats: int, session
 
         def windows() -> None:
             fed = [tokens[context] for tokens in streams]  # each session's next token
+            if sampled:
+                return _sampled_windows(engine, live, fed, steps)
             for step in range(context + 1, context + steps + 1):
-                logits = engine.decode_window(list(zip(live, fed)))
-                fed = logits.argmax(-1).tolist() if sampled else [tokens[step] for tokens in streams]
+                engine.decode_window(list(zip(live, fed)))
+                fed = [tokens[step] for tokens in streams]
 
         seconds, delta = _timed(engine, windows)
         for session in live:
@@ -134,6 +137,37 @@ def bench_decode(engine: Engine, context: int, steps: int, repeats: int, session
         runs.append(sessions * steps / seconds)
         deltas.append(delta)
     return _result("decode-sampled" if sampled else "decode", context, runs, deltas, sessions * steps, sessions)
+
+
+def _sampled_windows(engine: Engine, sessions: list, first: list[int], steps: int) -> None:
+    """``steps`` windows, each fed the argmax of the one before on the device; each argmax is copied to
+    the host without a wait and read there one window later, when its tokens are settled in the
+    sessions (as the server's overlapped windows)."""
+    steps_of = [(session, token) for session, token in zip(sessions, first)]
+    argmax, copied = None, None  # the last window's argmax on the device, and its host copy in flight
+    for _ in range(steps):
+        positions = [session.n_tokens for session in sessions]
+        logits = engine.decode_window(steps_of, argmax)
+        if copied is not None:  # the tokens the window was fed, known on the host now
+            host, event = copied
+            if event is not None:
+                event.synchronize()
+            for session, position, token in zip(sessions, positions, host.tolist()):
+                session.settle(position, token)
+        argmax = logits.argmax(-1)
+        copied = _host_copy(argmax)
+
+
+def _host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """``t`` copied to the host without making it wait (pinned, from a CUDA device), and the event after
+    the copy (None on the CPU)."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
 
 
 def warm_up(engine: Engine, prompt: int = 64) -> None:
