@@ -388,7 +388,7 @@ class Scheduler:
         if not slots and not self._runner.in_flight:
             return
         start = time.perf_counter()
-        rows = [s for s in slots if s.job.session.n_tokens < self.max_context]
+        rows = [s for s in slots if s.job.session.n_tokens < self.max_context or not self._runner.carries(s.job)]
         results, queued = self._runner.decode_overlapped([s.job for s in rows])
         if queued:
             self._uncounted.update((id(s.job), s.job) for s in rows)

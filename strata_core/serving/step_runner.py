@@ -135,6 +135,10 @@ class StepRunner:
         """Overlapped windows enqueued since the counters were last read."""
         return self._unread
 
+    def carries(self, row: Row) -> bool:
+        """Whether ``row``'s next token is being sampled in the window in flight."""
+        return self._flight is not None and any(r is row for r in self._flight.sampled)
+
     @property
     def in_flight(self) -> bool:
         """Whether an overlapped window's tokens are still to be taken."""
