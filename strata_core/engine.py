@@ -10,6 +10,7 @@ each checking its input before the runner sees it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from strata_core.model.weights import DenseWeights
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 from strata_core.plugin.spec import StrategyOptions
-from strata_core.runtime.devices import resolve_devices
+from strata_core.runtime.devices import resolve_devices, synchronize
 from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.runtime.runner import Runner
 from strata_core.runtime.session import DecodeBatch, Session, SessionSnapshot
@@ -229,6 +230,28 @@ class Engine:
         """Capture the CUDA graphs of decode windows of up to ``sessions`` sessions now (see
         ``Runner.capture_buckets``), so serving them never captures."""
         self.runner.capture_buckets(sessions)
+
+    def warm_up_prompts(self) -> None:
+        """Run throw-away prompts, so that the first requests do not compile or plan the prompt path's
+        kernels: one prompt alone and a batch of two, of lengths that do and do not divide by 16 (Triton
+        specializes a kernel on that); logs the time. The counters are reset after them."""
+        start = time.perf_counter()
+        gen = torch.Generator().manual_seed(0)
+        limit = min(self.max_context, self.settings.prefill_chunk)
+
+        def ids(n: int) -> list[int]:
+            return torch.randint(0, self.spec.vocab_size, (min(n, limit),), generator=gen).tolist()
+
+        for group in ([64], [67], [48, 37]):
+            sessions = [self.new_session() for _ in group]
+            try:
+                self.prefill_batch([(session, ids(n)) for session, n in zip(sessions, group)])
+            finally:
+                for session in sessions:
+                    self.release_session(session)
+        synchronize(self.runner.main.device)
+        self.telemetry.reset()
+        log.info("warmed up the prompt path (4 prompts) in %.2f s", time.perf_counter() - start)
 
     def release_session(self, session: Session) -> None:
         """Give a session's KV blocks back to the pools (shared ones stay with their other holders)."""

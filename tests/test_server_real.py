@@ -238,3 +238,17 @@ def test_overlapped_windows_on_the_real_engine_equal_windows_one_at_a_time(model
             engine.close()
         assert sessions and all(UNSET not in s.tokens for s in sessions)
     assert texts[True] == texts[False]
+
+
+def test_warming_up_the_prompt_path_leaves_no_counts_and_no_held_blocks(model_path: Path) -> None:
+    """A server's start runs throw-away prompts: afterwards the expert counters are zero and every KV
+    block is free again (its prompts published nothing that stays)."""
+    engine = Engine.load(model_path, max_context=CONTEXT)
+    try:
+        free = [engine.kv_pools.pools[slot].n_free for slot in engine.kv_pools.pools]
+        engine.warm_up_prompts()
+        counts = engine.telemetry.snapshot()
+        assert counts["expert_hits"] == counts["expert_misses"] == 0
+        assert [engine.kv_pools.pools[slot].n_free for slot in engine.kv_pools.pools] == free
+    finally:
+        engine.close()

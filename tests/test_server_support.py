@@ -187,6 +187,10 @@ class FakeEngine:
         self._check_thread()
         self.captured = sessions  # what a server's start asked to capture
 
+    def warm_up_prompts(self) -> None:
+        self._check_thread()
+        self.warmed = True  # a server's start warmed the prompt path
+
     def new_session(self, prefix_tokens=()) -> FakeSession:  # shares nothing: no KV blocks are published here
         self._check_thread()
         session = FakeSession(rewindable=self.spec.rewindable)
