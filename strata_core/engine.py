@@ -343,19 +343,31 @@ class Engine:
         return tokens
 
     def decode_window(self, steps: Sequence[tuple[Session, int]], fed: torch.Tensor | None = None) -> torch.Tensor:
-        """Append one token to each session; float32 logits ``[len(steps), vocab]``. ``fed``: the tokens
+        """Append each step's token to its session; float32 logits ``[len(steps), vocab]``. A session's
+        steps, if several, are consecutive: its next tokens in order (a speculative window verifying
+        drafted tokens: row j's logits follow the session's tokens up to its j-th). ``fed``: the tokens
         as int64 ``[len(steps)]`` on the device (the steps' own are ignored), read there without a host
-        wait; each session records ``UNSET`` for it until ``Session.settle``."""
-        for session, _ in steps:
-            self._check_room(session, 1)
+        wait; each session records ``UNSET`` for them until ``Session.settle``."""
+        counts: dict[int, int] = {}
+        offsets = []
+        for i, (session, _) in enumerate(steps):
+            if i and session is not steps[i - 1][0] and id(session) in counts:
+                raise ValueError("a session's steps in a decode window must be consecutive")
+            offsets.append(counts.get(id(session), 0))
+            counts[id(session)] = offsets[-1] + 1
+        sessions = tuple(s for s, _ in steps)
+        unique = list({id(s): s for s in sessions}.values())
+        for session in unique:
+            self._check_room(session, counts[id(session)])
         tokens = torch.tensor([t for _, t in steps], dtype=torch.int64) if fed is None else fed
-        batch = DecodeBatch(sessions=tuple(s for s, _ in steps), tokens=tokens, fed=fed is not None)
+        batch = DecodeBatch(sessions=sessions, tokens=tokens, fed=fed is not None,
+                            offsets=tuple(offsets) if len(unique) < len(sessions) else ())
         try:
-            for session in batch.sessions:
-                session.kv.reserve(session.n_tokens + 1)
+            for session in unique:
+                session.kv.reserve(session.n_tokens + counts[id(session)])
             return self.runner.decode_window(batch)
         finally:
-            for session in batch.sessions:
+            for session in unique:
                 session.kv.trim()
 
     def logits(self, token_ids: Sequence[int]) -> torch.Tensor:

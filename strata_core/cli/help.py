@@ -47,7 +47,7 @@ BRIEF = frozenset(GROUPS["debug"]) | {
     "kv_block", "kv_pool_tokens", "prefill_chunk", "pin_limit_gib", "reserve_mib", "pcie_frac", "adapt_swaps",
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
-    "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
+    "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
 }
 
 #: the short flags llama.cpp users type (cli_shortcuts: kebab-case flag -> its other names)

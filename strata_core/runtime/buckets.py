@@ -43,8 +43,9 @@ class BatchPadding:
         extra = bucket(len(batch)) - len(batch)
         if extra == 0:
             return batch, live
+        offsets = batch.offsets + (0,) * extra if batch.offsets else ()
         return DecodeBatch(batch.sessions + (self.session,) * extra,
-                           torch.cat([batch.tokens, batch.tokens.new_zeros(extra)]), batch.fed), live
+                           torch.cat([batch.tokens, batch.tokens.new_zeros(extra)]), batch.fed, offsets), live
 
     def live_pairs(self, rows: int) -> torch.Tensor:
         """int64 ``[1]``: the (token, expert) pairs of ``rows`` real rows (a graph's static input)."""

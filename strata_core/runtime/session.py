@@ -96,20 +96,25 @@ class PromptBatch:
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """One decode window: every session appends exactly one token (``fed``: the tokens are on the device,
-    the sampled ones of the window before; the sessions record ``UNSET`` until they are settled)."""
+    """One decode window: each row appends one token to its session (``fed``: the tokens are on the
+    device, the sampled ones of the window before; the sessions record ``UNSET`` until they are
+    settled). A session may have several rows, in a run with ``offsets`` 0, 1, ... (a speculative
+    window verifying drafted tokens): row r's token takes position ``n_tokens + offsets[r]``, and
+    attends to its session's rows before it in the window (their K/V is written first)."""
 
     sessions: tuple[Session, ...]
     tokens: torch.Tensor  # [B] int64
     fed: bool = False
+    offsets: tuple[int, ...] = ()  # empty: one row a session
 
     def __len__(self) -> int:
         return len(self.sessions)
 
     @property
     def positions(self) -> torch.Tensor:
-        """The position each session's new token takes, ``[B]`` int64."""
-        return torch.tensor([s.n_tokens for s in self.sessions], dtype=torch.int64)
+        """The position each row's new token takes, ``[B]`` int64."""
+        offsets = self.offsets or (0,) * len(self.sessions)
+        return torch.tensor([s.n_tokens + o for s, o in zip(self.sessions, offsets)], dtype=torch.int64)
 
 
 @dataclass(frozen=True)

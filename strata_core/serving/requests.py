@@ -175,6 +175,8 @@ class SchedulerStats:
     decode_seconds: float = 0.0  # in decode windows (sampling included)
     prefill_seconds: float = 0.0  # in prompt chunks, finished or not
     windows: int = 0
+    draft_tokens: int = 0  # tokens drafted by speculative decoding ...
+    accepted_tokens: int = 0  # ... and kept
     steps: int = 0  # steps that ran work: a decode window, prompt chunks or both
     active: int = 0
     waiting: int = 0

@@ -49,6 +49,7 @@ from strata_core.serving.requests import (
 from strata_core.serving.sampling import Sampler, SampleResult
 from strata_core.serving.slots import Slot, Slots
 from strata_core.serving.step_plan import plan_step
+from strata_core.serving.speculation import NgramDrafter, accepted
 from strata_core.serving.step_runner import TELEMETRY_WINDOWS, StepRunner
 from strata_core.serving.streams import TokenStream
 
@@ -101,6 +102,7 @@ class _Job:
     admitted: int = 0  # admission order: an older request's prompt chunks run first
     timings: Timings = field(default_factory=Timings)
     decode_start: float = 0.0
+    drafter: NgramDrafter | None = None  # its prompt lookup, made at its first speculative window
 
     @property
     def prompt_left(self) -> int:
@@ -108,18 +110,45 @@ class _Job:
         return len(self.request.prompt) - self.session.n_tokens
 
 
+@dataclass
+class _DraftRow:
+    """A drafted token's row of a speculative window, as the step runner sees a row: its request's
+    session and sampler, the token it feeds."""
+
+    job: _Job
+    pending: int
+
+    @property
+    def session(self) -> Any:
+        return self.job.session
+
+    @property
+    def sampler(self) -> Sampler:
+        return self.job.sampler
+
+    @property
+    def history(self) -> list[int]:
+        return self.job.history
+
+
 class Scheduler:
     """``parallel`` slots run in steps of at most ``step_tokens`` tokens (``step_tokens >= parallel``),
     a queue of ``max_queue``, a conversation cache of ``conv_cache`` entries and ``conv_cache_bytes``;
     ``overlap``: each decode window enqueued before the one before it has given its tokens to the host
-    (for a model whose state can be rewound)."""
+    (for a model whose state can be rewound, without speculation); ``spec_tokens``: n-gram speculative
+    decoding with up to that many drafted tokens a window (strata_core.serving.speculation)."""
 
     def __init__(self, engine: Any, *, parallel: int, max_queue: int, conv_cache: int, conv_cache_bytes: int,
-                 step_tokens: int, worker: ComputeThread | None = None, overlap: bool = True) -> None:
+                 step_tokens: int, worker: ComputeThread | None = None, overlap: bool = True,
+                 spec_tokens: int = 0) -> None:
         self.engine = engine
+        # drafted tokens a speculative window verifies per request (0: none), over state that can be cut back
+        self.spec_tokens = spec_tokens if engine.spec.rewindable else 0
+        if spec_tokens and not self.spec_tokens:
+            log.info("speculative decoding is off: the model's recurrent state cannot be cut back past rejected drafts")
         # decode windows overlapped (StepRunner.decode_overlapped); not over recurrent state, which a window
         # that fails part way has advanced: its requests must fail, not take the tokens of the window before
-        self.overlap = overlap and engine.spec.rewindable
+        self.overlap = overlap and engine.spec.rewindable and not self.spec_tokens
         self._uncounted: dict[int, _Job] = {}  # the requests of overlapped windows since the counters' last read
         self._counted: dict[str, Any] = {}  # the counters at that read
         self.max_context: int = engine.max_context
@@ -372,6 +401,8 @@ class Scheduler:
         tokens taken are those of the window before, this one's sampling enqueued after them."""
         if self.overlap:
             self._overlapped(slots)
+        elif slots and self.spec_tokens:
+            self._speculative(slots)
         elif slots:
             start, before = time.perf_counter(), self._runner.telemetry
             self._take(slots, self._runner.decode([s.job for s in slots]), before)
@@ -398,7 +429,7 @@ class Scheduler:
         for job, result in results:
             slot = held.get(id(job))
             if slot is not None:  # else the request left (cancelled) while its token was in flight
-                self._take([slot], [result], None, fed=id(job) in fed)
+                self._take([slot], [result], None, job.session.n_tokens - 1 if id(job) in fed else None)
                 ended |= slot.job is not job
         live = [s for s in rows if s.job is not None and s.job.pending >= 0]
         if queued:
@@ -412,6 +443,49 @@ class Scheduler:
             self._read_counters()
         self.stats.decode_seconds += time.perf_counter() - start
 
+    def _speculative(self, slots: list[Slot]) -> None:
+        """``_window`` with drafts (strata_core.serving.speculation): each request that takes them has its
+        pending token and its drafted ones as rows of the window; it keeps the drafts greedy decoding
+        gives and the token after them, and its session is cut back past them."""
+        rows: list[Any] = []
+        plan = []  # (slot, its first row, its drafts, its positions before the window)
+        for slot in slots:
+            drafts = self._drafts(slot.job)
+            plan.append((slot, len(rows), drafts, slot.job.session.n_tokens))
+            rows += [slot.job] + [_DraftRow(slot.job, token) for token in drafts]
+        start, before = time.perf_counter(), self._runner.telemetry
+        results = self._runner.decode(rows)
+        for slot, at, drafts, held in plan:
+            job, mine = slot.job, results[at:at + 1 + len(drafts)]
+            failed = next((r for r in mine if isinstance(r, Exception)), None)
+            if failed is not None or not drafts:
+                self._take([slot], [failed or mine[0]], before)
+                continue
+            kept = accepted(drafts, [r.token for r in mine])
+            self.stats.draft_tokens += len(drafts)
+            self.stats.accepted_tokens += kept
+            job.session.truncate(held + 1 + kept)  # the pending token and the drafts kept
+            for i, result in enumerate(mine[:kept + 1]):
+                self._take([slot], [result], before if i == 0 else None, held + 1 + i)
+                if slot.job is not job:  # it ended with this token: its session holds the ones before it
+                    if slot.session is job.session:
+                        job.session.truncate(held + 1 + i)
+                    break
+        self.stats.windows += 1
+        self.stats.decode_seconds += time.perf_counter() - start
+
+    def _drafts(self, job: _Job) -> list[int]:
+        """The tokens drafted for ``job``'s window: none unless its draw is the argmax alone (greedy, no
+        penalties, grammar or log-probabilities), at most ``spec_tokens`` and what its context holds."""
+        p = job.sampler.params
+        room = min(self.spec_tokens, self.max_context - job.session.n_tokens - 1)
+        if (room <= 0 or not p.greedy or job.sampler.constraint is not None or p.logprobs is not None
+                or p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
+            return []
+        if job.drafter is None:
+            job.drafter = NgramDrafter(job.history)
+        return job.drafter.draft(room)
+
     def _read_counters(self) -> None:
         """Read the engine's counters; each request of the overlapped windows since the last read is
         credited their difference (its decode expert counts: those of the reads its windows fell in)."""
@@ -423,26 +497,28 @@ class Scheduler:
         self._counted = after
 
     def _take(self, slots: list[Slot], results: list[SampleResult | Exception], before: dict[str, Any] | None,
-              fed: bool = False) -> None:
-        """Each slot's request takes its result or fails alone (``fed``: its next window is in flight);
-        ``before``: the counters before the window, whose difference each request is credited (None:
-        ``_read_counters`` credits them)."""
+              held: int | None = None) -> None:
+        """Each slot's request takes its result or fails alone (``held``: ``_accept``'s); ``before``: the
+        counters before the window, whose difference each request is credited (None: not here)."""
         for slot, result in zip(slots, results):
             try:
                 if isinstance(result, Exception):
                     raise result
                 if before is not None:
                     slot.job.timings.decode_experts.add(before, self._runner.telemetry)
-                self._accept(slot, result, fed)
+                self._accept(slot, result, held)
             except Exception as exc:  # noqa: BLE001 - one request's failure ends only that request
                 self._fail_in_slot(slot, exc)
 
-    def _accept(self, slot: Slot, result: SampleResult, fed: bool = False) -> None:
-        """Take the slot's sampled token: give out its text; a finished request leaves the slot (``fed``:
-        the token is in its session already, fed to the window in flight)."""
+    def _accept(self, slot: Slot, result: SampleResult, held: int | None = None) -> None:
+        """Take the slot's sampled token: give out its text; a finished request leaves the slot (``held``:
+        the positions its session holds before the token, when they are not ``n_tokens``: a window in
+        flight or a speculative one holds more)."""
         job = slot.job
         job.history.append(result.token)
-        held = job.session.n_tokens - (1 if fed else 0)
+        if job.drafter is not None:
+            job.drafter.extend([result.token])
+        held = job.session.n_tokens if held is None else held
         delta, reason = job.stream.push(result, context_full=held >= self.max_context)
         job.pending = -1 if reason else result.token
         if delta is not None:

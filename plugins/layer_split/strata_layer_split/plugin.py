@@ -102,8 +102,8 @@ def micro_batches(batch: DecodeBatch, n: int) -> list[DecodeBatch]:
     """``batch`` cut into at most ``n`` contiguous micro-batches of near-equal size."""
     n = max(1, min(n, len(batch)))
     bounds = [round(i * len(batch) / n) for i in range(n + 1)]
-    return [DecodeBatch(sessions=batch.sessions[a:b], tokens=batch.tokens[a:b], fed=batch.fed)
-            for a, b in zip(bounds, bounds[1:])]
+    return [DecodeBatch(sessions=batch.sessions[a:b], tokens=batch.tokens[a:b], fed=batch.fed,
+                        offsets=batch.offsets[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 @hookimpl

@@ -1,0 +1,60 @@
+"""N-gram speculative decoding (``--spec ngram``): drafts from a request's own tokens, verified in its
+decode window.
+
+A request's next tokens are guessed by prompt lookup: the tokens that followed the latest earlier
+occurrence of its last ``n`` tokens (the longest ``n`` up to ``MAX_NGRAM`` that occurred before), so a
+reply that repeats its prompt (code edits, quotes, lists) is drafted ahead. The window then holds the
+request's pending token and its ``k`` drafted tokens as ``k + 1`` rows of one session
+(``Engine.decode_window``: each row's logits follow the session's tokens up to it, exactly as ``k + 1``
+windows of one row would give them). Greedy acceptance: drafts are kept while each equals the
+argmax of the row before it, then the argmax after the last kept one is the bonus token, so the
+output is the one greedy decoding gives, ``1 + kept`` tokens a window; the rejected rows' positions
+are cut from the session (``Session.truncate``).
+
+Only requests whose draw is the argmax alone take drafts (greedy, no penalties, no grammar, no
+log-probabilities), on a model whose state can be cut back (``ModelSpec.rewindable``: attention K/V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["MAX_NGRAM", "NgramDrafter", "accepted"]
+
+#: the longest n-gram looked up
+MAX_NGRAM = 3
+
+
+class NgramDrafter:
+    """Prompt lookup over one sequence: ``extend`` it as its tokens come, ``draft`` the next ones."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> where the token after its latest occurrence is
+        self.extend(tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to the sequence."""
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens) - 1  # the n-grams ending just before the new token are followed by it
+            for n in range(1, min(MAX_NGRAM, end) + 1):
+                self._next[tuple(self.tokens[end - n:end])] = end
+
+    def draft(self, k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's longest
+        suffix that occurred before (at most ``MAX_NGRAM`` long); none when no suffix did."""
+        for n in range(min(MAX_NGRAM, len(self.tokens)), 0, -1):
+            at = self._next.get(tuple(self.tokens[-n:]))
+            if at is not None:
+                return self.tokens[at:at + k]
+        return []
+
+
+def accepted(drafts: Sequence[int], argmax: Sequence[int]) -> int:
+    """How many of ``drafts`` greedy decoding keeps: ``argmax[j]`` is the argmax after the pending token
+    and the first ``j`` drafts."""
+    kept = 0
+    while kept < len(drafts) and argmax[kept] == drafts[kept]:
+        kept += 1
+    return kept

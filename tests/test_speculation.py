@@ -1,0 +1,87 @@
+"""N-gram speculative decoding (strata_core/serving/speculation.py): prompt lookup drafts, and greedy
+output with speculation identical to greedy output without it, through the scheduler on the real engine
+for every architecture whose state can be cut back (qwen3moe, gpt-oss, deepseek2), with fewer windows
+on a reply that repeats its prompt."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strata_core.engine import Engine
+from strata_core.serving.requests import Delta, GenerationRequest
+from strata_core.serving.sampling import SamplingParams
+from strata_core.serving.scheduler import Scheduler
+from strata_core.serving.speculation import MAX_NGRAM, NgramDrafter, accepted
+
+DATA = Path(__file__).parent / "data"
+DEMO = Path(__file__).parent.parent / "strata_core" / "data" / "demo-qwen3moe-q8_0.gguf"
+MODELS = [DEMO, DATA / "gpt-oss_llamacpp" / "model-q8_0.gguf", DATA / "deepseek3_llamacpp" / "model-q8_0.gguf"]
+
+
+def _lookup(tokens: list[int], k: int) -> list[int]:
+    """The draft by a plain scan: the longest suffix (up to MAX_NGRAM) seen before, latest occurrence."""
+    for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[-n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@settings(max_examples=200)
+@given(tokens=st.lists(st.integers(0, 5), max_size=40), cut=st.integers(0, 40), k=st.integers(1, 6))
+def test_the_drafter_finds_what_a_scan_finds(tokens: list[int], cut: int, k: int) -> None:
+    drafter = NgramDrafter(tokens[:cut])
+    drafter.extend(tokens[cut:])
+    assert drafter.draft(k) == _lookup(tokens, k)
+
+
+def test_accepted_counts_the_drafts_greedy_decoding_keeps() -> None:
+    assert accepted([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accepted([5, 6], [4, 6, 1]) == 0
+    assert accepted([5, 6], [5, 6, 2]) == 2
+
+
+def _serve(engine: Engine, spec_tokens: int, requests: list[GenerationRequest]) -> tuple[list[str], Scheduler]:
+    scheduler = Scheduler(engine, parallel=3, max_queue=8, conv_cache=0, conv_cache_bytes=0, step_tokens=256,
+                          spec_tokens=spec_tokens)
+
+    async def text(handle) -> str:  # type: ignore[no-untyped-def]
+        return "".join([event.text async for event in handle if isinstance(event, Delta)])
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(text(scheduler.submit(r)) for r in requests))
+
+    scheduler.start()
+    try:
+        return asyncio.run(main()), scheduler
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.parent.name if p.parent.name != "data" else "qwen3moe")
+def test_greedy_output_with_speculation_is_the_output_without(path: Path) -> None:
+    """Greedy requests (a reply that repeats its prompt, others, one with a sampled draw beside them that
+    takes no drafts) give the same text with ``--spec ngram`` as without, the drafts verified in fewer
+    windows."""
+    engine = Engine.load(path, max_context=256)
+    try:
+        tok = engine.tokenizer
+        loop = tok.encode("one two three four five six seven eight nine ten " * 4)
+        requests = [GenerationRequest(loop, SamplingParams(temperature=0, max_tokens=40)),
+                    GenerationRequest(tok.encode("And the king said"), SamplingParams(temperature=0, max_tokens=24)),
+                    GenerationRequest(tok.encode("a b a b a b a"), SamplingParams(temperature=0, max_tokens=16,
+                                                                                  stop=("zz",))),
+                    GenerationRequest(tok.encode("Sampled beside"), SamplingParams(temperature=0.8, seed=2,
+                                                                                   max_tokens=12))]
+        plain, without = _serve(engine, 0, requests)
+        spec, with_spec = _serve(engine, 4, requests)
+    finally:
+        engine.close()
+    assert spec == plain
+    assert with_spec.stats.draft_tokens > 0 and with_spec.stats.windows <= without.stats.windows
+    assert with_spec.stats.completion_tokens == without.stats.completion_tokens
