@@ -85,3 +85,26 @@ def test_greedy_output_with_speculation_is_the_output_without(path: Path) -> Non
     assert spec == plain
     assert with_spec.stats.draft_tokens > 0 and with_spec.stats.windows <= without.stats.windows
     assert with_spec.stats.completion_tokens == without.stats.completion_tokens
+
+
+def test_a_request_s_timings_count_its_drafts() -> None:
+    """llama-server's ``draft_n`` / ``draft_n_accepted`` in a request's timings, and its log line."""
+    engine = Engine.load(DEMO, max_context=256)
+    scheduler = Scheduler(engine, parallel=1, max_queue=1, conv_cache=0, conv_cache_bytes=0, step_tokens=256,
+                          spec_tokens=3)
+    prompt = engine.tokenizer.encode("one two three four five six seven eight nine ten " * 4)
+
+    async def main():  # type: ignore[no-untyped-def]
+        return [event async for event in scheduler.submit(GenerationRequest(prompt, SamplingParams(temperature=0,
+                                                                                                   max_tokens=30)))]
+
+    scheduler.start()
+    try:
+        end = asyncio.run(main())[-1]
+    finally:
+        scheduler.stop()
+        engine.close()
+    timings = end.timings.to_dict()
+    assert timings["draft_n"] == scheduler.stats.draft_tokens > 0
+    assert timings["draft_n_accepted"] == scheduler.stats.accepted_tokens
+    assert f"drafts kept {timings['draft_n_accepted']}/{timings['draft_n']}" in end.timings.summary()

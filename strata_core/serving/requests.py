@@ -119,12 +119,17 @@ class Timings:
     predicted_n: int = 0
     predicted_ms: float = 0.0
     cache_n: int = 0  # prompt tokens whose KV was reused
+    draft_n: int = 0  # tokens drafted by speculative decoding (llama-server's names) ...
+    draft_n_accepted: int = 0  # ... and kept
     prompt_experts: ExpertUsage = field(default_factory=ExpertUsage)
     decode_experts: ExpertUsage = field(default_factory=ExpertUsage)
 
     def to_dict(self) -> dict[str, object]:
-        """The llama-server ``timings`` object with ``experts`` (prompt / decode) added."""
+        """The llama-server ``timings`` object (its ``draft_n`` / ``draft_n_accepted`` when drafts were
+        made) with ``experts`` (prompt / decode) added."""
+        drafts = {"draft_n": self.draft_n, "draft_n_accepted": self.draft_n_accepted} if self.draft_n else {}
         return {
+            **drafts,
             "prompt_n": self.prompt_n,
             "prompt_ms": self.prompt_ms,
             "prompt_per_second": _rate(self.prompt_n, self.prompt_ms),
@@ -142,7 +147,8 @@ class Timings:
                 f"{_rate(self.prompt_n, self.prompt_ms):.1f} tok/s, generated {self.predicted_n} at "
                 f"{_rate(self.predicted_n, self.predicted_ms):.1f} tok/s, expert hit rate "
                 f"{self.prompt_experts.to_dict()['hit_rate']:.2f} prompt / "
-                f"{self.decode_experts.to_dict()['hit_rate']:.2f} decode")
+                f"{self.decode_experts.to_dict()['hit_rate']:.2f} decode"
+                + (f", drafts kept {self.draft_n_accepted}/{self.draft_n}" if self.draft_n else ""))
 
 
 def _rate(n: int, ms: float) -> float:

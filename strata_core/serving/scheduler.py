@@ -464,6 +464,8 @@ class Scheduler:
             kept = accepted(drafts, [r.token for r in mine])
             self.stats.draft_tokens += len(drafts)
             self.stats.accepted_tokens += kept
+            job.timings.draft_n += len(drafts)
+            job.timings.draft_n_accepted += kept
             job.session.truncate(held + 1 + kept)  # the pending token and the drafts kept
             for i, result in enumerate(mine[:kept + 1]):
                 self._take([slot], [result], before if i == 0 else None, held + 1 + i)
