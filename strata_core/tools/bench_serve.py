@@ -316,9 +316,11 @@ async def _client(client: httpx.AsyncClient, target: Target, endpoint: str, spec
             bar.update(1)
 
 
-#: the Strata server counters a run reads from /metrics before and after (other servers: none)
+#: the Strata server counters a run reads from /metrics before and after (other servers: none), and those
+#: a server without speculative decoding may not have
 SERVER_COUNTERS = ("steps_total", "decode_windows_total", "requests_total", "completion_tokens_total",
                    "decode_seconds_total", "prefill_seconds_total")
+SPEC_COUNTERS = ("spec_draft_tokens_total", "spec_accepted_tokens_total")
 
 
 async def server_counters(client: httpx.AsyncClient, target: Target) -> dict[str, float]:
@@ -332,22 +334,26 @@ async def server_counters(client: httpx.AsyncClient, target: Target) -> dict[str
     values = {}
     for line in response.text.splitlines():
         name, _, value = line.partition(" ")
-        if name.removeprefix("strata_") in SERVER_COUNTERS:
+        if name.removeprefix("strata_") in SERVER_COUNTERS + SPEC_COUNTERS:
             values[name.removeprefix("strata_")] = float(value)
-    return values if len(values) == len(SERVER_COUNTERS) else {}
+    return values if all(name in values for name in SERVER_COUNTERS) else {}
 
 
 def server_figures(before: dict[str, float], after: dict[str, float], duration: float) -> dict[str, float]:
     """Where the server's worker spent a run of ``duration`` seconds, from its counters before and after:
-    steps, decode windows and their mean rows, seconds in windows, in prompt chunks and in neither.
-    (A finished request's first token came from its prompt's last chunk, every other from a window.)"""
-    grown = {name: after[name] - before[name] for name in SERVER_COUNTERS}
+    steps, decode windows and their mean tokens a request (its rows, or with speculative decoding the
+    tokens it kept), seconds in windows, in prompt chunks and in neither, and the share of drafted
+    tokens kept (NaN without drafts). (A finished request's first token came from its prompt's last
+    chunk, every other from a window.)"""
+    grown = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in SERVER_COUNTERS + SPEC_COUNTERS}
     windows, rows = grown["decode_windows_total"], grown["completion_tokens_total"] - grown["requests_total"]
+    drafted = grown["spec_draft_tokens_total"]
     return {
         "steps": grown["steps_total"], "windows": windows,
         "rows_per_window": rows / windows if windows else math.nan,
         "decode_s": grown["decode_seconds_total"], "prefill_s": grown["prefill_seconds_total"],
         "other_s": duration - grown["decode_seconds_total"] - grown["prefill_seconds_total"],
+        "drafts_kept": grown["spec_accepted_tokens_total"] / drafted if drafted else math.nan,
     }
 
 

@@ -112,10 +112,12 @@ def format_report(rep: dict[str, Any]) -> str:
         s = rep[key]
         lines.append(f"| {name} | " + " | ".join(f"{s[k]:.1f}" for k in ("mean", "p50", "p90", "p99", "max")) + " |")
     if server := rep.get("server"):
-        lines += ["", "| server worker | steps | decode windows | rows a window | in windows s | in prompt chunks s "
-                  "| elsewhere s |", "|---|---:|---:|---:|---:|---:|---:|",
+        kept = server.get("drafts_kept", math.nan)
+        lines += ["", "| server worker | steps | decode windows | tokens a window | drafts kept | in windows s "
+                  "| in prompt chunks s | elsewhere s |", "|---|---:|---:|---:|---:|---:|---:|---:|",
                   (f"| from /metrics | {server['steps']:.0f} | {server['windows']:.0f} | {server['rows_per_window']:.2f} "
-                   f"| {server['decode_s']:.2f} | {server['prefill_s']:.2f} | {server['other_s']:.2f} |")]
+                   f"| {'—' if math.isnan(kept) else f'{kept:.0%}'} | {server['decode_s']:.2f} | {server['prefill_s']:.2f} "
+                   f"| {server['other_s']:.2f} |")]
     for error, count in rep["errors"].items():
         lines.append(f"failed x{count}: {error}")
     return "\n".join(lines)
