@@ -169,3 +169,14 @@ def test_bench_keeps_its_own_flags(strata, capsys):
     # its own error, before any model loads)
     assert strata("bench", "--prompts", "8q", "--contexts", "1k") == 2
     assert "bad length" in capsys.readouterr().err
+
+
+def test_the_committed_code_editing_workload_loads() -> None:
+    """tools/data/code_edit.jsonl (the speculative decoding workload: replies that repeat most of their
+    prompt) is a valid --input file."""
+    from pathlib import Path
+
+    from strata_core.tools.bench_serve import read_input
+
+    specs = read_input(Path(__file__).parent.parent / "tools" / "data" / "code_edit.jsonl", 16)
+    assert len(specs) == 4 and all(s.max_tokens == 512 and "```python" in s.prompt for s in specs)

@@ -7,14 +7,14 @@
 # a copy of /work/shared/llamacpp-peer, git-ignored, carried; built niced in the background meanwhile,
 # STAGE=2 in a later call within the machine's idle window runs it). Results go to $OUT/serve-results.tgz
 # after every step (a call past its limit still returns them): do not pipe the output through `tail`.
-#   RUNS="full half longprompt" bash tools/gpu_serve_bench.sh   # this tree's servers (after gpu_suite.sh)
+#   RUNS="full half longprompt spec" bash tools/gpu_serve_bench.sh   # this tree's servers (after gpu_suite.sh)
 #   RUNS="before-half sessions" BEFORE=.before bash tools/gpu_serve_bench.sh
 #   STAGE=2 LLAMACPP=.llamacpp bash tools/gpu_serve_bench.sh     # llama-batched-bench
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; MODEL=${MODEL:-/tmp/q30.gguf}; DEVICES=${DEVICES:-cuda:0}; RES=/tmp/serve-results; mkdir -p "$OUT" "$RES"; T0=$(date +%s)
 # after each step the results so far go to $OUT (one tarball: a call past its limit still returns them)
 step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; tar -C /tmp -czf "$OUT/serve-results.tgz" serve-results; }
-wanted() { [[ " ${RUNS:-full half longprompt before-half sessions} " == *" $1 "* ]]; }
+wanted() { [[ " ${RUNS:-full half longprompt spec before-half sessions} " == *" $1 "* ]]; }
 # server TREE NAME "CLIENTS..." [serve flags...]: one `strata serve` (every expert resident unless the flags
 # say), then one `bench serve --url` per client count into $RES/NAME-cCLIENTS.{log,json}, then the server goes.
 # Each count sends prompts of its own seed: a later run must not find an earlier one's prompts cached.
@@ -82,6 +82,16 @@ if [ "${STAGE:-1}" = 1 ]; then
   server after step512 "8" --parallel 8 --step-tokens 512
   server after half "8" --parallel 8 --expert-cache 3072
   longprompt
+  if wanted spec; then  # n-gram speculation on the committed code-editing workload, one client, greedy
+    for mode in off ngram; do
+      start_server after "spec-$mode" --parallel 4 --spec "$mode" || continue
+      timeout 240 strata bench serve --url "http://127.0.0.1:$PORT" --clients 1 --requests 4 \
+        --input tools/data/code_edit.jsonl --ignore-eos --no-progress --json "$RES/spec-$mode.json" \
+        > "$RES/spec-$mode.log" 2>&1
+      step "spec-$mode rc=$?"; grep -E "^\|" "$RES/spec-$mode.log" | head -16
+      kill $PID; wait $PID 2> /dev/null
+    done
+  fi
   server before before-half "8" --parallel 8 --expert-cache 3072
   if wanted sessions; then
     timeout 150 strata bench --model $MODEL --devices cuda:0 --arena pinned --expert-cache 6144 --prompts 1k \
