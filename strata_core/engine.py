@@ -26,7 +26,7 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.model.fused_decode import place_q8_copies
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kvcache import KVCache
-from strata_core.model.kvpool import KVPools
+from strata_core.model.kvpool import KVPoolFull, KVPools
 from strata_core.model.registry import get_architecture, load_model_spec
 from strata_core.model.spec import ModelSpec
 from strata_core.model.transformer import MoEModel
@@ -234,7 +234,8 @@ class Engine:
     def warm_up_prompts(self) -> None:
         """Run throw-away prompts, so that the first requests do not compile or plan the prompt path's
         kernels: one prompt alone and a batch of two, of lengths that do and do not divide by 16 (Triton
-        specializes a kernel on that); logs the time. The counters are reset after them."""
+        specializes a kernel on that), each skipped if the KV pool cannot hold it; logs the time. The
+        counters are reset after them."""
         start = time.perf_counter()
         gen = torch.Generator().manual_seed(0)
         limit = min(self.max_context, self.settings.prefill_chunk)
@@ -242,16 +243,20 @@ class Engine:
         def ids(n: int) -> list[int]:
             return torch.randint(0, self.spec.vocab_size, (min(n, limit),), generator=gen).tolist()
 
+        done = 0
         for group in ([64], [67], [48, 37]):
             sessions = [self.new_session() for _ in group]
             try:
                 self.prefill_batch([(session, ids(n)) for session, n in zip(sessions, group)])
+                done += len(group)
+            except KVPoolFull:  # a pool smaller than the warm-up: those kernels compile at a first request
+                pass
             finally:
                 for session in sessions:
                     self.release_session(session)
         synchronize(self.runner.main.device)
         self.telemetry.reset()
-        log.info("warmed up the prompt path (4 prompts) in %.2f s", time.perf_counter() - start)
+        log.info("warmed up the prompt path (%d prompts) in %.2f s", done, time.perf_counter() - start)
 
     def release_session(self, session: Session) -> None:
         """Give a session's KV blocks back to the pools (shared ones stay with their other holders)."""
