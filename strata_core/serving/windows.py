@@ -154,9 +154,12 @@ class DecodeWindows:
 
     def _drafts(self, job: Any) -> list[int]:
         """The tokens drafted for ``job``'s window: none unless its draw is the argmax alone (greedy, no
-        penalties, grammar or log-probabilities), at most ``spec_tokens`` and what its context holds."""
+        penalties, grammar or log-probabilities), at most ``spec_tokens``, what its context holds and
+        one fewer than the tokens it may still generate (the window's last token is always its own)."""
         p = job.sampler.params
         room = min(self.spec_tokens, self.max_context - job.session.n_tokens - 1)
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - job.stream.generated - 1)
         if (room <= 0 or not p.greedy or job.sampler.constraint is not None or p.logprobs is not None
                 or p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
             return []
