@@ -108,3 +108,24 @@ def test_a_request_s_timings_count_its_drafts() -> None:
     assert timings["draft_n"] == scheduler.stats.draft_tokens > 0
     assert timings["draft_n_accepted"] == scheduler.stats.accepted_tokens
     assert f"drafts kept {timings['draft_n_accepted']}/{timings['draft_n']}" in end.timings.summary()
+
+
+def test_spec_ngram_on_the_server(tiny_model_factory) -> None:  # type: ignore[no-untyped-def]
+    """``--spec ngram`` through the server's settings: the completion is greedy decoding's, and /metrics
+    counts the drafts and the tokens a window."""
+    import httpx
+    from test_server_support import live_server
+
+    from strata_core.config import StrataSettings
+
+    texts, metrics = {}, ""
+    prompt = "one two three four five six seven eight nine ten " * 3
+    for spec in ("off", "ngram"):
+        settings = StrataSettings(model=DEMO, model_alias="demo", max_context=256, spec=spec, spec_tokens=3)
+        with live_server(settings) as url:
+            body = {"model": "demo", "prompt": prompt, "max_tokens": 24, "temperature": 0}
+            texts[spec] = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            metrics = httpx.get(f"{url}/metrics").text
+    assert texts["ngram"] == texts["off"]
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("strata_")}
+    assert values["strata_spec_draft_tokens_total"] > 0 and values["strata_tokens_per_window"] > 1

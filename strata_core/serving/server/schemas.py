@@ -251,8 +251,9 @@ class ExpertTimings(Struct):
     decode: ExpertUsage
 
 
-class Timings(Struct):
-    """llama-server's per-response timings, plus ``experts``."""
+class Timings(Struct, kw_only=True):
+    """llama-server's per-response timings (its ``draft_n`` / ``draft_n_accepted`` with speculative
+    decoding), plus ``experts``."""
 
     prompt_n: int
     prompt_ms: float
@@ -261,6 +262,8 @@ class Timings(Struct):
     predicted_ms: float
     predicted_per_second: float
     cache_n: int
+    draft_n: int | msgspec.UnsetType = msgspec.UNSET
+    draft_n_accepted: int | msgspec.UnsetType = msgspec.UNSET
     experts: ExpertTimings
 
 
