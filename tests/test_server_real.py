@@ -203,19 +203,23 @@ def test_a_request_sharing_a_running_request_s_prompt_opening_shares_its_kv_bloc
     assert text == "".join(reference.stream(prompts[1], params))
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_overlapped_windows_on_the_real_engine_equal_windows_one_at_a_time(model_path: Path, device: str) -> None:
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device, graphs", [("cpu", True), pytest.param("cuda:0", True, marks=_CUDA),
+                                            pytest.param("cuda:0", False, marks=_CUDA)])
+def test_overlapped_windows_on_the_real_engine_equal_windows_one_at_a_time(model_path: Path, device: str,
+                                                                           graphs: bool) -> None:
     """On the real engine windows fed from the device (their sessions hold ``UNSET`` until the token is
     settled) give the greedy and seeded text of windows one at a time, and leave no ``UNSET`` behind (on
-    CUDA with the decode graphs: the fed tokens reach a graph's inputs by a device copy)."""
+    CUDA with the decode graphs, whose inputs take the fed tokens by a device copy, and without them)."""
     from strata_core.runtime.session import UNSET
     from strata_core.serving.requests import Delta, GenerationRequest
     from strata_core.serving.scheduler import Scheduler
 
     texts = {}
     for overlap in (False, True):
-        engine = Engine.load(model_path, devices=[device], max_context=CONTEXT)
+        engine = Engine.load(model_path, devices=[device], max_context=CONTEXT, cuda_graphs=graphs)
         scheduler = Scheduler(engine, parallel=3, max_queue=8, conv_cache=2, conv_cache_bytes=1 << 24,
                               step_tokens=64, overlap=overlap)
         prompts = [engine.tokenizer.encode(f"The {word} experts were cached") for word in ("hot", "cold", "warm", "odd")]

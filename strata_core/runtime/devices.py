@@ -42,8 +42,11 @@ def synchronize(device: torch.device) -> None:
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Copy a small host tensor to ``device`` without making the host wait (pinned, non-blocking)."""
+    """Copy a small host tensor to ``device`` without making the host wait (pinned, non-blocking); a
+    tensor on a device already is copied there as it is (a decode window's tokens fed on the device)."""
     device = torch.device(device)
+    if host.device.type != "cpu":  # on the device's stream after what computed it; to the host: waited for
+        return host.to(device, non_blocking=device.type == "cuda")
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
