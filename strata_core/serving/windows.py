@@ -61,6 +61,8 @@ class DecodeWindows:
         # not over recurrent state, which a window that fails part way has advanced: its requests must fail,
         # not take the tokens of the window before
         self.overlap = overlap and rewindable and not self.spec_tokens
+        log.info("decode windows: %s", f"speculative, up to {self.spec_tokens} n-gram drafts a request"
+                 if self.spec_tokens else "overlapped" if self.overlap else "one at a time")
         self._uncounted: dict[int, Any] = {}  # the requests of overlapped windows since the counters' last read
         self._counted: dict[str, Any] = {}  # the counters at that read
 
