@@ -73,9 +73,9 @@ CASES.append(pytest.param(DEMO, dict(devices=["cuda:0"], batch_invariant=True), 
 
 @pytest.mark.parametrize("path, options", CASES)
 def test_greedy_output_with_speculation_is_the_output_without(path: Path, options: dict) -> None:
-    """Greedy requests (a reply that repeats its prompt, others, one with a sampled draw beside them that
-    takes no drafts) give the same text with ``--spec ngram`` as without, the drafts verified in fewer
-    windows."""
+    """Greedy requests (a reply that repeats its prompt, others, one with penalties, and a sampled draw
+    beside them that takes no drafts) give the same text with ``--spec ngram`` as without, the drafts
+    verified in fewer windows."""
     engine = Engine.load(path, max_context=256, **options)
     try:
         tok = engine.tokenizer
@@ -85,7 +85,9 @@ def test_greedy_output_with_speculation_is_the_output_without(path: Path, option
                     GenerationRequest(tok.encode("a b a b a b a"), SamplingParams(temperature=0, max_tokens=16,
                                                                                   stop=("zz",))),
                     GenerationRequest(tok.encode("Sampled beside"), SamplingParams(temperature=0.8, seed=2,
-                                                                                   max_tokens=12))]
+                                                                                   max_tokens=12)),
+                    GenerationRequest(loop, SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3,
+                                                           presence_penalty=0.5))]
         plain, without = _serve(engine, 0, requests)
         spec, with_spec = _serve(engine, 4, requests)
     finally:

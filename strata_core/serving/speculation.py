@@ -11,8 +11,9 @@ argmax of the row before it, then the argmax after the last kept one is the bonu
 output is the one greedy decoding gives, ``1 + kept`` tokens a window; the rejected rows' positions
 are cut from the session (``Session.truncate``).
 
-Only requests whose draw is the argmax alone take drafts (greedy, no penalties, no grammar, no
-log-probabilities), on a model whose state can be cut back (``ModelSpec.rewindable``: attention K/V).
+Only requests whose draw is the argmax alone take drafts (greedy, no grammar, no log-probabilities;
+penalties are applied to each row with its own history), on a model whose state can be cut back
+(``ModelSpec.rewindable``: attention K/V).
 """
 
 from __future__ import annotations

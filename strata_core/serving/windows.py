@@ -26,10 +26,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class _DraftRow:
     """A drafted token's row of a speculative window, as the step runner sees a row: its request's
-    session and sampler, the token it feeds."""
+    session and sampler, the token it feeds, and the tokens before its draw (the request's and the
+    drafts up to this one: what penalties see there)."""
 
     job: Any  # the scheduler's request
     pending: int
+    history: list[int]
 
     @property
     def session(self) -> Any:
@@ -38,10 +40,6 @@ class _DraftRow:
     @property
     def sampler(self) -> Sampler:
         return self.job.sampler
-
-    @property
-    def history(self) -> list[int]:
-        return self.job.history
 
 
 class DecodeWindows:
@@ -130,7 +128,8 @@ class DecodeWindows:
         for slot in slots:
             drafts = self._drafts(slot.job)
             plan.append((slot, len(rows), drafts, slot.job.session.n_tokens))
-            rows += [slot.job] + [_DraftRow(slot.job, token) for token in drafts]
+            rows += [slot.job] + [_DraftRow(slot.job, token, slot.job.history + drafts[:i + 1])
+                                  for i, token in enumerate(drafts)]
         start, before = time.perf_counter(), self._runner.telemetry
         results = self._runner.decode(rows)
         for slot, at, drafts, held in plan:
@@ -156,14 +155,14 @@ class DecodeWindows:
 
     def _drafts(self, job: Any) -> list[int]:
         """The tokens drafted for ``job``'s window: none unless its draw is the argmax alone (greedy, no
-        penalties, grammar or log-probabilities), at most ``spec_tokens``, what its context holds and
-        one fewer than the tokens it may still generate (the window's last token is always its own)."""
+        grammar or log-probabilities; penalties see each row's own history), at most ``spec_tokens``,
+        what its context holds and one fewer than the tokens it may still generate (the window's last
+        token is always its own)."""
         p = job.sampler.params
         room = min(self.spec_tokens, self.max_context - job.session.n_tokens - 1)
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - job.stream.generated - 1)
-        if (room <= 0 or not p.greedy or job.sampler.constraint is not None or p.logprobs is not None
-                or p.repetition_penalty != 1 or p.frequency_penalty or p.presence_penalty):
+        if room <= 0 or not p.greedy or job.sampler.constraint is not None or p.logprobs is not None:
             return []
         if job.drafter is None:
             job.drafter = NgramDrafter(job.history)
