@@ -173,7 +173,7 @@ class StrataSettings(BaseSettings):
         "window waits for its tokens first"
     )
     spec: Literal["off", "ngram"] = Field(
-        "off", description="speculative decoding: ngram drafts a greedy request's next tokens from its own "
+        "off", description="speculative decoding: ngram drafts a request's next tokens from its own "
         "(prompt lookup) and verifies them in its decode window, the same text in fewer windows"
     )
     spec_tokens: int = Field(4, ge=1, description="tokens drafted a window with --spec ngram")

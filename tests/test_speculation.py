@@ -1,7 +1,8 @@
-"""N-gram speculative decoding (strata_core/serving/speculation.py): prompt lookup drafts, and greedy
-output with speculation identical to greedy output without it, through the scheduler on the real engine
-for every architecture whose state can be cut back (qwen3moe, gpt-oss, deepseek2), with fewer windows
-on a reply that repeats its prompt."""
+"""N-gram speculative decoding (strata_core/serving/speculation.py): prompt lookup drafts, and output
+with speculation identical to output without it, greedy and seeded sampled, through the scheduler on
+the real engine for every architecture whose state can be cut back (qwen3moe, gpt-oss, deepseek2), with
+fewer windows on a reply that repeats its prompt; and the kept drafts' distribution: a statistical
+test of the first verified token against the target distribution."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from test_server_support import VOCAB, FakeEngine
 
 from strata_core.engine import Engine
 from strata_core.serving.requests import Delta, GenerationRequest
@@ -73,9 +76,9 @@ CASES.append(pytest.param(DEMO, dict(devices=["cuda:0"], batch_invariant=True), 
 
 @pytest.mark.parametrize("path, options", CASES)
 def test_greedy_output_with_speculation_is_the_output_without(path: Path, options: dict) -> None:
-    """Greedy requests (a reply that repeats its prompt, others, one with penalties, and a sampled draw
-    beside them that takes no drafts) give the same text with ``--spec ngram`` as without, the drafts
-    verified in fewer windows."""
+    """Greedy and seeded sampled requests (replies that repeat their prompt, others, with penalties,
+    top-k / top-p / min-p) give the same text with ``--spec ngram`` as without (each draft row drawn at
+    the step the request's draw there takes), the drafts verified in fewer windows."""
     engine = Engine.load(path, max_context=256, **options)
     try:
         tok = engine.tokenizer
@@ -86,6 +89,9 @@ def test_greedy_output_with_speculation_is_the_output_without(path: Path, option
                                                                                   stop=("zz",))),
                     GenerationRequest(tok.encode("Sampled beside"), SamplingParams(temperature=0.8, seed=2,
                                                                                    max_tokens=12)),
+                    GenerationRequest(loop, SamplingParams(temperature=0.7, seed=9, top_k=20, top_p=0.9, max_tokens=30)),
+                    GenerationRequest(loop, SamplingParams(temperature=1.0, seed=4, min_p=0.05, max_tokens=30,
+                                                           frequency_penalty=0.3)),
                     GenerationRequest(loop, SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3,
                                                            presence_penalty=0.5))]
         plain, without = _serve(engine, 0, requests)
@@ -139,3 +145,43 @@ def test_spec_ngram_on_the_server(tiny_model_factory) -> None:  # type: ignore[n
     assert texts["ngram"] == texts["off"]
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("strata_")}
     assert values["strata_spec_draft_tokens_total"] > 0 and values["strata_tokens_per_window"] > 1
+
+
+class _Fixed(FakeEngine):
+    """Every position's logits the same: four candidate tokens (10-13) of known probabilities."""
+
+    LOGITS = torch.full((VOCAB,), -40.0)
+    LOGITS[10:14] = torch.tensor([0.0, 0.5, 1.0, 1.5])
+
+    def next_logits(self, session):  # type: ignore[no-untyped-def]
+        return self.LOGITS.clone()
+
+
+def test_kept_drafts_follow_the_target_distribution() -> None:
+    """Sampled with drafts (a prompt whose tokens repeat, so lookup drafts them), the tokens of the
+    positions the drafts cover follow the target distribution: a chi-square over 1,200 seeded requests
+    within its 0.999 quantile (3 degrees of freedom: 16.27); drafts were kept and rejected both."""
+    engine = _Fixed(max_context=64)
+    n = 1200
+    scheduler = Scheduler(engine, parallel=8, max_queue=n, conv_cache=0, conv_cache_bytes=0, step_tokens=64,
+                          spec_tokens=3)
+    prompt = [10, 11, 12, 13, 10, 11, 12, 13, 10, 11]
+
+    async def tokens(seed: int) -> list[int]:
+        handle = scheduler.submit(GenerationRequest(prompt, SamplingParams(temperature=1.0, seed=seed, max_tokens=4)))
+        return [t for event in [e async for e in handle] if isinstance(event, Delta) for t in event.tokens]
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(tokens(seed) for seed in range(n)))
+
+    scheduler.start()
+    try:
+        out = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert scheduler.stats.accepted_tokens > 0 and scheduler.stats.accepted_tokens < scheduler.stats.draft_tokens
+    p = torch.softmax(_Fixed.LOGITS[10:14].double(), 0)
+    for position in (1, 2, 3):  # the tokens a speculative window gives
+        counts = torch.bincount(torch.tensor([t[position] - 10 for t in out]), minlength=4).double()
+        chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
+        assert chi2 < 16.27, (position, counts.tolist(), (n * p).tolist())

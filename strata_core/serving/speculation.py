@@ -6,13 +6,17 @@ occurrence of its last ``n`` tokens (the longest ``n`` up to ``MAX_NGRAM`` that 
 reply that repeats its prompt (code edits, quotes, lists) is drafted ahead. The window then holds the
 request's pending token and its ``k`` drafted tokens as ``k + 1`` rows of one session
 (``Engine.decode_window``: each row's logits follow the session's tokens up to it, exactly as ``k + 1``
-windows of one row would give them). Greedy acceptance: drafts are kept while each equals the
-argmax of the row before it, then the argmax after the last kept one is the bonus token, so the
-output is the one greedy decoding gives, ``1 + kept`` tokens a window; the rejected rows' positions
-are cut from the session (``Session.truncate``).
+windows of one row would give them). Each row is drawn as the request's draw at that token would be
+(its sampler's seed at the step of that token: the draws are counter-based), and the drafts are kept
+while each equals the draw of the row before it; the draw after the last kept one is the request's
+next token. A token is thus the request's own draw at its step, with the same tokens before it: the
+output is the one without drafts, greedy or sampled (for one-hot drafts this is speculative sampling's
+rule: a draft is kept with its probability, and a rejected one's replacement follows the rest of the
+distribution), ``1 + kept`` tokens a window; the rejected rows' positions are cut from the session
+(``Session.truncate``).
 
-Only requests whose draw is the argmax alone take drafts (greedy, no grammar, no log-probabilities;
-penalties are applied to each row with its own history), on a model whose state can be cut back
+Requests with a grammar or log-probabilities take no drafts (their state advances per token);
+penalties are applied to each row with its own history. Only on a model whose state can be cut back
 (``ModelSpec.rewindable``: attention K/V).
 """
 
@@ -52,10 +56,10 @@ class NgramDrafter:
         return []
 
 
-def accepted(drafts: Sequence[int], argmax: Sequence[int]) -> int:
-    """How many of ``drafts`` greedy decoding keeps: ``argmax[j]`` is the argmax after the pending token
-    and the first ``j`` drafts."""
+def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:
+    """How many of ``drafts`` are kept: ``drawn[j]`` is the token drawn after the pending token and the
+    first ``j`` drafts."""
     kept = 0
-    while kept < len(drafts) and argmax[kept] == drafts[kept]:
+    while kept < len(drafts) and drawn[kept] == drafts[kept]:
         kept += 1
     return kept

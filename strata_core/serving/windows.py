@@ -1,7 +1,7 @@
 """The decode window of a scheduler step, run one of three ways: one at a time (the runner samples the
 window's tokens before the next is enqueued), overlapped (``StepRunner.decode_overlapped``: the next
 window is enqueued before this one's tokens reach the host) or speculative (strata_core.serving.speculation:
-a greedy request's drafted tokens verified as extra rows of its session). Each request takes its
+a request's drafted tokens verified as extra rows of its session). Each request takes its
 tokens through the scheduler's ``accept`` (text, stops) or fails alone through its ``fail``."""
 
 from __future__ import annotations
@@ -26,20 +26,28 @@ log = logging.getLogger(__name__)
 @dataclass
 class _DraftRow:
     """A drafted token's row of a speculative window, as the step runner sees a row: its request's
-    session and sampler, the token it feeds, and the tokens before its draw (the request's and the
-    drafts up to this one: what penalties see there)."""
+    session, the token it feeds, the tokens before its draw (the request's and the drafts up to this
+    one: what penalties see there) and a sampler of its own, at the step the request's draw there
+    would take (its seed's uniform for that token)."""
 
     job: Any  # the scheduler's request
     pending: int
     history: list[int]
+    sampler: Sampler
 
     @property
     def session(self) -> Any:
         return self.job.session
 
-    @property
-    def sampler(self) -> Sampler:
-        return self.job.sampler
+
+def _draft_rows(job: Any, drafts: list[int]) -> list[_DraftRow]:
+    """The rows of ``job``'s drafts: draft i's row draws at the request's step + i + 1."""
+    rows = []
+    for i, token in enumerate(drafts):
+        sampler = Sampler(job.sampler.params)
+        sampler.seed, sampler.step = job.sampler.seed, job.sampler.step + i + 1
+        rows.append(_DraftRow(job, token, job.history + drafts[:i + 1], sampler))
+    return rows
 
 
 class DecodeWindows:
@@ -121,18 +129,18 @@ class DecodeWindows:
 
     def _speculative(self, slots: list[Slot]) -> None:
         """``run`` with drafts (strata_core.serving.speculation): each request that takes them has its
-        pending token and its drafted ones as rows of the window; it keeps the drafts greedy decoding
-        gives and the token after them, and its session is cut back past them."""
+        pending token and its drafted ones as rows of the window, each row drawn as the request's draw at
+        that token would be (the same seed and step); it keeps the drafts its draws equal and the draw
+        after them, so its text is the one without drafts; its session is cut back past them."""
         rows: list[Any] = []
-        plan = []  # (slot, its first row, its drafts, its positions before the window)
+        plan = []  # (slot, its first row, its drafts, its positions and its sampler's step before the window)
         for slot in slots:
             drafts = self._drafts(slot.job)
-            plan.append((slot, len(rows), drafts, slot.job.session.n_tokens))
-            rows += [slot.job] + [_DraftRow(slot.job, token, slot.job.history + drafts[:i + 1])
-                                  for i, token in enumerate(drafts)]
+            plan.append((slot, len(rows), drafts, slot.job.session.n_tokens, slot.job.sampler.step))
+            rows += [slot.job] + _draft_rows(slot.job, drafts)
         start, before = time.perf_counter(), self._runner.telemetry
         results = self._runner.decode(rows)
-        for slot, at, drafts, held in plan:
+        for slot, at, drafts, held, step in plan:
             job, mine = slot.job, results[at:at + 1 + len(drafts)]
             failed = next((r for r in mine if isinstance(r, Exception)), None)
             if failed is not None or not drafts:
@@ -144,6 +152,7 @@ class DecodeWindows:
             job.timings.draft_n += len(drafts)
             job.timings.draft_n_accepted += kept
             job.session.truncate(held + 1 + kept)  # the pending token and the drafts kept
+            job.sampler.step = step + kept + 1  # one draw a token taken, as without drafts
             for i, result in enumerate(mine[:kept + 1]):
                 self._take([slot], [result], before if i == 0 else None, held + 1 + i)
                 if slot.job is not job:  # it ended with this token: its session holds the ones before it
@@ -154,15 +163,14 @@ class DecodeWindows:
         self.stats.decode_seconds += time.perf_counter() - start
 
     def _drafts(self, job: Any) -> list[int]:
-        """The tokens drafted for ``job``'s window: none unless its draw is the argmax alone (greedy, no
-        grammar or log-probabilities; penalties see each row's own history), at most ``spec_tokens``,
-        what its context holds and one fewer than the tokens it may still generate (the window's last
-        token is always its own)."""
+        """The tokens drafted for ``job``'s window: none for a request with a grammar or log-probabilities
+        (each draw's own state), at most ``spec_tokens``, what its context holds and one fewer than the
+        tokens it may still generate (the window's last token is always its own)."""
         p = job.sampler.params
         room = min(self.spec_tokens, self.max_context - job.session.n_tokens - 1)
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - job.stream.generated - 1)
-        if room <= 0 or not p.greedy or job.sampler.constraint is not None or p.logprobs is not None:
+        if room <= 0 or job.sampler.constraint is not None or p.logprobs is not None:
             return []
         if job.drafter is None:
             job.drafter = NgramDrafter(job.history)
