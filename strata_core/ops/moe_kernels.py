@@ -110,6 +110,20 @@ def _down_kernel(h, out, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base,
     tl.store(out + p.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
 
 @triton.jit
+def _combine_row(acc, r, p, N, rows, keep, weights, served, rows_buf, SERVED: tl.constexpr, ROWS_OUT: tl.constexpr):
+    """``acc`` plus pair p's weight times its row ``r`` (``rows`` of N): with ``SERVED`` the float32 row of
+    ``rows_buf`` in place of ``r`` where p's ``served`` flag is set; with ``ROWS_OUT`` the row stored in
+    ``rows_buf`` instead (``acc`` as it was)."""
+    at = rows_buf + p * N + rows
+    if SERVED:
+        r = tl.where(tl.load(served + p) != 0, tl.load(at, mask=keep, other=0.0), r)
+    if ROWS_OUT:
+        tl.store(at, r, mask=keep)
+    else:
+        acc += tl.load(weights + p).to(tl.float32) * r
+    return acc
+
+@triton.jit
 def _down_combine_kernel(h, out, weights, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride,
                          tab, N, K, DOWN_OFF, ROW, TOPK, down_bias, expert_ptr, served, rows_buf, QT: tl.constexpr,
                          BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr, NT: tl.constexpr,
@@ -127,13 +141,7 @@ def _down_combine_kernel(h, out, weights, slot_ptr, miss_ptr, slots_base, slot_s
         r = _rows_dot(w + DOWN_OFF, ROW, rows, h + p.to(tl.int64) * K, K, tab, QT, BS, TS, SUB, NT, BN)
         if BIAS:
             r += _bias(down_bias, expert_ptr, p, N, rows, keep)
-        at = rows_buf + p.to(tl.int64) * N + rows
-        if SERVED:
-            r = tl.where(tl.load(served + p) != 0, tl.load(at, mask=keep, other=0.0), r)
-        if ROWS_OUT:
-            tl.store(at, r, mask=keep)
-        else:
-            acc += tl.load(weights + p).to(tl.float32) * r
+        acc = _combine_row(acc, r, p.to(tl.int64), N, rows, keep, weights, served, rows_buf, SERVED, ROWS_OUT)
     if not ROWS_OUT:
         tl.store(out + t.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
 

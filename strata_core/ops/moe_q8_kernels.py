@@ -14,7 +14,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from strata_core.ops.moe_kernels import _act, _bias, _pair_base, _program_rows
+from strata_core.ops.moe_kernels import _act, _bias, _combine_row, _pair_base, _program_rows
 
 __all__ = ["_down_q8_kernel", "_gate_up_q8_kernel", "_quantize_q8_kernel"]
 
@@ -149,13 +149,7 @@ def _down_q8_kernel(hw, hd, hs, out, weights, slot_ptr, miss_ptr, slots_base, sl
         if BIAS:
             r += _bias(down_bias, expert_ptr, p, N, rows, keep)
         if COMBINE:
-            at = rows_buf + p * N + rows
-            if SERVED:
-                r = tl.where(tl.load(served + p) != 0, tl.load(at, mask=keep, other=0.0), r)
-            if ROWS_OUT:
-                tl.store(at, r, mask=keep)
-            else:
-                acc += tl.load(weights + p).to(tl.float32) * r
+            acc = _combine_row(acc, r, p, N, rows, keep, weights, served, rows_buf, SERVED, ROWS_OUT)
         else:
             tl.store(out + p * N + rows, r.to(out.dtype.element_ty), mask=keep)
     if COMBINE and not ROWS_OUT:
