@@ -39,10 +39,15 @@ REPLIES = [
 
 @pytest.mark.parametrize("text", REPLIES)
 def test_any_split_gives_what_the_whole_text_gives(text: str) -> None:
-    expected = whole(text)
-    assert streamed(list(text)) == expected
+    assert_any_split(text, HERMES)
+
+
+def assert_any_split(text: str, fmt: ReplyFormat) -> None:
+    """Fed a character at a time, or in any two pieces, ``text`` gives what it gives whole."""
+    expected = whole(text, fmt)
+    assert streamed(list(text), fmt) == expected
     for cut in range(1, len(text)):
-        assert streamed([text[:cut], text[cut:]]) == expected
+        assert streamed([text[:cut], text[cut:]], fmt) == expected
 
 
 def test_blocks_are_calls_and_the_text_around_them_content() -> None:
@@ -126,10 +131,7 @@ DS_REPLIES = [
 
 @pytest.mark.parametrize("text", DS_REPLIES)
 def test_deepseek_any_split_gives_what_the_whole_text_gives(text: str) -> None:
-    expected = whole(text, DEEPSEEK)
-    assert streamed(list(text), DEEPSEEK) == expected
-    for cut in range(1, len(text)):
-        assert streamed([text[:cut], text[cut:]], DEEPSEEK) == expected
+    assert_any_split(text, DEEPSEEK)
 
 
 def test_deepseek_calls_in_both_layouts() -> None:
@@ -172,10 +174,7 @@ GENERIC_REPLIES = [
 
 @pytest.mark.parametrize("text", GENERIC_REPLIES)
 def test_generic_any_split_gives_what_the_whole_text_gives(text: str) -> None:
-    expected = whole(text, GENERIC)
-    assert streamed(list(text), GENERIC) == expected
-    for cut in range(1, len(text)):
-        assert streamed([text[:cut], text[cut:]], GENERIC) == expected
+    assert_any_split(text, GENERIC)
 
 
 def test_generic_replies() -> None:
@@ -200,11 +199,7 @@ THINK_REPLIES = [
 
 @pytest.mark.parametrize("think, text, fmt", THINK_REPLIES)
 def test_think_any_split_gives_what_the_whole_text_gives(think: str, text: str, fmt: ReplyFormat) -> None:
-    fmt = ReplyFormat(fmt.harmony, fmt.tools, fmt.max_calls, think)
-    expected = whole(text, fmt)
-    assert streamed(list(text), fmt) == expected
-    for cut in range(1, len(text)):
-        assert streamed([text[:cut], text[cut:]], fmt) == expected
+    assert_any_split(text, ReplyFormat(fmt.harmony, fmt.tools, fmt.max_calls, think))
 
 
 def test_think_blocks_are_reasoning() -> None:
