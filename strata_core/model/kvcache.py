@@ -38,6 +38,7 @@ import torch
 
 from strata_core.model.kvpool import NULL_BLOCK, KVPoolFull, KVPools, PrefixEntry, blocks_for
 from strata_core.model.spec import StateTensor
+from strata_core.runtime.devices import to_device
 
 __all__ = ["DEFAULT_BLOCK", "KVCache", "KVSnapshot", "StateTensor"]
 
@@ -85,10 +86,7 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
 
 def _on(device: torch.device, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A small host list on ``device`` without making the host wait (pinned, non-blocking on CUDA)."""
-    host = torch.tensor(list(values), dtype=dtype)
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+    return to_device(torch.tensor(list(values), dtype=dtype), device)
 
 
 class KVCache:

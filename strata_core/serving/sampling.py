@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata_core.runtime.devices import to_device
+from strata_core.runtime.devices import PendingRead, to_device
 from strata_core.serving.grammar import TokenConstraint
 from strata_core.serving.sampling_params import MAX_LOGPROBS, SEED_RANGE, SampleResult, SamplingParams
 from strata_core.serving.token_mask import apply_bitmask, fill_bitmask
@@ -310,22 +310,14 @@ class PendingSamples:
     def __init__(self, packed: torch.Tensor, rows: Sequence[tuple[Sampler, Sequence[int]]], n_top: int) -> None:
         self.tokens = packed[:, 0].long()
         self._rows, self._n_top = rows, n_top
-        if packed.device.type == "cuda":  # copied to pinned memory without making the host wait
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._host.copy_(packed, non_blocking=True)
-            self._copied: torch.cuda.Event | None = torch.cuda.Event()
-            self._copied.record()
-        else:
-            self._host, self._copied = packed, None
+        self._read = PendingRead(packed)  # copied to the host without making it wait
 
     def results(self) -> list[SampleResult | Exception]:
         """Each row's token (waiting for the copy): a row whose logits could not be sampled gets a
         ``FloatingPointError`` in its place. Each sampler that chose a token advances its step (and
         its grammar takes the token)."""
-        if self._copied is not None:
-            self._copied.synchronize()
         out: list[SampleResult | Exception] = []
-        for (sampler, _), row in zip(self._rows, self._host.tolist()):
+        for (sampler, _), row in zip(self._rows, self._read.tolist()):
             if row[1]:
                 out.append(FloatingPointError("cannot sample: the logits are not finite (NaN or infinite)"))
                 continue

@@ -6,6 +6,7 @@ tokens through the scheduler's ``accept`` (text, stops) or fails alone through i
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable
@@ -44,8 +45,8 @@ def _draft_rows(job: Any, drafts: list[int]) -> list[_DraftRow]:
     """The rows of ``job``'s drafts: draft i's row draws at the request's step + i + 1."""
     rows = []
     for i, token in enumerate(drafts):
-        sampler = Sampler(job.sampler.params)
-        sampler.seed, sampler.step = job.sampler.seed, job.sampler.step + i + 1
+        sampler = copy.copy(job.sampler)  # its params and seed, a step of its own
+        sampler.step = job.sampler.step + i + 1
         rows.append(_DraftRow(job, token, job.history + drafts[:i + 1], sampler))
     return rows
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from strata_core.runtime.devices import synchronize
+from strata_core.runtime.devices import PendingRead, synchronize
 from strata_core.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -149,25 +149,10 @@ def _sampled_windows(engine: Engine, sessions: list, first: list[int], steps: in
         positions = [session.n_tokens for session in sessions]
         logits = engine.decode_window(steps_of, argmax)
         if copied is not None:  # the tokens the window was fed, known on the host now
-            host, event = copied
-            if event is not None:
-                event.synchronize()
-            for session, position, token in zip(sessions, positions, host.tolist()):
+            for session, position, token in zip(sessions, positions, copied.tolist()):
                 session.settle(position, token)
         argmax = logits.argmax(-1)
-        copied = _host_copy(argmax)
-
-
-def _host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """``t`` copied to the host without making it wait (pinned, from a CUDA device), and the event after
-    the copy (None on the CPU)."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
+        copied = PendingRead(argmax)
 
 
 def warm_up(engine: Engine, prompt: int = 64) -> None:
