@@ -350,7 +350,8 @@ class Engine:
     def decode_window(self, steps: Sequence[tuple[Session, int]], fed: torch.Tensor | None = None) -> torch.Tensor:
         """Append each step's token to its session; float32 logits ``[len(steps), vocab]``. A session's
         steps, if several, are consecutive: its next tokens in order (a speculative window verifying
-        drafted tokens: row j's logits follow the session's tokens up to its j-th). ``fed``: the tokens
+        drafted tokens: row j's logits follow the session's tokens up to its j-th; its session may then be
+        truncated back to any of those positions, recurrent state too: ``KVCache.keep_steps``). ``fed``: the tokens
         as int64 ``[len(steps)]`` on the device (the steps' own are ignored), read there without a host
         wait; each session records ``UNSET`` for them until ``Session.settle``."""
         counts: dict[int, int] = {}
@@ -370,6 +371,8 @@ class Engine:
         try:
             for session in unique:
                 session.kv.reserve(session.n_tokens + counts[id(session)])
+                if counts[id(session)] > 1:  # its rows may be cut back after the window: recurrent state too
+                    session.kv.keep_steps()
             return self.runner.decode_window(batch)
         finally:
             for session in unique:

@@ -62,6 +62,35 @@ def test_recurrent_state_is_never_rewound_but_reset_at_zero():
     assert kv.n_tokens == 0 and not kv.state(1, "conv").any() and kv.blocks(0) == []
 
 
+
+def test_a_window_that_kept_its_steps_rewinds_recurrent_state_to_any_of_its_positions():
+    """``keep_steps`` before a window of several rows, ``keep_step`` after each: ``truncate`` inside the
+    window puts back the state after the last row kept, rows and blocks as for attention K/V; before the
+    window, or once the next phase has reserved, it is refused as ever."""
+    kv = filled(layout=HYBRID)
+    kv.reserve(8)
+    kv.keep_steps()
+    states = [kv.state(1, "conv").clone()]
+    for position in range(5, 8):  # three rows: each writes K/V and advances the recurrent state
+        for i in (0, 2):
+            kv.write(i, torch.tensor([position]), k=torch.randn(1, 2, 4), v=torch.randn(1, 2, 4))
+        kv.state(1, "conv").add_(1.0)
+        for i in range(3):
+            kv.keep_step(i)
+        states.append(kv.state(1, "conv").clone())
+    kv.advance(3)
+    assert kv.keeps_steps
+    kv.truncate(7)
+    assert kv.n_tokens == 7 and torch.equal(kv.state(1, "conv"), states[2])
+    kv.truncate(6)  # cut back again inside the same window
+    assert torch.equal(kv.state(1, "conv"), states[1]) and kv.blocks(0) == [1, 2, 3]
+    with pytest.raises(ValueError, match="cannot rewind recurrent state from 6 to 4"):
+        kv.truncate(4)  # before the window
+    kv.reserve(7)  # the next phase
+    assert not kv.keeps_steps
+    with pytest.raises(ValueError, match="cannot rewind recurrent state from 6 to 5"):
+        kv.truncate(5)
+
 def test_hand_off_moves_only_the_given_layers_and_keeps_the_way_back():
     kv = filled(layout=HYBRID)
     before = {i: {name: t.clone() for name, t in kv.committed(i).items()} for i in range(3)}

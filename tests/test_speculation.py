@@ -1,7 +1,7 @@
 """N-gram speculative decoding (strata_core/serving/speculation.py): prompt lookup drafts, and output
 with speculation identical to output without it, greedy and seeded sampled, through the scheduler on
-the real engine for every architecture whose state can be cut back (qwen3moe, gpt-oss, deepseek2), with
-fewer windows on a reply that repeats its prompt; and the kept drafts' distribution: a statistical
+the real engine for every architecture (qwen3moe, gpt-oss, deepseek2, and qwen3next, whose Gated DeltaNet
+state is put back to the last token kept), with fewer windows on a reply that repeats its prompt; and the kept drafts' distribution: a statistical
 test of the first verified token against the target distribution."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from strata_core.serving.speculation import MAX_NGRAM, NgramDrafter, accepted
 
 DATA = Path(__file__).parent / "data"
 DEMO = Path(__file__).parent.parent / "strata_core" / "data" / "demo-qwen3moe-q8_0.gguf"
-MODELS = [DEMO, DATA / "gpt-oss_llamacpp" / "model-q8_0.gguf", DATA / "deepseek3_llamacpp" / "model-q8_0.gguf"]
+MODELS = [DEMO, DATA / "gpt-oss_llamacpp" / "model-q8_0.gguf", DATA / "deepseek3_llamacpp" / "model-q8_0.gguf",
+          DATA / "qwen3next_llamacpp" / "model-q8_0.gguf"]
 
 
 def _lookup(tokens: list[int], k: int) -> list[int]:

@@ -17,8 +17,11 @@ the way back; the blocks left on the old slot stay the session's, so going back 
 a prompt and a decode placement allocates each block once. Compute writes rows at the positions it
 computes, into blocks ``reserve`` made ready before (no allocation, no host work inside a layer);
 the caller commits them with ``advance`` once every layer has run, so ``n_tokens`` is the number of
-positions all layers hold. Recurrent state cannot be rewound: ``truncate`` to a shorter non-zero
-length is refused for a cache that holds any (``can_truncate``).
+positions all layers hold. Recurrent state cannot be rewound in general: ``truncate`` to a shorter
+non-zero length is refused for a cache that holds any (``can_truncate``), except inside the decode
+window just run when ``keep_steps`` asked for it: then the state after each of the window's rows was
+kept (``keep_step``), and ``truncate`` to any of those positions puts that state back (a speculative
+window's rejected drafts cut off a Gated DeltaNet layer exactly as off attention K/V).
 
 Prefix sharing (kvpool.py has the rule): ``share`` makes an empty cache hold the published full
 blocks a prompt starts with, ``publish`` publishes the cache's own full blocks; a cache with
@@ -84,6 +87,10 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host.copy_(t, non_blocking=True)
 
 
+def _clone(named: LayerTensors) -> LayerTensors:
+    return {name: t.clone() for name, t in named.items()}
+
+
 def _on(device: torch.device, values: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A small host list on ``device`` without making the host wait (pinned, non-blocking on CUDA)."""
     return to_device(torch.tensor(list(values), dtype=dtype), device)
@@ -122,6 +129,10 @@ class KVCache:
         self._state: dict[int, LayerTensors] = {}  # layer -> its recurrent state (on its home)
         self._parked: dict[tuple[int, int], LayerTensors] = {}  # (layer, slot) -> recurrent state left there
         self._left: set[tuple[int, int]] = set()  # (layer, slot): rows left there by a hand-off
+        #: per recurrent layer, its state at positions ``_steps_from``, ``_steps_from + 1``, ... of the decode
+        #: window in progress (``keep_steps``); what ``truncate`` rewinds to; cleared when a phase reserves
+        self._steps: dict[int, list[LayerTensors]] = {}
+        self._steps_from: int | None = None
         # a cache dropped without ``release`` still gives its blocks back
         self._give_back = weakref.finalize(self, _give_back, self.pools, self._tables)
         for i in layers:
@@ -234,6 +245,7 @@ class KVCache:
         shared or published (copy-on-write). KVPoolFull, with nothing taken, when a pool is short."""
         if n > self.max_tokens:
             raise ValueError(f"KV cache overflow: {n} > {self.max_tokens} tokens")
+        self._drop_steps()  # a new phase: the states kept for the last window's positions no longer follow
         want = blocks_for(n, self.block_size)
         partial = self.n_tokens // self.block_size if self.n_tokens % self.block_size else None
         needs = {}
@@ -286,17 +298,50 @@ class KVCache:
     def truncate(self, n: int) -> None:
         """Forget positions ``>= n``: the blocks past the new length go back to their pools (a block
         kept partly is written again only after ``reserve`` made it private). ``truncate(0)`` also
-        zeroes recurrent state; a shorter non-zero length is a ValueError when recurrent state is held."""
+        zeroes recurrent state; a shorter non-zero length is a ValueError when recurrent state is held,
+        unless the decode window just run kept its state at ``n`` (``keep_steps``)."""
         if n >= self.n_tokens:
             return
         if n == 0:
+            self._drop_steps()
             for named in self._state.values():
                 for tensor in named.values():
                     tensor.zero_()
         elif not self.can_truncate:
-            raise ValueError(f"cannot rewind recurrent state from {self.n_tokens} to {n} positions")
+            self._rewind_state(n)
         self.n_tokens = n
         self.trim()
+
+    def keep_steps(self) -> None:
+        """Keep the recurrent state now and after each row of the decode window about to run
+        (``keep_step``), so that ``truncate`` may cut back any of the window's rows; nothing for a cache
+        without recurrent state. The states kept are dropped when the next phase reserves positions."""
+        self._steps = {i: [_clone(named)] for i, named in self._state.items() if named}
+        self._steps_from = self.n_tokens if self._steps else None
+
+    @property
+    def keeps_steps(self) -> bool:
+        """Whether ``keep_steps`` is keeping the recurrent state of the window in progress."""
+        return self._steps_from is not None
+
+    def keep_step(self, layer: int) -> None:
+        """Keep ``layer``'s recurrent state after one more row of the window (``keep_steps``)."""
+        steps = self._steps.get(layer)
+        if steps is not None:
+            steps.append(_clone(self._state[layer]))
+
+    def _rewind_state(self, n: int) -> None:
+        """Put back each recurrent layer's state kept at position ``n`` (``keep_steps``)."""
+        start = self._steps_from
+        if start is None or n < start or any(len(steps) <= n - start for steps in self._steps.values()):
+            raise ValueError(f"cannot rewind recurrent state from {self.n_tokens} to {n} positions")
+        for layer, steps in self._steps.items():
+            for name, kept in steps[n - start].items():
+                self._state[layer][name].copy_(kept)
+            del steps[n - start + 1:]
+
+    def _drop_steps(self) -> None:
+        self._steps, self._steps_from = {}, None
 
     def trim(self) -> None:
         """Give back the blocks past ``n_tokens`` (reserved for a phase that did not commit them)."""
@@ -317,6 +362,7 @@ class KVCache:
         self._chain.clear()
         self._state.clear()
         self._parked.clear()
+        self._drop_steps()
         self.released = True
         self.version += 1
 

@@ -285,12 +285,13 @@ class Runner:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
                                                    tables[i])
             else:
-                hidden = torch.cat([
-                    self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
-                                         session.n_tokens + 1, static=static)
-                    for b, session in enumerate(batch.sessions)
-                ])  # [B, H]
-                hidden = self.model.moe(layer, hidden, rows)
+                parts = []
+                for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
+                    parts.append(self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
+                                                      session.n_tokens + 1, static=static))
+                    if batch.offsets:  # a session of several rows keeps its recurrent state after each
+                        session.kv.keep_step(layer)
+                hidden = self.model.moe(layer, torch.cat(parts), rows)  # [B, H]
             if self._observers:
                 self._notify(layer, hidden if delta is None else hidden + delta)
         return hidden if delta is None else hidden + delta
@@ -306,7 +307,7 @@ class Runner:
         graph where it applies (``--cuda-graphs``), else the eager loop."""
         hidden = hidden.to(self.device_of(segment))
         with device_scope(hidden.device), self._timed("decode", segment):
-            if self._graphed(segment):
+            if self._graphed(segment) and not _keeps_steps(batch):
                 out = self._replay_segment(segment, hidden, batch)
                 if out is not None:
                     return out
@@ -354,7 +355,7 @@ class Runner:
         """One decode window through the decode placement's segments, then the head; with one segment
         on the main device, embedding, layers and head replay as one graph where graphs apply."""
         segments = self._segments["decode"]
-        if len(segments) == 1 and self._stage_times is None:
+        if len(segments) == 1 and self._stage_times is None and not _keeps_steps(batch):
             logits = self._replay_step(segments[0], batch)
             if logits is not None:
                 return logits
@@ -432,3 +433,9 @@ class Runner:
         if reason not in self._said:
             self._said.add(reason)
             log.info("cuda graphs: decode runs eagerly: %s", reason)
+
+
+def _keeps_steps(batch: DecodeBatch) -> bool:
+    """Whether a session of ``batch`` keeps its recurrent state after each of its rows (``KVCache.keep_steps``):
+    host work between the rows, so the window runs eagerly."""
+    return bool(batch.offsets) and any(session.kv.keeps_steps for session in batch.sessions)

@@ -16,8 +16,9 @@ distribution), ``1 + kept`` tokens a window; the rejected rows' positions are cu
 (``Session.truncate``).
 
 Requests with a grammar or log-probabilities take no drafts (their state advances per token);
-penalties are applied to each row with its own history. Only on a model whose state can be cut back
-(``ModelSpec.rewindable``: attention K/V).
+penalties are applied to each row with its own history. A recurrent state (Qwen3-Next's Gated DeltaNet)
+is kept after each row of a request's window (``KVCache.keep_steps``), so the cut puts back the state
+after the last token kept; such a window runs eagerly (no CUDA graph).
 """
 
 from __future__ import annotations

@@ -53,18 +53,17 @@ def _draft_rows(job: Any, drafts: list[int]) -> list[_DraftRow]:
 
 class DecodeWindows:
     """Runs the decode windows of a scheduler's steps on ``runner``: ``overlap`` (for a model whose state
-    can be rewound, without speculation), ``spec_tokens`` drafted tokens a window (0: none; only over
-    state that can be cut back). ``accept(slot, result, held)`` gives a request its token (``held``: the
-    positions its session holds before it, when not ``n_tokens``), ``fail(slot, exc)`` ends it."""
+    can be rewound, without speculation), ``spec_tokens`` drafted tokens a window (0: none; a recurrent
+    state is kept after each row of a request's window, so its rejected rows are cut back too).
+    ``accept(slot, result, held)`` gives a request its token (``held``: the positions its session holds
+    before it, when not ``n_tokens``), ``fail(slot, exc)`` ends it."""
 
     def __init__(self, runner: StepRunner, slots: Slots, stats: SchedulerStats, max_context: int, rewindable: bool,
                  overlap: bool, spec_tokens: int, accept: Callable[[Slot, SampleResult, int | None], None],
                  fail: Callable[[Slot, Exception], None]) -> None:
         self._runner, self._slots, self.stats, self.max_context = runner, slots, stats, max_context
         self._accept, self._fail = accept, fail
-        self.spec_tokens = spec_tokens if rewindable else 0
-        if spec_tokens and not self.spec_tokens:
-            log.info("speculative decoding is off: the model's recurrent state cannot be cut back past rejected drafts")
+        self.spec_tokens = spec_tokens
         # not over recurrent state, which a window that fails part way has advanced: its requests must fail,
         # not take the tokens of the window before
         self.overlap = overlap and rewindable and not self.spec_tokens
