@@ -106,6 +106,9 @@ class StrataSettings(BaseSettings):
     expert_cache_gib: float | None = Field(None, ge=0, description="device expert-cache size in GiB")
     expert_cache_fill_all: bool = Field(False, description="fill the whole budget past the profile")
     reserve_mib: int = Field(512, ge=0, description="device memory left free by auto sizing (MiB)")
+    vram_budget_gib: float | None = Field(
+        None, gt=0, description="memory the engine may use on each device, in GiB: dense weights, KV, buffers and "
+        "the expert cache together (a 24 GiB card on a larger one; default: what the device has free)")
     expert_profile: Path | None = Field(None, description="JSON usage profile ranking the experts")
     prefill_chunk: int = Field(8192, ge=1, description="prompt tokens per prefill chunk")
     pcie_frac: float = Field(

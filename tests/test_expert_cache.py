@@ -157,6 +157,20 @@ def test_budget_errors_name_need_and_have(model):
         build_expert_backend(weights, spec, _plan(spec), {0: DeviceSlot(0, CPU)}, StrataSettings(expert_cache_gib=100000), {CPU: 0})
 
 
+def test_a_vram_budget_holds_the_dense_part_and_the_cache_together(model):
+    """``--vram-budget-gib``: the cache gets what the budget leaves after the dense part and the reserve
+    (host RAM holds every expert without it); a dense part beyond the budget is an error naming it."""
+    weights, spec, _ = model
+    slot_bytes = _backend(model, expert_cache=0).arena.slot_bytes
+    dense, reserve = 10_000, 1 << 20
+    budget = dense + reserve + 5 * slot_bytes + slot_bytes // 2  # room for five experts and a half
+    settings = StrataSettings(vram_budget_gib=budget / GIB, reserve_mib=1)
+    backend = build_expert_backend(weights, spec, _plan(spec), {0: DeviceSlot(0, CPU)}, settings, {CPU: dense})
+    assert backend.tables[0].n_resident == 5
+    with pytest.raises(BudgetError, match=r"only .* GiB is available within --vram-budget-gib"):
+        build_expert_backend(weights, spec, _plan(spec), {0: DeviceSlot(0, CPU)}, settings, {CPU: budget})
+
+
 def test_cache_slots_precedence():
     s = StrataSettings(expert_cache=7)
     assert cache_slots(s, CPU, 100, n_candidates=5, n_ranked=None, left_bytes=0) == 5

@@ -35,6 +35,24 @@ def fitting_lengths(prompts: list[int], contexts: list[int], decode_tokens: int,
     return fit_prompts, fit_contexts
 
 
+def llamacpp_at_budget(engine, budget_gib: float, prompt: int) -> str:
+    """The lines naming llama.cpp's placement at the same budget: the ``--n-cpu-moe`` that fits (an
+    estimate from the file's tensors, llamacpp_budget.py) and the llama-bench command of the comparison."""
+    import os
+
+    from strata_core.experts.sizing import GIB
+    from strata_core.tools.llamacpp_budget import llama_bench_command, n_cpu_moe_for_budget
+
+    sizes = {name: t.nbytes for name, t in engine.gguf_file.tensors.items()}
+    placed = n_cpu_moe_for_budget(sizes, engine.spec, int(budget_gib * GIB), engine.max_context)
+    if placed is None:
+        return f"llama.cpp at --vram-budget-gib {budget_gib:g}: nothing fits, even with every expert in host RAM"
+    return (f"llama.cpp at --vram-budget-gib {budget_gib:g} (estimate: weights {placed.weights / GIB:.2f} + KV "
+            f"{placed.kv / GIB:.2f} + buffers {placed.buffers / GIB:.2f} GiB; llamacpp.sh placement "
+            f"cmoe{placed.n_cpu_moe}-pin):\n" + llama_bench_command(engine.settings.model, placed.n_cpu_moe, prompt, 64,
+                                                                   os.cpu_count() or 1))
+
+
 class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
     """Measure prefill tok/s at prompt lengths and decode tok/s at context lengths (median of runs).
 
@@ -77,15 +95,21 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
                 "experts": len(engine.spec.moe_layers) * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
                 "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats,
                 "strategy": self.strategy, "sessions": self.sessions}
+            if self.vram_budget_gib is not None:
+                setup["vram_budget_gib"] = self.vram_budget_gib
             for name, source in (("pinned_h2d_gbps", "pinned"), ("device_copy_gbps", "device")):
                 rate = copy_gbps(engine.runner.main.device, source)
                 if rate is not None:
                     setup[name] = round(rate, 1)
             results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens,
                                 tuple(parse_lengths(self.sessions)), self.sampled)
+            peer = (None if self.vram_budget_gib is None else
+                    llamacpp_at_budget(engine, self.vram_budget_gib, max(prompts, default=8192)))
         finally:
             engine.close()
         print(format_table(results, setup))
+        if peer is not None:
+            print("\n" + peer)
         if self.json_file is not None:
             self.json_file.write_text(json.dumps(results_json(results, setup), indent=2))
             log.info("bench results written to %s", self.json_file)

@@ -32,8 +32,8 @@ __all__ = ["BRIEF", "GROUPS", "SHORTCUTS", "CommandParser", "HelpFormatter", "He
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "max_context", "kv_block", "kv_pool_tokens", "prefill_chunk"),
     "placement": ("strategy", "devices", "strategy_options"),
-    "experts": ("expert_cache", "expert_cache_gib", "arena", "expert_profile", "pin_limit_gib", "reserve_mib",
-                "pcie_frac", "adapt_swaps", "expert_cache_fill_all"),
+    "experts": ("expert_cache", "expert_cache_gib", "vram_budget_gib", "arena", "expert_profile", "pin_limit_gib",
+                "reserve_mib", "pcie_frac", "adapt_swaps", "expert_cache_fill_all"),
     "sampling": ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"),
     "server": SERVER,
     # the kernel choices (CUDA) are there to compare each with the torch form it replaces
@@ -44,7 +44,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 #: options ``--help`` lists by flag only, after their group's others (``--help-all`` describes them)
 BRIEF = frozenset(GROUPS["debug"]) | {
-    "kv_block", "kv_pool_tokens", "prefill_chunk", "pin_limit_gib", "reserve_mib", "pcie_frac", "adapt_swaps",
+    "kv_block", "kv_pool_tokens", "prefill_chunk", "pin_limit_gib", "reserve_mib", "vram_budget_gib", "pcie_frac",
+    "adapt_swaps",
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
     "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",

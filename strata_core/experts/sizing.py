@@ -11,6 +11,8 @@ Order of precedence for one device slot:
    profile saw routed unless ``--expert-cache-fill-all``.
 
 On the CPU "device memory" is host RAM (``MemAvailable``), shared by the logical CPU devices.
+``--vram-budget-gib`` caps what each device slot's memory counts as (a smaller card simulated on a
+larger one): the dense part must fit in it, and the cache gets what is left of it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from strata_core.config import StrataSettings
 from strata_core.errors import BudgetError
 from strata_core.plugin.placement import CacheBudget
 
-__all__ = ["available_bytes", "check_dense_budget", "cache_slots"]
+__all__ = ["available_bytes", "budget_bytes", "check_dense_budget", "cache_slots"]
 
 MIB, GIB = 1 << 20, 1 << 30
 
@@ -34,13 +36,21 @@ def _host_available() -> int:
     raise BudgetError("cannot read MemAvailable from /proc/meminfo")
 
 
-def available_bytes(device: torch.device, n_sharing: int = 1) -> int:
+def available_bytes(device: torch.device, n_sharing: int = 1, cap: int | None = None) -> int:
     """Memory the engine may use on ``device``: free now plus what torch already holds there
-    (so the dense weights count the same whether they were loaded before this call or not)."""
+    (so the dense weights count the same whether they were loaded before this call or not), at most
+    ``cap`` bytes."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device)
-    return _host_available() // n_sharing
+        have = free + torch.cuda.memory_reserved(device)
+    else:
+        have = _host_available() // n_sharing
+    return have if cap is None else min(have, cap)
+
+
+def budget_bytes(settings: StrataSettings) -> int | None:
+    """``--vram-budget-gib`` in bytes, None without one."""
+    return None if settings.vram_budget_gib is None else int(settings.vram_budget_gib * GIB)
 
 
 def check_dense_budget(settings: StrataSettings, dense_bytes: dict[torch.device, int]) -> dict[torch.device, int]:
@@ -49,13 +59,15 @@ def check_dense_budget(settings: StrataSettings, dense_bytes: dict[torch.device,
     Call it before loading anything. Returns each device's memory left for the expert cache.
     """
     n_cpu = sum(1 for d in dense_bytes if d.type == "cpu") or 1
+    cap = budget_bytes(settings)
     left: dict[torch.device, int] = {}
     for device, dense in dense_bytes.items():
-        have = available_bytes(device, n_cpu if device.type == "cpu" else 1)
+        have = available_bytes(device, n_cpu if device.type == "cpu" else 1, cap)
         need = dense + settings.reserve_mib * MIB
         if need > have:
+            within = f" within --vram-budget-gib {settings.vram_budget_gib:g}" if cap is not None and have == cap else ""
             raise BudgetError(f"{device}: the dense part needs {dense / GIB:.2f} GiB (+ {settings.reserve_mib} MiB "
-                              f"reserve) but only {have / GIB:.2f} GiB is available")
+                              f"reserve) but only {have / GIB:.2f} GiB is available{within}")
         left[device] = have - need
     return left
 

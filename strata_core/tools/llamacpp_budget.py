@@ -1,0 +1,84 @@
+"""llama.cpp at the same VRAM budget: the ``--n-cpu-moe`` that fits, and the llama-bench command line.
+
+A budget benchmark (``strata bench --vram-budget-gib X``) compares the engines at one card size.
+llama.cpp with ``-ngl 99 --n-cpu-moe N`` keeps on the GPU every tensor but the token embedding and
+the routed experts (``ffn_*_exps``) of layers ``0..N-1``, plus its KV cache (f16, ``-c`` positions of
+each layer; a sliding-window layer its window and one ubatch) and its compute buffers (estimated as
+one ubatch of logits and activations). ``n_cpu_moe_for_budget`` is the smallest N whose estimate
+fits: an estimate, so the benchmark records what llama.cpp reported when it loaded.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata_core.model.spec import ModelSpec
+
+__all__ = ["LlamaCppPlacement", "llama_bench_command", "n_cpu_moe_for_budget"]
+
+_EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_\w+_exps\.")
+#: llama-bench's ubatch in the budget commands (its compute buffers scale with it)
+UBATCH = 2048
+
+
+@dataclass(frozen=True)
+class LlamaCppPlacement:
+    """llama.cpp's GPU bytes at ``--n-cpu-moe n_cpu_moe``, by part (an estimate)."""
+
+    n_cpu_moe: int
+    weights: int  # every tensor on the GPU: the dense part and the experts of layers >= n_cpu_moe
+    kv: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.buffers
+
+
+def _kv_bytes(spec: ModelSpec, context: int) -> int:
+    """llama.cpp's f16 KV cache of ``context`` positions: per-token state of every layer (a sliding
+    layer's window and one ubatch), fixed-size recurrent state once."""
+    total = 0
+    for layer in range(spec.n_layers):
+        window = getattr(spec, "window", lambda _layer: None)(layer)
+        positions = context if window is None else min(context, window + UBATCH)
+        total += sum(t.nbytes(positions, torch.float16) for t in spec.layer_state(layer).values())
+    return total
+
+
+def placement_at(tensor_bytes: dict[str, int], spec: ModelSpec, n_cpu_moe: int, context: int) -> LlamaCppPlacement:
+    """llama.cpp's GPU bytes with ``--n-cpu-moe n_cpu_moe`` for a file of ``tensor_bytes`` (name -> bytes)."""
+    weights = 0
+    for name, n in tensor_bytes.items():
+        expert_layer = _EXPERTS.match(name)
+        if name.startswith("token_embd.") or (expert_layer and int(expert_layer.group(1)) < n_cpu_moe):
+            continue  # in host RAM
+        weights += n
+    buffers = UBATCH * (spec.vocab_size + 16 * spec.hidden_size) * 4
+    return LlamaCppPlacement(n_cpu_moe, weights, _kv_bytes(spec, context), buffers)
+
+
+def n_cpu_moe_for_budget(tensor_bytes: dict[str, int], spec: ModelSpec, budget: int,
+                         context: int) -> LlamaCppPlacement | None:
+    """The placement of the smallest ``--n-cpu-moe`` whose estimate fits ``budget`` bytes, None when even
+    every expert layer in host RAM does not fit."""
+    layers = [int(m.group(1)) for m in map(_EXPERTS.match, tensor_bytes) if m]
+    for n in range(max(layers, default=-1) + 2):
+        placed = placement_at(tensor_bytes, spec, n, context)
+        if placed.total <= budget:
+            return placed
+    return None
+
+
+def llama_bench_command(model: Path, n_cpu_moe: int, prompt: int, generate: int, threads: int) -> str:
+    """The llama-bench command line of a budget row: every layer on the GPU but the first ``n_cpu_moe``
+    layers' experts, flash attention, every host core."""
+    args = ["llama-bench", "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-fa", "1",
+            "-ub", str(UBATCH), "-b", str(max(UBATCH, prompt)), "-p", str(prompt), "-n", str(generate),
+            "-t", str(threads)]
+    return shlex.join(args)

@@ -1,0 +1,72 @@
+"""llama.cpp's placement at a VRAM budget (strata_core/tools/llamacpp_budget.py): the smallest
+``--n-cpu-moe`` whose estimate fits, what each part counts, and `strata bench --vram-budget-gib`'s line."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from strata_core.cli import main as strata_main
+from strata_core.gguf.reader import GGUFFile
+from strata_core.model.registry import load_model_spec
+from strata_core.tools.llamacpp_budget import (UBATCH, llama_bench_command, n_cpu_moe_for_budget,
+                                               placement_at)
+from strata_core.tools.synthetic import write_synthetic
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    path = tmp_path_factory.mktemp("budget") / "small.gguf"
+    write_synthetic(path, "tiny", expert_type=Q.Q4_K, progress=False, n_layers=3)
+    gguf_file = GGUFFile.open(path)
+    return path, {name: t.nbytes for name, t in gguf_file.tensors.items()}, load_model_spec(gguf_file)
+
+
+def test_each_layer_in_host_ram_takes_exactly_its_experts_off_the_gpu(small):
+    _, sizes, spec = small
+    experts = [sum(n for name, n in sizes.items() if name.startswith(f"blk.{i}.") and "_exps." in name)
+               for i in range(spec.n_layers)]
+    everything_but_embedding = sum(n for name, n in sizes.items() if not name.startswith("token_embd."))
+    for n in range(spec.n_layers + 1):
+        placed = placement_at(sizes, spec, n, context=512)
+        assert placed.weights == everything_but_embedding - sum(experts[:n])
+        assert placed.buffers == UBATCH * (spec.vocab_size + 16 * spec.hidden_size) * 4
+    # f16 K and V of every layer for the context
+    assert placed.kv == spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * 2 * 512
+
+
+@settings(max_examples=50, deadline=None)
+@given(fraction=st.floats(0.0, 1.2))
+def test_the_placement_is_the_fewest_expert_layers_in_host_ram_that_fit(small, fraction):
+    _, sizes, spec = small
+    most, least = placement_at(sizes, spec, 0, 256).total, placement_at(sizes, spec, spec.n_layers, 256).total
+    budget = int(least + fraction * (most - least))
+    placed = n_cpu_moe_for_budget(sizes, spec, budget, 256)
+    if budget < least:
+        assert placed is None
+        return
+    assert placed is not None and placed.total <= budget
+    if placed.n_cpu_moe:
+        assert placement_at(sizes, spec, placed.n_cpu_moe - 1, 256).total > budget
+
+
+def test_the_command_runs_llama_bench_with_that_placement(small):
+    path, _, _ = small
+    args = shlex.split(llama_bench_command(path, 7, 8192, 64, 16))
+    assert args[0] == "llama-bench" and args[args.index("-ncmoe") + 1] == "7"
+    assert args[args.index("-ngl") + 1] == "99" and args[args.index("-p") + 1] == "8192"
+    assert args[args.index("-t") + 1] == "16" and args[args.index("-m") + 1] == str(path)
+
+
+def test_bench_with_a_budget_prints_llama_cpp_s_command(small, capsys):
+    path, sizes, spec = small
+    strata_main(["bench", "--model", str(path), "--devices", "cpu", "--prompts", "16", "--contexts", "16",
+                 "--decode-tokens", "2", "--repeats", "1", "--reserve-mib", "0", "--vram-budget-gib", "1"])
+    out = capsys.readouterr().out
+    assert "vram_budget_gib=1" in out
+    line = next(line for line in out.splitlines() if line.startswith("llama-bench "))
+    assert shlex.split(line)[shlex.split(line).index("-ncmoe") + 1] == "0"  # a 1 GiB budget holds the tiny model
