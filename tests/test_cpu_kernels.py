@@ -9,7 +9,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_core.ops.cpu_kernels import CPU_KERNEL_TYPES, cpu_kernels, qlinear_grouped
+from strata_core.ops.cpu_kernels import CPU_KERNEL_TYPES, cpu_kernels, dequantize_blocks, qlinear_grouped
+from strata_core.quant.registry import dequantize_reference
 from strata_core.quant import dequantize, random_blocks
 
 TYPES = sorted(CPU_KERNEL_TYPES)
@@ -88,3 +89,16 @@ def test_the_avx2_body_gives_the_avx512_bits(qtype: T) -> None:
         assert torch.equal(qlinear_grouped(x, [w], [11], qtype, 40), wide)
     finally:
         torch.ops.strata.cpu_kernel_limit_isa(2)
+
+
+@settings(max_examples=20, deadline=None)
+@given(qtype=st.sampled_from(sorted(CPU_KERNEL_TYPES)), n_blocks=st.integers(1, 3000), seed=st.integers(0, 1 << 16))
+def test_the_block_decoders_give_the_reference_s_bits(qtype: int, n_blocks: int, seed: int) -> None:
+    """``dequantize_blocks`` (what ``strata::dequantize`` runs on the CPU) writes the torch reference's
+    float32 values bit for bit (the sign of a zero too), threaded over the blocks."""
+    values, size = GGML_QUANT_SIZES[T(qtype)]
+    raw = torch.from_numpy(random_blocks(qtype, n_blocks, np.random.default_rng(seed))).reshape(-1)
+    got = dequantize_blocks(raw, qtype)
+    want = dequantize_reference(raw, qtype, [n_blocks * values])
+    assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(dequantize(raw, qtype, [n_blocks * values]).view(torch.int32), want.view(torch.int32))

@@ -158,3 +158,28 @@ def test_unknown_block_type_id(good, tmp_path):
     with pytest.raises(UnsupportedError, match=f"{name.decode()!r} has unknown block type id 250") as e:
         GGUFFile.open(bad)
     assert str(bad) in str(e.value)
+
+
+DEMO = Path(__file__).parent.parent / "strata_core" / "data" / "demo-qwen3moe-q8_0.gguf"  # with a tokenizer
+
+
+def test_metadata_arrays_read_as_gguf_py_reads_them():
+    """Arrays of strings and of numbers (read in one pass, not item by item) give what gguf-py's own
+    reader gives: the vocabulary, token types, scores and merges of the tokenizer, every key."""
+    ours = GGUFFile.open(DEMO).metadata
+    theirs = {name: field.contents() for name, field in gguf.GGUFReader(DEMO).fields.items()
+              if not name.startswith("GGUF.")}
+    assert ours.keys() == theirs.keys() and isinstance(ours["tokenizer.ggml.tokens"], list)
+    for key, value in theirs.items():
+        assert ours[key] == value, key
+
+
+@pytest.mark.parametrize("into", [0.25, 0.5, 0.9])
+def test_a_file_cut_inside_the_vocabulary_is_a_clear_error(tmp_path, into):
+    reader = gguf.GGUFReader(DEMO)
+    field = reader.fields["tokenizer.ggml.tokens"]
+    start, end = field.offset, field.offset + sum(int(p.nbytes) for p in field.parts)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(DEMO.read_bytes()[:int(start + into * (end - start))])
+    with pytest.raises(ModelFileError, match="truncated or corrupt|more than the file could hold"):
+        GGUFFile.open(cut)

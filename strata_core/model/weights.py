@@ -98,7 +98,10 @@ class DenseWeights:
         """Dequantize the dense tensors of ``gguf_file`` to ``dtype`` on the CPU (a copy, not the mmap)."""
         def load_one(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             ref = gguf_file.tensor(name, shape)
-            return dequantize(ref.raw(), ref.qtype, ref.shape).reshape(shape).to(dtype).clone()
+            raw = ref.raw()
+            values = dequantize(raw, ref.qtype, ref.shape).reshape(shape).to(dtype)
+            # a float tensor in the file's type may come back as a view of the mapped file: copied then
+            return values.clone() if values.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else values
 
         globals_ = {n: load_one(n, s) for n, s in spec.global_tensors().items()}
         if spec.tied_embeddings:

@@ -1,4 +1,6 @@
-"""``strata::qlinear_grouped``: quantized products on the CPU that read GGML blocks in place.
+"""``strata::qlinear_grouped``: quantized products on the CPU that read GGML blocks in place; and
+``strata::dequantize_blocks``, the same decoders writing the blocks' values (``strata::dequantize`` on
+the CPU, for the formats they cover: bit for bit the torch reference's values, many times faster).
 
 ``qlinear_grouped(x [N, K] float32, weights: list of uint8 [out * row_bytes], counts: list[int],
 qtype, out) -> [N, out] float32``: the rows of ``x`` are cut into consecutive segments, segment i
@@ -32,7 +34,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "has_cpu_kernel", "qlinear_grouped"]
+__all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel", "qlinear_grouped"]
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ def cpu_kernels() -> bool:
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
     torch.library.register_fake("strata::qlinear_grouped")(_qlinear_fake)
+    torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
     log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
@@ -79,6 +82,15 @@ def qlinear_grouped(x: Tensor, weights: list[Tensor], counts: list[int], qtype: 
     _check(x, weights, counts, int(qtype), out)
     return torch.ops.strata.qlinear_grouped(x.float().contiguous(), [w.contiguous() for w in weights],
                                             counts, int(qtype), out)
+
+
+def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
+    """Float32 values ``[n_blocks * block values]`` of the whole ``qtype`` blocks in uint8 ``raw`` (the
+    values the products decode: bit for bit the torch reference's), threaded over the blocks; None
+    where the kernels are not loaded or do not cover ``qtype``."""
+    if int(qtype) not in CPU_KERNEL_TYPES or raw.numel() % GGML_QUANT_SIZES[T(int(qtype))][1] or not cpu_kernels():
+        return None
+    return torch.ops.strata.dequantize_blocks(raw.reshape(-1).contiguous(), int(qtype))
 
 
 def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> None:
@@ -102,3 +114,8 @@ def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out:
 
 def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
     return x.new_empty((x.shape[0], out), dtype=torch.float32)
+
+
+def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:
+    values, size = GGML_QUANT_SIZES[T(int(qtype))]
+    return raw.new_empty((raw.numel() // size * values,), dtype=torch.float32)

@@ -5,8 +5,9 @@
 - ``quant_matmul(Tensor x, Tensor raw, int qtype, SymInt[] shape) -> Tensor``: ``x @ W.T`` computed
   in float32, returned in ``x.dtype``.
 
-The CPU kernel of each op is the device-generic torch reference of
-:mod:`strata_core.quant.registry`: on the CPU it is *the* implementation (the exactness oracle).
+The device-generic torch reference of :mod:`strata_core.quant.registry` is the exactness oracle. On
+the CPU ``dequantize`` runs the compiled block decoders (ops/cpu_kernels.py: the same values, bit for
+bit, threaded) for the formats they cover, the reference for the others.
 With Triton installed a CUDA kernel registers for each op (``register_kernel("cuda")``, opaque to
 tracing because it may fall back to the reference): the Triton dequantizer of
 :mod:`strata_core.ops.dequant` for every format of ``KERNEL_TYPES``, written straight in the asked
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from strata_core.ops.cpu_kernels import dequantize_blocks
 from strata_core.ops.dequant import dequantize_cuda, fallback_note
 from strata_core.ops.matmul import linear
 from strata_core.ops.qdecode import HAS_TRITON
@@ -39,6 +41,15 @@ _QUANT_MATMUL = "(Tensor x, Tensor raw, int qtype, SymInt[] shape) -> Tensor"
 def _dequantize_ref(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.dtype | None = None) -> Tensor:
     """The reference kernel: float32 values of ``shape``, cast to ``dtype`` if given."""
     out = dequantize_reference(raw, qtype, shape)
+    return out if dtype is None or dtype == torch.float32 else out.to(dtype)
+
+
+def _dequantize_cpu(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.dtype | None = None) -> Tensor:
+    """The compiled block decoders where they cover the format (the reference's bits), else the reference."""
+    out = dequantize_blocks(raw, qtype)
+    if out is None:
+        return _dequantize_ref(raw, qtype, shape, dtype)
+    out = out.reshape(shape)
     return out if dtype is None or dtype == torch.float32 else out.to(dtype)
 
 
@@ -65,6 +76,7 @@ def _quant_matmul_any(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) 
 dequantize = torch.library.custom_op("strata::dequantize", _dequantize_ref, mutates_args=(), schema=_DEQUANTIZE)
 quant_matmul = torch.library.custom_op("strata::quant_matmul", _quant_matmul_ref, mutates_args=(),
                                        schema=_QUANT_MATMUL)
+dequantize.register_kernel("cpu")(_dequantize_cpu)
 if HAS_TRITON:  # opaque CUDA kernels: their fallback to the reference is not traceable
     dequantize.register_kernel("cuda")(_dequantize_any)
     quant_matmul.register_kernel("cuda")(_quant_matmul_any)

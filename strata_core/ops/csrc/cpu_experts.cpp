@@ -1,5 +1,6 @@
 // Quantized products of GGML blocks on the CPU, read in place: y[t, r] = x[t] . W[r] for segments of
-// rows of x, each against its own weight matrix (the routed experts of a layer, or one pair each).
+// rows of x, each against its own weight matrix (the routed experts of a layer, or one pair each);
+// and the blocks' values themselves (dequantize_blocks: what strata::dequantize gives on the CPU).
 //
 // Each block is decoded once into float32 (the reference's values), then multiplied into every token
 // of a tile with lane-wise fused multiply-adds over 16 lanes, reduced in a fixed order at the end of a
@@ -94,7 +95,8 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 // widened to int32 first: a direct byte -> float conversion is scalarised by GCC
 STRATA_INLINE f32x16 floats(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
 STRATA_INLINE f32x16 floats(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
-STRATA_INLINE f32x16 splat(float v) { return f32x16{} + v; }
+// v in every lane; v - 0 keeps a negative zero's sign (0 + v would not)
+STRATA_INLINE f32x16 splat(float v) { return v - f32x16{}; }
 // table[code] of 16 int8 values for 16 codes 0..15 (a byte shuffle)
 STRATA_INLINE f32x16 lookup(const i8x16 table, u8x16 codes) { return floats(__builtin_shuffle(table, codes)); }
 
@@ -191,6 +193,17 @@ STRATA_INLINE void decode_iq4_xs(const uint8_t* b, f32x16* out) {
   }
 }
 
+template <int QT>
+STRATA_INLINE void decode_block(const uint8_t* blk, f32x16* w) {
+  if constexpr (QT == Q8_0) decode_q8_0(blk, w);
+  else if constexpr (QT == Q4_0) decode_q4_0(blk, w);
+  else if constexpr (QT == MXFP4) decode_mxfp4(blk, w);
+  else if constexpr (QT == Q4_K) decode_q4_k(blk, w);
+  else if constexpr (QT == Q5_K) decode_q5_k(blk, w);
+  else if constexpr (QT == Q6_K) decode_q6_k(blk, w);
+  else decode_iq4_xs(blk, w);
+}
+
 // One segment: tokens [t0, t0 + n) of x against rows of W.
 struct Segment { const uint8_t* w; int64_t t0, n; };
 
@@ -209,14 +222,7 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
       const uint8_t* row = seg.w + r * row_bytes;
       for (int t = 0; t < TOKEN_TILE; ++t) acc[t] = f32x16{};
       for (int64_t bi = 0; bi < blocks; ++bi) {
-        const uint8_t* blk = row + bi * BYTES;
-        if constexpr (QT == Q8_0) decode_q8_0(blk, w);
-        else if constexpr (QT == Q4_0) decode_q4_0(blk, w);
-        else if constexpr (QT == MXFP4) decode_mxfp4(blk, w);
-        else if constexpr (QT == Q4_K) decode_q4_k(blk, w);
-        else if constexpr (QT == Q5_K) decode_q5_k(blk, w);
-        else if constexpr (QT == Q6_K) decode_q6_k(blk, w);
-        else decode_iq4_xs(blk, w);
+        decode_block<QT>(row + bi * BYTES, w);
         for (int t = 0; t < nt; ++t) {
           const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES);
           for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // rounded twice (-ffp-contract=off): the same bits from every body and compiler
@@ -233,19 +239,34 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
   }
 }
 
-using RowsFn = void (*)(const float*, int64_t, const Segment&, int64_t, int64_t, float*, int64_t);
+// Blocks [b0, b1) of raw decoded into out (VALUES floats a block): the values the products multiply.
+template <int QT, int VALUES, int BYTES>
+STRATA_INLINE void blocks_body(const uint8_t* raw, int64_t b0, int64_t b1, float* out) {
+  f32x16 w[VALUES / LANES];
+  for (int64_t b = b0; b < b1; ++b) {
+    decode_block<QT>(raw + b * BYTES, w);
+    std::memcpy(out + b * VALUES, w, sizeof(w));
+  }
+}
 
-// The same body compiled for each instruction set (inlined, so vectorised with its registers).
-#define STRATA_ROWS(NAME, ATTRIBUTES)                                                                       \
+using RowsFn = void (*)(const float*, int64_t, const Segment&, int64_t, int64_t, float*, int64_t);
+using BlocksFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
+
+// The same bodies compiled for each instruction set (inlined, so vectorised with its registers).
+#define STRATA_BODIES(ROWS, BLOCKS, ATTRIBUTES)                                                             \
   template <int QT, int VALUES, int BYTES>                                                                 \
-  ATTRIBUTES void NAME(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,     \
+  ATTRIBUTES void ROWS(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,     \
                        int64_t out_features) {                                                             \
     rows_body<QT, VALUES, BYTES>(x, K, seg, r0, r1, y, out_features);                                      \
+  }                                                                                                        \
+  template <int QT, int VALUES, int BYTES>                                                                 \
+  ATTRIBUTES void BLOCKS(const uint8_t* raw, int64_t b0, int64_t b1, float* out) {                          \
+    blocks_body<QT, VALUES, BYTES>(raw, b0, b1, out);                                                      \
   }
-STRATA_ROWS(rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
-STRATA_ROWS(rows_avx2, __attribute__((target("avx2,fma,f16c"))))
-STRATA_ROWS(rows_generic, )
-#undef STRATA_ROWS
+STRATA_BODIES(rows_avx512, blocks_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
+STRATA_BODIES(rows_avx2, blocks_avx2, __attribute__((target("avx2,fma,f16c"))))
+STRATA_BODIES(rows_generic, blocks_generic, )
+#undef STRATA_BODIES
 
 enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
 
@@ -263,16 +284,18 @@ Isa& chosen_isa() {
   return isa;
 }
 
+struct Kernels { RowsFn rows; BlocksFn blocks; };
+
 template <int QT, int VALUES, int BYTES>
-RowsFn pick() {
+Kernels pick() {
   switch (chosen_isa()) {
-    case Isa::avx512: return &rows_avx512<QT, VALUES, BYTES>;
-    case Isa::avx2: return &rows_avx2<QT, VALUES, BYTES>;
-    default: return &rows_generic<QT, VALUES, BYTES>;
+    case Isa::avx512: return {&rows_avx512<QT, VALUES, BYTES>, &blocks_avx512<QT, VALUES, BYTES>};
+    case Isa::avx2: return {&rows_avx2<QT, VALUES, BYTES>, &blocks_avx2<QT, VALUES, BYTES>};
+    default: return {&rows_generic<QT, VALUES, BYTES>, &blocks_generic<QT, VALUES, BYTES>};
   }
 }
 
-RowsFn rows_fn(int64_t qtype) {
+Kernels kernels_for(int64_t qtype) {
   switch (qtype) {
     case Q8_0: return pick<Q8_0, 32, 34>();
     case Q4_0: return pick<Q4_0, 32, 18>();
@@ -281,7 +304,7 @@ RowsFn rows_fn(int64_t qtype) {
     case Q5_K: return pick<Q5_K, 256, 176>();
     case Q6_K: return pick<Q6_K, 256, 210>();
     case IQ4_XS: return pick<IQ4_XS, 256, 136>();
-    default: return nullptr;
+    default: return {nullptr, nullptr};
   }
 }
 
@@ -293,7 +316,7 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
               "qlinear_grouped: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(weights.size() == counts.size(), "qlinear_grouped: ", weights.size(), " weights for ",
               counts.size(), " counts");
-  RowsFn fn = rows_fn(qtype);
+  RowsFn fn = kernels_for(qtype).rows;
   const Geometry g = geometry(qtype);
   TORCH_CHECK(fn != nullptr, "qlinear_grouped: no CPU kernel for GGML type ", qtype);
   const at::Tensor xc = x.contiguous();
@@ -331,6 +354,24 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
   return y;
 }
 
+// Every block of raw (contiguous uint8, whole blocks) decoded to float32: [blocks * values].
+at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype) {
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous(),
+              "dequantize_blocks: raw must be contiguous uint8 on the CPU");
+  BlocksFn fn = kernels_for(qtype).blocks;
+  const Geometry g = geometry(qtype);
+  TORCH_CHECK(fn != nullptr, "dequantize_blocks: no CPU kernel for GGML type ", qtype);
+  TORCH_CHECK(raw.numel() % g.bytes == 0, "dequantize_blocks: ", raw.numel(), " bytes are not whole blocks of ",
+              g.bytes);
+  const int64_t blocks = raw.numel() / g.bytes;
+  at::Tensor out = at::empty({blocks * g.values}, raw.options().dtype(at::kFloat));
+  const uint8_t* rp = raw.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t grain = (MIN_THREAD_BYTES + g.bytes - 1) / g.bytes;
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { fn(rp, begin, end, op); });
+  return out;
+}
+
 // The instruction set the kernels run with: 0 generic, 1 AVX2, 2 AVX-512.
 int64_t kernel_isa() { return int64_t(chosen_isa()); }
 
@@ -345,11 +386,15 @@ int64_t limit_kernel_isa(int64_t isa) {
 
 TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");
+  m.def("dequantize_blocks(Tensor raw, int qtype) -> Tensor");
   m.def("cpu_kernel_isa() -> int");
   m.def("cpu_kernel_limit_isa(int isa) -> int");
 }
 
-TORCH_LIBRARY_IMPL(strata, CPU, m) { m.impl("qlinear_grouped", &qlinear_grouped); }
+TORCH_LIBRARY_IMPL(strata, CPU, m) {
+  m.impl("qlinear_grouped", &qlinear_grouped);
+  m.impl("dequantize_blocks", &dequantize_blocks);
+}
 
 TORCH_LIBRARY_IMPL(strata, CompositeExplicitAutograd, m) {
   m.impl("cpu_kernel_isa", &kernel_isa);
