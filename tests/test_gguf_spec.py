@@ -48,12 +48,23 @@ def test_explicit_keys_win():
 
 @pytest.mark.parametrize("extra, match", [
     ({"attention.head_count_kv": [2, 4]}, "differs between layers"),
-    ({"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0}, "RoPE scaling"),
+    ({"rope.scaling.type": "longrope", "rope.scaling.factor": 4.0}, "rope.scaling.type 'longrope'"),
     ({"rope.dimension_count": 8}, "partial RoPE"),
 ])
 def test_unsupported_metadata(extra, match):
     with pytest.raises(UnsupportedError, match=match):
         spec("qwen3moe", **extra)
+
+
+def test_rope_scaling_keys():
+    """YaRN's factor and original context (default: the context length), linear, and none / factor 1."""
+    s = spec("qwen3moe", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                            "rope.scaling.original_context_length": 32768})
+    assert (s.rope_scale.kind, s.rope_scale.factor, s.rope_scale.orig_ctx) == ("yarn", 4.0, 32768)
+    s = spec("qwen3moe", **{"rope.scaling.type": "linear", "rope.scaling.factor": 2.0})
+    assert (s.rope_scale.kind, s.rope_scale.orig_ctx) == ("linear", s.context_length)
+    assert spec("qwen3moe", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 1.0}).rope_scale is None
+    assert spec("qwen3moe").rope_scale is None
 
 
 def test_registry():

@@ -29,6 +29,11 @@ CASES = {  # id -> (arch, HF overrides)
                                          head_dim=16, tie_word_embeddings=True)),
     "qwen2moe-nonorm": ("qwen2moe", dict(norm_topk_prob=False)),
     "qwen2moe-norm": ("qwen2moe", dict(norm_topk_prob=True, num_key_value_heads=1)),
+    # YaRN from a short original context, so that the ramp between kept and divided angles falls inside
+    # the head's pairs and the attention factor is well away from 1
+    "qwen3moe-yarn": ("qwen3moe", dict(max_position_embeddings=256, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32))),
+    "qwen3moe-linear": ("qwen3moe", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0))),
 }
 
 
@@ -117,3 +122,41 @@ def test_expert_rows_combine_in_fixed_order():
     rows = torch.randn(3, 2, 5)  # [T, k, H]
     w = torch.rand(3, 2)
     torch.testing.assert_close(combine_rows(rows, w), rows[:, 0] * w[:, :1] + rows[:, 1] * w[:, 1:])
+
+
+def test_rope_scaling_comes_from_the_file_and_changes_the_logits(tmp_path):
+    """The YaRN keys land in the spec (and ``strata info``'s lines); the same weights without them give
+    other logits, so the scaled case above is not plain RoPE by accident; an unknown type is refused."""
+    hf = tiny_hf_model("qwen3moe", seed=3, **CASES["qwen3moe-yarn"][1])
+    write_gguf(hf, tmp_path / "yarn.gguf")
+    _, yarn, rows = load(tmp_path / "yarn.gguf")
+    scale = yarn.spec.rope_scale
+    assert (scale.kind, scale.factor, scale.orig_ctx) == ("yarn", 8.0, 32) and scale.mscale > 1.2
+    assert yarn.spec.info_lines() == ["RoPE yarn x8 (original context 32)"]
+    plain = tiny_hf_model("qwen3moe", seed=3, max_position_embeddings=256)
+    plain.load_state_dict(hf.state_dict())
+    write_gguf(plain, tmp_path / "plain.gguf")
+    _, unscaled, rows_plain = load(tmp_path / "plain.gguf")
+    assert unscaled.spec.rope_scale is None
+    assert (run(yarn, rows) - run(unscaled, rows_plain)).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_yarn_on_cuda_matches_the_cpu(tmp_path):
+    """A YaRN model on CUDA (its RoPE through the torch formulas, decode not fused): the logits of a
+    prompt and of decode windows are the CPU's within bf16's tolerance."""
+    from strata_core.engine import Engine
+
+    write_gguf(tiny_hf_model("qwen3moe", seed=3, **CASES["qwen3moe-yarn"][1]), tmp_path / "yarn.gguf")
+    tokens = TOKENS.tolist()
+    results = []
+    for devices in (["cpu"], ["cuda:0"]):
+        engine = Engine.load(tmp_path / "yarn.gguf", devices=devices, max_context=64)
+        try:
+            session = engine.new_session()
+            prompt = engine.prefill(session, tokens[:16], all_logits=True).cpu()
+            steps = [engine.decode_window([(session, t)])[0].cpu() for t in tokens[16:]]
+            results.append(torch.cat([prompt, torch.stack(steps)]))
+        finally:
+            engine.close()
+    assert (results[0] - results[1]).abs().max() <= 5e-2 * results[0].abs().max()

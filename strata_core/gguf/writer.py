@@ -113,6 +113,11 @@ def _add_metadata(w: gguf.GGUFWriter, arch: str, cfg: Any, file_type: Q) -> None
     w.add_head_count_kv(cfg.num_key_value_heads)
     rope = getattr(cfg, "rope_parameters", None) or {}
     w.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    if rope.get("rope_type") in ("yarn", "linear"):  # as llama.cpp's converter writes HF's rope scaling
+        w.add_rope_scaling_type(gguf.RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        if "original_max_position_embeddings" in rope:
+            w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)

@@ -18,8 +18,10 @@ Defaults applied when metadata lacks a key follow llama.cpp's loader (``llama_mo
 Every value is type- and range-checked at load (an integer key holding a string, a zero head count,
 a NaN ``rms_eps``, a ``block_count`` that is not the number of ``blk.N`` layers present are each a
 ``ModelFileError`` naming the file and the key).
-Unsupported: per-layer head counts or expert sizes that differ between layers, RoPE scaling
-(``rope.scaling.type`` other than "none"), and ``rope.dimension_count`` != head_dim.
+RoPE scaling (``rope.scaling.type`` linear or yarn, with ``factor``, ``original_context_length`` and
+``attn_factor``) is applied as llama.cpp's ``rope_yarn`` applies it (``ModelSpec.rope_scale``).
+Unsupported: per-layer head counts or expert sizes that differ between layers, another RoPE scaling
+type, and ``rope.dimension_count`` != head_dim.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gguf import Keys as K
 from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.model.kernels import ForwardKernels
 from strata_core.model.metadata import Metadata, layers_present
+from strata_core.model.rope import RopeScaling
 from strata_core.model.spec import ModelSpec, Shape
 
 __all__ = ["Architecture"]
@@ -71,7 +74,7 @@ class Architecture:
             raise UnsupportedError(f"{path}: {a}.attention.value_length differs from key_length")
         if m.int(K.Rope.DIMENSION_COUNT, head_dim) != head_dim:
             raise UnsupportedError(f"{path}: partial RoPE ({a}.rope.dimension_count != head_dim) is not supported")
-        self.check_rope_scaling(m, path)
+        rope_scale = self.read_rope_scaling(m, path)
         n_experts = m.int(K.LLM.EXPERT_COUNT)
         n_used = m.int(K.LLM.EXPERT_USED_COUNT)
         if n_used > n_experts:
@@ -108,6 +111,7 @@ class Architecture:
             has_qk_norm=self.has_qk_norm,
             has_attn_bias=self.has_attn_bias,
             tied_embeddings="output.weight" not in tensors,
+            rope_scale=rope_scale,
         )
 
     def model(self, spec: ModelSpec, dense: Any, settings: Any = None) -> Any:
@@ -117,12 +121,18 @@ class Architecture:
         kernels = ForwardKernels() if settings is None else ForwardKernels.from_settings(settings)
         return self.forward(spec, dense, kernels)
 
-    def check_rope_scaling(self, m: Metadata, path: str) -> None:
-        """Reject RoPE scaling the forward does not apply (here: any); an architecture that applies
-        one (gpt-oss: YaRN) overrides this and reads the keys into its spec."""
-        if m.str(K.Rope.SCALING_TYPE, "none") not in ("none", "linear") or \
-                m.float(K.Rope.SCALING_FACTOR, 0.0, positive=False) not in (0.0, 1.0):
-            raise UnsupportedError(f"{path}: RoPE scaling ({self.name}.rope.scaling.*) is not supported")
+    def read_rope_scaling(self, m: Metadata, path: str) -> RopeScaling | None:
+        """The RoPE scaling the file asks for (``rope.scaling.type`` linear or yarn with a factor other
+        than 1; ``original_context_length`` defaults to ``context_length``), None for none; another
+        type is refused. An architecture that reads the keys into its own spec (gpt-oss) overrides this."""
+        kind = m.str(K.Rope.SCALING_TYPE, "none")
+        factor = m.float(K.Rope.SCALING_FACTOR, 0.0, positive=False) or 1.0
+        if kind not in ("none", "linear", "yarn"):
+            raise UnsupportedError(f"{path}: {self.name}.rope.scaling.type {kind!r} is not supported (none, linear, yarn)")
+        if kind == "none" or factor == 1.0:
+            return None
+        orig = m.int(K.Rope.SCALING_ORIG_CTX_LEN, m.int(K.LLM.CONTEXT_LENGTH), minimum=1)
+        return RopeScaling(kind, factor, orig, m.float(K.Rope.SCALING_ATTN_FACTOR, 1.0))
 
     # -- tensors: the spec's (each architecture's ModelSpec subclass knows its own) ---------------
     def global_tensors(self, spec: ModelSpec) -> dict[str, Shape]:

@@ -68,6 +68,8 @@ def why_not_fused(model, device: torch.device) -> str | None:
         return f"the {s.architecture} forward has layers of its own"
     if s.has_shared_expert:
         return "the model has a shared expert"
+    if s.rope_scale is not None:
+        return f"the fused kernels apply plain RoPE, the model asks for {s.rope_scale.kind} scaling"
     if not fused_decode_supported(s.head_dim):
         return f"no fused kernels for head dim {s.head_dim} (or no Triton)"
     return None

@@ -10,12 +10,14 @@ are multiplied by (the effective ``mscale``) is the architecture's business.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from strata_core.ops.matmul import batch_invariant
 
-__all__ = ["YARN_BETA_FAST", "YARN_BETA_SLOW", "apply_rope_interleaved", "scaled_inv_freq", "yarn_get_mscale"]
+__all__ = ["YARN_BETA_FAST", "YARN_BETA_SLOW", "RopeScaling", "apply_rope_interleaved", "scaled_inv_freq",
+           "yarn_get_mscale"]
 
 #: llama.cpp's hparams defaults (``yarn_beta_fast`` / ``yarn_beta_slow``), used unless an
 #: architecture's loader reads the GGUF keys (deepseek2's does not)
@@ -50,6 +52,29 @@ def scaled_inv_freq(dim: int, base: float, scaling: str = "none", factor: float 
     y = (torch.arange(dim // 2, dtype=torch.float32) - low) / max(0.001, high - low)
     ramp = 1.0 - y.clamp(0.0, 1.0)  # [dim/2]: 1 = extrapolate (high frequencies), 0 = interpolate
     return interp * (1 - ramp) + extrap * ramp
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """The RoPE scaling a GGUF asks for (``rope.scaling.type`` linear or yarn, ``.factor``,
+    ``.original_context_length``, ``.attn_factor``), applied as llama.cpp's ``rope_yarn`` applies it."""
+
+    kind: str  # "linear" or "yarn"
+    factor: float
+    orig_ctx: int
+    attn_factor: float = 1.0
+
+    def inv_freq(self, dim: int, base: float) -> torch.Tensor:
+        """``[dim / 2]`` float32 angle per position of each rotated pair."""
+        return scaled_inv_freq(dim, base, self.kind, self.factor, self.orig_ctx)
+
+    @property
+    def mscale(self) -> float:
+        """What cos and sin are multiplied by (YaRN's attention factor times ``attn_factor``)."""
+        return self.attn_factor * (yarn_get_mscale(self.factor) if self.kind == "yarn" else 1.0)
+
+    def describe(self) -> str:
+        return f"RoPE {self.kind} x{self.factor:g} (original context {self.orig_ctx})"
 
 
 def apply_rope_interleaved(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

@@ -4,9 +4,11 @@ torch-order shapes); an architecture's reader (``Architecture.spec_from_metadata
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from strata_core.model.rope import RopeScaling
 
 __all__ = ["ModelSpec", "Shape", "StateTensor"]
 
@@ -59,6 +61,8 @@ class ModelSpec:
     has_qk_norm: bool  # RMSNorm over head_dim on q and k before RoPE
     has_attn_bias: bool  # q/k/v projections carry biases
     tied_embeddings: bool  # no output.weight: the head reuses token_embd
+    #: the RoPE scaling the forward applies (None: plain RoPE); gpt-oss and deepseek2 keep their own fields
+    rope_scale: RopeScaling | None = field(default=None, kw_only=True)
 
     @property
     def has_shared_expert(self) -> bool:
@@ -70,8 +74,8 @@ class ModelSpec:
         return range(self.n_layers)
 
     def info_lines(self) -> list[str]:
-        """The architecture-specific lines of ``strata info`` (none here)."""
-        return []
+        """The architecture-specific lines of ``strata info`` (the RoPE scaling, if any)."""
+        return [self.rope_scale.describe()] if self.rope_scale is not None else []
 
     @property
     def q_size(self) -> int:

@@ -44,6 +44,17 @@ class MoEModel:
         #: per layer, the split of its prompt chunks' attention heads with a peer (``attention_peer``, set by
         #: the engine from the placement; head_split.py)
         self.head_splits: dict[int, HeadSplit] = {}
+        self._rope_freq: dict[torch.device, torch.Tensor] = {}  # a scaled RoPE's angles, made once per device
+
+    def rope_tables(self, device: torch.device, dim: int) -> tuple[torch.Tensor | None, float]:
+        """``(inv_freq [dim / 2], mscale)`` of the spec's RoPE scaling on ``device`` ((None, 1.0) for plain
+        RoPE); made once per device, before any graph capture reads them."""
+        scale = self.spec.rope_scale
+        if scale is None:
+            return None, 1.0
+        if device not in self._rope_freq:
+            self._rope_freq[device] = scale.inv_freq(dim, self.spec.rope_theta).to(device)
+        return self._rope_freq[device], scale.mscale
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """``tokens [T]`` -> hidden ``[T, H]`` on the embedding's device."""
@@ -115,14 +126,15 @@ class MoEModel:
         """``q``, ``k`` rotated at ``positions``; off the CPU the q/k norm and RoPE are fused per
         tensor (one kernel each on CUDA), on the CPU the norm was applied by ``qkv``."""
         s = self.spec
+        inv_freq, mscale = self.rope_tables(q.device, s.head_dim)
         if q.device.type != "cpu":
             w = self.weights.at(layer, q.device)
             q = norm_rope(q, positions, s.rope_theta, w["attn_q_norm.weight"] if s.has_qk_norm else None,
-                          s.rms_norm_eps, self.kernels.fused_norms)
+                          s.rms_norm_eps, self.kernels.fused_norms, inv_freq, mscale)
             k = norm_rope(k, positions, s.rope_theta, w["attn_k_norm.weight"] if s.has_qk_norm else None,
-                          s.rms_norm_eps, self.kernels.fused_norms)
+                          s.rms_norm_eps, self.kernels.fused_norms, inv_freq, mscale)
             return q, k
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta)  # [T, D]
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta, inv_freq, mscale)  # [T, D]
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,

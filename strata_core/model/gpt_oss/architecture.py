@@ -59,8 +59,8 @@ def _swa_layers(metadata: Mapping[str, Any], arch: str, n_layers: int, path: str
 class GptOssArchitecture(Architecture):
     """gpt-oss: the base tensors renamed and extended (see the module doc)."""
 
-    def check_rope_scaling(self, m: Metadata, path: str) -> None:
-        """gpt-oss applies its RoPE scaling (read in ``spec_from_metadata``): nothing to reject."""
+    def read_rope_scaling(self, m: Metadata, path: str) -> None:
+        """gpt-oss reads its RoPE scaling into its own fields (``spec_from_metadata``)."""
 
     def spec_from_metadata(self, metadata: Mapping[str, Any], tensors: Mapping[str, Any],
                            path: str) -> GptOssSpec:

@@ -62,7 +62,7 @@ class Qwen3NextModel(MoEModel):
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """NEOX RoPE over the first ``rope_dim`` dims of each head; the rest passes through."""
         r = self.spec.rope_dim
-        cos, sin = rope_cos_sin(positions, r, self.spec.rope_theta)  # [T, r]
+        cos, sin = rope_cos_sin(positions, r, self.spec.rope_theta, *self.rope_tables(q.device, r))  # [T, r]
         return tuple(torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1) for x in (q, k))
 
     def linear_attention(self, layer: int, x: torch.Tensor, kv: KVCache) -> torch.Tensor:
