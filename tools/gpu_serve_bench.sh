@@ -4,8 +4,8 @@
 # several client counts over --url; the same against an older tree's server (BEFORE: a copy of its
 # strata_core's parent folder, `git archive REV strata_core | tar -x -C .before`, git-ignored, carried);
 # `strata bench` decode at several sessions; llama.cpp's llama-batched-bench on the same file (LLAMACPP:
-# a copy of /work/shared/llamacpp-peer, git-ignored, carried; built niced in the background meanwhile,
-# STAGE=2 in a later call within the machine's idle window runs it). Results go to $OUT/serve-results.tgz
+# a copy of /work/shared/llamacpp-peer, git-ignored, carried; built niced in its own process session meanwhile,
+# which outlives the call; STAGE=2 in a later call within the machine's idle window waits for it, then runs it). Results go to $OUT/serve-results.tgz
 # after every step (a call past its limit still returns them): do not pipe the output through `tail`.
 #   RUNS="full half longprompt spec" bash tools/gpu_serve_bench.sh   # this tree's servers (after gpu_suite.sh)
 #   RUNS="before-half sessions" BEFORE=.before bash tools/gpu_serve_bench.sh
@@ -68,10 +68,10 @@ print('32K prompt:', r.status_code, r.json().get('timings', r.text[:200]))" > "$
   kill $PID; wait $PID 2> /dev/null
 }
 if [ "${STAGE:-1}" = 1 ]; then
-  if [ -n "${LLAMACPP:-}" ]; then
-    (OUT=/tmp/llamacpp-out JOBS=10 BUILD_BUDGET=0 nice -n 19 bash "$LLAMACPP/llamacpp.sh" env build > "$RES/llama-build.log" 2>&1 \
-     && nice -n 19 cmake --build /tmp/llama.cpp/build-cuda -j 10 --target llama-batched-bench >> "$RES/llama-build.log" 2>&1
-     step "llama.cpp built rc=$?") &
+  if [ -n "${LLAMACPP:-}" ]; then  # in its own session (setsid): a call's other processes die when it returns
+    setsid bash -c "OUT=/tmp/llamacpp-out JOBS=10 BUILD_BUDGET=0 nice -n 19 bash '$LLAMACPP/llamacpp.sh' env build \
+      && nice -n 19 cmake --build /tmp/llama.cpp/build-cuda -j 10 --target llama-batched-bench; echo \"llama.cpp built rc=\$?\"" \
+      > "$RES/llama-build.log" 2>&1 < /dev/null & echo $! > /tmp/llama-build.pid
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # the carried ninja builds the CPU kernels
@@ -99,7 +99,7 @@ if [ "${STAGE:-1}" = 1 ]; then
       > "$RES/bench-sessions.log" 2>&1; step "bench sessions rc=$?"; grep -E "^\|" "$RES/bench-sessions.log"
   fi
 else
-  while pgrep -f "llamacpp.sh|cmake --build" > /dev/null; do sleep 2; done
+  while [ -f /tmp/llama-build.pid ] && kill -0 "$(cat /tmp/llama-build.pid)" 2> /dev/null; do sleep 2; done  # the build STAGE 1 started
   tail -2 "$RES/llama-build.log"
   BB=/tmp/llama.cpp/build-cuda/bin/llama-batched-bench
   [ -x $BB ] && timeout 300 $BB -m $MODEL -ngl 99 -fa 1 -c 40960 -b 2048 -ub 512 -npp 1024 -ntg 128 -npl 1,8,32 \
