@@ -67,7 +67,7 @@ def kv_pools(settings: StrataSettings, spec: ModelSpec, dtype: torch.dtype) -> K
     allocated yet (``Engine`` gives each device slot's pool its layers)."""
     max_context = min(settings.max_context, spec.context_length)
     tokens = settings.kv_pool_tokens or settings.parallel * max_context
-    return KVPools.for_tokens(tokens, settings.kv_block, dtype, max_context)
+    return KVPools.for_tokens(tokens, settings.kv_block, dtype, max_context, settings.kv_type)
 
 
 def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtype:
@@ -163,7 +163,8 @@ class Engine:
         slots = {d.index: d for d in devices}
         dtype = _compute_dtype(settings, slots[placement.main].device)
         pools = kv_pools(settings, spec, dtype)
-        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, pools.n_blocks * pools.block_size)
+        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, pools.n_blocks * pools.block_size,
+                                             settings.kv_type)
         check_dense_budget(settings, dense_bytes)
         layer_devices: dict[int, set[torch.device]] = {}
         for phase in PHASES:

@@ -68,6 +68,8 @@ def why_not_fused(model, device: torch.device) -> str | None:
         return f"the {s.architecture} forward has layers of its own"
     if s.has_shared_expert:
         return "the model has a shared expert"
+    if model.kernels.kv_type != "auto":
+        return f"the KV cache stores {model.kernels.kv_type} rows (--kv-type), the fused kernels compute-dtype rows"
     if not fused_decode_supported(s.head_dim):
         return f"no fused kernels for head dim {s.head_dim} (or no Triton)"
     return None
