@@ -114,6 +114,7 @@ class KVCache:
                                                                         kv_type)
         #: the quantized format of the rows (None: float rows, read as tensors)
         self.kv_format = self.pools.kv_format
+        self._spec_layout = {i: dict(layout[i]) for i in layers}  # what the pools are given (they store it their way)
         self._layout = {i: stored_layout(layout[i], self.pools.kv_type, f"layer {i}: ") for i in layers}
         self._dtype = dtype
         self.can_truncate = all(t.per_token for i in layers for t in self._layout[i].values())
@@ -155,7 +156,7 @@ class KVCache:
 
     def _place_layer(self, layer: int, slot: int, device: torch.device | str) -> None:
         """Make ``slot``'s pool hold ``layer``'s rows and this cache hold a table there."""
-        self.pools.pool(slot, device).add_layer(layer, self._layout[layer])
+        self.pools.pool(slot, device).add_layer(layer, self._spec_layout[layer])
         self._table(slot)
 
     def _table(self, slot: int) -> list[int]:

@@ -41,9 +41,10 @@ __all__ = ["KV_TYPES", "LOGIT_TOLERANCE", "KVFormat", "QuantizedRows", "dequanti
 #: the values of ``--kv-type``
 KV_TYPES = ("auto", "bf16", "q8_0", "int8", "fp8")
 
-#: largest difference of a logit with q8_0 / int8 KV from the unquantized KV's, relative to the largest
-#: logit's magnitude, on the tiny test models (measured: see tests/test_kv_quant.py)
-LOGIT_TOLERANCE = 0.05
+#: How far the tiny test models' logits with a quantized KV may be from the unquantized KV's: per position the
+#: largest logit difference over the largest logit's magnitude; its median and 90th percentile over the
+#: positions of a prompt and decode steps for q8_0 and int8, its median for fp8 (tests/test_kv_quant.py).
+LOGIT_TOLERANCE = {"median": 0.025, "p90": 0.06, "fp8": 0.1}
 
 #: the suffix of a quantized row's scale tensor in the pool
 SCALE = "_scale"
