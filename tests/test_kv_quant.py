@@ -51,7 +51,7 @@ def test_a_round_trip_stays_within_half_a_step_of_its_group(rows, width, kv_type
     x = torch.randn(rows, 3, width, generator=torch.Generator().manual_seed(seed)) * magnitude
     x[0, 0] = 0.0  # an all-zero row: scale 0, codes 0, back to zeros
     codes, scales = quantize(x, fmt)
-    assert codes.dtype == fmt.codes and scales.dtype == fmt.scale and codes.shape == x.shape
+    assert codes.dtype == fmt.storage and scales.dtype == fmt.scale and codes.shape == x.shape
     groups = scales.shape[-1]
     assert groups == (width // 32 if kv_type == "q8_0" and width > 32 else 1)
     back = dequantize(codes, scales)
@@ -176,7 +176,10 @@ def test_every_attention_kind_over_quantized_kv_is_the_float_attention_over_its_
             outs.append([model.attention(i, h, positions, kv) for i in attention_layers])
             kv.advance(n)
         for layer, got, want in zip(attention_layers, *outs):
-            assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (spec.architecture, layer, (got - want).abs().max())
+            if spec.architecture == "deepseek2":  # a blocked softmax against the reference's one over all keys
+                assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), (layer, (got - want).abs().max())
+            else:  # the same key blocks, dequantized when read or before: the same bits
+                assert torch.equal(got, want), (spec.architecture, layer, (got - want).abs().max())
     assert all(isinstance(t, QuantizedRows) for t in caches[0].read(attention_layers[0], 8,
                                                                    *spec.layer_state(attention_layers[0])))
 
@@ -318,7 +321,7 @@ def test_a_snapshot_restores_codes_and_scales_exactly(tiny_model_factory, kv_typ
     snap = engine.save_session(a)
     stored = {i: a.kv.committed(i) for i in a.kv.layers}
     assert all(set(named) == {"k", "k_scale", "v", "v_scale"} for named in stored.values())
-    assert stored[0]["k"].dtype == kv_format(kv_type).codes
+    assert stored[0]["k"].dtype == kv_format(kv_type).storage
     want = engine.decode_window([(a, 4)])
     engine.release_session(a)
     b = engine.restore_session(snap)
