@@ -368,3 +368,26 @@ def test_a_bad_kv_type_is_a_clear_error(tiny_model_factory):
                                "q8_0")
     assert dense_bytes_per_device(wide, Placement(one, one), {0: DeviceSlot(0, torch.device("cpu"))}, torch.float32,
                                   64, "int8")
+
+
+# --- CUDA (the GPU suite) ------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kv_type", QUANTIZED)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_quantized_kv_on_cuda_is_within_the_tolerance_of_its_float_kv(tiny_model_factory, arch, kv_type):
+    """On a GPU (bf16 compute; decode windows replayed as graphs where they apply, the eager layers with
+    a quantized KV): prompts in chunks and batched decode windows within LOGIT_TOLERANCE of the bf16 KV."""
+    path = _path(arch, tiny_model_factory)
+    out = {}
+    for t in ("auto", kv_type):
+        engine = Engine.load(path, devices=["cuda:0"], max_context=512, kv_type=t, arena="pinned")
+        a, b = engine.new_session(), engine.new_session()
+        logits = [engine.prefill(a, PROMPT[:60], all_logits=True), engine.prefill(a, PROMPT[60:], all_logits=True),
+                  engine.prefill(b, PROMPT[:40], all_logits=True)]
+        logits += [engine.decode_window([(a, 5 + i), (b, 7 + i)]) for i in range(4)]
+        out[t] = torch.cat(logits).float().cpu()
+        engine.close()
+    deviation = _deviation(out[kv_type], out["auto"])
+    bound = LOGIT_TOLERANCE["fp8"] if kv_type == "fp8" else LOGIT_TOLERANCE["median"]
+    assert deviation.median().item() <= bound, deviation.median().item()
