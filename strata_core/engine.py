@@ -9,6 +9,7 @@ each checking its input before the runner sees it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -173,6 +174,8 @@ class Engine:
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = get_architecture(spec.architecture).model(spec, dense, settings)
+        if settings.kv_type == "bf16" and dtype == torch.bfloat16:  # the rows are the compute dtype's: as auto
+            model.kernels = dataclasses.replace(model.kernels, kv_type="auto")
         if model.splits_heads and spec.n_kv_heads >= 2:
             model.head_splits = _head_splits(placement, slots, spec)
         elif any(placed.attention_peer is not None for placed in placement.layers("prompt")):

@@ -239,6 +239,15 @@ def test_the_default_kv_is_stock(tiny_model_factory):
     assert "--kv-type" in why_not_fused(quantized.model, torch.device("cuda", 0))  # the fused kernels step aside
 
 
+def test_bf16_rows_under_bf16_compute_keep_the_fused_decode(tiny_model_factory):
+    path = tiny_model_factory(expert_type="Q8_0")
+    same = Engine.load(path, max_context=64, kv_type="bf16", dtype="bfloat16")
+    cast = Engine.load(path, max_context=64, kv_type="bf16")  # float32 compute on the CPU
+    assert same.model.kernels.kv_type == "auto" and cast.model.kernels.kv_type == "bf16"
+    for engine in (same, cast):
+        assert all(t.dtype == torch.bfloat16 for named in engine.kv_pools.pools[0].rows.values() for t in named.values())
+
+
 # --- bytes ---------------------------------------------------------------------------------------------------
 
 def test_kv_bytes_a_token_are_about_halved():
