@@ -320,6 +320,22 @@ def test_quantized_paged_logits_are_bit_identical_to_a_block_per_session(quantiz
     assert held(paged) == 0
 
 
+def test_quantized_logits_do_not_depend_on_the_chunks_or_the_batch(quantized_engines):
+    """On the CPU a row's logits are bit-identical however its prompt is chunked and whatever else its
+    decode window holds (each row quantized alone, key blocks of a fixed size)."""
+    engine = quantized_engines[0]
+    whole, pieces, other = engine.new_session(), engine.new_session(), engine.new_session()
+    want = engine.prefill(whole, PROMPT[:30], all_logits=True)
+    got = torch.cat([engine.prefill(pieces, PROMPT[i:j], all_logits=True) for i, j in ((0, 7), (7, 8), (8, 30))])
+    assert torch.equal(got, want)
+    engine.prefill(other, PROMPT[40:52])
+    alone = engine.decode_window([(whole, 5)])
+    together = engine.decode_window([(other, 9), (pieces, 5)])
+    assert torch.equal(together[1:], alone)
+    for session in (whole, pieces, other):
+        engine.release_session(session)
+
+
 @pytest.mark.parametrize("kv_type", QUANTIZED)
 def test_a_snapshot_restores_codes_and_scales_exactly(tiny_model_factory, kv_type):
     """The conversation cache's round trip: the snapshot holds the codes and scales as stored, a
