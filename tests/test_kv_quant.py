@@ -6,6 +6,7 @@ blocks, shared prefixes, hand-offs and snapshots moving codes and scales exactly
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from strata_core.model.kvquant import (FP8, LOGIT_TOLERANCE, QuantizedRows, dequ
 from strata_core.model.ops import masked_attention
 from strata_core.model.spec import StateTensor
 from strata_core.ops.mla import mla_blocked, mla_reference
+from strata_core.ops.qdecode import HAS_TRITON
 from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
 from strata_core.runtime.memory_plan import dense_bytes_per_device
 from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
@@ -416,3 +418,76 @@ def test_quantized_kv_on_cuda_is_within_the_tolerance_of_its_float_kv(tiny_model
     deviation = _deviation(out[kv_type], out["auto"])
     bound = LOGIT_TOLERANCE["fp8"] if kv_type == "fp8" else LOGIT_TOLERANCE["median"]
     assert deviation.median().item() <= bound, deviation.median().item()
+
+
+# --- the fused decode ops over quantized pools ------------------------------------------------------------
+
+def _quantized_pools(B: int, S: int, nkv: int, D: int, kv_type: str, block: int, seed: int):
+    """Key / value codes and scales of random rows, each session's blocks in a shuffled order, and the table."""
+    from test_decode_ops import _paged
+
+    fmt = kv_format(kv_type)
+    keys, values, table = _paged(B, S, nkv, D, seed, block)
+    (kc, ks), (vc, vs) = quantize(keys, fmt), quantize(values, fmt)
+    return kc, vc, ks, vs, table
+
+
+@pytest.mark.parametrize("kv_type", QUANTIZED)
+@pytest.mark.parametrize("D", [16, 64])
+def test_the_fused_decode_ops_quantize_as_the_cache_and_attend_over_the_dequantized_rows(kv_type, D):
+    from strata_core.ops.decode import decode_attention, rope_kv_write
+    from strata_core.ops.decode_q import decode_attention_q, rope_kv_write_q
+
+    B, nh, nkv, S = 3, 4, 2, 40
+    gen = torch.Generator().manual_seed(4)
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
+    qn, kn = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+    positions = torch.tensor([0, 17, S - 1])
+    kc, vc, ks, vs, blocks = _quantized_pools(B, S, nkv, D, kv_type, 8, 5)
+    floats = [torch.zeros(kc.shape) for _ in range(2)]
+    want_q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, *floats, blocks, None)
+    q = rope_kv_write_q(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, kc, vc, ks, vs, blocks, None)
+    assert torch.equal(q, want_q)
+    fmt = kv_format(kv_type)
+    for b, p in enumerate(positions.tolist()):
+        block, row = int(blocks[b, p // 8]), p % 8
+        for codes, scales, rows in ((kc, ks, floats[0]), (vc, vs, floats[1])):
+            want_codes, want_scales = quantize(rows[block, row], fmt)
+            assert torch.equal(codes[block, row], want_codes) and torch.equal(scales[block, row], want_scales)
+    got = decode_attention_q(q, positions, kc, vc, ks, vs, blocks, None)
+    want = decode_attention(q, positions, dequantize(kc, ks), dequantize(vc, vs), blocks, None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.library.opcheck(torch.ops.strata.decode_attention_q.default, (q, positions, kc, vc, ks, vs, blocks, None))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not HAS_TRITON,
+                    reason="needs TRITON_INTERPRET=1 and a CPU Triton (on CUDA: the test below)")
+@pytest.mark.parametrize("kv_type", ["q8_0", "int8"])
+@pytest.mark.parametrize(("D", "block"), [(16, 1), (32, 5), (64, 16), (128, 80)])
+def test_the_quantized_decode_kernels_match_the_references_under_the_interpreter(kv_type, D, block):
+    """The Triton kernels of rope_kv_write_q and decode_attention_q, run by Triton's interpreter on CPU
+    tensors through an address table: the codes and scales they write equal the reference's, bit for bit,
+    and what they attend equals the reference's within float rounding."""
+    from strata_core.ops import decode_q
+
+    B, nh, nkv, S = 3, 8, 2, 70
+    gen = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
+    qn, kn = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
+    positions = torch.tensor([0, 33, S - 1])
+    pools = _quantized_pools(B, S, nkv, D, kv_type, block, 3)
+    blocks = pools[-1]
+    mine = [t.clone() for t in pools[:4]]
+    table = decode_q.kv_table_q(*mine, list(blocks))
+    q = decode_q._rope_kv_q_cuda(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, *mine, None, table)
+    want_q = decode_q.rope_kv_write_q(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, *pools[:4], blocks, None)
+    torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
+    kc, vc, ks, vs = mine
+    assert torch.equal(vc, pools[1]) and torch.equal(vs, pools[3])  # v is copied: the same bits
+    # k is normed and rotated (the interpreter's RoPE tables round otherwise than torch's): a scale within
+    # rounding, a code at most one step off
+    torch.testing.assert_close(ks, pools[2], rtol=1e-5, atol=0)
+    assert (kc.int() - pools[0].int()).abs().max() <= 1
+    out = decode_q._attention_q_cuda(want_q, positions, *mine, None, table)
+    torch.testing.assert_close(out, decode_q.decode_attention_q(want_q, positions, *mine, blocks, None),
+                               rtol=1e-5, atol=1e-6)
