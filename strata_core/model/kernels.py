@@ -20,7 +20,7 @@ class ForwardKernels:
     token by token ("recurrent"); ``batch_invariant``: a decode row's logits do not depend on the other
     rows of its window (``--batch-invariant``: dense products padded to one row count, fixed attention
     splits, the MoE's per-pair kernels); ``kv_type``: how the KV pools store rows (``--kv-type``,
-    kvquant.py; anything but ``auto`` keeps decode off the fused kernels, which read compute-dtype rows)."""
+    kvquant.py; the fused decode reads ``auto`` rows and int8 / q8_0 codes, ops/decode_q.py)."""
 
     fused_norms: bool = True
     device_sdpa: bool = True
