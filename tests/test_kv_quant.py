@@ -364,13 +364,15 @@ def test_a_snapshot_restores_codes_and_scales_exactly(tiny_model_factory, kv_typ
     assert snap.nbytes == sum(t.numel() * t.element_size() for named in stored.values() for t in named.values())
 
 
-def test_hand_offs_move_codes_and_scales_and_match_single(tiny_model_factory):
-    """prefill_main on logical devices with a quantized KV: the hand-off copies codes and scales
-    (``--dbg-handoff`` compares every stored tensor), logits bit-identical to single's."""
+@given(at=st.integers(1, 3), kv_type=st.sampled_from(QUANTIZED))
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_hand_offs_move_codes_and_scales_and_match_single(tiny_model_factory, at, kv_type):
+    """prefill_main on logical devices with a quantized KV, split at any layer: the hand-off copies codes
+    and scales (``--dbg-handoff`` compares every stored tensor), logits bit-identical to single's."""
     path = tiny_model_factory(expert_type="Q8_0", n_layers=4)
     split = Engine.load(path, strategy="prefill_main", devices=["cpu", "cpu"], max_context=64, kv_block=4,
-                        strategy_options={"split": "2"}, dbg_handoff=True, kv_type="q8_0")
-    single = Engine.load(path, max_context=64, kv_block=4, kv_type="q8_0")
+                        strategy_options={"split": str(at)}, dbg_handoff=True, kv_type=kv_type)
+    single = Engine.load(path, max_context=64, kv_block=4, kv_type=kv_type)
     prompt = list(range(60, 71))
     results = []
     for engine in (split, single):
@@ -380,8 +382,8 @@ def test_hand_offs_move_codes_and_scales_and_match_single(tiny_model_factory):
         results.append((out, a.kv))
     (got, kv), (want, _) = results
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert kv.home == {0: 0, 1: 0, 2: 1, 3: 1} and split.kv_pools.used(1) > 0
-    assert set(split.kv_pools.pools[1].rows[2]) == {"k", "k_scale", "v", "v_scale"}
+    assert kv.home == {i: int(i >= at) for i in range(4)} and split.kv_pools.used(1) > 0
+    assert set(split.kv_pools.pools[1].rows[3]) == {"k", "k_scale", "v", "v_scale"}
 
 
 # --- errors ------------------------------------------------------------------------------------------------
