@@ -467,6 +467,9 @@ def test_the_fused_decode_ops_quantize_as_the_cache_and_attend_over_the_dequanti
     want = decode_attention(q, positions, dequantize(kc, ks), dequantize(vc, vs), blocks, None)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.library.opcheck(torch.ops.strata.decode_attention_q.default, (q, positions, kc, vc, ks, vs, blocks, None))
+    torch.library.opcheck(torch.ops.strata.rope_kv_write_q.default,
+                          (qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, kc.clone(), vc.clone(), ks.clone(), vs.clone(),
+                           blocks, None))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not HAS_TRITON,
