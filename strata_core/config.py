@@ -96,6 +96,11 @@ class StrataSettings(BaseSettings):
     kv_pool_tokens: int | None = Field(
         None, ge=1, description="tokens of paged KV per device slot, every session's blocks together (default: "
         "--parallel x --max-context); at least --max-context")
+    kv_type: Literal["auto", "bf16", "q8_0", "int8", "fp8"] = Field(
+        "auto", description="how the KV cache stores its rows: auto (the compute dtype), bf16, or quantized with "
+        "scales and dequantized by the attention a block of keys at a time: q8_0 (int8, a scale per 32 values), "
+        "int8 (a scale per kv head and token), fp8 (e4m3, a scale per kv head and token); the quantized types "
+        "take about half the bytes of bf16")
 
     # --- expert residency ----------------------------------------------------------------------
     arena: Literal["mmap", "pinned"] = Field("mmap", description="host copy of the expert weights")

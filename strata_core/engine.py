@@ -9,6 +9,7 @@ each checking its input before the runner sees it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -67,7 +68,7 @@ def kv_pools(settings: StrataSettings, spec: ModelSpec, dtype: torch.dtype) -> K
     allocated yet (``Engine`` gives each device slot's pool its layers)."""
     max_context = min(settings.max_context, spec.context_length)
     tokens = settings.kv_pool_tokens or settings.parallel * max_context
-    return KVPools.for_tokens(tokens, settings.kv_block, dtype, max_context)
+    return KVPools.for_tokens(tokens, settings.kv_block, dtype, max_context, settings.kv_type)
 
 
 def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtype:
@@ -163,7 +164,8 @@ class Engine:
         slots = {d.index: d for d in devices}
         dtype = _compute_dtype(settings, slots[placement.main].device)
         pools = kv_pools(settings, spec, dtype)
-        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, pools.n_blocks * pools.block_size)
+        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, pools.n_blocks * pools.block_size,
+                                             settings.kv_type)
         check_dense_budget(settings, dense_bytes)
         layer_devices: dict[int, set[torch.device]] = {}
         for phase in PHASES:
@@ -172,6 +174,8 @@ class Engine:
         report(0.02)
         dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
         model = get_architecture(spec.architecture).model(spec, dense, settings)
+        if settings.kv_type == "bf16" and dtype == torch.bfloat16:  # the rows are the compute dtype's: as auto
+            model.kernels = dataclasses.replace(model.kernels, kv_type="auto")
         if model.splits_heads and spec.n_kv_heads >= 2:
             model.head_splits = _head_splits(placement, slots, spec)
         elif any(placed.attention_peer is not None for placed in placement.layers("prompt")):

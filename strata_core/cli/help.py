@@ -30,7 +30,7 @@ __all__ = ["BRIEF", "GROUPS", "SHORTCUTS", "CommandParser", "HelpFormatter", "He
 #: the settings of each help group, in the order the groups are shown; a command's other options
 #: are in its "options" group
 GROUPS: dict[str, tuple[str, ...]] = {
-    "model": ("model", "dtype", "max_context", "kv_block", "kv_pool_tokens", "prefill_chunk"),
+    "model": ("model", "dtype", "max_context", "kv_block", "kv_pool_tokens", "kv_type", "prefill_chunk"),
     "placement": ("strategy", "devices", "strategy_options"),
     "experts": ("expert_cache", "expert_cache_gib", "vram_budget_gib", "arena", "expert_profile", "pin_limit_gib",
                 "reserve_mib", "pcie_frac", "adapt_swaps", "expert_cache_fill_all"),
@@ -44,8 +44,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
 
 #: options ``--help`` lists by flag only, after their group's others (``--help-all`` describes them)
 BRIEF = frozenset(GROUPS["debug"]) | {
-    "kv_block", "kv_pool_tokens", "prefill_chunk", "pin_limit_gib", "reserve_mib", "vram_budget_gib", "pcie_frac",
-    "adapt_swaps",
+    "kv_block", "kv_pool_tokens", "kv_type", "prefill_chunk", "pin_limit_gib", "reserve_mib", "vram_budget_gib",
+    "pcie_frac", "adapt_swaps",
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
     "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
@@ -56,7 +56,7 @@ SHORTCUTS = {"model": "m", "max-context": ["c", "ctx-size"], "max-tokens": "n", 
 
 #: metavars by field name, where the type's (``N``, ``X``, ``PATH``) says too little
 _METAVARS = {"host": "ADDR", "api_key": "KEY", "model_alias": "NAME", "strategy": "NAME", "strategy_options": "K=V", "file": "PATH",
-             "dtype": "TYPE"}
+             "dtype": "TYPE", "kv_type": "TYPE"}
 _TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 
 

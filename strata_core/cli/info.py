@@ -14,6 +14,8 @@ from strata_core.cli.settings import settings_with
 from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
 from strata_core.gguf.reader import GGUFFile
+from strata_core.errors import ConfigError
+from strata_core.model.kvquant import KV_TYPES, token_bytes
 from strata_core.model.registry import load_model_spec
 from strata_core.text.harmony import uses_harmony
 
@@ -49,7 +51,21 @@ def state_line(spec) -> str:
                 layouts[per_token][" + ".join(_layout(name, t) for name, t in part.items())] += 1
     shown = {k: "; ".join(f"{layout} x {n} layers" for layout, n in v.items()) for k, v in layouts.items()}
     extra = f", plus {_size(sizes[False])} of recurrent state per session ({shown[False]})" if sizes[False] else ""
-    return f"KV per token: {sizes[True]} bytes in bf16 ({shown[True]}){extra}"
+    return f"KV per token: {sizes[True]} bytes in bf16 ({shown[True]}){extra}\n{kv_types_line(spec)}"
+
+
+def kv_types_line(spec) -> str:
+    """KV bytes per token under each quantized ``--kv-type`` (codes and scales; kvquant.py), or why a type
+    cannot store the model's rows."""
+    parts = []
+    for kv_type in KV_TYPES[2:]:
+        try:
+            total = sum(token_bytes(spec.layer_state(layer), kv_type) for layer in range(spec.n_layers))
+        except ConfigError as error:
+            parts.append(f"{kv_type} n/a ({error})")
+            continue
+        parts.append(f"{kv_type} {total}")
+    return "KV per token by --kv-type: " + ", ".join(parts) + " bytes"
 
 
 def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:

@@ -22,8 +22,11 @@ copy is 2), built once per (layer, device) at load by :func:`place_q8_copies` an
 with the dense part before the expert cache is sized; the float copies stay for prompts and the eager
 paths.
 
+A quantized KV (``--kv-type q8_0`` or ``int8``) goes through the ``strata::`` ops of
+strata_core/ops/decode_q.py instead, whose address tables also name the pools' scales (``[layers, B, 5]``).
+
 Applies to the plain Qwen-style ``MoEModel`` (no shared expert, no output bias) with a head dim
-the kernels serve; anything else takes the eager layer (``why_not_fused`` says why). On the CPU the
+the kernels serve and a KV they read; anything else takes the eager layer (``why_not_fused`` says why). On the CPU the
 same ops run their references, which is how CI checks this path against the eager loop.
 """
 
@@ -44,6 +47,7 @@ from strata_core.model.transformer import _MIN_WEIGHT_SUM, MoEModel  # llama.cpp
 from strata_core.model.weights import dense_product, q8_sources
 from strata_core.ops.decode import (INVARIANT_SPLITS, add_rms_norm, decode_attention, fused_decode_supported,
                                     rope_kv_write, route_topk)
+from strata_core.ops.decode_q import decode_attention_q, fused_quantized_supported, rope_kv_write_q
 from strata_core.ops.dense_q8 import Q8Matrix
 from strata_core.plugin.placement import DeviceSlot, Placement
 from strata_core.runtime.session import Session
@@ -72,16 +76,23 @@ def why_not_fused(model, device: torch.device) -> str | None:
         return f"the fused kernels apply plain RoPE, the model asks for {s.rope_scale.kind} scaling"
     if not fused_decode_supported(s.head_dim):
         return f"no fused kernels for head dim {s.head_dim} (or no Triton)"
+    kv_type = model.kernels.kv_type
+    if kv_type != "auto" and not fused_quantized_supported(kv_type, s.head_dim):
+        return f"the fused kernels do not read the {kv_type} rows of the KV cache (--kv-type)"
     return None
 
 
-def _layer_pools(sessions: Sequence[Session], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _layer_pools(sessions: Sequence[Session], layer: int) -> tuple[torch.Tensor, ...]:
     """``layer``'s key and value pools (``[n_blocks, block_size, n_kv_heads, D]``), one for every session
-    of a window (their layer lives on one device slot)."""
+    of a window (their layer lives on one device slot), and their scales where the KV is quantized."""
     pools = [session.kv.pool_rows(layer) for session in sessions]
     if any(p["k"] is not pools[0]["k"] for p in pools):
         raise ValueError(f"the sessions of a decode window keep layer {layer} on different device slots")
-    return pools[0]["k"], pools[0]["v"]
+    return tuple(pools[0][name] for name in _POOL_NAMES if name in pools[0])
+
+
+#: a layer's pool tensors in the order of the address tables (the scales only where the KV is quantized)
+_POOL_NAMES = ("k", "v", "k_scale", "v_scale")
 
 
 def _block_tables(sessions: Sequence[Session], layer: int) -> torch.Tensor:
@@ -90,7 +101,8 @@ def _block_tables(sessions: Sequence[Session], layer: int) -> torch.Tensor:
 
 
 def kv_tables(sessions: Sequence[Session], layers: range) -> torch.Tensor:
-    """int64 ``[len(layers), B, 3]`` on the host: per layer and session the addresses of the layer's key
+    """int64 ``[len(layers), B, 3]`` on the host (``[..., 5]`` with a quantized KV: the key and value scales
+    after them): per layer and session the addresses of the layer's key
     and value pools and of the session's block table on that device slot: what the fused kernels read
     to reach the paged KV (each session's rows built once per version of its cache: a window of B
     sessions costs B lookups; a block table is refilled in place, so growing keeps its version)."""
@@ -101,15 +113,17 @@ _ADDRESSES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KVCache -
 
 
 def _addresses(kv, layers: range) -> torch.Tensor:
-    """int64 ``[len(layers), 3]``: ``kv``'s key pool, value pool and block table addresses of ``layers``."""
+    """int64 ``[len(layers), 3]``: ``kv``'s key pool, value pool and block table addresses of ``layers`` (and
+    the key and value scales', ``[len(layers), 5]``, where the KV is quantized)."""
     version, tables = _ADDRESSES.get(kv, (None, {}))
     if version != kv.version:
         tables = {}
         _ADDRESSES[kv] = (kv.version, tables)
     if layers not in tables:
         rows = [[kv.pool_rows(i)["k"].data_ptr(), kv.pool_rows(i)["v"].data_ptr(), kv.block_table(i).data_ptr()]
+                + [kv.pool_rows(i)[name].data_ptr() for name in _POOL_NAMES[2:] if name in kv.pool_rows(i)]
                 for i in layers]
-        tables[layers] = torch.tensor(rows, dtype=torch.int64).view(len(layers), 3)
+        tables[layers] = torch.tensor(rows, dtype=torch.int64).view(len(layers), -1)
     return tables[layers]
 
 
@@ -184,14 +198,14 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
     qkv = dense_product(x, weight, q8, invariant)  # [B, (nh + 2 nkv) D]
     if bias is not None:
         qkv = qkv + bias
-    keys, values = _layer_pools(sessions, layer)
+    pools = _layer_pools(sessions, layer)  # keys, values (and their scales: a quantized KV)
     # the CPU references read the block tables; CUDA kernels given ``table`` read it instead
     blocks = _block_tables(sessions, layer) if table is None or hidden.device.type != "cuda" else None
-    q = rope_kv_write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
-                      w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
-                      s.n_kv_heads, keys, values, blocks, table)  # [B, nh, D]
-    out = decode_attention(q, positions, keys, values, blocks, table,
-                           INVARIANT_SPLITS if invariant else 0)  # [B, nh D]
+    write, attend = (rope_kv_write, decode_attention) if len(pools) == 2 else (rope_kv_write_q, decode_attention_q)
+    q = write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
+              w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
+              s.n_kv_heads, *pools, blocks, table)  # [B, nh, D]
+    out = attend(q, positions, *pools, blocks, table, INVARIANT_SPLITS if invariant else 0)  # [B, nh D]
     hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer, invariant),
                              w["ffn_norm.weight"], eps)
     logits = model.weights.product(x, "ffn_gate_inp.weight", layer, invariant)  # [B, E]

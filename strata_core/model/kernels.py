@@ -19,13 +19,15 @@ class ForwardKernels:
     prompts through fla's kernel ("fla", where fla-core imports), ``delta_rule_chunked`` ("torch") or
     token by token ("recurrent"); ``batch_invariant``: a decode row's logits do not depend on the other
     rows of its window (``--batch-invariant``: dense products padded to one row count, fixed attention
-    splits, the MoE's per-pair kernels)."""
+    splits, the MoE's per-pair kernels); ``kv_type``: how the KV pools store rows (``--kv-type``,
+    kvquant.py; the fused decode reads ``auto`` rows and int8 / q8_0 codes, ops/decode_q.py)."""
 
     fused_norms: bool = True
     device_sdpa: bool = True
     mla_kernel: bool = True
     deltanet_chunked: Literal["fla", "torch", "recurrent"] = "fla"
     batch_invariant: bool = False
+    kv_type: str = "auto"
 
     @classmethod
     def from_settings(cls, settings: object) -> ForwardKernels:

@@ -29,6 +29,11 @@ recurrent state neither shares nor publishes (its state at a block boundary is n
 
 ``read(layer, n)`` gathers positions ``[0, n)`` into contiguous tensors (the eager and prompt
 attention, the CPU reference); the fused decode kernels read the pools through the block tables.
+
+Quantized KV (the pools' ``kv_type``, kvquant.py): the layout holds each per-token row as codes and
+scales; ``write`` quantizes, ``read`` gives ``QuantizedRows`` (codes and scales gathered, dequantized
+by the attention a key block at a time), and everything else (hand-offs, snapshots, restores,
+block copies) moves the stored codes and scales as they are.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from strata_core.model.kvpool import NULL_BLOCK, KVPoolFull, KVPools, PrefixEntry, blocks_for
+from strata_core.model.kvquant import SCALE, QuantizedRows, quantize, stored_layout
 from strata_core.model.spec import StateTensor
 from strata_core.runtime.devices import to_device
 
@@ -101,20 +107,24 @@ class KVCache:
     for up to ``max_tokens`` positions.
 
     :param pools: the engine's block pools (kvpool.py); None: pools of its own, sized for this one
-        cache, with blocks of ``block_size`` tokens.
+        cache, with blocks of ``block_size`` tokens, storing rows as ``kv_type`` says (kvquant.py).
     """
 
     def __init__(self, layers: range, max_tokens: int, layout: Mapping[int, Mapping[str, StateTensor]],
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                  homes: dict[int, tuple[int, torch.device]] | None = None, pools: KVPools | None = None,
-                 block_size: int = DEFAULT_BLOCK):
+                 block_size: int = DEFAULT_BLOCK, kv_type: str = "auto"):
         self.layers = layers
         self.max_tokens = max_tokens
         self.n_tokens = 0
-        self._layout = {i: dict(layout[i]) for i in layers}
+        self.pools = pools if pools is not None else KVPools.for_tokens(max_tokens, block_size, dtype, max_tokens,
+                                                                        kv_type)
+        #: the quantized format of the rows (None: float rows, read as tensors)
+        self.kv_format = self.pools.kv_format
+        self._spec_layout = {i: dict(layout[i]) for i in layers}  # what the pools are given (they store it their way)
+        self._layout = {i: stored_layout(layout[i], self.pools.kv_type, f"layer {i}: ") for i in layers}
         self._dtype = dtype
         self.can_truncate = all(t.per_token for i in layers for t in self._layout[i].values())
-        self.pools = pools if pools is not None else KVPools.for_tokens(max_tokens, block_size, dtype, max_tokens)
         self.block_size = self.pools.block_size
         self.max_blocks = blocks_for(max_tokens, self.block_size)
         self.released = False
@@ -144,19 +154,20 @@ class KVCache:
     def for_spec(cls, spec, max_tokens: int, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, layers: range | None = None,
                  homes: dict[int, tuple[int, torch.device]] | None = None, pools: KVPools | None = None,
-                 block_size: int = DEFAULT_BLOCK) -> KVCache:
+                 block_size: int = DEFAULT_BLOCK, kv_type: str = "auto") -> KVCache:
         """A cache for ``spec`` (a ModelSpec: ``layer_state`` gives each layer's tensors) holding
         ``layers`` (all if None), each layer on its ``homes`` entry (device slot, torch device) if
-        given, else on ``device`` as slot 0; in ``pools`` (None: its own, of ``block_size`` blocks)."""
+        given, else on ``device`` as slot 0; in ``pools`` (None: its own, of ``block_size`` blocks
+        storing ``kv_type`` rows)."""
         layers = layers if layers is not None else range(spec.n_layers)
         return cls(layers, max_tokens, {i: spec.layer_state(i) for i in layers}, device, dtype, homes, pools,
-                   block_size)
+                   block_size, kv_type)
 
     # --- storage ---------------------------------------------------------------------------------
 
     def _place_layer(self, layer: int, slot: int, device: torch.device | str) -> None:
         """Make ``slot``'s pool hold ``layer``'s rows and this cache hold a table there."""
-        self.pools.pool(slot, device).add_layer(layer, self._layout[layer])
+        self.pools.pool(slot, device).add_layer(layer, self._spec_layout[layer])
         self._table(slot)
 
     def _table(self, slot: int) -> list[int]:
@@ -194,19 +205,45 @@ class KVCache:
     # --- compute's view --------------------------------------------------------------------------
 
     def write(self, layer: int, positions: torch.Tensor, **rows: torch.Tensor) -> None:
-        """Store each named row tensor ``[T, ...]`` at ``positions [T]`` of ``layer`` (``k=..., v=...``);
-        the positions' blocks were made ready by ``reserve``."""
+        """Store each named row tensor ``[T, ...]`` at ``positions [T]`` of ``layer`` (``k=..., v=...``),
+        quantized where the pools store codes and scales; the positions' blocks were made ready by ``reserve``."""
+        if self.kv_format is not None:
+            stored = {}
+            for name, value in rows.items():
+                if name + SCALE in self._layout[layer]:
+                    stored[name], stored[name + SCALE] = quantize(value, self.kv_format)
+                else:
+                    stored[name] = value
+            rows = stored
+        self._store(layer, positions, rows)
+
+    def _store(self, layer: int, positions: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> None:
+        """Write stored tensors (rows, or codes and scales) ``[T, ...]`` at ``positions [T]`` as they are."""
         flat = self._flat(self.home[layer], positions)
         for name, value in rows.items():
             target = self._rows(layer, name)
             target[flat] = value.to(target.dtype)
 
-    def read(self, layer: int, n: int, *names: str) -> tuple[torch.Tensor, ...]:
+    def read(self, layer: int, n: int, *names: str) -> tuple[torch.Tensor | QuantizedRows, ...]:
         """Positions ``[0, n)`` of ``layer``'s rows ``names`` (default ``"k", "v"``), gathered from its
-        blocks into contiguous tensors ``[n, ...]`` (positions without a block read as zeros)."""
+        blocks into contiguous tensors ``[n, ...]`` (positions without a block read as zeros); a quantized
+        row as ``QuantizedRows`` (its codes and scales gathered, not dequantized)."""
+        names = names or ("k", "v")
+        if self.kv_format is None:
+            return self._gather(layer, n, names)
+        out = []
+        for name in names:
+            if name + SCALE in self._layout[layer]:
+                out.append(QuantizedRows(*self._gather(layer, n, (name, name + SCALE))))
+            else:
+                out.extend(self._gather(layer, n, (name,)))
+        return tuple(out)
+
+    def _gather(self, layer: int, n: int, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
+        """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored."""
         slot = self.home[layer]
         flat = self._flat(slot, torch.arange(n, device=self._device_tables[slot].device))
-        return tuple(self._rows(layer, name).index_select(0, flat) for name in (names or ("k", "v")))
+        return tuple(self._rows(layer, name).index_select(0, flat) for name in names)
 
     def block_table(self, layer: int) -> torch.Tensor:
         """int32 ``[max_blocks]`` block ids of ``layer``'s home slot, on its device (a fixed tensor,
@@ -416,7 +453,7 @@ class KVCache:
         ``tensors``, e.g. a parked set, instead of the live ones if given)."""
         if tensors is None:
             names = [name for name, t in self._layout[layer].items() if t.per_token]
-            rows = dict(zip(names, self.read(layer, self.n_tokens, *names))) if names else {}
+            rows = dict(zip(names, self._gather(layer, self.n_tokens, names))) if names else {}
             return {**rows, **self._state[layer]}
         return {name: t[:self.n_tokens] if self._layout[layer][name].per_token else t for name, t in tensors.items()}
 
@@ -450,7 +487,7 @@ class KVCache:
             device = self._device_tables[self.home[i]].device
             rows = {name: t[keep:].to(device) for name, t in named.items() if self._layout[i][name].per_token}
             if rows:
-                self.write(i, torch.arange(keep, snap.n_tokens, device=device), **rows)
+                self._store(i, torch.arange(keep, snap.n_tokens, device=device), rows)
             for name, t in named.items():
                 if not self._layout[i][name].per_token:
                     self._state[i][name].copy_(t)

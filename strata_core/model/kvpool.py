@@ -25,6 +25,9 @@ Sizing (``StrataSettings.kv_block`` and ``kv_pool_tokens``): ``kv_block`` tokens
 16); a pool of ``kv_pool_tokens`` tokens per device slot, by default ``parallel x max_context`` (what
 ``parallel`` contiguous sessions held before; sessions now take only the blocks they use, and
 shared prefixes once), rounded up to whole blocks, plus the null block.
+
+Storage (``StrataSettings.kv_type``, kvquant.py): the rows in the compute dtype (``auto``), as
+bfloat16, or quantized as codes plus scales, each of them one more pool tensor of the layer.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata_core.errors import BudgetError, RequestError
+from strata_core.model.kvquant import kv_format, stored_layout
 from strata_core.model.spec import StateTensor
 
 __all__ = ["BlockPool", "KVPoolFull", "KVPools", "PrefixEntry", "blocks_for"]
@@ -68,19 +72,23 @@ class PrefixEntry:
 class BlockPool:
     """The blocks of one device slot: storage per (layer, per-token state name), free list, refcounts."""
 
-    def __init__(self, slot: int, device: torch.device, n_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, slot: int, device: torch.device, n_blocks: int, block_size: int, dtype: torch.dtype,
+                 kv_type: str = "auto"):
         if n_blocks < 2:
             raise BudgetError(f"a KV pool needs at least one block besides the null block, got {n_blocks}")
         self.slot, self.device, self.n_blocks, self.block_size, self.dtype = slot, device, n_blocks, block_size, dtype
+        self.kv_type = kv_type
         self.rows: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [n_blocks, block_size, *shape]
         self.refs = [0] * n_blocks
         self.published: dict[int, PrefixEntry] = {}  # block id -> its index entry
         self._free = list(range(n_blocks - 1, NULL_BLOCK, -1))  # pop() hands out the lowest id first
 
     def add_layer(self, layer: int, layout: Mapping[str, StateTensor]) -> None:
-        """Storage for ``layer``'s per-token state (once; a layer already held is left as it is)."""
+        """Storage for ``layer``'s per-token state as ``kv_type`` stores it (once; a layer already held is
+        left as it is)."""
         if layer in self.rows:
             return
+        layout = stored_layout(layout, self.kv_type, f"layer {layer}: ")
         self.rows[layer] = {name: torch.zeros((self.n_blocks, self.block_size, *t.shape), device=self.device,
                                               dtype=t.dtype or self.dtype)
                             for name, t in layout.items() if t.per_token}
@@ -137,34 +145,39 @@ class BlockPool:
 class KVPools:
     """The block pools of one engine (one per device slot) and the index of published prefix blocks."""
 
-    def __init__(self, block_size: int, n_blocks: int, dtype: torch.dtype):
+    def __init__(self, block_size: int, n_blocks: int, dtype: torch.dtype, kv_type: str = "auto"):
         if block_size < 1:
             raise BudgetError(f"a KV block holds at least one token, got {block_size}")
         self.block_size, self.n_blocks, self.dtype = block_size, n_blocks, dtype
+        #: how the pools store rows (``--kv-type``) and its quantized format (None: float rows)
+        self.kv_type, self.kv_format = kv_type, kv_format(kv_type)
         self.pools: dict[int, BlockPool] = {}
         self.index: dict[int, PrefixEntry] = {}  # chained hash -> entry
 
     @classmethod
-    def for_tokens(cls, tokens: int, block_size: int, dtype: torch.dtype, max_tokens: int) -> KVPools:
+    def for_tokens(cls, tokens: int, block_size: int, dtype: torch.dtype, max_tokens: int,
+                   kv_type: str = "auto") -> KVPools:
         """Pools of ``tokens`` positions each (whole blocks, plus the null block); BudgetError naming
         both numbers when that is fewer than one session of ``max_tokens``."""
         if tokens < max_tokens:
             raise BudgetError(f"a KV pool of {tokens} tokens (--kv-pool-tokens) cannot hold one session of "
                               f"{max_tokens} tokens (--max-context); give it at least {max_tokens}")
-        return cls(block_size, blocks_for(tokens, block_size) + 1, dtype)
+        return cls(block_size, blocks_for(tokens, block_size) + 1, dtype, kv_type)
 
     def pool(self, slot: int, device: torch.device | str) -> BlockPool:
         """Device slot ``slot``'s pool (made on first use, on ``device``)."""
         if slot not in self.pools:
-            self.pools[slot] = BlockPool(slot, torch.device(device), self.n_blocks, self.block_size, self.dtype)
+            self.pools[slot] = BlockPool(slot, torch.device(device), self.n_blocks, self.block_size, self.dtype,
+                                         self.kv_type)
         return self.pools[slot]
 
     def log_sizes(self, devices: Mapping[int, object]) -> None:
         """Say each pool's size (blocks, tokens, layers, bytes)."""
         for slot, pool in sorted(self.pools.items()):
             log.info("KV pool of %s: %d blocks of %d tokens (%d tokens, the null block aside) for %d layers: "
-                     "%.3f GiB", devices[slot], pool.n_blocks - 1, pool.block_size,
-                     (pool.n_blocks - 1) * pool.block_size, len(pool.rows), pool.nbytes / 2 ** 30)
+                     "%.3f GiB%s", devices[slot], pool.n_blocks - 1, pool.block_size,
+                     (pool.n_blocks - 1) * pool.block_size, len(pool.rows), pool.nbytes / 2 ** 30,
+                     "" if self.kv_type == "auto" else f" (--kv-type {self.kv_type})")
 
     # --- the prefix index -------------------------------------------------------------------------
 

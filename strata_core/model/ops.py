@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from strata_core.model.kvquant import QuantizedRows
 from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
 from strata_core.ops.matmul import matmul
 
@@ -89,10 +90,15 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     position are given (the chunk, the batch, the capacity: what the CPU path relies on), and a
     caller may give only the blocks up to its last query (``MoEModel.masked_context``). Elsewhere one product over all S, with no host read (a
     captured decode window runs it).
+
+    Quantized keys and values (``QuantizedRows``, kvquant.py) take the blocked form on every device,
+    each key block dequantized to ``q``'s dtype as it is read (never the whole cache at once).
     """
     T, nh, D = q.shape
     S, nkv = keys.shape[0], keys.shape[1]
     rep = nh // nkv
+    if isinstance(keys, QuantizedRows):
+        return _quantized_attention(q, keys, values, positions, window, sinks)
     keys = keys.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
     values = values.to(q.dtype).transpose(0, 1)  # [nkv, S, D]
     rows = q.reshape(T, nkv, rep, D).permute(1, 2, 0, 3).reshape(nkv, rep * T, D)  # row r*T + t: head kv*rep + r
@@ -124,14 +130,45 @@ def _blocked_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                        window: int | None, sink: torch.Tensor | None) -> torch.Tensor:
     """``masked_attention``'s CPU form: float32 ``[nkv, R, D]``, the key blocks of ``ATTN_BLOCK`` merged by an
     online softmax (the caller reads the keys only up to the blocks its queries see: ``masked_context``)."""
+    return _online_softmax(rows, keys.shape[1], lambda first: (keys[:, first:first + ATTN_BLOCK],
+                                                               values[:, first:first + ATTN_BLOCK]),
+                           positions, window, sink)
+
+
+def _quantized_attention(q: torch.Tensor, keys: QuantizedRows, values: QuantizedRows, positions: torch.Tensor,
+                         window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """``masked_attention`` over quantized rows: the blocked form, each block of ``ATTN_BLOCK`` keys and
+    values dequantized to ``q``'s dtype when the online softmax reaches it: ``[T, nh*D]``."""
+    T, nh, D = q.shape
+    S, nkv = keys.shape[0], keys.shape[1]
+    rep = nh // nkv
+    rows = q.reshape(T, nkv, rep, D).permute(1, 2, 0, 3).reshape(nkv, rep * T, D)  # row r*T + t: head kv*rep + r
+    row_positions = positions.repeat(rep)  # [rep*T]
+    sink = None if sinks is None else sinks.float().view(nkv, rep, 1, 1).expand(nkv, rep, T, 1).reshape(nkv, rep * T, 1)
+
+    def block(first: int) -> tuple[torch.Tensor, torch.Tensor]:
+        last = min(S, first + ATTN_BLOCK)
+        return (keys.rows(first, last, q.dtype).transpose(0, 1),  # [nkv, b, D]
+                values.rows(first, last, q.dtype).transpose(0, 1))
+
+    out = _online_softmax(rows, S, block, row_positions, window, sink)  # [nkv, rep*T, D]
+    return out.to(q.dtype).view(nkv, rep, T, D).permute(2, 0, 1, 3).reshape(T, nh * D)  # [T, nh*D]
+
+
+def _online_softmax(rows: torch.Tensor, S: int, block, positions: torch.Tensor, window: int | None,
+                    sink: torch.Tensor | None) -> torch.Tensor:
+    """Float32 ``[nkv, R, D]``: the attention of ``rows [nkv, R, D]`` over ``S`` keys given by ``block(first)
+    -> (keys, values) [nkv, b, D]`` for the blocks of ``ATTN_BLOCK`` starting at ``first``, merged by an
+    online softmax; ``sink [nkv, R, 1]`` joins the denominator only."""
     top = total = acc = None
-    for first in range(0, keys.shape[1], ATTN_BLOCK):
-        scores = _masked_scores(rows, keys[:, first:first + ATTN_BLOCK], positions, first, window)  # [nkv, R, b]
+    for first in range(0, S, ATTN_BLOCK):
+        keys, values = block(first)
+        scores = _masked_scores(rows, keys, positions, first, window)  # [nkv, R, b]
         block_top = scores.amax(dim=-1, keepdim=True)  # [nkv, R, 1]
         new_top = block_top if top is None else torch.maximum(top, block_top)
         shift = new_top.nan_to_num(0.0, 0.0, 0.0)  # a row that sees no key yet: every term exp(-inf) = 0
         weights = torch.exp(scores - shift)  # [nkv, R, b]
-        part = matmul(weights.to(rows.dtype), values[:, first:first + ATTN_BLOCK]).float()  # [nkv, R, D]
+        part = matmul(weights.to(rows.dtype), values).float()  # [nkv, R, D]
         if top is None:
             total, acc = weights.sum(dim=-1, keepdim=True), part
         else:

@@ -140,7 +140,12 @@ class MoEModel:
     def attend(self, layer: int, q: torch.Tensor, positions: torch.Tensor, kv: KVCache, n_ctx: int | None,
                static: bool) -> torch.Tensor:
         """``[T, nh*D]``: causal attention of ``q [T, nh, D]`` over the layer's cached K/V (see ``attention``);
-        a prompt chunk's heads split with a peer where ``head_splits`` says so (equal output)."""
+        a prompt chunk's heads split with a peer where ``head_splits`` says so (equal output). A quantized
+        cache (kvquant.py) takes the masked attention on every device, dequantizing a key block at a time,
+        with every head on the layer's device."""
+        if kv.kv_format is not None:
+            keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # QuantizedRows
+            return masked_attention(q, keys, values, positions)
         if q.device.type != "cpu" and self.kernels.device_sdpa:  # flash / cuDNN / memory-efficient kernels
             if static:
                 n_ctx = kv.max_tokens

@@ -36,7 +36,7 @@ from torch import Tensor
 from strata_core.ops.matmul import matmul
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 
-__all__ = ["mla_attention", "mla_reference"]  # and mla_triton where Triton is installed
+__all__ = ["mla_attention", "mla_blocked", "mla_reference"]  # and mla_triton where Triton is installed
 
 
 def mla_reference(q_lat: Tensor, q_rope: Tensor, latent: Tensor, rope: Tensor, positions: Tensor,
@@ -49,6 +49,36 @@ def mla_reference(q_lat: Tensor, q_rope: Tensor, latent: Tensor, rope: Tensor, p
     visible = torch.arange(S, device=positions.device)[None, :] <= positions[:, None]  # [T, S]
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")).float(), dim=-1)  # [nh, T, S]
     return matmul(probs.to(latent.dtype), latent).contiguous()  # [nh, T, C] (the CPU's matmul pads rows)
+
+
+def mla_blocked(q_lat: Tensor, q_rope: Tensor, latent, rope, positions: Tensor, scale: float,
+                block: int = 256) -> Tensor:
+    """``mla_attention`` over a quantized cache (``latent``, ``rope``: ``QuantizedRows`` of ``[S, C]``, ``[S, r]``,
+    kvquant.py) on any device: ``[nh, T, C]`` in ``q_lat``'s dtype. The rows go in blocks of ``block``
+    positions, each dequantized to ``q_lat``'s dtype when it is read and merged by an online softmax in
+    float32 (no dequantized copy of the whole cache)."""
+    nh, T, C = q_lat.shape
+    S = latent.shape[0]
+    query = torch.cat((q_lat, q_rope), dim=-1)  # [nh, T, C + r]
+    top = total = acc = None
+    for first in range(0, S, block):
+        last = min(S, first + block)
+        lat = latent.rows(first, last, q_lat.dtype)  # [b, C]
+        keys = torch.cat((lat, rope.rows(first, last, q_lat.dtype)), dim=-1)  # [b, C + r]
+        scores = (matmul(query, keys.T) * scale).float()  # [nh, T, b]
+        visible = torch.arange(first, last, device=positions.device)[None, :] <= positions[:, None]  # [T, b]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        new_top = scores.amax(-1, keepdim=True) if top is None else torch.maximum(top, scores.amax(-1, keepdim=True))
+        shift = new_top.nan_to_num(0.0, 0.0, 0.0)  # a row that sees no key yet: every term exp(-inf) = 0
+        weights = torch.exp(scores - shift)  # [nh, T, b]
+        part = matmul(weights.to(q_lat.dtype), lat).float()  # [nh, T, C]
+        if top is None:
+            total, acc = weights.sum(-1, keepdim=True), part
+        else:
+            rescale = torch.exp(top - shift)
+            total, acc = total * rescale + weights.sum(-1, keepdim=True), acc * rescale + part
+        top = new_top
+    return (acc / total).to(q_lat.dtype).contiguous()
 
 
 def _mla_fake(q_lat, q_rope, latent, rope, positions, scale):

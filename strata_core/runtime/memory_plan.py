@@ -6,18 +6,20 @@ import math
 
 import torch
 
+from strata_core.model.kvquant import stored_layout
 from strata_core.model.registry import get_architecture
 from strata_core.model.spec import ModelSpec
 from strata_core.plugin.placement import PHASES, DeviceSlot, Placement
 
 
 def dense_bytes_per_device(spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot], dtype: torch.dtype,
-                           kv_tokens: int) -> dict[torch.device, int]:
+                           kv_tokens: int, kv_type: str = "auto") -> dict[torch.device, int]:
     """Bytes of dequantized dense weights plus the paged KV (rows for ``kv_tokens`` positions: a device
     slot's block pool, every session's blocks together) on each torch device of ``placement``: the
     embedding and head on the main slot's device; a layer's weights once per torch device computing
     it, its KV rows once per device slot computing it (in either phase: a hand-off keeps both copies).
-    Recurrent state (one copy per session) is counted once."""
+    Recurrent state (one copy per session) is counted once. ``kv_type``: how the pools store the rows
+    (kvquant.py; a ConfigError where a layer's rows cannot be stored so)."""
     arch = get_architecture(spec.architecture)
     item = torch.empty((), dtype=dtype).element_size()
     sizes: dict[torch.device, int] = {slots[i].device: 0 for i in placement.devices_used()}
@@ -27,5 +29,6 @@ def dense_bytes_per_device(spec: ModelSpec, placement: Placement, slots: dict[in
     for layer, device in weights_on:
         sizes[device] += sum(math.prod(shape) for shape in arch.layer_tensors(spec, layer).values()) * item
     for layer, slot in kv_on:
-        sizes[slots[slot].device] += sum(t.nbytes(kv_tokens, dtype) for t in spec.layer_state(layer).values())
+        stored = stored_layout(spec.layer_state(layer), kv_type, f"{spec.architecture} layer {layer}: ")
+        sizes[slots[slot].device] += sum(t.nbytes(kv_tokens, dtype) for t in stored.values())
     return sizes

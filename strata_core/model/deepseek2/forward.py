@@ -32,12 +32,13 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.model.deepseek2.spec import DeepseekSpec
 from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
+from strata_core.model.kvquant import QuantizedRows
 from strata_core.model.ops import rms_norm
 from strata_core.model.rope import apply_rope_interleaved, scaled_inv_freq
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.matmul import batch_invariant, linear, matmul
-from strata_core.ops.mla import mla_attention, mla_reference
+from strata_core.ops.mla import mla_attention, mla_blocked, mla_reference
 
 __all__ = ["DeepseekModel", "swiglu"]
 
@@ -94,7 +95,10 @@ class DeepseekModel(MoEModel):
             n_ctx = kv.max_tokens
         elif n_ctx is None:
             n_ctx = int(positions.max()) + 1
-        if on_cpu or static or T <= ABSORBED_MAX_ROWS or not self.kernels.device_sdpa:
+        if kv.kv_format is not None:  # quantized (kvquant.py): dequantized a key block at a time
+            out = self._absorbed(w, q_nope, q_rope, positions,
+                                 kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static), "latent", "rope"))
+        elif on_cpu or static or T <= ABSORBED_MAX_ROWS or not self.kernels.device_sdpa:
             out = self._absorbed(w, q_nope, q_rope, positions, kv.read(layer, n_ctx, "latent", "rope"))
         else:
             out = self._expanded(w, q_nope, q_rope, kv.read(layer, n_ctx, "latent", "rope"))
@@ -110,11 +114,14 @@ class DeepseekModel(MoEModel):
 
     def _absorbed(self, w: dict[str, torch.Tensor], q_nope: torch.Tensor, q_rope: torch.Tensor,
                   positions: torch.Tensor, cached: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """``[T, nh, v]``: MQA over the latent cache (``cached``: latent ``[S, C]``, rope ``[S, r]``),
-        causal by ``positions``."""
-        latent, rope = (t.to(q_nope.dtype) for t in cached)
+        """``[T, nh, v]``: MQA over the latent cache (``cached``: latent ``[S, C]``, rope ``[S, r]``; or both
+        ``QuantizedRows``: ``mla_blocked``), causal by ``positions``."""
         k_b, v_b = self._kv_b(w)
         q_abs = matmul(q_nope.transpose(0, 1), k_b.transpose(1, 2))  # [nh, T, C]
+        if isinstance(cached[0], QuantizedRows):
+            attended = mla_blocked(q_abs, q_rope.transpose(0, 1), *cached, positions, self.spec.kq_scale)
+            return matmul(attended, v_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, v]
+        latent, rope = (t.to(q_nope.dtype) for t in cached)
         attend = mla_attention if self.kernels.mla_kernel else mla_reference  # ForwardKernels.mla_kernel
         attended = attend(q_abs, q_rope.transpose(0, 1), latent, rope, positions, self.spec.kq_scale)  # [nh, T, C]
         return matmul(attended, v_b.transpose(1, 2)).transpose(0, 1)  # [T, nh, v]

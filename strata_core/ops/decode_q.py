@@ -1,0 +1,339 @@
+"""The fused decode step's KV ops over a quantized paged KV (``--kv-type q8_0|int8|fp8``, model/kvquant.py).
+
+The same contract as ``strata::rope_kv_write`` and ``strata::decode_attention`` (ops/decode.py), with
+each pool beside its scales: ``key_pool`` / ``value_pool`` hold the codes ``[n_blocks, block_size,
+n_kv_heads, D]`` (int8, or fp8 e4m3's bytes as uint8) and ``key_scales`` / ``value_scales`` the scales
+``[n_blocks, block_size, n_kv_heads, G]`` (G groups of ``D / G`` values a row: float16 for q8_0,
+float32 for int8 and fp8):
+
+- ``rope_kv_write_q(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool,
+  value_pool, key_scales, value_scales, block_table, table) -> q [B, n_heads, D]``: as
+  ``rope_kv_write``, the k and v rows (rounded to the compute dtype first, as the eager path's are)
+  quantized as ``kvquant.quantize`` does before they are stored;
+- ``decode_attention_q(q, positions, key_pool, value_pool, key_scales, value_scales, block_table, table,
+  splits=0) -> [B, n_heads * D]``: as ``decode_attention``, each tile of keys and values dequantized
+  in registers (``codes * scale`` in float32, rounded to ``q``'s dtype: ``kvquant.dequantize``) as it
+  is loaded; no dequantized copy of the cache exists.
+
+``table`` (int64 ``[B, 5]``: key codes, value codes, session b's block table, key scales, value scales
+addresses; ``kv_table_q``) is how the CUDA kernels reach them, as in ops/decode.py. The CPU kernels are
+the references; the Triton kernels run on CUDA and under ``TRITON_INTERPRET=1`` on CPU tensors
+(tests/test_kv_quant.py). q8_0 and int8 codes are exact against the reference (IEEE divisions);
+the attention within float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from strata_core.model.kvquant import FP8, dequantize, quantize
+from strata_core.ops.decode import (_attention_splits, _BLOCK_N, _need_blocks, _paged_rows, _rms, _split_heads,
+                                    apply_rope, rope_cos_sin)
+from strata_core.ops.qdecode import HAS_TRITON, on_device
+
+__all__ = ["decode_attention_q", "fused_quantized_supported", "kv_table_q", "rope_kv_write_q"]
+
+
+def _format(codes: Tensor, scales: Tensor):
+    """The kvquant format of a pool of ``codes`` and ``scales``."""
+    from strata_core.model.kvquant import kv_format
+
+    if codes.dtype == torch.uint8:
+        return kv_format("fp8")
+    return kv_format("q8_0" if scales.dtype == torch.float16 else "int8")
+
+
+def _rope_kv_q_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
+                   eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor, value_pool: Tensor, key_scales: Tensor,
+                   value_scales: Tensor, block_table: Tensor | None, table: Tensor | None) -> Tensor:
+    block_table = _need_blocks(block_table)
+    fmt = _format(key_pool, key_scales)
+    q, k, v = _split_heads(qkv, n_heads, n_kv_heads)
+    if q_norm is not None:
+        q = _rms(q, q_norm, eps)
+    if k_norm is not None:
+        k = _rms(k, k_norm, eps)
+    cos, sin = rope_cos_sin(positions, q.shape[-1], theta)  # [B, D]
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    (kc, ks), (vc, vs) = quantize(k, fmt), quantize(v, fmt)
+    bs = key_pool.shape[1]
+    for b, p in enumerate(positions.tolist()):
+        block = int(block_table[b, p // bs])
+        key_pool[block, p % bs], key_scales[block, p % bs] = kc[b], ks[b]
+        value_pool[block, p % bs], value_scales[block, p % bs] = vc[b], vs[b]
+    return q.contiguous()
+
+
+def _attention_q_ref(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor, key_scales: Tensor,
+                     value_scales: Tensor, block_table: Tensor | None, table: Tensor | None, splits: int = 0) -> Tensor:
+    block_table = _need_blocks(block_table)
+    B, nh, D = q.shape
+    bs = key_pool.shape[1]
+    flat = [t.flatten(0, 1) for t in (key_pool, value_pool, key_scales, value_scales)]  # [n_blocks * bs, nkv, .]
+    out = []
+    for b, p in enumerate(positions.tolist()):
+        rows = _paged_rows(block_table.to(q.device), b, torch.arange(p + 1, device=q.device), bs)
+        kb = dequantize(flat[0][rows], flat[2][rows], q.dtype).float()  # [S, nkv, D]
+        vb = dequantize(flat[1][rows], flat[3][rows], q.dtype).float()
+        rep = nh // kb.shape[1]
+        kb = kb.transpose(0, 1).repeat_interleave(rep, dim=0)  # [nh, S, D]
+        vb = vb.transpose(0, 1).repeat_interleave(rep, dim=0)
+        scores = (q[b].float()[:, None, :] @ kb.transpose(1, 2))[:, 0] * D ** -0.5  # [nh, S]
+        probs = torch.softmax(scores, dim=-1)
+        out.append((probs[:, None, :] @ vb)[:, 0].reshape(nh * D))  # [nh*D]
+    return torch.stack(out).to(q.dtype) if out else q.new_empty((0, nh * D))
+
+
+def kv_table_q(key_pool: Tensor, value_pool: Tensor, key_scales: Tensor, value_scales: Tensor,
+               block_tables: Sequence[Tensor]) -> Tensor:
+    """int64 ``[B, 5]`` on the host: the key and value codes, each session's block table, the key and
+    value scales addresses."""
+    return torch.tensor([[key_pool.data_ptr(), value_pool.data_ptr(), t.data_ptr(), key_scales.data_ptr(),
+                          value_scales.data_ptr()] for t in block_tables], dtype=torch.int64).view(len(block_tables), 5)
+
+
+def _rope_kv_q_fake(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool, value_pool,
+                    key_scales, value_scales, block_table, table):
+    D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+    return qkv.new_empty((qkv.shape[0], n_heads, D))
+
+
+def _attention_q_fake(q, positions, key_pool, value_pool, key_scales, value_scales, block_table, table, splits=0):
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+rope_kv_write_q = torch.library.custom_op(
+    "strata::rope_kv_write_q", _rope_kv_q_ref, mutates_args=("key_pool", "value_pool", "key_scales", "value_scales"),
+    schema=("(Tensor qkv, Tensor positions, Tensor? q_norm, Tensor? k_norm, float theta, float eps, int n_heads, "
+            "int n_kv_heads, Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor(c!) key_scales, "
+            "Tensor(d!) value_scales, Tensor? block_table, Tensor? table) -> Tensor"))
+decode_attention_q = torch.library.custom_op(
+    "strata::decode_attention_q", _attention_q_ref, mutates_args=(),
+    schema=("(Tensor q, Tensor positions, Tensor key_pool, Tensor value_pool, Tensor key_scales, "
+            "Tensor value_scales, Tensor? block_table, Tensor? table, int splits=0) -> Tensor"))
+rope_kv_write_q.register_fake(_rope_kv_q_fake)
+decode_attention_q.register_fake(_attention_q_fake)
+
+#: the kv types the Triton kernels serve (fp8 needs float8 e4m3 in Triton: sm_89 and later)
+KERNEL_KV_TYPES = ("q8_0", "int8")
+
+
+def fused_quantized_supported(kv_type: str, head_dim: int) -> bool:
+    """Whether the CUDA kernels of this module serve a ``kv_type`` KV of ``head_dim`` (a power of two >= 16)."""
+    return HAS_TRITON and kv_type in KERNEL_KV_TYPES and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from strata_core.ops.decode import _attention_reduce_kernel
+    from strata_core.ops.dense import _norm_rope_halves
+
+    _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"  # False: the interpreter runs the kernels
+
+    @triton.jit
+    def _ptr(table, b, which, dt: tl.constexpr):
+        """Entry ``which`` of session b's row of the ``[B, 5]`` address table, as a pointer to ``dt``."""
+        return tl.load(table + b * 5 + which).to(tl.pointer_type(dt))
+
+    @triton.jit
+    def _codes_of(x, inv, QMAX: tl.constexpr):
+        """int8 codes of float32 ``x`` times ``inv``: halves away from zero (C's roundf), clamped to QMAX."""
+        y = x * inv
+        r = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
+        return tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
+
+    @triton.jit
+    def _store_quantized(a, c, codes, scales, row, srow, HALF: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr):
+        """Quantize a row's halves ``a``, ``c`` (float32 ``[HALF]``) and store codes at ``codes + row`` and its
+        scales at ``scales + srow``: one scale for the row (``GH`` 0) or ``GH`` groups of 32 in each half."""
+        i = tl.arange(0, HALF)
+        sdt = scales.dtype.element_ty
+        if GH == 0:
+            amax = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(c), axis=0))
+            d = tl.div_rn(amax, QMAX)
+            inv = tl.where(d > 0, tl.div_rn(1.0, d), 0.0)
+            tl.store(codes + row + i, _codes_of(a, inv, QMAX))
+            tl.store(codes + row + HALF + i, _codes_of(c, inv, QMAX))
+            tl.store(scales + srow, d.to(sdt))
+        else:
+            g = tl.arange(0, GH)
+            a2 = tl.reshape(a, (GH, 32))
+            c2 = tl.reshape(c, (GH, 32))
+            da = tl.div_rn(tl.max(tl.abs(a2), axis=1), QMAX)  # [GH]
+            dc = tl.div_rn(tl.max(tl.abs(c2), axis=1), QMAX)
+            ia = tl.where(da > 0, tl.div_rn(tl.full([GH], 1.0, tl.float32), da), 0.0)
+            ic = tl.where(dc > 0, tl.div_rn(tl.full([GH], 1.0, tl.float32), dc), 0.0)
+            tl.store(codes + row + i, tl.reshape(_codes_of(a2, ia[:, None], QMAX), (HALF,)))
+            tl.store(codes + row + HALF + i, tl.reshape(_codes_of(c2, ic[:, None], QMAX), (HALF,)))
+            tl.store(scales + srow + g, da.to(sdt))
+            tl.store(scales + srow + GH + g, dc.to(sdt))
+
+    @triton.jit
+    def _rope_kv_q_kernel(qkv, pos, qw, kw, q_out, table, n_heads, n_kv, eps, theta, log2_theta,
+                          D: tl.constexpr, HALF: tl.constexpr, QNORM: tl.constexpr, KNORM: tl.constexpr,
+                          BS: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr,
+                          SDT: tl.constexpr, LIBDEVICE: tl.constexpr):
+        """Program (b, head): q heads first, then kv heads (k normed and rotated, k and v quantized)."""
+        b = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        width = (n_heads + 2 * n_kv) * D
+        i = tl.arange(0, HALF)
+        p = tl.load(pos + b)
+        dt = q_out.dtype.element_ty
+        src = qkv + b * width + head * D
+        a = tl.load(src + i).to(tl.float32)
+        c = tl.load(src + HALF + i).to(tl.float32)
+        if head < n_heads:
+            a, c = _norm_rope_halves(a, c, qw, p.to(tl.float32), eps, theta, log2_theta, dt, D, HALF, QNORM,
+                                     LIBDEVICE)
+            dst = q_out + (b * n_heads + head) * D
+            tl.store(dst + i, a.to(dt))
+            tl.store(dst + HALF + i, c.to(dt))
+        else:
+            g = head - n_heads
+            a, c = _norm_rope_halves(a, c, kw, p.to(tl.float32), eps, theta, log2_theta, dt, D, HALF, KNORM,
+                                     LIBDEVICE)
+            block = tl.load(_ptr(table, b, 2, tl.int32) + p // BS).to(tl.int64)
+            at = (block * BS + p % BS) * n_kv + g
+            _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _ptr(table, b, 0, tl.int8), _ptr(table, b, 3, SDT),
+                             at * D, at * G, HALF, GH, QMAX)
+            vsrc = qkv + b * width + (n_heads + n_kv + g) * D
+            _store_quantized(tl.load(vsrc + i).to(tl.float32), tl.load(vsrc + HALF + i).to(tl.float32),
+                             _ptr(table, b, 1, tl.int8), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX)
+
+    @triton.jit
+    def _attention_q_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
+                                  REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                                  SPLITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, SDT: tl.constexpr,
+                                  IEEE: tl.constexpr):
+        """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b], each
+        tile of codes dequantized (codes x scale in float32, rounded to q's dtype) as it is loaded."""
+        b = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        s = tl.program_id(2)
+        n = tl.load(pos + b) + 1
+        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
+        start = s * per
+        end = tl.minimum(start + per, n)
+        r = tl.arange(0, RP)
+        d = tl.arange(0, D)
+        rows = b * n_heads + g * REP + r  # [RP] query heads of this group
+        keep = r < REP
+        dt = q.dtype.element_ty
+        qt = tl.load(q + rows[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)  # [RP, D]
+        kc = _ptr(table, b, 0, tl.int8)
+        vc = _ptr(table, b, 1, tl.int8)
+        bt = _ptr(table, b, 2, tl.int32)
+        ksc = _ptr(table, b, 3, SDT)
+        vsc = _ptr(table, b, 4, SDT)
+        m_i = tl.full([RP], float("-inf"), tl.float32)
+        l_i = tl.zeros([RP], dtype=tl.float32)
+        acc = tl.zeros([RP, D], dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_N):
+            t = t0 + tl.arange(0, BLOCK_N)
+            tm = t < end
+            block = tl.load(bt + t // BS, mask=tm, other=0).to(tl.int64)  # [BLOCK_N] block ids
+            head_row = (block * BS + t % BS)[:, None] * n_kv + g  # [BLOCK_N, 1]
+            at = head_row * D + d[None, :]  # [BLOCK_N, D]
+            sat = head_row * G + d[None, :] // (D // G)  # [BLOCK_N, D]: each value's scale
+            k = (tl.load(kc + at, mask=tm[:, None], other=0).to(tl.float32)
+                 * tl.load(ksc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
+            if IEEE:  # float32 products (float32 compute; the interpreter, whose bf16 dot is wrong)
+                sc = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                sc = tl.dot(qt, tl.trans(k))
+            sc = tl.where(tm[None, :], sc * scale, float("-inf"))  # [RP, BLOCK_N]
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            pr = tl.exp(sc - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(pr, axis=1)
+            v = (tl.load(vc + at, mask=tm[:, None], other=0).to(tl.float32)
+                 * tl.load(vsc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(dt).to(tl.float32), v.to(tl.float32),
+                                                    input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(pr.to(dt), v)
+            m_i = m_new
+        part = rows * SPLITS + s
+        tl.store(m_out + part, m_i, mask=keep)
+        tl.store(l_out + part, l_i, mask=keep)
+        tl.store(acc_out + part[:, None] * D + d[None, :], acc, mask=keep[:, None])
+
+    _SDT = {torch.float16: tl.float16, torch.float32: tl.float32}
+
+    def _check_q(dtype: torch.dtype, pools: Sequence[Tensor]) -> tuple[int, int, float]:
+        """``(G, GH, qmax)`` of int8 / q8_0 pools (ValueError naming what is wrong otherwise)."""
+        kp, vp, ks, vs = pools
+        D = kp.shape[-1]
+        G = ks.shape[-1]
+        ok = (kp.dtype == vp.dtype == torch.int8 and ks.dtype == vs.dtype and ks.dtype in _SDT
+              and kp.shape == vp.shape and ks.shape == vs.shape and kp.dim() == 4 and ks.shape[:3] == kp.shape[:3]
+              and all(t.is_contiguous() for t in pools) and (G == 1 or (ks.dtype == torch.float16 and D == 32 * G)))
+        if not ok:
+            raise ValueError(f"the quantized KV pools of one decode call must be contiguous int8 codes "
+                             f"[n_blocks, block_size, n_kv_heads, D] and scales [..., 1] or [..., D / 32] of one "
+                             f"shape each, got {kp.dtype} {tuple(kp.shape)}, {ks.dtype} {tuple(ks.shape)}")
+        return G, (D // 64 if G > 1 else 0), 127.0
+
+    def _device_table_q(pools: Sequence[Tensor], block_table: Tensor | None, device: torch.device) -> Tensor:
+        block_table = _need_blocks(block_table)
+        if block_table.device != device or block_table.dtype != torch.int32 or not block_table.is_contiguous():
+            raise ValueError("the block table of a CUDA decode call must be a contiguous int32 tensor on its device")
+        return kv_table_q(*pools, list(block_table)).pin_memory().to(device, non_blocking=True)
+
+    def _rope_kv_q_cuda(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,
+                        theta: float, eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor,
+                        value_pool: Tensor, key_scales: Tensor, value_scales: Tensor, block_table: Tensor | None,
+                        table: Tensor | None) -> Tensor:
+        B = qkv.shape[0]
+        D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
+        q = qkv.new_empty((B, n_heads, D))
+        if B == 0:
+            return q
+        pools = (key_pool, value_pool, key_scales, value_scales)
+        G, GH, qmax = _check_q(qkv.dtype, pools)
+        table = _device_table_q(pools, block_table, qkv.device) if table is None else table
+        with on_device(qkv.device):
+            _rope_kv_q_kernel[(B, n_heads + n_kv_heads)](
+                qkv.contiguous(), positions.contiguous(), q_norm if q_norm is not None else qkv,
+                k_norm if k_norm is not None else qkv, q, table, n_heads, n_kv_heads, eps, float(theta),
+                math.log2(theta), D=D, HALF=D // 2, QNORM=q_norm is not None, KNORM=k_norm is not None,
+                BS=key_pool.shape[1], G=G, GH=GH, QMAX=qmax, SDT=_SDT[key_scales.dtype], LIBDEVICE=_LIBDEVICE,
+                num_warps=1)
+        return q
+
+    def _attention_q_cuda(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor, key_scales: Tensor,
+                          value_scales: Tensor, block_table: Tensor | None, table: Tensor | None,
+                          splits: int = 0) -> Tensor:
+        B, nh, D = q.shape
+        out = q.new_empty((B, nh * D))
+        if B == 0:
+            return out
+        pools = (key_pool, value_pool, key_scales, value_scales)
+        G, _, _ = _check_q(q.dtype, pools)
+        nkv = key_pool.shape[2]
+        rep = nh // nkv
+        table = _device_table_q(pools, block_table, q.device) if table is None else table
+        splits = _attention_splits(B, nkv, splits)
+        m = torch.empty((B * nh * splits,), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty((B * nh * splits, D), dtype=torch.float32, device=q.device)
+        with on_device(q.device):
+            _attention_q_split_kernel[(B, nkv, splits)](
+                q.contiguous(), positions.contiguous(), table, m, l, acc, nh, nkv, D ** -0.5,
+                REP=rep, RP=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=_BLOCK_N, SPLITS=splits,
+                BS=key_pool.shape[1], G=G, SDT=_SDT[key_scales.dtype],
+                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, num_warps=4)
+            _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits, num_warps=1)
+        return out
+
+    rope_kv_write_q.register_kernel("cuda")(_rope_kv_q_cuda)
+    decode_attention_q.register_kernel("cuda")(_attention_q_cuda)
