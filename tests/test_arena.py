@@ -52,17 +52,3 @@ def test_the_pinned_fill_reports_its_progress_and_rate(weights, caplog):
         arena = Arena(weights, 3, 4, "pinned", progress=seen.append)
     assert arena.all_pinned and seen == sorted(seen) and seen[-1] == 1.0 and len(seen) == 3
     assert any("GB/s" in r.getMessage() and "threads" in r.getMessage() for r in caplog.records)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_a_pinned_layer_is_page_locked_in_place_and_copies_asynchronously(weights):
-    """Each pinned layer is its own buffer page-locked in place (not a block of torch's pinned
-    allocator, which rounds up to a power of two): pinned, exactly its size, and a non-blocking copy
-    to the device gives its bytes."""
-    arena = Arena(weights, 3, 4, "pinned")
-    for layer in range(3):
-        buf = arena.layer_buffer(layer)
-        assert buf.is_pinned() and buf.untyped_storage().nbytes() == buf.numel()
-        on_device = buf.to("cuda", non_blocking=True)
-        torch.cuda.synchronize()
-        assert torch.equal(on_device.cpu(), buf)

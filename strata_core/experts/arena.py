@@ -6,10 +6,9 @@ pinned`` copies them, layer by layer, into page-locked buffers laid out ``[n_exp
 layer is one contiguous buffer, so expert e of it starts at ``base + e * total``: a device kernel
 can address any expert of the layer from the base pointer and the stride alone (the decode gather,
 see gather.py). The layers past the cap stay mmap views and are moved through pinned staging
-buffers (see transfer.py). The layers are filled by ``FILL_THREADS`` threads at once (numpy's copy from
-the mapped file and page-locking release the GIL; one thread leaves most of the host's memory
-bandwidth unused), each layer copied into ordinary memory and then page-locked in place
-(``page_locked``); the log says the fill rate.
+buffers (see transfer.py). The layers are filled by ``FILL_THREADS`` threads at once (page-locking a
+buffer and numpy's copy from the mapped file both release the GIL; one thread leaves most of the
+host's memory bandwidth unused); the log says the fill rate.
 Without an accelerator the "pinned" copy is ordinary RAM (page-locking needs a device driver).
 """
 
@@ -19,7 +18,6 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -61,21 +59,6 @@ class ExpertFormat:
         (one expert, or ``[P, total]`` gathered experts) -> ``[..., g]``, ``[..., u]``, ``[..., d]``."""
         g, u, d = self.nbytes
         return packed[..., :g], packed[..., g:g + u], packed[..., g + u:g + u + d]
-
-
-def page_locked(buf: torch.Tensor) -> torch.Tensor:
-    """``buf`` (a host tensor over a numpy array) page-locked in place (``cudaHostRegister``), so copies
-    and device kernels read it as pinned memory; unregistered when the array is freed. torch's pinned
-    allocator would round each buffer up to a power of two (a 340 MB layer pins 512 MB) and page-lock
-    it before the copy; registering the filled pages pins exactly them. Where the driver refuses, a
-    copy into torch's pinned memory."""
-    array = buf.numpy()
-    cudart = torch.cuda.cudart()
-    if int(cudart.cudaHostRegister(array.ctypes.data, array.nbytes, 0)) != 0:
-        log.warning("arena: cudaHostRegister refused %d bytes; copying them into pinned memory", array.nbytes)
-        return buf.pin_memory()
-    weakref.finalize(array, cudart.cudaHostUnregister, array.ctypes.data)
-    return buf
 
 
 def can_pin() -> bool:
@@ -125,12 +108,12 @@ class Arena:
 
             def fill(layer: int) -> None:
                 fmt = self.formats[layer]
-                buf = torch.from_numpy(np.empty((self.n_experts, fmt.total), dtype=np.uint8))
+                buf = torch.empty((self.n_experts, fmt.total), dtype=torch.uint8, pin_memory=pin)
                 for expert in range(self.n_experts):  # numpy's copy: no OpenMP team left on this short-lived thread
                     b = self.weights.blocks(layer, expert)
                     for part, src in zip(fmt.split(buf[expert]), (b.gate, b.up, b.down)):
                         np.copyto(part.numpy(), src.numpy())
-                self._packed[layer] = page_locked(buf) if pin else buf
+                self._packed[layer] = buf
                 with lock:
                     done[0] += 1
                     bar.update(buf.numel())
