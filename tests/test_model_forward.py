@@ -144,14 +144,15 @@ def test_rope_scaling_comes_from_the_file_and_changes_the_logits(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_yarn_on_cuda_matches_the_cpu(tmp_path):
     """A YaRN model on CUDA (its RoPE through the torch formulas, decode not fused): the logits of a
-    prompt and of decode windows are the CPU's within bf16's tolerance."""
+    prompt and of decode windows are the CPU's, both in float32 (in bf16 this tiny model's routing flips:
+    bf16 against float32 differs by up to 1.0 on the CPU alone, scaled RoPE or not)."""
     from strata_core.engine import Engine
 
     write_gguf(tiny_hf_model("qwen3moe", seed=3, **CASES["qwen3moe-yarn"][1]), tmp_path / "yarn.gguf")
     tokens = TOKENS.tolist()
     results = []
     for devices in (["cpu"], ["cuda:0"]):
-        engine = Engine.load(tmp_path / "yarn.gguf", devices=devices, max_context=64)
+        engine = Engine.load(tmp_path / "yarn.gguf", devices=devices, max_context=64, dtype="float32")
         try:
             session = engine.new_session()
             prompt = engine.prefill(session, tokens[:16], all_logits=True).cpu()
@@ -159,4 +160,4 @@ def test_yarn_on_cuda_matches_the_cpu(tmp_path):
             results.append(torch.cat([prompt, torch.stack(steps)]))
         finally:
             engine.close()
-    assert (results[0] - results[1]).abs().max() <= 5e-2 * results[0].abs().max()
+    assert (results[0] - results[1]).abs().max() <= 1e-2
