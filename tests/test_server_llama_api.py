@@ -44,14 +44,27 @@ def test_x_api_key_is_an_alternative_to_bearer() -> None:
             assert denied.status_code == 401 and "X-Api-Key" in denied.json()["error"]["message"]
 
 
-def test_tokenize_with_pieces_gives_each_token_its_text(url: str) -> None:
+def test_tokenize_with_pieces_gives_each_token_its_own_piece(url: str) -> None:
+    """As llama-server: a token's piece is its text where its bytes are whole UTF-8, else their values."""
     text = "<|im_start|>héllo wörld"
     ids = httpx.post(f"{url}/tokenize", json={"content": text}).json()["tokens"]
     out = httpx.post(f"{url}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
     assert [t["id"] for t in out] == ids == FakeTokenizer().encode(text)
-    assert "".join(t["piece"] for t in out) == text
-    assert [t["piece"] for t in out[:4]] == ["<|im_start|>", "h", "", "é"]  # é is two byte tokens
+    assert [t["piece"] for t in out[:5]] == ["<|im_start|>", "h", [0xC3], [0xA9], "l"]  # é is two byte tokens
+    assert b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in (t["piece"] for t in out)) == text.encode()
     assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"content": "héllo wörld"}
+
+
+def test_tokenize_takes_llama_servers_other_fields(url: str) -> None:
+    out = httpx.post(f"{url}/tokenize", json={"content": "hi", "parse_special": True})
+    assert out.status_code == 200 and out.json()["tokens"] == FakeTokenizer().encode("hi")
+    assert httpx.post(f"{url}/detokenize", json={"tokens": out.json()["tokens"], "x": 1}).json() == {"content": "hi"}
+
+
+def test_health_body_has_no_error_key_while_serving(url: str) -> None:
+    """llama.cpp's clients take a body with an "error" key for a failure."""
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "slots_idle": 2, "slots_processing": 0,
+                                                  "requests_queued": 0, "progress": 1.0}
 
 
 def test_apply_template_gives_the_chat_prompt(url: str) -> None:

@@ -129,17 +129,19 @@ class LlamaServerController(Controller):
     tags = ["llama-server"]
 
     @post("/tokenize", operation_id="tokenize", status_code=200,
-          summary="Token ids of a text (with_pieces: each with its text)")
-    async def tokenize(self, data: JSONBody[s.TokenizeRequest],
+          summary="Token ids of a text (with_pieces: each with its piece)")
+    async def tokenize(self, request: Request, data: JSONBody[s.TokenizeRequest],
                        service: NamedDependency[GenerationService]) -> s.Tokens | s.TokenPieces:
+        service.check_fields(s.unknown_fields(await request.body(), s.TokenizeRequest))
         tokens = await service.tokenize(data.content, data.add_special)
         if not data.with_pieces:
             return s.Tokens(tokens)
         return s.TokenPieces([s.TokenPiece(t, piece) for t, piece in zip(tokens, await service.pieces(tokens))])
 
     @post("/detokenize", operation_id="detokenize", status_code=200, summary="The text of token ids")
-    async def detokenize(self, data: JSONBody[s.DetokenizeRequest],
+    async def detokenize(self, request: Request, data: JSONBody[s.DetokenizeRequest],
                          service: NamedDependency[GenerationService]) -> s.Content:
+        service.check_fields(s.unknown_fields(await request.body(), s.DetokenizeRequest))
         return s.Content(await service.detokenize(data.tokens))
 
     @post("/completion", operation_id="llamaCompletion", status_code=200,

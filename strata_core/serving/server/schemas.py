@@ -381,15 +381,17 @@ class Health(Struct):
     slots_processing: int
     requests_queued: int
     progress: float = 1.0  # of loading the model: 0 while it loads, 1 when it serves
-    error: str | None = None  # why the server no longer serves (status "error")
+    # why the server no longer serves: only with status "error" (llama-server's clients read a body
+    # with an "error" key as a failure)
+    error: str | msgspec.UnsetType = msgspec.UNSET
 
 
-class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+class TokenizeRequest(Struct, kw_only=True):
     """llama-server's ``/tokenize`` body."""
 
     content: str
     add_special: bool = False
-    with_pieces: bool = False  # each token with its text: TokenPieces
+    with_pieces: bool = False  # each token with its piece: TokenPieces
 
 
 class Tokens(Struct):
@@ -398,7 +400,7 @@ class Tokens(Struct):
 
 class TokenPiece(Struct):
     id: int
-    piece: str  # the text this token completes: the pieces of a text join to it
+    piece: str | list[int]  # the token's text, or its byte values where they are not whole UTF-8
 
 
 class TokenPieces(Struct):
@@ -407,7 +409,7 @@ class TokenPieces(Struct):
     tokens: list[TokenPiece]
 
 
-class DetokenizeRequest(Struct, forbid_unknown_fields=True):
+class DetokenizeRequest(Struct):
     """llama-server's ``/detokenize`` body."""
 
     tokens: list[int]

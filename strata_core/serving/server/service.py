@@ -23,6 +23,7 @@ from strata_core.errors import InvalidParamError, RequestError
 from strata_core.text.chat import ChatTemplate
 from strata_core.text.harmony import uses_harmony
 from strata_core.text.template_process import TemplateProcesses
+from strata_core.text.tokenizer import token_bytes
 from strata_core.serving.grammar import Grammars, TokenConstraint, server_grammar
 from strata_core.serving.requests import ContextLengthError, GenerationRequest
 from strata_core.serving.sampling import SamplingParams
@@ -226,16 +227,18 @@ class GenerationService:
         self._check_size(text, param)
         return await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    async def pieces(self, tokens: list[int]) -> list[str]:
-        """The text each of ``tokens`` completes, special tokens included, through the tokenizer's
-        stream decoder (a token that ends inside a character has ``""``, the one that completes it the
-        character), so the pieces join to the text; on a worker thread."""
+    async def pieces(self, tokens: list[int]) -> list[str | list[int]]:
+        """Each of ``tokens``' own piece, as llama-server gives it: its text where its bytes are whole
+        UTF-8 (special tokens included), else the list of its byte values (a token holding part of a
+        character); on a worker thread."""
 
-        def run() -> list[str]:
-            decoder = self.engine.tokenizer.stream_decoder(skip_special_tokens=False)
-            out = [decoder.push(t) for t in tokens]
-            if out:
-                out[-1] += decoder.flush()
+        def run() -> list[str | list[int]]:
+            out: list[str | list[int]] = []
+            for piece in token_bytes(self.engine.tokenizer.backend, tokens):
+                try:
+                    out.append(piece.decode())
+                except UnicodeDecodeError:
+                    out.append(list(piece))
             return out
 
         return await anyio.to_thread.run_sync(run)
