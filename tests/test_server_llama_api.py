@@ -21,13 +21,20 @@ def url() -> Iterator[str]:
         yield base
 
 
-@pytest.mark.parametrize(("path", "body"), [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                                            ("/completions", {"prompt": "hi"})])
-def test_openai_routes_answer_without_v1(url: str, path: str, body: dict) -> None:
-    root, v1 = (httpx.post(f"{url}{prefix}{path}", json={**body, "max_tokens": 6, "temperature": 0}).json()
-                for prefix in ("", "/v1"))
-    assert root["object"] == v1["object"]
+def test_openai_routes_answer_without_v1(url: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    root, v1 = (httpx.post(f"{url}{prefix}/chat/completions", json=body).json() for prefix in ("", "/v1"))
+    assert root["object"] == v1["object"] == "chat.completion"
     assert root["choices"][0] == v1["choices"][0] and root["usage"]["completion_tokens"] == 6
+
+
+def test_completions_without_v1_is_llama_servers_native_completion(url: str) -> None:
+    """As in llama-server: /completions is /completion; only /v1/completions is OpenAI's."""
+    body = {"prompt": "hi", "n_predict": 6, "temperature": 0}
+    native, plural = (httpx.post(f"{url}{path}", json=body).json() for path in ("/completion", "/completions"))
+    assert native["content"] == plural["content"] and plural["tokens_predicted"] == 6
+    openai = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 6}).json()
+    assert openai["object"] == "text_completion" and openai["choices"][0]["text"] == native["content"]
 
 
 def test_models_answer_without_v1(url: str) -> None:

@@ -3,7 +3,8 @@
 The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
 :class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. The OpenAI
-routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs). With an
+routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs), but for
+``/completions``, which is llama-server's native ``/completion`` there. With an
 API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
 KEY`` or ``X-Api-Key: KEY``; every route checks the ``Host`` header and that a body is JSON (see
 guards.py). ``--cors`` lets web pages of the origins it names call the API (no CORS headers without
@@ -97,11 +98,12 @@ def create_app(settings: StrataSettings, engine: Any = None,
             await loader.close()
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    openai_api = [ChatController, CompletionsController, ModelsController, ResponsesController, MessagesController]
+    openai_api = [ChatController, ModelsController, ResponsesController, MessagesController]
     return Litestar(
         route_handlers=[
-            Router("/v1", route_handlers=openai_api),
-            Router("/", route_handlers=openai_api, include_in_schema=False),  # llama-server also answers without /v1
+            Router("/v1", route_handlers=[*openai_api, CompletionsController]),
+            # llama-server also answers without /v1, except /completions: its native /completion there
+            Router("/", route_handlers=openai_api, include_in_schema=False),
             SystemController,
             LlamaServerController,
             *([chat_page] if settings.webui else []),

@@ -122,7 +122,7 @@ class ModelsController(Controller):
 
 
 class LlamaServerController(Controller):
-    """llama-server's routes: ``/completion``, ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``,
+    """llama-server's routes: ``/completion`` (and ``/completions``), ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``,
     ``/slots``."""
 
     path = "/"
@@ -144,8 +144,9 @@ class LlamaServerController(Controller):
         service.check_fields(s.unknown_fields(await request.body(), s.DetokenizeRequest))
         return s.Content(await service.detokenize(data.tokens))
 
-    @post("/completion", operation_id="llamaCompletion", status_code=200,
-          summary="Continue a prompt, llama-server's native form (SSE with stream=true)")
+    @post(["/completion", "/completions"], operation_id="llamaCompletion", status_code=200,
+          summary="Continue a prompt, llama-server's native form (SSE with stream=true); /completions without "
+          "/v1 is this one too, as in llama-server")
     async def native_completion(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
                                 service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
         service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
