@@ -209,6 +209,8 @@ class StrataSettings(BaseSettings):
                                "may name none)")
     n_predict: int = Field(-1, ge=-1, description="default max_tokens when a request sets none; -1 (or 0): until "
                            "the context is full (text completions: OpenAI's 16)")
+    seed: int | None = Field(None, ge=0, lt=2**64, description="sampling seed of every request that sets none, as "
+                             "llama-server's --seed (default: a fresh random seed each request)")
     grammar_file: Path | None = Field(None, description="GBNF grammar the output of every request follows unless "
                                       "it asks for its own grammar, schema or tool call")
     json_schema: str | None = Field(None, description="JSON schema (its text) the output of every request follows "

@@ -174,6 +174,22 @@ def test_props_and_completion_follow_the_server_n_predict() -> None:
         assert out["generation_settings"]["n_predict"] == 5
 
 
+def test_server_seed_is_the_seed_of_requests_that_set_none() -> None:
+    """llama-server's --seed: /props and generation_settings report it, and a request without a seed
+    samples the same text each time (the tests of llama.cpp start every server with --seed 42)."""
+    with live_server(StrataSettings(model_alias=MODEL, seed=42), FakeEngine()) as base:
+        assert httpx.get(f"{base}/props").json()["default_generation_settings"]["params"]["seed"] == 42
+        body = {"prompt": "abc", "n_predict": 12, "temperature": 1.5}
+        first, second = (httpx.post(f"{base}/completion", json=body).json() for _ in range(2))
+        assert first["generation_settings"]["seed"] == 42 and first["content"] == second["content"]
+        own = httpx.post(f"{base}/completion", json={**body, "seed": 7}).json()
+        assert own["generation_settings"]["seed"] == 7
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 1.5}
+        replies = {httpx.post(f"{base}/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+                   for _ in range(2)}
+        assert len(replies) == 1
+
+
 def _preflight(base: str, origin: str) -> httpx.Response:
     return httpx.options(f"{base}/v1/chat/completions", headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",

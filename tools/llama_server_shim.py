@@ -28,7 +28,7 @@ VALUE_FLAGS = {
     "--port": "--port", "--host": "--host", "-c": "--kv-pool-tokens", "--ctx-size": "--kv-pool-tokens",
     "-np": "--parallel", "--parallel": "--parallel", "-n": "--n-predict", "--n-predict": "--n-predict",
     "--alias": "--model-alias", "-a": "--model-alias", "--api-key": "--api-key", "--cors-origins": "--cors",
-    "-t": "--threads", "--threads": "--threads",
+    "-t": "--threads", "--threads": "--threads", "-s": "--seed", "--seed": "--seed",
 }
 MODEL_FLAGS = {"-m", "--model", "-hf", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
 TEMPLATE_FLAGS = {"--chat-template-file"}
@@ -62,7 +62,9 @@ def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
     i = 0
     while i < len(argv):
         flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
-        if flag in VALUE_FLAGS and value is not None:
+        if VALUE_FLAGS.get(flag) == "--seed" and value is not None and int(value) < 0:
+            pass  # llama-server's -1: a random seed each request, Strata's default
+        elif flag in VALUE_FLAGS and value is not None:
             out += [VALUE_FLAGS[flag], value]
             n_ctx = int(value) if VALUE_FLAGS[flag] == "--kv-pool-tokens" else n_ctx
         elif flag in MODEL_FLAGS or flag in TEMPLATE_FLAGS:

@@ -150,7 +150,7 @@ class LlamaServerController(Controller):
     async def native_completion(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
                                 service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
         service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
-        settings = data.params(service.default_max_tokens)
+        settings = data.params(service.default_max_tokens, service.settings.seed)
         handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
         chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
         return await respond(request, handle, chunks, lambda out: llama_completion(
@@ -165,7 +165,7 @@ class LlamaServerController(Controller):
 
     @get("/props", operation_id="props", summary="The served model, its context, slots and sampling defaults")
     async def props(self, service: NamedDependency[GenerationService]) -> s.Props:
-        defaults = s.LlamaCompletionRequest(prompt="").params(service.default_max_tokens)
+        defaults = s.LlamaCompletionRequest(prompt="").params(service.default_max_tokens, service.settings.seed)
         return s.Props(s.GenerationSettings(service.scheduler.max_context, service.model_id, defaults),
                        service.scheduler.parallel, str(service.settings.model), service.model_id,
                        service.engine.chat.source)

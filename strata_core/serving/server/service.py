@@ -190,6 +190,11 @@ class GenerationService:
         """``n_predict``, the max_tokens of a request that sets none (None: until the context is full)."""
         return min(self.settings.n_predict, self.scheduler.max_context) if self.settings.n_predict > 0 else None
 
+    def seed(self, asked: int | None) -> int | None:
+        """The sampling seed of a request that asks for ``asked``: the server's ``--seed`` when it sets
+        none (None: a fresh random one)."""
+        return asked if asked is not None else self.settings.seed
+
     @property
     def harmony(self) -> bool:
         """Whether replies are harmony (gpt-oss's chat template): their text keeps the channel markers
@@ -349,7 +354,7 @@ class GenerationService:
         params = SamplingParams(
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-            presence_penalty=body.presence_penalty, seed=body.seed, max_tokens=max_tokens, stop=body.stops(),
+            presence_penalty=body.presence_penalty, seed=self.seed(body.seed), max_tokens=max_tokens, stop=body.stops(),
             logprobs=logprobs, logit_bias=self._logit_bias(body), ignore_eos=body.ignore_eos,
         )  # fmt: skip
         return self.scheduler.submit(GenerationRequest(prompt, params, keep_special_tokens, constraint))
