@@ -69,6 +69,7 @@ def test_context_error_reports_the_prompt_and_context_tokens(url: str, path: str
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["message"]
+    assert error["type"] == "exceed_context_size_error"  # llama-server's
     assert (error["n_prompt_tokens"], error["n_ctx"]) == (n_prompt, 128)
 
 

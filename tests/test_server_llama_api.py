@@ -74,6 +74,14 @@ def test_health_body_has_no_error_key_while_serving(url: str) -> None:
                                                   "requests_queued": 0, "progress": 1.0}
 
 
+def test_chat_input_tokens_counts_the_rendered_prompt(url: str) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    prompt = httpx.post(f"{url}/apply-template", json=body).json()["prompt"]
+    for prefix in ("", "/v1"):
+        out = httpx.post(f"{url}{prefix}/chat/completions/input_tokens", json=body)
+        assert out.status_code == 200 and out.json() == {"input_tokens": len(FakeTokenizer().encode(prompt))}
+
+
 def test_apply_template_gives_the_chat_prompt(url: str) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     out = httpx.post(f"{url}/apply-template", json={"messages": messages})

@@ -71,7 +71,7 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 class ChatController(Controller):
-    """``/v1/chat/completions``."""
+    """``/v1/chat/completions`` and ``/v1/chat/completions/input_tokens``."""
 
     path = "/chat/completions"
     tags = ["chat"]
@@ -86,6 +86,16 @@ class ChatController(Controller):
         chunks = chat_stream(service.model_id, handle, data, fmt) if data.stream else None
         return await respond(request, handle, chunks,
                               lambda out: chat_completion(service.model_id, out, data.logprobs, fmt))
+
+
+    @post("/input_tokens", operation_id="countChatTokens", status_code=200,
+          summary="The prompt tokens a chat request renders to (llama-server's)")
+    async def input_tokens(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
+                           service: NamedDependency[GenerationService]) -> s.InputTokens:
+        service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
+        service.check_model(data.model)
+        text = await until_disconnect(request, service.render(data))
+        return s.InputTokens(len(await service.tokenize(text, True, "messages")))
 
 
 class CompletionsController(Controller):

@@ -421,6 +421,12 @@ class Content(Struct):
     content: str
 
 
+class InputTokens(Struct):
+    """``/chat/completions/input_tokens``: the tokens a chat request's prompt renders to."""
+
+    input_tokens: int
+
+
 class Prompt(Struct):
     """llama-server's ``/apply-template`` answer: the prompt text a chat request renders to."""
 
