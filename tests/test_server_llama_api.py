@@ -82,6 +82,18 @@ def test_chat_input_tokens_counts_the_rendered_prompt(url: str) -> None:
         assert out.status_code == 200 and out.json() == {"input_tokens": len(FakeTokenizer().encode(prompt))}
 
 
+def test_chat_stream_first_delta_is_the_role_with_content_null(url: str) -> None:
+    """As llama-server sends it (its tests read delta["content"] of the first chunk, and no delta has "")."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert all("role" not in e["choices"][0]["delta"] and e["choices"][0]["delta"].get("content") != ""
+               for e in events[1:] if e["choices"])
+    assert events[-1]["choices"] == [] and "timings" in events[-1] and events[-1]["usage"]["completion_tokens"] == 4
+
+
 def test_apply_template_gives_the_chat_prompt(url: str) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     out = httpx.post(f"{url}/apply-template", json={"messages": messages})

@@ -70,6 +70,17 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def llama_completion_route(request: Request, data: s.LlamaCompletionRequest,
+                                 service: GenerationService) -> s.LlamaCompletion | Stream:
+    """llama-server's native completion of ``data``, whole or streamed."""
+    service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
+    settings = data.params(service.default_max_tokens, service.settings.seed)
+    handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
+    chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
+    return await respond(request, handle, chunks, lambda out: llama_completion(
+        service.model_id, out.text, out.end, settings, out.logprobs if data.n_probs else None))
+
+
 class ChatController(Controller):
     """``/v1/chat/completions`` and ``/v1/chat/completions/input_tokens``."""
 
@@ -154,17 +165,17 @@ class LlamaServerController(Controller):
         service.check_fields(s.unknown_fields(await request.body(), s.DetokenizeRequest))
         return s.Content(await service.detokenize(data.tokens))
 
-    @post(["/completion", "/completions"], operation_id="llamaCompletion", status_code=200,
-          summary="Continue a prompt, llama-server's native form (SSE with stream=true); /completions without "
-          "/v1 is this one too, as in llama-server")
+    @post("/completion", operation_id="llamaCompletion", status_code=200,
+          summary="Continue a prompt, llama-server's native form (SSE with stream=true)")
     async def native_completion(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
                                 service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
-        service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
-        settings = data.params(service.default_max_tokens, service.settings.seed)
-        handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
-        chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
-        return await respond(request, handle, chunks, lambda out: llama_completion(
-            service.model_id, out.text, out.end, settings, out.logprobs if data.n_probs else None))
+        return await llama_completion_route(request, data, service)
+
+    @post("/completions", status_code=200, include_in_schema=False)
+    async def native_completions(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
+                                 service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
+        """``/completions`` without ``/v1``: llama-server's native ``/completion`` too."""
+        return await llama_completion_route(request, data, service)
 
     @post("/apply-template", operation_id="applyTemplate", status_code=200,
           summary="The prompt a chat request renders to, through the model's chat template")

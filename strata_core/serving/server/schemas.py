@@ -325,9 +325,17 @@ class ChatDelta(Struct, omit_defaults=True):
     tool_calls: list[ToolCallDelta] | None = None
 
 
+class ChatRoleDelta(Struct):
+    """The delta of a chat stream's first chunk: the role, and ``content`` null (as llama-server sends
+    it; never ``""``)."""
+
+    role: Literal["assistant"] = "assistant"
+    content: None = None
+
+
 class ChatChunkChoice(Struct):
     index: int
-    delta: ChatDelta
+    delta: ChatDelta | ChatRoleDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
 
