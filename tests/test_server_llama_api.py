@@ -74,6 +74,26 @@ def test_health_body_has_no_error_key_while_serving(url: str) -> None:
                                                   "requests_queued": 0, "progress": 1.0}
 
 
+def test_apply_template_takes_add_generation_prompt_and_continue_final_message(url: str) -> None:
+    """vLLM's and llama-server's template arguments: no assistant header, or the final message continued."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Wh"}]
+    closed = FakeChat().render(messages, add_generation_prompt=False)
+
+    def render(**fields: object) -> httpx.Response:
+        return httpx.post(f"{url}/apply-template", json={"messages": messages, **fields})
+
+    assert render().json()["prompt"] == closed + "<|im_start|>assistant\n"
+    assert render(add_generation_prompt=False).json()["prompt"] == closed
+    continued = render(add_generation_prompt=False, continue_final_message=True).json()["prompt"]
+    assert continued == closed[: closed.rindex("Wh") + 2] and continued.endswith("<|im_start|>assistant\nWh")
+    both = render(continue_final_message=True)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "temperature": 0,
+                                                          "add_generation_prompt": False, "continue_final_message": True})
+    raw = httpx.post(f"{url}/v1/completions", json={"prompt": continued, "max_tokens": 3, "temperature": 0})
+    assert chat.json()["choices"][0]["message"]["content"] == raw.json()["choices"][0]["text"]
+
+
 def test_chat_input_tokens_counts_the_rendered_prompt(url: str) -> None:
     body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
     prompt = httpx.post(f"{url}/apply-template", json=body).json()["prompt"]

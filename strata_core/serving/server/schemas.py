@@ -168,6 +168,11 @@ class ChatCompletionRequest(_Request, kw_only=True):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # the chat template's arguments, as vLLM and llama-server take them: no assistant header after the
+    # messages, or the final (assistant) message continued instead of closed; other template variables
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):

@@ -133,6 +133,21 @@ def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [msgspec.to_builtins(tool) for tool in body.tools or []]
 
 
+def _continuation(body: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """Whether the prompt ends with the assistant's header (``add_generation_prompt``), and the content
+    the rendered text is cut after (``continue_final_message``: the final message, an assistant's, is
+    continued rather than closed, as transformers and vLLM do it); InvalidParamError for both at once."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt, None
+    if body.add_generation_prompt:
+        raise InvalidParamError("continue_final_message and add_generation_prompt cannot both be true (send "
+                                "add_generation_prompt: false)", "continue_final_message")
+    if body.messages[-1].role != "assistant":
+        raise InvalidParamError("continue_final_message needs the final message to be the assistant's",
+                                "continue_final_message")
+    return False, body.messages[-1].text() or None
+
+
 def _template_args(effort: str | None) -> dict[str, Any]:
     """The chat template's variables for OpenAI's ``reasoning_effort``, as llama-server maps it:
     ``reasoning_effort`` (gpt-oss's template reads it), or ``enable_thinking`` false for "none"."""
@@ -271,8 +286,9 @@ class GenerationService:
             raise ContextLengthError(f"the request has {len(body.messages)} messages, more than the context holds "
                                      f"tokens ({limit})", len(body.messages), limit)
         self._check_size("".join(m.text() for m in body.messages), "messages")
+        generation_prompt, final = _continuation(body)
         messages = [_template_message(m, self.harmony) for m in body.messages]
-        template_args = _template_args(body.reasoning_effort)
+        template_args = {**(body.chat_template_kwargs or {}), **_template_args(body.reasoning_effort)}
         tools = _offered_tools(body)
         if tool_call_format(self.engine.chat.source) == "json":  # the template knows no tools: described here
             messages = generic_messages(messages, tools, body.parallel_tool_calls is not False)
@@ -283,9 +299,11 @@ class GenerationService:
 
         def render() -> str:
             if self.templates is not None:
-                text = self.templates.render(messages, True, cancelled=cancelled, **template_args)
+                text = self.templates.render(messages, generation_prompt, cancelled=cancelled, **template_args)
             else:
-                text = self.engine.chat.render(messages, add_generation_prompt=True, **template_args)
+                text = self.engine.chat.render(messages, add_generation_prompt=generation_prompt, **template_args)
+            if final:  # continued: the text ends where the final message's content does
+                text = text[: text.rindex(final) + len(final)] if final in text else text
             self._check_size(text, "the rendered conversation")
             return text
 
