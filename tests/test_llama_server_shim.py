@@ -32,6 +32,12 @@ def test_flags_map_to_strata_serve_options(capsys: pytest.CaptureFixture[str]) -
         assert f"ignoring {ignored}\n" in logged
 
 
+def test_a_unified_kv_cache_gives_each_slot_the_whole_context() -> None:
+    options, n_ctx, _ = shim.translate(["--ctx-size", "256", "--parallel", "4", "--kv-unified"])
+    assert n_ctx == 256 and options[-4:] == ["--parallel", "4", "--max-context", "256"]
+    assert options[options.index("--kv-pool-tokens") + 1] == "256"
+
+
 def test_the_served_copy_has_the_context_and_template_asked_for(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STRATA_SHIM_CACHE", str(tmp_path))

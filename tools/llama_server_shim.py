@@ -80,9 +80,9 @@ def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
             i += 1
             continue
         i += 2
-    if n_ctx is not None:  # llama-server's --ctx-size is the KV of all slots; each slot gets its share
+    if n_ctx is not None:  # llama-server's --ctx-size is the KV of all slots; each slot gets its share,
         parallel = int(out[out.index("--parallel") + 1]) if "--parallel" in out else 1
-        n_ctx = n_ctx // parallel
+        n_ctx = n_ctx if "--kv-unified" in argv else n_ctx // parallel  # or all of it from one shared pool
         out += ["--max-context", str(n_ctx)]
     return out, n_ctx, template
 
