@@ -174,6 +174,19 @@ def test_completion_stream_ends_with_stop_and_timings(url: str) -> None:
     assert last["timings"]["predicted_n"] == 6 and last["tokens_predicted"] == 6
 
 
+def test_completion_logit_bias_in_llama_servers_forms(url: str) -> None:
+    """/completion's logit_bias as llama-server reads it: pairs or an object, tokens by id or text, false bans."""
+    body = {"prompt": "abc", "n_predict": 1, "temperature": 0, "n_probs": 1}
+    first = httpx.post(f"{url}/completion", json=body).json()["completion_probabilities"][0]
+    token, text = first["id"], first["token"]
+    assert FakeTokenizer().encode(text) == [token]
+    for bias in ([[token, False]], [[text, -100]], {str(token): -100.0}, {text: False}, [[text, -50], ["x"]]):
+        out = httpx.post(f"{url}/completion", json={**body, "logit_bias": bias})
+        assert out.status_code == 200 and out.json()["completion_probabilities"][0]["id"] != token, bias
+    same = httpx.post(f"{url}/completion", json={**body, "logit_bias": [[token, "x"], [True, -100]]}).json()
+    assert same["completion_probabilities"][0]["id"] == token  # entries of other shapes are skipped
+
+
 def test_completion_n_probs(url: str) -> None:
     body = {"prompt": "abc", "n_predict": 4, "temperature": 0, "n_probs": 3}
     out = httpx.post(f"{url}/completion", json=body).json()

@@ -205,10 +205,14 @@ class LlamaCompletionRequest(Struct, kw_only=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     grammar: str | None = None  # GBNF the output follows
     json_schema: dict[str, Any] | None = None  # a JSON schema the output follows
+    # [[token id or text, bias], ...] or {"token id or text": bias}; a text biases each of its tokens,
+    # false bans (read by GenerationService.llama_logit_bias)
+    logit_bias: list[Any] | dict[str, Any] | None = None
 
-    def completion_request(self) -> CompletionRequest:
-        """The OpenAI text completion this request asks for (no max_tokens for an ``n_predict`` of -1 or 0)."""
-        return CompletionRequest(
+    def completion_request(self, logit_bias: dict[str, float] | None = None) -> CompletionRequest:
+        """The OpenAI text completion this request asks for (no max_tokens for an ``n_predict`` of -1 or 0),
+        with ``logit_bias`` by token id."""
+        return CompletionRequest(logit_bias=logit_bias,
             prompt=self.prompt, max_tokens=self.n_predict if self.n_predict > 0 else None,
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
             stop=self.stop, cache_prompt=self.cache_prompt, ignore_eos=self.ignore_eos,

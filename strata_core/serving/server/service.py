@@ -347,6 +347,28 @@ class GenerationService:
         max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or fallback_max_tokens
         return self._submit(body, prompt, max_tokens, body.logprobs, constraint)
 
+    async def llama_logit_bias(self, raw: list[Any] | dict[str, Any] | None) -> dict[str, float] | None:
+        """llama-server's ``logit_bias`` by token id: ``[[token, bias], ...]`` or ``{token: bias}``, a token
+        an id or a text (each of its tokens biased), a bias a number (clamped to OpenAI's [-100, 100]) or
+        false (banned: -100); entries of other shapes are skipped, as llama-server skips them."""
+        if raw is None:
+            return None
+        pairs = raw.items() if isinstance(raw, dict) else [tuple(p) for p in raw if isinstance(p, list) and len(p) == 2]
+        out: dict[str, float] = {}
+        for token, value in pairs:
+            if value is False or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                bias = -100.0 if value is False else max(-100.0, min(100.0, float(value)))
+            else:
+                continue
+            if isinstance(token, str) and not token.isdigit():
+                ids = await self.tokenize(token, add_special_tokens=False, param="logit_bias")
+            elif isinstance(token, (int, str)) and not isinstance(token, bool):
+                ids = [int(token)]
+            else:
+                continue
+            out.update((str(t), bias) for t in ids if 0 <= t < self.engine.spec.vocab_size)
+        return out
+
     def _check_ids(self, ids: list[Any], param: str) -> None:
         vocab = self.engine.spec.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
