@@ -217,7 +217,7 @@ class StrataSettings(BaseSettings):
                                     "unless it asks for its own grammar, schema or tool call")
     cors: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins whose web pages may call the API (CORS; comma-separated; * any "
-        "origin); default none: no CORS headers")
+        "origin; localhost any origin on this machine, any port); default none: no CORS headers")
 
     # --- observers and plugins -------------------------------------------------------------------
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")

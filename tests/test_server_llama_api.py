@@ -254,15 +254,30 @@ def test_cors_lets_only_the_named_origins_call() -> None:
     assert settings.cors == ["https://app.example", "https://other.example"]
     with live_server(settings, FakeEngine()) as base:
         allowed = _preflight(base, "https://app.example")
-        assert allowed.status_code == 204
+        assert allowed.status_code == 200  # as llama-server answers
         assert allowed.headers["access-control-allow-origin"] == "https://app.example"
         assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+        assert "access-control-allow-credentials" not in allowed.headers
         denied = _preflight(base, "https://evil.example")
-        assert denied.status_code == 400 and "access-control-allow-origin" not in denied.headers
+        assert denied.status_code == 200 and "access-control-allow-origin" not in denied.headers
         call = httpx.get(f"{base}/props", headers={"Origin": "https://app.example", "X-Api-Key": "k"})
         assert call.headers["access-control-allow-origin"] == "https://app.example"
         other = httpx.get(f"{base}/props", headers={"Origin": "https://evil.example", "X-Api-Key": "k"})
         assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize(("origin", "allowed"), [
+    ("http://localhost", True), ("http://localhost:8080", True), ("https://127.0.0.1:3000", True),
+    ("http://[::1]:3000", True), ("http://localhost.evil.com", False), ("http://notlocalhost", False),
+    ("http://evil.com", False), ("http://127.0.0.1.evil.com", False)])
+def test_cors_localhost_allows_the_pages_of_this_machine(origin: str, allowed: bool) -> None:
+    """llama-server's --cors-origins localhost: any origin on this machine, any port."""
+    with live_server(StrataSettings(model_alias=MODEL, cors="localhost"), FakeEngine()) as base:
+        answer = _preflight(base, origin)
+        assert answer.status_code == 200
+        assert answer.headers.get("access-control-allow-origin") == (origin if allowed else None)
+        call = httpx.get(f"{base}/props", headers={"Origin": origin})
+        assert call.headers.get("access-control-allow-origin") == (origin if allowed else None)
 
 
 def test_no_cors_headers_by_default(url: str) -> None:

@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Litestar, Router
-from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import NotAuthorizedException
@@ -36,7 +35,7 @@ from strata_core.serving.server.controllers import (
 )  # fmt: skip
 from strata_core.serving.server.docs import EndpointList
 from strata_core.serving.server.errors import handle_exception
-from strata_core.serving.server.guards import RequestGuard, allowed_host_names
+from strata_core.serving.server.guards import Cors, RequestGuard, allowed_host_names
 from strata_core.serving.server.loading import ServiceLoader
 from strata_core.serving.server.responses_api import ResponsesController
 from strata_core.serving.server.service import GenerationService
@@ -110,12 +109,12 @@ def create_app(settings: StrataSettings, engine: Any = None,
         ],
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
         lifespan=[lifespan],
-        middleware=[RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
+        middleware=[*([Cors(settings.cors)] if settings.cors else []),  # a pre-flight needs no key
+                    RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
                     *([ApiKeyAuth(key)] if key else [])],
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0",
                                      render_plugins=[EndpointList(), JsonRenderPlugin()]),
-        cors_config=CORSConfig(allow_origins=settings.cors) if settings.cors else None,
         request_max_body_size=int(settings.max_body_mib * 2**20),
         state=StrataState(),
     )
