@@ -38,9 +38,10 @@ def _events(url: str, path: str, payload: dict) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
-def test_first_chat_chunk_is_the_role_alone(url: str, client: openai.OpenAI) -> None:
+def test_first_chat_chunk_is_the_role_with_content_null(url: str, client: openai.OpenAI) -> None:
+    """As llama-server sends it: never content "" (some clients print it), and the key there (its tests read it)."""
     events = _events(url, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 3, "stream": True})
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
     chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None

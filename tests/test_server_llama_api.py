@@ -103,7 +103,8 @@ def test_chat_input_tokens_counts_the_rendered_prompt(url: str) -> None:
 
 
 def test_chat_stream_first_delta_is_the_role_with_content_null(url: str) -> None:
-    """As llama-server sends it (its tests read delta["content"] of the first chunk, and no delta has "")."""
+    """As llama-server sends it (its tests read delta["content"] of the first chunk, no delta has "", and
+    only the finish and usage chunks have a "timings" key)."""
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -112,6 +113,7 @@ def test_chat_stream_first_delta_is_the_role_with_content_null(url: str) -> None
     assert all("role" not in e["choices"][0]["delta"] and e["choices"][0]["delta"].get("content") != ""
                for e in events[1:] if e["choices"])
     assert events[-1]["choices"] == [] and "timings" in events[-1] and events[-1]["usage"]["completion_tokens"] == 4
+    assert [i for i, e in enumerate(events) if "timings" in e] == [len(events) - 2, len(events) - 1]  # the finish
 
 
 def test_apply_template_gives_the_chat_prompt(url: str) -> None:

@@ -358,7 +358,8 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
-    timings: Timings | None = None
+    # on the last chunks only (llama-server's clients read a chunk with the key as one that has them)
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
@@ -378,7 +379,7 @@ class Completion(Struct):
     choices: list[CompletionChoice]
     object: Literal["text_completion"] = "text_completion"
     usage: Usage | None = None
-    timings: Timings | None = None
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET  # a stream's: on its last chunks only
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
