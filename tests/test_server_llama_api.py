@@ -94,6 +94,27 @@ def test_apply_template_takes_add_generation_prompt_and_continue_final_message(u
     assert chat.json()["choices"][0]["message"]["content"] == raw.json()["choices"][0]["text"]
 
 
+# the ending of llama.cpp's DeepSeek-R1 template: an unset enable_thinking closes the think block
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant><think>\n{% if not enable_thinking %}</think>{% endif %}"
+                     "{% endif %}")
+
+
+@pytest.mark.parametrize(("reasoning", "fields", "ending"), [
+    ("auto", {}, "<think>\n"), ("on", {}, "<think>\n"), ("off", {}, "<think>\n</think>"),
+    ("auto", {"reasoning_effort": "none"}, "<think>\n</think>"),
+    ("off", {"chat_template_kwargs": {"enable_thinking": True}}, "<think>\n")])
+def test_enable_thinking_is_passed_as_llama_server_passes_it(reasoning: str, fields: dict, ending: str) -> None:
+    """True unless --reasoning off, for a template that reads it; a request's own choice wins."""
+    from strata_core.text.chat import ChatTemplate
+
+    engine = FakeEngine()
+    engine.chat = ChatTemplate(THINKING_TEMPLATE)
+    with live_server(StrataSettings(model_alias=MODEL, reasoning=reasoning), engine) as base:
+        body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+        assert httpx.post(f"{base}/apply-template", json=body).json()["prompt"] == "<user>hi<assistant>" + ending
+
+
 def test_chat_input_tokens_counts_the_rendered_prompt(url: str) -> None:
     body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
     prompt = httpx.post(f"{url}/apply-template", json=body).json()["prompt"]

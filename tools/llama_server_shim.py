@@ -29,6 +29,7 @@ VALUE_FLAGS = {
     "-np": "--parallel", "--parallel": "--parallel", "-n": "--n-predict", "--n-predict": "--n-predict",
     "--alias": "--model-alias", "-a": "--model-alias", "--api-key": "--api-key", "--cors-origins": "--cors",
     "-t": "--threads", "--threads": "--threads", "-s": "--seed", "--seed": "--seed",
+    "--reasoning": "--reasoning",
 }
 MODEL_FLAGS = {"-m", "--model", "-hf", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
 TEMPLATE_FLAGS = {"--chat-template-file"}

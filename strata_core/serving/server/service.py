@@ -205,6 +205,13 @@ class GenerationService:
         """``n_predict``, the max_tokens of a request that sets none (None: until the context is full)."""
         return min(self.settings.n_predict, self.scheduler.max_context) if self.settings.n_predict > 0 else None
 
+    def _thinking(self) -> dict[str, bool]:
+        """``enable_thinking`` for a template that reads it, as llama-server always passes it (true unless
+        ``--reasoning off``): templates test ``not enable_thinking``, which an unset one passes."""
+        if "enable_thinking" not in self.engine.chat.source:
+            return {}
+        return {"enable_thinking": self.settings.reasoning != "off"}
+
     def seed(self, asked: int | None) -> int | None:
         """The sampling seed of a request that asks for ``asked``: the server's ``--seed`` when it sets
         none (None: a fresh random one)."""
@@ -288,7 +295,7 @@ class GenerationService:
         self._check_size("".join(m.text() for m in body.messages), "messages")
         generation_prompt, final = _continuation(body)
         messages = [_template_message(m, self.harmony) for m in body.messages]
-        template_args = {**(body.chat_template_kwargs or {}), **_template_args(body.reasoning_effort)}
+        template_args = {**self._thinking(), **(body.chat_template_kwargs or {}), **_template_args(body.reasoning_effort)}
         tools = _offered_tools(body)
         if tool_call_format(self.engine.chat.source) == "json":  # the template knows no tools: described here
             messages = generic_messages(messages, tools, body.parallel_tool_calls is not False)
