@@ -208,6 +208,9 @@ def test_completion_logit_bias_in_llama_servers_forms(url: str) -> None:
         assert out.status_code == 200 and out.json()["completion_probabilities"][0]["id"] != token, bias
     same = httpx.post(f"{url}/completion", json={**body, "logit_bias": [[token, "x"], [True, -100]]}).json()
     assert same["completion_probabilities"][0]["id"] == token  # entries of other shapes are skipped
+    assert same["generation_settings"]["logit_bias"] == []
+    banned = httpx.post(f"{url}/completion", json={**body, "logit_bias": {text: False}}).json()
+    assert banned["generation_settings"]["logit_bias"] == [{"bias": -100.0, "token": token}]
 
 
 def test_completion_n_probs(url: str) -> None:

@@ -74,8 +74,8 @@ async def llama_completion_route(request: Request, data: s.LlamaCompletionReques
                                  service: GenerationService) -> s.LlamaCompletion | Stream:
     """llama-server's native completion of ``data``, whole or streamed."""
     service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
-    settings = data.params(service.default_max_tokens, service.settings.seed)
     bias = await service.llama_logit_bias(data.logit_bias)
+    settings = data.params(service.default_max_tokens, service.settings.seed, bias)
     handle = await service.complete(data.completion_request(bias), fallback_max_tokens=None)
     chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
     return await respond(request, handle, chunks, lambda out: llama_completion(

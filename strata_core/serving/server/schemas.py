@@ -221,16 +221,18 @@ class LlamaCompletionRequest(Struct, kw_only=True):
             json_schema=self.json_schema,
         )  # fmt: skip
 
-    def params(self, default_n_predict: int | None, default_seed: int | None = None) -> LlamaParams:
+    def params(self, default_n_predict: int | None, default_seed: int | None = None,
+               logit_bias: dict[str, float] | None = None) -> LlamaParams:
         """This request's sampling settings as llama-server reports them; ``default_n_predict`` is the
         limit of a request that sets none (None: until the context is full, reported as -1),
-        ``default_seed`` the seed of one that sets none."""
+        ``default_seed`` the seed of one that sets none, ``logit_bias`` its biases by token id."""
         n_predict = self.n_predict if self.n_predict > 0 else default_n_predict or -1
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
         seed = self.seed if self.seed is not None else default_seed
         return LlamaParams(n_predict, seed, self.temperature, self.top_k, self.top_p, self.min_p,
                            self.repeat_penalty, self.presence_penalty, self.frequency_penalty, stops,
-                           self.ignore_eos, self.n_probs)
+                           self.ignore_eos, self.n_probs,
+                           [TokenBias(bias, int(token)) for token, bias in (logit_bias or {}).items()])
 
 # --- responses ------------------------------------------------------------------------------------
 
@@ -467,6 +469,14 @@ class LlamaParams(Struct):
     stop: list[str]
     ignore_eos: bool
     n_probs: int
+    logit_bias: list[TokenBias] = msgspec.field(default_factory=list)  # the request's, by token id
+
+
+class TokenBias(Struct):
+    """One entry of ``generation_settings.logit_bias``, as llama-server lists them."""
+
+    bias: float
+    token: int
 
 
 class TopTokenProbability(Struct):
