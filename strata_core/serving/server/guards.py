@@ -80,7 +80,8 @@ class Cors(ASGIMiddleware):
     machine: localhost, 127.0.0.1, [::1], any port). A pre-flight is answered 200 as llama-server answers
     it, naming the origin only when it is allowed (a browser then stops there); an allowed origin's
     requests get ``Access-Control-Allow-Origin`` with their answers. Credentials are never allowed: the
-    API key is a header, not a cookie."""
+    API key is a header, not a cookie. Header names go out capitalized, as llama-server sends them (some
+    clients look them up by exact name)."""
 
     def __init__(self, origins: list[str]) -> None:
         self._any = "*" in origins
@@ -99,11 +100,11 @@ class Cors(ASGIMiddleware):
             return
         allowed = self.allowed(origin.decode("latin-1"))
         if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:  # a pre-flight
-            answer = [(b"vary", b"Origin"), (b"content-length", b"0")]
+            answer = [(b"Vary", b"Origin"), (b"Content-Length", b"0")]
             if allowed:
-                answer += [(b"access-control-allow-origin", origin), (b"access-control-allow-methods", CORS_METHODS),
-                           (b"access-control-allow-headers", headers.get(b"access-control-request-headers", b"*")),
-                           (b"access-control-max-age", b"600")]
+                answer += [(b"Access-Control-Allow-Origin", origin), (b"Access-Control-Allow-Methods", CORS_METHODS),
+                           (b"Access-Control-Allow-Headers", headers.get(b"access-control-request-headers", b"*")),
+                           (b"Access-Control-Max-Age", b"600")]
             await send({"type": "http.response.start", "status": 200, "headers": answer})
             await send({"type": "http.response.body", "body": b""})
             return
@@ -113,8 +114,8 @@ class Cors(ASGIMiddleware):
 
         async def send_with_origin(message: dict) -> None:
             if message["type"] == "http.response.start":
-                message["headers"] = [*message.get("headers", []), (b"access-control-allow-origin", origin),
-                                      (b"vary", b"Origin")]
+                message["headers"] = [*message.get("headers", []), (b"Access-Control-Allow-Origin", origin),
+                                      (b"Vary", b"Origin")]
             await send(message)
 
         await next_app(scope, receive, send_with_origin)
