@@ -23,7 +23,8 @@ def test_flags_map_to_strata_serve_options(capsys: pytest.CaptureFixture[str]) -
         "--hf-repo", "ggml-org/models", "--hf-file", "x.gguf", "--ctx-size=2048", "-np", "2", "--n-predict", "-1",
         "--alias", "tiny", "--jinja", "--chat-template-file", "t.jinja", "--api-key", "k", "--no-ui",
         "--cors-origins", "http://a", "--pooling", "last", "--metrics"])
-    assert options == ["--shutdown-grace", shim.SHUTDOWN_GRACE_S, "--port", "8080", "--seed", "42", "--host", "127.0.0.1",
+    assert options == ["--shutdown-grace", shim.SHUTDOWN_GRACE_S, "--port", "8080", "--seed", "42",
+                       "--host", "127.0.0.1",
                        "--kv-pool-tokens", "2048", "--parallel", "2", "--n-predict", "-1", "--model-alias", "tiny",
                        "--api-key", "k", "--no-webui", "--cors", "http://a", "--max-context", "1024"]
     assert (n_ctx, template) == (1024, "t.jinja")  # llama-server's --ctx-size is shared by the slots

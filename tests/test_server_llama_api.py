@@ -88,8 +88,9 @@ def test_apply_template_takes_add_generation_prompt_and_continue_final_message(u
     assert continued == closed[: closed.rindex("Wh") + 2] and continued.endswith("<|im_start|>assistant\nWh")
     both = render(continue_final_message=True)
     assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
-    chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 3, "temperature": 0,
-                                                          "add_generation_prompt": False, "continue_final_message": True})
+    chat = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 3, "temperature": 0, "add_generation_prompt": False,
+        "continue_final_message": True})
     raw = httpx.post(f"{url}/v1/completions", json={"prompt": continued, "max_tokens": 3, "temperature": 0})
     assert chat.json()["choices"][0]["message"]["content"] == raw.json()["choices"][0]["text"]
 

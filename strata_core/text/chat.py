@@ -4,7 +4,8 @@ The template is ``tokenizer.chat_template`` from the GGUF, rendered the way tran
 ``apply_chat_template`` does: a sandboxed Jinja environment with ``trim_blocks`` and
 ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that keeps non-ASCII text,
 and the globals ``raise_exception`` and ``strftime_now``. ``bos_token`` and ``eos_token`` are set
-from the GGUF's special tokens; ``date_string`` and ``datetime`` are today's date, as llama.cpp sets them. A GGUF without a template gets ``CHATML_TEMPLATE``.
+from the GGUF's special tokens; ``date_string`` and ``datetime`` are today's date, as llama.cpp sets
+them. A GGUF without a template gets ``CHATML_TEMPLATE``.
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ class ModelsController(Controller):
 
 
 class LlamaServerController(Controller):
-    """llama-server's routes: ``/completion`` (and ``/completions``), ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``,
+    """llama-server's routes: ``/completion`` (and ``/completions``), ``/tokenize``, ``/detokenize``,
+    ``/apply-template``, ``/props``,
     ``/slots``."""
 
     path = "/"

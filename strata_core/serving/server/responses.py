@@ -207,7 +207,8 @@ def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest
     def chunk(delta: s.ChatDelta | s.ChatRoleDelta, reason: str | None = None, lps: list[TokenLogprob] | None = None,
               end: Finished | None = None) -> bytes:
         choice = s.ChatChunkChoice(0, delta, reason, chat_logprobs(lps) if body.logprobs and lps else None)
-        return _sse(s.ChatCompletionChunk(cid, created, model, [choice], timings=timings(end) if end else msgspec.UNSET))
+        return _sse(s.ChatCompletionChunk(cid, created, model, [choice],
+                                          timings=timings(end) if end else msgspec.UNSET))
 
     def delta(d: Delta) -> list[bytes]:
         if parser is None:

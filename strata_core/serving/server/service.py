@@ -295,7 +295,8 @@ class GenerationService:
         self._check_size("".join(m.text() for m in body.messages), "messages")
         generation_prompt, final = _continuation(body)
         messages = [_template_message(m, self.harmony) for m in body.messages]
-        template_args = {**self._thinking(), **(body.chat_template_kwargs or {}), **_template_args(body.reasoning_effort)}
+        template_args = {**self._thinking(), **(body.chat_template_kwargs or {}),
+                         **_template_args(body.reasoning_effort)}
         tools = _offered_tools(body)
         if tool_call_format(self.engine.chat.source) == "json":  # the template knows no tools: described here
             messages = generic_messages(messages, tools, body.parallel_tool_calls is not False)
