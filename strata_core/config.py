@@ -217,13 +217,19 @@ class StrataSettings(BaseSettings):
                                "may name none)")
     n_predict: int = Field(-1, ge=-1, description="default max_tokens when a request sets none; -1 (or 0): until "
                            "the context is full (text completions: OpenAI's 16)")
+    reasoning: Literal["auto", "on", "off"] = Field(
+        "auto", description="thinking of a chat template that reads enable_thinking: off renders requests with it "
+        "false, as llama-server's --reasoning off (a request's reasoning_effort or chat_template_kwargs still "
+        "decide for it); auto and on: true")
+    seed: int | None = Field(None, ge=0, lt=2**64, description="sampling seed of every request that sets none, as "
+                             "llama-server's --seed (default: a fresh random seed each request)")
     grammar_file: Path | None = Field(None, description="GBNF grammar the output of every request follows unless "
                                       "it asks for its own grammar, schema or tool call")
     json_schema: str | None = Field(None, description="JSON schema (its text) the output of every request follows "
                                     "unless it asks for its own grammar, schema or tool call")
     cors: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="origins whose web pages may call the API (CORS; comma-separated; * any "
-        "origin); default none: no CORS headers")
+        "origin; localhost any origin on this machine, any port); default none: no CORS headers")
 
     # --- observers and plugins -------------------------------------------------------------------
     prefill_timing: bool = Field(False, description="print host/device time per prefill chunk")

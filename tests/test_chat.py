@@ -164,3 +164,13 @@ def test_demo_model_stores_chatml() -> None:
     meta = GGUFFile.open(Path(__file__).parents[1] / "strata_core" / "data" / "demo-qwen3moe-q8_0.gguf").metadata
     assert meta["tokenizer.chat_template"] == CHATML_TEMPLATE
     assert ChatTemplate.from_gguf(meta).eos_token == "<|im_end|>"
+
+
+def test_todays_date_reaches_the_template_as_llama_cpp_gives_it() -> None:
+    """Llama 3's templates read date_string, FireFunction's datetime; a request's own value wins."""
+    from datetime import date
+
+    chat = ChatTemplate("{{ date_string }}|{{ datetime }}")
+    today = date.today()
+    assert chat.render([]) == f"{today.strftime('%d %b %Y')}|{today.strftime('%b %d %Y')}"
+    assert chat.render([], date_string="26 Jul 2024").startswith("26 Jul 2024|")

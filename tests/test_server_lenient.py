@@ -38,9 +38,10 @@ def _events(url: str, path: str, payload: dict) -> list[dict]:
     return [json.loads(line) for line in lines[:-1]]
 
 
-def test_first_chat_chunk_is_the_role_alone(url: str, client: openai.OpenAI) -> None:
+def test_first_chat_chunk_is_the_role_with_content_null(url: str, client: openai.OpenAI) -> None:
+    """As llama-server sends it: never content "" (some clients print it), and the key there (its tests read it)."""
     events = _events(url, "/v1/chat/completions", {"model": MODEL, "messages": HI, "max_tokens": 3, "stream": True})
-    assert events[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert all("role" not in e["choices"][0]["delta"] for e in events[1:])
     chunks = list(client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, stream=True))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content is None
@@ -69,6 +70,7 @@ def test_context_error_reports_the_prompt_and_context_tokens(url: str, path: str
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "context_length_exceeded" and error["message"]
+    assert error["type"] == "exceed_context_size_error"  # llama-server's
     assert (error["n_prompt_tokens"], error["n_ctx"]) == (n_prompt, 128)
 
 

@@ -21,13 +21,20 @@ def url() -> Iterator[str]:
         yield base
 
 
-@pytest.mark.parametrize(("path", "body"), [("/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
-                                            ("/completions", {"prompt": "hi"})])
-def test_openai_routes_answer_without_v1(url: str, path: str, body: dict) -> None:
-    root, v1 = (httpx.post(f"{url}{prefix}{path}", json={**body, "max_tokens": 6, "temperature": 0}).json()
-                for prefix in ("", "/v1"))
-    assert root["object"] == v1["object"]
+def test_openai_routes_answer_without_v1(url: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0}
+    root, v1 = (httpx.post(f"{url}{prefix}/chat/completions", json=body).json() for prefix in ("", "/v1"))
+    assert root["object"] == v1["object"] == "chat.completion"
     assert root["choices"][0] == v1["choices"][0] and root["usage"]["completion_tokens"] == 6
+
+
+def test_completions_without_v1_is_llama_servers_native_completion(url: str) -> None:
+    """As in llama-server: /completions is /completion; only /v1/completions is OpenAI's."""
+    body = {"prompt": "hi", "n_predict": 6, "temperature": 0}
+    native, plural = (httpx.post(f"{url}{path}", json=body).json() for path in ("/completion", "/completions"))
+    assert native["content"] == plural["content"] and plural["tokens_predicted"] == 6
+    openai = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 6}).json()
+    assert openai["object"] == "text_completion" and openai["choices"][0]["text"] == native["content"]
 
 
 def test_models_answer_without_v1(url: str) -> None:
@@ -44,14 +51,91 @@ def test_x_api_key_is_an_alternative_to_bearer() -> None:
             assert denied.status_code == 401 and "X-Api-Key" in denied.json()["error"]["message"]
 
 
-def test_tokenize_with_pieces_gives_each_token_its_text(url: str) -> None:
+def test_tokenize_with_pieces_gives_each_token_its_own_piece(url: str) -> None:
+    """As llama-server: a token's piece is its text where its bytes are whole UTF-8, else their values."""
     text = "<|im_start|>héllo wörld"
     ids = httpx.post(f"{url}/tokenize", json={"content": text}).json()["tokens"]
     out = httpx.post(f"{url}/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
     assert [t["id"] for t in out] == ids == FakeTokenizer().encode(text)
-    assert "".join(t["piece"] for t in out) == text
-    assert [t["piece"] for t in out[:4]] == ["<|im_start|>", "h", "", "é"]  # é is two byte tokens
+    assert [t["piece"] for t in out[:5]] == ["<|im_start|>", "h", [0xC3], [0xA9], "l"]  # é is two byte tokens
+    assert b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in (t["piece"] for t in out)) == text.encode()
     assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json() == {"content": "héllo wörld"}
+
+
+def test_tokenize_takes_llama_servers_other_fields(url: str) -> None:
+    out = httpx.post(f"{url}/tokenize", json={"content": "hi", "parse_special": True})
+    assert out.status_code == 200 and out.json()["tokens"] == FakeTokenizer().encode("hi")
+    assert httpx.post(f"{url}/detokenize", json={"tokens": out.json()["tokens"], "x": 1}).json() == {"content": "hi"}
+
+
+def test_health_body_has_no_error_key_while_serving(url: str) -> None:
+    """llama.cpp's clients take a body with an "error" key for a failure."""
+    assert httpx.get(f"{url}/health").json() == {"status": "ok", "slots_idle": 2, "slots_processing": 0,
+                                                  "requests_queued": 0, "progress": 1.0}
+
+
+def test_apply_template_takes_add_generation_prompt_and_continue_final_message(url: str) -> None:
+    """vLLM's and llama-server's template arguments: no assistant header, or the final message continued."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Wh"}]
+    closed = FakeChat().render(messages, add_generation_prompt=False)
+
+    def render(**fields: object) -> httpx.Response:
+        return httpx.post(f"{url}/apply-template", json={"messages": messages, **fields})
+
+    assert render().json()["prompt"] == closed + "<|im_start|>assistant\n"
+    assert render(add_generation_prompt=False).json()["prompt"] == closed
+    continued = render(add_generation_prompt=False, continue_final_message=True).json()["prompt"]
+    assert continued == closed[: closed.rindex("Wh") + 2] and continued.endswith("<|im_start|>assistant\nWh")
+    both = render(continue_final_message=True)
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+    chat = httpx.post(f"{url}/v1/chat/completions", json={
+        "messages": messages, "max_tokens": 3, "temperature": 0, "add_generation_prompt": False,
+        "continue_final_message": True})
+    raw = httpx.post(f"{url}/v1/completions", json={"prompt": continued, "max_tokens": 3, "temperature": 0})
+    assert chat.json()["choices"][0]["message"]["content"] == raw.json()["choices"][0]["text"]
+
+
+# the ending of llama.cpp's DeepSeek-R1 template: an unset enable_thinking closes the think block
+THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                     "{% if add_generation_prompt %}<assistant><think>\n{% if not enable_thinking %}</think>{% endif %}"
+                     "{% endif %}")
+
+
+@pytest.mark.parametrize(("reasoning", "fields", "ending"), [
+    ("auto", {}, "<think>\n"), ("on", {}, "<think>\n"), ("off", {}, "<think>\n</think>"),
+    ("auto", {"reasoning_effort": "none"}, "<think>\n</think>"),
+    ("off", {"chat_template_kwargs": {"enable_thinking": True}}, "<think>\n")])
+def test_enable_thinking_is_passed_as_llama_server_passes_it(reasoning: str, fields: dict, ending: str) -> None:
+    """True unless --reasoning off, for a template that reads it; a request's own choice wins."""
+    from strata_core.text.chat import ChatTemplate
+
+    engine = FakeEngine()
+    engine.chat = ChatTemplate(THINKING_TEMPLATE)
+    with live_server(StrataSettings(model_alias=MODEL, reasoning=reasoning), engine) as base:
+        body = {"messages": [{"role": "user", "content": "hi"}], **fields}
+        assert httpx.post(f"{base}/apply-template", json=body).json()["prompt"] == "<user>hi<assistant>" + ending
+
+
+def test_chat_input_tokens_counts_the_rendered_prompt(url: str) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    prompt = httpx.post(f"{url}/apply-template", json=body).json()["prompt"]
+    for prefix in ("", "/v1"):
+        out = httpx.post(f"{url}{prefix}/chat/completions/input_tokens", json=body)
+        assert out.status_code == 200 and out.json() == {"input_tokens": len(FakeTokenizer().encode(prompt))}
+
+
+def test_chat_stream_first_delta_is_the_role_with_content_null(url: str) -> None:
+    """As llama-server sends it (its tests read delta["content"] of the first chunk, no delta has "", and
+    only the finish and usage chunks have a "timings" key)."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
+    assert all("role" not in e["choices"][0]["delta"] and e["choices"][0]["delta"].get("content") != ""
+               for e in events[1:] if e["choices"])
+    assert events[-1]["choices"] == [] and "timings" in events[-1] and events[-1]["usage"]["completion_tokens"] == 4
+    assert [i for i, e in enumerate(events) if "timings" in e] == [len(events) - 2, len(events) - 1]  # the finish
 
 
 def test_apply_template_gives_the_chat_prompt(url: str) -> None:
@@ -114,6 +198,22 @@ def test_completion_stream_ends_with_stop_and_timings(url: str) -> None:
     assert last["timings"]["predicted_n"] == 6 and last["tokens_predicted"] == 6
 
 
+def test_completion_logit_bias_in_llama_servers_forms(url: str) -> None:
+    """/completion's logit_bias as llama-server reads it: pairs or an object, tokens by id or text, false bans."""
+    body = {"prompt": "abc", "n_predict": 1, "temperature": 0, "n_probs": 1}
+    first = httpx.post(f"{url}/completion", json=body).json()["completion_probabilities"][0]
+    token, text = first["id"], first["token"]
+    assert FakeTokenizer().encode(text) == [token]
+    for bias in ([[token, False]], [[text, -100]], {str(token): -100.0}, {text: False}, [[text, -50], ["x"]]):
+        out = httpx.post(f"{url}/completion", json={**body, "logit_bias": bias})
+        assert out.status_code == 200 and out.json()["completion_probabilities"][0]["id"] != token, bias
+    same = httpx.post(f"{url}/completion", json={**body, "logit_bias": [[token, "x"], [True, -100]]}).json()
+    assert same["completion_probabilities"][0]["id"] == token  # entries of other shapes are skipped
+    assert same["generation_settings"]["logit_bias"] == []
+    banned = httpx.post(f"{url}/completion", json={**body, "logit_bias": {text: False}}).json()
+    assert banned["generation_settings"]["logit_bias"] == [{"bias": -100.0, "token": token}]
+
+
 def test_completion_n_probs(url: str) -> None:
     body = {"prompt": "abc", "n_predict": 4, "temperature": 0, "n_probs": 3}
     out = httpx.post(f"{url}/completion", json=body).json()
@@ -154,6 +254,22 @@ def test_props_and_completion_follow_the_server_n_predict() -> None:
         assert out["generation_settings"]["n_predict"] == 5
 
 
+def test_server_seed_is_the_seed_of_requests_that_set_none() -> None:
+    """llama-server's --seed: /props and generation_settings report it, and a request without a seed
+    samples the same text each time (the tests of llama.cpp start every server with --seed 42)."""
+    with live_server(StrataSettings(model_alias=MODEL, seed=42), FakeEngine()) as base:
+        assert httpx.get(f"{base}/props").json()["default_generation_settings"]["params"]["seed"] == 42
+        body = {"prompt": "abc", "n_predict": 12, "temperature": 1.5}
+        first, second = (httpx.post(f"{base}/completion", json=body).json() for _ in range(2))
+        assert first["generation_settings"]["seed"] == 42 and first["content"] == second["content"]
+        own = httpx.post(f"{base}/completion", json={**body, "seed": 7}).json()
+        assert own["generation_settings"]["seed"] == 7
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 12, "temperature": 1.5}
+        replies = {httpx.post(f"{base}/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+                   for _ in range(2)}
+        assert len(replies) == 1
+
+
 def _preflight(base: str, origin: str) -> httpx.Response:
     return httpx.options(f"{base}/v1/chat/completions", headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",
@@ -165,15 +281,32 @@ def test_cors_lets_only_the_named_origins_call() -> None:
     assert settings.cors == ["https://app.example", "https://other.example"]
     with live_server(settings, FakeEngine()) as base:
         allowed = _preflight(base, "https://app.example")
-        assert allowed.status_code == 204
+        assert allowed.status_code == 200  # as llama-server answers
         assert allowed.headers["access-control-allow-origin"] == "https://app.example"
         assert "authorization" in allowed.headers["access-control-allow-headers"].lower()
+        assert "access-control-allow-credentials" not in allowed.headers
         denied = _preflight(base, "https://evil.example")
-        assert denied.status_code == 400 and "access-control-allow-origin" not in denied.headers
+        assert denied.status_code == 200 and "access-control-allow-origin" not in denied.headers
         call = httpx.get(f"{base}/props", headers={"Origin": "https://app.example", "X-Api-Key": "k"})
         assert call.headers["access-control-allow-origin"] == "https://app.example"
         other = httpx.get(f"{base}/props", headers={"Origin": "https://evil.example", "X-Api-Key": "k"})
         assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize(("origin", "allowed"), [
+    ("http://localhost", True), ("http://localhost:8080", True), ("https://127.0.0.1:3000", True),
+    ("http://[::1]:3000", True), ("http://localhost.evil.com", False), ("http://notlocalhost", False),
+    ("http://evil.com", False), ("http://127.0.0.1.evil.com", False)])
+def test_cors_localhost_allows_the_pages_of_this_machine(origin: str, allowed: bool) -> None:
+    """llama-server's --cors-origins localhost: any origin on this machine, any port."""
+    with live_server(StrataSettings(model_alias=MODEL, cors="localhost"), FakeEngine()) as base:
+        answer = _preflight(base, origin)
+        assert answer.status_code == 200
+        assert answer.headers.get("access-control-allow-origin") == (origin if allowed else None)
+        # capitalized on the wire, as llama-server's (llama.cpp's tests look the name up in a plain dict)
+        assert (b"Access-Control-Allow-Origin" in [name for name, _ in answer.headers.raw]) == allowed
+        call = httpx.get(f"{base}/props", headers={"Origin": origin})
+        assert call.headers.get("access-control-allow-origin") == (origin if allowed else None)
 
 
 def test_no_cors_headers_by_default(url: str) -> None:

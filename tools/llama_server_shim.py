@@ -28,7 +28,8 @@ VALUE_FLAGS = {
     "--port": "--port", "--host": "--host", "-c": "--kv-pool-tokens", "--ctx-size": "--kv-pool-tokens",
     "-np": "--parallel", "--parallel": "--parallel", "-n": "--n-predict", "--n-predict": "--n-predict",
     "--alias": "--model-alias", "-a": "--model-alias", "--api-key": "--api-key", "--cors-origins": "--cors",
-    "-t": "--threads", "--threads": "--threads",
+    "-t": "--threads", "--threads": "--threads", "-s": "--seed", "--seed": "--seed",
+    "--reasoning": "--reasoning",
 }
 MODEL_FLAGS = {"-m", "--model", "-hf", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url"}
 TEMPLATE_FLAGS = {"--chat-template-file"}
@@ -62,7 +63,9 @@ def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
     i = 0
     while i < len(argv):
         flag, value = argv[i], argv[i + 1] if i + 1 < len(argv) else None
-        if flag in VALUE_FLAGS and value is not None:
+        if VALUE_FLAGS.get(flag) == "--seed" and value is not None and int(value) < 0:
+            pass  # llama-server's -1: a random seed each request, Strata's default
+        elif flag in VALUE_FLAGS and value is not None:
             out += [VALUE_FLAGS[flag], value]
             n_ctx = int(value) if VALUE_FLAGS[flag] == "--kv-pool-tokens" else n_ctx
         elif flag in MODEL_FLAGS or flag in TEMPLATE_FLAGS:
@@ -78,9 +81,9 @@ def translate(argv: list[str]) -> tuple[list[str], int | None, str | None]:
             i += 1
             continue
         i += 2
-    if n_ctx is not None:  # llama-server's --ctx-size is the KV of all slots; each slot gets its share
+    if n_ctx is not None:  # llama-server's --ctx-size is the KV of all slots; each slot gets its share,
         parallel = int(out[out.index("--parallel") + 1]) if "--parallel" in out else 1
-        n_ctx = n_ctx // parallel
+        n_ctx = n_ctx if "--kv-unified" in argv else n_ctx // parallel  # or all of it from one shared pool
         out += ["--max-context", str(n_ctx)]
     return out, n_ctx, template
 

@@ -49,6 +49,7 @@ BRIEF = frozenset(GROUPS["debug"]) | {
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
     "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
+    "seed", "reasoning",
 }
 
 #: the short flags llama.cpp users type (cli_shortcuts: kebab-case flag -> its other names)
@@ -143,7 +144,13 @@ class HelpLayout:
             return context.add_argument(*names, **kwargs)
         name, field = found
         names = tuple(sorted(names, key=lambda flag: not _is_short(flag)))  # -m, --model: usage shows -m
-        group = next((title for title, fields in GROUPS.items() if name in fields), None)
+        # a field of two groups (seed: generate's sampling option, serve's server default) goes to the
+        # one the command has other fields of
+        command = kwargs.get("dest", "").rpartition(".")[0]
+        groups = [title for title, fields in GROUPS.items() if name in fields]
+        group = next((title for title in groups if any(self._field(f"{command}.{other}".lstrip("."))
+                                                       for other in GROUPS[title] if other != name)),
+                     groups[0] if groups else None)
         if group is not None and isinstance(context, argparse.ArgumentParser):
             context = self._groups.get((id(context), group), context)
         if "metavar" in kwargs:

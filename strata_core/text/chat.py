@@ -4,7 +4,8 @@ The template is ``tokenizer.chat_template`` from the GGUF, rendered the way tran
 ``apply_chat_template`` does: a sandboxed Jinja environment with ``trim_blocks`` and
 ``lstrip_blocks``, the ``loopcontrols`` extension, a ``tojson`` filter that keeps non-ASCII text,
 and the globals ``raise_exception`` and ``strftime_now``. ``bos_token`` and ``eos_token`` are set
-from the GGUF's special tokens. A GGUF without a template gets ``CHATML_TEMPLATE``.
+from the GGUF's special tokens; ``date_string`` and ``datetime`` are today's date, as llama.cpp sets
+them. A GGUF without a template gets ``CHATML_TEMPLATE``.
 """
 
 from __future__ import annotations
@@ -113,7 +114,10 @@ class ChatTemplate:
                max_chars: int | None = None, **kwargs: Any) -> str:
         """The prompt text for ``messages``; ``kwargs`` (``tools``, ``enable_thinking``...) reach the template.
         With ``max_chars``, output past it stops the render (TemplateLimitError)."""
-        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None, **kwargs}
+        now = datetime.now()
+        context = {"bos_token": self.bos_token, "eos_token": self.eos_token, "tools": None, "documents": None,
+                   # today, as llama.cpp gives it to templates (Llama 3's date_string, FireFunction's datetime)
+                   "date_string": now.strftime("%d %b %Y"), "datetime": now.strftime("%b %d %Y"), **kwargs}
         try:
             if max_chars is None:
                 return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, **context)

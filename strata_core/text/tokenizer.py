@@ -11,6 +11,7 @@ unicode-normalized before splitting.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -22,7 +23,7 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, processors, trai
 from strata_core.errors import ModelFileError, UnsupportedError
 from strata_core.gguf.reader import GGUFFile
 
-__all__ = ["StreamDecoder", "Tokenizer", "train_byte_level_bpe"]
+__all__ = ["StreamDecoder", "Tokenizer", "token_bytes", "train_byte_level_bpe"]
 
 # Texts llama.cpp treats as end-of-generation whatever the file says (llama-vocab.cpp, special_eog_ids).
 _EOG_TEXTS = frozenset(
@@ -212,6 +213,28 @@ class StreamDecoder:
             self._prefix, self._read = self._read, len(self._ids)
             return text[len(prefix_text) :]
         return ""
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level map reversed: the byte each stand-in character of a vocabulary string means."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = iter(range(256, 512))
+    return {(chr(b) if b in printable else chr(next(others))): b for b in range(256)}
+
+
+def token_bytes(backend: tokenizers.Tokenizer, ids: Iterable[int]) -> list[bytes]:
+    """The bytes each of ``ids`` stands for in the byte-level BPE ``backend``, alone (a token may hold
+    part of a character): an added token's text (``<|im_start|>``) as UTF-8, any other its vocabulary
+    string read through GPT-2's byte map."""
+    added = backend.get_added_tokens_decoder()
+    table = _byte_of_char()
+    out = []
+    for token_id in ids:
+        text = backend.id_to_token(token_id) or ""
+        byte_level = token_id not in added and all(ch in table for ch in text)
+        out.append(bytes(table[ch] for ch in text) if byte_level else text.encode())
+    return out
 
 
 def train_byte_level_bpe(

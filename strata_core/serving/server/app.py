@@ -3,7 +3,8 @@
 The lifespan owns the :class:`~strata_core.serving.server.loading.ServiceLoader` (the engine, loaded from
 the settings in the background unless one is given, and the scheduler) and puts it on the typed
 :class:`StrataState`; handlers receive the :class:`GenerationService` through ``Provide``. The OpenAI
-routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs). With an
+routes answer under ``/v1`` and, as llama-server's do, without it (left out of the docs), but for
+``/completions``, which is llama-server's native ``/completion`` there. With an
 API key every route but ``/health`` and the chat page ``/`` (webui.py) needs ``Authorization: Bearer
 KEY`` or ``X-Api-Key: KEY``; every route checks the ``Host`` header and that a body is JSON (see
 guards.py). ``--cors`` lets web pages of the origins it names call the API (no CORS headers without
@@ -19,7 +20,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from litestar import Litestar, Router
-from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.exceptions import NotAuthorizedException
@@ -35,7 +35,7 @@ from strata_core.serving.server.controllers import (
 )  # fmt: skip
 from strata_core.serving.server.docs import EndpointList
 from strata_core.serving.server.errors import handle_exception
-from strata_core.serving.server.guards import RequestGuard, allowed_host_names
+from strata_core.serving.server.guards import Cors, RequestGuard, allowed_host_names
 from strata_core.serving.server.loading import ServiceLoader
 from strata_core.serving.server.responses_api import ResponsesController
 from strata_core.serving.server.service import GenerationService
@@ -97,23 +97,24 @@ def create_app(settings: StrataSettings, engine: Any = None,
             await loader.close()
 
     key = settings.api_key.get_secret_value() if settings.api_key else None
-    openai_api = [ChatController, CompletionsController, ModelsController, ResponsesController, MessagesController]
+    openai_api = [ChatController, ModelsController, ResponsesController, MessagesController]
     return Litestar(
         route_handlers=[
-            Router("/v1", route_handlers=openai_api),
-            Router("/", route_handlers=openai_api, include_in_schema=False),  # llama-server also answers without /v1
+            Router("/v1", route_handlers=[*openai_api, CompletionsController]),
+            # llama-server also answers without /v1, except /completions: its native /completion there
+            Router("/", route_handlers=openai_api, include_in_schema=False),
             SystemController,
             LlamaServerController,
             *([chat_page] if settings.webui else []),
         ],
         dependencies={"service": Provide(provide_service, sync_to_thread=False)},
         lifespan=[lifespan],
-        middleware=[RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
+        middleware=[*([Cors(settings.cors)] if settings.cors else []),  # a pre-flight needs no key
+                    RequestGuard(allowed_host_names(settings.host, settings.allowed_hosts)),
                     *([ApiKeyAuth(key)] if key else [])],
         exception_handlers={Exception: handle_exception},
         openapi_config=OpenAPIConfig(title="Strata", version="0.1.0",
                                      render_plugins=[EndpointList(), JsonRenderPlugin()]),
-        cors_config=CORSConfig(allow_origins=settings.cors) if settings.cors else None,
         request_max_body_size=int(settings.max_body_mib * 2**20),
         state=StrataState(),
     )

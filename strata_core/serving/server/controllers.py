@@ -70,8 +70,20 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def llama_completion_route(request: Request, data: s.LlamaCompletionRequest,
+                                 service: GenerationService) -> s.LlamaCompletion | Stream:
+    """llama-server's native completion of ``data``, whole or streamed."""
+    service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
+    bias = await service.llama_logit_bias(data.logit_bias)
+    settings = data.params(service.default_max_tokens, service.settings.seed, bias)
+    handle = await service.complete(data.completion_request(bias), fallback_max_tokens=None)
+    chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
+    return await respond(request, handle, chunks, lambda out: llama_completion(
+        service.model_id, out.text, out.end, settings, out.logprobs if data.n_probs else None))
+
+
 class ChatController(Controller):
-    """``/v1/chat/completions``."""
+    """``/v1/chat/completions`` and ``/v1/chat/completions/input_tokens``."""
 
     path = "/chat/completions"
     tags = ["chat"]
@@ -86,6 +98,16 @@ class ChatController(Controller):
         chunks = chat_stream(service.model_id, handle, data, fmt) if data.stream else None
         return await respond(request, handle, chunks,
                               lambda out: chat_completion(service.model_id, out, data.logprobs, fmt))
+
+
+    @post("/input_tokens", operation_id="countChatTokens", status_code=200,
+          summary="The prompt tokens a chat request renders to (llama-server's)")
+    async def input_tokens(self, request: Request, data: JSONBody[s.ChatCompletionRequest],
+                           service: NamedDependency[GenerationService]) -> s.InputTokens:
+        service.check_fields(s.unknown_fields(await request.body(), s.ChatCompletionRequest))
+        service.check_model(data.model)
+        text = await until_disconnect(request, service.render(data))
+        return s.InputTokens(len(await service.tokenize(text, True, "messages")))
 
 
 class CompletionsController(Controller):
@@ -122,36 +144,40 @@ class ModelsController(Controller):
 
 
 class LlamaServerController(Controller):
-    """llama-server's routes: ``/completion``, ``/tokenize``, ``/detokenize``, ``/apply-template``, ``/props``,
+    """llama-server's routes: ``/completion`` (and ``/completions``), ``/tokenize``, ``/detokenize``,
+    ``/apply-template``, ``/props``,
     ``/slots``."""
 
     path = "/"
     tags = ["llama-server"]
 
     @post("/tokenize", operation_id="tokenize", status_code=200,
-          summary="Token ids of a text (with_pieces: each with its text)")
-    async def tokenize(self, data: JSONBody[s.TokenizeRequest],
+          summary="Token ids of a text (with_pieces: each with its piece)")
+    async def tokenize(self, request: Request, data: JSONBody[s.TokenizeRequest],
                        service: NamedDependency[GenerationService]) -> s.Tokens | s.TokenPieces:
+        service.check_fields(s.unknown_fields(await request.body(), s.TokenizeRequest))
         tokens = await service.tokenize(data.content, data.add_special)
         if not data.with_pieces:
             return s.Tokens(tokens)
         return s.TokenPieces([s.TokenPiece(t, piece) for t, piece in zip(tokens, await service.pieces(tokens))])
 
     @post("/detokenize", operation_id="detokenize", status_code=200, summary="The text of token ids")
-    async def detokenize(self, data: JSONBody[s.DetokenizeRequest],
+    async def detokenize(self, request: Request, data: JSONBody[s.DetokenizeRequest],
                          service: NamedDependency[GenerationService]) -> s.Content:
+        service.check_fields(s.unknown_fields(await request.body(), s.DetokenizeRequest))
         return s.Content(await service.detokenize(data.tokens))
 
     @post("/completion", operation_id="llamaCompletion", status_code=200,
           summary="Continue a prompt, llama-server's native form (SSE with stream=true)")
     async def native_completion(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
                                 service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
-        service.check_fields(s.unknown_fields(await request.body(), s.LlamaCompletionRequest))
-        settings = data.params(service.default_max_tokens)
-        handle = await service.complete(data.completion_request(), fallback_max_tokens=None)
-        chunks = llama_completion_stream(service.model_id, handle, settings) if data.stream else None
-        return await respond(request, handle, chunks, lambda out: llama_completion(
-            service.model_id, out.text, out.end, settings, out.logprobs if data.n_probs else None))
+        return await llama_completion_route(request, data, service)
+
+    @post("/completions", status_code=200, include_in_schema=False)
+    async def native_completions(self, request: Request, data: JSONBody[s.LlamaCompletionRequest],
+                                 service: NamedDependency[GenerationService]) -> s.LlamaCompletion | Stream:
+        """``/completions`` without ``/v1``: llama-server's native ``/completion`` too."""
+        return await llama_completion_route(request, data, service)
 
     @post("/apply-template", operation_id="applyTemplate", status_code=200,
           summary="The prompt a chat request renders to, through the model's chat template")
@@ -162,7 +188,7 @@ class LlamaServerController(Controller):
 
     @get("/props", operation_id="props", summary="The served model, its context, slots and sampling defaults")
     async def props(self, service: NamedDependency[GenerationService]) -> s.Props:
-        defaults = s.LlamaCompletionRequest(prompt="").params(service.default_max_tokens)
+        defaults = s.LlamaCompletionRequest(prompt="").params(service.default_max_tokens, service.settings.seed)
         return s.Props(s.GenerationSettings(service.scheduler.max_context, service.model_id, defaults),
                        service.scheduler.parallel, str(service.settings.model), service.model_id,
                        service.engine.chat.source)

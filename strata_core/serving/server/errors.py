@@ -27,9 +27,9 @@ RETRY_AFTER_S = "1"  # the Retry-After of a 503: slots free up within seconds
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 503: "server_error"}
 
 
-def _body(status: int, message: str, param: str | None = None, code: str | None = None,
+def _body(status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None,
           **counts: int) -> tuple[int, ErrorBody]:
-    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    kind = kind or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     return status, ErrorBody(ErrorDetail(message, kind, param, code, **counts))
 
 
@@ -68,8 +68,9 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
     if isinstance(exc, InvalidParamError):
         return _body(400, str(exc), exc.param, exc.code)
     if isinstance(exc, ContextLengthError):
-        return _body(400, str(exc), None, "context_length_exceeded", n_prompt_tokens=exc.n_prompt_tokens,
-                     n_ctx=exc.n_ctx)
+        # llama-server's type, with OpenAI's code: clients of either find it
+        return _body(400, str(exc), None, "context_length_exceeded", "exceed_context_size_error",
+                     n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
     if isinstance(exc, TemplateLimitError):
         return _body(500, str(exc), code="chat_template_limit")
     if isinstance(exc, StrataError):

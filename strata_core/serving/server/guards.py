@@ -4,16 +4,19 @@ Any web page can make the browser of a person running ``strata serve`` send requ
 ``text/plain`` or form POST needs no CORS pre-flight, so the JSON routes accept bodies only as
 ``application/json`` (415 otherwise); DNS rebinding points a foreign name at 127.0.0.1, so the
 ``Host`` header must name the bound address (its loopback names for a loopback address) or one of
-``--allowed-hosts`` (400 otherwise).
+``--allowed-hosts`` (400 otherwise). ``--cors`` lets the pages of the origins it names read the
+answers (:class:`Cors`; none by default).
 """
 
 from __future__ import annotations
+
+import re
 
 from litestar.exceptions import HTTPException
 from litestar.middleware import ASGIMiddleware
 from litestar.types import ASGIApp, Receive, Scope, Send
 
-__all__ = ["RequestGuard", "allowed_host_names"]
+__all__ = ["Cors", "RequestGuard", "allowed_host_names"]
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 WILDCARD = frozenset({"", "0.0.0.0", "::"})
@@ -65,3 +68,54 @@ class RequestGuard(ASGIMiddleware):
                 raise HTTPException(status_code=415, detail="the request body must be JSON sent as "
                                     f"Content-Type: application/json (got {media.decode('latin-1')[:100]!r})")
         await next_app(scope, receive, send)
+
+
+#: an origin on this machine, any port (``--cors localhost``, as llama-server's --cors-origins localhost)
+LOOPBACK_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:[0-9]{1,5})?", re.IGNORECASE)
+CORS_METHODS = b"GET, POST, DELETE, OPTIONS"
+
+
+class Cors(ASGIMiddleware):
+    """CORS for the origins of ``--cors``: exact origins, ``*`` (any) and ``localhost`` (any origin on this
+    machine: localhost, 127.0.0.1, [::1], any port). A pre-flight is answered 200 as llama-server answers
+    it, naming the origin only when it is allowed (a browser then stops there); an allowed origin's
+    requests get ``Access-Control-Allow-Origin`` with their answers. Credentials are never allowed: the
+    API key is a header, not a cookie. Header names go out capitalized, as llama-server sends them (some
+    clients look them up by exact name)."""
+
+    def __init__(self, origins: list[str]) -> None:
+        self._any = "*" in origins
+        self._loopback = "localhost" in origins
+        self._origins = frozenset(origins)
+
+    def allowed(self, origin: str) -> bool:
+        """Whether the pages of ``origin`` may call the API."""
+        return self._any or origin in self._origins or (self._loopback and bool(LOOPBACK_ORIGIN.fullmatch(origin)))
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        headers = dict(scope["headers"])
+        origin = headers.get(b"origin")
+        if scope["type"] != "http" or origin is None:
+            await next_app(scope, receive, send)
+            return
+        allowed = self.allowed(origin.decode("latin-1"))
+        if scope["method"] == "OPTIONS" and b"access-control-request-method" in headers:  # a pre-flight
+            answer = [(b"Vary", b"Origin"), (b"Content-Length", b"0")]
+            if allowed:
+                answer += [(b"Access-Control-Allow-Origin", origin), (b"Access-Control-Allow-Methods", CORS_METHODS),
+                           (b"Access-Control-Allow-Headers", headers.get(b"access-control-request-headers", b"*")),
+                           (b"Access-Control-Max-Age", b"600")]
+            await send({"type": "http.response.start", "status": 200, "headers": answer})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        if not allowed:
+            await next_app(scope, receive, send)
+            return
+
+        async def send_with_origin(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (b"Access-Control-Allow-Origin", origin),
+                                      (b"Vary", b"Origin")]
+            await send(message)
+
+        await next_app(scope, receive, send_with_origin)

@@ -195,8 +195,8 @@ def _item_delta(item: Piece | ToolCall, index: int) -> s.ChatDelta:
 
 def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest,
                 fmt: ReplyFormat = ReplyFormat()) -> AsyncIterator[bytes]:
-    """The SSE stream of a chat completion: a first chunk whose delta is the role alone (as OpenAI and
-    llama-server send it), then the text; a harmony reply's text is split as it streams into
+    """The SSE stream of a chat completion: a first chunk whose delta is the role, content null (as
+    llama-server sends it), then the text; a harmony reply's text is split as it streams into
     ``reasoning_content`` and ``content`` deltas, and a tool call is one ``tool_calls`` delta once it
     is whole (one chunk each; a delta of header tokens, or of text held back, alone sends nothing, or
     an empty delta with its logprobs). The usage chunk also carries ``timings``, as llama-server's does."""
@@ -204,10 +204,11 @@ def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest
     parser = fmt.parser()
     calls = 0  # tool calls sent
 
-    def chunk(delta: s.ChatDelta, reason: str | None = None, lps: list[TokenLogprob] | None = None,
+    def chunk(delta: s.ChatDelta | s.ChatRoleDelta, reason: str | None = None, lps: list[TokenLogprob] | None = None,
               end: Finished | None = None) -> bytes:
         choice = s.ChatChunkChoice(0, delta, reason, chat_logprobs(lps) if body.logprobs and lps else None)
-        return _sse(s.ChatCompletionChunk(cid, created, model, [choice], timings=timings(end) if end else None))
+        return _sse(s.ChatCompletionChunk(cid, created, model, [choice],
+                                          timings=timings(end) if end else msgspec.UNSET))
 
     def delta(d: Delta) -> list[bytes]:
         if parser is None:
@@ -233,7 +234,7 @@ def chat_stream(model: str, handle: RequestHandle, body: s.ChatCompletionRequest
             out.append(_sse(s.ChatCompletionChunk(cid, created, model, [], usage=usage(end), timings=timings(end))))
         return out
 
-    return _events(handle, lambda: chunk(s.ChatDelta(role="assistant")), delta, last)
+    return _events(handle, lambda: chunk(s.ChatRoleDelta()), delta, last)
 
 
 def completion_stream(model: str, handle: RequestHandle, body: s.CompletionRequest) -> AsyncIterator[bytes]:

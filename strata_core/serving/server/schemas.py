@@ -168,6 +168,11 @@ class ChatCompletionRequest(_Request, kw_only=True):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # the chat template's arguments, as vLLM and llama-server take them: no assistant header after the
+    # messages, or the final (assistant) message continued instead of closed; other template variables
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Request, kw_only=True):
@@ -200,10 +205,14 @@ class LlamaCompletionRequest(Struct, kw_only=True):
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] = 0.0
     grammar: str | None = None  # GBNF the output follows
     json_schema: dict[str, Any] | None = None  # a JSON schema the output follows
+    # [[token id or text, bias], ...] or {"token id or text": bias}; a text biases each of its tokens,
+    # false bans (read by GenerationService.llama_logit_bias)
+    logit_bias: list[Any] | dict[str, Any] | None = None
 
-    def completion_request(self) -> CompletionRequest:
-        """The OpenAI text completion this request asks for (no max_tokens for an ``n_predict`` of -1 or 0)."""
-        return CompletionRequest(
+    def completion_request(self, logit_bias: dict[str, float] | None = None) -> CompletionRequest:
+        """The OpenAI text completion this request asks for (no max_tokens for an ``n_predict`` of -1 or 0),
+        with ``logit_bias`` by token id."""
+        return CompletionRequest(logit_bias=logit_bias,
             prompt=self.prompt, max_tokens=self.n_predict if self.n_predict > 0 else None,
             temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
             stop=self.stop, cache_prompt=self.cache_prompt, ignore_eos=self.ignore_eos,
@@ -212,14 +221,18 @@ class LlamaCompletionRequest(Struct, kw_only=True):
             json_schema=self.json_schema,
         )  # fmt: skip
 
-    def params(self, default_n_predict: int | None) -> LlamaParams:
+    def params(self, default_n_predict: int | None, default_seed: int | None = None,
+               logit_bias: dict[str, float] | None = None) -> LlamaParams:
         """This request's sampling settings as llama-server reports them; ``default_n_predict`` is the
-        limit of a request that sets none (None: until the context is full, reported as -1)."""
+        limit of a request that sets none (None: until the context is full, reported as -1),
+        ``default_seed`` the seed of one that sets none, ``logit_bias`` its biases by token id."""
         n_predict = self.n_predict if self.n_predict > 0 else default_n_predict or -1
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
-        return LlamaParams(n_predict, self.seed, self.temperature, self.top_k, self.top_p, self.min_p,
+        seed = self.seed if self.seed is not None else default_seed
+        return LlamaParams(n_predict, seed, self.temperature, self.top_k, self.top_p, self.min_p,
                            self.repeat_penalty, self.presence_penalty, self.frequency_penalty, stops,
-                           self.ignore_eos, self.n_probs)
+                           self.ignore_eos, self.n_probs,
+                           [TokenBias(bias, int(token)) for token, bias in (logit_bias or {}).items()])
 
 # --- responses ------------------------------------------------------------------------------------
 
@@ -323,9 +336,17 @@ class ChatDelta(Struct, omit_defaults=True):
     tool_calls: list[ToolCallDelta] | None = None
 
 
+class ChatRoleDelta(Struct):
+    """The delta of a chat stream's first chunk: the role, and ``content`` null (as llama-server sends
+    it; never ``""``)."""
+
+    role: Literal["assistant"] = "assistant"
+    content: None = None
+
+
 class ChatChunkChoice(Struct):
     index: int
-    delta: ChatDelta
+    delta: ChatDelta | ChatRoleDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = None
 
@@ -339,7 +360,8 @@ class ChatCompletionChunk(Struct):
     choices: list[ChatChunkChoice]
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None = None
-    timings: Timings | None = None
+    # on the last chunks only (llama-server's clients read a chunk with the key as one that has them)
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
@@ -359,7 +381,7 @@ class Completion(Struct):
     choices: list[CompletionChoice]
     object: Literal["text_completion"] = "text_completion"
     usage: Usage | None = None
-    timings: Timings | None = None
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET  # a stream's: on its last chunks only
     system_fingerprint: str = SYSTEM_FINGERPRINT
 
 
@@ -381,15 +403,17 @@ class Health(Struct):
     slots_processing: int
     requests_queued: int
     progress: float = 1.0  # of loading the model: 0 while it loads, 1 when it serves
-    error: str | None = None  # why the server no longer serves (status "error")
+    # why the server no longer serves: only with status "error" (llama-server's clients read a body
+    # with an "error" key as a failure)
+    error: str | msgspec.UnsetType = msgspec.UNSET
 
 
-class TokenizeRequest(Struct, forbid_unknown_fields=True, kw_only=True):
+class TokenizeRequest(Struct, kw_only=True):
     """llama-server's ``/tokenize`` body."""
 
     content: str
     add_special: bool = False
-    with_pieces: bool = False  # each token with its text: TokenPieces
+    with_pieces: bool = False  # each token with its piece: TokenPieces
 
 
 class Tokens(Struct):
@@ -398,7 +422,7 @@ class Tokens(Struct):
 
 class TokenPiece(Struct):
     id: int
-    piece: str  # the text this token completes: the pieces of a text join to it
+    piece: str | list[int]  # the token's text, or its byte values where they are not whole UTF-8
 
 
 class TokenPieces(Struct):
@@ -407,7 +431,7 @@ class TokenPieces(Struct):
     tokens: list[TokenPiece]
 
 
-class DetokenizeRequest(Struct, forbid_unknown_fields=True):
+class DetokenizeRequest(Struct):
     """llama-server's ``/detokenize`` body."""
 
     tokens: list[int]
@@ -415,6 +439,12 @@ class DetokenizeRequest(Struct, forbid_unknown_fields=True):
 
 class Content(Struct):
     content: str
+
+
+class InputTokens(Struct):
+    """``/chat/completions/input_tokens``: the tokens a chat request's prompt renders to."""
+
+    input_tokens: int
 
 
 class Prompt(Struct):
@@ -439,6 +469,14 @@ class LlamaParams(Struct):
     stop: list[str]
     ignore_eos: bool
     n_probs: int
+    logit_bias: list[TokenBias] = msgspec.field(default_factory=list)  # the request's, by token id
+
+
+class TokenBias(Struct):
+    """One entry of ``generation_settings.logit_bias``, as llama-server lists them."""
+
+    bias: float
+    token: int
 
 
 class TopTokenProbability(Struct):

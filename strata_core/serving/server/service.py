@@ -23,6 +23,7 @@ from strata_core.errors import InvalidParamError, RequestError
 from strata_core.text.chat import ChatTemplate
 from strata_core.text.harmony import uses_harmony
 from strata_core.text.template_process import TemplateProcesses
+from strata_core.text.tokenizer import token_bytes
 from strata_core.serving.grammar import Grammars, TokenConstraint, server_grammar
 from strata_core.serving.requests import ContextLengthError, GenerationRequest
 from strata_core.serving.sampling import SamplingParams
@@ -132,6 +133,21 @@ def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [msgspec.to_builtins(tool) for tool in body.tools or []]
 
 
+def _continuation(body: ChatCompletionRequest) -> tuple[bool, str | None]:
+    """Whether the prompt ends with the assistant's header (``add_generation_prompt``), and the content
+    the rendered text is cut after (``continue_final_message``: the final message, an assistant's, is
+    continued rather than closed, as transformers and vLLM do it); InvalidParamError for both at once."""
+    if not body.continue_final_message:
+        return body.add_generation_prompt, None
+    if body.add_generation_prompt:
+        raise InvalidParamError("continue_final_message and add_generation_prompt cannot both be true (send "
+                                "add_generation_prompt: false)", "continue_final_message")
+    if body.messages[-1].role != "assistant":
+        raise InvalidParamError("continue_final_message needs the final message to be the assistant's",
+                                "continue_final_message")
+    return False, body.messages[-1].text() or None
+
+
 def _template_args(effort: str | None) -> dict[str, Any]:
     """The chat template's variables for OpenAI's ``reasoning_effort``, as llama-server maps it:
     ``reasoning_effort`` (gpt-oss's template reads it), or ``enable_thinking`` false for "none"."""
@@ -189,6 +205,18 @@ class GenerationService:
         """``n_predict``, the max_tokens of a request that sets none (None: until the context is full)."""
         return min(self.settings.n_predict, self.scheduler.max_context) if self.settings.n_predict > 0 else None
 
+    def _thinking(self) -> dict[str, bool]:
+        """``enable_thinking`` for a template that reads it, as llama-server always passes it (true unless
+        ``--reasoning off``): templates test ``not enable_thinking``, which an unset one passes."""
+        if "enable_thinking" not in self.engine.chat.source:
+            return {}
+        return {"enable_thinking": self.settings.reasoning != "off"}
+
+    def seed(self, asked: int | None) -> int | None:
+        """The sampling seed of a request that asks for ``asked``: the server's ``--seed`` when it sets
+        none (None: a fresh random one)."""
+        return asked if asked is not None else self.settings.seed
+
     @property
     def harmony(self) -> bool:
         """Whether replies are harmony (gpt-oss's chat template): their text keeps the channel markers
@@ -226,16 +254,18 @@ class GenerationService:
         self._check_size(text, param)
         return await anyio.to_thread.run_sync(self.engine.tokenizer.encode, text, add_special_tokens)
 
-    async def pieces(self, tokens: list[int]) -> list[str]:
-        """The text each of ``tokens`` completes, special tokens included, through the tokenizer's
-        stream decoder (a token that ends inside a character has ``""``, the one that completes it the
-        character), so the pieces join to the text; on a worker thread."""
+    async def pieces(self, tokens: list[int]) -> list[str | list[int]]:
+        """Each of ``tokens``' own piece, as llama-server gives it: its text where its bytes are whole
+        UTF-8 (special tokens included), else the list of its byte values (a token holding part of a
+        character); on a worker thread."""
 
-        def run() -> list[str]:
-            decoder = self.engine.tokenizer.stream_decoder(skip_special_tokens=False)
-            out = [decoder.push(t) for t in tokens]
-            if out:
-                out[-1] += decoder.flush()
+        def run() -> list[str | list[int]]:
+            out: list[str | list[int]] = []
+            for piece in token_bytes(self.engine.tokenizer.backend, tokens):
+                try:
+                    out.append(piece.decode())
+                except UnicodeDecodeError:
+                    out.append(list(piece))
             return out
 
         return await anyio.to_thread.run_sync(run)
@@ -263,8 +293,10 @@ class GenerationService:
             raise ContextLengthError(f"the request has {len(body.messages)} messages, more than the context holds "
                                      f"tokens ({limit})", len(body.messages), limit)
         self._check_size("".join(m.text() for m in body.messages), "messages")
+        generation_prompt, final = _continuation(body)
         messages = [_template_message(m, self.harmony) for m in body.messages]
-        template_args = _template_args(body.reasoning_effort)
+        template_args = {**self._thinking(), **(body.chat_template_kwargs or {}),
+                         **_template_args(body.reasoning_effort)}
         tools = _offered_tools(body)
         if tool_call_format(self.engine.chat.source) == "json":  # the template knows no tools: described here
             messages = generic_messages(messages, tools, body.parallel_tool_calls is not False)
@@ -275,9 +307,11 @@ class GenerationService:
 
         def render() -> str:
             if self.templates is not None:
-                text = self.templates.render(messages, True, cancelled=cancelled, **template_args)
+                text = self.templates.render(messages, generation_prompt, cancelled=cancelled, **template_args)
             else:
-                text = self.engine.chat.render(messages, add_generation_prompt=True, **template_args)
+                text = self.engine.chat.render(messages, add_generation_prompt=generation_prompt, **template_args)
+            if final:  # continued: the text ends where the final message's content does
+                text = text[: text.rindex(final) + len(final)] if final in text else text
             self._check_size(text, "the rendered conversation")
             return text
 
@@ -321,6 +355,28 @@ class GenerationService:
         max_tokens = body.max_tokens or body.n_predict or self.default_max_tokens or fallback_max_tokens
         return self._submit(body, prompt, max_tokens, body.logprobs, constraint)
 
+    async def llama_logit_bias(self, raw: list[Any] | dict[str, Any] | None) -> dict[str, float] | None:
+        """llama-server's ``logit_bias`` by token id: ``[[token, bias], ...]`` or ``{token: bias}``, a token
+        an id or a text (each of its tokens biased), a bias a number (clamped to OpenAI's [-100, 100]) or
+        false (banned: -100); entries of other shapes are skipped, as llama-server skips them."""
+        if raw is None:
+            return None
+        pairs = raw.items() if isinstance(raw, dict) else [tuple(p) for p in raw if isinstance(p, list) and len(p) == 2]
+        out: dict[str, float] = {}
+        for token, value in pairs:
+            if value is False or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+                bias = -100.0 if value is False else max(-100.0, min(100.0, float(value)))
+            else:
+                continue
+            if isinstance(token, str) and not token.isdigit():
+                ids = await self.tokenize(token, add_special_tokens=False, param="logit_bias")
+            elif isinstance(token, (int, str)) and not isinstance(token, bool):
+                ids = [int(token)]
+            else:
+                continue
+            out.update((str(t), bias) for t in ids if 0 <= t < self.engine.spec.vocab_size)
+        return out
+
     def _check_ids(self, ids: list[Any], param: str) -> None:
         vocab = self.engine.spec.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
@@ -346,7 +402,7 @@ class GenerationService:
         params = SamplingParams(
             temperature=body.temperature, top_k=body.top_k, top_p=body.top_p, min_p=body.min_p,
             repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
-            presence_penalty=body.presence_penalty, seed=body.seed, max_tokens=max_tokens, stop=body.stops(),
+            presence_penalty=body.presence_penalty, seed=self.seed(body.seed), max_tokens=max_tokens, stop=body.stops(),
             logprobs=logprobs, logit_bias=self._logit_bias(body), ignore_eos=body.ignore_eos,
         )  # fmt: skip
         return self.scheduler.submit(GenerationRequest(prompt, params, keep_special_tokens, constraint))
