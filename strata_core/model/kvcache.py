@@ -239,10 +239,16 @@ class KVCache:
                 out.extend(self._gather(layer, n, (name,)))
         return tuple(out)
 
-    def _gather(self, layer: int, n: int, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
-        """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored."""
+    def _gather(self, layer: int, n: int, names: Sequence[str],
+                flats: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored (``flats``: the
+        row ids of ``[0, n)`` per slot, filled and reused across the layers of one caller)."""
         slot = self.home[layer]
-        flat = self._flat(slot, torch.arange(n, device=self._device_tables[slot].device))
+        flat = None if flats is None else flats.get(slot)
+        if flat is None:
+            flat = self._flat(slot, torch.arange(n, device=self._device_tables[slot].device))
+            if flats is not None:
+                flats[slot] = flat
         return tuple(self._rows(layer, name).index_select(0, flat) for name in names)
 
     def block_table(self, layer: int) -> torch.Tensor:
@@ -448,12 +454,13 @@ class KVCache:
                 for name, t in self.pools.pools[slot].rows[layer].items()}
         return {**rows, **self._parked.get((layer, slot), {})}
 
-    def committed(self, layer: int, tensors: LayerTensors | None = None) -> LayerTensors:
-        """What ``layer`` holds now: its committed rows (gathered) and its whole recurrent state (of
-        ``tensors``, e.g. a parked set, instead of the live ones if given)."""
+    def committed(self, layer: int, tensors: LayerTensors | None = None,
+                  flats: dict[int, torch.Tensor] | None = None) -> LayerTensors:
+        """What ``layer`` holds now: its committed rows (gathered; ``flats`` as ``_gather`` takes it) and its
+        whole recurrent state (of ``tensors``, e.g. a parked set, instead of the live ones if given)."""
         if tensors is None:
             names = [name for name, t in self._layout[layer].items() if t.per_token]
-            rows = dict(zip(names, self._gather(layer, self.n_tokens, names))) if names else {}
+            rows = dict(zip(names, self._gather(layer, self.n_tokens, names, flats))) if names else {}
             return {**rows, **self._state[layer]}
         return {name: t[:self.n_tokens] if self._layout[layer][name].per_token else t for name, t in tensors.items()}
 
@@ -463,7 +470,8 @@ class KVCache:
         """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory:
         from a CUDA device into pinned memory without waiting (each copy follows the work queued before
         it on the device's stream; the snapshot's events say when they have landed)."""
-        committed = {i: self.committed(i) for i in (self.layers if layers is None else layers)}
+        flats: dict[int, torch.Tensor] = {}  # the committed positions' row ids per slot, found once for all layers
+        committed = {i: self.committed(i, flats=flats) for i in (self.layers if layers is None else layers)}
         tensors = {i: {name: _to_host(t) for name, t in named.items()} for i, named in committed.items()}
         ready = []
         for device in {t.device for named in committed.values() for t in named.values() if t.device.type == "cuda"}:
