@@ -95,6 +95,18 @@ def test_apply_template_takes_add_generation_prompt_and_continue_final_message(u
     assert chat.json()["choices"][0]["message"]["content"] == raw.json()["choices"][0]["text"]
 
 
+def test_two_assistant_messages_at_the_end_are_a_400(url: str) -> None:
+    """llama-server refuses a conversation ending with two assistant messages (which would the reply follow?);
+    one at the end is rendered (closed, or continued with continue_final_message)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                {"role": "assistant", "content": "b"}]
+    for path in ("/v1/chat/completions", "/apply-template"):
+        out = httpx.post(f"{url}{path}", json={"messages": messages, "max_tokens": 2})
+        assert out.status_code == 400 and out.json()["error"]["param"] == "messages", path
+        assert "two assistant messages" in out.json()["error"]["message"]
+    assert httpx.post(f"{url}/apply-template", json={"messages": messages[:2]}).status_code == 200
+
+
 # the ending of llama.cpp's DeepSeek-R1 template: an unset enable_thinking closes the think block
 THINKING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
                      "{% if add_generation_prompt %}<assistant><think>\n{% if not enable_thinking %}</think>{% endif %}"

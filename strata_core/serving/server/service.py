@@ -136,7 +136,12 @@ def _offered_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 def _continuation(body: ChatCompletionRequest) -> tuple[bool, str | None]:
     """Whether the prompt ends with the assistant's header (``add_generation_prompt``), and the content
     the rendered text is cut after (``continue_final_message``: the final message, an assistant's, is
-    continued rather than closed, as transformers and vLLM do it); InvalidParamError for both at once."""
+    continued rather than closed, as transformers and vLLM do it); InvalidParamError for both at once,
+    and for a conversation ending with two assistant messages (as llama-server refuses it: which one
+    would the reply follow?)."""
+    if len(body.messages) >= 2 and body.messages[-1].role == body.messages[-2].role == "assistant":
+        raise InvalidParamError("the conversation ends with two assistant messages; send one (its reply to "
+                                "continue, with continue_final_message) or end with the user's", "messages")
     if not body.continue_final_message:
         return body.add_generation_prompt, None
     if body.add_generation_prompt:
