@@ -325,3 +325,14 @@ def test_no_cors_headers_by_default(url: str) -> None:
     assert "access-control-allow-origin" not in _preflight(url, "https://app.example").headers
     call = httpx.get(f"{url}/props", headers={"Origin": "https://app.example"})
     assert not any(name.startswith("access-control-") for name in call.headers)
+
+
+def test_a_full_kv_pool_is_llama_servers_500() -> None:
+    """A request the shared KV pool cannot hold failed for the server's memory, not for what it asked:
+    a 500 saying the context size has been exceeded, as llama-server's (llama.cpp's test_completion_unified)."""
+    from strata_core.model.kvpool import KVPoolFull
+    from strata_core.serving.server.errors import error_body
+
+    status, body = error_body(KVPoolFull("the KV pool of device slot 0 is full: 3 more blocks of 16 tokens needed"))
+    assert status == 500 and body.error.code == "kv_pool_full"
+    assert "context size has been exceeded" in body.error.message and "device slot 0" in body.error.message

@@ -14,6 +14,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 
 from strata_core.errors import InvalidParamError, StrataError, TemplateLimitError
+from strata_core.model.kvpool import KVPoolFull
 from strata_core.serving.model_files import ModelFileChangedError
 from strata_core.serving.requests import ContextLengthError, ServerBusyError, ShuttingDownError
 from strata_core.serving.server.loading import ModelLoadingError
@@ -71,6 +72,8 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
         # llama-server's type, with OpenAI's code: clients of either find it
         return _body(400, str(exc), None, "context_length_exceeded", "exceed_context_size_error",
                      n_prompt_tokens=exc.n_prompt_tokens, n_ctx=exc.n_ctx)
+    if isinstance(exc, KVPoolFull):  # the server's memory, not the request: a 500, as llama-server answers it
+        return _body(500, f"the context size has been exceeded: {exc}", code="kv_pool_full")
     if isinstance(exc, TemplateLimitError):
         return _body(500, str(exc), code="chat_template_limit")
     if isinstance(exc, StrataError):
