@@ -70,7 +70,7 @@ def test_a_window_that_kept_its_steps_rewinds_recurrent_state_to_any_of_its_posi
     kv = filled(layout=HYBRID)
     kv.reserve(8)
     kv.keep_steps()
-    states = [kv.state(1, "conv").clone()]
+    states = [kv.state(1, "conv").clone()]  # before the window: not kept (its first row always stays)
     for position in range(5, 8):  # three rows: each writes K/V and advances the recurrent state
         for i in (0, 2):
             kv.write(i, torch.tensor([position]), k=torch.randn(1, 2, 4), v=torch.randn(1, 2, 4))
@@ -84,12 +84,15 @@ def test_a_window_that_kept_its_steps_rewinds_recurrent_state_to_any_of_its_posi
     assert kv.n_tokens == 7 and torch.equal(kv.state(1, "conv"), states[2])
     kv.truncate(6)  # cut back again inside the same window
     assert torch.equal(kv.state(1, "conv"), states[1]) and kv.blocks(0) == [1, 2, 3]
+    with pytest.raises(ValueError, match="cannot rewind recurrent state from 6 to 5"):
+        kv.truncate(5)  # the window's first row cut too
     with pytest.raises(ValueError, match="cannot rewind recurrent state from 6 to 4"):
         kv.truncate(4)  # before the window
-    kv.reserve(7)  # the next phase
+    kv.advance(1)  # position 6 again, then the next phase: the window's states no longer follow
+    kv.reserve(8)
     assert not kv.keeps_steps
-    with pytest.raises(ValueError, match="cannot rewind recurrent state from 6 to 5"):
-        kv.truncate(5)
+    with pytest.raises(ValueError, match="cannot rewind recurrent state from 7 to 6"):
+        kv.truncate(6)  # what the window's states would have allowed
 
 def test_hand_off_moves_only_the_given_layers_and_keeps_the_way_back():
     kv = filled(layout=HYBRID)

@@ -356,10 +356,11 @@ class KVCache:
         self.trim()
 
     def keep_steps(self) -> None:
-        """Keep the recurrent state now and after each row of the decode window about to run
-        (``keep_step``), so that ``truncate`` may cut back any of the window's rows; nothing for a cache
-        without recurrent state. The states kept are dropped when the next phase reserves positions."""
-        self._steps = {i: [_clone(named)] for i, named in self._state.items() if named}
+        """Keep the recurrent state after each row of the decode window about to run (``keep_step``), so
+        that ``truncate`` may cut the window back to any of its rows (its first row, the request's own
+        token, always stays: the state before the window is not kept); nothing for a cache without
+        recurrent state. The states kept are dropped when the next phase reserves positions."""
+        self._steps = {i: [] for i, named in self._state.items() if named}
         self._steps_from = self.n_tokens if self._steps else None
 
     @property
@@ -374,14 +375,15 @@ class KVCache:
             steps.append(_clone(self._state[layer]))
 
     def _rewind_state(self, n: int) -> None:
-        """Put back each recurrent layer's state kept at position ``n`` (``keep_steps``)."""
-        start = self._steps_from
-        if start is None or n < start or any(len(steps) <= n - start for steps in self._steps.values()):
+        """Put back each recurrent layer's state kept after the window's row at position ``n - 1``
+        (``keep_steps``)."""
+        row = n - 1 - (self._steps_from if self._steps_from is not None else n)
+        if row < 0 or any(len(steps) <= row for steps in self._steps.values()):
             raise ValueError(f"cannot rewind recurrent state from {self.n_tokens} to {n} positions")
         for layer, steps in self._steps.items():
-            for name, kept in steps[n - start].items():
+            for name, kept in steps[row].items():
                 self._state[layer][name].copy_(kept)
-            del steps[n - start + 1:]
+            del steps[row + 1:]
 
     def _drop_steps(self) -> None:
         self._steps, self._steps_from = {}, None
