@@ -193,6 +193,27 @@ def test_idle_slot_keeps_its_session_for_the_next_turn(rewindable: bool) -> None
     assert end.timings.cache_n == (len(first.prompt) if rewindable else 0)
 
 
+def test_batch_invariant_reuses_no_prefix() -> None:
+    """Under --batch-invariant a returning conversation and a repeated prompt are computed whole: on
+    CUDA a prefix computed in other chunks, or a last prompt token run as a decode row, changes bits."""
+    engine = FakeEngine()
+    engine.settings = StrataSettings(batch_invariant=True)
+    scheduler = _scheduler(engine, parallel=1, conv_cache=2)
+    first = _request("hello there", 4)
+
+    async def main() -> list[Finished]:
+        ends = [(await _run(scheduler.submit(first)))[2]]
+        ends.append((await _run(scheduler.submit(_request("something else", 4))))[2])
+        return ends + [(await _run(scheduler.submit(GenerationRequest(first.prompt + [50, 51], _greedy(2)))))[2]]
+
+    try:
+        ends = asyncio.run(main())
+    finally:
+        scheduler.stop()
+    assert [end.timings.cache_n for end in ends] == [0, 0, 0]
+    assert ends[2].timings.prompt_n == len(first.prompt) + 2 == engine.prefilled[-1]
+
+
 def test_a_prompt_kept_but_its_last_token_runs_that_token_in_the_window() -> None:
     """A repeated prompt finds all but its last token in the idle slot's session: that token is fed by
     the next decode window (no prompt pass of one token), and the tokens are those of the prompt alone."""

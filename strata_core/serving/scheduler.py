@@ -128,6 +128,8 @@ class Scheduler:
         self.step_tokens = step_tokens
         # A step with no decode row keeps no stream waiting: its prompt chunks may be the engine's own.
         self._idle_tokens: int = engine.settings.prefill_chunk
+        # under --batch-invariant a prompt's chunks do not depend on the other requests (step_plan)
+        self._piece = step_tokens - parallel + 1 if engine.settings.batch_invariant else 0
         self.cache = ConvCache(conv_cache, conv_cache_bytes)
         self.stats = SchedulerStats()
         self._runner = StepRunner(engine)
@@ -254,15 +256,18 @@ class Scheduler:
         busy = self._slots.busy()
         prefilling = sorted((s for s in busy if s.job.pending < 0), key=lambda s: s.job.admitted)
         plan = plan_step([s for s in busy if s.job.pending >= 0], [(s, s.job.prompt_left) for s in prefilling],
-                         self.step_tokens, self._idle_tokens)
+                         self.step_tokens, self._idle_tokens, self._piece)
         self._window(list(plan.decode))
         # a rewindable model's chunks run as one prompt batch (one pass over the experts for all); one by
         # one where a recurrent state cannot be rewritten after a failed batch, or under --batch-invariant
-        # (on CUDA a product's rows may depend on how many rows share it)
+        # (on CUDA a product's rows may depend on how many rows share it), then a pass a piece (step_plan)
         together = self.engine.spec.rewindable and not self.engine.settings.batch_invariant
-        batches = [list(plan.chunks)] if together else [[chunk] for chunk in plan.chunks]
-        for chunks in filter(None, batches):
-            self._prefill(chunks)
+        piece = self._piece
+        batches = [list(plan.chunks)] if together else [[(slot, min(piece or n, n - at))] for slot, n in plan.chunks
+                                                        for at in range(0, n, piece or n)]
+        for chunks in batches:
+            if live := [(slot, n) for slot, n in chunks if slot.job is not None]:  # not failed in an earlier piece
+                self._prefill(live)
         if busy:
             self.stats.steps += 1
 

@@ -3,6 +3,8 @@
 A request that leaves its slot leaves its session there, so the next prompt that shares its prefix
 computes only the new part; a slot taken by another request first saves its idle session in the
 :class:`~strata_core.serving.conv_cache.ConvCache`, from which a returning conversation is restored.
+Under ``--batch-invariant`` nothing is reused: on CUDA a prompt's KV computed in other chunks, or its
+last token run as a decode row, would give other bits than the prompt computed alone.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Slots:
     def __init__(self, engine: Any, n: int, cache: ConvCache) -> None:
         self.engine = engine
         self.cache = cache
+        self.reuse = not engine.settings.batch_invariant
         self.all = [Slot() for _ in range(n)]
         self._clock = 0
 
@@ -48,12 +51,12 @@ class Slots:
         rewindable = self.engine.spec.rewindable  # else a held state is reused whole or not at all
         live, live_n = idle[0], 0
         for s in idle:  # a session is reused in place when it is mostly this prompt's prefix
-            if s.session is None:
+            if s.session is None or not self.reuse:
                 continue
             n = common_prefix(s.session.tokens, prompt[:-1])
             if n > live_n and 2 * n >= s.session.n_tokens and (rewindable or n == s.session.n_tokens):
                 live, live_n = s, n
-        key, cache_n = self.cache.best(prompt[:-1], whole=not rewindable)
+        key, cache_n = self.cache.best(prompt[:-1], whole=not rewindable) if self.reuse else (None, 0)
         if live_n > 0 and live_n >= cache_n:
             slot, cached = live, live_n
         else:
@@ -69,7 +72,7 @@ class Slots:
             if snapshot is not None:
                 slot.session, cached = self.engine.restore_session(snapshot), cache_n
             else:  # holding the KV blocks of this prompt's opening that another request computed, if any
-                slot.session = self.engine.new_session(prompt[:-1])
+                slot.session = self.engine.new_session(prompt[:-1] if self.reuse else ())
                 cached = slot.session.n_tokens
         if slot.session.n_tokens > cached:
             slot.session.truncate(cached)

@@ -16,7 +16,9 @@ With ``step_tokens >= parallel`` no request starves: a prefilling slot does not 
 prefills at most ``parallel - 1`` rows decode and the oldest gets at least
 ``step_tokens - parallel + 1`` tokens (or the rest of its prompt) in every step. A request admitted
 behind ``T`` prompt tokens still to compute (its own included) has finished its prefill within
-``ceil(T / (step_tokens - parallel + 1))`` steps.
+``ceil(T / (step_tokens - parallel + 1))`` steps; with ``piece = step_tokens - parallel + 1`` the oldest
+takes at least its next piece or its rest each step, so within the sum of its and the older prompts'
+``ceil(left / piece)`` steps.
 """
 
 from __future__ import annotations
@@ -44,13 +46,14 @@ class StepPlan(Generic[K]):
 
 
 def plan_step(decoding: Sequence[K], prefilling: Sequence[tuple[K, int]], step_tokens: int,
-              idle_tokens: int = 0) -> StepPlan[K]:
+              idle_tokens: int = 0, piece: int = 0) -> StepPlan[K]:
     """Plan one step under ``step_tokens``.
 
     :param decoding: the streams that decode (each costs one token).
     :param prefilling: ``(request, prompt tokens still to compute)``, oldest admission first.
     :param step_tokens: the budget of a step that decodes.
     :param idle_tokens: the budget of a step with no decode row, if larger than ``step_tokens``.
+    :param piece: if set, a chunk that does not end its prompt is a multiple of ``piece`` tokens.
     :return: every decoding stream, and chunks filling the rest of the budget in admission order.
     """
     budget = step_tokens - len(decoding) if decoding else max(step_tokens, idle_tokens)
@@ -59,6 +62,11 @@ def plan_step(decoding: Sequence[K], prefilling: Sequence[tuple[K, int]], step_t
         if budget <= 0:
             break
         n = min(left, budget)
+        if n < left:  # the budget ends inside this prompt: the requests behind it wait
+            n -= n % piece if piece else 0
+            if n:
+                chunks.append((request, n))
+            break
         chunks.append((request, n))
         budget -= n
     return StepPlan(tuple(decoding), tuple(chunks))
