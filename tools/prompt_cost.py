@@ -3,6 +3,10 @@ of sessions, then the torch profiler over one prompt of each ``--profile`` size 
 operations by CPU time).
 
     python tools/prompt_cost.py MODEL.gguf [--device cuda:0] [--expert-cache 6144] [--profile 1024,64]
+    py-spy record --format raw -o spy.txt -- python tools/prompt_cost.py MODEL.gguf --passes 60 [--profile 1024]
+
+``--passes N`` times only N one-after-another passes of the first ``--profile`` size (after three
+warm-up passes), unprofiled: what a sampling profiler from outside should see.
 
 A pass whose wall time stays flat while its tokens grow is bound by the host's enqueueing, not the GPU.
 """
@@ -30,6 +34,7 @@ def main() -> None:
     parser.add_argument("--expert-cache", default="6144")
     parser.add_argument("--profile", default="1024,64", help="prompt sizes to profile once each")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--passes", type=int, default=0, help="only time this many passes of the first --profile size")
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
     engine = Engine.load(args.model, devices=[args.device], arena="pinned", expert_cache=cache, max_context=9000)
@@ -57,6 +62,11 @@ def main() -> None:
                 engine.release_session(session)
         return statistics.median(runs)
 
+    if args.passes:
+        n = int(args.profile.split(",")[0])
+        timed([n], 3)  # warm-up: compiles, rings
+        print(f"{args.passes} passes of {n} tokens: {timed([n], args.passes):.1f} ms each (median)", flush=True)
+        return
     timed([1024], 2)  # warm-up: compiles, rings
     for sizes in SIZES:
         if max(sizes) > engine.max_context - 8:

@@ -135,6 +135,9 @@ class KVCache:
         self.home = {i: homes[i][0] for i in layers}  # layer -> device slot holding it now
         self._tables: dict[int, list[int]] = {}  # slot -> block ids (host)
         self._device_tables: dict[int, torch.Tensor] = {}  # slot -> int32 [max_blocks] on the slot's device
+        #: slot -> int64 [max_blocks * block_size]: each position's row in the slot's pool, kept with the device
+        #: table (a layer's read is a slice of it, a write one index: no per-layer arithmetic on the table)
+        self._row_ids: dict[int, torch.Tensor] = {}
         self._chain: list[PrefixEntry] = []  # index entries of the leading full blocks (shared or published)
         self._state: dict[int, LayerTensors] = {}  # layer -> its recurrent state (on its home)
         self._parked: dict[tuple[int, int], LayerTensors] = {}  # (layer, slot) -> recurrent state left there
@@ -175,7 +178,16 @@ class KVCache:
             self._tables[slot] = []
             self._device_tables[slot] = torch.full((self.max_blocks,), NULL_BLOCK, dtype=torch.int32,
                                                     device=self.pools.pools[slot].device)
+            self._row_ids[slot] = torch.empty(self.max_blocks * self.block_size, dtype=torch.int64,
+                                              device=self.pools.pools[slot].device)
+            self._refresh_rows(slot, 0, self.max_blocks)
         return self._tables[slot]
+
+    def _refresh_rows(self, slot: int, start: int, stop: int) -> None:
+        """Recompute the row ids of blocks ``[start, stop)`` of ``slot`` from its device table."""
+        table = self._device_tables[slot][start:stop].long()
+        lanes = torch.arange(self.block_size, device=table.device)
+        self._row_ids[slot].view(self.max_blocks, self.block_size)[start:stop] = table[:, None] * self.block_size + lanes
 
     def _new_state(self, layer: int, device: torch.device | str) -> LayerTensors:
         return {name: torch.zeros(t.shape, device=device, dtype=t.dtype or self._dtype)
@@ -187,6 +199,7 @@ class KVCache:
         if ids:
             device_table = self._device_tables[slot]
             device_table[start:start + len(ids)].copy_(_on(device_table.device, ids, torch.int32), non_blocking=True)
+            self._refresh_rows(slot, start, start + len(ids))
 
     def _home_slots(self) -> list[int]:
         return sorted(set(self.home.values()))
@@ -198,9 +211,8 @@ class KVCache:
 
     def _flat(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """int64 row ids in ``slot``'s pool of ``positions`` (on the device table's device: no host work)."""
-        table = self._device_tables[slot]
-        positions = positions.to(table.device)
-        return table[positions // self.block_size].long() * self.block_size + positions % self.block_size
+        rows = self._row_ids[slot]
+        return rows[positions.to(rows.device)]
 
     # --- compute's view --------------------------------------------------------------------------
 
@@ -239,16 +251,9 @@ class KVCache:
                 out.extend(self._gather(layer, n, (name,)))
         return tuple(out)
 
-    def _gather(self, layer: int, n: int, names: Sequence[str],
-                flats: dict[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
-        """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored (``flats``: the
-        row ids of ``[0, n)`` per slot, filled and reused across the layers of one caller)."""
-        slot = self.home[layer]
-        flat = None if flats is None else flats.get(slot)
-        if flat is None:
-            flat = self._flat(slot, torch.arange(n, device=self._device_tables[slot].device))
-            if flats is not None:
-                flats[slot] = flat
+    def _gather(self, layer: int, n: int, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
+        """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored."""
+        flat = self._row_ids[self.home[layer]][:n]
         return tuple(self._rows(layer, name).index_select(0, flat) for name in names)
 
     def block_table(self, layer: int) -> torch.Tensor:
@@ -396,6 +401,7 @@ class KVCache:
             if len(table) > keep:
                 self.pools.free(slot, table[keep:])
                 self._device_tables[slot][keep:len(table)] = NULL_BLOCK
+                self._refresh_rows(slot, keep, len(table))
                 del table[keep:]
 
     def release(self) -> None:
@@ -404,6 +410,7 @@ class KVCache:
         self.n_tokens = 0
         self._give_back()
         self._device_tables.clear()
+        self._row_ids.clear()
         self._chain.clear()
         self._state.clear()
         self._parked.clear()
@@ -450,19 +457,17 @@ class KVCache:
         there and its parked recurrent state (what ``STRATA_DBG_HANDOFF`` compares), or None."""
         if (layer, slot) not in self._left:
             return None
-        table = self._device_tables[slot]
-        flat = self._flat(slot, torch.arange(self.n_tokens, device=table.device))
+        flat = self._row_ids[slot][:self.n_tokens]
         rows = {name: t.view(-1, *t.shape[2:]).index_select(0, flat)
                 for name, t in self.pools.pools[slot].rows[layer].items()}
         return {**rows, **self._parked.get((layer, slot), {})}
 
-    def committed(self, layer: int, tensors: LayerTensors | None = None,
-                  flats: dict[int, torch.Tensor] | None = None) -> LayerTensors:
-        """What ``layer`` holds now: its committed rows (gathered; ``flats`` as ``_gather`` takes it) and its
+    def committed(self, layer: int, tensors: LayerTensors | None = None) -> LayerTensors:
+        """What ``layer`` holds now: its committed rows (gathered) and its
         whole recurrent state (of ``tensors``, e.g. a parked set, instead of the live ones if given)."""
         if tensors is None:
             names = [name for name, t in self._layout[layer].items() if t.per_token]
-            rows = dict(zip(names, self._gather(layer, self.n_tokens, names, flats))) if names else {}
+            rows = dict(zip(names, self._gather(layer, self.n_tokens, names))) if names else {}
             return {**rows, **self._state[layer]}
         return {name: t[:self.n_tokens] if self._layout[layer][name].per_token else t for name, t in tensors.items()}
 
@@ -472,8 +477,7 @@ class KVCache:
         """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory:
         from a CUDA device into pinned memory without waiting (each copy follows the work queued before
         it on the device's stream; the snapshot's events say when they have landed)."""
-        flats: dict[int, torch.Tensor] = {}  # the committed positions' row ids per slot, found once for all layers
-        committed = {i: self.committed(i, flats=flats) for i in (self.layers if layers is None else layers)}
+        committed = {i: self.committed(i) for i in (self.layers if layers is None else layers)}
         tensors = {i: {name: _to_host(t) for name, t in named.items()} for i, named in committed.items()}
         ready = []
         for device in {t.device for named in committed.values() for t in named.values() if t.device.type == "cuda"}:
