@@ -73,7 +73,8 @@ def _serve(engine: Engine, spec_tokens: int, requests: list[GenerationRequest]) 
 
 def _requests(engine: Engine) -> list[GenerationRequest]:
     tok = engine.tokenizer
-    return [GenerationRequest(tok.encode("the quick brown fox jumps " * 3), SamplingParams(temperature=0, max_tokens=16)),
+    return [GenerationRequest(tok.encode("the quick brown fox jumps " * 3),
+                              SamplingParams(temperature=0, max_tokens=16)),
             GenerationRequest(tok.encode("hello world"), SamplingParams(temperature=0, max_tokens=12, stop=("zz",))),
             GenerationRequest(tok.encode("sampled"), SamplingParams(temperature=0.9, seed=3, top_k=40, max_tokens=12))]
 
@@ -138,3 +139,24 @@ def test_mtp_needs_next_token_prediction_layers(tmp_path: Path) -> None:
         Engine.load(path, max_context=128, spec="mtp")
     with pytest.raises(ConfigError, match="no multi-token-prediction layers to add"):
         write_synthetic(tmp_path / "x.gguf", "tiny", mtp_layers=1, progress=False)
+
+
+def test_spec_mtp_on_the_server(bigram_model: Path) -> None:
+    """``--spec mtp`` through the server's settings: the greedy completion is the one without drafts, and
+    /metrics counts the drafts, the kept ones and the tokens a window."""
+    import httpx
+    from test_server_support import live_server
+
+    from strata_core.config import StrataSettings
+
+    texts, metrics = {}, ""
+    for spec in ("off", "mtp"):
+        settings = StrataSettings(model=bigram_model, model_alias="m", max_context=128, spec=spec, spec_tokens=3)
+        with live_server(settings) as url:
+            body = {"model": "m", "prompt": "hello world", "max_tokens": 16, "temperature": 0}
+            texts[spec] = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+            metrics = httpx.get(f"{url}/metrics").text
+    assert texts["mtp"] == texts["off"]
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("strata_")}
+    assert values["strata_spec_draft_tokens_total"] > 0 and values["strata_spec_acceptance_ratio"] > 0.5
+    assert values["strata_tokens_per_window"] > 1

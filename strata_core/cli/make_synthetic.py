@@ -31,8 +31,8 @@ class MakeSyntheticCommand(CommandSettings):
                                     "default: Q4_K, MXFP4 for gpt-oss)")
     dense_type: str = Field("Q8_0", description="block type of the dense matrices")
     layers: int | None = Field(None, ge=1, description="fewer layers than the preset (same widths)")
-    mtp_layers: int = Field(0, ge=0, description="multi-token-prediction (nextn) blocks after the layers, for "
-                            "--spec mtp (qwen3-next presets)")
+    mtp_layers: int = Field(0, ge=0, description="multi-token-prediction (nextn) blocks after the layers, "
+                            "for --spec mtp (qwen3-next presets)")
     seed: int = Field(0, description="random seed")
 
     def cli_cmd(self) -> None:

@@ -101,23 +101,25 @@ class MtpHead:
         nextn = {name: tensor(f"nextn.{name}.weight", shape).to(device)
                  for name, shape in (("eh_proj", (H, 2 * H)), ("enorm", (H,)), ("hnorm", (H,)))}
         shared = main.weights.globals  # the main model's embedding and head, unless the block has its own
-        vocab = (spec.vocab_size, H)
-        globals_ = {
-            "token_embd.weight": (tensor("nextn.embed_tokens.weight", vocab) if _has(gguf_file, prefix + "nextn.embed_tokens.weight")
-                                  else shared["token_embd.weight"]),
-            "output_norm.weight": tensor("nextn.shared_head_norm.weight", (H,)),
-            "output.weight": (tensor("nextn.shared_head_head.weight", vocab)
-                              if _has(gguf_file, prefix + "nextn.shared_head_head.weight") else shared["output.weight"]),
-        }
+
+        def own_or_main(name: str, main_name: str) -> torch.Tensor:
+            if prefix + name in gguf_file.tensors:
+                return tensor(name, (spec.vocab_size, H))
+            return shared[main_name]
+
+        globals_ = {"token_embd.weight": own_or_main("nextn.embed_tokens.weight", "token_embd.weight"),
+                    "output_norm.weight": tensor("nextn.shared_head_norm.weight", (H,)),
+                    "output.weight": own_or_main("nextn.shared_head_head.weight", "output.weight")}
         dense = DenseWeights(globals_, [layer]).place({0: {device}}, device)
         model = get_architecture(spec.architecture).forward(block, dense, main.kernels)
         pools.pool(0, device).add_layer(0, block.layer_state(0))
-        return cls(model, nextn, DequantExpertRows(BlockExperts(gguf_file, block, at, device)),  # type: ignore[arg-type]
-                   pools, max_tokens, device, dtype)
+        experts = DequantExpertRows(BlockExperts(gguf_file, block, at, device))  # type: ignore[arg-type]
+        return cls(model, nextn, experts, pools, max_tokens, device, dtype)
 
     def new_cache(self) -> KVCache:
         """An empty KV cache of the block for one session."""
-        return KVCache.for_spec(self.model.spec, self.max_tokens, device=self.device, dtype=self.dtype, pools=self.pools)
+        return KVCache.for_spec(self.model.spec, self.max_tokens, device=self.device, dtype=self.dtype,
+                                pools=self.pools)
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +136,3 @@ class MtpHead:
         x = m.moe(0, m.attention(0, x, positions.to(self.device), kv, n_ctx), self.experts)  # [T, H]
         return m.head(x), x
 
-
-def _has(gguf_file: GGUFFile, name: str) -> bool:
-    return name in gguf_file.tensors

@@ -160,7 +160,8 @@ class Runner:
         for session in batch.sessions:
             self._place(session, "decode")
         self.experts.begin_window()
-        first = [session.n_tokens + offset for session, offset in zip(batch.sessions, batch.offsets or [0] * len(batch))]
+        offsets = batch.offsets or (0,) * len(batch)
+        first = [session.n_tokens + offset for session, offset in zip(batch.sessions, offsets)]
         self._pass_hidden = None
         logits = None
         try:

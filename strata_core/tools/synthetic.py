@@ -111,8 +111,9 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
         preset = replace(preset, n_layers=n_layers)
     if mtp_layers:
         if not hasattr(preset, "mtp_layers"):
-            raise ConfigError(f"preset {name!r} ({preset.architecture}) has no multi-token-prediction layers to add "
-                              f"(presets with them: {', '.join(n for n, p in PRESETS.items() if hasattr(p, 'mtp_layers'))})")
+            having = ", ".join(n for n, p in PRESETS.items() if hasattr(p, "mtp_layers"))
+            raise ConfigError(f"preset {name!r} ({preset.architecture}) has no multi-token-prediction layers to "
+                              f"add (presets with them: {having})")
         preset = replace(preset, mtp_layers=mtp_layers)
     if expert_type is None:
         expert_type = getattr(preset, "expert_type", Q.Q4_K)

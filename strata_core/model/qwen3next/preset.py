@@ -107,8 +107,8 @@ class Qwen3NextPreset:
         the Gated DeltaNet keys (the layer pattern by interval, no per-layer array) and the MTP blocks'
         count (in ``block_count`` too)."""
         p = self
-        Preset(p.n_layers + p.mtp_layers, p.n_experts, p.n_experts_used, p.hidden, p.expert_ffn, p.n_heads, p.n_kv_heads,
-               p.head_dim, p.vocab, context=p.context, rope_theta=p.rope_theta).add_metadata(w)
+        Preset(p.n_layers + p.mtp_layers, p.n_experts, p.n_experts_used, p.hidden, p.expert_ffn, p.n_heads,
+               p.n_kv_heads, p.head_dim, p.vocab, context=p.context, rope_theta=p.rope_theta).add_metadata(w)
         w.add_rope_dimension_count(p.rope_dim)
         w.add_expert_shared_feed_forward_length(p.shared_ffn)
         w.add_ssm_conv_kernel(p.conv_kernel)
