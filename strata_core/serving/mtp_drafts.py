@@ -10,27 +10,33 @@ one drafting the token after the request's pending one; the block's output then 
 hidden state, chained once a further draft (those entries are cut again: the verified tokens' own hidden
 rows replace them at the next draft).
 
-The entries follow the session exactly: an entry is kept only while its position is still held and the
-token it was fed is still the one after it (a window's rejected drafts cut, a slot's session reused for a
-new prompt), so the block's KV is cut back with the session's. Hidden rows a window computed for rejected
-drafts are dropped (positions no longer held), and rows computed again for a position replace the older
-ones. A session whose first rows are not at its first position (a prompt prefix shared from other
-sessions, a restored conversation) starts its entries at its first row: the block's attention then sees
-the positions from there (RoPE is relative: the entry positions are counted from the first).
+The entries follow the session exactly, so the block's KV is cut back with the session's: rows computed
+again from a position (a session cut back, as a slot's session reused for a new prompt) cut the entries
+from there, and an entry is kept only while its position is still held and the token it was fed is still
+the one after it. Hidden rows a window computed for rejected drafts are dropped (positions no longer
+held). Where no row is held for the position after the last entry (a session whose first rows are not at
+its first position: a prompt prefix shared from other sessions, a restored conversation; or one cut back
+to a position whose next token changed, whose row was fed and not kept), the entries start again at the
+first row held: the block's attention then sees the positions from there (RoPE is relative: the entry
+positions are counted from the first).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from strata_core.model.kvcache import KVCache
+from strata_core.model.kvpool import KVPoolFull
 from strata_core.model.mtp import MtpHead
 from strata_core.runtime.session import Session
 
 __all__ = ["MtpDrafter", "MtpDrafts"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -72,10 +78,14 @@ class MtpDrafts:
 
     def take(self, session: Session, position: int, hidden: torch.Tensor) -> None:
         """The main model's hidden rows ``[n, H]`` of ``session`` at positions ``position, ...`` (the
-        runner's hidden sink): they replace any rows held from ``position`` on."""
+        runner's hidden sink): they replace any rows held from ``position`` on, and the entries fed
+        rows from there are cut (the session was cut back and computes those positions again)."""
         entries = self._sessions.get(session.id)
         if entries is None:
             entries = self._sessions[session.id] = _Entries(self.head.new_cache(), start=position)
+        if position < entries.start:
+            entries.restart(position)
+        entries.cut(position - entries.start)
         entries.rows = _before(entries.rows, position)
         entries.rows.append((position, hidden))
 
@@ -87,20 +97,27 @@ class MtpDrafts:
 
     def draft(self, session: Session, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens drafted after ``tokens`` (the session's tokens and the pending one after them),
-        greedily; none before the session has any hidden rows."""
+        greedily; none before the session has any hidden rows, nor while the block's KV pool is full (the
+        drafts are only a guess: the request goes on without)."""
         entries = self._sessions.get(session.id)
         if entries is None or k <= 0:
             return []
-        self._sync(entries, session.n_tokens, tokens)
-        if entries.last is None:
-            return []
-        x, token = entries.last
-        drafts = [token]
-        for i in range(k - 1):  # chained entries past the session's positions, cut again below
-            x, logits = self._feed(entries, x, [token], len(entries.fed) + i)
-            token = int(torch.argmax(logits[-1]))
+        drafts: list[int] = []
+        try:
+            self._sync(entries, session.n_tokens, tokens)
+            if entries.last is None:
+                return []
+            x, token = entries.last
             drafts.append(token)
-        entries.kv.truncate(len(entries.fed))
+            for i in range(k - 1):  # chained entries past the session's positions, cut again below
+                x, logits = self._feed(entries, x, [token], len(entries.fed) + i)
+                token = int(torch.argmax(logits[-1]))
+                drafts.append(token)
+        except KVPoolFull as full:
+            log.warning("no MTP drafts for session %d: %s", session.id, full)
+            return []
+        finally:
+            entries.kv.truncate(len(entries.fed))
         return drafts
 
     def _sync(self, entries: _Entries, n: int, tokens: Sequence[int]) -> None:
