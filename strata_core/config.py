@@ -181,8 +181,8 @@ class StrataSettings(BaseSettings):
         "window waits for its tokens first"
     )
     spec: Literal["off", "ngram", "mtp"] = Field(
-        "off", description="speculative decoding: ngram drafts a request's next tokens from its own "
-        "(prompt lookup), mtp with the model's multi-token-prediction block (a GGUF with nextn layers); "
+        "off", description="speculative decoding (off, ngram or mtp): ngram drafts a request's next tokens from "
+        "its own (prompt lookup), mtp with the model's multi-token-prediction block (a GGUF with nextn layers); "
         "either verifies them in its decode window, the same text in fewer windows"
     )
     spec_tokens: int = Field(4, ge=1, description="tokens drafted a window with --spec ngram or mtp")
