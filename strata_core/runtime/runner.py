@@ -197,13 +197,10 @@ class Runner:
             return self.model.embed(to_device(tokens, self.main.device)).to(device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output norm + head on the main device: float32 logits ``[T, vocab]`` (``hidden``, the decode
-        window's rows, is kept for the hidden sink while one is set)."""
+        """Output norm + head on the main device: float32 logits ``[T, vocab]`` (``hidden``, a decode
+        window's rows, is kept for the hidden sink while one is set; ``run_prompt`` keeps all its rows)."""
         if self.hidden_sink is not None:
             self._pass_hidden = hidden
-        return self._logits(hidden)
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         with device_scope(self.main.device):
             return self.model.head(hidden.to(self.main.device)).float()
 
@@ -278,13 +275,15 @@ class Runner:
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [T, H]
         for segment in segments:
             hidden = self.prefill_segment(segment, hidden, batch)
-        if self.hidden_sink is not None:
-            self._pass_hidden = hidden
         if logits == "none":
-            return torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
-        if logits == "all":
-            return self._logits(hidden)
-        return self._logits(hidden[-1:] if len(batch) == 1 else hidden[to_device(batch.last_rows, hidden.device)])
+            out = torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
+        elif logits == "all":
+            out = self.head(hidden)
+        else:
+            out = self.head(hidden[-1:] if len(batch) == 1 else hidden[to_device(batch.last_rows, hidden.device)])
+        if self.hidden_sink is not None:  # every row, not only those of the logits
+            self._pass_hidden = hidden
+        return out
 
     # --- the decode loop ---------------------------------------------------------------------------
 
