@@ -180,11 +180,12 @@ class StrataSettings(BaseSettings):
         "feed it on the device), so the host's work between windows runs beside the device's; off: every "
         "window waits for its tokens first"
     )
-    spec: Literal["off", "ngram"] = Field(
-        "off", description="speculative decoding: ngram drafts a request's next tokens from its own "
-        "(prompt lookup) and verifies them in its decode window, the same text in fewer windows"
+    spec: Literal["off", "ngram", "mtp"] = Field(
+        "off", description="speculative decoding (off, ngram or mtp): ngram drafts a request's next tokens from "
+        "its own (prompt lookup), mtp with the model's multi-token-prediction block (a GGUF with nextn layers); "
+        "either verifies them in its decode window, the same text in fewer windows"
     )
-    spec_tokens: int = Field(4, ge=1, description="tokens drafted a window with --spec ngram")
+    spec_tokens: int = Field(4, ge=1, description="tokens drafted a window with --spec ngram or mtp")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")

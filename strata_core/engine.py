@@ -28,6 +28,7 @@ from strata_core.model.fused_decode import place_q8_copies
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kvcache import KVCache
 from strata_core.model.kvpool import KVPoolFull, KVPools
+from strata_core.model.mtp import MtpHead, mtp_block_spec
 from strata_core.model.registry import get_architecture, load_model_spec
 from strata_core.model.spec import ModelSpec
 from strata_core.model.transformer import MoEModel
@@ -39,6 +40,7 @@ from strata_core.runtime.devices import resolve_devices, synchronize
 from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.runtime.runner import Runner
 from strata_core.runtime.session import DecodeBatch, Session, SessionSnapshot
+from strata_core.serving.mtp_drafts import MtpDrafts
 from strata_core.serving.sampling import Sampler, SamplingParams
 from strata_core.text.chat import ChatTemplate
 from strata_core.text.tokenizer import Tokenizer
@@ -116,6 +118,8 @@ class Engine:
                 pool = self.kv_pools.pool(placed.device, devices[placed.device].device)
                 pool.add_layer(layer, spec.layer_state(layer))
         self.kv_pools.log_sizes({d.index: d for d in devices})
+        #: the MTP block's drafts of every session (``--spec mtp``; ``load_mtp``), else None
+        self.mtp: MtpDrafts | None = None
 
     # --- construction ---------------------------------------------------------------------------
 
@@ -151,6 +155,8 @@ class Engine:
         devices = tuple(DeviceSlot(i, d) for i, d in enumerate(resolve_devices(settings.devices)))
         gguf_file = GGUFFile.open(settings.model)
         spec = load_model_spec(gguf_file)
+        if settings.spec == "mtp":  # before any weight is read
+            mtp_block_spec(settings.model, spec)
         placement = plugins.hook.strata_topology(devices=list(devices), spec=spec, settings=settings,
                                                  options=selected.options)
         if placement is None:
@@ -192,8 +198,21 @@ class Engine:
                      Tokenizer.from_gguf(gguf_file.metadata) if has_tokenizer else None,
                      ChatTemplate.from_gguf(gguf_file.metadata), pools)
         engine.runner.plan_residency()
+        if settings.spec == "mtp":
+            engine.load_mtp()
         report(1.0)
         return engine
+
+    def load_mtp(self) -> None:
+        """Load the model's first MTP block on the main device and keep every session's hidden rows for it
+        (``mtp``, ``draft``); ConfigError when the file has none."""
+        block = mtp_block_spec(self.settings.model, self.spec)
+        device = self.devices[self.placement.main].device
+        head = MtpHead.load(self.gguf_file, self.spec, self.model, kv_pools(self.settings, block, self.dtype),
+                            self.max_context, device, self.dtype)
+        self.mtp = MtpDrafts(head, self.settings.prefill_chunk)
+        self.runner.hidden_sink = self.mtp.take
+        log.info("MTP drafting: the block blk.%d of %s on %s", self.spec.n_layers, self.settings.model, device)
 
     def close(self) -> None:
         """Release device memory and background work."""
@@ -266,6 +285,8 @@ class Engine:
         """Give a session's KV blocks back to the pools (shared ones stay with their other holders)."""
         session.kv.release()
         session.tokens.clear()
+        if self.mtp is not None:
+            self.mtp.release(session)
 
     def save_session(self, session: Session) -> SessionSnapshot:
         """A host-RAM copy of ``session`` (the conversation cache keeps these)."""

@@ -57,7 +57,7 @@ SHORTCUTS = {"model": "m", "max-context": ["c", "ctx-size"], "max-tokens": "n", 
 
 #: metavars by field name, where the type's (``N``, ``X``, ``PATH``) says too little
 _METAVARS = {"host": "ADDR", "api_key": "KEY", "model_alias": "NAME", "strategy": "NAME", "strategy_options": "K=V", "file": "PATH",
-             "dtype": "TYPE", "kv_type": "TYPE"}
+             "dtype": "TYPE", "kv_type": "TYPE", "spec": "MODE"}  # --spec: off, ngram or mtp (its description)
 _TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 
 

@@ -31,6 +31,8 @@ class MakeSyntheticCommand(CommandSettings):
                                     "default: Q4_K, MXFP4 for gpt-oss)")
     dense_type: str = Field("Q8_0", description="block type of the dense matrices")
     layers: int | None = Field(None, ge=1, description="fewer layers than the preset (same widths)")
+    mtp_layers: int = Field(0, ge=0, description="multi-token-prediction (nextn) blocks after the layers, "
+                            "for --spec mtp (qwen3-next presets)")
     seed: int = Field(0, description="random seed")
 
     def cli_cmd(self) -> None:
@@ -46,7 +48,7 @@ class MakeSyntheticCommand(CommandSettings):
         try:
             size = write_synthetic(self.out, self.preset, expert_type=expert_type,
                                    dense_type=_qtype(self.dense_type, "--dense-type"), n_layers=self.layers,
-                                   seed=self.seed)
+                                   seed=self.seed, mtp_layers=self.mtp_layers)
         except OSError as error:  # no such directory, no space, no permission: one line, exit 2
             raise ConfigError(f"{self.out}: cannot write the model: {error.strerror or error}") from None
         seconds = time.perf_counter() - start

@@ -121,6 +121,12 @@ class Architecture:
         kernels = ForwardKernels() if settings is None else ForwardKernels.from_settings(settings)
         return self.forward(spec, dense, kernels)
 
+    def mtp_block_spec(self, spec: ModelSpec) -> ModelSpec | None:
+        """The file's first next-token-prediction (MTP, llama.cpp's ``nextn``) block, ``blk.{spec.n_layers}``,
+        as the spec of a one-layer model whose layer 0 is that block (what MTP drafting runs), or None when
+        the file carries none this architecture runs (here: none)."""
+        return None
+
     def read_rope_scaling(self, m: Metadata, path: str) -> RopeScaling | None:
         """The RoPE scaling the file asks for (``rope.scaling.type`` linear or yarn with a factor other
         than 1; ``original_context_length`` defaults to ``context_length``), None for none; another

@@ -24,7 +24,7 @@ from strata_core.gguf.reader import GGUFFile, TensorRef
 from strata_core.model.spec import ModelSpec
 from strata_core.quant import dequantize
 
-__all__ = ["DenseWeights", "Q8Sources", "dense_product", "q8_sources"]
+__all__ = ["DenseWeights", "Q8Sources", "dense_product", "load_dense", "q8_sources"]
 
 #: Q8_0 matrices by (layer, name); layer None: a global tensor (``output.weight``)
 Q8Sources = dict[tuple[int | None, str], TensorRef]
@@ -75,6 +75,16 @@ def q8_sources(gguf_file: GGUFFile, spec: ModelSpec, layer_names: Iterable[str],
     return found
 
 
+def load_dense(gguf_file: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Tensor ``name`` of ``gguf_file`` (checked to be ``shape``) dequantized to ``dtype`` on the CPU, a copy
+    (not a view of the mapped file)."""
+    ref = gguf_file.tensor(name, shape)
+    raw = ref.raw()
+    values = dequantize(raw, ref.qtype, ref.shape).reshape(shape).to(dtype)
+    # a float tensor in the file's type may come back as a view of the mapped file: copied then
+    return values.clone() if values.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else values
+
+
 class DenseWeights:
     """Dense weights by short name.
 
@@ -97,11 +107,7 @@ class DenseWeights:
     def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> "DenseWeights":
         """Dequantize the dense tensors of ``gguf_file`` to ``dtype`` on the CPU (a copy, not the mmap)."""
         def load_one(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-            ref = gguf_file.tensor(name, shape)
-            raw = ref.raw()
-            values = dequantize(raw, ref.qtype, ref.shape).reshape(shape).to(dtype)
-            # a float tensor in the file's type may come back as a view of the mapped file: copied then
-            return values.clone() if values.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else values
+            return load_dense(gguf_file, name, shape, dtype)
 
         globals_ = {n: load_one(n, s) for n, s in spec.global_tensors().items()}
         if spec.tied_embeddings:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -40,9 +40,13 @@ from strata_core.runtime.invariance import check_batch_invariant, moe_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.runtime.session import UNSET, DecodeBatch, LogitsWanted, PromptBatch, Session
 
-__all__ = ["Runner"]
+__all__ = ["HiddenSink", "Runner"]
 
 log = logging.getLogger(__name__)
+
+#: receives a session's rows of the last layer's output (before the output norm) after a prompt pass or a
+#: decode window: ``(session, position of the first row, hidden [n, H])``
+HiddenSink = Callable[[Session, int, torch.Tensor], None]
 
 
 class Runner:
@@ -74,6 +78,9 @@ class Runner:
         self._said: set[str] = set()
         self._fused: dict[torch.device, bool] = {}
         self._padding = BatchPadding(padding_session, model.spec.n_experts_used)
+        #: given every pass's hidden rows by session (MTP drafting reads them); None: they are not kept
+        self.hidden_sink: HiddenSink | None = None
+        self._pass_hidden: torch.Tensor | None = None  # the rows of the pass in progress, while a sink is set
         if model.kernels.batch_invariant:
             check_batch_invariant(model, [(str(devices[s.device]), devices[s.device].device)
                                           for s in self._segments["decode"]])
@@ -130,11 +137,22 @@ class Runner:
         return logits
 
     def _prompt_pass(self, batch: PromptBatch, want: LogitsWanted) -> torch.Tensor:
+        first = [session.n_tokens for session in batch.sessions]
+        self._pass_hidden = None
         logits = self._hook.strata_prefill(ctx=self.context, batch=batch, logits=want)
         for session, start, end in batch.spans:
             session.kv.advance(end - start)
             session.tokens.extend(batch.tokens[start:end].tolist())
+        self._sink([(session, position, start, end) for (session, start, end), position in zip(batch.spans, first)])
         return logits
+
+    def _sink(self, spans: Sequence[tuple[Session, int, int, int]]) -> None:
+        """Hand the pass's hidden rows to the sink, if one is set: ``(session, position of its first row,
+        its rows [start, end))`` each."""
+        hidden, self._pass_hidden = self._pass_hidden, None
+        if self.hidden_sink is not None and hidden is not None:
+            for session, position, start, end in spans:
+                self.hidden_sink(session, position, hidden[start:end])
 
     def decode_window(self, batch: DecodeBatch) -> torch.Tensor:
         """One ``strata_decode_window`` under the decode placement, committed after it; float32
@@ -142,6 +160,9 @@ class Runner:
         for session in batch.sessions:
             self._place(session, "decode")
         self.experts.begin_window()
+        offsets = batch.offsets or (0,) * len(batch)
+        first = [session.n_tokens + offset for session, offset in zip(batch.sessions, offsets)]
+        self._pass_hidden = None
         logits = None
         try:
             with self._masked("decode"), moe_launches(self.model.kernels.batch_invariant):
@@ -152,6 +173,7 @@ class Runner:
         for session, token in zip(batch.sessions, [UNSET] * len(batch) if batch.fed else batch.tokens.tolist()):
             session.kv.advance(1)
             session.tokens.append(token)
+        self._sink(_session_runs(batch.sessions, first))
         return logits
 
     # --- building blocks (the PhaseContext) --------------------------------------------------------
@@ -175,7 +197,10 @@ class Runner:
             return self.model.embed(to_device(tokens, self.main.device)).to(device)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Output norm + head on the main device: float32 logits ``[T, vocab]``."""
+        """Output norm + head on the main device: float32 logits ``[T, vocab]`` (``hidden``, a decode
+        window's rows, is kept for the hidden sink while one is set; ``run_prompt`` keeps all its rows)."""
+        if self.hidden_sink is not None:
+            self._pass_hidden = hidden
         with device_scope(self.main.device):
             return self.model.head(hidden.to(self.main.device)).float()
 
@@ -251,10 +276,14 @@ class Runner:
         for segment in segments:
             hidden = self.prefill_segment(segment, hidden, batch)
         if logits == "none":
-            return torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
-        if logits == "all":
-            return self.head(hidden)
-        return self.head(hidden[-1:] if len(batch) == 1 else hidden[to_device(batch.last_rows, hidden.device)])
+            out = torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
+        elif logits == "all":
+            out = self.head(hidden)
+        else:
+            out = self.head(hidden[-1:] if len(batch) == 1 else hidden[to_device(batch.last_rows, hidden.device)])
+        if self.hidden_sink is not None:  # every row, not only those of the logits
+            self._pass_hidden = hidden
+        return out
 
     # --- the decode loop ---------------------------------------------------------------------------
 
@@ -353,9 +382,10 @@ class Runner:
 
     def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """One decode window through the decode placement's segments, then the head; with one segment
-        on the main device, embedding, layers and head replay as one graph where graphs apply."""
+        on the main device, embedding, layers and head replay as one graph where graphs apply (not while
+        a hidden sink reads the layers' output)."""
         segments = self._segments["decode"]
-        if len(segments) == 1 and self._stage_times is None and not _keeps_steps(batch):
+        if len(segments) == 1 and self._stage_times is None and not _keeps_steps(batch) and self.hidden_sink is None:
             logits = self._replay_step(segments[0], batch)
             if logits is not None:
                 return logits
@@ -433,6 +463,18 @@ class Runner:
         if reason not in self._said:
             self._said.add(reason)
             log.info("cuda graphs: decode runs eagerly: %s", reason)
+
+
+def _session_runs(sessions: Sequence[Session], first: Sequence[int]) -> list[tuple[Session, int, int, int]]:
+    """A decode window's rows as runs of one session each: ``(session, position of its first row, start,
+    end)`` (``first``: each row's position)."""
+    runs: list[tuple[Session, int, int, int]] = []
+    for row, session in enumerate(sessions):
+        if runs and runs[-1][0] is session:
+            runs[-1] = (*runs[-1][:3], row + 1)
+        else:
+            runs.append((session, first[row], row, row + 1))
+    return runs
 
 
 def _keeps_steps(batch: DecodeBatch) -> bool:

@@ -49,7 +49,7 @@ from strata_core.serving.requests import (
 from strata_core.serving.sampling import Sampler, SampleResult
 from strata_core.serving.slots import Slot, Slots
 from strata_core.serving.step_plan import plan_step
-from strata_core.serving.speculation import NgramDrafter
+from strata_core.serving.speculation import Drafter
 from strata_core.serving.step_runner import StepRunner
 from strata_core.serving.streams import TokenStream
 from strata_core.serving.windows import DecodeWindows
@@ -103,7 +103,7 @@ class _Job:
     admitted: int = 0  # admission order: an older request's prompt chunks run first
     timings: Timings = field(default_factory=Timings)
     decode_start: float = 0.0
-    drafter: NgramDrafter | None = None  # its prompt lookup, made at its first speculative window
+    drafter: Drafter | None = None  # its drafts' source, made at its first speculative window
 
     @property
     def prompt_left(self) -> int:
@@ -115,12 +115,13 @@ class Scheduler:
     """``parallel`` slots run in steps of at most ``step_tokens`` tokens (``step_tokens >= parallel``),
     a queue of ``max_queue``, a conversation cache of ``conv_cache`` entries and ``conv_cache_bytes``;
     ``overlap``: each decode window enqueued before the one before it has given its tokens to the host
-    (for a model whose state can be rewound, without speculation); ``spec_tokens``: n-gram speculative
-    decoding with up to that many drafted tokens a window (strata_core.serving.speculation)."""
+    (for a model whose state can be rewound, without speculation); ``spec_tokens``: speculative decoding
+    with up to that many drafted tokens a window (strata_core.serving.speculation), ``drafts`` "ngram"
+    (prompt lookup) or "mtp" (the engine's MTP block: strata_core.serving.mtp_drafts)."""
 
     def __init__(self, engine: Any, *, parallel: int, max_queue: int, conv_cache: int, conv_cache_bytes: int,
                  step_tokens: int, worker: ComputeThread | None = None, overlap: bool = True,
-                 spec_tokens: int = 0) -> None:
+                 spec_tokens: int = 0, drafts: str = "ngram") -> None:
         self.engine = engine
         self.max_context: int = engine.max_context
         self.parallel = parallel
@@ -135,7 +136,7 @@ class Scheduler:
         self._runner = StepRunner(engine)
         self._slots = Slots(engine, parallel, self.cache)
         self._windows = DecodeWindows(self._runner, self._slots, self.stats, self.max_context, engine.spec.rewindable,
-                                      overlap, spec_tokens, self._accept, self._fail_in_slot)
+                                      overlap, spec_tokens, self._accept, self._fail_in_slot, drafts)
         self._inbox: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._waiting: deque[_Job] = deque()
         self._outbox: list[tuple[RequestHandle, Any]] = []  # events for the handles, passed on by _hand_over

@@ -24,11 +24,21 @@ after the last token kept; such a window runs eagerly (no CUDA graph).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
-__all__ = ["MAX_NGRAM", "NgramDrafter", "accepted"]
+__all__ = ["MAX_NGRAM", "Drafter", "NgramDrafter", "accepted"]
 
 #: the longest n-gram looked up
 MAX_NGRAM = 3
+
+
+class Drafter(Protocol):
+    """A request's drafter: ``extend`` it with the request's tokens as they come, ``draft`` up to ``k``
+    tokens after them (n-gram lookup here; the MTP block: strata_core.serving.mtp_drafts)."""
+
+    def extend(self, tokens: Sequence[int]) -> None: ...
+
+    def draft(self, k: int) -> list[int]: ...
 
 
 class NgramDrafter:

@@ -16,7 +16,9 @@ from typing import Any
 from strata_core.serving.requests import SchedulerStats
 from strata_core.serving.sampling import Sampler, SampleResult
 from strata_core.serving.slots import Slot, Slots
-from strata_core.serving.speculation import NgramDrafter, accepted
+from strata_core.errors import ConfigError
+from strata_core.serving.mtp_drafts import MtpDrafter
+from strata_core.serving.speculation import Drafter, NgramDrafter, accepted
 from strata_core.serving.step_runner import TELEMETRY_WINDOWS, StepRunner
 
 __all__ = ["DecodeWindows"]
@@ -54,20 +56,24 @@ def _draft_rows(job: Any, drafts: list[int]) -> list[_DraftRow]:
 class DecodeWindows:
     """Runs the decode windows of a scheduler's steps on ``runner``: ``overlap`` (for a model whose state
     can be rewound, without speculation), ``spec_tokens`` drafted tokens a window (0: none; a recurrent
-    state is kept after each row of a request's window, so its rejected rows are cut back too).
+    state is kept after each row of a request's window, so its rejected rows are cut back too) by
+    ``drafts`` ("ngram": prompt lookup; "mtp": the engine's MTP block, ``Engine.load_mtp``).
     ``accept(slot, result, held)`` gives a request its token (``held``: the positions its session holds
     before it, when not ``n_tokens``), ``fail(slot, exc)`` ends it."""
 
     def __init__(self, runner: StepRunner, slots: Slots, stats: SchedulerStats, max_context: int, rewindable: bool,
                  overlap: bool, spec_tokens: int, accept: Callable[[Slot, SampleResult, int | None], None],
-                 fail: Callable[[Slot, Exception], None]) -> None:
+                 fail: Callable[[Slot, Exception], None], drafts: str = "ngram") -> None:
         self._runner, self._slots, self.stats, self.max_context = runner, slots, stats, max_context
         self._accept, self._fail = accept, fail
         self.spec_tokens = spec_tokens
+        self._mtp = getattr(runner.engine, "mtp", None) if drafts == "mtp" else None
+        if drafts == "mtp" and spec_tokens and self._mtp is None:
+            raise ConfigError("MTP drafts need the engine's MTP block (load the engine with --spec mtp)")
         # not over recurrent state, which a window that fails part way has advanced: its requests must fail,
         # not take the tokens of the window before
         self.overlap = overlap and rewindable and not self.spec_tokens
-        log.info("decode windows: %s", f"speculative, up to {self.spec_tokens} n-gram drafts a request"
+        log.info("decode windows: %s", f"speculative, up to {self.spec_tokens} {drafts} drafts a request"
                  if self.spec_tokens else "overlapped" if self.overlap else "one at a time")
         self._uncounted: dict[int, Any] = {}  # the requests of overlapped windows since the counters' last read
         self._counted: dict[str, Any] = {}  # the counters at that read
@@ -173,8 +179,14 @@ class DecodeWindows:
         if room <= 0 or job.sampler.constraint is not None or p.logprobs is not None:
             return []
         if job.drafter is None:
-            job.drafter = NgramDrafter(job.history)
+            job.drafter = self._new_drafter(job)
         return job.drafter.draft(room)
+
+    def _new_drafter(self, job: Any) -> Drafter:
+        """``job``'s drafter, from its tokens so far."""
+        if self._mtp is not None:
+            return MtpDrafter(self._mtp, job.session, job.history)
+        return NgramDrafter(job.history)
 
     def _read_counters(self) -> None:
         """Read the engine's counters; each request of the overlapped windows since the last read is

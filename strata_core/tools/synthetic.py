@@ -94,11 +94,12 @@ def _value(qtype: Q, shape: tuple[int, ...], scale: float, rng: np.random.Genera
 
 def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, expert_type: Q | None = None,
                     dense_type: Q = Q.Q8_0, n_layers: int | None = None, seed: int = 0,
-                    progress: bool = True) -> int:
+                    progress: bool = True, mtp_layers: int = 0) -> int:
     """Write a synthetic model of ``preset`` to ``path``; returns the file size in bytes.
 
     ``expert_type`` None: the preset's ``expert_type`` if it names one (gpt-oss: MXFP4), else Q4_K.
-    ``n_layers`` overrides the preset's layer count (a shorter model of the same width).
+    ``n_layers`` overrides the preset's layer count (a shorter model of the same width); ``mtp_layers``
+    adds that many multi-token-prediction blocks after the layers (a preset that has them: qwen3next).
     """
     if isinstance(preset, str):
         if preset not in PRESETS:
@@ -108,6 +109,12 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
         name = "custom"
     if n_layers is not None:
         preset = replace(preset, n_layers=n_layers)
+    if mtp_layers:
+        if not hasattr(preset, "mtp_layers"):
+            having = ", ".join(n for n, p in PRESETS.items() if hasattr(p, "mtp_layers"))
+            raise ConfigError(f"preset {name!r} ({preset.architecture}) has no multi-token-prediction layers to "
+                              f"add (presets with them: {having})")
+        preset = replace(preset, mtp_layers=mtp_layers)
     if expert_type is None:
         expert_type = getattr(preset, "expert_type", Q.Q4_K)
     rng = np.random.default_rng(seed)
@@ -135,5 +142,6 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
             bar.update(data.nbytes)
     w.close()
     size = os.path.getsize(path)
-    log.info("synthetic %s (%d layers, %s experts): %.2f GiB", name, preset.n_layers, expert_type.name, size / (1 << 30))
+    log.info("synthetic %s (%d layers, %s experts): %.2f GiB", name, preset.n_layers, expert_type.name,
+             size / (1 << 30))
     return size

@@ -7,8 +7,9 @@ converter's ``Qwen3NextModel`` in conversion/qwen.py):
 - layer ``il`` is a Gated DeltaNet ("recurrent") layer when ``attention.recurrent_layers`` (a
   per-layer bool array) says so, else when ``(il + 1) % full_attention_interval != 0`` (interval
   default 4): layers 3, 7, 11... are full attention;
-- ``nextn_predict_layers`` trailing blocks are the multi-token-prediction head: loaded by
-  llama.cpp, never run by the main graph; Strata ignores them (``block_count`` counts them);
+- ``nextn_predict_layers`` trailing blocks are the multi-token-prediction head (``block_count`` counts
+  them): never run by the main graph; ``--spec mtp`` drafts with the first (model/mtp.py: its
+  ``nextn.*`` tensors and a gated full-attention layer with experts);
 - full attention: ``attn_q`` projects to ``[n_heads, 2 * head_dim]`` per token, the first half the
   query and the second a gate: the attention output is multiplied by ``sigmoid(gate)`` before
   ``attn_output``; q/k RMSNorm over head_dim, then NEOX RoPE over the first
@@ -104,6 +105,14 @@ class Qwen3NextArchitecture(Architecture):
             gdn_head_dim=head_dim,
             mtp_layers=mtp,
         )
+
+    def mtp_block_spec(self, spec: ModelSpec) -> ModelSpec | None:
+        """The first MTP block: a gated full-attention layer with routed and shared experts (None when the
+        file has no ``nextn_predict_layers``)."""
+        assert isinstance(spec, Qwen3NextSpec)
+        if not spec.mtp_layers:
+            return None
+        return dataclasses.replace(spec, n_layers=1, recurrent=(False,), mtp_layers=0)
 
     def validate(self, gguf_file: Any, spec: ModelSpec) -> None:
         """The base checks over the layers that run; the MTP blocks only need to be present; a legacy

@@ -23,7 +23,7 @@ class Qwen3NextSpec(ModelSpec):
     gdn_k_heads: int  # key (and query) heads of a Gated DeltaNet layer
     gdn_v_heads: int  # value heads (a multiple of gdn_k_heads)
     gdn_head_dim: int  # key head dim == value head dim
-    mtp_layers: int  # trailing multi-token-prediction blocks in the file (not run)
+    mtp_layers: int  # trailing multi-token-prediction blocks (not in n_layers; --spec mtp drafts with the first)
 
     @property
     def gdn_key_dim(self) -> int:
@@ -75,7 +75,8 @@ class Qwen3NextSpec(ModelSpec):
     def info_lines(self) -> list[str]:
         """The architecture-specific line of ``strata info`` (the state sizes are on its KV line)."""
         full = [i for i, r in enumerate(self.recurrent) if not r]
+        mtp = f"; {self.mtp_layers} MTP block(s) (--spec mtp drafts with them)" if self.mtp_layers else ""
         return [f"Gated DeltaNet on {self.n_layers - len(full)} of {self.n_layers} layers ({self.gdn_k_heads} key / "
                 f"{self.gdn_v_heads} value heads of {self.gdn_head_dim}, conv {self.conv_kernel}), gated full "
                 f"attention on layers {', '.join(map(str, full)) or 'none'}; RoPE on {self.rope_dim} of "
-                f"{self.head_dim} head dims" + (f"; {self.mtp_layers} MTP block(s) not run" if self.mtp_layers else "")]
+                f"{self.head_dim} head dims{mtp}"]

@@ -84,7 +84,7 @@ class ServiceLoader:
             self._engine, parallel=settings.parallel, step_tokens=settings.step_tokens, max_queue=settings.max_queue,
             conv_cache=settings.conv_cache, conv_cache_bytes=int(settings.conv_cache_gib * 2**30),
             worker=self.worker, overlap=settings.overlap_windows,
-            spec_tokens=settings.spec_tokens if settings.spec == "ngram" else 0,
+            spec_tokens=settings.spec_tokens if settings.spec != "off" else 0, drafts=settings.spec,
         )  # fmt: skip
         scheduler.start()
         self.service = GenerationService(self._engine, scheduler, settings)
