@@ -31,7 +31,7 @@ __all__ = ["BRIEF", "GROUPS", "SHORTCUTS", "CommandParser", "HelpFormatter", "He
 #: are in its "options" group
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "max_context", "kv_block", "kv_pool_tokens", "kv_type", "prefill_chunk"),
-    "placement": ("strategy", "devices", "strategy_options"),
+    "placement": ("strategy", "devices", "strategy_options", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "experts": ("expert_cache", "expert_cache_gib", "vram_budget_gib", "arena", "expert_profile", "pin_limit_gib",
                 "reserve_mib", "pcie_frac", "adapt_swaps", "expert_cache_fill_all"),
     "sampling": ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"),
@@ -49,7 +49,7 @@ BRIEF = frozenset(GROUPS["debug"]) | {
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
     "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
-    "seed", "reasoning",
+    "seed", "reasoning", "dist_timeout",
 }
 
 #: the short flags llama.cpp users type (cli_shortcuts: kebab-case flag -> its other names)

@@ -1,0 +1,264 @@
+"""The joined ranks: refusal at join, rank 0's one channel to each rank, heartbeat, failure.
+
+Every exchange between rank 0 and another rank is rank 0's: it sends a header (a small dict) and a
+hidden state and receives a status and a hidden state back, under one lock (a step and the
+heartbeat never interleave on the channel). A rank that dies closes its connection (seen at once);
+one that stops answering is seen when ``--dist-timeout`` runs out. Either way the cluster is failed
+for good: every later exchange raises the same :class:`RankFailedError`, which names the rank. While
+the engine is idle rank 0 pings each rank every quarter of the timeout, so a rank that died is seen
+then too, and the other ranks see rank 0 gone when its pings stop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strata_core.config import StrataSettings
+from strata_core.errors import ConfigError, StrataError
+from strata_core.experts.sizing import available_bytes
+from strata_core.remote.launch import Launch
+from strata_core.runtime.devices import resolve_devices, split_rank
+
+__all__ = ["Cluster", "RankFailedError"]
+
+log = logging.getLogger(__name__)
+
+#: settings every rank must share (the file itself is compared by size and leading bytes)
+SHARED = ("strategy", "strategy_options", "devices", "dtype", "max_context", "kv_block", "kv_pool_tokens", "kv_type",
+          "prefill_chunk", "parallel", "batch_invariant", "dense_q8", "expert_profile")
+_HASHED_BYTES = 1 << 20
+
+
+class RankFailedError(StrataError):
+    """A rank of the engine died or stopped answering; the engine cannot go on (restart every rank)."""
+
+
+def identity(settings: StrataSettings) -> dict[str, Any]:
+    """What must be equal on every rank: the model file (name, size, a hash of its first MiB) and
+    the :data:`SHARED` settings."""
+    path = settings.model
+    with open(path, "rb") as file:
+        head = hashlib.sha256(file.read(_HASHED_BYTES)).hexdigest()[:16]
+    out: dict[str, Any] = {"model file": f"{path.name} ({path.stat().st_size} bytes, sha256 of its first MiB {head})"}
+    out.update({name: getattr(settings, name) for name in SHARED})
+    out["expert_profile"] = None if settings.expert_profile is None else str(settings.expert_profile)
+    return out
+
+
+def _backend(names: list[str]) -> str:
+    """NCCL when every device of every rank is a GPU (and NCCL is built), else gloo."""
+    every_gpu = all(split_rank(name)[1].startswith("cuda") for name in names)
+    return "nccl" if every_gpu and dist.is_nccl_available() else "gloo"
+
+
+class Cluster:
+    """This process's place among the joined ranks (:meth:`join`), and rank 0's channel to the others."""
+
+    def __init__(self, launch: Launch, timeout: float, backend: str, memory: dict[tuple[int, str], int]) -> None:
+        self.rank = launch.rank
+        self.world = launch.world
+        self.timeout = timeout
+        self.backend = backend
+        #: free bytes each rank reported at join, by (rank, device name of --devices)
+        self.memory = memory
+        #: set once a rank failed: every later exchange raises it
+        self.failure: RankFailedError | None = None
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._names: dict[int, str] = {}
+
+    # --- joining ---------------------------------------------------------------------------------
+
+    @classmethod
+    def join(cls, settings: StrataSettings, launch: Launch) -> Cluster:
+        """Join the ranks of ``launch`` (waiting up to ``--dist-timeout`` for them) and compare each
+        rank's model file and settings with rank 0's: ConfigError on every rank, naming the rank and
+        the difference, when one differs."""
+        backend = _backend(settings.devices)
+        log.info("rank %d of %d: joining at %s (%s)", launch.rank, launch.world, launch.address, backend)
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://{launch.address}", rank=launch.rank,
+                                    world_size=launch.world, timeout=timedelta(seconds=settings.dist_timeout))
+        except (RuntimeError, ValueError) as error:
+            raise ConfigError(f"rank {launch.rank}: could not join the other ranks at {launch.address}: "
+                              f"{error}") from None
+        mine = [name for owner, name in map(split_rank, settings.devices) if owner == launch.rank]
+        report = {"identity": identity(settings),
+                  "memory": {name: available_bytes(device, mine.count(name))
+                             for name, device in zip(mine, resolve_devices(mine))}}
+        reports: list[Any] = [None] * launch.world
+        dist.all_gather_object(reports, report)
+        problem = _difference(reports)
+        if problem is not None:
+            dist.destroy_process_group()
+            raise ConfigError(problem)
+        memory = {(rank, name): n for rank, r in enumerate(reports) for name, n in r["memory"].items()}
+        return cls(launch, settings.dist_timeout, backend, memory)
+
+    def name(self, rank: int, what: str) -> None:
+        """Call ``rank`` ``what`` in failure messages (its devices and layers)."""
+        self._names[rank] = what
+
+    def start_heartbeat(self) -> None:
+        """Rank 0, once every rank is ready: ping each idle rank every quarter of the timeout."""
+        self._heartbeat = threading.Thread(target=self._beat, name="strata-rank-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop (unless the cluster failed) and leave the group."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        if self.rank == 0 and self.failure is None:
+            for rank in range(1, self.world):
+                try:
+                    with self._channel(rank):
+                        dist.send_object_list([{"op": "stop"}], dst=rank)
+                except RankFailedError:
+                    pass
+        dist.destroy_process_group()
+
+    # --- rank 0's side ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _channel(self, rank: int, block: bool = True) -> Iterator[bool]:
+        """Hold the channel (yields False where ``block`` is off and it is taken); a transport error
+        inside fails the cluster with the rank named."""
+        if self.failure is not None:
+            raise self.failure
+        if not self._lock.acquire(blocking=block):
+            yield False
+            return
+        try:
+            yield True
+        except (RuntimeError, dist.DistBackendError) as error:
+            if self.failure is None:
+                what = self._names.get(rank, f"rank {rank}")
+                self.failure = RankFailedError(f"rank {rank} ({what}) died or stopped answering: {_first_line(error)}; "
+                                               "restart every rank")
+                log.error("%s", self.failure)
+            raise self.failure from None
+        finally:
+            self._last = time.monotonic()
+            self._lock.release()
+
+    def exchange(self, rank: int, header: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
+        """Send ``header`` and ``hidden`` to ``rank``; its answer, a tensor of ``hidden``'s shape and
+        dtype on the wire's device. A step that failed on ``rank`` re-raises its error here (the
+        rank goes on); a rank that fails raises RankFailedError."""
+        wire = self._wire(hidden)
+        status: list[Any] = [None]
+        with self._channel(rank):
+            dist.send_object_list([header], dst=rank)
+            dist.send(wire, dst=rank)
+            dist.recv_object_list(status, src=rank)
+            if status[0] is None:
+                out = torch.empty_like(wire)
+                dist.recv(out, src=rank)
+        if status[0] is not None:  # raised outside the channel: the rank itself is fine
+            raise status[0]
+        return out
+
+    def wait_ready(self, rank: int) -> None:
+        """Wait (up to the timeout) for ``rank`` to say it has loaded; its load error is raised here."""
+        with self._channel(rank):
+            status: list[Any] = [None]
+            dist.recv_object_list(status, src=rank)
+        if status[0] is not None:
+            raise status[0]
+
+    def _wire(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` where the backend sends from: the host for gloo, the rank's GPU for NCCL."""
+        return hidden.contiguous() if self.backend == "nccl" else hidden.detach().to("cpu").contiguous()
+
+    def _beat(self) -> None:
+        interval = self.timeout / 4
+        while not self._stop.wait(min(interval, 1.0)):
+            if time.monotonic() - self._last < interval:
+                continue
+            for rank in range(1, self.world):
+                try:
+                    with self._channel(rank, block=False) as held:
+                        if held:
+                            dist.send_object_list([{"op": "ping"}], dst=rank)
+                            pong: list[Any] = [None]
+                            dist.recv_object_list(pong, src=rank)
+                except RankFailedError:
+                    return
+
+    # --- the other ranks' side -------------------------------------------------------------------
+
+    def ready(self, error: BaseException | None) -> None:
+        """Another rank: tell rank 0 this rank has loaded (or why it could not)."""
+        dist.send_object_list([_portable(error, self.rank)], dst=0)
+
+    def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        """Another rank: answer rank 0's pings and run each step it sends (``step(header, hidden on
+        device)``) until it says stop; RankFailedError when rank 0 is gone or silent past the timeout."""
+        while True:
+            try:
+                received: list[Any] = [None]
+                dist.recv_object_list(received, src=0)
+                header = received[0]
+                if header["op"] == "stop":
+                    return
+                if header["op"] == "ping":
+                    dist.send_object_list([None], dst=0)
+                    continue
+                wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]),
+                                   device=device if self.backend == "nccl" else "cpu")
+                dist.recv(wire, src=0)
+                error, out = None, None
+                try:
+                    out = self._wire(step(header, wire.to(device)))
+                except Exception as exc:  # noqa: BLE001 - a failed step fails its requests on rank 0, not this rank
+                    log.exception("rank %d: a step failed", self.rank)
+                    error = _portable(exc, self.rank)
+                dist.send_object_list([error], dst=0)
+                if out is not None:
+                    dist.send(out, dst=0)
+            except (RuntimeError, dist.DistBackendError) as error:
+                raise RankFailedError(f"rank {self.rank}: rank 0 died or stopped answering: {_first_line(error)}") \
+                    from None
+
+
+def _difference(reports: list[dict[str, Any]]) -> str | None:
+    """The first way a rank's identity differs from rank 0's, as a message, or None."""
+    ours = reports[0]["identity"]
+    for rank, report in enumerate(reports[1:], start=1):
+        for key, value in report["identity"].items():
+            if value != ours.get(key):
+                flag = key if key == "model file" else "--" + key.replace("_", "-")
+                return (f"rank {rank} was started with {flag} {value!r}, rank 0 with {ours.get(key)!r}: every rank "
+                        "must run the same model file and settings")
+    return None
+
+
+def _portable(error: BaseException | None, rank: int) -> BaseException | None:
+    """``error`` as it can travel to rank 0: itself where it pickles back whole, else a RuntimeError
+    with its text."""
+    if error is None:
+        return None
+    try:
+        if isinstance(error, StrataError) and type(pickle.loads(pickle.dumps(error))) is type(error):
+            return error
+    except Exception:  # noqa: BLE001 - an exception that does not round-trip travels as its text
+        pass
+    return RuntimeError(f"rank {rank}: {type(error).__name__}: {error}")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
