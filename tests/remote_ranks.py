@@ -1,0 +1,80 @@
+"""A rank of a two-process layer_split engine on loopback, for tests/test_remote.py.
+
+``python tests/remote_ranks.py MODEL PORT RANK [PEER_PID]``: rank 1 serves its stage until rank 0
+says stop; rank 0 checks the engine across ranks against ``single`` in this process, then kills rank
+1 (``PEER_PID``) and times the error of the next prompt, and prints one JSON line of findings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from strata_core.config import StrataSettings
+from strata_core.engine import Engine
+from strata_core.errors import ConfigError
+from strata_core.remote import RankFailedError, launch_of, serve_stages
+
+PROMPT = list(range(5, 41))
+PROMPTS = [PROMPT[:9], PROMPT[3:20], PROMPT[10:14]]
+
+
+def windows(engine: Engine, n: int) -> list[torch.Tensor]:
+    """Logits of ``n`` decode windows of three sessions (micro-batched across the stages)."""
+    sessions = [engine.new_session() for _ in PROMPTS]
+    tokens = [int(engine.prefill(s, p).argmax()) for s, p in zip(sessions, PROMPTS)]
+    out = []
+    for _ in range(n):
+        logits = engine.decode_window(list(zip(sessions, tokens)))
+        tokens = [int(row.argmax()) for row in logits]
+        out.append(logits)
+    for session in sessions:
+        engine.release_session(session)
+    return out
+
+
+def loaded(engine: Engine, layer: int) -> bool:
+    """Whether this process holds ``layer``'s dense weights."""
+    try:
+        return bool(engine.model.weights.at(layer, "cpu"))
+    except ConfigError:
+        return False
+
+
+def main() -> None:
+    model, port, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    settings = StrataSettings(model=model, strategy="layer_split", devices=["cpu", "rank1:cpu"], max_context=128,
+                              expert_cache=3, strategy_options={"split": "2"}, prefill_chunk=16, nnodes=2,
+                              node_rank=rank, dist_init_addr=f"127.0.0.1:{port}", dist_timeout=20)
+    if rank:
+        serve_stages(settings, launch_of(settings))
+        return
+    engine = Engine.from_settings(settings)
+    single = Engine.load(model, max_context=128, expert_cache=3)
+    found = {
+        "logits": torch.equal(engine.logits(PROMPT), single.logits(PROMPT)),
+        "greedy": engine.generate(PROMPT, max_tokens=6, temperature=0) == single.generate(PROMPT, max_tokens=6,
+                                                                                          temperature=0),
+        "windows": all(torch.equal(a, b) for a, b in zip(windows(engine, 3), windows(single, 3))),
+        "layers_here": [layer for layer in range(4) if loaded(engine, layer)],
+    }
+    os.kill(int(sys.argv[4]), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        engine.logits(PROMPT)
+        found["error"] = None
+    except RankFailedError as error:
+        found["error"] = str(error)
+    found["seconds"] = time.monotonic() - start
+    found["health"] = str(engine.broken)
+    print(json.dumps(found), flush=True)
+
+
+if __name__ == "__main__":
+    main()
