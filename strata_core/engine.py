@@ -206,7 +206,9 @@ class Engine:
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,
                                        progress=lambda fraction: report(0.2 + 0.79 * fraction))
         has_tokenizer = "tokenizer.ggml.tokens" in gguf_file.metadata
-        if not has_tokenizer:
+        if rank != 0:  # another rank's engine runs segments only: rank 0 tokenizes
+            has_tokenizer = False
+        elif not has_tokenizer:
             log.warning("%s has no tokenizer: only token ids can be used", settings.model)
         remote = None
         if rank == 0 and cluster is not None:

@@ -2,7 +2,8 @@
 
 ``python tests/remote_ranks.py MODEL PORT RANK [PEER_PID]``: rank 1 serves its stage until rank 0
 says stop; rank 0 checks the engine across ranks against ``single`` in this process, then kills rank
-1 (``PEER_PID``) and times the error of the next prompt, and prints one JSON line of findings.
+1 (``PEER_PID``) and times the error of the next prompt, and prints one JSON line of findings. A
+``STRATA_*`` variable (``STRATA_KV_BLOCK``) changes a setting of one rank: the join refuses it.
 """
 
 from __future__ import annotations
