@@ -49,7 +49,7 @@ BRIEF = frozenset(GROUPS["debug"]) | {
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
     "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
-    "seed", "reasoning", "dist_timeout",
+    "seed", "reasoning", "nnodes", "node_rank", "dist_init_addr", "dist_timeout",
 }
 
 #: the short flags llama.cpp users type (cli_shortcuts: kebab-case flag -> its other names)
@@ -57,7 +57,7 @@ SHORTCUTS = {"model": "m", "max-context": ["c", "ctx-size"], "max-tokens": "n", 
 
 #: metavars by field name, where the type's (``N``, ``X``, ``PATH``) says too little
 _METAVARS = {"host": "ADDR", "api_key": "KEY", "model_alias": "NAME", "strategy": "NAME", "strategy_options": "K=V", "file": "PATH",
-             "dtype": "TYPE", "kv_type": "TYPE"}
+             "dtype": "TYPE", "kv_type": "TYPE", "dist_init_addr": "HOST:PORT"}
 _TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 
 
