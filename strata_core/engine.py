@@ -191,8 +191,9 @@ class Engine:
                 if placed.device in slots:
                     layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
         report(0.02)
-        head_device = slots[placement.main].device if placement.main in slots else torch.device("cpu")
-        dense = DenseWeights.load(gguf_file, spec, dtype, layers=set(layer_devices)).place(layer_devices, head_device)
+        head = placement.main in slots  # the embedding and head: rank 0's
+        dense = DenseWeights.load(gguf_file, spec, dtype, layers=set(layer_devices), with_globals=head).place(
+            layer_devices, slots[placement.main].device if head else torch.device("cpu"))
         model = get_architecture(spec.architecture).model(spec, dense, settings)
         if settings.kv_type == "bf16" and dtype == torch.bfloat16:  # the rows are the compute dtype's: as auto
             model.kernels = dataclasses.replace(model.kernels, kv_type="auto")

@@ -204,8 +204,10 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
     dense = {d: dense_bytes_per_device.get(d, 0) for d in torch_devices}
     check_dense_budget(settings, dense)  # fails before the arena is loaded
     pin_limit = None if settings.pin_limit_gib is None else int(settings.pin_limit_gib * GIB)
+    served = {slot: layers for slot, layers in placement.cached_layers().items() if slot in slots}
+    own = {layer for phase in PHASES for layer, placed in enumerate(placement.layers(phase)) if placed.device in slots}
     arena = Arena(weights, spec.n_layers, spec.n_experts, settings.arena, pin_limit,
-                  progress=lambda fraction: report(0.8 * fraction))
+                  progress=lambda fraction: report(0.8 * fraction), layers=own.union(*served.values()))
     left = check_dense_budget(settings, dense)  # again: the arena may have taken host RAM
     order, used = _fill_order(settings, spec)
     telemetry = ExpertTelemetry()
@@ -214,7 +216,6 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
     computing = {placed.device for phase in PHASES for placed in placement.layers(phase) if placed.device in slots}
     prompting = {placed.device for placed in placement.prompt}  # the others need no prompt buffers
     prompting |= {s.device for placed in placement.prompt for s in placed.experts if s.kind == "peer" and s.compute}
-    served = {slot: layers for slot, layers in placement.cached_layers().items() if slot in slots}
     copiers = {i: ArenaCopier(arena, slots[i].device, telemetry) for i in sorted(computing | set(served))}
     caches: dict[int, ExpertCache] = {}
     for slot in [*(s for s in placement.fill_order if s in served), *sorted(set(served) - set(placement.fill_order))]:

@@ -95,9 +95,10 @@ class DenseWeights:
 
     @classmethod
     def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32,
-             layers: set[int] | None = None) -> "DenseWeights":
+             layers: set[int] | None = None, with_globals: bool = True) -> "DenseWeights":
         """Dequantize the dense tensors of ``gguf_file`` to ``dtype`` on the CPU (a copy, not the mmap):
-        the globals and ``layers`` (None: every layer; the others are another rank's, not loaded)."""
+        ``layers`` (None: every layer) and, ``with_globals``, the embedding, output norm and head (the
+        others are another rank's, not loaded)."""
         def load_one(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             ref = gguf_file.tensor(name, shape)
             raw = ref.raw()
@@ -105,8 +106,8 @@ class DenseWeights:
             # a float tensor in the file's type may come back as a view of the mapped file: copied then
             return values.clone() if values.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else values
 
-        globals_ = {n: load_one(n, s) for n, s in spec.global_tensors().items()}
-        if spec.tied_embeddings:
+        globals_ = {n: load_one(n, s) for n, s in spec.global_tensors().items()} if with_globals else {}
+        if spec.tied_embeddings and with_globals:
             globals_["output.weight"] = globals_["token_embd.weight"]
         loaded: list[dict[str, torch.Tensor] | None] = []
         for i in range(spec.n_layers):
