@@ -1,8 +1,9 @@
 """A rank of a two-process layer_split engine on loopback, for tests/test_remote.py.
 
 ``python tests/remote_ranks.py MODEL PORT RANK [PEER_PID]``: rank 1 serves its stage until rank 0
-says stop; rank 0 checks the engine across ranks against ``single`` in this process, then kills rank
-1 (``PEER_PID``) and times the error of the next prompt, and prints one JSON line of findings. A
+says stop; rank 0 checks the engine across ranks against ``single`` in this process, then stops rank
+1 (SIGSTOP to ``PEER_PID``: it no longer answers) and times the error of the next prompt, and prints
+one JSON line of findings. A
 ``STRATA_*`` variable (``STRATA_KV_BLOCK``) changes a setting of one rank: the join refuses it.
 """
 
@@ -24,6 +25,7 @@ from strata_core.remote import RankFailedError, launch_of, serve_stages
 
 PROMPT = list(range(5, 41))
 PROMPTS = [PROMPT[:9], PROMPT[3:20], PROMPT[10:14]]
+TIMEOUT_S = 3  # --dist-timeout: a rank that stops answering is failed after it
 
 
 def windows(engine: Engine, n: int) -> list[torch.Tensor]:
@@ -52,7 +54,7 @@ def main() -> None:
     model, port, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     settings = StrataSettings(model=model, strategy="layer_split", devices=["cpu", "rank1:cpu"], max_context=128,
                               expert_cache=3, strategy_options={"split": "2"}, prefill_chunk=16, nnodes=2,
-                              node_rank=rank, dist_init_addr=f"127.0.0.1:{port}", dist_timeout=20)
+                              node_rank=rank, dist_init_addr=f"127.0.0.1:{port}", dist_timeout=TIMEOUT_S)
     if rank:
         serve_stages(settings, launch_of(settings))
         return
@@ -65,7 +67,7 @@ def main() -> None:
         "windows": all(torch.equal(a, b) for a, b in zip(windows(engine, 3), windows(single, 3))),
         "layers_here": [layer for layer in range(4) if loaded(engine, layer)],
     }
-    os.kill(int(sys.argv[4]), signal.SIGKILL)
+    os.kill(int(sys.argv[4]), signal.SIGSTOP)
     start = time.monotonic()
     try:
         engine.logits(PROMPT)

@@ -1,7 +1,8 @@
 """An engine over two ranks (issue 25): layer_split with its second stage in another process, joined
 by gloo on loopback. Bit-identical logits, greedy text and micro-batched windows against ``single``,
-only the own layers loaded, a killed rank's clear error in bounded time, the server on rank 0
-answering the OpenAI client, /health naming a failed rank, a rank with other settings refused."""
+only the own layers loaded, a rank that stops answering failed after the timeout, the server on
+rank 0 answering the OpenAI client, /health naming a killed rank in bounded time and requests
+failing with it, a rank with other settings refused."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from strata_core.remote.launch import Launch, check_placement, launch_of
 from strata_core.runtime.devices import resolve_slots
 
 RANKS = Path(__file__).with_name("remote_ranks.py")
+TIMEOUT_S = 3  # remote_ranks.py's --dist-timeout
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path),
        "OMP_NUM_THREADS": "1"}
 BOUND_S = 10  # a killed rank is reported within this
@@ -93,7 +95,7 @@ def test_a_rank_with_another_model_or_settings_is_named():
 
 # --- two processes ---------------------------------------------------------------------------------
 
-def test_two_ranks_equal_single_and_a_killed_rank_fails_in_bounded_time(model):
+def test_two_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(model):
     port = str(free_port())
     peer = subprocess.Popen([sys.executable, str(RANKS), str(model), port, "1"], env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -108,7 +110,7 @@ def test_two_ranks_equal_single_and_a_killed_rank_fails_in_bounded_time(model):
     assert found["logits"] and found["greedy"] and found["windows"], found
     assert found["layers_here"] == [0, 1]  # rank 1 computes 2..3: rank 0 never loaded them
     assert found["error"] is not None and found["error"].startswith("rank 1 (rank1:cpu#1, layers 2..3) died or stopped")
-    assert found["seconds"] < BOUND_S
+    assert TIMEOUT_S - 1 <= found["seconds"] < TIMEOUT_S + BOUND_S  # the heartbeat may have begun waiting first
     assert found["health"] == found["error"]
 
 

@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 SHARED = ("strategy", "strategy_options", "devices", "dtype", "max_context", "kv_block", "kv_pool_tokens", "kv_type",
           "prefill_chunk", "parallel", "batch_invariant", "dense_q8", "expert_profile")
 _HASHED_BYTES = 1 << 20
+#: how much later than the first another rank may join, and load its layers (the step timeout,
+#: ``--dist-timeout``, bounds everything after)
+LOAD_TIMEOUT_S = 3600.0
 
 
 class RankFailedError(StrataError):
@@ -65,7 +68,8 @@ def _backend(names: list[str]) -> str:
 class Cluster:
     """This process's place among the joined ranks (:meth:`join`), and rank 0's channel to the others."""
 
-    def __init__(self, launch: Launch, timeout: float, backend: str, memory: dict[tuple[int, str], int]) -> None:
+    def __init__(self, launch: Launch, timeout: float, backend: str, memory: dict[tuple[int, str], int],
+                 steps: dist.ProcessGroup) -> None:
         self.rank = launch.rank
         self.world = launch.world
         self.timeout = timeout
@@ -79,19 +83,21 @@ class Cluster:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
         self._names: dict[int, str] = {}
+        self._steps = steps  # the group of the steps and pings: its timeout is the step timeout
 
     # --- joining ---------------------------------------------------------------------------------
 
     @classmethod
     def join(cls, settings: StrataSettings, launch: Launch) -> Cluster:
-        """Join the ranks of ``launch`` (waiting up to ``--dist-timeout`` for them) and compare each
+        """Join the ranks of ``launch`` (waiting up to :data:`LOAD_TIMEOUT_S` for them) and compare each
         rank's model file and settings with rank 0's: ConfigError on every rank, naming the rank and
         the difference, when one differs."""
         backend = _backend(settings.devices)
         log.info("rank %d of %d: joining at %s (%s)", launch.rank, launch.world, launch.address, backend)
         try:
             dist.init_process_group(backend, init_method=f"tcp://{launch.address}", rank=launch.rank,
-                                    world_size=launch.world, timeout=timedelta(seconds=settings.dist_timeout))
+                                    world_size=launch.world,
+                                    timeout=timedelta(seconds=max(settings.dist_timeout, LOAD_TIMEOUT_S)))
         except (RuntimeError, ValueError) as error:
             raise ConfigError(f"rank {launch.rank}: could not join the other ranks at {launch.address}: "
                               f"{error}") from None
@@ -106,16 +112,12 @@ class Cluster:
             dist.destroy_process_group()
             raise ConfigError(problem)
         memory = {(rank, name): n for rank, r in enumerate(reports) for name, n in r["memory"].items()}
-        return cls(launch, settings.dist_timeout, backend, memory)
+        steps = dist.new_group(backend=backend, timeout=timedelta(seconds=settings.dist_timeout))
+        return cls(launch, settings.dist_timeout, backend, memory, steps)
 
     def name(self, rank: int, what: str) -> None:
         """Call ``rank`` ``what`` in failure messages (its devices and layers)."""
         self._names[rank] = what
-
-    def start_heartbeat(self) -> None:
-        """Rank 0, once every rank is ready: ping each idle rank every quarter of the timeout."""
-        self._heartbeat = threading.Thread(target=self._beat, name="strata-rank-heartbeat", daemon=True)
-        self._heartbeat.start()
 
     def close(self) -> None:
         """Rank 0: tell the other ranks to stop (unless the cluster failed) and leave the group."""
@@ -126,7 +128,7 @@ class Cluster:
             for rank in range(1, self.world):
                 try:
                     with self._channel(rank):
-                        dist.send_object_list([{"op": "stop"}], dst=rank)
+                        dist.send_object_list([{"op": "stop"}], dst=rank, group=self._steps)
                 except RankFailedError:
                     pass
         dist.destroy_process_group()
@@ -162,23 +164,31 @@ class Cluster:
         wire = self._wire(hidden)
         status: list[Any] = [None]
         with self._channel(rank):
-            dist.send_object_list([header], dst=rank)
-            dist.send(wire, dst=rank)
-            dist.recv_object_list(status, src=rank)
+            dist.send_object_list([header], dst=rank, group=self._steps)
+            dist.send(wire, dst=rank, group=self._steps)
+            dist.recv_object_list(status, src=rank, group=self._steps)
             if status[0] is None:
                 out = torch.empty_like(wire)
-                dist.recv(out, src=rank)
+                dist.recv(out, src=rank, group=self._steps)
         if status[0] is not None:  # raised outside the channel: the rank itself is fine
             raise status[0]
         return out
 
-    def wait_ready(self, rank: int) -> None:
-        """Wait (up to the timeout) for ``rank`` to say it has loaded; its load error is raised here."""
-        with self._channel(rank):
-            status: list[Any] = [None]
-            dist.recv_object_list(status, src=rank)
-        if status[0] is not None:
-            raise status[0]
+    def wait_ready(self) -> None:
+        """Rank 0, loaded: wait (up to :data:`LOAD_TIMEOUT_S`) for every rank to say it has loaded (the
+        first load error is raised here), let them all start serving together, start the heartbeat."""
+        for rank in range(1, self.world):
+            with self._channel(rank):
+                status: list[Any] = [None]
+                dist.recv_object_list(status, src=rank)
+            if status[0] is not None:
+                raise status[0]
+        try:
+            dist.barrier()
+        except RuntimeError as error:
+            raise RankFailedError(f"a rank died while the ranks started: {_first_line(error)}") from None
+        self._heartbeat = threading.Thread(target=self._beat, name="strata-rank-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     def _wire(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` where the backend sends from: the host for gloo, the rank's GPU for NCCL."""
@@ -193,17 +203,20 @@ class Cluster:
                 try:
                     with self._channel(rank, block=False) as held:
                         if held:
-                            dist.send_object_list([{"op": "ping"}], dst=rank)
+                            dist.send_object_list([{"op": "ping"}], dst=rank, group=self._steps)
                             pong: list[Any] = [None]
-                            dist.recv_object_list(pong, src=rank)
+                            dist.recv_object_list(pong, src=rank, group=self._steps)
                 except RankFailedError:
                     return
 
     # --- the other ranks' side -------------------------------------------------------------------
 
     def ready(self, error: BaseException | None) -> None:
-        """Another rank: tell rank 0 this rank has loaded (or why it could not)."""
+        """Another rank: tell rank 0 this rank has loaded (or why it could not); loaded, wait for every
+        rank to be (the step timeout then starts counting)."""
         dist.send_object_list([_portable(error, self.rank)], dst=0)
+        if error is None:
+            dist.barrier()
 
     def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device) -> None:
         """Another rank: answer rank 0's pings and run each step it sends (``step(header, hidden on
@@ -211,25 +224,25 @@ class Cluster:
         while True:
             try:
                 received: list[Any] = [None]
-                dist.recv_object_list(received, src=0)
+                dist.recv_object_list(received, src=0, group=self._steps)
                 header = received[0]
                 if header["op"] == "stop":
                     return
                 if header["op"] == "ping":
-                    dist.send_object_list([None], dst=0)
+                    dist.send_object_list([None], dst=0, group=self._steps)
                     continue
                 wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]),
                                    device=device if self.backend == "nccl" else "cpu")
-                dist.recv(wire, src=0)
+                dist.recv(wire, src=0, group=self._steps)
                 error, out = None, None
                 try:
                     out = self._wire(step(header, wire.to(device)))
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests on rank 0, not this rank
                     log.exception("rank %d: a step failed", self.rank)
                     error = _portable(exc, self.rank)
-                dist.send_object_list([error], dst=0)
+                dist.send_object_list([error], dst=0, group=self._steps)
                 if out is not None:
-                    dist.send(out, dst=0)
+                    dist.send(out, dst=0, group=self._steps)
             except (RuntimeError, dist.DistBackendError) as error:
                 raise RankFailedError(f"rank {self.rank}: rank 0 died or stopped answering: {_first_line(error)}") \
                     from None

@@ -61,9 +61,7 @@ class RemoteStages:
 
     def ready(self) -> None:
         """Wait for every rank to have loaded its layers, then start the heartbeat."""
-        for rank in range(1, self.cluster.world):
-            self.cluster.wait_ready(rank)
-        self.cluster.start_heartbeat()
+        self.cluster.wait_ready()
 
     def run(self, phase: Phase, segment: Segment, hidden: torch.Tensor, batch: PromptBatch | DecodeBatch
             ) -> torch.Tensor:
