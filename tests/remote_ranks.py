@@ -1,9 +1,11 @@
 """A rank of a two-process layer_split engine on loopback, for tests/test_remote.py.
 
-``python tests/remote_ranks.py MODEL PORT RANK [PEER_PID]``: rank 1 serves its stage until rank 0
-says stop; rank 0 checks the engine across ranks against ``single`` in this process, then stops rank
-1 (SIGSTOP to ``PEER_PID``: it no longer answers) and times the error of the next prompt, and prints
-one JSON line of findings. A
+``python tests/remote_ranks.py MODEL PORT RANK RANKS [PEER_PID]``: with ``RANKS`` 2, layers 0..1 on
+rank 0 and 2..3 on rank 1; with 3, one layer on rank 0, one on each of rank 1's two device slots, one
+on rank 2 (a chain rank 0 -> 1 -> 2 -> 0). The other ranks serve their stages until rank 0 says
+stop; rank 0 checks the engine across ranks against ``single`` in this process, then stops the last
+rank (SIGSTOP to ``PEER_PID``: it no longer answers) and times the error of the next prompt, and
+prints one JSON line of findings. A
 ``STRATA_*`` variable (``STRATA_KV_BLOCK``) changes a setting of one rank: the join refuses it.
 """
 
@@ -51,9 +53,10 @@ def loaded(engine: Engine, layer: int) -> bool:
 
 
 def main() -> None:
-    model, port, rank = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-    settings = StrataSettings(model=model, strategy="layer_split", devices=["cpu", "rank1:cpu"], max_context=128,
-                              expert_cache=3, strategy_options={"split": "2"}, prefill_chunk=16, nnodes=2,
+    model, port, rank, ranks = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    devices, split = (["cpu", "rank1:cpu"], "2") if ranks == 2 else (["cpu", "rank1:cpu", "rank1:cpu", "rank2:cpu"], "1,2,3")
+    settings = StrataSettings(model=model, strategy="layer_split", devices=devices, max_context=128,
+                              expert_cache=3, strategy_options={"split": split}, prefill_chunk=16, nnodes=ranks,
                               node_rank=rank, dist_init_addr=f"127.0.0.1:{port}", dist_timeout=TIMEOUT_S)
     if rank:
         serve_stages(settings, launch_of(settings))
@@ -67,7 +70,7 @@ def main() -> None:
         "windows": all(torch.equal(a, b) for a, b in zip(windows(engine, 3), windows(single, 3))),
         "layers_here": [layer for layer in range(4) if loaded(engine, layer)],
     }
-    os.kill(int(sys.argv[4]), signal.SIGSTOP)
+    os.kill(int(sys.argv[5]), signal.SIGSTOP)
     start = time.monotonic()
     try:
         engine.logits(PROMPT)

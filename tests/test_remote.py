@@ -1,6 +1,7 @@
-"""An engine over two ranks (issue 25): layer_split with its second stage in another process, joined
-by gloo on loopback. Bit-identical logits, greedy text and micro-batched windows against ``single``,
-only the own layers loaded, a rank that stops answering failed after the timeout, the server on
+"""An engine over several ranks (issue 25): layer_split with stages in other processes, joined by gloo
+on loopback. Over three ranks (the hidden state passed rank to rank, two device slots on one rank):
+bit-identical logits, greedy text and micro-batched windows against ``single``, only the own layers
+loaded, a rank that stops answering failed after the timeout. Over two: the server on
 rank 0 answering the OpenAI client, /health naming a killed rank in bounded time and requests
 failing with it, a rank with other settings refused."""
 
@@ -74,7 +75,7 @@ def test_launch_from_flags_or_torchrun_and_ranks_checked_against_devices():
 def test_placements_that_move_state_or_experts_between_ranks_are_refused():
     slots = (DeviceSlot(0, torch.device("cpu")), DeviceSlot(1, torch.device("cpu"), rank=1))
     check_placement(Placement.stages([(0, range(0, 2)), (1, range(2, 4))]), slots)
-    with pytest.raises(ConfigError, match="prompts and .*cannot move between ranks"):
+    with pytest.raises(ConfigError, match="prompts and .*another rank's layer state cannot move"):
         check_placement(Placement.stages([(0, range(0, 2)), (1, range(2, 4))], prompt_device=0), slots)
     with pytest.raises(ConfigError, match="main device rank1:cpu#1 must be rank 0's"):
         check_placement(Placement.stages([(1, range(0, 4))]), slots)
@@ -95,21 +96,22 @@ def test_a_rank_with_another_model_or_settings_is_named():
 
 # --- two processes ---------------------------------------------------------------------------------
 
-def test_two_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(model):
+def test_three_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(model):
     port = str(free_port())
-    peer = subprocess.Popen([sys.executable, str(RANKS), str(model), port, "1"], env=ENV, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    peers = [subprocess.Popen([sys.executable, str(RANKS), str(model), port, str(rank), "3"], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in (1, 2)]
     try:
-        done = subprocess.run([sys.executable, str(RANKS), str(model), port, "0", str(peer.pid)], env=ENV,
+        done = subprocess.run([sys.executable, str(RANKS), str(model), port, "0", "3", str(peers[-1].pid)], env=ENV,
                               capture_output=True, text=True, timeout=120)
     finally:
-        peer.kill()
-        peer.wait()
+        for peer in peers:
+            peer.kill()
+            peer.wait()
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
     assert found["logits"] and found["greedy"] and found["windows"], found
-    assert found["layers_here"] == [0, 1]  # rank 1 computes 2..3: rank 0 never loaded them
-    assert found["error"] is not None and found["error"].startswith("rank 1 (rank1:cpu#1, layers 2..3) died or stopped")
+    assert found["layers_here"] == [0]  # ranks 1 and 2 compute 1..3: rank 0 never loaded them
+    assert found["error"] is not None and found["error"].startswith("rank 2 (rank2:cpu#3, layers 3..3) died or stopped")
     assert TIMEOUT_S - 1 <= found["seconds"] < TIMEOUT_S + BOUND_S  # the heartbeat may have begun waiting first
     assert found["health"] == found["error"]
 
@@ -164,7 +166,7 @@ def test_server_on_rank_0_answers_the_openai_client_and_health_names_a_killed_ra
 
 def test_a_rank_started_with_other_settings_is_refused_at_join(model):
     port = str(free_port())
-    ranks = [subprocess.Popen([sys.executable, str(RANKS), str(model), port, str(rank)], stdout=subprocess.DEVNULL,
+    ranks = [subprocess.Popen([sys.executable, str(RANKS), str(model), port, str(rank), "2"], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, env={**ENV, "STRATA_KV_BLOCK": str(16 * (rank + 1))})
              for rank in (0, 1)]
     for process in ranks:

@@ -1,8 +1,9 @@
 """The joined ranks: refusal at join, rank 0's one channel to each rank, heartbeat, failure.
 
-Every exchange between rank 0 and another rank is rank 0's: it sends a header (a small dict) and a
-hidden state and receives a status and a hidden state back, under one lock (a step and the
-heartbeat never interleave on the channel). A rank that dies closes its connection (seen at once);
+Every exchange is rank 0's, under one lock (a step and the heartbeat never interleave): a *chain*
+of hops, each a rank's header (a small dict: what to run, the rank its hidden state comes from and
+the one its output goes to), the hidden state sent to the first, passed from rank to rank, and the
+last one's output back to rank 0, then each rank's status (None, or the error its step raised). A rank that dies closes its connection (seen at once);
 one that stops answering is seen when ``--dist-timeout`` runs out. Either way the cluster is failed
 for good: every later exchange raises the same :class:`RankFailedError`, which names the rank. While
 the engine is idle rank 0 pings each rank every quarter of the timeout, so a rank that died is seen
@@ -127,7 +128,8 @@ class Cluster:
         if self.rank == 0 and self.failure is None:
             for rank in range(1, self.world):
                 try:
-                    with self._channel(rank):
+                    with self._channel() as peer:
+                        peer.rank = rank
                         dist.send_object_list([{"op": "stop"}], dst=rank, group=self._steps)
                 except RankFailedError:
                     pass
@@ -136,18 +138,20 @@ class Cluster:
     # --- rank 0's side ---------------------------------------------------------------------------
 
     @contextmanager
-    def _channel(self, rank: int, block: bool = True) -> Iterator[bool]:
-        """Hold the channel (yields False where ``block`` is off and it is taken); a transport error
-        inside fails the cluster with the rank named."""
+    def _channel(self, block: bool = True) -> Iterator[_Peer | None]:
+        """Hold the channel (yields None where ``block`` is off and it is taken); a transport error
+        inside fails the cluster, naming the rank the yielded peer names then."""
         if self.failure is not None:
             raise self.failure
         if not self._lock.acquire(blocking=block):
-            yield False
+            yield None
             return
+        peer = _Peer()
         try:
-            yield True
+            yield peer
         except (RuntimeError, dist.DistBackendError) as error:
             if self.failure is None:
+                rank = peer.rank
                 what = self._names.get(rank, f"rank {rank}")
                 self.failure = RankFailedError(f"rank {rank} ({what}) died or stopped answering: {_first_line(error)}; "
                                                "restart every rank")
@@ -157,28 +161,40 @@ class Cluster:
             self._last = time.monotonic()
             self._lock.release()
 
-    def exchange(self, rank: int, header: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
-        """Send ``header`` and ``hidden`` to ``rank``; its answer, a tensor of ``hidden``'s shape and
-        dtype on the wire's device. A step that failed on ``rank`` re-raises its error here (the
-        rank goes on); a rank that fails raises RankFailedError."""
+    def exchange(self, hops: list[tuple[int, dict[str, Any]]], hidden: torch.Tensor) -> torch.Tensor:
+        """Run a chain: ``hops`` are ``(rank, header)`` in order (consecutive ranks differ), ``hidden``
+        goes to the first, each rank's output to the next, the last one's back here: a tensor of
+        ``hidden``'s shape and dtype on the wire's device. A step that failed on a rank re-raises its
+        error here (the ranks go on); a rank that fails raises RankFailedError."""
+        ranks = [rank for rank, _ in hops]
         wire = self._wire(hidden)
-        status: list[Any] = [None]
-        with self._channel(rank):
-            dist.send_object_list([header], dst=rank, group=self._steps)
-            dist.send(wire, dst=rank, group=self._steps)
-            dist.recv_object_list(status, src=rank, group=self._steps)
-            if status[0] is None:
-                out = torch.empty_like(wire)
-                dist.recv(out, src=rank, group=self._steps)
-        if status[0] is not None:  # raised outside the channel: the rank itself is fine
-            raise status[0]
+        out = torch.empty_like(wire)
+        statuses: list[Any] = []
+        with self._channel() as peer:
+            for i, (rank, header) in enumerate(hops):
+                peer.rank = rank
+                route = {"src": ranks[i - 1] if i else 0, "dst": ranks[i + 1] if i + 1 < len(ranks) else 0}
+                dist.send_object_list([header | route], dst=rank, group=self._steps)
+            peer.rank = ranks[0]
+            dist.send(wire, dst=ranks[0], group=self._steps)
+            peer.rank = ranks[-1]
+            dist.recv(out, src=ranks[-1], group=self._steps)
+            for rank in ranks:
+                peer.rank = rank
+                status: list[Any] = [None]
+                dist.recv_object_list(status, src=rank, group=self._steps)
+                statuses.append(status[0])
+        for error in statuses:  # raised outside the channel: the ranks themselves are fine
+            if error is not None:
+                raise error
         return out
 
     def wait_ready(self) -> None:
         """Rank 0, loaded: wait (up to :data:`LOAD_TIMEOUT_S`) for every rank to say it has loaded (the
         first load error is raised here), let them all start serving together, start the heartbeat."""
         for rank in range(1, self.world):
-            with self._channel(rank):
+            with self._channel() as peer:
+                peer.rank = rank
                 status: list[Any] = [None]
                 dist.recv_object_list(status, src=rank)
             if status[0] is not None:
@@ -201,8 +217,9 @@ class Cluster:
                 continue
             for rank in range(1, self.world):
                 try:
-                    with self._channel(rank, block=False) as held:
-                        if held:
+                    with self._channel(block=False) as peer:
+                        if peer is not None:
+                            peer.rank = rank
                             dist.send_object_list([{"op": "ping"}], dst=rank, group=self._steps)
                             pong: list[Any] = [None]
                             dist.recv_object_list(pong, src=rank, group=self._steps)
@@ -219,8 +236,10 @@ class Cluster:
             dist.barrier()
 
     def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device) -> None:
-        """Another rank: answer rank 0's pings and run each step it sends (``step(header, hidden on
-        device)``) until it says stop; RankFailedError when rank 0 is gone or silent past the timeout."""
+        """Another rank: answer rank 0's pings and run each hop it sends (``step(header, hidden on
+        device)``, the hidden state from the header's ``src``, the output to its ``dst``, then the
+        status to rank 0; a failed step passes zeros on) until it says stop; RankFailedError when a
+        rank it waits on is gone or silent past the timeout."""
         while True:
             try:
                 received: list[Any] = [None]
@@ -233,19 +252,24 @@ class Cluster:
                     continue
                 wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]),
                                    device=device if self.backend == "nccl" else "cpu")
-                dist.recv(wire, src=0, group=self._steps)
-                error, out = None, None
+                dist.recv(wire, src=header["src"], group=self._steps)
+                error = None
                 try:
                     out = self._wire(step(header, wire.to(device)))
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests on rank 0, not this rank
                     log.exception("rank %d: a step failed", self.rank)
-                    error = _portable(exc, self.rank)
+                    error, out = _portable(exc, self.rank), torch.zeros_like(wire)
+                dist.send(out, dst=header["dst"], group=self._steps)
                 dist.send_object_list([error], dst=0, group=self._steps)
-                if out is not None:
-                    dist.send(out, dst=0, group=self._steps)
             except (RuntimeError, dist.DistBackendError) as error:
-                raise RankFailedError(f"rank {self.rank}: rank 0 died or stopped answering: {_first_line(error)}") \
-                    from None
+                raise RankFailedError(f"rank {self.rank}: a rank it waits on died or stopped answering: "
+                                      f"{_first_line(error)}") from None
+
+
+class _Peer:
+    """The rank the channel talks to now (named when the transport fails)."""
+
+    rank = 0
 
 
 def _difference(reports: list[dict[str, Any]]) -> str | None:

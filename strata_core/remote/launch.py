@@ -50,13 +50,14 @@ def launch_of(settings: StrataSettings, environ: Mapping[str, str] = os.environ)
 def check_placement(placement: Placement, slots: tuple[DeviceSlot, ...]) -> None:
     """ConfigError unless ``placement`` keeps every layer's state and experts on one rank: the
     embedding and head on rank 0, each layer on the same rank in both phases (no hand-off between
-    ranks), and its expert sources and attention peer on the rank computing it."""
+    ranks; another rank's layer on the same device slot), and its expert sources and attention peer
+    on the rank computing it."""
     if slots[placement.main].rank != 0:
         raise ConfigError(f"placement: the main device {slots[placement.main]} must be rank 0's (the server's)")
     for layer, (prompt, decode) in enumerate(zip(placement.prompt, placement.decode)):
-        if slots[prompt.device].rank != slots[decode.device].rank:
+        if prompt.device != decode.device and (slots[prompt.device].rank or slots[decode.device].rank):
             raise ConfigError(f"placement: layer {layer} is computed on {slots[prompt.device]} for prompts and "
-                              f"{slots[decode.device]} for decode; its state cannot move between ranks")
+                              f"{slots[decode.device]} for decode; another rank's layer state cannot move")
         for phase, placed in zip(PHASES, (prompt, decode)):
             others = [s.device for s in placed.experts if s.device is not None]
             if placed.attention_peer is not None:

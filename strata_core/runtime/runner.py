@@ -248,6 +248,24 @@ class Runner:
             end = time.perf_counter()
         self._stage_times.append((label, start, end))
 
+    def _through(self, phase: Phase, segments: tuple[Segment, ...], hidden: torch.Tensor,
+                 batch: PromptBatch | DecodeBatch) -> torch.Tensor:
+        """``hidden`` through ``segments`` in order; a run of consecutive segments on other ranks is one
+        chain (each rank's output goes straight to the next)."""
+        run = self.prefill_segment if phase == "prompt" else self.decode_segment
+        i = 0
+        while i < len(segments):
+            j = i
+            while self._remote is not None and j < len(segments) and self._remote.remote(segments[j]):
+                j += 1
+            if j > i:
+                hidden = self._remote.run(phase, segments[i:j], hidden, batch)
+                i = j
+            else:
+                hidden = run(segments[i], hidden, batch)
+                i += 1
+        return hidden
+
     # --- the prompt loop ---------------------------------------------------------------------------
 
     def prefill_segment(self, segment: Segment, hidden: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
@@ -255,7 +273,7 @@ class Runner:
         attention (and its KV writes) session by session, everything else over every row at once; on
         another rank, one hop there and back."""
         if self._remote is not None and self._remote.remote(segment):
-            return self._remote.run("prompt", segment, hidden, batch)
+            return self._remote.run("prompt", [segment], hidden, batch)
         device = self.device_of(segment)
         positions = to_device(batch.positions, device)
         rows = self.experts.rows_for(segment.device, "prompt")
@@ -274,8 +292,7 @@ class Runner:
         (``last``: each chunk's last position)."""
         segments = self._segments["prompt"]
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [T, H]
-        for segment in segments:
-            hidden = self.prefill_segment(segment, hidden, batch)
+        hidden = self._through("prompt", segments, hidden, batch)
         if logits == "none":
             return torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
         if logits == "all":
@@ -333,7 +350,7 @@ class Runner:
         graph where it applies (``--cuda-graphs``), else the eager loop; on another rank, one hop there
         and back."""
         if self._remote is not None and self._remote.remote(segment):
-            return self._remote.run("decode", segment, hidden, batch)
+            return self._remote.run("decode", [segment], hidden, batch)
         hidden = hidden.to(self.device_of(segment))
         with device_scope(hidden.device), self._timed("decode", segment):
             if self._graphed(segment) and not _keeps_steps(batch):
@@ -389,9 +406,7 @@ class Runner:
             if logits is not None:
                 return logits
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [B, H]
-        for segment in segments:
-            hidden = self.decode_segment(segment, hidden, batch)
-        return self.head(hidden)
+        return self.head(self._through("decode", segments, hidden, batch))
 
     def _replay_step(self, segment: Segment, batch: DecodeBatch) -> torch.Tensor | None:
         """Float32 logits ``[B, V]`` of the whole window by one graph replay, or None."""

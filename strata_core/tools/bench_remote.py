@@ -32,7 +32,7 @@ def _hop_ms(cluster: Cluster, hidden: torch.Tensor, repeats: int) -> list[float]
     for _ in range(repeats):
         synchronize(hidden.device)
         start = time.perf_counter()
-        out = cluster.exchange(1, header, hidden).to(hidden.device)
+        out = cluster.exchange([(1, header)], hidden).to(hidden.device)
         synchronize(out.device)
         times.append((time.perf_counter() - start) * 1e3)
     return times
