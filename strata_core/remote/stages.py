@@ -173,7 +173,7 @@ class StageServer:
 
 def serve_stages(settings: StrataSettings, launch: Launch) -> None:
     """Another rank's whole life: join, load this rank's layers, tell rank 0, run its steps until it
-    says stop; RankFailedError when rank 0 dies or stops answering."""
+    says stop (or Ctrl-C); RankFailedError when a rank it waits on dies or stops answering."""
     from strata_core.engine import Engine
 
     cluster = Cluster.join(settings, launch)
@@ -187,7 +187,9 @@ def serve_stages(settings: StrataSettings, launch: Launch) -> None:
     log.info("rank %d: serving %s for rank 0", cluster.rank, ", ".join(map(str, local)))
     try:
         cluster.serve(StageServer(engine).step, local[0].device)
+        log.info("rank %d: rank 0 said stop", cluster.rank)
+    except KeyboardInterrupt:  # torchrun passes Ctrl-C to every rank: rank 0 stops serving too
+        log.info("rank %d: interrupted", cluster.rank)
     finally:
         engine.close()
         cluster.close()
-    log.info("rank %d: rank 0 said stop", cluster.rank)
