@@ -54,7 +54,8 @@ def loaded(engine: Engine, layer: int) -> bool:
 
 def main() -> None:
     model, port, rank, ranks = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    devices, split = (["cpu", "rank1:cpu"], "2") if ranks == 2 else (["cpu", "rank1:cpu", "rank1:cpu", "rank2:cpu"], "1,2,3")
+    devices, split = ((["cpu", "rank1:cpu"], "2") if ranks == 2
+                      else (["cpu", "rank1:cpu", "rank1:cpu", "rank2:cpu"], "1,2,3"))
     settings = StrataSettings(model=model, strategy="layer_split", devices=devices, max_context=128,
                               expert_cache=3, strategy_options={"split": split}, prefill_chunk=16, nnodes=ranks,
                               node_rank=rank, dist_init_addr=f"127.0.0.1:{port}", dist_timeout=TIMEOUT_S)

@@ -89,7 +89,8 @@ def test_a_rank_with_another_model_or_settings_is_named():
     ours = {"model file": "m.gguf (10 bytes)", "max_context": 128}
     assert _difference([{"identity": ours}, {"identity": dict(ours)}]) is None
     assert _difference([{"identity": ours}, {"identity": {**ours, "max_context": 64}}]) == (
-        "rank 1 was started with --max-context 64, rank 0 with 128: every rank must run the same model file and settings")
+        "rank 1 was started with --max-context 64, rank 0 with 128: every rank must run the same model file "
+        "and settings")
     assert "rank 1 was started with model file 'n.gguf" in _difference(
         [{"identity": ours}, {"identity": {**ours, "model file": "n.gguf (9 bytes)"}}])
 

@@ -1,4 +1,4 @@
-"""One engine over several processes (ranks), possibly on several hosts, joined by torch.distributed.
+"""One engine over several processes (ranks), possibly on several hosts, joined by torch.distributed (gloo).
 
 A ``--devices`` entry may name another rank's device (``rank1:cuda:0``, ``rank1:cpu``); a placement
 puts layer ranges there like on any device slot. Rank 0 loads the tokenizer and runs the server and

@@ -3,11 +3,14 @@
 Every exchange is rank 0's, under one lock (a step and the heartbeat never interleave): a *chain*
 of hops, each a rank's header (a small dict: what to run, the rank its hidden state comes from and
 the one its output goes to), the hidden state sent to the first, passed from rank to rank, and the
-last one's output back to rank 0, then each rank's status (None, or the error its step raised). A rank that dies closes its connection (seen at once);
-one that stops answering is seen when ``--dist-timeout`` runs out. Either way the cluster is failed
-for good: every later exchange raises the same :class:`RankFailedError`, which names the rank. While
-the engine is idle rank 0 pings each rank every quarter of the timeout, so a rank that died is seen
-then too, and the other ranks see rank 0 gone when its pings stop.
+last one's output back to rank 0, then each rank's status (None, or the error its step raised).
+
+A rank that dies closes its connection (seen at once); one that stops answering is seen when
+``--dist-timeout`` runs out. Either way the cluster is failed for good: every later exchange raises
+the same :class:`RankFailedError`, which names the rank. While the engine is idle rank 0 pings each
+rank every quarter of the timeout, so a rank that died is seen then too, and the other ranks see
+rank 0 gone when its pings stop. Joining and loading have their own, longer bound
+(:data:`LOAD_TIMEOUT_S`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ _HASHED_BYTES = 1 << 20
 #: how much later than the first another rank may join, and load its layers (the step timeout,
 #: ``--dist-timeout``, bounds everything after)
 LOAD_TIMEOUT_S = 3600.0
+#: gloo, also between GPUs: a hidden state is small (a token's is KBs), gloo's errors and timeouts
+#: are exceptions this process survives (the 503 naming the rank), and it crosses any network
+BACKEND = "gloo"
 
 
 class RankFailedError(StrataError):
@@ -60,21 +66,14 @@ def identity(settings: StrataSettings) -> dict[str, Any]:
     return out
 
 
-def _backend(names: list[str]) -> str:
-    """NCCL when every device of every rank is a GPU (and NCCL is built), else gloo."""
-    every_gpu = all(split_rank(name)[1].startswith("cuda") for name in names)
-    return "nccl" if every_gpu and dist.is_nccl_available() else "gloo"
-
-
 class Cluster:
     """This process's place among the joined ranks (:meth:`join`), and rank 0's channel to the others."""
 
-    def __init__(self, launch: Launch, timeout: float, backend: str, memory: dict[tuple[int, str], int],
+    def __init__(self, launch: Launch, timeout: float, memory: dict[tuple[int, str], int],
                  steps: dist.ProcessGroup) -> None:
         self.rank = launch.rank
         self.world = launch.world
         self.timeout = timeout
-        self.backend = backend
         #: free bytes each rank reported at join, by (rank, device name of --devices)
         self.memory = memory
         #: set once a rank failed: every later exchange raises it
@@ -93,10 +92,9 @@ class Cluster:
         """Join the ranks of ``launch`` (waiting up to :data:`LOAD_TIMEOUT_S` for them) and compare each
         rank's model file and settings with rank 0's: ConfigError on every rank, naming the rank and
         the difference, when one differs."""
-        backend = _backend(settings.devices)
-        log.info("rank %d of %d: joining at %s (%s)", launch.rank, launch.world, launch.address, backend)
+        log.info("rank %d of %d: joining at %s", launch.rank, launch.world, launch.address)
         try:
-            dist.init_process_group(backend, init_method=f"tcp://{launch.address}", rank=launch.rank,
+            dist.init_process_group(BACKEND, init_method=f"tcp://{launch.address}", rank=launch.rank,
                                     world_size=launch.world,
                                     timeout=timedelta(seconds=max(settings.dist_timeout, LOAD_TIMEOUT_S)))
         except (RuntimeError, ValueError) as error:
@@ -104,8 +102,7 @@ class Cluster:
                               f"{error}") from None
         mine = [name for owner, name in map(split_rank, settings.devices) if owner == launch.rank]
         report = {"identity": identity(settings),
-                  "memory": {name: available_bytes(device, mine.count(name))
-                             for name, device in zip(mine, resolve_devices(mine))}}
+                  "memory": {name: available_bytes(device) for name, device in zip(mine, resolve_devices(mine))}}
         reports: list[Any] = [None] * launch.world
         dist.all_gather_object(reports, report)
         problem = _difference(reports)
@@ -113,8 +110,8 @@ class Cluster:
             dist.destroy_process_group()
             raise ConfigError(problem)
         memory = {(rank, name): n for rank, r in enumerate(reports) for name, n in r["memory"].items()}
-        steps = dist.new_group(backend=backend, timeout=timedelta(seconds=settings.dist_timeout))
-        return cls(launch, settings.dist_timeout, backend, memory, steps)
+        steps = dist.new_group(backend=BACKEND, timeout=timedelta(seconds=settings.dist_timeout))
+        return cls(launch, settings.dist_timeout, memory, steps)
 
     def name(self, rank: int, what: str) -> None:
         """Call ``rank`` ``what`` in failure messages (its devices and layers)."""
@@ -206,9 +203,10 @@ class Cluster:
         self._heartbeat = threading.Thread(target=self._beat, name="strata-rank-heartbeat", daemon=True)
         self._heartbeat.start()
 
-    def _wire(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` where the backend sends from: the host for gloo, the rank's GPU for NCCL."""
-        return hidden.contiguous() if self.backend == "nccl" else hidden.detach().to("cpu").contiguous()
+    @staticmethod
+    def _wire(hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` where gloo sends from: host memory."""
+        return hidden.detach().to("cpu").contiguous()
 
     def _beat(self) -> None:
         interval = self.timeout / 4
@@ -250,8 +248,7 @@ class Cluster:
                 if header["op"] == "ping":
                     dist.send_object_list([None], dst=0, group=self._steps)
                     continue
-                wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]),
-                                   device=device if self.backend == "nccl" else "cpu")
+                wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]))
                 dist.recv(wire, src=header["src"], group=self._steps)
                 error = None
                 try:

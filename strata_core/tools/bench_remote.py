@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from strata_core.config import StrataSettings
-from strata_core.remote.group import Cluster
+from strata_core.remote.group import BACKEND, Cluster
 from strata_core.remote.launch import launch_of
 from strata_core.runtime.devices import split_rank, synchronize
 
@@ -40,7 +40,8 @@ def _hop_ms(cluster: Cluster, hidden: torch.Tensor, repeats: int) -> list[float]
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the flags, join the ranks, measure on rank 0 (rank 1 echoes), print the table."""
-    parser = argparse.ArgumentParser(prog="python -m strata_core.tools.bench_remote", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m strata_core.tools.bench_remote",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--devices", default="cpu,rank1:cpu", help="rank 0's device, then rank 1's (rank1:DEVICE)")
     parser.add_argument("--hidden", type=int, default=2048, help="hidden size of the model (2048: Qwen3-30B-A3B)")
     parser.add_argument("--dtype", default="bfloat16", help="dtype of the hidden state on the wire")
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     rows = [("decode window", int(n)) for n in args.windows.split(",")] + [("prompt chunk", args.prompt_tokens)]
     results = []
-    print(f"{args.devices} over {cluster.backend}, hidden {args.hidden} {args.dtype}")
+    print(f"{args.devices} over {BACKEND}, hidden {args.hidden} {args.dtype}")
     print(f"{'step':<14} {'rows':>6} {'bytes each way':>15} {'ms/hop p50':>11} {'ms/hop p90':>11} {'GB/s':>7}")
     for kind, n in rows:
         hidden = torch.randn(n, args.hidden, device=device).to(dtype)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{kind:<14} {n:>6} {nbytes:>15,} {p50:>11.3f} {p90:>11.3f} {2 * nbytes / p50 / 1e6:>7.2f}")
     cluster.close()
     if args.json is not None:
-        args.json.write_text(json.dumps({"devices": args.devices, "backend": cluster.backend, "hidden": args.hidden,
+        args.json.write_text(json.dumps({"devices": args.devices, "backend": BACKEND, "hidden": args.hidden,
                                          "dtype": args.dtype, "hops": results}, indent=1))
 
 
