@@ -87,6 +87,13 @@ class StrataSettings(BaseSettings):
         default_factory=lambda: ["cpu"],
         description="devices in order, e.g. cuda:0,cuda:1 or logical devices cpu,cpu",
     )
+    nnodes: int = Field(1, ge=1, description="ranks of a multi-process engine, one a node (SGLang's flag; under "
+                        "torchrun its WORLD_SIZE)")
+    node_rank: int = Field(0, ge=0, description="this process's rank: 0 serves, the others compute their "
+                           "--devices entries rankN:DEVICE")
+    dist_init_addr: str | None = Field(None, description="HOST:PORT where the ranks meet (rank 0 listens there)")
+    dist_timeout: float = Field(300.0, gt=0, description="seconds a rank may take to answer (its share of one "
+                                "prompt chunk) before it is reported failed")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute dtype of activations (auto: float32 on CPU, bfloat16 on CUDA)"
     )
@@ -269,6 +276,14 @@ class StrataSettings(BaseSettings):
         if value < parallel:
             raise ValueError(f"--step-tokens {value} is less than --parallel {parallel}: a step must hold a decode "
                              "token for every slot and leave room for a prompt chunk")
+        return value
+
+    @field_validator("node_rank")
+    @classmethod
+    def _rank_below_nnodes(cls, value: int, info: ValidationInfo) -> int:
+        nnodes = info.data.get("nnodes", 1)
+        if value >= nnodes:
+            raise ValueError(f"--node-rank {value} is not below --nnodes {nnodes}")
         return value
 
     @field_validator("devices")

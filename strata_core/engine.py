@@ -36,7 +36,9 @@ from strata_core.model.weights import DenseWeights
 from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 from strata_core.plugin.spec import StrategyOptions
-from strata_core.runtime.devices import resolve_devices, synchronize
+from strata_core.remote import Cluster, RankFailedError, RemoteStages, launch_of
+from strata_core.remote.launch import check_placement
+from strata_core.runtime.devices import resolve_slots, synchronize
 from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.runtime.runner import Runner
 from strata_core.runtime.session import DecodeBatch, Session, SessionSnapshot
@@ -53,7 +55,7 @@ def _head_splits(placement: Placement, slots: dict[int, DeviceSlot], spec: Model
     splits: dict[tuple[int, int], HeadSplit] = {}
     by_layer = {}
     for layer, placed in enumerate(placement.layers("prompt")):
-        if placed.attention_peer is None:
+        if placed.attention_peer is None or placed.device not in slots:
             continue
         pair = (placed.device, placed.attention_peer)
         if pair not in splits:
@@ -96,6 +98,8 @@ class Engine:
         tokenizer: Tokenizer | None,
         chat: ChatTemplate,
         pools: KVPools | None = None,
+        remote: RemoteStages | None = None,
+        local: frozenset[int] | None = None,
     ) -> None:
         self.settings = settings
         self.plugins = plugins
@@ -109,15 +113,20 @@ class Engine:
         self.chat = chat
         self.max_context = min(settings.max_context, spec.context_length)
         self.dtype = _compute_dtype(settings, devices[placement.main].device)
+        #: the segments on other ranks (strata_core/remote/), None for an engine in one process
+        self.remote = remote
+        #: the device slots this process computes on (every slot, but for an engine over several ranks)
+        self.local = local if local is not None else frozenset(d.index for d in devices)
         self.runner = Runner(settings, plugins.hook, options, devices, placement, model, experts,
-                             self._padding_session)
+                             self._padding_session, remote)
         #: the paged KV: a block pool per device slot holding the layers any phase places there
         self.kv_pools = pools if pools is not None else kv_pools(settings, spec, self.dtype)
         for phase in PHASES:
             for layer, placed in enumerate(placement.layers(phase)):
-                pool = self.kv_pools.pool(placed.device, devices[placed.device].device)
-                pool.add_layer(layer, spec.layer_state(layer))
-        self.kv_pools.log_sizes({d.index: d for d in devices})
+                if placed.device in self.local:
+                    pool = self.kv_pools.pool(placed.device, devices[placed.device].device)
+                    pool.add_layer(layer, spec.layer_state(layer))
+        self.kv_pools.log_sizes({d.index: d for d in devices if d.index in self.local})
         #: the MTP block's drafts of every session (``--spec mtp``; ``load_mtp``), else None
         self.mtp: MtpDrafts | None = None
 
@@ -143,16 +152,23 @@ class Engine:
         return cls.from_settings(StrataSettings(**values))
 
     @classmethod
-    def from_settings(cls, settings: StrataSettings, progress: Callable[[float], None] | None = None) -> Engine:
+    def from_settings(cls, settings: StrataSettings, progress: Callable[[float], None] | None = None,
+                      cluster: Cluster | None = None) -> Engine:
         """Load the model named by ``settings`` (validated before any weight is read).
 
         ``progress`` is called with the fraction loaded (0 to 1) as the dense weights, the arena
-        and the expert caches come in (the server's ``/health`` reports it).
+        and the expert caches come in (the server's ``/health`` reports it). Where ``--devices`` names
+        other ranks' devices this process joins them (``cluster``: joined already) and loads only
+        the layers of its own device slots; rank 0 waits for the other ranks to load theirs.
         """
         report = progress or (lambda fraction: None)
         plugins = build_plugin_manager(settings)
         selected = plugins.select_strategy(settings.strategy, settings.strategy_options)
-        devices = tuple(DeviceSlot(i, d) for i, d in enumerate(resolve_devices(settings.devices)))
+        if cluster is None and (launch := launch_of(settings)) is not None:
+            cluster = Cluster.join(settings, launch)
+        rank = 0 if cluster is None else cluster.rank
+        devices = resolve_slots(settings.devices, rank, None if cluster is None else cluster.memory)
+        local = frozenset(d.index for d in devices if d.rank == rank)
         gguf_file = GGUFFile.open(settings.model)
         spec = load_model_spec(gguf_file)
         if settings.spec == "mtp":  # before any weight is read
@@ -162,13 +178,15 @@ class Engine:
         if placement is None:
             raise ConfigError(f"strategy {selected.spec.name!r} returned no placement")
         placement.validate(spec.n_layers, len(devices))
+        if cluster is not None:
+            check_placement(placement, devices)
         log.info("model %s: %s, %d layers, %d experts (top-%d)", settings.model, spec.architecture,
                  spec.n_layers, spec.n_experts, spec.n_experts_used)
         for phase in PHASES:
             log.info("%s placement: %s", phase, "; ".join(
                 f"{devices[s.device]} layers {s.layers.start}..{s.layers.stop - 1}" for s in placement.segments(phase)))
-        slots = {d.index: d for d in devices}
-        dtype = _compute_dtype(settings, slots[placement.main].device)
+        dtype = _compute_dtype(settings, devices[placement.main].device)
+        slots = {d.index: d for d in devices if d.index in local}  # this process's: all but across ranks
         pools = kv_pools(settings, spec, dtype)
         dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, pools.n_blocks * pools.block_size,
                                              settings.kv_type)
@@ -176,9 +194,12 @@ class Engine:
         layer_devices: dict[int, set[torch.device]] = {}
         for phase in PHASES:
             for layer, placed in enumerate(placement.layers(phase)):
-                layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
+                if placed.device in slots:
+                    layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
         report(0.02)
-        dense = DenseWeights.load(gguf_file, spec, dtype).place(layer_devices, slots[placement.main].device)
+        head = placement.main in slots  # the embedding and head: rank 0's
+        dense = DenseWeights.load(gguf_file, spec, dtype, layers=set(layer_devices), with_globals=head).place(
+            layer_devices, slots[placement.main].device if head else torch.device("cpu"))
         model = get_architecture(spec.architecture).model(spec, dense, settings)
         if settings.kv_type == "bf16" and dtype == torch.bfloat16:  # the rows are the compute dtype's: as auto
             model.kernels = dataclasses.replace(model.kernels, kv_type="auto")
@@ -192,14 +213,21 @@ class Engine:
         experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,
                                        progress=lambda fraction: report(0.2 + 0.79 * fraction))
         has_tokenizer = "tokenizer.ggml.tokens" in gguf_file.metadata
-        if not has_tokenizer:
+        if rank != 0:  # another rank's engine runs segments only: rank 0 tokenizes
+            has_tokenizer = False
+        elif not has_tokenizer:
             log.warning("%s has no tokenizer: only token ids can be used", settings.model)
+        remote = None
+        if rank == 0 and cluster is not None:
+            remote = RemoteStages(cluster, devices, {phase: placement.segments(phase) for phase in PHASES})
         engine = cls(settings, plugins, selected.options, gguf_file, spec, devices, placement, model, experts,
                      Tokenizer.from_gguf(gguf_file.metadata) if has_tokenizer else None,
-                     ChatTemplate.from_gguf(gguf_file.metadata), pools)
+                     ChatTemplate.from_gguf(gguf_file.metadata), pools, remote, local)
         engine.runner.plan_residency()
         if settings.spec == "mtp":
             engine.load_mtp()
+        if remote is not None:
+            remote.ready()
         report(1.0)
         return engine
 
@@ -215,8 +243,15 @@ class Engine:
         log.info("MTP drafting: the block blk.%d of %s on %s", self.spec.n_layers, self.settings.model, device)
 
     def close(self) -> None:
-        """Release device memory and background work."""
+        """Release device memory and background work (and stop the other ranks)."""
         self.experts.close()
+        if self.remote is not None:
+            self.remote.close()
+
+    @property
+    def broken(self) -> RankFailedError | None:
+        """Why this engine cannot run any more (a rank died or stopped answering), or None."""
+        return None if self.remote is None else self.remote.cluster.failure
 
     # --- sessions ---------------------------------------------------------------------------------
 
@@ -231,7 +266,7 @@ class Engine:
         Pass a prompt without its last token when that token's logits are wanted.
         """
         session = self._session_at_home("prompt")
-        if prefix_tokens:
+        if prefix_tokens and self.remote is None:  # across ranks the other ranks' KV holds no shared prefix
             session.tokens.extend(list(prefix_tokens)[:session.kv.share(prefix_tokens)])
         return session
 
@@ -245,9 +280,9 @@ class Engine:
     def _session_at_home(self, phase: Phase) -> Session:
         """An empty session of ``max_context`` positions, each layer on its device slot in ``phase``."""
         homes = {layer: (placed.device, self.devices[placed.device].device)
-                 for layer, placed in enumerate(self.placement.layers(phase))}
-        return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, homes=homes,
-                                           pools=self.kv_pools))
+                 for layer, placed in enumerate(self.placement.layers(phase)) if placed.device in self.local}
+        return Session(kv=KVCache.for_spec(self.spec, self.max_context, dtype=self.dtype, layers=sorted(homes),
+                                           homes=homes, pools=self.kv_pools))
 
     def capture_decode_graphs(self, sessions: int) -> None:
         """Capture the CUDA graphs of decode windows of up to ``sessions`` sessions now (see

@@ -31,7 +31,7 @@ __all__ = ["BRIEF", "GROUPS", "SHORTCUTS", "CommandParser", "HelpFormatter", "He
 #: are in its "options" group
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": ("model", "dtype", "max_context", "kv_block", "kv_pool_tokens", "kv_type", "prefill_chunk"),
-    "placement": ("strategy", "devices", "strategy_options"),
+    "placement": ("strategy", "devices", "strategy_options", "nnodes", "node_rank", "dist_init_addr", "dist_timeout"),
     "experts": ("expert_cache", "expert_cache_gib", "vram_budget_gib", "arena", "expert_profile", "pin_limit_gib",
                 "reserve_mib", "pcie_frac", "adapt_swaps", "expert_cache_fill_all"),
     "sampling": ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed"),
@@ -49,7 +49,7 @@ BRIEF = frozenset(GROUPS["debug"]) | {
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
     "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
-    "seed", "reasoning",
+    "seed", "reasoning", "nnodes", "node_rank", "dist_init_addr", "dist_timeout",
 }
 
 #: the short flags llama.cpp users type (cli_shortcuts: kebab-case flag -> its other names)
@@ -57,7 +57,8 @@ SHORTCUTS = {"model": "m", "max-context": ["c", "ctx-size"], "max-tokens": "n", 
 
 #: metavars by field name, where the type's (``N``, ``X``, ``PATH``) says too little
 _METAVARS = {"host": "ADDR", "api_key": "KEY", "model_alias": "NAME", "strategy": "NAME", "strategy_options": "K=V", "file": "PATH",
-             "dtype": "TYPE", "kv_type": "TYPE", "spec": "MODE"}  # --spec: off, ngram or mtp (its description)
+             "dtype": "TYPE", "kv_type": "TYPE", "dist_init_addr": "HOST:PORT",
+             "spec": "MODE"}  # --spec: off, ngram or mtp (its description)
 _TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
 
 

@@ -1,6 +1,6 @@
 """Each command's share of :class:`~strata_core.config.StrataSettings`.
 
-A command declares the groups of settings it uses (``ENGINE``, ``SERVER``, ``PLUGINS``) and gets a
+A command declares the groups of settings it uses (``ENGINE``, ``SERVER``, ``RANKS``, ``PLUGINS``) and gets a
 settings class with exactly those fields: their flags in its ``--help``, their ``STRATA_*``
 variables and TOML keys, with StrataSettings' validation. ``strata plugins --help`` therefore lists
 no ``--api-key``, and a TOML key that one command does not use is simply not read by it.
@@ -16,7 +16,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from strata_core.config import StrataSettings
 
-__all__ = ["ENGINE", "PLUGINS", "SERVER", "CommandSettings", "settings_with"]
+__all__ = ["ENGINE", "PLUGINS", "RANKS", "SERVER", "CommandSettings", "settings_with"]
 
 PLUGINS = ("plugins", "disable_plugin_autoload")
 SERVER = ("host", "port", "parallel", "step_tokens", "max_queue", "conv_cache", "conv_cache_gib", "api_key",
@@ -24,7 +24,8 @@ SERVER = ("host", "port", "parallel", "step_tokens", "max_queue", "conv_cache", 
           "max_connections", "shutdown_grace", "cors", "template_timeout", "template_max_mib", "webui",
           "strict_requests", "strict_model", "n_predict", "seed", "reasoning", "grammar_file", "json_schema", "spec",
           "spec_tokens")
-ENGINE = tuple(name for name in StrataSettings.model_fields if name not in SERVER)
+RANKS = ("nnodes", "node_rank", "dist_init_addr", "dist_timeout")
+ENGINE = tuple(name for name in StrataSettings.model_fields if name not in SERVER and name not in RANKS)
 
 
 class CommandSettings(BaseSettings):

@@ -18,7 +18,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -70,10 +70,14 @@ class Arena:
     """Host addresses of every (layer, expert): mmap views, or pinned packed copies up to a cap."""
 
     def __init__(self, weights: ExpertWeights, n_layers: int, n_experts: int, mode: str = "mmap",
-                 pin_limit_bytes: int | None = None, progress: Callable[[float], None] | None = None):
+                 pin_limit_bytes: int | None = None, progress: Callable[[float], None] | None = None,
+                 layers: Collection[int] | None = None):
+        """``layers``: the layers this process computes or caches (None: every layer); only they are
+        pinned (another rank holds the rest)."""
         self.weights = weights
         self.n_layers, self.n_experts = n_layers, n_experts
         self.moe_layers = weights.spec.moe_layers  # the layers with experts; the others' formats are None
+        self._own = [layer for layer in self.moe_layers if layers is None or layer in layers]
         self.formats: list[ExpertFormat | None] = [
             ExpertFormat.of(weights.blocks(layer, 0)) if layer in self.moe_layers else None for layer in range(n_layers)]
         moe_formats = [f for f in self.formats if f is not None]
@@ -91,7 +95,7 @@ class Arena:
             log.info("arena: no accelerator, the pinned arena is ordinary RAM")
         budget = self.total_bytes if limit is None else limit
         layers = []  # the leading layers that fit the budget
-        for layer in self.moe_layers:
+        for layer in self._own:
             size = self.formats[layer].total * self.n_experts
             if size > budget:
                 log.info("arena: pin limit reached at layer %d; layers %d.. stream through staging", layer, layer)
@@ -117,7 +121,7 @@ class Arena:
                 with lock:
                     done[0] += 1
                     bar.update(buf.numel())
-                    progress(done[0] / len(self.moe_layers))
+                    progress(done[0] / len(self._own))
 
             with ThreadPoolExecutor(threads, thread_name_prefix="strata-arena") as pool:
                 list(pool.map(fill, layers))  # raises the first failure
@@ -131,8 +135,8 @@ class Arena:
 
     @property
     def all_pinned(self) -> bool:
-        """Whether every MoE layer is a pinned packed buffer (what the decode gather needs)."""
-        return all(self._packed[layer] is not None for layer in self.moe_layers)
+        """Whether every MoE layer of this process is a pinned packed buffer (what the decode gather needs)."""
+        return all(self._packed[layer] is not None for layer in self._own)
 
     def layer_buffer(self, layer: int) -> torch.Tensor | None:
         """The pinned packed experts ``[n_experts, total]`` of ``layer`` (contiguous), or None if not pinned."""

@@ -194,30 +194,31 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
                          progress: Callable[[float], None] | None = None) -> ExpertBackend:
     """Load the arena, size and fill each device slot's cache, and build its rows per phase.
 
-    :param slots: the device slots by index.
+    :param slots: the device slots by index: this process's (another rank's slots build nothing here).
     :param dense_bytes_per_device: bytes of everything else each torch device holds (dense weights,
         KV cache, prompt buffers), whether already allocated or not.
     :param progress: called with the fraction done (the arena is most of it, then each cache).
     """
     report = progress or (lambda fraction: None)
-    torch_devices = {slots[i].device for i in placement.devices_used()}
+    torch_devices = {slots[i].device for i in placement.devices_used() if i in slots}
     dense = {d: dense_bytes_per_device.get(d, 0) for d in torch_devices}
     check_dense_budget(settings, dense)  # fails before the arena is loaded
     pin_limit = None if settings.pin_limit_gib is None else int(settings.pin_limit_gib * GIB)
+    served = {slot: layers for slot, layers in placement.cached_layers().items() if slot in slots}
+    own = {layer for phase in PHASES for layer, placed in enumerate(placement.layers(phase)) if placed.device in slots}
     arena = Arena(weights, spec.n_layers, spec.n_experts, settings.arena, pin_limit,
-                  progress=lambda fraction: report(0.8 * fraction))
+                  progress=lambda fraction: report(0.8 * fraction), layers=own.union(*served.values()))
     left = check_dense_budget(settings, dense)  # again: the arena may have taken host RAM
     order, used = _fill_order(settings, spec)
     telemetry = ExpertTelemetry()
     cpu_pool = (ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts")
                 if any(d.type != "cpu" for d in torch_devices) and settings.pcie_frac < 1 else None)
-    computing = {placed.device for phase in PHASES for placed in placement.layers(phase)}
+    computing = {placed.device for phase in PHASES for placed in placement.layers(phase) if placed.device in slots}
     prompting = {placed.device for placed in placement.prompt}  # the others need no prompt buffers
     prompting |= {s.device for placed in placement.prompt for s in placed.experts if s.kind == "peer" and s.compute}
-    copiers = {i: ArenaCopier(arena, slots[i].device, telemetry) for i in sorted(computing | set(placement.cached_layers()))}
-    served = placement.cached_layers()
+    copiers = {i: ArenaCopier(arena, slots[i].device, telemetry) for i in sorted(computing | set(served))}
     caches: dict[int, ExpertCache] = {}
-    for slot in [*placement.fill_order, *sorted(set(served) - set(placement.fill_order))]:
+    for slot in [*(s for s in placement.fill_order if s in served), *sorted(set(served) - set(placement.fill_order))]:
         layers = served[slot]
         mine = [(l, e) for l, e in order if l in layers and not any(c.table.holds(l, e) for c in caches.values())]
         ranked = None if used is None else sum(1 for l, e in used if l in layers and

@@ -137,8 +137,9 @@ def place_q8_copies(model, gguf_file: GGUFFile, settings: StrataSettings, placem
     Nothing when ``--dense-q8`` is off."""
     if not settings.dense_q8:
         return dense_bytes
-    where = {(layer, slots[p.device].device) for layer, p in enumerate(placement.layers("decode"))}
-    where.add((None, slots[placement.main].device))
+    where = {(layer, slots[p.device].device) for layer, p in enumerate(placement.layers("decode")) if p.device in slots}
+    if placement.main in slots:
+        where.add((None, slots[placement.main].device))
     where = {(layer, d) for layer, d in where if why_not_fused(model, d) is None}
     sources = q8_sources(gguf_file, model.spec, Q8_LAYER_NAMES, Q8_GLOBAL_NAMES) if where else {}
     extra = model.weights.q8_bytes(sources, where)

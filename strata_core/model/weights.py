@@ -94,29 +94,33 @@ class DenseWeights:
     ``at(3, "cpu")["attn_q.weight"]``. Loaded weights sit on the CPU until ``place``d.
     """
 
-    def __init__(self, globals_: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor]]):
+    def __init__(self, globals_: dict[str, torch.Tensor], layers: list[dict[str, torch.Tensor] | None]):
         self.globals = globals_
         self.n_layers = len(layers)
         cpu = torch.device("cpu")
         self._copies: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {
-            (i, cpu): tensors for i, tensors in enumerate(layers)}
+            (i, cpu): tensors for i, tensors in enumerate(layers) if tensors is not None}  # None: another rank's
         #: repacked Q8_0 copies by (layer or None for the globals, device) -> name -> matrix
         self._q8: dict[tuple[int | None, torch.device], dict[str, Q8Matrix]] = {}
 
     @classmethod
-    def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32) -> "DenseWeights":
-        """Dequantize the dense tensors of ``gguf_file`` to ``dtype`` on the CPU (a copy, not the mmap)."""
+    def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32,
+             layers: set[int] | None = None, with_globals: bool = True) -> "DenseWeights":
+        """Dequantize the dense tensors of ``gguf_file`` to ``dtype`` on the CPU (a copy, not the mmap):
+        ``layers`` (None: every layer) and, ``with_globals``, the embedding, output norm and head (the
+        others are another rank's, not loaded)."""
         def load_one(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             return load_dense(gguf_file, name, shape, dtype)
 
-        globals_ = {n: load_one(n, s) for n, s in spec.global_tensors().items()}
-        if spec.tied_embeddings:
+        globals_ = {n: load_one(n, s) for n, s in spec.global_tensors().items()} if with_globals else {}
+        if spec.tied_embeddings and with_globals:
             globals_["output.weight"] = globals_["token_embd.weight"]
-        layers = []
+        loaded: list[dict[str, torch.Tensor] | None] = []
         for i in range(spec.n_layers):
             prefix = f"blk.{i}."
-            layers.append({n.removeprefix(prefix): load_one(n, s) for n, s in spec.layer_tensors(i).items()})
-        return cls(globals_, layers)
+            loaded.append({n.removeprefix(prefix): load_one(n, s) for n, s in spec.layer_tensors(i).items()}
+                          if layers is None or i in layers else None)
+        return cls(globals_, loaded)
 
     def at(self, layer: int, device: torch.device | str) -> dict[str, torch.Tensor]:
         """Layer ``layer``'s tensors on ``device`` (placed there by ``place``)."""

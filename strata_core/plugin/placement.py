@@ -31,13 +31,17 @@ SourceKind = Literal["cache", "peer", "arena", "cpu"]
 
 @dataclass(frozen=True)
 class DeviceSlot:
-    """One entry of ``--devices``: its position ``index`` and the torch ``device`` it runs on."""
+    """One entry of ``--devices``: its position ``index``, the torch ``device`` it runs on, the ``rank``
+    (process) that owns it (``rank1:cuda:0``; 0 for a plain name), and for another rank's slot the
+    ``memory`` that rank reported free on it at join (None: this process's own device, ask torch)."""
 
     index: int
     device: torch.device
+    rank: int = 0
+    memory: int | None = None
 
     def __str__(self) -> str:
-        return f"{self.device}#{self.index}"
+        return f"{f'rank{self.rank}:' if self.rank else ''}{self.device}#{self.index}"
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,56 @@
-"""Parse and check ``--devices``: names that do not exist here are an error before anything loads."""
+"""Parse and check ``--devices``: names that do not exist here are an error before anything loads.
+
+An entry may name a device of another rank (process) of a multi-process engine: ``rank1:cuda:0``,
+``rank1:cpu`` (strata_core/remote/); a plain name is rank 0's.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 
 from strata_core.errors import ConfigError
+from strata_core.plugin.placement import DeviceSlot
+
+_RANKED = re.compile(r"rank(\d+):(.+)")
+
+
+def split_rank(name: str) -> tuple[int, str]:
+    """``"rank1:cuda:0"`` -> ``(1, "cuda:0")``; a plain name is rank 0's."""
+    ranked = _RANKED.fullmatch(name.strip())
+    return (int(ranked.group(1)), ranked.group(2)) if ranked else (0, name.strip())
+
+
+def resolve_slots(names: list[str], rank: int = 0, memory: dict[tuple[int, str], int] | None = None
+                  ) -> tuple[DeviceSlot, ...]:
+    """The device slots of ``--devices``: this ``rank``'s entries checked to exist here (as
+    :func:`resolve_devices`), another rank's only parsed (its rank checked them), with the free memory
+    it reported (``memory``: ``(rank, name) -> bytes``)."""
+    slots = []
+    for index, entry in enumerate(names):
+        owner, name = split_rank(entry)
+        if owner == rank:
+            (device,) = resolve_devices([name])
+        else:
+            device = _parse(name)
+        slots.append(DeviceSlot(index, device, owner, None if owner == rank else (memory or {}).get((owner, name))))
+    return tuple(slots)
+
+
+def _parse(name: str) -> torch.device:
+    try:
+        return torch.device(name)
+    except RuntimeError as error:
+        raise ConfigError(f"--devices: {name!r} is not a device name ({error})") from None
 
 
 def resolve_devices(names: list[str]) -> list[torch.device]:
     """``["cpu", "cuda:0", "cuda:0"]`` -> torch devices, checked to exist (repeats are logical devices)."""
     devices = []
     for name in names:
-        try:
-            device = torch.device(name)
-        except RuntimeError as error:
-            raise ConfigError(f"--devices: {name!r} is not a device name ({error})") from None
+        device = _parse(name)
         if device.type == "cuda":
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             index = 0 if device.index is None else device.index

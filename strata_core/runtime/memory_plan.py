@@ -18,14 +18,17 @@ def dense_bytes_per_device(spec: ModelSpec, placement: Placement, slots: dict[in
     slot's block pool, every session's blocks together) on each torch device of ``placement``: the
     embedding and head on the main slot's device; a layer's weights once per torch device computing
     it, its KV rows once per device slot computing it (in either phase: a hand-off keeps both copies).
+    Only the device slots in ``slots`` count (a process's own, where another rank holds the rest).
     Recurrent state (one copy per session) is counted once. ``kv_type``: how the pools store the rows
     (kvquant.py; a ConfigError where a layer's rows cannot be stored so)."""
     arch = get_architecture(spec.architecture)
     item = torch.empty((), dtype=dtype).element_size()
-    sizes: dict[torch.device, int] = {slots[i].device: 0 for i in placement.devices_used()}
-    sizes[slots[placement.main].device] += sum(math.prod(shape) for shape in arch.global_tensors(spec).values()) * item
-    weights_on = {(layer, slots[p.device].device) for phase in PHASES for layer, p in enumerate(placement.layers(phase))}
-    kv_on = {(layer, p.device) for phase in PHASES for layer, p in enumerate(placement.layers(phase))}
+    sizes: dict[torch.device, int] = {slots[i].device: 0 for i in placement.devices_used() if i in slots}
+    if placement.main in slots:
+        sizes[slots[placement.main].device] += sum(math.prod(s) for s in arch.global_tensors(spec).values()) * item
+    placed = [(layer, p.device) for phase in PHASES for layer, p in enumerate(placement.layers(phase)) if p.device in slots]
+    weights_on = {(layer, slots[slot].device) for layer, slot in placed}
+    kv_on = set(placed)
     for layer, device in weights_on:
         sizes[device] += sum(math.prod(shape) for shape in arch.layer_tensors(spec, layer).values()) * item
     for layer, slot in kv_on:

@@ -65,9 +65,12 @@ def masked_phase(tables: Mapping[int, ResidencyTable], hidden: dict[int, set[int
 
 
 def _moves(homes: dict[int, int], placement: Placement, phase: Phase) -> list[tuple[range, int, int]]:
-    """Contiguous runs ``(layers, src, dst)`` of layers whose home is not their ``phase`` device."""
+    """Contiguous runs ``(layers, src, dst)`` of layers whose home is not their ``phase`` device (the
+    layers ``homes`` lacks are another rank's)."""
     runs: list[tuple[range, int, int]] = []
     for layer, placed in enumerate(placement.layers(phase)):
+        if layer not in homes:
+            continue
         src, dst = homes[layer], placed.device
         if src == dst:
             continue

@@ -33,6 +33,7 @@ from strata_core.plugin.context import LayerObserver, PhaseContext, StageTime
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement, Segment
 from strata_core.plugin.spec import StrategyOptions
+from strata_core.remote.stages import RemoteStages
 from strata_core.runtime.devices import device_scope, to_device
 from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
@@ -55,11 +56,13 @@ class Runner:
     :param hook: the plugin manager's hook relay (phase hooks, residency events, hand-offs).
     :param padding_session: makes the session whose rows pad a graphed decode window to its bucket
         (one position, every layer at home in the decode placement).
+    :param remote: rank 0's sender of the segments on other ranks (strata_core/remote/), None in one process.
     """
 
     def __init__(self, settings: StrataSettings, hook: pluggy.HookRelay, options: StrategyOptions,
                  devices: tuple[DeviceSlot, ...], placement: Placement, model: MoEModel,
-                 experts: ExpertBackend, padding_session: Callable[[], Session]) -> None:
+                 experts: ExpertBackend, padding_session: Callable[[], Session],
+                 remote: RemoteStages | None = None) -> None:
         self.settings = settings
         self.options = options
         self.devices = devices
@@ -71,7 +74,9 @@ class Runner:
         self.context: PhaseContext = self
         self._hook = hook
         self._segments = {phase: placement.segments(phase) for phase in PHASES}
-        self._hidden = hidden_layers(placement, placement.cached_layers())
+        self._remote = remote
+        self._hidden = hidden_layers(placement, {slot: layers for slot, layers in placement.cached_layers().items()
+                                                 if slot in experts.tables})  # this process's caches
         self._observers: list[LayerObserver] = []
         self._stage_times: list[StageTime] | None = None
         self._graphs: DecodeGraphs | None = None
@@ -154,27 +159,45 @@ class Runner:
             for session, position, start, end in spans:
                 self.hidden_sink(session, position, hidden[start:end])
 
+    @contextmanager
+    def _decode_phase(self) -> Iterator[None]:
+        """The block is one decode window of the expert caches, under the decode masking; the caches
+        adapt after it unless it raised."""
+        self.experts.begin_window()
+        done = False
+        try:
+            with self._masked("decode"), moe_launches(self.model.kernels.batch_invariant):
+                yield
+            done = True
+        finally:
+            for slot, entries in self.experts.end_window(adapt=done).items():
+                self.announce(ResidencyEvent("adapt", self.devices[slot], tuple(entries)))
+
     def decode_window(self, batch: DecodeBatch) -> torch.Tensor:
         """One ``strata_decode_window`` under the decode placement, committed after it; float32
         logits ``[B, vocab]``. A failed window leaves the caches as they were (no adaptation)."""
         for session in batch.sessions:
             self._place(session, "decode")
-        self.experts.begin_window()
         offsets = batch.offsets or (0,) * len(batch)
         first = [session.n_tokens + offset for session, offset in zip(batch.sessions, offsets)]
         self._pass_hidden = None
-        logits = None
-        try:
-            with self._masked("decode"), moe_launches(self.model.kernels.batch_invariant):
-                logits = self._hook.strata_decode_window(ctx=self.context, batch=batch)
-        finally:
-            for slot, entries in self.experts.end_window(adapt=logits is not None).items():
-                self.announce(ResidencyEvent("adapt", self.devices[slot], tuple(entries)))
+        with self._decode_phase():
+            logits = self._hook.strata_decode_window(ctx=self.context, batch=batch)
         for session, token in zip(batch.sessions, [UNSET] * len(batch) if batch.fed else batch.tokens.tolist()):
             session.kv.advance(1)
             session.tokens.append(token)
         self._sink(_session_runs(batch.sessions, first))
         return logits
+
+    def serve_segment(self, phase: Phase, segment: Segment, hidden: torch.Tensor,
+                      batch: PromptBatch | DecodeBatch) -> torch.Tensor:
+        """Run ``segment`` of a step rank 0 sent to this rank (remote/stages.py) under the phase's
+        masking, a decode segment as a window of the expert caches; the caller commits the positions."""
+        if phase == "prompt":
+            with self._masked("prompt"):
+                return self.prefill_segment(segment, hidden, batch)
+        with self._decode_phase():
+            return self.decode_segment(segment, hidden, batch)
 
     # --- building blocks (the PhaseContext) --------------------------------------------------------
 
@@ -250,11 +273,32 @@ class Runner:
             end = time.perf_counter()
         self._stage_times.append((label, start, end))
 
+    def _through(self, phase: Phase, segments: tuple[Segment, ...], hidden: torch.Tensor,
+                 batch: PromptBatch | DecodeBatch) -> torch.Tensor:
+        """``hidden`` through ``segments`` in order; a run of consecutive segments on other ranks is one
+        chain (each rank's output goes straight to the next)."""
+        run = self.prefill_segment if phase == "prompt" else self.decode_segment
+        i = 0
+        while i < len(segments):
+            j = i
+            while self._remote is not None and j < len(segments) and self._remote.remote(segments[j]):
+                j += 1
+            if j > i:
+                hidden = self._remote.run(phase, segments[i:j], hidden, batch)
+                i = j
+            else:
+                hidden = run(segments[i], hidden, batch)
+                i += 1
+        return hidden
+
     # --- the prompt loop ---------------------------------------------------------------------------
 
     def prefill_segment(self, segment: Segment, hidden: torch.Tensor, batch: PromptBatch) -> torch.Tensor:
         """Run a prompt batch's ``hidden [T, H]`` through ``segment`` (prompt placement) on its device:
-        attention (and its KV writes) session by session, everything else over every row at once."""
+        attention (and its KV writes) session by session, everything else over every row at once; on
+        another rank, one hop there and back."""
+        if self._remote is not None and self._remote.remote(segment):
+            return self._remote.run("prompt", [segment], hidden, batch)
         device = self.device_of(segment)
         positions = to_device(batch.positions, device)
         rows = self.experts.rows_for(segment.device, "prompt")
@@ -273,8 +317,7 @@ class Runner:
         (``last``: each chunk's last position)."""
         segments = self._segments["prompt"]
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [T, H]
-        for segment in segments:
-            hidden = self.prefill_segment(segment, hidden, batch)
+        hidden = self._through("prompt", segments, hidden, batch)
         if logits == "none":
             out = torch.empty((0, self.model.spec.vocab_size), dtype=torch.float32, device=self.main.device)
         elif logits == "all":
@@ -333,7 +376,10 @@ class Runner:
 
     def decode_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One token per session ``[B, H]`` through ``segment`` (decode placement): a replayed CUDA
-        graph where it applies (``--cuda-graphs``), else the eager loop."""
+        graph where it applies (``--cuda-graphs``), else the eager loop; on another rank, one hop there
+        and back."""
+        if self._remote is not None and self._remote.remote(segment):
+            return self._remote.run("decode", [segment], hidden, batch)
         hidden = hidden.to(self.device_of(segment))
         with device_scope(hidden.device), self._timed("decode", segment):
             if self._graphed(segment) and not _keeps_steps(batch):
@@ -390,9 +436,7 @@ class Runner:
             if logits is not None:
                 return logits
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [B, H]
-        for segment in segments:
-            hidden = self.decode_segment(segment, hidden, batch)
-        return self.head(hidden)
+        return self.head(self._through("decode", segments, hidden, batch))
 
     def _replay_step(self, segment: Segment, batch: DecodeBatch) -> torch.Tensor | None:
         """Float32 logits ``[B, V]`` of the whole window by one graph replay, or None."""
@@ -434,6 +478,8 @@ class Runner:
         if self._graphs is not None and self._graphs.failed is not None:
             return self._graphs.failed
         slot = self.devices[segment.device]
+        if self._remote is not None and self._remote.remote(segment):
+            return f"{slot} is another rank's device"
         if slot.device.type != "cuda":
             return f"the decode runs on {slot}, not a CUDA device"
         rows = self.experts.rows_for(segment.device, "decode")

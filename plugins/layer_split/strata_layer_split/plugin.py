@@ -2,7 +2,8 @@
 
 ``--strategy layer_split --devices A,B[,…]`` with options ``split`` (``auto``, or the cut points
 ``K1,K2,…``: stage i owns layers ``[K(i), K(i+1))``) and ``micro_batches`` (default 2). ``auto`` cuts
-the layers in proportion to each device's memory left after the embedding and head; each stage's
+the layers in proportion to each device's memory left after the embedding and head (another rank's
+device: the memory that rank reported free at join); each stage's
 cache is filled from the profile with its own layers' experts. The core runs the placement.
 
 Decode windows of two or more sessions are split into micro-batches enqueued stage-major: stage 0
@@ -21,7 +22,7 @@ from pydantic import Field
 
 from strata_core.plugin import (ConfigError, DecodeBatch, DeviceSlot, GateLayout, Placement, StrategyOptions,
                                 StrategySpec, hookimpl)
-from strata_core.plugin.memory import GIB, device_bytes, global_weight_bytes
+from strata_core.plugin.memory import GIB, global_weight_bytes, slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,13 @@ def gate_options(layout: GateLayout) -> dict[str, str]:
 
 
 def _room(devices: list[DeviceSlot], spec, dtype_bytes: int) -> list[int]:
-    """Memory each slot has for layers: its torch device's share, less the embedding and head on the first."""
+    """Memory each slot has for layers: its torch device's share (on its own rank), less the embedding and
+    head on the first."""
     globals_bytes = global_weight_bytes(spec, dtype_bytes)
     room = []
     for slot in devices:
-        sharing = sum(1 for other in devices if other.device == slot.device)
-        have = device_bytes(slot.device) // sharing
+        sharing = sum(1 for other in devices if (other.rank, other.device) == (slot.rank, slot.device))
+        have = slot_bytes(slot) // sharing
         room.append(max(have - (globals_bytes if slot is devices[0] else 0), 1))
     return room
 

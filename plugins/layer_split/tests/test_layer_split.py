@@ -134,3 +134,14 @@ def test_on_cuda_graphs_per_stage_replay_without_host_sync_and_match_single(mode
     engine.decode_window([(s, 3) for s in sessions])  # captures for these sessions
     with no_host_sync():
         engine.decode_window([(s, 4) for s in sessions])
+
+
+def test_auto_cuts_weigh_the_memory_other_ranks_reported(tiny_model_factory):
+    spec = tiny_spec(tiny_model_factory(n_layers=8))
+    gib = 1 << 30
+    ranked = [DeviceSlot(0, torch.device("cpu"), rank=1, memory=1 * gib),
+              DeviceSlot(1, torch.device("cpu"), rank=2, memory=3 * gib)]
+    assert stage_ranges(ranked, spec, "auto") == [(0, range(0, 2)), (1, range(2, 8))]
+    ranked = [DeviceSlot(0, torch.device("cpu"), rank=1, memory=3 * gib),
+              DeviceSlot(1, torch.device("cpu"), rank=2, memory=1 * gib)]
+    assert stage_ranges(ranked, spec, "auto") == [(0, range(0, 6)), (1, range(6, 8))]

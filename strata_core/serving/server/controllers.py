@@ -200,7 +200,7 @@ class LlamaServerController(Controller):
 
 class SystemController(Controller):
     """``/health`` (never needs the API key; 503 ``loading`` until the model is ready, 503 ``error`` once a
-    model file changed under the server) and ``/metrics``."""
+    model file changed under the server or another rank of the engine failed) and ``/metrics``."""
 
     path = "/"
     tags = ["system"]
@@ -212,8 +212,9 @@ class SystemController(Controller):
             return Response(s.Health("loading", 0, 0, 0, progress=state.loader.progress), status_code=503,
                             headers={"Retry-After": RETRY_AFTER_S})
         stats = service.scheduler.stats
-        if service.scheduler.broken is not None:
-            return Response(s.Health("error", 0, 0, 0, error=str(service.scheduler.broken)), status_code=503)
+        broken = service.scheduler.broken or getattr(service.engine, "broken", None)  # a model file, a rank
+        if broken is not None:
+            return Response(s.Health("error", 0, 0, 0, error=str(broken)), status_code=503)
         return Response(s.Health("ok", service.scheduler.parallel - stats.active, stats.active, stats.waiting))
 
     @get("/metrics", operation_id="metrics", media_type=MediaType.TEXT, summary="Prometheus metrics")

@@ -15,6 +15,7 @@ from litestar.exceptions import HTTPException, ValidationException
 
 from strata_core.errors import InvalidParamError, StrataError, TemplateLimitError
 from strata_core.model.kvpool import KVPoolFull
+from strata_core.remote.group import RankFailedError
 from strata_core.serving.model_files import ModelFileChangedError
 from strata_core.serving.requests import ContextLengthError, ServerBusyError, ShuttingDownError
 from strata_core.serving.server.loading import ModelLoadingError
@@ -58,6 +59,8 @@ def error_body(exc: Exception) -> tuple[int, ErrorBody]:
         return _body(exc.status_code, str(exc.detail))
     if isinstance(exc, ModelFileChangedError):
         return _body(503, str(exc), code="model_file_changed")
+    if isinstance(exc, RankFailedError):
+        return _body(503, str(exc), code="rank_failed")
     if isinstance(exc, ShuttingDownError):
         return _body(503, str(exc), code="shutting_down")
     if isinstance(exc, ServerBusyError):

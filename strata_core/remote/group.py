@@ -1,0 +1,298 @@
+"""The joined ranks: refusal at join, rank 0's one channel to each rank, heartbeat, failure.
+
+Every exchange is rank 0's, under one lock (a step and the heartbeat never interleave): a *chain*
+of hops, each a rank's header (a small dict: what to run, the rank its hidden state comes from and
+the one its output goes to), the hidden state sent to the first, passed from rank to rank, and the
+last one's output back to rank 0, then each rank's status (None, or the error its step raised).
+
+A rank that dies closes its connection (seen at once); one that stops answering is seen when
+``--dist-timeout`` runs out. Either way the cluster is failed for good: every later exchange raises
+the same :class:`RankFailedError`, which names the rank. While the engine is idle rank 0 pings each
+rank every quarter of the timeout, so a rank that died is seen then too, and the other ranks see
+rank 0 gone when its pings stop. Joining and loading have their own, longer bound
+(:data:`LOAD_TIMEOUT_S`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from strata_core.config import StrataSettings
+from strata_core.errors import ConfigError, StrataError
+from strata_core.experts.sizing import available_bytes
+from strata_core.remote.launch import Launch
+from strata_core.runtime.devices import resolve_devices, split_rank
+
+__all__ = ["Cluster", "RankFailedError"]
+
+log = logging.getLogger(__name__)
+
+#: settings every rank must share (the file itself is compared by size and leading bytes)
+SHARED = ("strategy", "strategy_options", "devices", "dtype", "max_context", "kv_block", "kv_pool_tokens", "kv_type",
+          "prefill_chunk", "parallel", "batch_invariant", "dense_q8", "expert_profile")
+_HASHED_BYTES = 1 << 20
+#: how much later than the first another rank may join, and load its layers (the step timeout,
+#: ``--dist-timeout``, bounds everything after)
+LOAD_TIMEOUT_S = 3600.0
+#: gloo, also between GPUs: a hidden state is small (a token's is KBs), gloo's errors and timeouts
+#: are exceptions this process survives (the 503 naming the rank), and it crosses any network
+BACKEND = "gloo"
+
+
+class RankFailedError(StrataError):
+    """A rank of the engine died or stopped answering; the engine cannot go on (restart every rank)."""
+
+
+def identity(settings: StrataSettings) -> dict[str, Any]:
+    """What must be equal on every rank: the model file (name, size, a hash of its first MiB) and
+    the :data:`SHARED` settings."""
+    path = settings.model
+    with open(path, "rb") as file:
+        head = hashlib.sha256(file.read(_HASHED_BYTES)).hexdigest()[:16]
+    out: dict[str, Any] = {"model file": f"{path.name} ({path.stat().st_size} bytes, sha256 of its first MiB {head})"}
+    out.update({name: getattr(settings, name) for name in SHARED})
+    out["expert_profile"] = None if settings.expert_profile is None else str(settings.expert_profile)
+    return out
+
+
+class Cluster:
+    """This process's place among the joined ranks (:meth:`join`), and rank 0's channel to the others."""
+
+    def __init__(self, launch: Launch, timeout: float, memory: dict[tuple[int, str], int],
+                 steps: dist.ProcessGroup) -> None:
+        self.rank = launch.rank
+        self.world = launch.world
+        self.timeout = timeout
+        #: free bytes each rank reported at join, by (rank, device name of --devices)
+        self.memory = memory
+        #: set once a rank failed: every later exchange raises it
+        self.failure: RankFailedError | None = None
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+        self._names: dict[int, str] = {}
+        self._steps = steps  # the group of the steps and pings: its timeout is the step timeout
+
+    # --- joining ---------------------------------------------------------------------------------
+
+    @classmethod
+    def join(cls, settings: StrataSettings, launch: Launch) -> Cluster:
+        """Join the ranks of ``launch`` (waiting up to :data:`LOAD_TIMEOUT_S` for them) and compare each
+        rank's model file and settings with rank 0's: ConfigError on every rank, naming the rank and
+        the difference, when one differs."""
+        log.info("rank %d of %d: joining at %s", launch.rank, launch.world, launch.address)
+        try:
+            dist.init_process_group(BACKEND, init_method=f"tcp://{launch.address}", rank=launch.rank,
+                                    world_size=launch.world,
+                                    timeout=timedelta(seconds=max(settings.dist_timeout, LOAD_TIMEOUT_S)))
+        except (RuntimeError, ValueError) as error:
+            raise ConfigError(f"rank {launch.rank}: could not join the other ranks at {launch.address}: "
+                              f"{error}") from None
+        mine = [name for owner, name in map(split_rank, settings.devices) if owner == launch.rank]
+        report = {"identity": identity(settings),
+                  "memory": {name: available_bytes(device) for name, device in zip(mine, resolve_devices(mine))}}
+        reports: list[Any] = [None] * launch.world
+        dist.all_gather_object(reports, report)
+        problem = _difference(reports)
+        if problem is not None:
+            dist.destroy_process_group()
+            raise ConfigError(problem)
+        memory = {(rank, name): n for rank, r in enumerate(reports) for name, n in r["memory"].items()}
+        steps = dist.new_group(backend=BACKEND, timeout=timedelta(seconds=settings.dist_timeout))
+        return cls(launch, settings.dist_timeout, memory, steps)
+
+    def name(self, rank: int, what: str) -> None:
+        """Call ``rank`` ``what`` in failure messages (its devices and layers)."""
+        self._names[rank] = what
+
+    def close(self) -> None:
+        """Rank 0: tell the other ranks to stop (unless the cluster failed) and leave the group."""
+        self._stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join()
+        if self.rank == 0 and self.failure is None:
+            for rank in range(1, self.world):
+                try:
+                    with self._channel() as peer:
+                        peer.rank = rank
+                        dist.send_object_list([{"op": "stop"}], dst=rank, group=self._steps)
+                except RankFailedError:
+                    pass
+        dist.destroy_process_group()
+
+    # --- rank 0's side ---------------------------------------------------------------------------
+
+    @contextmanager
+    def _channel(self, block: bool = True) -> Iterator[_Peer | None]:
+        """Hold the channel (yields None where ``block`` is off and it is taken); a transport error
+        inside fails the cluster, naming the rank the yielded peer names then."""
+        if self.failure is not None:
+            raise self.failure
+        if not self._lock.acquire(blocking=block):
+            yield None
+            return
+        peer = _Peer()
+        try:
+            yield peer
+        except (RuntimeError, dist.DistBackendError) as error:
+            if self.failure is None:
+                rank = peer.rank
+                what = self._names.get(rank, f"rank {rank}")
+                self.failure = RankFailedError(f"rank {rank} ({what}) died or stopped answering: {_first_line(error)}; "
+                                               "restart every rank")
+                log.error("%s", self.failure)
+            raise self.failure from None
+        finally:
+            self._last = time.monotonic()
+            self._lock.release()
+
+    def exchange(self, hops: list[tuple[int, dict[str, Any]]], hidden: torch.Tensor) -> torch.Tensor:
+        """Run a chain: ``hops`` are ``(rank, header)`` in order (consecutive ranks differ), ``hidden``
+        goes to the first, each rank's output to the next, the last one's back here: a tensor of
+        ``hidden``'s shape and dtype on the wire's device. A step that failed on a rank re-raises its
+        error here (the ranks go on); a rank that fails raises RankFailedError."""
+        ranks = [rank for rank, _ in hops]
+        wire = self._wire(hidden)
+        out = torch.empty_like(wire)
+        statuses: list[Any] = []
+        with self._channel() as peer:
+            for i, (rank, header) in enumerate(hops):
+                peer.rank = rank
+                route = {"src": ranks[i - 1] if i else 0, "dst": ranks[i + 1] if i + 1 < len(ranks) else 0}
+                dist.send_object_list([header | route], dst=rank, group=self._steps)
+            peer.rank = ranks[0]
+            dist.send(wire, dst=ranks[0], group=self._steps)
+            peer.rank = ranks[-1]
+            dist.recv(out, src=ranks[-1], group=self._steps)
+            for rank in ranks:
+                peer.rank = rank
+                status: list[Any] = [None]
+                dist.recv_object_list(status, src=rank, group=self._steps)
+                statuses.append(status[0])
+        for error in statuses:  # raised outside the channel: the ranks themselves are fine
+            if error is not None:
+                raise error
+        return out
+
+    def wait_ready(self) -> None:
+        """Rank 0, loaded: wait (up to :data:`LOAD_TIMEOUT_S`) for every rank to say it has loaded (the
+        first load error is raised here), let them all start serving together, start the heartbeat."""
+        for rank in range(1, self.world):
+            with self._channel() as peer:
+                peer.rank = rank
+                status: list[Any] = [None]
+                dist.recv_object_list(status, src=rank)
+            if status[0] is not None:
+                raise status[0]
+        try:
+            dist.barrier()
+        except RuntimeError as error:
+            raise RankFailedError(f"a rank died while the ranks started: {_first_line(error)}") from None
+        self._heartbeat = threading.Thread(target=self._beat, name="strata-rank-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    @staticmethod
+    def _wire(hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` where gloo sends from: host memory."""
+        return hidden.detach().to("cpu").contiguous()
+
+    def _beat(self) -> None:
+        interval = self.timeout / 4
+        while not self._stop.wait(min(interval, 1.0)):
+            if time.monotonic() - self._last < interval:
+                continue
+            for rank in range(1, self.world):
+                try:
+                    with self._channel(block=False) as peer:
+                        if peer is not None:
+                            peer.rank = rank
+                            dist.send_object_list([{"op": "ping"}], dst=rank, group=self._steps)
+                            pong: list[Any] = [None]
+                            dist.recv_object_list(pong, src=rank, group=self._steps)
+                except RankFailedError:
+                    return
+
+    # --- the other ranks' side -------------------------------------------------------------------
+
+    def ready(self, error: BaseException | None) -> None:
+        """Another rank: tell rank 0 this rank has loaded (or why it could not); loaded, wait for every
+        rank to be (the step timeout then starts counting)."""
+        dist.send_object_list([_portable(error, self.rank)], dst=0)
+        if error is None:
+            dist.barrier()
+
+    def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device) -> None:
+        """Another rank: answer rank 0's pings and run each hop it sends (``step(header, hidden on
+        device)``, the hidden state from the header's ``src``, the output to its ``dst``, then the
+        status to rank 0; a failed step passes zeros on) until it says stop; RankFailedError when a
+        rank it waits on is gone or silent past the timeout."""
+        while True:
+            try:
+                received: list[Any] = [None]
+                dist.recv_object_list(received, src=0, group=self._steps)
+                header = received[0]
+                if header["op"] == "stop":
+                    return
+                if header["op"] == "ping":
+                    dist.send_object_list([None], dst=0, group=self._steps)
+                    continue
+                wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]))
+                dist.recv(wire, src=header["src"], group=self._steps)
+                error = None
+                try:
+                    out = self._wire(step(header, wire.to(device)))
+                except Exception as exc:  # noqa: BLE001 - a failed step fails its requests on rank 0, not this rank
+                    log.exception("rank %d: a step failed", self.rank)
+                    error, out = _portable(exc, self.rank), torch.zeros_like(wire)
+                dist.send(out, dst=header["dst"], group=self._steps)
+                dist.send_object_list([error], dst=0, group=self._steps)
+            except (RuntimeError, dist.DistBackendError) as error:
+                raise RankFailedError(f"rank {self.rank}: a rank it waits on died or stopped answering: "
+                                      f"{_first_line(error)}") from None
+
+
+class _Peer:
+    """The rank the channel talks to now (named when the transport fails)."""
+
+    rank = 0
+
+
+def _difference(reports: list[dict[str, Any]]) -> str | None:
+    """The first way a rank's identity differs from rank 0's, as a message, or None."""
+    ours = reports[0]["identity"]
+    for rank, report in enumerate(reports[1:], start=1):
+        for key, value in report["identity"].items():
+            if value != ours.get(key):
+                flag = key if key == "model file" else "--" + key.replace("_", "-")
+                return (f"rank {rank} was started with {flag} {value!r}, rank 0 with {ours.get(key)!r}: every rank "
+                        "must run the same model file and settings")
+    return None
+
+
+def _portable(error: BaseException | None, rank: int) -> BaseException | None:
+    """``error`` as it can travel to rank 0: itself where it pickles back whole, else a RuntimeError
+    with its text."""
+    if error is None:
+        return None
+    try:
+        if isinstance(error, StrataError) and type(pickle.loads(pickle.dumps(error))) is type(error):
+            return error
+    except Exception:  # noqa: BLE001 - an exception that does not round-trip travels as its text
+        pass
+    return RuntimeError(f"rank {rank}: {type(error).__name__}: {error}")
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
