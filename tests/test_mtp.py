@@ -6,7 +6,6 @@ the block is a clear error."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import gguf
@@ -14,11 +13,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
+from test_server_support import serve_together
+
 from strata_core.engine import Engine
 from strata_core.errors import ConfigError
-from strata_core.serving.requests import Delta, GenerationRequest
+from strata_core.serving.requests import GenerationRequest
 from strata_core.serving.sampling import SamplingParams
-from strata_core.serving.scheduler import Scheduler
 from strata_core.tools.synthetic import PRESETS, write_synthetic
 
 PRESET = "qwen3-next-tiny"
@@ -54,21 +54,6 @@ def bigram_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _serve(engine: Engine, spec_tokens: int, requests: list[GenerationRequest]) -> tuple[list[str], Scheduler]:
-    scheduler = Scheduler(engine, parallel=3, max_queue=8, conv_cache=0, conv_cache_bytes=0, step_tokens=256,
-                          spec_tokens=spec_tokens, drafts="mtp")
-
-    async def text(handle) -> str:  # type: ignore[no-untyped-def]
-        return "".join([event.text async for event in handle if isinstance(event, Delta)])
-
-    async def main() -> list[str]:
-        return await asyncio.gather(*(text(scheduler.submit(r)) for r in requests))
-
-    scheduler.start()
-    try:
-        return asyncio.run(main()), scheduler
-    finally:
-        scheduler.stop()
 
 
 def _requests(engine: Engine) -> list[GenerationRequest]:
@@ -87,10 +72,10 @@ def test_output_with_mtp_drafts_is_the_output_without(model: str, request: pytes
     engine = Engine.load(request.getfixturevalue(model), max_context=128, spec="mtp")
     try:
         requests = _requests(engine)
-        plain, without = _serve(engine, 0, requests)
-        spec, with_mtp = _serve(engine, 3, requests)
+        plain, without = serve_together(engine, requests, 0, "mtp")
+        spec, with_mtp = serve_together(engine, requests, 3, "mtp")
         if model == "bigram_model":
-            _, greedy = _serve(engine, 3, requests[:2])
+            _, greedy = serve_together(engine, requests[:2], 3, "mtp")
     finally:
         engine.close()
     assert spec == plain

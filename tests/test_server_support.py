@@ -7,6 +7,7 @@ and checks that every engine call comes from one thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import hashlib
@@ -25,6 +26,8 @@ import uvicorn
 
 from strata_core.config import StrataSettings
 from strata_core.errors import RequestError
+from strata_core.serving.requests import Delta
+from strata_core.serving.scheduler import Scheduler
 from strata_core.serving.server import create_app
 from strata_core.serving.server.http import StrataServer, uvicorn_config
 
@@ -317,3 +320,22 @@ def serving(settings: StrataSettings, engine: Any = None, ready: bool = True) ->
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def serve_together(engine: Any, requests: list, spec_tokens: int = 0, drafts: str = "ngram") -> tuple[list[str], Any]:
+    """The texts of ``requests`` submitted at once to a scheduler of three slots over ``engine`` (drafting
+    ``spec_tokens`` a window with ``drafts``), and the scheduler (its stats)."""
+    scheduler = Scheduler(engine, parallel=3, max_queue=8, conv_cache=0, conv_cache_bytes=0, step_tokens=256,
+                          spec_tokens=spec_tokens, drafts=drafts)
+
+    async def text(handle) -> str:  # type: ignore[no-untyped-def]
+        return "".join([event.text async for event in handle if isinstance(event, Delta)])
+
+    async def main() -> list[str]:
+        return await asyncio.gather(*(text(scheduler.submit(r)) for r in requests))
+
+    scheduler.start()
+    try:
+        return asyncio.run(main()), scheduler
+    finally:
+        scheduler.stop()

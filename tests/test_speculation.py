@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from test_server_support import VOCAB, FakeEngine
+from test_server_support import VOCAB, FakeEngine, serve_together
 
 from strata_core.engine import Engine
 from strata_core.serving.requests import Delta, GenerationRequest
@@ -51,21 +51,6 @@ def test_accepted_counts_the_drafts_greedy_decoding_keeps() -> None:
     assert accepted([5, 6], [5, 6, 2]) == 2
 
 
-def _serve(engine: Engine, spec_tokens: int, requests: list[GenerationRequest]) -> tuple[list[str], Scheduler]:
-    scheduler = Scheduler(engine, parallel=3, max_queue=8, conv_cache=0, conv_cache_bytes=0, step_tokens=256,
-                          spec_tokens=spec_tokens)
-
-    async def text(handle) -> str:  # type: ignore[no-untyped-def]
-        return "".join([event.text async for event in handle if isinstance(event, Delta)])
-
-    async def main() -> list[str]:
-        return await asyncio.gather(*(text(scheduler.submit(r)) for r in requests))
-
-    scheduler.start()
-    try:
-        return asyncio.run(main()), scheduler
-    finally:
-        scheduler.stop()
 
 
 CASES = [pytest.param(path, {}, id=path.parent.name if path.parent.name != "data" else "qwen3moe") for path in MODELS]
@@ -95,8 +80,8 @@ def test_greedy_output_with_speculation_is_the_output_without(path: Path, option
                                                            frequency_penalty=0.3)),
                     GenerationRequest(loop, SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3,
                                                            presence_penalty=0.5))]
-        plain, without = _serve(engine, 0, requests)
-        spec, with_spec = _serve(engine, 4, requests)
+        plain, without = serve_together(engine, requests)
+        spec, with_spec = serve_together(engine, requests, 4)
     finally:
         engine.close()
     assert spec == plain
