@@ -14,8 +14,10 @@ bytes, whichever source holds them:
   on the CPU from the arena where it lies (on a worker thread when the device is a GPU).
 
 On the CPU the block kernels (experts/cpu_ffn.py) compute the rows where they cover the layer's formats:
-a CPU device's resident experts of a layer in one call, the CPU share of its misses in another; each
-row has the bits the per-expert ``expert_ffn`` gives it, so every mix of sources combines to the same output.
+a CPU device whose own cache holds every routed expert of a layer (and no peer serves it) reads them
+in their slots, two kernel calls for the layer (``cpu_slot_ffn``); otherwise its resident experts of a
+layer in one call, the CPU share of its misses in another; each row has the bits the per-expert
+``expert_ffn`` gives it, so every mix of sources combines to the same output.
 
 ``combine_rows`` then sums the rows in one fixed order, so the output is bit-identical to the
 reference for any cache content, split and chunking. The host reads the layer's distinct experts
@@ -63,7 +65,7 @@ import torch
 
 from strata_core.runtime.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain
-from strata_core.experts.cpu_ffn import cpu_experts_ffn, takes_cpu_kernels
+from strata_core.experts.cpu_ffn import cpu_experts_ffn, cpu_slot_ffn, takes_cpu_kernels
 from strata_core.ops.cpu_kernels import has_cpu_kernel
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, PROMPT_GATHER_COUNTS, count_pairs, fused_decode,
@@ -144,6 +146,10 @@ class CachedExpertRows:
         T, k = expert_ids.shape
         if self._takes_grouped(chain):
             return in_pair_order(*self._grouped(layer, hidden, expert_ids, chain, ffn)).view(T, k, -1)
+        if self._takes_slots(layer, chain, hidden):
+            rows = self._slot_rows(layer, hidden, expert_ids, chain, ffn)
+            if rows is not None:
+                return rows.view(T, k, -1)
         self._count_routing(layer, expert_ids, chain)
         fmt = self.arena.formats[layer]
         order, experts, counts = group_by_expert(expert_ids)
@@ -204,6 +210,35 @@ class CachedExpertRows:
         if self.decoding:
             return True
         return n_tokens <= GATHER_PROMPT_TOKENS and not chain.peers and bool(chain.own.table.host[layer].ge(0).all())
+
+    def _takes_slots(self, layer: int, chain: Chain, hidden: torch.Tensor) -> bool:
+        """Whether ``layer`` may take the slot rows (``_slot_rows``): ``hidden`` and the own cache on the CPU,
+        no peers, formats the CPU kernels cover."""
+        own = chain.own
+        fmt = self.arena.formats[layer]
+        return (own is not None and own.device.type == "cpu" and not chain.peers
+                and takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes))
+
+    def _slot_rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
+                   ffn: ExpertFFN) -> torch.Tensor | None:
+        """Rows ``[T*k, H]`` in pair order when the own CPU cache holds every routed expert of ``layer``
+        (else None: the misses take the loop's sources): two kernel calls read the experts in their slots
+        (``cpu_slot_ffn``), each row with the bits the per-expert loop gives it."""
+        fmt = self.arena.formats[layer]
+        flat = expert_ids.reshape(-1)  # [P]
+        slot = chain.own.table.host[layer].index_select(0, flat)  # [P] int32, -1 = not resident
+        held = slot.tolist()  # the host read of this layer
+        if min(held) < 0:
+            return None
+        self._count_routing(layer, expert_ids, chain)
+        with self.telemetry.compute(self.device):
+            rows = cpu_slot_ffn(hidden, expert_ids.shape[1], chain.own.padded, slot.long(), fmt, ffn,
+                                None if ffn.plain else flat)  # [P, H]
+        n = len(set(held))
+        self.telemetry.add_expert_bytes(n * fmt.total)
+        self.telemetry.count(self.name, {"resident": n, "peer": 0, "pcie" if self.decoding else "streamed": 0,
+                                         "cpu": 0})
+        return rows
 
     def _takes_grouped(self, chain: Chain) -> bool:
         """Whether a layer of ``chain`` takes the grouped prefill now (a prompt chunk, misses streamed)."""

@@ -7,6 +7,9 @@ qtype, out) -> [N, out] float32``: the rows of ``x`` are cut into consecutive se
 (``counts[i]`` rows) multiplied by ``weights[i]`` transposed (``out`` rows of ``K`` values in
 ``qtype`` blocks). One call computes every routed expert of a layer (its pairs sorted by expert) or
 one weight each pair, threaded over (segment, 16 rows) on ``torch.get_num_threads()`` threads.
+``qlinear_slots`` is the same product with the weights found by row of one buffer (a cache's slots)
+per (token, k) pair, grouped by slot inside the op: a layer's routed experts without a tensor per
+expert on the host.
 
 The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
 reference (strata_core/quant), and multiplies it into up to 8 tokens lane-wise (a multiply and an
@@ -34,7 +37,7 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel", "qlinear_grouped"]
+__all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel", "qlinear_grouped", "qlinear_slots"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ def cpu_kernels() -> bool:
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
     torch.library.register_fake("strata::qlinear_grouped")(_qlinear_fake)
+    torch.library.register_fake("strata::qlinear_slots")(_slots_fake)
     torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
     log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
@@ -82,6 +86,17 @@ def qlinear_grouped(x: Tensor, weights: list[Tensor], counts: list[int], qtype: 
     _check(x, weights, counts, int(qtype), out)
     return torch.ops.strata.qlinear_grouped(x.float().contiguous(), [w.contiguous() for w in weights],
                                             counts, int(qtype), out)
+
+
+def qlinear_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtype: int,
+                  out: int) -> Tensor:
+    """``[P, len(offsets) * out]`` float32 for the ``P = slot.numel()`` pairs: pair p is row ``p // rep`` of
+    ``x [P / rep, K]`` times the matrix at byte ``offsets[m]`` of row ``slot[p]`` of ``buffer`` (uint8
+    ``[S, stride]``, ``out`` rows of K values in ``qtype`` blocks) transposed, in columns
+    ``[m * out, (m + 1) * out)``; each row has the bits ``qlinear_grouped`` gives it. Needs :func:`cpu_kernels`;
+    arguments that do not fit are a ValueError (checked here, as for ``qlinear_grouped``)."""
+    _check_slots(x, rep, buffer, slot, offsets, int(qtype), out)
+    return torch.ops.strata.qlinear_slots(x.float().contiguous(), rep, buffer, slot, list(offsets), int(qtype), out)
 
 
 def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
@@ -112,8 +127,34 @@ def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out:
                              f"{want} uint8 bytes on the CPU")
 
 
+def _check_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtype: int,
+                 out: int) -> None:
+    """ValueError unless ``qlinear_slots``' arguments fit one another."""
+    if qtype not in CPU_KERNEL_TYPES:
+        raise ValueError(f"qlinear_slots: no CPU kernel for {T(qtype).name}")
+    if x.dim() != 2 or x.device.type != "cpu" or rep < 1 or slot.numel() != x.shape[0] * rep:
+        raise ValueError(f"qlinear_slots: {slot.numel()} pairs for x {tuple(x.shape)} on {x.device} times {rep}")
+    if buffer.dim() != 2 or buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
+        raise ValueError(f"qlinear_slots: buffer must be contiguous 2-D uint8 on the CPU, got {tuple(buffer.shape)} "
+                         f"{buffer.dtype} on {buffer.device}")
+    if slot.dim() != 1 or slot.dtype != torch.long or slot.device.type != "cpu":
+        raise ValueError(f"qlinear_slots: slot must be 1-D int64 on the CPU, got {tuple(slot.shape)} {slot.dtype}")
+    values, size = GGML_QUANT_SIZES[T(qtype)]
+    if x.shape[1] % values:
+        raise ValueError(f"qlinear_slots: row length {x.shape[1]} is not a multiple of {values}")
+    need = out * x.shape[1] // values * size
+    if any(off < 0 or off + need > buffer.shape[1] for off in offsets):
+        raise ValueError(f"qlinear_slots: matrices of {need} bytes at {list(offsets)} do not fit rows of "
+                         f"{buffer.shape[1]} bytes")
+
+
 def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
     return x.new_empty((x.shape[0], out), dtype=torch.float32)
+
+
+def _slots_fake(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: list[int], qtype: int,
+                out: int) -> Tensor:
+    return x.new_empty((slot.shape[0], len(offsets) * out), dtype=torch.float32)
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:
