@@ -19,6 +19,10 @@ CPU expert path computes the same bits. Tolerance
 against the reference dequantize + matmul: float32 within a relative 1e-5 (summation order), as the
 CUDA kernels (tests/test_cpu_kernels.py).
 
+``strata::attention_cpu`` (csrc/cpu_attention.cpp) is the CPU's causal GQA attention over float32 keys
+and values, each row's arithmetic fixed by its own query and visible keys (its doc says the order), so
+a token's output does not depend on the chunk, the batch, the cache capacity or the threads.
+
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
 changes). Without a compiler, or with ``STRATA_CPU_KERNELS=0``, :func:`cpu_kernels` is False and
@@ -37,14 +41,15 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel", "qlinear_grouped", "qlinear_slots"]
+__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel", "qlinear_grouped",
+           "qlinear_slots"]
 
 log = logging.getLogger(__name__)
 
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_experts.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_experts.cpp", "cpu_attention.cpp")]
 _ISA = ("generic", "AVX2", "AVX-512")
 
 
@@ -58,7 +63,7 @@ def cpu_kernels() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="strata_cpu_experts", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+        load(name="strata_cpu_kernels", sources=[str(source) for source in _SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
         log.warning("CPU expert kernels unavailable (%s: %s): the torch reference computes CPU experts",
@@ -66,6 +71,7 @@ def cpu_kernels() -> bool:
         return False
     torch.library.register_fake("strata::qlinear_grouped")(_qlinear_fake)
     torch.library.register_fake("strata::qlinear_slots")(_slots_fake)
+    torch.library.register_fake("strata::attention_cpu")(_attention_fake)
     torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
     log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
@@ -97,6 +103,16 @@ def qlinear_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Se
     arguments that do not fit are a ValueError (checked here, as for ``qlinear_grouped``)."""
     _check_slots(x, rep, buffer, slot, offsets, int(qtype), out)
     return torch.ops.strata.qlinear_slots(x.float().contiguous(), rep, buffer, slot, list(offsets), int(qtype), out)
+
+
+def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None = None,
+                  sinks: Tensor | None = None) -> Tensor:
+    """``[T, nh*D]`` float32: causal GQA attention of ``q [T, nh, D]`` at ``positions [T]`` over ``keys`` /
+    ``values [S, nkv, D]`` (key s visible when ``s <= position``, and ``position - s < window`` with a
+    window), ``sinks [nh]`` joining each softmax's denominator only; float32 CPU tensors. Needs
+    :func:`cpu_kernels`."""
+    return torch.ops.strata.attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(),
+                                          positions.to(torch.long), window or 0, sinks)
 
 
 def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
@@ -155,6 +171,11 @@ def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: in
 def _slots_fake(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: list[int], qtype: int,
                 out: int) -> Tensor:
     return x.new_empty((slot.shape[0], len(offsets) * out), dtype=torch.float32)
+
+
+def _attention_fake(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int,
+                    sinks: Tensor | None) -> Tensor:
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:

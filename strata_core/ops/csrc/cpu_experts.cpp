@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
@@ -456,6 +458,8 @@ int64_t limit_kernel_isa(int64_t isa) {
 }
 
 }  // namespace
+
+int strata_cpu::chosen_isa() { return int(::chosen_isa()); }
 
 TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");
