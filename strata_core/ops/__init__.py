@@ -19,6 +19,8 @@
 - ``strata::attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, Tensor? sinks)
   -> Tensor``: the CPU's causal GQA attention, each row's arithmetic fixed by its own query and visible keys
   (batch-invariant by construction; same extension, see :mod:`strata_core.ops.cpu_kernels`)
+- ``strata::linear_cpu(Tensor x, Tensor weight) -> Tensor``: the CPU's float32 ``x @ weight.T``, each output one
+  fixed-order dot product (rows batch-invariant without padding; :mod:`strata_core.ops.matmul` ``linear``)
 - ``strata::mla_attention(...)``: deepseek2's multi-head latent attention over the latent cache
   (Triton flash decoding on CUDA; see :mod:`strata_core.ops.mla`, imported by the deepseek2 model)
 

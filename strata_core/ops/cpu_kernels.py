@@ -23,6 +23,9 @@ CUDA kernels (tests/test_cpu_kernels.py).
 and values, each row's arithmetic fixed by its own query and visible keys (its doc says the order), so
 a token's output does not depend on the chunk, the batch, the cache capacity or the threads.
 
+``strata::linear_cpu`` (csrc/cpu_linear.cpp) is the CPU's float32 weight product with the same property
+(ops/matmul.py ``linear``).
+
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
 changes). Without a compiler, or with ``STRATA_CPU_KERNELS=0``, :func:`cpu_kernels` is False and
@@ -41,15 +44,15 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel", "qlinear_grouped",
-           "qlinear_slots"]
+__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "linear_cpu", "qlinear_grouped", "qlinear_slots"]
 
 log = logging.getLogger(__name__)
 
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_experts.cpp", "cpu_attention.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
 _ISA = ("generic", "AVX2", "AVX-512")
 
 
@@ -72,6 +75,7 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::qlinear_grouped")(_qlinear_fake)
     torch.library.register_fake("strata::qlinear_slots")(_slots_fake)
     torch.library.register_fake("strata::attention_cpu")(_attention_fake)
+    torch.library.register_fake("strata::linear_cpu")(_linear_fake)
     torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
     log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
@@ -113,6 +117,13 @@ def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, wi
     :func:`cpu_kernels`."""
     return torch.ops.strata.attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(),
                                           positions.to(torch.long), window or 0, sinks)
+
+
+def linear_cpu(x: Tensor, weight: Tensor) -> Tensor:
+    """``x [M, K] @ weight.T`` (``weight [N, K]``), float32 CPU tensors: each output a 16-lane dot product
+    summed pairwise, so a row's bits do not depend on M, the threads or the instruction set (csrc/cpu_linear.cpp).
+    Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.linear_cpu(x.contiguous(), weight.contiguous())
 
 
 def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
@@ -176,6 +187,10 @@ def _slots_fake(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: list
 def _attention_fake(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int,
                     sinks: Tensor | None) -> Tensor:
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:
