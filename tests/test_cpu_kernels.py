@@ -1,4 +1,5 @@
-"""The CPU expert kernels (``strata::qlinear_grouped``) against the reference dequantize + matmul."""
+"""The CPU expert kernels (``strata::qlinear_grouped``, ``strata::qlinear_slots``) against the reference
+dequantize + matmul, and against one another."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from strata_core.ops.cpu_kernels import CPU_KERNEL_TYPES, cpu_kernels, dequantize_blocks, qlinear_grouped
+from strata_core.ops.cpu_kernels import (CPU_KERNEL_TYPES, cpu_kernels, dequantize_blocks, qlinear_grouped,
+                                         qlinear_slots)
 from strata_core.quant.registry import dequantize_reference
 from strata_core.quant import dequantize, random_blocks
 
@@ -56,6 +58,52 @@ def test_a_rows_bits_do_not_depend_on_the_batch(seed: int, qtype: T, n: int, thr
         torch.set_num_threads(before)
     alone = qlinear_grouped(x[-1:], [w], [1], qtype, 24)
     assert torch.equal(batch, pairs) and torch.equal(batch[-1:], alone)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(TYPES), tokens=st.integers(1, 9), rep=st.integers(1, 4),
+       n_slots=st.integers(1, 5), out=st.integers(1, 40), threads=st.integers(1, 2))
+def test_slot_products_are_the_grouped_products_of_each_pair(seed: int, qtype: T, tokens: int, rep: int, n_slots: int,
+                                                             out: int, threads: int) -> None:
+    """``qlinear_slots``: pair p's columns of matrix m are the bits ``qlinear_grouped`` gives token ``p // rep``
+    alone against that matrix in its slot, for any routing of pairs to slots and any thread count."""
+    rng = np.random.default_rng(seed)
+    mats = [[_weight(qtype, out, 2, rng)[0] for _ in range(2)] for _ in range(n_slots)]
+    K = 2 * GGML_QUANT_SIZES[qtype][0]
+    nbytes = mats[0][0].numel()
+    pad = int(rng.integers(0, 9))  # a slot row may be longer than the matrices it holds
+    buffer = torch.stack([torch.cat([*pair, torch.zeros(pad, dtype=torch.uint8)]) for pair in mats])  # [S, 2m + pad]
+    slot = torch.from_numpy(rng.integers(0, n_slots, tokens * rep))
+    x = torch.from_numpy(rng.standard_normal((tokens, K), dtype=np.float32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = qlinear_slots(x, rep, buffer, slot, [0, nbytes], qtype, out)
+    finally:
+        torch.set_num_threads(before)
+    want = torch.cat([torch.cat([qlinear_grouped(x[p // rep:p // rep + 1], [mats[s][m]], [1], qtype, out)
+                                 for m in range(2)], dim=1) for p, s in enumerate(slot.tolist())])
+    assert torch.equal(got, want)
+
+
+def test_opcheck_qlinear_slots() -> None:
+    rng = np.random.default_rng(0)
+    (w, K), (v, _) = _weight(T.Q4_K, 8, 1, rng), _weight(T.Q4_K, 8, 1, rng)
+    buffer = torch.stack([w, v])
+    torch.library.opcheck(torch.ops.strata.qlinear_slots.default,
+                          (torch.randn(2, K), 2, buffer, torch.tensor([1, 0, 1, 1]), [0], int(T.Q4_K), 8))
+
+
+def test_bad_slot_arguments_are_errors_with_messages() -> None:
+    rng = np.random.default_rng(0)
+    w, K = _weight(T.Q8_0, 4, 1, rng)
+    buffer, x = w[None], torch.randn(2, K)
+    with pytest.raises(ValueError, match="3 pairs for x"):
+        qlinear_slots(x, 1, buffer, torch.zeros(3, dtype=torch.long), [0], T.Q8_0, 4)
+    with pytest.raises(ValueError, match="do not fit rows"):
+        qlinear_slots(x, 1, buffer, torch.zeros(2, dtype=torch.long), [1], T.Q8_0, 4)
+    with pytest.raises(ValueError, match="no CPU kernel for Q2_K"):
+        qlinear_slots(x, 1, buffer, torch.zeros(2, dtype=torch.long), [0], T.Q2_K, 4)
 
 
 def test_opcheck_qlinear_grouped() -> None:

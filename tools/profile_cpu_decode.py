@@ -4,8 +4,9 @@
 
 Runs ``strata bench --devices cpu --prompts 16 --repeats 1`` with the profiler on only around the timed
 decode windows (the prompt fills and the prefill row are not profiled), then prints the ops with the
-most self CPU time. Divide by ``--tokens`` for a token's share; ``aten::mm`` holds the dense weight
-products, ``aten::bmm`` the attention's, ``strata::qlinear_grouped`` the routed experts.
+most self CPU time. Divide by ``--tokens`` for a token's share; with the CPU kernels ``strata::linear_cpu``
+holds the dense weight products, ``strata::attention_cpu`` the attention, ``strata::qlinear_slots`` (or
+``strata::qlinear_grouped``) the routed experts; without them ``aten::mm`` and ``aten::bmm``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``cpu_experts_ffn``: the gated FFN of several experts on the CPU through the block kernels.
+"""``cpu_experts_ffn``: the gated FFN of several experts on the CPU through the block kernels;
+``cpu_slot_ffn``: the same per (token, k) pair, every expert a row of one buffer (a cache's slots).
 
 Every CPU expert path computes its rows here where the kernels cover the layer's formats
 (:func:`takes_cpu_kernels`): the loop per expert (``expert_ffn``), a CPU device's resident experts of a
@@ -11,13 +12,17 @@ the rows in the fixed order keeps logits bit-identical across topologies on the 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.ops.cpu_kernels import has_cpu_kernel, qlinear_grouped
+from strata_core.ops.cpu_kernels import has_cpu_kernel, qlinear_grouped, qlinear_slots
 
-__all__ = ["cpu_experts_ffn", "takes_cpu_kernels"]
+if TYPE_CHECKING:
+    from strata_core.experts.arena import ExpertFormat
+
+__all__ = ["cpu_experts_ffn", "cpu_slot_ffn", "takes_cpu_kernels"]
 
 
 def takes_cpu_kernels(x: torch.Tensor, qtypes: Sequence[int], shapes: Sequence[Sequence[int]]) -> bool:
@@ -45,3 +50,23 @@ def cpu_experts_ffn(x: torch.Tensor, parts: Sequence[tuple[torch.Tensor, torch.T
                                                          torch.as_tensor(counts), output_size=N)  # [N]
     h = ffn.hidden(g, u, ids)  # [N, F]
     return ffn.post(qlinear_grouped(h, list(downs), counts, qtypes[2], H).to(x.dtype), ids)  # [N, H]
+
+
+def cpu_slot_ffn(x: torch.Tensor, k: int, buffer: torch.Tensor, slot: torch.Tensor, fmt: ExpertFormat,
+                 ffn: ExpertFFN = SILU, experts: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``[P, H]`` in ``x.dtype`` of the ``P = T * k`` pairs: pair p is token ``p // k`` of ``x [T, H]``
+    through the expert packed (gate|up|down) in row ``slot[p]`` (int64 ``[P]``) of ``buffer`` (uint8
+    ``[S, >= fmt.total]``), as ``cpu_experts_ffn`` computes it (the same bits a row); ``experts [P]``
+    index ``ffn``'s biases. Two kernel calls for the whole layer (gate and up in one where their
+    formats agree), each grouping the pairs by slot."""
+    (F, _), _, (H, _) = fmt.shapes
+    g_bytes, u_bytes, _ = fmt.nbytes
+    if fmt.qtypes[0] == fmt.qtypes[1]:
+        both = qlinear_slots(x, k, buffer, slot, [0, g_bytes], fmt.qtypes[0], F)  # [P, 2F]
+        g, u = both[:, :F], both[:, F:]
+    else:
+        g = qlinear_slots(x, k, buffer, slot, [0], fmt.qtypes[0], F)  # [P, F]
+        u = qlinear_slots(x, k, buffer, slot, [g_bytes], fmt.qtypes[1], F)  # [P, F]
+    h = ffn.hidden(g.to(x.dtype), u.to(x.dtype), experts)  # [P, F]
+    return ffn.post(qlinear_slots(h, 1, buffer, slot, [g_bytes + u_bytes], fmt.qtypes[2], H).to(x.dtype),
+                    experts)  # [P, H]

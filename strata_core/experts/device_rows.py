@@ -14,8 +14,10 @@ bytes, whichever source holds them:
   on the CPU from the arena where it lies (on a worker thread when the device is a GPU).
 
 On the CPU the block kernels (experts/cpu_ffn.py) compute the rows where they cover the layer's formats:
-a CPU device's resident experts of a layer in one call, the CPU share of its misses in another; each
-row has the bits the per-expert ``expert_ffn`` gives it, so every mix of sources combines to the same output.
+a CPU device whose own cache holds every expert of a layer (and no peer serves it) reads them
+in their slots, two kernel calls for the layer (``cpu_slot_ffn``); otherwise its resident experts of a
+layer in one call, the CPU share of its misses in another; each row has the bits the per-expert
+``expert_ffn`` gives it, so every mix of sources combines to the same output.
 
 ``combine_rows`` then sums the rows in one fixed order, so the output is bit-identical to the
 reference for any cache content, split and chunking. The host reads the layer's distinct experts
@@ -63,7 +65,7 @@ import torch
 
 from strata_core.runtime.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain
-from strata_core.experts.cpu_ffn import cpu_experts_ffn, takes_cpu_kernels
+from strata_core.experts.cpu_ffn import cpu_experts_ffn, cpu_slot_ffn, takes_cpu_kernels
 from strata_core.ops.cpu_kernels import has_cpu_kernel
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, PROMPT_GATHER_COUNTS, count_pairs, fused_decode,
@@ -144,6 +146,8 @@ class CachedExpertRows:
         T, k = expert_ids.shape
         if self._takes_grouped(chain):
             return in_pair_order(*self._grouped(layer, hidden, expert_ids, chain, ffn)).view(T, k, -1)
+        if self._takes_slots(layer, chain, hidden):
+            return self._slot_rows(layer, hidden, expert_ids, chain, ffn).view(T, k, -1)
         self._count_routing(layer, expert_ids, chain)
         fmt = self.arena.formats[layer]
         order, experts, counts = group_by_expert(expert_ids)
@@ -204,6 +208,32 @@ class CachedExpertRows:
         if self.decoding:
             return True
         return n_tokens <= GATHER_PROMPT_TOKENS and not chain.peers and bool(chain.own.table.host[layer].ge(0).all())
+
+    def _takes_slots(self, layer: int, chain: Chain, hidden: torch.Tensor) -> bool:
+        """Whether ``layer`` takes the slot rows (``_slot_rows``): ``hidden`` and the own cache on the CPU, the
+        cache holding every expert of the layer (no miss whatever the routing), no peers, formats the CPU
+        kernels cover."""
+        own = chain.own
+        fmt = self.arena.formats[layer]
+        return (own is not None and own.device.type == "cpu" and not chain.peers
+                and takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes) and bool(own.table.host[layer].ge(0).all()))
+
+    def _slot_rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
+                   ffn: ExpertFFN) -> torch.Tensor:
+        """Rows ``[T*k, H]`` in pair order of a layer the own CPU cache holds whole: two kernel calls read the
+        experts in their slots (``cpu_slot_ffn``), each row with the bits the per-expert loop gives it."""
+        fmt = self.arena.formats[layer]
+        flat = expert_ids.reshape(-1)  # [P]
+        slot, held = held_slots(chain.own.table.host[layer], flat)
+        self._count_routing(layer, expert_ids, chain)
+        with self.telemetry.compute(self.device):
+            rows = cpu_slot_ffn(hidden, expert_ids.shape[1], chain.own.padded, slot.long(), fmt, ffn,
+                                None if ffn.plain else flat)  # [P, H]
+        n = len(set(held))
+        self.telemetry.add_expert_bytes(n * fmt.total)
+        self.telemetry.count(self.name, {"resident": n, "peer": 0, "pcie" if self.decoding else "streamed": 0,
+                                         "cpu": 0})
+        return rows
 
     def _takes_grouped(self, chain: Chain) -> bool:
         """Whether a layer of ``chain`` takes the grouped prefill now (a prompt chunk, misses streamed)."""
@@ -461,6 +491,13 @@ class CachedExpertRows:
         fut: Future = Future()
         fut.set_result(fn(*args))
         return fut
+
+
+def held_slots(table: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The slots ``table[experts]`` (a layer's host residency row, -1 = not resident) of a layer's pairs
+    ``experts [P]``, and their host copy: the slot rows' one host read of the layer's routing."""
+    slot = table.index_select(0, experts)  # [P] int32
+    return slot, slot.tolist()
 
 
 def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from strata_core.model.kvquant import QuantizedRows
+from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels
 from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
 from strata_core.ops.matmul import matmul
 
@@ -91,12 +92,20 @@ def masked_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     caller may give only the blocks up to its last query (``MoEModel.masked_context``). Elsewhere one product over all S, with no host read (a
     captured decode window runs it).
 
-    Quantized keys and values (``QuantizedRows``, kvquant.py) take the blocked form on every device,
+    Quantized keys and values (``QuantizedRows``, kvquant.py) take the blocked form off the CPU kernel,
     each key block dequantized to ``q``'s dtype as it is read (never the whole cache at once).
+
+    On the CPU in float32 with the CPU kernels loaded, ``strata::attention_cpu`` computes it instead
+    (ops/cpu_kernels.py): each row's arithmetic fixed by its own query and visible keys, so the rows do
+    not depend on the chunk, the batch or the capacity either; quantized rows are dequantized for it.
     """
     T, nh, D = q.shape
     S, nkv = keys.shape[0], keys.shape[1]
     rep = nh // nkv
+    if q.device.type == "cpu" and q.dtype == torch.float32 and cpu_kernels():
+        if isinstance(keys, QuantizedRows):  # the kernel reads float rows: the layer's rows dequantized for the call
+            keys, values = keys.rows(0, S, torch.float32), values.rows(0, S, torch.float32)
+        return attention_cpu(q, keys.float(), values.float(), positions, window, sinks)
     if isinstance(keys, QuantizedRows):
         return _quantized_attention(q, keys, values, positions, window, sinks)
     keys = keys.to(q.dtype).transpose(0, 1)  # [nkv, S, D]

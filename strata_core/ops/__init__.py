@@ -13,7 +13,14 @@
 - ``strata::qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor``:
   quantized products on the CPU read from the blocks in place, one weight per segment of ``x`` (every CPU
   expert path; a C++ extension compiled on first use, see :mod:`strata_core.ops.cpu_kernels`; its oracle is
-  ``x @ dequantize(W).T``)
+  ``x @ dequantize(W).T``); ``strata::qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets,
+  int qtype, int out_features) -> Tensor``: the same products per (token, k) pair, each pair's weights a row
+  of one buffer (a CPU device's cache slots: a layer's routed experts in one call)
+- ``strata::attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, Tensor? sinks)
+  -> Tensor``: the CPU's causal GQA attention, each row's arithmetic fixed by its own query and visible keys
+  (batch-invariant by construction; same extension, see :mod:`strata_core.ops.cpu_kernels`)
+- ``strata::linear_cpu(Tensor x, Tensor weight) -> Tensor``: the CPU's float32 ``x @ weight.T``, each output one
+  fixed-order dot product (rows batch-invariant without padding; :mod:`strata_core.ops.matmul` ``linear``)
 - ``strata::mla_attention(...)``: deepseek2's multi-head latent attention over the latent cache
   (Triton flash decoding on CUDA; see :mod:`strata_core.ops.mla`, imported by the deepseek2 model)
 

@@ -7,6 +7,9 @@ qtype, out) -> [N, out] float32``: the rows of ``x`` are cut into consecutive se
 (``counts[i]`` rows) multiplied by ``weights[i]`` transposed (``out`` rows of ``K`` values in
 ``qtype`` blocks). One call computes every routed expert of a layer (its pairs sorted by expert) or
 one weight each pair, threaded over (segment, 16 rows) on ``torch.get_num_threads()`` threads.
+``qlinear_slots`` is the same product with the weights found by row of one buffer (a cache's slots)
+per (token, k) pair, grouped by slot inside the op: a layer's routed experts without a tensor per
+expert on the host.
 
 The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
 reference (strata_core/quant), and multiplies it into up to 8 tokens lane-wise (a multiply and an
@@ -15,6 +18,13 @@ result does not depend on the other rows, the threads or the instruction set (AV
 CPU expert path computes the same bits. Tolerance
 against the reference dequantize + matmul: float32 within a relative 1e-5 (summation order), as the
 CUDA kernels (tests/test_cpu_kernels.py).
+
+``strata::attention_cpu`` (csrc/cpu_attention.cpp) is the CPU's causal GQA attention over float32 keys
+and values, each row's arithmetic fixed by its own query and visible keys (its doc says the order), so
+a token's output does not depend on the chunk, the batch, the cache capacity or the threads.
+
+``strata::linear_cpu`` (csrc/cpu_linear.cpp) is the CPU's float32 weight product with the same property
+(ops/matmul.py ``linear``).
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
@@ -34,14 +44,15 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel", "qlinear_grouped"]
+__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "linear_cpu", "qlinear_grouped", "qlinear_slots"]
 
 log = logging.getLogger(__name__)
 
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_experts.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
 _ISA = ("generic", "AVX2", "AVX-512")
 
 
@@ -55,13 +66,16 @@ def cpu_kernels() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="strata_cpu_experts", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
+        load(name="strata_cpu_kernels", sources=[str(source) for source in _SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
         log.warning("CPU expert kernels unavailable (%s: %s): the torch reference computes CPU experts",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
     torch.library.register_fake("strata::qlinear_grouped")(_qlinear_fake)
+    torch.library.register_fake("strata::qlinear_slots")(_slots_fake)
+    torch.library.register_fake("strata::attention_cpu")(_attention_fake)
+    torch.library.register_fake("strata::linear_cpu")(_linear_fake)
     torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
     log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
@@ -82,6 +96,34 @@ def qlinear_grouped(x: Tensor, weights: list[Tensor], counts: list[int], qtype: 
     _check(x, weights, counts, int(qtype), out)
     return torch.ops.strata.qlinear_grouped(x.float().contiguous(), [w.contiguous() for w in weights],
                                             counts, int(qtype), out)
+
+
+def qlinear_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtype: int,
+                  out: int) -> Tensor:
+    """``[P, len(offsets) * out]`` float32 for the ``P = slot.numel()`` pairs: pair p is row ``p // rep`` of
+    ``x [P / rep, K]`` times the matrix at byte ``offsets[m]`` of row ``slot[p]`` of ``buffer`` (uint8
+    ``[S, stride]``, ``out`` rows of K values in ``qtype`` blocks) transposed, in columns
+    ``[m * out, (m + 1) * out)``; each row has the bits ``qlinear_grouped`` gives it. Needs :func:`cpu_kernels`;
+    arguments that do not fit are a ValueError (checked here, as for ``qlinear_grouped``)."""
+    _check_slots(x, rep, buffer, slot, offsets, int(qtype), out)
+    return torch.ops.strata.qlinear_slots(x.float().contiguous(), rep, buffer, slot, list(offsets), int(qtype), out)
+
+
+def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None = None,
+                  sinks: Tensor | None = None) -> Tensor:
+    """``[T, nh*D]`` float32: causal GQA attention of ``q [T, nh, D]`` at ``positions [T]`` over ``keys`` /
+    ``values [S, nkv, D]`` (key s visible when ``s <= position``, and ``position - s < window`` with a
+    window), ``sinks [nh]`` joining each softmax's denominator only; float32 CPU tensors. Needs
+    :func:`cpu_kernels`."""
+    return torch.ops.strata.attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(),
+                                          positions.to(torch.long), window or 0, sinks)
+
+
+def linear_cpu(x: Tensor, weight: Tensor) -> Tensor:
+    """``x [M, K] @ weight.T`` (``weight [N, K]``), float32 CPU tensors: each output a 16-lane dot product
+    summed pairwise, so a row's bits do not depend on M, the threads or the instruction set (csrc/cpu_linear.cpp).
+    Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.linear_cpu(x.contiguous(), weight.contiguous())
 
 
 def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
@@ -112,8 +154,43 @@ def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out:
                              f"{want} uint8 bytes on the CPU")
 
 
+def _check_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtype: int,
+                 out: int) -> None:
+    """ValueError unless ``qlinear_slots``' arguments fit one another."""
+    if qtype not in CPU_KERNEL_TYPES:
+        raise ValueError(f"qlinear_slots: no CPU kernel for {T(qtype).name}")
+    if x.dim() != 2 or x.device.type != "cpu" or rep < 1 or slot.numel() != x.shape[0] * rep:
+        raise ValueError(f"qlinear_slots: {slot.numel()} pairs for x {tuple(x.shape)} on {x.device} times {rep}")
+    if buffer.dim() != 2 or buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
+        raise ValueError(f"qlinear_slots: buffer must be contiguous 2-D uint8 on the CPU, got {tuple(buffer.shape)} "
+                         f"{buffer.dtype} on {buffer.device}")
+    if slot.dim() != 1 or slot.dtype != torch.long or slot.device.type != "cpu":
+        raise ValueError(f"qlinear_slots: slot must be 1-D int64 on the CPU, got {tuple(slot.shape)} {slot.dtype}")
+    values, size = GGML_QUANT_SIZES[T(qtype)]
+    if x.shape[1] % values:
+        raise ValueError(f"qlinear_slots: row length {x.shape[1]} is not a multiple of {values}")
+    need = out * x.shape[1] // values * size
+    if any(off < 0 or off + need > buffer.shape[1] for off in offsets):
+        raise ValueError(f"qlinear_slots: matrices of {need} bytes at {list(offsets)} do not fit rows of "
+                         f"{buffer.shape[1]} bytes")
+
+
 def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
     return x.new_empty((x.shape[0], out), dtype=torch.float32)
+
+
+def _slots_fake(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: list[int], qtype: int,
+                out: int) -> Tensor:
+    return x.new_empty((slot.shape[0], len(offsets) * out), dtype=torch.float32)
+
+
+def _attention_fake(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int,
+                    sinks: Tensor | None) -> Tensor:
+    return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
+
+
+def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:

@@ -11,8 +11,12 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_isa.h"
+
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -354,6 +358,77 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
   return y;
 }
 
+// The pairs' products with weights found in one buffer: pair p (of P = slot.numel()) is row p / rep of
+// x [T, K] float32; matrix m of its weights starts offsets[m] bytes into row slot[p] of buffer
+// (2-D uint8, [S, stride], contiguous), out_features rows of K values in qtype blocks. Returns
+// [P, M * out_features] float32, columns [m * out_features, (m + 1) * out_features) matrix m's
+// product. The pairs are grouped by slot inside, so each slot's weights are read once for all its
+// pairs; a row has the bits qlinear_grouped gives it (the same body, rows independent).
+at::Tensor qlinear_slots(const at::Tensor& x, int64_t rep, const at::Tensor& buffer, const at::Tensor& slot,
+                         at::IntArrayRef offsets, int64_t qtype, int64_t out_features) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "qlinear_slots: x must be a contiguous 2-D float32 CPU tensor");
+  TORCH_CHECK(buffer.device().is_cpu() && buffer.scalar_type() == at::kByte && buffer.dim() == 2 &&
+              buffer.is_contiguous(), "qlinear_slots: buffer must be a contiguous 2-D uint8 CPU tensor");
+  TORCH_CHECK(slot.device().is_cpu() && slot.scalar_type() == at::kLong && slot.dim() == 1,
+              "qlinear_slots: slot must be a 1-D int64 CPU tensor");
+  RowsFn fn = kernels_for(qtype).rows;
+  const Geometry g = geometry(qtype);
+  TORCH_CHECK(fn != nullptr, "qlinear_slots: no CPU kernel for GGML type ", qtype);
+  const int64_t T = x.size(0), K = x.size(1), P = slot.numel(), M = int64_t(offsets.size());
+  const int64_t S = buffer.size(0), stride = buffer.size(1);
+  TORCH_CHECK(rep > 0 && P == T * rep, "qlinear_slots: ", P, " pairs for ", T, " rows of x times ", rep);
+  TORCH_CHECK(K % g.values == 0, "qlinear_slots: row length ", K, " is not a multiple of ", g.values);
+  const int64_t matrix_bytes = out_features * (K / g.values * g.bytes);
+  for (int64_t off : offsets)
+    TORCH_CHECK(off >= 0 && off + matrix_bytes <= stride, "qlinear_slots: a matrix at byte ", off,
+                " does not fit a row of ", stride, " bytes");
+  const int64_t* sp = slot.contiguous().data_ptr<int64_t>();
+  std::vector<int64_t> order(P);  // pairs sorted by slot (stable): each slot's pairs one segment
+  for (int64_t p = 0; p < P; ++p) {
+    TORCH_CHECK(sp[p] >= 0 && sp[p] < S, "qlinear_slots: slot ", sp[p], " outside the buffer's ", S, " rows");
+    order[p] = p;
+  }
+  std::stable_sort(order.begin(), order.end(), [sp](int64_t a, int64_t b) { return sp[a] < sp[b]; });
+  at::Tensor xs = at::empty({P, K}, x.options());  // x's rows in the pairs' sorted order
+  const float* xp = x.data_ptr<float>();
+  float* xsp = xs.data_ptr<float>();
+  for (int64_t i = 0; i < P; ++i) std::memcpy(xsp + i * K, xp + order[i] / rep * K, K * sizeof(float));
+  const uint8_t* base = buffer.data_ptr<uint8_t>();
+  std::vector<std::pair<Segment, int64_t>> segs;  // (segment, matrix) of each distinct slot and matrix
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first sorted pair, count) of each distinct slot
+  for (int64_t i = 0; i < P;) {
+    int64_t j = i;
+    while (j < P && sp[order[j]] == sp[order[i]]) ++j;
+    runs.emplace_back(i, j - i);
+    i = j;
+  }
+  for (int64_t m = 0; m < M; ++m)
+    for (const auto& run : runs)
+      segs.push_back({{base + sp[order[run.first]] * stride + offsets[m], run.first, run.second}, m});
+  at::Tensor ys = at::empty({M * P, out_features}, x.options());  // [M, P sorted, out]
+  float* ysp = ys.data_ptr<float>();
+  const int64_t chunks = (out_features + ROW_CHUNK - 1) / ROW_CHUNK;
+  const int64_t items = int64_t(segs.size()) * chunks;
+  const int64_t grain = (MIN_THREAD_BYTES + ROW_CHUNK * (matrix_bytes / out_features) - 1) /
+                        (ROW_CHUNK * (matrix_bytes / out_features));
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const auto& [seg, m] = segs[item / chunks];
+      const int64_t r0 = (item % chunks) * ROW_CHUNK;
+      const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
+      fn(xsp, K, seg, r0, r1, ysp + m * P * out_features, out_features);
+    }
+  });
+  at::Tensor y = at::empty({P, M * out_features}, x.options());
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < P; ++i)
+      std::memcpy(yp + order[i] * M * out_features + m * out_features, ysp + (m * P + i) * out_features,
+                  out_features * sizeof(float));
+  return y;
+}
+
 // Every block of raw (contiguous uint8, whole blocks) decoded to float32: [blocks * values].
 at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype) {
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous(),
@@ -384,8 +459,11 @@ int64_t limit_kernel_isa(int64_t isa) {
 
 }  // namespace
 
+int strata_cpu::chosen_isa() { return int(::chosen_isa()); }
+
 TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");
+  m.def("qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets, int qtype, int out_features) -> Tensor");
   m.def("dequantize_blocks(Tensor raw, int qtype) -> Tensor");
   m.def("cpu_kernel_isa() -> int");
   m.def("cpu_kernel_limit_isa(int isa) -> int");
@@ -393,6 +471,7 @@ TORCH_LIBRARY_FRAGMENT(strata, m) {
 
 TORCH_LIBRARY_IMPL(strata, CPU, m) {
   m.impl("qlinear_grouped", &qlinear_grouped);
+  m.impl("qlinear_slots", &qlinear_slots);
   m.impl("dequantize_blocks", &dequantize_blocks);
 }
 
