@@ -163,18 +163,12 @@ using RowsFn = void (*)(const Problem&, int64_t, int64_t, int64_t, std::vector<f
   ATTRIBUTES void NAME(const Problem& p, int64_t g, int64_t r0, int64_t r1, std::vector<float>& scores) {  \
     rows_body(p, g, r0, r1, scores);                                                                       \
   }
-STRATA_BODY(rows_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
-STRATA_BODY(rows_avx2, __attribute__((target("avx2,fma,f16c"))))
+STRATA_BODY(rows_avx512, STRATA_AVX512)
+STRATA_BODY(rows_avx2, STRATA_AVX2)
 STRATA_BODY(rows_generic, )
 #undef STRATA_BODY
 
-RowsFn pick() {
-  switch (strata_cpu::chosen_isa()) {
-    case 2: return &rows_avx512;
-    case 1: return &rows_avx2;
-    default: return &rows_generic;
-  }
-}
+RowsFn pick() { return strata_cpu::for_isa<RowsFn>(&rows_avx512, &rows_avx2, &rows_generic); }
 
 // q [T, nh, D], keys / values [S, nkv, D] float32 contiguous, positions [T] int64; sinks [nh] or
 // undefined; window 0 = none. Returns [T, nh * D] float32.

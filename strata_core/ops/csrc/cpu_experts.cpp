@@ -267,8 +267,8 @@ using BlocksFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
   ATTRIBUTES void BLOCKS(const uint8_t* raw, int64_t b0, int64_t b1, float* out) {                          \
     blocks_body<QT, VALUES, BYTES>(raw, b0, b1, out);                                                      \
   }
-STRATA_BODIES(rows_avx512, blocks_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
-STRATA_BODIES(rows_avx2, blocks_avx2, __attribute__((target("avx2,fma,f16c"))))
+STRATA_BODIES(rows_avx512, blocks_avx512, STRATA_AVX512)
+STRATA_BODIES(rows_avx2, blocks_avx2, STRATA_AVX2)
 STRATA_BODIES(rows_generic, blocks_generic, )
 #undef STRATA_BODIES
 

@@ -4,4 +4,18 @@
 
 namespace strata_cpu {
 int chosen_isa();
+
+// The body for the chosen instruction set, of one compiled for each.
+template <typename Fn>
+Fn for_isa(Fn avx512, Fn avx2, Fn generic) {
+  switch (chosen_isa()) {
+    case 2: return avx512;
+    case 1: return avx2;
+    default: return generic;
+  }
+}
 }  // namespace strata_cpu
+
+// The targets a body is compiled for (each kernel file instantiates its body once per target).
+#define STRATA_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define STRATA_AVX2 __attribute__((target("avx2,fma,f16c")))

@@ -75,18 +75,12 @@ using TileFn = void (*)(const float*, const float*, float*, int64_t, int64_t, in
                        int64_t m1, int64_t n0, int64_t n1) {                                               \
     tile_body(x, w, y, K, N, m0, m1, n0, n1);                                                              \
   }
-STRATA_BODY(tiles_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"))))
-STRATA_BODY(tiles_avx2, __attribute__((target("avx2,fma,f16c"))))
+STRATA_BODY(tiles_avx512, STRATA_AVX512)
+STRATA_BODY(tiles_avx2, STRATA_AVX2)
 STRATA_BODY(tiles_generic, )
 #undef STRATA_BODY
 
-TileFn pick() {
-  switch (strata_cpu::chosen_isa()) {
-    case 2: return &tiles_avx512;
-    case 1: return &tiles_avx2;
-    default: return &tiles_generic;
-  }
-}
+TileFn pick() { return strata_cpu::for_isa<TileFn>(&tiles_avx512, &tiles_avx2, &tiles_generic); }
 
 // x [M, K], w [N, K] float32 contiguous -> [M, N] float32.
 at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) {
