@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include "cpu_isa.h"
+#include "cpu_lanes.h"
 
 #include <algorithm>
 #include <cmath>
@@ -28,13 +29,7 @@
 
 namespace {
 
-#define STRATA_INLINE inline __attribute__((always_inline))
-
-constexpr int LANES = 16;
 constexpr int ROW_TILE = 8;  // query rows of one work item
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 STRATA_INLINE f32x16 splat(float v) { return v - f32x16{}; }
 const i32x16 LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -61,15 +56,6 @@ STRATA_INLINE f32x16 exp_lanes(f32x16 x) {
   f32x16 scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return p * scale;
-}
-
-// The lanes summed pairwise (lane l + width into lane l, width 8, 4, 2, 1): lane 0's value.
-STRATA_INLINE float lane_sum(f32x16 v) {
-  v = v + __builtin_shuffle(v, i32x16{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-  v = v + __builtin_shuffle(v, i32x16{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-  v = v + __builtin_shuffle(v, i32x16{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-  v = v + __builtin_shuffle(v, i32x16{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
-  return v[0];
 }
 
 struct Problem {

@@ -13,27 +13,13 @@
 #include <cstring>
 
 #include "cpu_isa.h"
+#include "cpu_lanes.h"
 
 namespace {
 
-#define STRATA_INLINE inline __attribute__((always_inline))
-
-constexpr int LANES = 16;
 constexpr int ROWS = 4;     // rows of x a tile
 constexpr int COLS = 4;     // outputs a tile
 constexpr int64_t MIN_THREAD_BYTES = 64 << 10;
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// The lanes summed pairwise (lane l + width into lane l, width 8, 4, 2, 1): lane 0's value.
-STRATA_INLINE float lane_sum(f32x16 v) {
-  v = v + __builtin_shuffle(v, i32x16{8, 9, 10, 11, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15});
-  v = v + __builtin_shuffle(v, i32x16{4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7});
-  v = v + __builtin_shuffle(v, i32x16{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
-  v = v + __builtin_shuffle(v, i32x16{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
-  return v[0];
-}
 
 STRATA_INLINE f32x16 load(const float* p, int64_t n) {  // n < 16: the first n lanes, zeros after
   f32x16 v = f32x16{};
