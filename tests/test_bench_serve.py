@@ -15,7 +15,7 @@ from strata_core.cli import main
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
 from strata_core.tools.bench_serve import BenchServeError, base_url, read_input
-from strata_core.tools.serve_report import RequestResult, format_report, percentile, report, report_json, summary
+from strata_core.tools.serve_report import RequestResult, decoding_seconds, format_report, percentile, report, report_json, summary
 
 LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
 
@@ -57,6 +57,13 @@ def test_percentile_is_numpys_linear_interpolation():
     assert s == {"mean": 2.5, "p50": 2.5, "p90": pytest.approx(3.7), "p99": pytest.approx(3.97), "max": 4.0}
 
 
+def test_decoding_time_is_the_union_of_the_streams_decode_spans():
+    spans = [(0.0, 0.5, 2.0), (1.0, 0.5, 3.0), (4.0, 0.2, 5.0), (4.1, 0.1, 4.5)]  # (start, ttft, end)
+    results = [RequestResult(ok=True, start=s, ttft=t, end=e) for s, t, e in spans]
+    assert decoding_seconds(results) == pytest.approx((3.0 - 0.5) + (5.0 - 4.2))
+    assert decoding_seconds([RequestResult(ok=True, start=0.0, end=1.0)]) == 0.0  # no first token: no decoding
+
+
 def test_report_of_fixed_results():
     # two requests over 2 s: 0..1 s with 5 tokens, first at 0.2 s; 1..2 s with 3 tokens, first at 1.4 s
     a = RequestResult(ok=True, start=0.0, end=1.0, ttft=0.2, itl=[0.2, 0.2, 0.2, 0.2], chunks=5,
@@ -67,13 +74,14 @@ def test_report_of_fixed_results():
     rep = report([a, b, failed], 2.0, {"clients": 2})
     assert (rep["requests"], rep["completed"], rep["failed"]) == (3, 2, 1)
     assert rep["request_throughput"] == 1.0 and rep["output_tok_s"] == 4.0 and rep["total_tok_s"] == 15.0
+    assert rep["decode_tok_s"] == pytest.approx((4 + 2) / (0.8 + 0.6))  # tokens after the first, while decoding
     assert rep["ttft_ms"]["p50"] == pytest.approx(300.0) and rep["ttft_ms"]["max"] == pytest.approx(400.0)
     assert rep["itl_ms"]["mean"] == pytest.approx(1400 / 6)
     assert rep["tpot_ms"]["mean"] == pytest.approx((200.0 + 300.0) / 2)  # (e2e - ttft) / (tokens - 1)
     assert rep["e2e_ms"]["p99"] == pytest.approx(1000.0)
     assert rep["errors"] == {"HTTP 503: busy": 1}
     table = format_report(rep)
-    assert "| 2 | 1 | 2.00 | 1.00 | 4.0 | 15.0 | 11.0 | 4.0 |" in table
+    assert "| 2 | 1 | 2.00 | 1.00 | 4.0 | 4.3 | 15.0 | 11.0 | 4.0 |" in table
     assert "| TTFT | 300.0 | 300.0 | 380.0 | 398.0 | 400.0 |" in table and "failed x1: HTTP 503: busy" in table
     empty = json.loads(report_json(report([failed], 1.0, {})))
     assert empty["ttft_ms"]["p50"] is None and empty["completed"] == 0  # NaN is written as null

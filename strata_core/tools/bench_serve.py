@@ -5,7 +5,7 @@ N closed-loop clients (each sends its next request when the previous one has fin
 time to the first content chunk (TTFT), the gaps between successive content chunks (inter-token
 latency, ITL), the time per output token after the first (TPOT) and the end-to-end time; the token
 counts come from the final chunk's ``usage`` (``stream_options.include_usage``), else from the chunks.
-The report gives requests/s, output tok/s over the run, and mean / p50 / p90 / p99 / max of each
+The report gives requests/s, output tok/s over the run, decode tok/s (``serve_report.decoding_seconds``), and mean / p50 / p90 / p99 / max of each
 latency, as a Markdown table and as JSON.
 
 Prompts of about P tokens are random words: where the server has llama-server's ``/tokenize`` and

@@ -9,8 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RequestResult", "format_report", "percentile", "report", "report_json", "summary"]
-
+__all__ = ["RequestResult", "decoding_seconds", "format_report", "percentile", "report", "report_json", "summary"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -33,8 +32,6 @@ def summary(values: Sequence[float]) -> dict[str, float]:
         return dict.fromkeys(("mean", "p50", "p90", "p99", "max"), math.nan)
     return {"mean": sum(values) / len(values), "p50": percentile(values, 50), "p90": percentile(values, 90),
             "p99": percentile(values, 99), "max": max(values)}
-
-
 
 
 @dataclass
@@ -63,6 +60,20 @@ class RequestResult:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
+def decoding_seconds(results: Sequence[RequestResult]) -> float:
+    """How long at least one of ``results`` was decoding: the union of each request's span from its
+    first token to its end. Output tokens after the first over this time is what a batched-decode
+    benchmark reports (llama-batched-bench's S_TG leaves the prompts out); the gaps where no stream
+    decodes (the run's first prompts, the clients between requests) are not in it."""
+    spans = sorted((r.start + r.ttft, r.end) for r in results if r.ttft is not None)
+    total, reach = 0.0, -math.inf
+    for begin, end in spans:
+        if end > reach:
+            total += end - max(begin, reach)
+            reach = end
+    return total
+
+
 def report(results: list[RequestResult], duration: float, setup: dict[str, Any]) -> dict[str, Any]:
     """The aggregate figures of a run: counts, throughput, latency summaries (ms), the first errors,
     and each request's own figures."""
@@ -70,6 +81,8 @@ def report(results: list[RequestResult], duration: float, setup: dict[str, Any])
     output = sum(r.output_tokens for r in ok)
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     ms = 1000.0
+    decoding = decoding_seconds(ok)
+    after_first = sum(r.output_tokens - 1 for r in ok if r.ttft is not None)
     errors: dict[str, int] = {}
     for r in results:
         if not r.ok:
@@ -81,6 +94,7 @@ def report(results: list[RequestResult], duration: float, setup: dict[str, Any])
         "request_throughput": len(ok) / duration if duration > 0 else math.nan,
         "output_tok_s": output / duration if duration > 0 else math.nan,
         "total_tok_s": (output + prompt) / duration if duration > 0 else math.nan,
+        "decode_tok_s": after_first / decoding if decoding > 0 else math.nan,
         "prompt_tokens": prompt, "output_tokens": output,
         "prompt_tokens_known": all(r.prompt_tokens is not None for r in ok),
         "ttft_ms": summary([r.ttft * ms for r in ok if r.ttft is not None]),
@@ -101,11 +115,11 @@ def format_report(rep: dict[str, Any]) -> str:
     done = max(rep["completed"], 1)
     prompt_mean = f"{rep['prompt_tokens'] / done:.1f}" if rep["prompt_tokens_known"] else "n/a"
     lines = ["settings: " + ", ".join(f"{k}={v}" for k, v in rep["setup"].items()), "",
-             ("| requests | failed | duration s | req/s | output tok/s | total tok/s | prompt tok (mean) "
-              "| output tok (mean) |"),
-             "|---:|---:|---:|---:|---:|---:|---:|---:|",
+             ("| requests | failed | duration s | req/s | output tok/s | decode tok/s | total tok/s "
+              "| prompt tok (mean) | output tok (mean) |"),
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
              (f"| {rep['completed']} | {rep['failed']} | {rep['duration_s']:.2f} | {rep['request_throughput']:.2f} | "
-              f"{rep['output_tok_s']:.1f} | {rep['total_tok_s']:.1f} | {prompt_mean} | "
+              f"{rep['output_tok_s']:.1f} | {rep['decode_tok_s']:.1f} | {rep['total_tok_s']:.1f} | {prompt_mean} | "
               f"{rep['output_tokens'] / done:.1f} |"), "",
              "| latency (ms) | mean | p50 | p90 | p99 | max |", "|---|---:|---:|---:|---:|---:|"]
     for name, key in (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms")):
