@@ -188,4 +188,4 @@ def test_a_gpu_with_misses_learns_its_split_then_fixes_it(tiny, caplog):
     assert "pcie-frac auto on" in caplog.text and "after 8 decode windows" in caplog.text
     snap = engine.telemetry.snapshot()
     assert snap["experts_pcie"] > 0 and snap["experts_cpu"] > 0
-    assert engine.runner.why_not_graphed(engine.runner._segments["decode"][0]) is not None
+    assert engine.runner.why_not_graphed(engine.runner.segments("decode")[0]) is not None
