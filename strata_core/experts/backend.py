@@ -23,8 +23,9 @@ auto (memory of a torch device shared equally by the slots on it).
 
 Decode windows take the decode gather (gather.py: no host read per layer) on a CUDA device when
 Triton is installed, every arena layer is pinned and ``--pcie-frac`` is 1 (every miss over the
-link; ``auto`` is 1 where every expert is resident, else it splits the misses: split_auto.py); elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert (on the CPU
-its experts through the CPU kernels, ops/cpu_kernels.py).
+link; ``auto`` is 1 where every expert is resident, else it splits the misses: split_auto.py);
+elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert (on the CPU its
+experts through the CPU kernels, ops/cpu_kernels.py).
 Prefill chunks take the grouped prefill (grouped.py) on a CUDA device and the loop per expert (the
 bit-exact reference) on the CPU.
 """
@@ -210,6 +211,18 @@ def _auto_split(slot: DeviceSlot, chains: dict[int, Chain], threads: int) -> Aut
     return AutoSplit(layers, name=str(slot))
 
 
+def _slot_split(frac: float | None, slot: DeviceSlot, phase: Phase, chains: dict[int, Chain],
+                threads: int) -> tuple[float | None, AutoSplit | None]:
+    """The fixed link share of ``slot``'s decode misses in ``phase`` (``frac``, None: ``auto`` with misses),
+    or None and the ``AutoSplit`` that learns it per layer."""
+    if frac is not None:
+        return frac, None
+    if slot.device.type == "cpu":
+        return 0.0, None  # a CPU computes its misses where they lie
+    auto = _auto_split(slot, chains, threads) if phase == "decode" else None
+    return (None, auto) if auto is not None else (1.0, None)  # no layer splits: every miss over the link
+
+
 def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot],
                          settings: StrataSettings, dense_bytes_per_device: dict[torch.device, int],
                          progress: Callable[[float], None] | None = None) -> ExpertBackend:
@@ -269,10 +282,7 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
             if not layers:
                 continue
             chains = {l: _chain(placement, phase, l, caches, lanes) for l in layers}
-            slot_frac = frac
-            if frac is None:  # auto with misses: learned on a GPU; a CPU slot computes its misses where they lie
-                slot_frac = 0.0 if slots[slot].device.type == "cpu" else None
-            auto = _auto_split(slots[slot], chains, threads) if slot_frac is None and phase == "decode" else None
+            slot_frac, auto = _slot_split(frac, slots[slot], phase, chains, threads)
             rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry,
                                                    MissSplit(1.0 if slot_frac is None else slot_frac),
                                                    cpu_pool, name=str(slots[slot]),
