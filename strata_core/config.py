@@ -123,16 +123,19 @@ class StrataSettings(BaseSettings):
         "the expert cache together (a 24 GiB card on a larger one; default: what the device has free)")
     expert_profile: Path | None = Field(None, description="JSON usage profile ranking the experts")
     prefill_chunk: int = Field(8192, ge=1, description="prompt tokens per prefill chunk")
-    pcie_frac: float = Field(
-        1.0, ge=0, le=1, description="share of decode misses read over the host link (rest on CPU)"
+    pcie_frac: Annotated[float, Field(ge=0, le=1)] | Literal["auto"] = Field(
+        "auto", description="share of decode misses read over the host link, the rest computed on the CPU; auto: "
+        "1 where every expert is resident or the CPU kernels do not cover the experts' formats, 0 where every "
+        "device is the CPU, else per layer the split that balances the link and the CPU, measured in the first "
+        "decode windows (a split below 1 turns the decode gather and CUDA graphs off)"
     )
     adapt_swaps: int = Field(0, ge=0, description="experts swapped into the cache per decode window")
 
     # --- decode --------------------------------------------------------------------------------
     cuda_graphs: bool = Field(
         True, description="capture decode windows as CUDA graphs (the whole step where one device runs it, else "
-        "one per device slot and layer range) where they apply: CUDA, --arena pinned, --pcie-frac 1, no "
-        "--adapt-swaps; else eager, said once in the log"
+        "one per device slot and layer range) where they apply: CUDA, --arena pinned, --pcie-frac 1 (or auto "
+        "resolved to 1), no --adapt-swaps; else eager, said once in the log"
     )
     batch_invariant: bool = Field(
         False, description="greedy output identical whatever the batch a request decodes in (alone or beside "

@@ -46,6 +46,16 @@ def test_invalid_values_name_the_option(field, value):
     assert field in str(info.value)
 
 
+def test_pcie_frac_is_auto_by_default_and_takes_a_share(monkeypatch):
+    monkeypatch.delenv("STRATA_PCIE_FRAC", raising=False)  # the test plugin fixes it for the session
+    assert StrataSettings().pcie_frac == "auto"
+    assert StrataSettings(pcie_frac=0.25).pcie_frac == 0.25
+    monkeypatch.setenv("STRATA_PCIE_FRAC", "0.5")
+    assert StrataSettings().pcie_frac == 0.5
+    with pytest.raises(ValidationError, match="pcie_frac"):
+        StrataSettings(pcie_frac="half")
+
+
 def test_a_step_holds_a_decode_token_for_every_slot():
     assert StrataSettings(parallel=8, step_tokens=8).step_tokens == 8
     with pytest.raises(ValidationError, match="--step-tokens 4 is less than --parallel 8"):

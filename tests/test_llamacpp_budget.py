@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from strata_core.cli import main as strata_main
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.registry import load_model_spec
-from strata_core.tools.llamacpp_budget import (UBATCH, llama_bench_command, n_cpu_moe_for_budget,
+from strata_core.tools.llamacpp_budget import (UBATCH, llama_bench_commands, n_cpu_moe_for_budget,
                                                placement_at)
 from strata_core.tools.synthetic import write_synthetic
 
@@ -54,12 +54,18 @@ def test_the_placement_is_the_fewest_expert_layers_in_host_ram_that_fit(small, f
         assert placement_at(sizes, spec, placed.n_cpu_moe - 1, 256).total > budget
 
 
-def test_the_command_runs_llama_bench_with_that_placement(small):
+def test_the_commands_run_llama_bench_with_that_placement(small):
     path, _, _ = small
-    args = shlex.split(llama_bench_command(path, 7, 8192, 64, 16))
-    assert args[0] == "llama-bench" and args[args.index("-ncmoe") + 1] == "7"
-    assert args[args.index("-ngl") + 1] == "99" and args[args.index("-p") + 1] == "8192"
-    assert args[args.index("-t") + 1] == "16" and args[args.index("-m") + 1] == str(path)
+    prefill, decode = map(shlex.split, llama_bench_commands(path, 7, [8192, 32768], 64, [1024, 32768], 16))
+    for args in (prefill, decode):
+        assert args[0] == "llama-bench" and args[args.index("-ncmoe") + 1] == "7"
+        assert args[args.index("-ngl") + 1] == "99" and args[args.index("-fa") + 1] == "1"
+        assert args[args.index("-t") + 1] == "16" and args[args.index("-m") + 1] == str(path)
+    assert prefill[prefill.index("-p") + 1] == "8192,32768" and prefill[prefill.index("-n") + 1] == "0"
+    assert prefill[prefill.index("-b") + 1] == "32768" and "-d" not in prefill
+    assert decode[decode.index("-p") + 1] == "0" and decode[decode.index("-n") + 1] == "64"
+    assert decode[decode.index("-d") + 1] == "1024,32768"
+    assert llama_bench_commands(path, 7, [], 64, [1024], 16) == [shlex.join(decode[:-2] + ["-d", "1024"])]
 
 
 def test_bench_with_a_budget_prints_llama_cpp_s_command(small, capsys):
@@ -68,5 +74,8 @@ def test_bench_with_a_budget_prints_llama_cpp_s_command(small, capsys):
                  "--decode-tokens", "2", "--repeats", "1", "--reserve-mib", "0", "--vram-budget-gib", "1"])
     out = capsys.readouterr().out
     assert "vram_budget_gib=1" in out
-    line = next(line for line in out.splitlines() if line.startswith("llama-bench "))
-    assert shlex.split(line)[shlex.split(line).index("-ncmoe") + 1] == "0"  # a 1 GiB budget holds the tiny model
+    lines = [shlex.split(line) for line in out.splitlines() if line.startswith("llama-bench ")]
+    assert len(lines) == 2  # prefill, then decode
+    assert all(args[args.index("-ncmoe") + 1] == "0" for args in lines)  # a 1 GiB budget holds the tiny model
+    assert lines[0][lines[0].index("-n") + 1] == "0" and lines[1][lines[1].index("-p") + 1] == "0"
+    assert lines[1][lines[1].index("-d") + 1] == "16" and lines[1][lines[1].index("-n") + 1] == "2"

@@ -35,22 +35,24 @@ def fitting_lengths(prompts: list[int], contexts: list[int], decode_tokens: int,
     return fit_prompts, fit_contexts
 
 
-def llamacpp_at_budget(engine, budget_gib: float, prompt: int) -> str:
+def llamacpp_at_budget(engine, budget_gib: float, prompts: list[int], decode_tokens: int, depths: list[int]) -> str:
     """The lines naming llama.cpp's placement at the same budget: the ``--n-cpu-moe`` that fits (an
-    estimate from the file's tensors, llamacpp_budget.py) and the llama-bench command of the comparison."""
+    estimate from the file's tensors, llamacpp_budget.py) and the llama-bench commands of the comparison
+    (prefill at ``prompts``, decode of ``decode_tokens`` at ``depths``)."""
     import os
 
     from strata_core.experts.sizing import GIB
-    from strata_core.tools.llamacpp_budget import llama_bench_command, n_cpu_moe_for_budget
+    from strata_core.tools.llamacpp_budget import llama_bench_commands, n_cpu_moe_for_budget
 
     sizes = {name: t.nbytes for name, t in engine.gguf_file.tensors.items()}
     placed = n_cpu_moe_for_budget(sizes, engine.spec, int(budget_gib * GIB), engine.max_context)
     if placed is None:
         return f"llama.cpp at --vram-budget-gib {budget_gib:g}: nothing fits, even with every expert in host RAM"
-    return (f"llama.cpp at --vram-budget-gib {budget_gib:g} (estimate: weights {placed.weights / GIB:.2f} + KV "
-            f"{placed.kv / GIB:.2f} + buffers {placed.buffers / GIB:.2f} GiB; llamacpp.sh placement "
-            f"cmoe{placed.n_cpu_moe}-pin):\n" + llama_bench_command(engine.settings.model, placed.n_cpu_moe, prompt, 64,
-                                                                   os.cpu_count() or 1))
+    commands = llama_bench_commands(engine.settings.model, placed.n_cpu_moe, prompts, decode_tokens, depths,
+                                    os.cpu_count() or 1)
+    return "\n".join([f"llama.cpp at --vram-budget-gib {budget_gib:g} (estimate: weights {placed.weights / GIB:.2f} + "
+                      f"KV {placed.kv / GIB:.2f} + buffers {placed.buffers / GIB:.2f} GiB; llamacpp.sh placement "
+                      f"cmoe{placed.n_cpu_moe}-pin):", *commands])
 
 
 class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
@@ -104,7 +106,7 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
             results = run_bench(engine, prompts, contexts, self.repeats, self.decode_tokens,
                                 tuple(parse_lengths(self.sessions)), self.sampled)
             peer = (None if self.vram_budget_gib is None else
-                    llamacpp_at_budget(engine, self.vram_budget_gib, max(prompts, default=8192)))
+                    llamacpp_at_budget(engine, self.vram_budget_gib, prompts, self.decode_tokens, contexts))
         finally:
             engine.close()
         print(format_table(results, setup))

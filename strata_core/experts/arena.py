@@ -6,20 +6,16 @@ pinned`` copies them, layer by layer, into page-locked buffers laid out ``[n_exp
 layer is one contiguous buffer, so expert e of it starts at ``base + e * total``: a device kernel
 can address any expert of the layer from the base pointer and the stride alone (the decode gather,
 see gather.py). The layers past the cap stay mmap views and are moved through pinned staging
-buffers (see transfer.py). The layers are filled by ``FILL_THREADS`` threads at once (page-locking a
-buffer and numpy's copy from the mapped file both release the GIL; one thread leaves most of the
-host's memory bandwidth unused); the log says the fill rate.
+buffers (see transfer.py). Every pinned buffer is allocated first, then filled by a pool of threads
+(fill.py); the log says the fill rate and the time of each step.
 Without an accelerator the "pinned" copy is ordinary RAM (page-locking needs a device driver).
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,14 +23,13 @@ import torch
 from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
+from strata_core.experts.fill import FillReport, configure_pinned_allocator, default_threads, fill_packed
 from strata_core.experts.weights import ExpertBlocks, ExpertWeights
 
 __all__ = ["Arena", "ExpertFormat", "GIB", "can_pin"]
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
-#: most threads filling the pinned arena at once (each fills whole layers)
-FILL_THREADS = 8
 
 
 @dataclass(frozen=True)
@@ -104,30 +99,33 @@ class Arena:
             budget -= size
         if not layers:
             return
-        lock, done = threading.Lock(), [0]
-        threads = max(1, min(FILL_THREADS, os.cpu_count() or 1, len(layers)))
+        if pin:
+            configure_pinned_allocator()
+        nbytes = sum(self.formats[layer].total * self.n_experts for layer in layers)
         start = time.perf_counter()
-        with tqdm(total=sum(self.formats[layer].total * self.n_experts for layer in layers), unit="B",
-                  unit_scale=True, desc="pinning experts", leave=False, disable=self.total_bytes < GIB) as bar:
+        for layer in layers:  # every buffer before the copy: page-locking and copying contend otherwise
+            self._packed[layer] = torch.empty((self.n_experts, self.formats[layer].total), dtype=torch.uint8,
+                                              pin_memory=pin)
+        allocate_s = time.perf_counter() - start
+        done = [0]
+        with tqdm(total=nbytes, unit="B", unit_scale=True, desc="pinning experts", leave=False,
+                  disable=self.total_bytes < GIB) as bar:
 
-            def fill(layer: int) -> None:
-                fmt = self.formats[layer]
-                buf = torch.empty((self.n_experts, fmt.total), dtype=torch.uint8, pin_memory=pin)
-                for expert in range(self.n_experts):  # numpy's copy: no OpenMP team left on this short-lived thread
-                    b = self.weights.blocks(layer, expert)
-                    for part, src in zip(fmt.split(buf[expert]), (b.gate, b.up, b.down)):
-                        np.copyto(part.numpy(), src.numpy())
-                self._packed[layer] = buf
-                with lock:
-                    done[0] += 1
-                    bar.update(buf.numel())
-                    progress(done[0] / len(self._own))
+            def filled(n: int) -> None:
+                done[0] += n
+                bar.update(n)
+                progress(done[0] / nbytes)
 
-            with ThreadPoolExecutor(threads, thread_name_prefix="strata-arena") as pool:
-                list(pool.map(fill, layers))  # raises the first failure
-        seconds = time.perf_counter() - start
-        log.info("arena: %.2f GiB filled in %.1f s by %d threads (%.2f GB/s)", self.pinned_bytes / GIB, seconds,
-                 threads, self.pinned_bytes / max(seconds, 1e-9) / 1e9)
+            threads = default_threads()
+            copy_s = fill_packed([run for layer in layers for run in self._runs(layer)], threads, filled)
+        log.info(FillReport(nbytes, threads, allocate_s, copy_s).message())
+
+    def _runs(self, layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The copies that fill ``layer``'s packed buffer: per part (gate, up, down), the layer's
+        ``[E, part bytes]`` tensor of the file onto its column range of ``[E, total]``."""
+        buf = self._packed[layer].numpy()
+        return [(dst, ref.data.reshape(self.n_experts, -1))
+                for dst, ref in zip(self.formats[layer].split(buf), self.weights.layers[layer])]
 
     @property
     def pinned_bytes(self) -> int:

@@ -23,8 +23,9 @@ auto (memory of a torch device shared equally by the slots on it).
 
 Decode windows take the decode gather (gather.py: no host read per layer) on a CUDA device when
 Triton is installed, every arena layer is pinned and ``--pcie-frac`` is 1 (every miss over the
-link); elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert (on the CPU
-its experts through the CPU kernels, ops/cpu_kernels.py).
+link; ``auto`` is 1 where every expert is resident, else it splits the misses: split_auto.py);
+elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert (on the CPU its
+experts through the CPU kernels, ops/cpu_kernels.py).
 Prefill chunks take the grouped prefill (grouped.py) on a CUDA device and the loop per expert (the
 bit-exact reference) on the CPU.
 """
@@ -48,6 +49,7 @@ from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.sizing import cache_slots, check_dense_budget
 from strata_core.experts.split import MissSplit
+from strata_core.experts.split_auto import SETTLE_WINDOWS, AutoSplit, resolve_pcie_frac
 from strata_core.experts.table import ResidencyTable
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import ArenaCopier, StagingRing
@@ -113,6 +115,8 @@ class ExpertBackend:
         after a failed window, ``adapt=False``); returns the experts swapped in per device slot."""
         for rows in self._all_rows():
             rows.decoding = False
+            if rows.auto is not None:
+                rows.auto.end_window(ok=adapt)
         if not adapt:
             return {}
         swapped = {slot: adapter.end_window() for slot, adapter in self._adapters.items()}
@@ -189,6 +193,36 @@ def _readers(placement: Placement, slot: int) -> list[int]:
                    if any(s.cache_device == slot for s in placed.experts)})
 
 
+def _cpu_pool(threads: int) -> ThreadPoolExecutor:
+    """The worker computing a GPU's CPU share of decode misses with ``threads`` torch threads."""
+    return ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts", initializer=torch.set_num_threads,
+                              initargs=(threads,))
+
+
+def _auto_split(slot: DeviceSlot, chains: dict[int, Chain], threads: int) -> AutoSplit | None:
+    """``--pcie-frac auto``'s learned split of ``slot``'s decode layers whose misses may go both ways (None:
+    no such layer); logged, with what it turns off."""
+    layers = [layer for layer, chain in chains.items() if chain.link and chain.cpu]
+    if not layers:
+        return None
+    log.info("pcie-frac auto: %s decodes with misses: each layer's misses are split between the host link and "
+             "the CPU (%d threads), the split learned over the first %d decode windows; the decode gather and "
+             "CUDA graphs are off on %s (they need --pcie-frac 1)", slot, threads, SETTLE_WINDOWS, slot)
+    return AutoSplit(layers, name=str(slot))
+
+
+def _slot_split(frac: float | None, slot: DeviceSlot, phase: Phase, chains: dict[int, Chain],
+                threads: int) -> tuple[float | None, AutoSplit | None]:
+    """The fixed link share of ``slot``'s decode misses in ``phase`` (``frac``, None: ``auto`` with misses),
+    or None and the ``AutoSplit`` that learns it per layer."""
+    if frac is not None:
+        return frac, None
+    if slot.device.type == "cpu":
+        return 0.0, None  # a CPU computes its misses where they lie
+    auto = _auto_split(slot, chains, threads) if phase == "decode" else None
+    return (None, auto) if auto is not None else (1.0, None)  # no layer splits: every miss over the link
+
+
 def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot],
                          settings: StrataSettings, dense_bytes_per_device: dict[torch.device, int],
                          progress: Callable[[float], None] | None = None) -> ExpertBackend:
@@ -211,8 +245,6 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
     left = check_dense_budget(settings, dense)  # again: the arena may have taken host RAM
     order, used = _fill_order(settings, spec)
     telemetry = ExpertTelemetry()
-    cpu_pool = (ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts")
-                if any(d.type != "cpu" for d in torch_devices) and settings.pcie_frac < 1 else None)
     computing = {placed.device for phase in PHASES for placed in placement.layers(phase) if placed.device in slots}
     prompting = {placed.device for placed in placement.prompt}  # the others need no prompt buffers
     prompting |= {s.device for placed in placement.prompt for s in placed.experts if s.kind == "peer" and s.compute}
@@ -232,6 +264,13 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
         cache.fill(mine)
         caches[slot] = cache
         report(0.8 + 0.2 * len(caches) / len(served))
+    held = torch.zeros(spec.n_layers, spec.n_experts, dtype=torch.bool)  # [L, E]: in some cache of this process
+    for cache in caches.values():
+        held |= cache.table.host >= 0
+    frac = resolve_pcie_frac(settings.pcie_frac, {slots[s].device for s in computing}, arena.formats,
+                             bool(held[sorted(own & set(spec.moe_layers))].all()))
+    threads = settings.threads or torch.get_num_threads()  # the CPU share's torch threads
+    cpu_pool = _cpu_pool(threads) if any(slots[s].device.type != "cpu" for s in computing) and frac != 1.0 else None
     rows: dict[tuple[Phase, int], CachedExpertRows] = {}
     lanes = _lanes(placement, slots, caches, copiers, settings, spec)
     usages: dict[int, UsageCounter] = {}
@@ -243,12 +282,14 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
             if not layers:
                 continue
             chains = {l: _chain(placement, phase, l, caches, lanes) for l in layers}
-            rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry, MissSplit(settings.pcie_frac),
+            slot_frac, auto = _slot_split(frac, slots[slot], phase, chains, threads)
+            rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry,
+                                                   MissSplit(1.0 if slot_frac is None else slot_frac),
                                                    cpu_pool, name=str(slots[slot]),
                                                    fused_expert_ffn=settings.fused_expert_ffn,
-                                                   miss_read=settings.miss_read)
+                                                   miss_read=settings.miss_read, auto=auto)
             rows[(phase, slot)].gather = (slots[slot].device.type == "cuda" and HAS_TRITON and arena.all_pinned
-                                          and settings.pcie_frac == 1.0)
+                                          and slot_frac == 1.0)
     adapters: dict[int, Adapter] = {}
     for slot, cache in caches.items():
         swaps = placement.adapt_swaps.get(slot, settings.adapt_swaps)

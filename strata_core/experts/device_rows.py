@@ -10,8 +10,9 @@ bytes, whichever source holds them:
   a lane, experts/peer.py) the inputs sent over and the rows computed on the peer;
 * prefill miss: streamed from the arena through the double-buffered ``StagingRing``; a computing
   peer's ``stream`` share of them over the peer's own host link, computed there;
-* decode miss: a ``--pcie-frac`` share read over the host link (the ring again), the rest computed
-  on the CPU from the arena where it lies (on a worker thread when the device is a GPU).
+* decode miss: a ``--pcie-frac`` share (with ``auto`` learned per layer, split_auto.py) read over the
+  host link (the ring again), the rest computed on the CPU from the arena where it lies (on a worker
+  thread when the device is a GPU).
 
 On the CPU the block kernels (experts/cpu_ffn.py) compute the rows where they cover the layer's formats:
 a CPU device whose own cache holds every expert of a layer (and no peer serves it) reads them
@@ -57,6 +58,7 @@ reference) keeps the loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -78,6 +80,7 @@ from strata_core.experts.rows import expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
 from strata_core.experts.split import MissSplit
+from strata_core.experts.split_auto import AutoSplit
 from strata_core.ops.combine import combine_rows, combine_sorted, in_pair_order
 from strata_core.ops.gather import gather_experts
 
@@ -102,14 +105,17 @@ class CachedExpertRows:
     ``fused_expert_ffn``: the fused CUDA kernels compute experts with biases / swiglu_oai too (gpt-oss);
     off, those take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
     ``miss_read``: the fused kernels read a miss in the pinned arena from a device row it is copied to
-    first ("staged") or zero-copy over the host link ("direct"). Both are StrataSettings fields."""
+    first ("staged") or zero-copy over the host link ("direct"). Both are StrataSettings fields.
+    ``auto``: the per-layer split of decode misses ``--pcie-frac auto`` learns (split_auto.py), in place
+    of ``split``, timed as the misses are computed."""
 
     def __init__(self, chains: dict[int, Chain], ring: StagingRing, usage: UsageCounter, telemetry: ExpertTelemetry,
                  split: MissSplit, cpu_pool: Executor | None = None, name: str = "", fused_expert_ffn: bool = True,
-                 miss_read: str = "staged"):
+                 miss_read: str = "staged", auto: AutoSplit | None = None):
         if miss_read not in ("staged", "direct"):
             raise ValueError(f"CachedExpertRows: miss_read {miss_read!r} is not 'staged' or 'direct'")
         self.chains, self.ring, self.usage, self.telemetry, self.split = chains, ring, usage, telemetry, split
+        self.auto = auto
         self.fused_expert_ffn = fused_expert_ffn
         self.direct_misses = miss_read == "direct"
         self.arena = ring.copier.arena
@@ -166,7 +172,7 @@ class CachedExpertRows:
                 rows = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes, ffn, expert)
             out[pairs] = rows.to(self.device, out.dtype)
 
-        n_link = self._link_share(len(missed), chain)
+        n_link = self._link_share(layer, len(missed), chain)
         link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
         with self.telemetry.compute(self.device) if self.cpu_pool is None else nullcontext():  # here, or overlapped
             on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
@@ -184,7 +190,8 @@ class CachedExpertRows:
                     run(expert, *(p.to(self.device) for p in parts))
             if here:
                 self._cpu_batch(here, groups, order, k, hidden, fmt, ffn, out)
-            self.ring.run(layer, link, lambda e, packed: run(e, *fmt.split(packed)))
+            with self.auto.link(layer, len(link), self.device) if self.auto is not None and self.decoding else nullcontext():
+                self.ring.run(layer, link, lambda e, packed: run(e, *fmt.split(packed)))
             for lane, streamed in away:  # over the peer's own host link, computed there
                 lane.ring().run(layer, streamed, lambda e, packed: run(e, *fmt.split(packed)))
         for pairs, rows in on_cpu:
@@ -249,13 +256,15 @@ class CachedExpertRows:
             self.telemetry.routed += expert_ids.numel()
         return counted
 
-    def _link_share(self, n_missed: int, chain: Chain) -> int:
-        """How many of a layer's misses go over the host link (the rest to the CPU)."""
+    def _link_share(self, layer: int, n_missed: int, chain: Chain) -> int:
+        """How many of ``layer``'s misses go over the host link (the rest to the CPU)."""
         if not chain.cpu:
             return n_missed
         if not chain.link:
             return 0
-        return self.split.take(n_missed) if self.decoding else n_missed
+        if not self.decoding:
+            return n_missed
+        return (self.split if self.auto is None else self.auto.split(layer)).take(n_missed)
 
     def _grouped(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
                  ffn: ExpertFFN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,15 +483,19 @@ class CachedExpertRows:
         if experts and has_cpu_kernel(fmt.qtypes, fmt.shapes):
             pairs, counts = _segments(experts, groups, order)
             parts = [self.arena.parts(layer, e) for e in experts]
-            return [(pairs, self._on_cpu(cpu_experts_ffn, hidden[pairs // k].cpu(), parts, counts, fmt.qtypes,
-                                         fmt.shapes, ffn, experts))]
+            return [(pairs, self._on_cpu(self._cpu_job(layer, len(experts), cpu_experts_ffn), hidden[pairs // k].cpu(),
+                                         parts, counts, fmt.qtypes, fmt.shapes, ffn, experts))]
         jobs = []
         for expert in experts:
             pairs = order[groups[expert][0]:groups[expert][1]]  # [n]
             x = hidden[pairs // k].cpu()  # [n, H]
-            jobs.append((pairs, self._on_cpu(expert_ffn, x, *self.arena.parts(layer, expert), fmt.qtypes, fmt.shapes,
-                                             ffn, expert)))
+            jobs.append((pairs, self._on_cpu(self._cpu_job(layer, 1, expert_ffn), x, *self.arena.parts(layer, expert),
+                                             fmt.qtypes, fmt.shapes, ffn, expert)))
         return jobs
+
+    def _cpu_job(self, layer: int, n_experts: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """``fn`` as the CPU share of ``layer``'s decode misses: timed for ``--pcie-frac auto`` while it learns."""
+        return self.auto.cpu_job(layer, n_experts, fn) if self.auto is not None and self.decoding else fn
 
     def _on_cpu(self, fn, *args) -> Future:
         """``fn(*args)`` on the CPU pool's worker (a GPU device), else now."""

@@ -23,12 +23,18 @@ Helpers:
 * :func:`strata_core.testing.contract.strict_context` — runs the phase hooks with a ``ctx`` that
   answers only ``PhaseContext``'s members.
 
+Settings: the plugin sets ``STRATA_PCIE_FRAC=1`` for the test session (unless the environment sets it):
+under the default ``--pcie-frac auto`` a GPU decoding with misses splits them by timings measured in
+its first windows, so which path a test exercises would depend on the machine's speed; a test of
+``auto`` passes ``pcie_frac="auto"`` itself.
+
 A plugin and its tests import only ``strata_core.plugin``, ``strata_core.testing`` and the public
 ``strata_core.Engine`` (``tests/test_plugin_contract.py`` checks it).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,6 +46,11 @@ from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
 from strata_core.testing.models import TinyModelOptions, write_tiny_model
 
 TINY_MODEL_TYPES = ("F32", "F16", "Q8_0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Fix the decode split of misses for the session (see the module docstring)."""
+    os.environ.setdefault("STRATA_PCIE_FRAC", "1")
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 
 from strata_core.model.spec import ModelSpec
 
-__all__ = ["LlamaCppPlacement", "llama_bench_command", "n_cpu_moe_for_budget"]
+__all__ = ["LlamaCppPlacement", "llama_bench_commands", "n_cpu_moe_for_budget"]
 
 _EXPERTS = re.compile(r"^blk\.(\d+)\.ffn_\w+_exps\.")
 #: llama-bench's ubatch in the budget commands (its compute buffers scale with it)
@@ -75,10 +76,17 @@ def n_cpu_moe_for_budget(tensor_bytes: dict[str, int], spec: ModelSpec, budget: 
     return None
 
 
-def llama_bench_command(model: Path, n_cpu_moe: int, prompt: int, generate: int, threads: int) -> str:
-    """The llama-bench command line of a budget row: every layer on the GPU but the first ``n_cpu_moe``
-    layers' experts, flash attention, every host core."""
-    args = ["llama-bench", "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-fa", "1",
-            "-ub", str(UBATCH), "-b", str(max(UBATCH, prompt)), "-p", str(prompt), "-n", str(generate),
-            "-t", str(threads)]
-    return shlex.join(args)
+def llama_bench_commands(model: Path, n_cpu_moe: int, prompts: Sequence[int], decode_tokens: int,
+                         depths: Sequence[int], threads: int) -> list[str]:
+    """The llama-bench command lines of a budget row measuring what ``strata bench`` measures: every
+    layer on the GPU but the first ``n_cpu_moe`` layers' experts, flash attention, every host core; one
+    line for prefill of each of ``prompts`` tokens (``-n 0``), one for decode of ``decode_tokens`` tokens
+    after each of ``depths`` tokens of context (``-p 0 -d``); a line only where its lengths are given."""
+    base = ["llama-bench", "-m", str(model), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-fa", "1",
+            "-ub", str(UBATCH), "-t", str(threads)]
+    lines = []
+    if prompts:
+        lines.append(base + ["-b", str(max(UBATCH, *prompts)), "-p", ",".join(map(str, prompts)), "-n", "0"])
+    if depths:
+        lines.append(base + ["-p", "0", "-n", str(decode_tokens), "-d", ",".join(map(str, depths))])
+    return [shlex.join(args) for args in lines]
