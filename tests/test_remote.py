@@ -73,10 +73,21 @@ def test_launch_from_flags_or_torchrun_and_ranks_checked_against_devices():
 
 
 def test_placements_that_move_state_or_experts_between_ranks_are_refused():
+    """State moves only from rank 0's prompt device to a whole decode segment of another rank."""
     slots = (DeviceSlot(0, torch.device("cpu")), DeviceSlot(1, torch.device("cpu"), rank=1))
-    check_placement(Placement.stages([(0, range(0, 2)), (1, range(2, 4))]), slots)
-    with pytest.raises(ConfigError, match="prompts and .*another rank's layer state cannot move"):
-        check_placement(Placement.stages([(0, range(0, 2)), (1, range(2, 4))], prompt_device=0), slots)
+    split = [(0, range(0, 2)), (1, range(2, 4))]
+    check_placement(Placement.stages(split), slots)
+    check_placement(Placement.stages(split, prompt_device=0, prompt_peer=False), slots)  # prefill_main
+    with pytest.raises(ConfigError, match=r"layers 0..1 decode on cpu#0 and their prompts run on rank1:cpu#1; "
+                                          "layer state moves between ranks only from one device slot of rank 0"):
+        check_placement(Placement.stages(split, main=0, prompt_device=1, prompt_peer=False), slots)
+    half = Placement.stages(split, prompt_device=0, prompt_peer=False)
+    partly = Placement(prompt=(*half.prompt[:3], LayerPlacement.local(1)), decode=half.decode)
+    with pytest.raises(ConfigError, match=r"layers 2..3 decode on rank1:cpu#1 and their prompts run on cpu#0, "
+                                          "rank1:cpu#1"):
+        check_placement(partly, slots)
+    with pytest.raises(ConfigError, match="layer 2 \\(prompt\\) on cpu#0 reads from rank1:cpu#1, a device of another"):
+        check_placement(Placement.stages(split, prompt_device=0, prompt_peer=True), slots)
     with pytest.raises(ConfigError, match="main device rank1:cpu#1 must be rank 0's"):
         check_placement(Placement.stages([(1, range(0, 4))]), slots)
     local = LayerPlacement.local(0)
@@ -97,24 +108,38 @@ def test_a_rank_with_another_model_or_settings_is_named():
 
 # --- two processes ---------------------------------------------------------------------------------
 
-def test_three_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(model):
+def _ranks(model: Path, n: int, *options: str, stop_last: bool = False) -> dict:
+    """Run ``n`` ranks of tests/remote_ranks.py with ``options``: rank 0's findings."""
     port = str(free_port())
-    peers = [subprocess.Popen([sys.executable, str(RANKS), str(model), port, str(rank), "3"], env=ENV,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in (1, 2)]
+    peers = [subprocess.Popen([sys.executable, str(RANKS), str(model), port, str(rank), str(n), *options], env=ENV,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for rank in range(1, n)]
+    stop = ["--stop", str(peers[-1].pid)] if stop_last else []
     try:
-        done = subprocess.run([sys.executable, str(RANKS), str(model), port, "0", "3", str(peers[-1].pid)], env=ENV,
+        done = subprocess.run([sys.executable, str(RANKS), str(model), port, "0", str(n), *options, *stop], env=ENV,
                               capture_output=True, text=True, timeout=120)
     finally:
         for peer in peers:
             peer.kill()
             peer.wait()
     assert done.returncode == 0, done.stderr[-3000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
-    assert found["logits"] and found["greedy"] and found["windows"], found
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_three_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(model):
+    found = _ranks(model, 3, stop_last=True)
+    assert found["logits"] and found["greedy"] and found["windows"] and found["turns"], found
     assert found["layers_here"] == [0]  # ranks 1 and 2 compute 1..3: rank 0 never loaded them
     assert found["error"] is not None and found["error"].startswith("rank 2 (rank2:cpu#3, layers 3..3) died or stopped")
     assert TIMEOUT_S - 1 <= found["seconds"] < TIMEOUT_S + BOUND_S  # the heartbeat may have begun waiting first
     assert found["health"] == found["error"]
+
+
+def test_prefill_main_prompts_on_rank_0_and_decodes_on_rank_1_like_single(model):
+    """Every prompt on rank 0, layers 2..3 decoded on rank 1: the KV of those layers handed off over the
+    ranks' channel after each prompt and back before the next; logits and greedy text as single's."""
+    found = _ranks(model, 2, "--strategy", "prefill_main")
+    assert found["logits"] and found["greedy"] and found["windows"] and found["turns"], found
+    assert found["layers_here"] == [0, 1, 2, 3]  # the prompt runs every layer on rank 0
 
 
 def _serve(model: Path, rank: int, dist_port: int, http_port: int, *extra: str) -> subprocess.Popen:

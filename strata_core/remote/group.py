@@ -1,9 +1,10 @@
 """The joined ranks: refusal at join, rank 0's one channel to each rank, heartbeat, failure.
 
-Every exchange is rank 0's, under one lock (a step and the heartbeat never interleave): a *chain*
-of hops, each a rank's header (a small dict: what to run, the rank its hidden state comes from and
-the one its output goes to), the hidden state sent to the first, passed from rank to rank, and the
-last one's output back to rank 0, then each rank's status (None, or the error its step raised).
+Every exchange is rank 0's, under one lock (a step and the heartbeat never interleave): a
+*request* (a message and its answer, e.g. a session's KV rows handed off) or a *chain* of hops,
+each a rank's header (a small dict: what to run, the rank its hidden state comes from and the one
+its output goes to), the hidden state sent to the first, passed from rank to rank, and the last
+one's output back to rank 0, then each rank's status (None, or the error its step raised).
 
 A rank that dies closes its connection (seen at once); one that stops answering is seen when
 ``--dist-timeout`` runs out. Either way the cluster is failed for good: every later exchange raises
@@ -186,6 +187,20 @@ class Cluster:
                 raise error
         return out
 
+    def request(self, rank: int, message: dict[str, Any]) -> Any:
+        """Ask ``rank`` something that carries no hidden state (``message``, given to the ``answer`` it
+        serves with): its answer, a picklable object. The error its answer raised is re-raised here
+        (the rank goes on); a rank that fails raises RankFailedError."""
+        reply: list[Any] = [None]
+        with self._channel() as peer:
+            peer.rank = rank
+            dist.send_object_list([{"op": "request", "message": message}], dst=rank, group=self._steps)
+            dist.recv_object_list(reply, src=rank, group=self._steps)
+        error, value = reply[0]
+        if error is not None:
+            raise error
+        return value
+
     def wait_ready(self) -> None:
         """Rank 0, loaded: wait (up to :data:`LOAD_TIMEOUT_S`) for every rank to say it has loaded (the
         first load error is raised here), let them all start serving together, start the heartbeat."""
@@ -233,11 +248,13 @@ class Cluster:
         if error is None:
             dist.barrier()
 
-    def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device) -> None:
-        """Another rank: answer rank 0's pings and run each hop it sends (``step(header, hidden on
+    def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device,
+              answer: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """Another rank: answer rank 0's pings, run each hop it sends (``step(header, hidden on
         device)``, the hidden state from the header's ``src``, the output to its ``dst``, then the
-        status to rank 0; a failed step passes zeros on) until it says stop; RankFailedError when a
-        rank it waits on is gone or silent past the timeout."""
+        status to rank 0; a failed step passes zeros on) and answer its requests (``answer(message)``,
+        :meth:`request`) until it says stop; RankFailedError when a rank it waits on is gone or silent
+        past the timeout."""
         while True:
             try:
                 received: list[Any] = [None]
@@ -247,6 +264,9 @@ class Cluster:
                     return
                 if header["op"] == "ping":
                     dist.send_object_list([None], dst=0, group=self._steps)
+                    continue
+                if header["op"] == "request":
+                    dist.send_object_list([self._answer(answer, header["message"])], dst=0, group=self._steps)
                     continue
                 wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]))
                 dist.recv(wire, src=header["src"], group=self._steps)
@@ -261,6 +281,18 @@ class Cluster:
             except (RuntimeError, dist.DistBackendError) as error:
                 raise RankFailedError(f"rank {self.rank}: a rank it waits on died or stopped answering: "
                                       f"{_first_line(error)}") from None
+
+
+    def _answer(self, answer: Callable[[dict[str, Any]], Any] | None, message: dict[str, Any]
+                ) -> tuple[BaseException | None, Any]:
+        """``(error, value)`` of ``answer(message)``: what :meth:`request` receives."""
+        try:
+            if answer is None:
+                raise StrataError(f"rank {self.rank} answers no requests")
+            return None, answer(message)
+        except Exception as exc:  # noqa: BLE001 - a failed request fails on rank 0, not this rank
+            log.exception("rank %d: a request failed", self.rank)
+            return _portable(exc, self.rank), None
 
 
 class _Peer:

@@ -8,7 +8,9 @@ offsets (decode), and the ids of sessions released since. The other rank keeps a
 per (session id, segment) holding that segment's KV: a mirror longer than rank 0's session is cut
 back to it (a request reusing a slot's prefix, rejected drafts, a step that failed after this rank
 ran), one shorter is an error (prefix sharing and the conversation cache, which hold positions no
-step brought, are off across ranks).
+step brought, are off across ranks). A hand-off between a prompt segment on rank 0 and a decode
+segment on another rank (prefill_main) moves the session's rows of that segment into its mirror and
+back (``KVCache.leave`` on one side, ``arrive`` on the other), all its positions each time.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from strata_core.config import StrataSettings
 from strata_core.errors import StrataError
-from strata_core.model.kvcache import KVCache
+from strata_core.model.kvcache import KVCache, KVSnapshot
 from strata_core.plugin.placement import DeviceSlot, Phase, Segment
 from strata_core.remote.group import Cluster
 from strata_core.remote.launch import Launch
@@ -80,18 +82,47 @@ class RemoteStages:
                 hops.append((rank, self._header(rank, phase, segment, hidden, batch)))
         return self.cluster.exchange(hops, hidden).to(hidden.device)
 
-    def _header(self, rank: int, phase: Phase, segment: Segment, hidden: torch.Tensor,
-                batch: PromptBatch | DecodeBatch) -> dict[str, Any]:
-        """What ``rank`` needs to run ``segment`` of the step (and the sessions released since its last)."""
+    def hand_off(self, session: Session, layers: range, src: DeviceSlot, dst: DeviceSlot) -> None:
+        """Move ``session``'s state of ``layers`` (a whole decode segment of another rank) between this
+        rank and that one: from here it leaves this cache and arrives in the other rank's mirror of the
+        segment; from there it leaves the mirror and arrives here. A hand-off that fails on the way out
+        puts the rows back here."""
+        if src.rank == self.cluster.rank:
+            rows = session.kv.leave(layers, dst.index)
+            try:
+                self.cluster.request(dst.rank, self._message(dst.rank, "arrive", session, dst, layers)
+                                     | {"rows": (rows.n_tokens, rows.tensors)})
+            except BaseException:
+                session.kv.arrive(rows, src.index, src.device)
+                raise
+        else:
+            n_tokens, tensors = self.cluster.request(src.rank, self._message(src.rank, "leave", session, src, layers)
+                                                     | {"to": dst.index})
+            session.kv.arrive(KVSnapshot(n_tokens, tensors), dst.index, dst.device)
+
+    def _message(self, rank: int, what: str, session: Session, slot: DeviceSlot, layers: range) -> dict[str, Any]:
+        """A hand-off request to ``rank`` about its mirror of ``session`` on ``slot``, ``layers``."""
+        return {"what": what, "released": self._released(rank, [session]), "session": (session.id, session.n_tokens),
+                "segment": (slot.index, layers.start, layers.stop)}
+
+    def _released(self, rank: int, sessions: Sequence[Session]) -> list[int]:
+        """The ids of the sessions ``rank`` holds mirrors of that were released since it was last told;
+        ``sessions`` are held from now on."""
         held = self._held.setdefault(rank, {})
         released = [sid for sid, ref in held.items() if (s := ref()) is None or s.kv.released]
         for sid in released:
             del held[sid]
-        for session in batch.sessions:
+        for session in sessions:
             held.setdefault(session.id, weakref.ref(session))
+        return released
+
+    def _header(self, rank: int, phase: Phase, segment: Segment, hidden: torch.Tensor,
+                batch: PromptBatch | DecodeBatch) -> dict[str, Any]:
+        """What ``rank`` needs to run ``segment`` of the step (and the sessions released since its last)."""
         header: dict[str, Any] = {
             "op": phase, "segments": [_named(segment)], "sessions": [(s.id, s.n_tokens) for s in batch.sessions],
-            "released": released, "shape": tuple(hidden.shape), "dtype": str(hidden.dtype).removeprefix("torch."),
+            "released": self._released(rank, batch.sessions), "shape": tuple(hidden.shape),
+            "dtype": str(hidden.dtype).removeprefix("torch."),
         }
         if isinstance(batch, PromptBatch):
             header["lengths"] = batch.lengths
@@ -120,12 +151,30 @@ class StageServer:
 
     def step(self, header: dict[str, Any], hidden: torch.Tensor) -> torch.Tensor:
         """Run one hop's segments in order; the hidden state out."""
-        for sid in header["released"]:
-            for mirror in self._mirrors.pop(sid, {}).values():
-                self.engine.release_session(mirror)
+        self._release(header["released"])
         for slot, start, stop in header["segments"]:
             hidden = self._segment(header, Segment(slot, range(start, stop)), hidden)
         return hidden
+
+    def answer(self, message: dict[str, Any]) -> tuple[int, dict[int, dict[str, torch.Tensor]]] | None:
+        """A hand-off (:meth:`RemoteStages.hand_off`): rows that ``arrive`` in a session's mirror of a
+        segment, or that ``leave`` it (returned as ``(positions, layer -> name -> tensor)``)."""
+        self._release(message["released"])
+        (sid, n_tokens), (slot, start, stop) = message["session"], message["segment"]
+        segment = Segment(slot, range(start, stop))
+        if message["what"] == "arrive":
+            mirror = self._mirror_of(sid, segment)
+            positions, tensors = message["rows"]
+            mirror.kv.arrive(KVSnapshot(positions, tensors), slot, self.engine.devices[slot].device)
+            mirror.tokens[:] = [UNSET] * positions
+            return None
+        rows = self._mirror(sid, n_tokens, segment).kv.leave(segment.layers, message["to"])
+        return rows.n_tokens, rows.tensors
+
+    def _release(self, released: Sequence[int]) -> None:
+        for sid in released:
+            for mirror in self._mirrors.pop(sid, {}).values():
+                self.engine.release_session(mirror)
 
     def _segment(self, header: dict[str, Any], segment: Segment, hidden: torch.Tensor) -> torch.Tensor:
         rows = [self._mirror(sid, n, segment) for sid, n in header["sessions"]]
@@ -153,8 +202,8 @@ class StageServer:
                 session.kv.trim()
         return out
 
-    def _mirror(self, sid: int, n_tokens: int, segment: Segment) -> Session:
-        """The mirror of session ``sid`` for ``segment``, holding ``n_tokens`` positions as rank 0's does."""
+    def _mirror_of(self, sid: int, segment: Segment) -> Session:
+        """The mirror of session ``sid`` for ``segment`` (made empty where there is none)."""
         mirrors = self._mirrors.setdefault(sid, {})
         session = mirrors.get((segment.device, segment.layers.start))
         if session is None:
@@ -163,6 +212,11 @@ class StageServer:
             session = Session(kv=KVCache.for_spec(engine.spec, engine.max_context, dtype=engine.dtype,
                                                   layers=segment.layers, homes=homes, pools=engine.kv_pools))
             mirrors[(segment.device, segment.layers.start)] = session
+        return session
+
+    def _mirror(self, sid: int, n_tokens: int, segment: Segment) -> Session:
+        """The mirror of session ``sid`` for ``segment``, holding ``n_tokens`` positions as rank 0's does."""
+        session = self._mirror_of(sid, segment)
         if session.n_tokens > n_tokens:
             session.truncate(n_tokens)
         if session.n_tokens < n_tokens:
@@ -186,7 +240,8 @@ def serve_stages(settings: StrataSettings, launch: Launch) -> None:
     local = [d for d in engine.devices if d.rank == cluster.rank]
     log.info("rank %d: serving %s for rank 0", cluster.rank, ", ".join(map(str, local)))
     try:
-        cluster.serve(StageServer(engine).step, local[0].device)
+        server = StageServer(engine)
+        cluster.serve(server.step, local[0].device, server.answer)
         log.info("rank %d: rank 0 said stop", cluster.rank)
     except KeyboardInterrupt:  # torchrun passes Ctrl-C to every rank: rank 0 stops serving too
         log.info("rank %d: interrupted", cluster.rank)
