@@ -89,15 +89,16 @@ class Cluster:
     # --- joining ---------------------------------------------------------------------------------
 
     @classmethod
-    def join(cls, settings: StrataSettings, launch: Launch) -> Cluster:
+    def join(cls, settings: StrataSettings, launch: Launch, store: dist.Store | None = None) -> Cluster:
         """Join the ranks of ``launch`` (waiting up to :data:`LOAD_TIMEOUT_S` for them) and compare each
         rank's model file and settings with rank 0's: ConfigError on every rank, naming the rank and
-        the difference, when one differs."""
+        the difference, when one differs. ``store``: where the ranks meet (None: a TCP store at the
+        launch's address), for a process that joins the ranks again after leaving them (the gate)."""
         log.info("rank %d of %d: joining at %s", launch.rank, launch.world, launch.address)
+        meet: dict[str, Any] = {"init_method": f"tcp://{launch.address}"} if store is None else {"store": store}
         try:
-            dist.init_process_group(BACKEND, init_method=f"tcp://{launch.address}", rank=launch.rank,
-                                    world_size=launch.world,
-                                    timeout=timedelta(seconds=max(settings.dist_timeout, LOAD_TIMEOUT_S)))
+            dist.init_process_group(BACKEND, rank=launch.rank, world_size=launch.world,
+                                    timeout=timedelta(seconds=max(settings.dist_timeout, LOAD_TIMEOUT_S)), **meet)
         except (RuntimeError, ValueError) as error:
             raise ConfigError(f"rank {launch.rank}: could not join the other ranks at {launch.address}: "
                               f"{error}") from None

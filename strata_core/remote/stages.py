@@ -100,6 +100,11 @@ class RemoteStages:
                                                      | {"to": dst.index})
             session.kv.arrive(KVSnapshot(n_tokens, tensors), dst.index, dst.device)
 
+    def resident(self) -> set[tuple[int, int]]:
+        """The (layer, expert) entries the other ranks' caches hold."""
+        return set().union(*(self.cluster.request(rank, {"what": "resident", "released": self._released(rank, [])})
+                             for rank in range(1, self.cluster.world)))
+
     def _message(self, rank: int, what: str, session: Session, slot: DeviceSlot, layers: range) -> dict[str, Any]:
         """A hand-off request to ``rank`` about its mirror of ``session`` on ``slot``, ``layers``."""
         return {"what": what, "released": self._released(rank, [session]), "session": (session.id, session.n_tokens),
@@ -156,10 +161,13 @@ class StageServer:
             hidden = self._segment(header, Segment(slot, range(start, stop)), hidden)
         return hidden
 
-    def answer(self, message: dict[str, Any]) -> tuple[int, dict[int, dict[str, torch.Tensor]]] | None:
-        """A hand-off (:meth:`RemoteStages.hand_off`): rows that ``arrive`` in a session's mirror of a
-        segment, or that ``leave`` it (returned as ``(positions, layer -> name -> tensor)``)."""
+    def answer(self, message: dict[str, Any]) -> Any:
+        """Rank 0's request: the experts this rank's caches hold (``resident``), or a hand-off
+        (:meth:`RemoteStages.hand_off`): rows that ``arrive`` in a session's mirror of a segment, or that
+        ``leave`` it (returned as ``(positions, layer -> name -> tensor)``)."""
         self._release(message["released"])
+        if message["what"] == "resident":
+            return self.engine.resident_experts()
         (sid, n_tokens), (slot, start, stop) = message["session"], message["segment"]
         segment = Segment(slot, range(start, stop))
         if message["what"] == "arrive":
@@ -225,12 +233,13 @@ class StageServer:
         return session
 
 
-def serve_stages(settings: StrataSettings, launch: Launch) -> None:
-    """Another rank's whole life: join, load this rank's layers, tell rank 0, run its steps until it
-    says stop (or Ctrl-C); RankFailedError when a rank it waits on dies or stops answering."""
+def serve_stages(settings: StrataSettings, launch: Launch, store: torch.distributed.Store | None = None) -> None:
+    """Another rank's whole life: join (at ``store``, see :meth:`Cluster.join`), load this rank's
+    layers, tell rank 0, run its steps until it says stop (or Ctrl-C); RankFailedError when a rank it
+    waits on dies or stops answering."""
     from strata_core.engine import Engine
 
-    cluster = Cluster.join(settings, launch)
+    cluster = Cluster.join(settings, launch, store)
     try:
         engine = Engine.from_settings(settings, cluster=cluster)
     except Exception as error:
