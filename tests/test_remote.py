@@ -24,7 +24,7 @@ from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.errors import ConfigError
 from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
-from strata_core.remote.group import _difference
+from strata_core.remote.group import _difference, chain_links, link_backend
 from strata_core.remote.launch import Launch, check_placement, launch_of
 from strata_core.runtime.devices import resolve_slots
 
@@ -94,6 +94,16 @@ def test_placements_that_move_state_or_experts_between_ranks_are_refused():
     with pytest.raises(ConfigError, match="reads from rank1:cpu#1, a device of another rank"):
         check_placement(Placement(prompt=(local,), decode=(LayerPlacement(0, (local.experts[0], *local.experts[1:]),
                                                                               attention_peer=1),)), slots)
+
+
+def test_a_link_between_two_gpus_goes_over_nccl_any_other_over_gloo():
+    """The backend per link of a chain (rank 0 -> hops -> rank 0); untested on hardware here."""
+    cpu, gpu0, gpu1 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    assert link_backend(gpu0, gpu1) == "nccl" and link_backend(gpu0, gpu0) == "nccl"
+    assert link_backend(cpu, gpu0) == link_backend(gpu1, cpu) == link_backend(cpu, cpu) == "gloo"
+    assert chain_links([(gpu0, gpu1), (cpu, cpu)], gpu0) == ["nccl", "gloo", "gloo"]
+    assert chain_links([(gpu0, gpu0)], cpu) == ["gloo", "gloo"]
+    assert chain_links([(cpu, gpu1), (gpu0, gpu0)], gpu0) == ["gloo", "nccl", "nccl"]
 
 
 def test_a_rank_with_another_model_or_settings_is_named():

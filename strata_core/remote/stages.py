@@ -27,7 +27,7 @@ from strata_core.config import StrataSettings
 from strata_core.errors import StrataError
 from strata_core.model.kvcache import KVCache, KVSnapshot
 from strata_core.plugin.placement import DeviceSlot, Phase, Segment
-from strata_core.remote.group import Cluster
+from strata_core.remote.group import Cluster, chain_links
 from strata_core.remote.launch import Launch
 from strata_core.runtime.session import UNSET, DecodeBatch, PromptBatch, Session
 
@@ -74,13 +74,16 @@ class RemoteStages:
         consecutive segments in one), each rank's output sent straight to the next; the last one's on
         ``hidden``'s device."""
         hops: list[tuple[int, dict[str, Any]]] = []
+        ends: list[tuple[torch.device, torch.device]] = []  # each hop's input and output device
         for segment in segments:
-            rank = self._devices[segment.device].rank
-            if hops and hops[-1][0] == rank:
+            slot = self._devices[segment.device]
+            if hops and hops[-1][0] == slot.rank:
                 hops[-1][1]["segments"].append(_named(segment))
+                ends[-1] = (ends[-1][0], slot.device)
             else:
-                hops.append((rank, self._header(rank, phase, segment, hidden, batch)))
-        return self.cluster.exchange(hops, hidden).to(hidden.device)
+                hops.append((slot.rank, self._header(slot.rank, phase, segment, hidden, batch)))
+                ends.append((slot.device, slot.device))
+        return self.cluster.exchange(hops, hidden, chain_links(ends, hidden.device)).to(hidden.device)
 
     def hand_off(self, session: Session, layers: range, src: DeviceSlot, dst: DeviceSlot) -> None:
         """Move ``session``'s state of ``layers`` (a whole decode segment of another rank) between this
