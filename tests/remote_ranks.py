@@ -62,10 +62,10 @@ def turns(engine: Engine) -> list[torch.Tensor]:
     return out
 
 
-def loaded(engine: Engine, layer: int) -> bool:
-    """Whether this process holds ``layer``'s dense weights."""
+def loaded(engine: Engine, layer: int, device: str) -> bool:
+    """Whether this process holds ``layer``'s dense weights on ``device``."""
     try:
-        return bool(engine.model.weights.at(layer, "cpu"))
+        return bool(engine.model.weights.at(layer, device))
     except ConfigError:
         return False
 
@@ -111,7 +111,7 @@ def main() -> None:
                                                                                         temperature=0),
         "windows": all(torch.equal(a, b) for a, b in zip(windows(engine, 3), windows(want, 3))),
         "turns": all(torch.equal(a, b) for a, b in zip(turns(engine), turns(want))),
-        "layers_here": [layer for layer in range(4) if loaded(engine, layer)],
+        "layers_here": [layer for layer in range(4) if loaded(engine, layer, args.main_device)],
     }
     if args.stop is not None:
         os.kill(args.stop, signal.SIGSTOP)

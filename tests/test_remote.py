@@ -1,7 +1,9 @@
 """An engine over several ranks (issue 25): layer_split with stages in other processes, joined by gloo
 on loopback. Over three ranks (the hidden state passed rank to rank, two device slots on one rank):
-bit-identical logits, greedy text and micro-batched windows against ``single``, only the own layers
-loaded, a rank that stops answering failed after the timeout. Over two: the server on
+bit-identical logits, greedy text, micro-batched windows and a two-turn conversation against
+``single``, only the own layers loaded, a rank that stops answering failed after the timeout; the
+same for prefill_main over two (its KV handed off between the ranks); rank 0 on cuda:0 too where
+there is one (against the same placement in one process). Over two: the server on
 rank 0 answering the OpenAI client, /health naming a killed rank in bounded time and requests
 failing with it, a rank with other settings refused."""
 
@@ -135,8 +137,15 @@ def _ranks(model: Path, n: int, *options: str, stop_last: bool = False) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_three_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(model):
-    found = _ranks(model, 3, stop_last=True)
+#: rank 0's device in the tests over several processes (the other ranks compute on the CPU); on CUDA the
+#: reference is the same placement in one process, on the CPU single (bit-identical whatever the placement)
+MAIN_DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                       reason="needs a CUDA device"))]
+
+
+@pytest.mark.parametrize("main_device", MAIN_DEVICES)
+def test_three_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(model, main_device):
+    found = _ranks(model, 3, "--main-device", main_device, stop_last=True)
     assert found["logits"] and found["greedy"] and found["windows"] and found["turns"], found
     assert found["layers_here"] == [0]  # ranks 1 and 2 compute 1..3: rank 0 never loaded them
     assert found["error"] is not None and found["error"].startswith("rank 2 (rank2:cpu#3, layers 3..3) died or stopped")
@@ -144,10 +153,11 @@ def test_three_ranks_equal_single_and_a_stopped_rank_fails_after_the_timeout(mod
     assert found["health"] == found["error"]
 
 
-def test_prefill_main_prompts_on_rank_0_and_decodes_on_rank_1_like_single(model):
+@pytest.mark.parametrize("main_device", MAIN_DEVICES)
+def test_prefill_main_prompts_on_rank_0_and_decodes_on_rank_1_like_single(model, main_device):
     """Every prompt on rank 0, layers 2..3 decoded on rank 1: the KV of those layers handed off over the
-    ranks' channel after each prompt and back before the next; logits and greedy text as single's."""
-    found = _ranks(model, 2, "--strategy", "prefill_main")
+    ranks' channel after each prompt and back before the next; logits and greedy text as the reference's."""
+    found = _ranks(model, 2, "--strategy", "prefill_main", "--main-device", main_device)
     assert found["logits"] and found["greedy"] and found["windows"] and found["turns"], found
     assert found["layers_here"] == [0, 1, 2, 3]  # the prompt runs every layer on rank 0
 
