@@ -33,12 +33,12 @@ from strata_core.model.registry import get_architecture, load_model_spec
 from strata_core.model.spec import ModelSpec
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
-from strata_core.plugin.manager import StrataPluginManager, build_plugin_manager
+from strata_core.plugin.manager import SelectedStrategy, StrataPluginManager, build_plugin_manager
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 from strata_core.plugin.spec import StrategyOptions
 from strata_core.remote import Cluster, RankFailedError, RemoteStages, launch_of
 from strata_core.remote.launch import check_placement
-from strata_core.runtime.devices import resolve_slots, synchronize
+from strata_core.runtime.devices import resolve_slots, split_rank, synchronize
 from strata_core.runtime.memory_plan import dense_bytes_per_device
 from strata_core.runtime.runner import Runner
 from strata_core.runtime.session import DecodeBatch, Session, SessionSnapshot
@@ -80,6 +80,20 @@ def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtyp
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     return getattr(torch, settings.dtype)
 
+
+
+def plan_placement(plugins: StrataPluginManager, selected: SelectedStrategy, settings: StrataSettings,
+                   devices: Sequence[DeviceSlot], spec: ModelSpec) -> Placement:
+    """The placement ``selected`` gives on ``devices`` for ``spec``, validated, and checked to run across
+    ranks where a device slot is another rank's (ConfigError naming what cannot)."""
+    placement = plugins.hook.strata_topology(devices=list(devices), spec=spec, settings=settings,
+                                             options=selected.options)
+    if placement is None:
+        raise ConfigError(f"strategy {selected.spec.name!r} returned no placement")
+    placement.validate(spec.n_layers, len(devices))
+    if any(slot.rank for slot in devices):
+        check_placement(placement, tuple(devices))
+    return placement
 
 class Engine:
     """A loaded model under one strategy. Not thread-safe: call it from one thread."""
@@ -164,7 +178,8 @@ class Engine:
         report = progress or (lambda fraction: None)
         plugins = build_plugin_manager(settings)
         selected = plugins.select_strategy(settings.strategy, settings.strategy_options)
-        if cluster is None and (launch := launch_of(settings)) is not None:
+        others = any(split_rank(name)[0] for name in settings.devices)  # devices of other ranks: join them
+        if cluster is None and others and (launch := launch_of(settings)) is not None:
             cluster = Cluster.join(settings, launch)
         rank = 0 if cluster is None else cluster.rank
         devices = resolve_slots(settings.devices, rank, None if cluster is None else cluster.memory)
@@ -173,13 +188,7 @@ class Engine:
         spec = load_model_spec(gguf_file)
         if settings.spec == "mtp":  # before any weight is read
             mtp_block_spec(settings.model, spec)
-        placement = plugins.hook.strata_topology(devices=list(devices), spec=spec, settings=settings,
-                                                 options=selected.options)
-        if placement is None:
-            raise ConfigError(f"strategy {selected.spec.name!r} returned no placement")
-        placement.validate(spec.n_layers, len(devices))
-        if cluster is not None:
-            check_placement(placement, devices)
+        placement = plan_placement(plugins, selected, settings, devices, spec)
         log.info("model %s: %s, %d layers, %d experts (top-%d)", settings.model, spec.architecture,
                  spec.n_layers, spec.n_experts, spec.n_experts_used)
         for phase in PHASES:
@@ -252,6 +261,11 @@ class Engine:
     def broken(self) -> RankFailedError | None:
         """Why this engine cannot run any more (a rank died or stopped answering), or None."""
         return None if self.remote is None else self.remote.cluster.failure
+
+    def resident_experts(self) -> set[tuple[int, int]]:
+        """The (layer, expert) entries every device cache holds, other ranks' included."""
+        held = {entry for table in self.experts.tables.values() for entry in table.resident()}
+        return held if self.remote is None else held | self.remote.resident()
 
     # --- sessions ---------------------------------------------------------------------------------
 

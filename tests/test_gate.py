@@ -1,5 +1,6 @@
 """`strata gate` on cpu,cpu with the demo model: every installed topology IDENTICAL to single with the
-same expert set; a difference is named (strategy, prompt, position) and exits 1."""
+same expert set; a difference is named (strategy, prompt, position) and exits 1. Across two ranks
+(two local processes): IDENTICAL on rank 0, and the strategies that read another rank's memory refused."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from pydantic import Field
 
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
+from strata_core.errors import ConfigError
 from strata_core.plugin import GateLayout, Placement, StrategyOptions, StrategySpec, hookimpl
 from strata_core.plugin.manager import build_plugin_manager
 from strata_core.tools import gate
+from strata_core.tools.serve_launcher import free_port
 
 
 def test_the_gate_passes_every_installed_topology_on_logical_devices():
@@ -129,3 +132,36 @@ def test_every_strategy_gets_single_s_expert_set():
         engine.close()
     assert "even_split" in union and len(union["single"]) == 16
     assert all(held == union["single"] for held in union.values())
+
+
+def test_across_ranks_strategies_that_read_another_rank_s_memory_are_refused():
+    """peer_tier and gpu1_experts would read across to another rank: refused before anything loads."""
+    settings = StrataSettings(devices=["cpu", "rank1:cpu"], nnodes=2, dist_init_addr="127.0.0.1:1")
+    layout, specs = gate._plan(settings, ["layer_split", "prefill_main"], None, rank=0)
+    assert [s.name for s in specs] == ["single", "layer_split", "prefill_main"] and layout.experts_per_slot == 8
+    with pytest.raises(ConfigError, match=r"gate: across ranks no rank reads another's memory, so these strategies "
+                                          r"cannot run: peer_tier \(placement: .* a device of another rank\); "
+                                          r"gpu1_experts \(.*\); name the others with --strategies"):
+        gate._plan(settings, ["layer_split", "peer_tier", "gpu1_experts"], None, rank=1)
+
+
+def test_the_gate_across_two_ranks_prints_identical_on_rank_0():
+    """Two local processes joined by gloo: rank 0 prints the gate, rank 1 serves each strategy's stages."""
+    port = str(free_port())
+
+    def rank(r: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "strata_core", "gate", "--devices", "cpu,rank1:cpu",
+                                 "--strategies", "layer_split,prefill_main", "--prompts", "math", "--tokens", "4",
+                                 "--nnodes", "2", "--node-rank", str(r), "--dist-init-addr", f"127.0.0.1:{port}"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+
+    ranks = [rank(0), rank(1)]
+    try:
+        (out, err), (_, err1) = (process.communicate(timeout=300) for process in ranks)
+    finally:
+        for process in ranks:
+            process.kill()
+    assert ranks[0].returncode == 0 and ranks[1].returncode == 0, err[-2000:] + err1[-2000:]
+    lines = out.splitlines()
+    assert "single         reference (cpu)" in lines
+    assert "layer_split    IDENTICAL" in lines and "prefill_main   IDENTICAL" in lines and lines[-1] == "gate: IDENTICAL"

@@ -116,6 +116,38 @@ def test_hand_off_moves_only_the_given_layers_and_keeps_the_way_back():
     assert torch.equal(kv.state(1, "conv"), before[1]["conv"] + 1)
 
 
+def test_layers_leave_for_another_process_and_arrive_back_with_its_rows():
+    """``leave``: the layers' rows and state as host copies, the layers away (no read, no snapshot);
+    a mirror of those layers alone takes them whole; ``arrive`` brings them back onto their blocks."""
+    kv = filled(layout=HYBRID)
+    before = {i: {name: t.clone() for name, t in kv.committed(i).items()} for i in range(3)}
+    blocks = kv.blocks(0)
+    snap = kv.leave(range(1, 3), slot=1)
+    assert kv.home == {0: 0} and kv.away == {1: 1, 2: 1} and kv.n_tokens == 5
+    assert torch.equal(snap.tensors[2]["k"], before[2]["k"]) and torch.equal(snap.tensors[1]["conv"], before[1]["conv"])
+    with pytest.raises(ValueError, match="layer 1's state is on another rank's device slot 1"):
+        kv.snapshot()
+    mirror = KVCache(range(1, 3), 8, {1: HYBRID[1], 2: HYBRID[2]}, block_size=2)  # the other process's
+    mirror.arrive(snap, slot=0, device="cpu")
+    assert mirror.n_tokens == 5 and torch.equal(mirror.read(2, 5)[0], before[2]["k"])
+    mirror.reserve(6)  # one more position computed there
+    mirror.write(2, torch.tensor([5]), k=torch.ones(1, 2, 4), v=torch.ones(1, 2, 4))
+    mirror.state(1, "conv").add_(1)
+    mirror.advance(1)
+    back = mirror.leave(range(1, 3), slot=0)
+    with pytest.raises(ValueError, match="the rows received hold 6 positions, this cache 5"):
+        kv.arrive(back, slot=0, device="cpu")
+    kv.reserve(6)
+    kv.write(0, torch.tensor([5]), k=torch.ones(1, 2, 4), v=torch.ones(1, 2, 4))
+    kv.advance(1)
+    kv.arrive(back, slot=0, device="cpu")
+    assert kv.home == {0: 0, 1: 0, 2: 0} and kv.away == {} and kv.blocks(0) == blocks
+    assert torch.equal(kv.read(2, 6)[0][:5], before[2]["k"]) and torch.equal(kv.read(2, 6)[0][5], torch.ones(2, 4))
+    assert torch.equal(kv.state(1, "conv"), before[1]["conv"] + 1)
+    with pytest.raises(ValueError, match="cannot receive layer 1 on slot 1: .* at home on slot 0"):
+        kv.arrive(back, slot=1, device="cpu")
+
+
 def test_snapshot_restore_roundtrip():
     kv = filled(layout=HYBRID)
     snap = kv.snapshot()

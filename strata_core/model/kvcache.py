@@ -14,8 +14,10 @@ layer has a *home* slot (where compute reads and writes it now). A hand-off (``m
 committed rows of the moved layers into the session's blocks on the other slot (one table per slot
 serves every layer the session keeps there) and the recurrent state into tensors parked there for
 the way back; the blocks left on the old slot stay the session's, so going back and forth between
-a prompt and a decode placement allocates each block once. Compute writes rows at the positions it
-computes, into blocks ``reserve`` made ready before (no allocation, no host work inside a layer);
+a prompt and a decode placement allocates each block once. Across processes (ranks) a hand-off is
+``leave`` (host copies of the layers' rows and state; the layers are *away* until they come back)
+on the sending side and ``arrive`` (written into this cache's blocks) on the receiving one. Compute
+writes rows at the positions it computes, into blocks ``reserve`` made ready before (no allocation, no host work inside a layer);
 the caller commits them with ``advance`` once every layer has run, so ``n_tokens`` is the number of
 positions all layers hold. Recurrent state cannot be rewound in general: ``truncate`` to a shorter
 non-zero length is refused for a cache that holds any (``can_truncate``), except inside the decode
@@ -133,6 +135,8 @@ class KVCache:
         self.version = 0
         homes = homes or {i: (0, torch.device(device)) for i in layers}
         self.home = {i: homes[i][0] for i in layers}  # layer -> device slot holding it now
+        #: layer -> another rank's device slot holding it now (``leave``; not in ``home`` meanwhile)
+        self.away: dict[int, int] = {}
         self._tables: dict[int, list[int]] = {}  # slot -> block ids (host)
         self._device_tables: dict[int, torch.Tensor] = {}  # slot -> int32 [max_blocks] on the slot's device
         #: slot -> int64 [max_blocks * block_size]: each position's row in the slot's pool, kept with the device
@@ -452,6 +456,61 @@ class KVCache:
             self._left.discard((i, slot))
             self.version += 1
 
+    def leave(self, layers: range, slot: int) -> KVSnapshot:
+        """Hand-off to another process: host copies of the committed rows and recurrent state of
+        ``layers`` (landed), after which the layers are *away* at device slot ``slot`` (another rank's):
+        no compute here reads them until :meth:`arrive` brings them back. Their blocks here stay this
+        cache's (their rows go stale)."""
+        self._check_here(layers)
+        snap = self.snapshot(layers)
+        snap.wait()
+        for i in layers:
+            del self._state[i], self.home[i]
+            self.away[i] = slot
+        self._steps = {i: steps for i, steps in self._steps.items() if i in self._state}
+        self.version += 1
+        return snap
+
+    def arrive(self, snap: KVSnapshot, slot: int, device: torch.device | str) -> None:
+        """Hand-off from another process: make ``slot`` (on ``device``) the home of the snapshot's
+        layers (away, or at home there) and write their rows and state. Where the cache keeps other
+        layers at home the snapshot must hold as many positions as they do; where it keeps none it
+        takes the snapshot's length (as :meth:`restore`)."""
+        layers = sorted(snap.tensors)
+        wrong = [i for i in layers if i not in self.layers or self.home.get(i, slot) != slot]
+        if wrong:
+            raise ValueError(f"cannot receive layer {wrong[0]} on slot {slot}: it is not this cache's or is at home "
+                             f"on slot {self.home.get(wrong[0])}")
+        staying = self.home.keys() - set(layers)
+        if staying and snap.n_tokens != self.n_tokens:
+            raise ValueError(f"the rows received hold {snap.n_tokens} positions, this cache {self.n_tokens}")
+        for i in layers:
+            if i not in self.home:
+                self._place_layer(i, slot, device)
+                self._state[i] = self._new_state(i, device)
+                self.home[i] = slot
+            self.away.pop(i, None)
+        self.version += 1
+        if not staying:
+            self.restore(snap)
+            return
+        self._extend(slot, blocks_for(self.n_tokens, self.block_size))
+        positions = torch.arange(self.n_tokens, device=self._device_tables[slot].device)
+        for i in layers:
+            named = snap.tensors[i]
+            rows = {name: t.to(positions.device) for name, t in named.items() if self._layout[i][name].per_token}
+            if rows:
+                self._store(i, positions, rows)
+            for name, t in named.items():
+                if not self._layout[i][name].per_token:
+                    self._state[i][name].copy_(t)
+
+    def _check_here(self, layers: range) -> None:
+        """ValueError when a layer of ``layers`` is away (its state is another process's now)."""
+        away = [i for i in layers if i in self.away]
+        if away:
+            raise ValueError(f"layer {away[0]}'s state is on another rank's device slot {self.away[away[0]]}")
+
     def parked(self, layer: int, slot: int) -> LayerTensors | None:
         """What a hand-off left of ``layer`` on ``slot``: its committed rows gathered from the blocks
         there and its parked recurrent state (what ``STRATA_DBG_HANDOFF`` compares), or None."""
@@ -477,7 +536,9 @@ class KVCache:
         """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory:
         from a CUDA device into pinned memory without waiting (each copy follows the work queued before
         it on the device's stream; the snapshot's events say when they have landed)."""
-        committed = {i: self.committed(i) for i in (self.layers if layers is None else layers)}
+        layers = self.layers if layers is None else layers
+        self._check_here(layers)
+        committed = {i: self.committed(i) for i in layers}
         tensors = {i: {name: _to_host(t) for name, t in named.items()} for i, named in committed.items()}
         ready = []
         for device in {t.device for named in committed.values() for t in named.values() if t.device.type == "cuda"}:

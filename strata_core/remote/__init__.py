@@ -1,4 +1,5 @@
-"""One engine over several processes (ranks), possibly on several hosts, joined by torch.distributed (gloo).
+"""One engine over several processes (ranks), possibly on several hosts, joined by torch.distributed:
+gloo for control, heartbeat and every hidden state with a host end, NCCL between two ranks' GPUs.
 
 A ``--devices`` entry may name another rank's device (``rank1:cuda:0``, ``rank1:cpu``); a placement
 puts layer ranges there like on any device slot. Rank 0 loads the tokenizer and runs the server and

@@ -1,9 +1,10 @@
 """The joined ranks: refusal at join, rank 0's one channel to each rank, heartbeat, failure.
 
-Every exchange is rank 0's, under one lock (a step and the heartbeat never interleave): a *chain*
-of hops, each a rank's header (a small dict: what to run, the rank its hidden state comes from and
-the one its output goes to), the hidden state sent to the first, passed from rank to rank, and the
-last one's output back to rank 0, then each rank's status (None, or the error its step raised).
+Every exchange is rank 0's, under one lock (a step and the heartbeat never interleave): a
+*request* (a message and its answer, e.g. a session's KV rows handed off) or a *chain* of hops,
+each a rank's header (a small dict: what to run, the rank its hidden state comes from and the one
+its output goes to), the hidden state sent to the first, passed from rank to rank, and the last
+one's output back to rank 0, then each rank's status (None, or the error its step raised).
 
 A rank that dies closes its connection (seen at once); one that stops answering is seen when
 ``--dist-timeout`` runs out. Either way the cluster is failed for good: every later exchange raises
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import pickle
 import threading
 import time
@@ -34,7 +36,7 @@ from strata_core.experts.sizing import available_bytes
 from strata_core.remote.launch import Launch
 from strata_core.runtime.devices import resolve_devices, split_rank
 
-__all__ = ["Cluster", "RankFailedError"]
+__all__ = ["Cluster", "RankFailedError", "chain_links", "link_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +47,31 @@ _HASHED_BYTES = 1 << 20
 #: how much later than the first another rank may join, and load its layers (the step timeout,
 #: ``--dist-timeout``, bounds everything after)
 LOAD_TIMEOUT_S = 3600.0
-#: gloo, also between GPUs: a hidden state is small (a token's is KBs), gloo's errors and timeouts
-#: are exceptions this process survives (the 503 naming the rank), and it crosses any network
+#: gloo for the control messages, the heartbeat and every hidden state with a host end: its errors and
+#: timeouts are exceptions this process survives (the 503 naming the rank), and it crosses any network
 BACKEND = "gloo"
+#: a hidden state from one rank's GPU to another's goes over NCCL (no host copy on either side), with
+#: blocking waits so that a rank that stops answering raises after the step timeout instead of hanging
+GPU_BACKEND = "nccl"
+
+
+def link_backend(src: torch.device, dst: torch.device) -> str:
+    """The backend of one link of a chain, a hidden state from ``src`` (a device of one rank) to ``dst``
+    (another rank's): NCCL where both ends are CUDA devices, gloo where either is the host."""
+    return GPU_BACKEND if src.type == dst.type == "cuda" else BACKEND
+
+
+def chain_links(hops: list[tuple[torch.device, torch.device]], home: torch.device) -> list[str]:
+    """The backends of a chain's links: from ``home`` (rank 0's device) into the first hop, from each
+    hop's output device (``hops``: ``(input device, output device)`` per hop) into the next, and from
+    the last back to ``home``."""
+    outs = [home, *(out for _, out in hops)]
+    ins = [*(inp for inp, _ in hops), home]
+    return [link_backend(a, b) for a, b in zip(outs, ins)]
+
+
+def _gpu_ranks(devices: list[str]) -> set[int]:
+    return {rank for rank, name in map(split_rank, devices) if torch.device(name).type == "cuda"}
 
 
 class RankFailedError(StrataError):
@@ -70,7 +94,7 @@ class Cluster:
     """This process's place among the joined ranks (:meth:`join`), and rank 0's channel to the others."""
 
     def __init__(self, launch: Launch, timeout: float, memory: dict[tuple[int, str], int],
-                 steps: dist.ProcessGroup) -> None:
+                 steps: dist.ProcessGroup, gpus: dist.ProcessGroup | None = None) -> None:
         self.rank = launch.rank
         self.world = launch.world
         self.timeout = timeout
@@ -84,19 +108,21 @@ class Cluster:
         self._heartbeat: threading.Thread | None = None
         self._names: dict[int, str] = {}
         self._steps = steps  # the group of the steps and pings: its timeout is the step timeout
+        self._gpus = gpus  # NCCL, for the links between two ranks' GPUs (None where fewer than two ranks have one)
 
     # --- joining ---------------------------------------------------------------------------------
 
     @classmethod
-    def join(cls, settings: StrataSettings, launch: Launch) -> Cluster:
+    def join(cls, settings: StrataSettings, launch: Launch, store: dist.Store | None = None) -> Cluster:
         """Join the ranks of ``launch`` (waiting up to :data:`LOAD_TIMEOUT_S` for them) and compare each
         rank's model file and settings with rank 0's: ConfigError on every rank, naming the rank and
-        the difference, when one differs."""
+        the difference, when one differs. ``store``: where the ranks meet (None: a TCP store at the
+        launch's address), for a process that joins the ranks again after leaving them (the gate)."""
         log.info("rank %d of %d: joining at %s", launch.rank, launch.world, launch.address)
+        meet: dict[str, Any] = {"init_method": f"tcp://{launch.address}"} if store is None else {"store": store}
         try:
-            dist.init_process_group(BACKEND, init_method=f"tcp://{launch.address}", rank=launch.rank,
-                                    world_size=launch.world,
-                                    timeout=timedelta(seconds=max(settings.dist_timeout, LOAD_TIMEOUT_S)))
+            dist.init_process_group(BACKEND, rank=launch.rank, world_size=launch.world,
+                                    timeout=timedelta(seconds=max(settings.dist_timeout, LOAD_TIMEOUT_S)), **meet)
         except (RuntimeError, ValueError) as error:
             raise ConfigError(f"rank {launch.rank}: could not join the other ranks at {launch.address}: "
                               f"{error}") from None
@@ -110,8 +136,13 @@ class Cluster:
             dist.destroy_process_group()
             raise ConfigError(problem)
         memory = {(rank, name): n for rank, r in enumerate(reports) for name, n in r["memory"].items()}
-        steps = dist.new_group(backend=BACKEND, timeout=timedelta(seconds=settings.dist_timeout))
-        return cls(launch, settings.dist_timeout, memory, steps)
+        step_timeout = timedelta(seconds=settings.dist_timeout)
+        steps = dist.new_group(backend=BACKEND, timeout=step_timeout)
+        gpus = None
+        if len(_gpu_ranks(settings.devices)) > 1:  # every rank decides alike: new_group is collective
+            os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+            gpus = dist.new_group(backend=GPU_BACKEND, timeout=step_timeout)
+        return cls(launch, settings.dist_timeout, memory, steps, gpus)
 
     def name(self, rank: int, what: str) -> None:
         """Call ``rank`` ``what`` in failure messages (its devices and layers)."""
@@ -158,24 +189,28 @@ class Cluster:
             self._last = time.monotonic()
             self._lock.release()
 
-    def exchange(self, hops: list[tuple[int, dict[str, Any]]], hidden: torch.Tensor) -> torch.Tensor:
+    def exchange(self, hops: list[tuple[int, dict[str, Any]]], hidden: torch.Tensor,
+                 links: list[str] | None = None) -> torch.Tensor:
         """Run a chain: ``hops`` are ``(rank, header)`` in order (consecutive ranks differ), ``hidden``
         goes to the first, each rank's output to the next, the last one's back here: a tensor of
-        ``hidden``'s shape and dtype on the wire's device. A step that failed on a rank re-raises its
+        ``hidden``'s shape and dtype on the wire's device. ``links``: each link's backend
+        (:func:`chain_links`; None: gloo throughout). A step that failed on a rank re-raises its
         error here (the ranks go on); a rank that fails raises RankFailedError."""
         ranks = [rank for rank, _ in hops]
-        wire = self._wire(hidden)
-        out = torch.empty_like(wire)
+        links = links or [BACKEND] * (len(hops) + 1)
+        wire = self._wire(hidden, links[0])
+        out = torch.empty(wire.shape, dtype=wire.dtype, device=hidden.device if links[-1] == GPU_BACKEND else "cpu")
         statuses: list[Any] = []
         with self._channel() as peer:
             for i, (rank, header) in enumerate(hops):
                 peer.rank = rank
-                route = {"src": ranks[i - 1] if i else 0, "dst": ranks[i + 1] if i + 1 < len(ranks) else 0}
+                route = {"src": ranks[i - 1] if i else 0, "dst": ranks[i + 1] if i + 1 < len(ranks) else 0,
+                         "via_in": links[i], "via_out": links[i + 1]}
                 dist.send_object_list([header | route], dst=rank, group=self._steps)
             peer.rank = ranks[0]
-            dist.send(wire, dst=ranks[0], group=self._steps)
+            dist.send(wire, dst=ranks[0], group=self._group(links[0]))
             peer.rank = ranks[-1]
-            dist.recv(out, src=ranks[-1], group=self._steps)
+            dist.recv(out, src=ranks[-1], group=self._group(links[-1]))
             for rank in ranks:
                 peer.rank = rank
                 status: list[Any] = [None]
@@ -185,6 +220,20 @@ class Cluster:
             if error is not None:
                 raise error
         return out
+
+    def request(self, rank: int, message: dict[str, Any]) -> Any:
+        """Ask ``rank`` something that carries no hidden state (``message``, given to the ``answer`` it
+        serves with): its answer, a picklable object. The error its answer raised is re-raised here
+        (the rank goes on); a rank that fails raises RankFailedError."""
+        reply: list[Any] = [None]
+        with self._channel() as peer:
+            peer.rank = rank
+            dist.send_object_list([{"op": "request", "message": message}], dst=rank, group=self._steps)
+            dist.recv_object_list(reply, src=rank, group=self._steps)
+        error, value = reply[0]
+        if error is not None:
+            raise error
+        return value
 
     def wait_ready(self) -> None:
         """Rank 0, loaded: wait (up to :data:`LOAD_TIMEOUT_S`) for every rank to say it has loaded (the
@@ -204,9 +253,18 @@ class Cluster:
         self._heartbeat.start()
 
     @staticmethod
-    def _wire(hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` where gloo sends from: host memory."""
-        return hidden.detach().to("cpu").contiguous()
+    def _wire(hidden: torch.Tensor, backend: str) -> torch.Tensor:
+        """``hidden`` where ``backend`` sends from: the GPU for NCCL, host memory for gloo."""
+        return hidden.detach().contiguous() if backend == GPU_BACKEND else hidden.detach().to("cpu").contiguous()
+
+    def _group(self, backend: str) -> dist.ProcessGroup:
+        """The process group of a link's ``backend``."""
+        if backend != GPU_BACKEND:
+            return self._steps
+        if self._gpus is None:
+            raise StrataError("a link between two ranks' GPUs, but no NCCL group was made (the ranks' --devices "
+                              "name fewer than two with a CUDA device)")
+        return self._gpus
 
     def _beat(self) -> None:
         interval = self.timeout / 4
@@ -233,11 +291,13 @@ class Cluster:
         if error is None:
             dist.barrier()
 
-    def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device) -> None:
-        """Another rank: answer rank 0's pings and run each hop it sends (``step(header, hidden on
+    def serve(self, step: Callable[[dict[str, Any], torch.Tensor], torch.Tensor], device: torch.device,
+              answer: Callable[[dict[str, Any]], Any] | None = None) -> None:
+        """Another rank: answer rank 0's pings, run each hop it sends (``step(header, hidden on
         device)``, the hidden state from the header's ``src``, the output to its ``dst``, then the
-        status to rank 0; a failed step passes zeros on) until it says stop; RankFailedError when a
-        rank it waits on is gone or silent past the timeout."""
+        status to rank 0; a failed step passes zeros on) and answer its requests (``answer(message)``,
+        :meth:`request`) until it says stop; RankFailedError when a rank it waits on is gone or silent
+        past the timeout."""
         while True:
             try:
                 received: list[Any] = [None]
@@ -248,19 +308,37 @@ class Cluster:
                 if header["op"] == "ping":
                     dist.send_object_list([None], dst=0, group=self._steps)
                     continue
-                wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]))
-                dist.recv(wire, src=header["src"], group=self._steps)
+                if header["op"] == "request":
+                    dist.send_object_list([self._answer(answer, header["message"])], dst=0, group=self._steps)
+                    continue
+                via_in, via_out = header["via_in"], header["via_out"]
+                wire = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]),
+                                   device=device if via_in == GPU_BACKEND else "cpu")
+                dist.recv(wire, src=header["src"], group=self._group(via_in))
                 error = None
                 try:
-                    out = self._wire(step(header, wire.to(device)))
+                    out = self._wire(step(header, wire.to(device)), via_out)
                 except Exception as exc:  # noqa: BLE001 - a failed step fails its requests on rank 0, not this rank
                     log.exception("rank %d: a step failed", self.rank)
-                    error, out = _portable(exc, self.rank), torch.zeros_like(wire)
-                dist.send(out, dst=header["dst"], group=self._steps)
+                    error = _portable(exc, self.rank)
+                    out = torch.zeros(wire.shape, dtype=wire.dtype, device=device if via_out == GPU_BACKEND else "cpu")
+                dist.send(out, dst=header["dst"], group=self._group(via_out))
                 dist.send_object_list([error], dst=0, group=self._steps)
             except (RuntimeError, dist.DistBackendError) as error:
                 raise RankFailedError(f"rank {self.rank}: a rank it waits on died or stopped answering: "
                                       f"{_first_line(error)}") from None
+
+
+    def _answer(self, answer: Callable[[dict[str, Any]], Any] | None, message: dict[str, Any]
+                ) -> tuple[BaseException | None, Any]:
+        """``(error, value)`` of ``answer(message)``: what :meth:`request` receives."""
+        try:
+            if answer is None:
+                raise StrataError(f"rank {self.rank} answers no requests")
+            return None, answer(message)
+        except Exception as exc:  # noqa: BLE001 - a failed request fails on rank 0, not this rank
+            log.exception("rank %d: a request failed", self.rank)
+            return _portable(exc, self.rank), None
 
 
 class _Peer:

@@ -48,16 +48,23 @@ def launch_of(settings: StrataSettings, environ: Mapping[str, str] = os.environ)
 
 
 def check_placement(placement: Placement, slots: tuple[DeviceSlot, ...]) -> None:
-    """ConfigError unless ``placement`` keeps every layer's state and experts on one rank: the
-    embedding and head on rank 0, each layer on the same rank in both phases (no hand-off between
-    ranks; another rank's layer on the same device slot), and its expert sources and attention peer
-    on the rank computing it."""
+    """ConfigError unless ``placement`` runs across ranks: the embedding and head on rank 0; a layer's
+    state moves between ranks only as a whole decode segment of another rank whose prompt runs on one
+    device slot of rank 0 (prefill_main: the hand-off goes over the ranks' channel); each layer's
+    expert sources and attention peer on the rank computing it (no rank reads another's memory)."""
     if slots[placement.main].rank != 0:
         raise ConfigError(f"placement: the main device {slots[placement.main]} must be rank 0's (the server's)")
+    for segment in placement.segments("decode"):
+        sources = {placement.prompt[layer].device for layer in segment.layers}
+        if all(slots[source].rank == slots[segment.device].rank for source in sources):
+            continue
+        (source, *others) = sorted(sources)
+        if others or slots[source].rank != 0:
+            first, last = segment.layers.start, segment.layers.stop - 1
+            raise ConfigError(f"placement: layers {first}..{last} decode on {slots[segment.device]} and their prompts "
+                              f"run on {', '.join(str(slots[s]) for s in sorted(sources))}; layer state moves "
+                              "between ranks only from one device slot of rank 0 to a whole decode segment")
     for layer, (prompt, decode) in enumerate(zip(placement.prompt, placement.decode)):
-        if prompt.device != decode.device and (slots[prompt.device].rank or slots[decode.device].rank):
-            raise ConfigError(f"placement: layer {layer} is computed on {slots[prompt.device]} for prompts and "
-                              f"{slots[decode.device]} for decode; another rank's layer state cannot move")
         for phase, placed in zip(PHASES, (prompt, decode)):
             others = [s.device for s in placed.experts if s.device is not None]
             if placed.attention_peer is not None:

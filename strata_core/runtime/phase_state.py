@@ -9,7 +9,8 @@ puts them back when the phase ends, also when it raises. Each change is announce
 Hand-off: before a phase, every layer whose state (KV) lives on another device slot than the one
 computing it in that phase is moved there through ``strata_hand_off``, one call per contiguous run
 of layers with the same source and destination. With ``STRATA_DBG_HANDOFF=1`` the destination is
-read back and compared with the source after each call.
+read back and compared with the source after each call (within a process: a hand-off to another
+rank leaves nothing here to compare).
 """
 
 from __future__ import annotations
@@ -65,8 +66,8 @@ def masked_phase(tables: Mapping[int, ResidencyTable], hidden: dict[int, set[int
 
 
 def _moves(homes: dict[int, int], placement: Placement, phase: Phase) -> list[tuple[range, int, int]]:
-    """Contiguous runs ``(layers, src, dst)`` of layers whose home is not their ``phase`` device (the
-    layers ``homes`` lacks are another rank's)."""
+    """Contiguous runs ``(layers, src, dst)`` of layers whose home (here, or away on another rank) is not
+    their ``phase`` device (the layers ``homes`` lacks are another rank's alone)."""
     runs: list[tuple[range, int, int]] = []
     for layer, placed in enumerate(placement.layers(phase)):
         if layer not in homes:
@@ -86,12 +87,12 @@ def place_state(session: Session, placement: Placement, phase: Phase, devices: S
     """Hand off (``hand_off(session=, layers=, src=, dst=)``: ``strata_hand_off``) every layer of
     ``session`` whose state is not where ``phase`` computes it; with ``verify`` read each destination
     back. Returns the number of hand-offs made."""
-    runs = _moves(session.kv.home, placement, phase)
+    runs = _moves(session.kv.home | session.kv.away, placement, phase)
     for layers, src, dst in runs:
         if not hand_off(session=session, layers=layers, src=devices[src], dst=devices[dst]):
             raise HandOffError(f"no plugin moved layers {layers.start}..{layers.stop - 1} "
                                f"from {devices[src]} to {devices[dst]}")
-        if verify:
+        if verify and devices[src].rank == devices[dst].rank:
             _verify(session, layers, src, dst)
     return len(runs)
 

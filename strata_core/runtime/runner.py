@@ -17,13 +17,13 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from functools import partial
 
 import pluggy
 import torch
 import torch.nn.functional as F
 
 from strata_core.config import StrataSettings
+from strata_core.errors import ConfigError
 from strata_core.experts.backend import ExpertBackend
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.model.fused_decode import decode_layer as fused_decode_layer
@@ -102,8 +102,17 @@ class Runner:
             self.announce(ResidencyEvent("plan", self.devices[slot]))
 
     def _place(self, session: Session, phase: Phase) -> None:
-        hand_off = partial(self._hook.strata_hand_off, ctx=self.context)
-        place_state(session, self.placement, phase, self.devices, hand_off, self.settings.dbg_handoff)
+        place_state(session, self.placement, phase, self.devices, self._hand_off, self.settings.dbg_handoff)
+
+    def _hand_off(self, session: Session, layers: range, src: DeviceSlot, dst: DeviceSlot) -> bool | None:
+        """One hand-off: between ranks over the cluster's channel (a plugin's ``strata_hand_off`` moves
+        state within a process only), else the hook."""
+        if src.rank != dst.rank:
+            if self._remote is None:
+                raise ConfigError(f"a hand-off from {src} to {dst} needs the other ranks (this engine runs alone)")
+            self._remote.hand_off(session, layers, src, dst)
+            return True
+        return self._hook.strata_hand_off(ctx=self.context, session=session, layers=layers, src=src, dst=dst)
 
     def _masked(self, phase: Phase):
         return masked_phase(self.experts.tables, self._hidden[phase], self.announce, self.devices)

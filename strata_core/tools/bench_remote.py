@@ -21,18 +21,18 @@ from pathlib import Path
 import torch
 
 from strata_core.config import StrataSettings
-from strata_core.remote.group import BACKEND, Cluster
+from strata_core.remote.group import Cluster, chain_links
 from strata_core.remote.launch import launch_of
 from strata_core.runtime.devices import split_rank, synchronize
 
 
-def _hop_ms(cluster: Cluster, hidden: torch.Tensor, repeats: int) -> list[float]:
+def _hop_ms(cluster: Cluster, hidden: torch.Tensor, links: list[str], repeats: int) -> list[float]:
     header = {"op": "echo", "shape": tuple(hidden.shape), "dtype": str(hidden.dtype).removeprefix("torch.")}
     times = []
     for _ in range(repeats):
         synchronize(hidden.device)
         start = time.perf_counter()
-        out = cluster.exchange([(1, header)], hidden).to(hidden.device)
+        out = cluster.exchange([(1, header)], hidden, links).to(hidden.device)
         synchronize(out.device)
         times.append((time.perf_counter() - start) * 1e3)
     return times
@@ -70,19 +70,21 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     rows = [("decode window", int(n)) for n in args.windows.split(",")] + [("prompt chunk", args.prompt_tokens)]
     results = []
-    print(f"{args.devices} over {BACKEND}, hidden {args.hidden} {args.dtype}")
+    other = torch.device(split_rank(devices[1])[1])
+    links = chain_links([(other, other)], device)
+    print(f"{args.devices} over {links[0]}, hidden {args.hidden} {args.dtype}")
     print(f"{'step':<14} {'rows':>6} {'bytes each way':>15} {'ms/hop p50':>11} {'ms/hop p90':>11} {'GB/s':>7}")
     for kind, n in rows:
         hidden = torch.randn(n, args.hidden, device=device).to(dtype)
-        _hop_ms(cluster, hidden, 5)
-        times = sorted(_hop_ms(cluster, hidden, args.repeats))
+        _hop_ms(cluster, hidden, links, 5)
+        times = sorted(_hop_ms(cluster, hidden, links, args.repeats))
         p50, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
         nbytes = hidden.numel() * hidden.element_size()
         results.append({"step": kind, "rows": n, "bytes": nbytes, "ms_p50": p50, "ms_p90": p90})
         print(f"{kind:<14} {n:>6} {nbytes:>15,} {p50:>11.3f} {p90:>11.3f} {2 * nbytes / p50 / 1e6:>7.2f}")
     cluster.close()
     if args.json is not None:
-        args.json.write_text(json.dumps({"devices": args.devices, "backend": BACKEND, "hidden": args.hidden,
+        args.json.write_text(json.dumps({"devices": args.devices, "backend": links[0], "hidden": args.hidden,
                                          "dtype": args.dtype, "hops": results}, indent=1))
 
 

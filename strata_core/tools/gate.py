@@ -12,6 +12,12 @@ the layers, so ``experts`` is rounded down to a multiple of twice the layer coun
 holds the same number of experts of each of its layers. A strategy that declares no gate options
 runs with its defaults, and the gate says so. The gate checks the union of the caches against
 single's before it compares tokens, and adaptation is off (``--adapt-swaps 0``).
+
+Across ranks (``--devices cpu,rank1:cpu`` with ``--nnodes``/``--node-rank``/``--dist-init-addr`` or
+under torchrun) rank 0 runs the gate: ``single`` alone on its first device, then each strategy over
+the ranks, while every other rank serves that strategy's stages in turn (:func:`follow_gate`). A
+strategy whose gate placement would make a rank read another's memory (``peer_tier``,
+``gpu1_experts``) is refused on every rank before anything loads.
 """
 
 from __future__ import annotations
@@ -19,9 +25,11 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
@@ -29,9 +37,11 @@ from strata_core.gguf.reader import GGUFFile
 from strata_core.model.registry import load_model_spec
 from strata_core.plugin import GateLayout, StrategySpec
 from strata_core.plugin.manager import build_plugin_manager
+from strata_core.remote.launch import Launch
+from strata_core.runtime.devices import resolve_slots, split_rank
 
-__all__ = ["GATE_PROMPTS", "GATE_SLOTS", "REFERENCE", "GateResult", "gate_layout", "gate_settings", "greedy_tokens",
-           "run_gate"]
+__all__ = ["GATE_PROMPTS", "GATE_SLOTS", "REFERENCE", "GateResult", "Rounds", "follow_gate", "gate_layout", "gate_settings",
+           "greedy_tokens", "run_gate"]
 
 #: The strategy every other one is compared with, and the device slots the others run on.
 REFERENCE = "single"
@@ -121,6 +131,32 @@ def _strategies(settings: StrataSettings, names: Sequence[str] | None) -> list[S
     return [plugins.strategy(name) for name in (REFERENCE, *(name for name in chosen if name != REFERENCE))]
 
 
+def _plan(settings: StrataSettings, names: Sequence[str] | None, experts: int | None, rank: int
+          ) -> tuple[GateLayout, list[StrategySpec]]:
+    """The gate's layout and strategies (the reference first); across ranks, ConfigError naming every
+    strategy whose gate placement cannot run there."""
+    from strata_core.engine import plan_placement
+
+    spec = load_model_spec(GGUFFile.open(settings.model))
+    layout = gate_layout(experts, spec.n_layers, spec.n_experts)
+    specs = _strategies(settings, names)
+    refused = []
+    for strategy in specs[1:]:
+        values = gate_settings(settings, strategy, layout)
+        if not any(split_rank(name)[0] for name in values.devices):
+            continue
+        plugins = build_plugin_manager(values)
+        try:
+            plan_placement(plugins, plugins.select_strategy(strategy.name, values.strategy_options), values,
+                           resolve_slots(values.devices, rank), spec)
+        except ConfigError as error:
+            refused.append(f"{strategy.name} ({error})")
+    if refused:
+        raise ConfigError(f"gate: across ranks no rank reads another's memory, so these strategies cannot run: "
+                          f"{'; '.join(refused)}; name the others with --strategies")
+    return layout, specs
+
+
 def _experts_line(layout: GateLayout, experts: int | None, prompts: Sequence[str], tokens: int) -> str:
     held = layout.slots * layout.experts_per_slot
     rounded = f" (--experts {experts} rounded down to a multiple of {layout.slots} x {layout.n_layers} layers)" \
@@ -139,9 +175,7 @@ def run_gate(settings: StrataSettings, strategies: Sequence[str] | None, prompts
     unknown = [p for p in prompts if p not in GATE_PROMPTS]
     if unknown:
         raise ConfigError(f"gate: unknown prompt(s) {', '.join(unknown)}; the gate has {', '.join(GATE_PROMPTS)}")
-    spec = load_model_spec(GGUFFile.open(settings.model))
-    layout = gate_layout(experts, spec.n_layers, spec.n_experts)
-    specs = _strategies(settings, strategies)
+    layout, specs = _plan(settings, strategies, experts, rank=0)
     say(_experts_line(layout, experts, prompts, tokens))
     want: dict[str, list[int]] = {}
     plan: set[tuple[int, int]] = set()
@@ -153,7 +187,7 @@ def run_gate(settings: StrataSettings, strategies: Sequence[str] | None, prompts
         engine = None
         try:
             engine = load(gate_settings(settings, strategy, layout))
-            held = set().union(*(set(table.resident()) for table in engine.experts.tables.values()))
+            held = engine.resident_experts()
             got = {name: greedy_tokens(engine, _prompt_ids(engine, name), tokens) for name in prompts}
         finally:
             if engine is not None:
@@ -172,3 +206,42 @@ def run_gate(settings: StrataSettings, strategies: Sequence[str] | None, prompts
         say(result.line())
         results.append(result)
     return results
+
+
+class Rounds:
+    """Where the ranks meet for each strategy of the gate: one TCP store at the launch's address, a
+    prefix of its own per strategy (a process group made anew must not meet the last one's keys)."""
+
+    def __init__(self, launch: Launch) -> None:
+        from strata_core.remote.group import LOAD_TIMEOUT_S
+
+        host, port = launch.address.rsplit(":", 1)
+        self.launch = launch
+        self._store = dist.TCPStore(host, int(port), launch.world, launch.rank == 0,
+                                    timedelta(seconds=LOAD_TIMEOUT_S))
+        self._round = 0
+
+    def next(self) -> dist.Store:
+        """The store of the next strategy's round."""
+        self._round += 1
+        return dist.PrefixStore(f"strata-gate-{self._round}/", self._store)
+
+    def load(self, settings: StrataSettings) -> Any:
+        """Rank 0: the engine of ``settings``, over the ranks where its devices name other ranks'."""
+        from strata_core.engine import Engine
+        from strata_core.remote import Cluster
+
+        if not any(split_rank(name)[0] for name in settings.devices):
+            return Engine.from_settings(settings)
+        return Engine.from_settings(settings, cluster=Cluster.join(settings, self.launch, self.next()))
+
+
+def follow_gate(settings: StrataSettings, strategies: Sequence[str] | None, experts: int | None, rounds: Rounds
+                ) -> None:
+    """Another rank's part of the gate rank 0 runs (:func:`run_gate` with the same arguments and
+    ``rounds.load``): serve the stages of each strategy compared with single, in the same order."""
+    from strata_core.remote import serve_stages
+
+    layout, specs = _plan(settings, strategies, experts, rounds.launch.rank)
+    for strategy in specs[1:]:
+        serve_stages(gate_settings(settings, strategy, layout), rounds.launch, rounds.next())

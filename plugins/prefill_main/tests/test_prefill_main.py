@@ -146,6 +146,26 @@ def test_the_widest_host_link_becomes_main(monkeypatch, caplog):
     assert prefill_main.by_link(slots) == slots
 
 
+def test_across_ranks_the_order_stays_and_peer_read_is_off_or_refused(model, monkeypatch):
+    """Another rank's stage: no link probe reorders the devices (every rank must place alike), the
+    prompt streams the later stage's layers instead of reading its cache, and peer_read=true is refused."""
+    from strata_core.gguf.reader import GGUFFile
+    from strata_core.model.registry import load_model_spec
+    from strata_core.plugin import ConfigError
+
+    spec = load_model_spec(GGUFFile.open(model))
+    slots = [DeviceSlot(0, torch.device("cuda", 0)), DeviceSlot(1, torch.device("cuda", 1), rank=1)]
+    monkeypatch.setattr(prefill_main, "link_class", lambda device: (5, 16) if device.index == 1 else (4, 4))
+    placement = prefill_main.strata_topology(slots, spec, None, prefill_main.PrefillMainOptions(split="2"))
+    assert placement.main == 0 and {p.device for p in placement.prompt} == {0}
+    assert all(source.kind != "peer" for p in placement.prompt for source in p.experts)
+    assert prefill_main.strata_topology(slots[:1] + [DeviceSlot(1, torch.device("cuda", 1))], spec, None,
+                                        prefill_main.PrefillMainOptions(split="2")).main == 1  # one process: reordered
+    with pytest.raises(ConfigError, match="peer_read=true reads the later stages' caches across a peer link, and "
+                                          "rank1:cuda:1#1 is another rank's device"):
+        prefill_main.strata_topology(slots, spec, None, prefill_main.PrefillMainOptions(split="2", peer_read=True))
+
+
 def test_a_saved_session_restores_and_decodes_like_the_original(model):
     engine = _engine(model, 2, expert_cache=4)
     session = engine.new_session()
