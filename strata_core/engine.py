@@ -238,7 +238,7 @@ class Engine:
         device = self.devices[self.placement.main].device
         head = MtpHead.load(self.gguf_file, self.spec, self.model, kv_pools(self.settings, block, self.dtype),
                             self.max_context, device, self.dtype)
-        self.mtp = MtpDrafts(head, self.settings.prefill_chunk)
+        self.mtp = MtpDrafts(head, self.settings.prefill_chunk, self.settings.spec_min_p)
         self.runner.hidden_sink = self.mtp.take
         log.info("MTP drafting: the block blk.%d of %s on %s", self.spec.n_layers, self.settings.model, device)
 
