@@ -325,6 +325,30 @@ def test_strata_info_shows_the_bytes_a_token_per_kv_type(tiny_model_factory):
         assert f"{kv_type} {total}" in line
 
 
+def _gpu_gib(report: str) -> float:
+    line = next(line for line in report.splitlines() if line.startswith("on a GPU the dense part"))
+    return float(line.split(": ")[1].split(" GiB")[0])
+
+
+def test_strata_info_sizes_the_kv_cache_by_kv_type(tmp_path):
+    """``strata info --kv-type T --max-context N``: the GPU line counts N tokens of T's bytes (a 4M-token
+    context, so the difference shows in the line's GiB)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from strata_core.gguf.reader import GGUFFile
+    from strata_core.model.registry import load_model_spec
+    from strata_core.tools.synthetic import write_synthetic
+
+    path, n = tmp_path / "long.gguf", 1 << 22
+    write_synthetic(path, "tiny", expert_type=Q.Q8_0, n_layers=1, context=n, progress=False)
+    spec = load_model_spec(GGUFFile.open(path))
+    gib = {t: _gpu_gib(describe(path, [8.0], n, t)) for t in ("auto", "int8")}
+    saved = n * sum(token_bytes(spec.layer_state(i), "bf16") - token_bytes(spec.layer_state(i), "int8")
+                    for i in range(spec.n_layers))
+    assert saved > 2 ** 29 and gib["auto"] - gib["int8"] == pytest.approx(saved / 2 ** 30, abs=0.011)
+    assert "(--kv-type int8)" in describe(path, [8.0], n, "int8")
+
+
 # --- paging, sharing, hand-off, snapshots --------------------------------------------------------------------
 
 @pytest.fixture(scope="module", params=[("qwen3moe", "q8_0"), ("gpt-oss", "int8"), ("qwen3next", "q8_0"),
