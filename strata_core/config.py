@@ -196,6 +196,9 @@ class StrataSettings(BaseSettings):
         "either verifies them in its decode window, the same text in fewer windows"
     )
     spec_tokens: int = Field(4, ge=1, description="tokens drafted a window with --spec ngram or mtp")
+    spec_min_p: float = Field(
+        0.0, ge=0, le=1, description="with --spec mtp, the MTP block stops drafting a window at a token it gives "
+        "less than this probability (0: always --spec-tokens drafts); a draft unlikely to be kept costs a row")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
     conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")
@@ -279,6 +282,15 @@ class StrataSettings(BaseSettings):
         if value < parallel:
             raise ValueError(f"--step-tokens {value} is less than --parallel {parallel}: a step must hold a decode "
                              "token for every slot and leave room for a prompt chunk")
+        return value
+
+    @field_validator("spec_min_p")
+    @classmethod
+    def _min_p_needs_mtp(cls, value: float, info: ValidationInfo) -> float:
+        spec = info.data.get("spec", "off")
+        if value > 0 and spec != "mtp":
+            raise ValueError(f"--spec-min-p applies to --spec mtp (the MTP block's probabilities); --spec {spec} "
+                             "drafts have none")
         return value
 
     @field_validator("node_rank")

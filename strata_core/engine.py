@@ -39,7 +39,7 @@ from strata_core.plugin.spec import StrategyOptions
 from strata_core.remote import Cluster, RankFailedError, RemoteStages, launch_of
 from strata_core.remote.launch import check_placement
 from strata_core.runtime.devices import resolve_slots, split_rank, synchronize
-from strata_core.runtime.memory_plan import dense_bytes_per_device
+from strata_core.runtime.memory_plan import dense_bytes_per_device, kv_bytes_per_device
 from strata_core.runtime.runner import Runner
 from strata_core.runtime.session import DecodeBatch, Session, SessionSnapshot
 from strata_core.serving.mtp_drafts import MtpDrafts
@@ -197,9 +197,10 @@ class Engine:
         dtype = _compute_dtype(settings, devices[placement.main].device)
         slots = {d.index: d for d in devices if d.index in local}  # this process's: all but across ranks
         pools = kv_pools(settings, spec, dtype)
-        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, pools.n_blocks * pools.block_size,
-                                             settings.kv_type)
-        check_dense_budget(settings, dense_bytes)
+        kv_tokens = pools.n_blocks * pools.block_size  # the null block's too
+        dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, kv_tokens, settings.kv_type)
+        check_dense_budget(settings, dense_bytes, kv_bytes_per_device(spec, placement, slots, dtype, kv_tokens,
+                                                                      settings.kv_type), kv_tokens - pools.block_size)
         layer_devices: dict[int, set[torch.device]] = {}
         for phase in PHASES:
             for layer, placed in enumerate(placement.layers(phase)):
@@ -247,7 +248,7 @@ class Engine:
         device = self.devices[self.placement.main].device
         head = MtpHead.load(self.gguf_file, self.spec, self.model, kv_pools(self.settings, block, self.dtype),
                             self.max_context, device, self.dtype)
-        self.mtp = MtpDrafts(head, self.settings.prefill_chunk)
+        self.mtp = MtpDrafts(head, self.settings.prefill_chunk, self.settings.spec_min_p)
         self.runner.hidden_sink = self.mtp.take
         log.info("MTP drafting: the block blk.%d of %s on %s", self.spec.n_layers, self.settings.model, device)
 

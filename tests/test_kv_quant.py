@@ -288,6 +288,33 @@ def test_pools_and_the_memory_plan_count_the_stored_bytes(tiny_model_factory, kv
         assert per_token < 0.6 * auto_bytes
 
 
+def test_a_context_that_cannot_fit_is_an_error_before_loading(tiny_model_factory, monkeypatch):
+    """A budget that holds the weights and half the float KV of the model's whole context: the load fails
+    before any weight is read, saying how much of the need is the KV cache of how many tokens and what
+    takes less; the same context with --kv-type int8 (about a quarter of float32's bytes) loads."""
+    from strata_core.engine import DenseWeights
+    from strata_core.errors import BudgetError
+    from strata_core.experts.sizing import GIB
+    from strata_core.runtime.memory_plan import kv_bytes_per_device
+
+    path = tiny_model_factory(expert_type="Q8_0")
+    spec = Engine.load(path, max_context=64).spec
+    context, cpu = spec.context_length, torch.device("cpu")
+    one = tuple(LayerPlacement.local(0) for _ in range(spec.n_layers))
+    plan = [f(spec, Placement(one, one), {0: DeviceSlot(0, cpu)}, torch.float32, 2 * context + 16)[cpu]
+            for f in (dense_bytes_per_device, kv_bytes_per_device)]  # two sessions and the null block
+    options = dict(max_context=context, parallel=2, reserve_mib=0, expert_cache=0,
+                   vram_budget_gib=(plan[0] - plan[1] / 2) / GIB)
+    load = DenseWeights.load
+    monkeypatch.setattr(DenseWeights, "load", lambda *a, **k: pytest.fail("weights read before the budget check"))
+    with pytest.raises(BudgetError, match=rf"{plan[1] / GIB:.2f} GiB of it is the KV cache of {2 * context} tokens "
+                                          r"\(--kv-pool-tokens.*--kv-type auto\).*--max-context.*--parallel.*int8"):
+        Engine.load(path, **options)
+    monkeypatch.setattr(DenseWeights, "load", load)
+    engine = Engine.load(path, kv_type="int8", **options)
+    assert engine.max_context == context and engine.kv_pools.kv_type == "int8"
+
+
 def test_strata_info_shows_the_bytes_a_token_per_kv_type(tiny_model_factory):
     path = tiny_model_factory(expert_type="Q8_0")
     report = describe(path, [8.0])
@@ -296,6 +323,30 @@ def test_strata_info_shows_the_bytes_a_token_per_kv_type(tiny_model_factory):
     for kv_type in QUANTIZED:
         total = sum(token_bytes(spec.layer_state(i), kv_type) for i in range(spec.n_layers))
         assert f"{kv_type} {total}" in line
+
+
+def _gpu_gib(report: str) -> float:
+    line = next(line for line in report.splitlines() if line.startswith("on a GPU the dense part"))
+    return float(line.split(": ")[1].split(" GiB")[0])
+
+
+def test_strata_info_sizes_the_kv_cache_by_kv_type(tmp_path):
+    """``strata info --kv-type T --max-context N``: the GPU line counts N tokens of T's bytes (a 4M-token
+    context, so the difference shows in the line's GiB)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from strata_core.gguf.reader import GGUFFile
+    from strata_core.model.registry import load_model_spec
+    from strata_core.tools.synthetic import write_synthetic
+
+    path, n = tmp_path / "long.gguf", 1 << 22
+    write_synthetic(path, "tiny", expert_type=Q.Q8_0, n_layers=1, context=n, progress=False)
+    spec = load_model_spec(GGUFFile.open(path))
+    gib = {t: _gpu_gib(describe(path, [8.0], n, t)) for t in ("auto", "int8")}
+    saved = n * sum(token_bytes(spec.layer_state(i), "bf16") - token_bytes(spec.layer_state(i), "int8")
+                    for i in range(spec.n_layers))
+    assert saved > 2 ** 29 and gib["auto"] - gib["int8"] == pytest.approx(saved / 2 ** 30, abs=0.011)
+    assert "(--kv-type int8)" in describe(path, [8.0], n, "int8")
 
 
 # --- paging, sharing, hand-off, snapshots --------------------------------------------------------------------

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from strata_core.cli import main as strata_main
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.registry import load_model_spec
-from strata_core.tools.llamacpp_budget import (UBATCH, llama_bench_commands, n_cpu_moe_for_budget,
-                                               placement_at)
+from strata_core.tools.llamacpp_budget import (UBATCH, llama_bench_commands, llama_cache_type,
+                                               n_cpu_moe_for_budget, placement_at)
 from strata_core.tools.synthetic import write_synthetic
 
 
@@ -68,6 +68,21 @@ def test_the_commands_run_llama_bench_with_that_placement(small):
     assert llama_bench_commands(path, 7, [], 64, [1024], 16) == [shlex.join(decode[:-2] + ["-d", "1024"])]
 
 
+def test_a_quantized_kv_type_is_compared_with_llama_cpp_s_q8_0_cache(small):
+    """``--kv-type q8_0`` (and int8, fp8: llama.cpp has no per-head scales) is measured against llama.cpp's
+    q8_0 cache (``-ctk q8_0 -ctv q8_0``), whose 34 bytes a block of 32 values the estimate counts."""
+    path, sizes, spec = small
+    assert [llama_cache_type(t) for t in ("auto", "bf16", "q8_0", "int8", "fp8")] == ["f16", "bf16", "q8_0",
+                                                                                     "q8_0", "q8_0"]
+    f16, q8 = placement_at(sizes, spec, 0, 512), placement_at(sizes, spec, 0, 512, "q8_0")
+    assert q8.kv == spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim // 32 * 34 * 512 < f16.kv
+    assert q8.weights == f16.weights
+    for line in llama_bench_commands(path, 3, [8192], 64, [32768], 16, "q8_0"):
+        args = shlex.split(line)
+        assert args[args.index("-ctk") + 1] == args[args.index("-ctv") + 1] == "q8_0"
+    assert all("-ctk" not in line for line in llama_bench_commands(path, 3, [8192], 64, [32768], 16))
+
+
 def test_bench_with_a_budget_prints_llama_cpp_s_command(small, capsys):
     path, sizes, spec = small
     strata_main(["bench", "--model", str(path), "--devices", "cpu", "--prompts", "16", "--contexts", "16",
@@ -79,3 +94,14 @@ def test_bench_with_a_budget_prints_llama_cpp_s_command(small, capsys):
     assert all(args[args.index("-ncmoe") + 1] == "0" for args in lines)  # a 1 GiB budget holds the tiny model
     assert lines[0][lines[0].index("-n") + 1] == "0" and lines[1][lines[1].index("-p") + 1] == "0"
     assert lines[1][lines[1].index("-d") + 1] == "16" and lines[1][lines[1].index("-n") + 1] == "2"
+
+
+def test_bench_with_a_quantized_kv_prints_the_matching_cache_type(small, capsys):
+    path, _, _ = small
+    strata_main(["bench", "--model", str(path), "--devices", "cpu", "--prompts", "16", "--contexts", "16",
+                 "--decode-tokens", "2", "--repeats", "1", "--reserve-mib", "0", "--vram-budget-gib", "1",
+                 "--kv-type", "q8_0"])
+    out = capsys.readouterr().out
+    lines = [shlex.split(line) for line in out.splitlines() if line.startswith("llama-bench ")]
+    assert len(lines) == 2 and all(args[args.index("-ctk") + 1] == "q8_0" for args in lines)
+    assert "(q8_0)" in out

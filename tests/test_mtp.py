@@ -116,6 +116,43 @@ def test_the_block_s_kv_follows_the_session(mtp_model: Path) -> None:
         engine.close()
 
 
+def test_spec_min_p_ends_the_drafts_before_the_first_unlikely_one(mtp_model: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--spec-min-p m``: the drafts are those without it up to the first the block gives less than ``m``
+    probability (the chain's probabilities recorded as it drafts); the output is still the one without
+    drafts; with ``--spec ngram`` it is an error."""
+    from pydantic import ValidationError
+
+    from strata_core.config import StrataSettings
+    from strata_core.serving import mtp_drafts
+
+    chain: list[float] = []
+    greedy = mtp_drafts._greedy
+    monkeypatch.setattr(mtp_drafts, "_greedy", lambda logits: chain.append(greedy(logits)[1]) or greedy(logits))
+    engine = Engine.load(mtp_model, max_context=128, spec="mtp", spec_min_p=0.0)
+    try:
+        assert engine.mtp is not None
+        prompt = engine.tokenizer.encode("strata streams experts from host memory")
+        session = engine.new_session()
+        engine.prefill(session, prompt)
+        tokens = list(prompt) + [7]
+        full = engine.mtp.draft(session, tokens, 4)
+        probs = chain[-4:]  # the last prompt entry's draft, then the three chained
+        assert len(full) == 4 and 0 < min(probs) < 1
+        for m in sorted({0.0, *probs, *(p + 1e-6 for p in probs), 1.0}):
+            engine.mtp.min_p = m
+            cut = next((i for i, p in enumerate(probs) if p < m), 4)
+            assert engine.mtp.draft(session, tokens, 4) == full[:cut], (m, probs)
+        engine.mtp.min_p = sorted(probs)[1] + 1e-6  # some windows draft fewer, some none
+        plain, _ = serve_together(engine, _requests(engine), 0, "mtp")
+        spec, _ = serve_together(engine, _requests(engine), 3, "mtp")
+    finally:
+        engine.close()
+    assert spec == plain
+    with pytest.raises(ValidationError, match="--spec-min-p applies to --spec mtp"):
+        StrataSettings(model=mtp_model, spec="ngram", spec_min_p=0.5)
+
+
 def test_mtp_needs_next_token_prediction_layers(tmp_path: Path) -> None:
     """``--spec mtp`` on a model without nextn layers is one error naming the file and the problem."""
     path = tmp_path / "plain.gguf"

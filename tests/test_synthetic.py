@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -52,3 +54,13 @@ def test_same_seed_same_file(tmp_path):
     write_synthetic(a, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1)
     write_synthetic(b, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1)
     assert np.array_equal(np.fromfile(a, np.uint8), np.fromfile(b, np.uint8))
+
+
+def test_a_context_longer_than_the_preset_s(tmp_path):
+    """``context``: the file declares it (the engine's --max-context is capped by it), nothing else changes."""
+    plain, long = tmp_path / "plain.gguf", tmp_path / "long.gguf"
+    write_synthetic(plain, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1)
+    write_synthetic(long, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1, context=262144)
+    specs = [load_model_spec(GGUFFile.open(path)) for path in (plain, long)]
+    assert specs[0].context_length == PRESETS["tiny"].context and specs[1].context_length == 262144
+    assert specs[1] == dataclasses.replace(specs[0], context_length=262144)

@@ -38,20 +38,22 @@ def fitting_lengths(prompts: list[int], contexts: list[int], decode_tokens: int,
 def llamacpp_at_budget(engine, budget_gib: float, prompts: list[int], decode_tokens: int, depths: list[int]) -> str:
     """The lines naming llama.cpp's placement at the same budget: the ``--n-cpu-moe`` that fits (an
     estimate from the file's tensors, llamacpp_budget.py) and the llama-bench commands of the comparison
-    (prefill at ``prompts``, decode of ``decode_tokens`` at ``depths``)."""
+    (prefill at ``prompts``, decode of ``decode_tokens`` at ``depths``), the KV cache in the llama.cpp type
+    matching ``--kv-type``."""
     import os
 
     from strata_core.experts.sizing import GIB
-    from strata_core.tools.llamacpp_budget import llama_bench_commands, n_cpu_moe_for_budget
+    from strata_core.tools.llamacpp_budget import llama_bench_commands, llama_cache_type, n_cpu_moe_for_budget
 
     sizes = {name: t.nbytes for name, t in engine.gguf_file.tensors.items()}
-    placed = n_cpu_moe_for_budget(sizes, engine.spec, int(budget_gib * GIB), engine.max_context)
+    cache_type = llama_cache_type(engine.settings.kv_type)
+    placed = n_cpu_moe_for_budget(sizes, engine.spec, int(budget_gib * GIB), engine.max_context, cache_type)
     if placed is None:
         return f"llama.cpp at --vram-budget-gib {budget_gib:g}: nothing fits, even with every expert in host RAM"
     commands = llama_bench_commands(engine.settings.model, placed.n_cpu_moe, prompts, decode_tokens, depths,
-                                    os.cpu_count() or 1)
+                                    os.cpu_count() or 1, cache_type)
     return "\n".join([f"llama.cpp at --vram-budget-gib {budget_gib:g} (estimate: weights {placed.weights / GIB:.2f} + "
-                      f"KV {placed.kv / GIB:.2f} + buffers {placed.buffers / GIB:.2f} GiB; llamacpp.sh placement "
+                      f"KV {placed.kv / GIB:.2f} ({cache_type}) + buffers {placed.buffers / GIB:.2f} GiB; llamacpp.sh placement "
                       f"cmoe{placed.n_cpu_moe}-pin):", *commands])
 
 

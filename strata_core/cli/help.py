@@ -48,7 +48,7 @@ BRIEF = frozenset(GROUPS["debug"]) | {
     "pcie_frac", "adapt_swaps",
     "expert_cache_fill_all", "threads", "max_queue", "conv_cache", "header_timeout", "body_timeout", "max_connections", "shutdown_grace",
     "template_timeout", "template_max_mib", "max_body_mib", "allowed_hosts", "conv_cache_gib", "step_tokens",
-    "spec", "spec_tokens", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
+    "spec", "spec_tokens", "spec_min_p", "webui", "strict_requests", "strict_model", "n_predict", "cors", "grammar_file", "json_schema",
     "seed", "reasoning", "nnodes", "node_rank", "dist_init_addr", "dist_timeout",
 }
 

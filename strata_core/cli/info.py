@@ -68,9 +68,9 @@ def kv_types_line(spec) -> str:
     return "KV per token by --kv-type: " + ", ".join(parts) + " bytes"
 
 
-def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
+def describe(path: Path, vram_gib: list[float], max_context: int = 4096, kv_type: str = "auto") -> str:
     """The report ``strata info`` prints; the KV cache is sized for the context the engine will use
-    (``max_context`` capped by the model's, as the engine caps it)."""
+    (``max_context`` capped by the model's, as the engine caps it), its rows stored as ``kv_type``."""
     gguf_file = GGUFFile.open(path)
     spec = load_model_spec(gguf_file)
     kv_tokens = min(max_context, spec.context_length)
@@ -88,7 +88,7 @@ def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
     gpu = torch.device("cuda", 0)
     one_gpu = tuple(LayerPlacement.local(0) for _ in range(spec.n_layers))
     on_gpu = dense_bytes_per_device(spec, Placement(one_gpu, one_gpu), {0: DeviceSlot(0, gpu)},
-                                    torch.bfloat16, kv_tokens)[gpu]
+                                    torch.bfloat16, kv_tokens, kv_type)[gpu]
     parts = gguf_file.parts
     lines = [
         f"file: {path}" + (f" (split in {len(parts)} parts: {', '.join(Path(p).name for p in parts)})"
@@ -114,7 +114,7 @@ def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
         f"({n_expert_total} experts, {per_expert / 2**20:.2f} MiB each)",
     ]
     lines.append(f"on a GPU the dense part is dequantized to bf16: {on_gpu / GIB:.2f} GiB with the KV cache "
-                 f"of one {kv_tokens}-token session")
+                 f"of one {kv_tokens}-token session (--kv-type {kv_type})")
     for gib in vram_gib:
         room = gib * GIB - on_gpu
         if room < 0:
@@ -126,7 +126,7 @@ def describe(path: Path, vram_gib: list[float], max_context: int = 4096) -> str:
     return "\n".join(lines)
 
 
-class InfoCommand(settings_with(("max_context",))):
+class InfoCommand(settings_with(("max_context", "kv_type"))):
     """Show a GGUF model's architecture, block types, sizes and what fits in VRAM."""
 
     path: CliPositionalArg[Path]
@@ -135,4 +135,4 @@ class InfoCommand(settings_with(("max_context",))):
 
     def cli_cmd(self) -> None:
         """Print the report."""
-        print(describe(self.path, self.vram_gib, self.max_context))
+        print(describe(self.path, self.vram_gib, self.max_context, self.kv_type))

@@ -33,6 +33,8 @@ class MakeSyntheticCommand(CommandSettings):
     layers: int | None = Field(None, ge=1, description="fewer layers than the preset (same widths)")
     mtp_layers: int = Field(0, ge=0, description="multi-token-prediction (nextn) blocks after the layers, "
                             "for --spec mtp (qwen3-next presets)")
+    context: int | None = Field(None, ge=16, description="the context length the file declares (default: the "
+                                "preset's), e.g. 262144 for a 256K-token session of qwen3-30b-a3b's shapes")
     seed: int = Field(0, description="random seed")
 
     def cli_cmd(self) -> None:
@@ -48,7 +50,7 @@ class MakeSyntheticCommand(CommandSettings):
         try:
             size = write_synthetic(self.out, self.preset, expert_type=expert_type,
                                    dense_type=_qtype(self.dense_type, "--dense-type"), n_layers=self.layers,
-                                   seed=self.seed, mtp_layers=self.mtp_layers)
+                                   seed=self.seed, mtp_layers=self.mtp_layers, context=self.context)
         except OSError as error:  # no such directory, no space, no permission: one line, exit 2
             raise ConfigError(f"{self.out}: cannot write the model: {error.strerror or error}") from None
         seconds = time.perf_counter() - start

@@ -22,8 +22,8 @@ PLUGINS = ("plugins", "disable_plugin_autoload")
 SERVER = ("host", "port", "parallel", "step_tokens", "max_queue", "conv_cache", "conv_cache_gib", "api_key",
           "model_alias", "max_body_mib", "allowed_hosts", "threads", "header_timeout", "body_timeout",
           "max_connections", "shutdown_grace", "cors", "template_timeout", "template_max_mib", "webui",
-          "strict_requests", "strict_model", "n_predict", "seed", "reasoning", "grammar_file", "json_schema", "spec",
-          "spec_tokens")
+          "strict_requests", "strict_model", "n_predict", "seed", "reasoning", "spec", "spec_tokens",
+          "spec_min_p", "grammar_file", "json_schema")
 RANKS = ("nnodes", "node_rank", "dist_init_addr", "dist_timeout")
 ENGINE = tuple(name for name in StrataSettings.model_fields if name not in SERVER and name not in RANKS)
 

@@ -53,8 +53,11 @@ def budget_bytes(settings: StrataSettings) -> int | None:
     return None if settings.vram_budget_gib is None else int(settings.vram_budget_gib * GIB)
 
 
-def check_dense_budget(settings: StrataSettings, dense_bytes: dict[torch.device, int]) -> dict[torch.device, int]:
-    """Raise BudgetError if a device cannot hold its dense part plus ``--reserve-mib``.
+def check_dense_budget(settings: StrataSettings, dense_bytes: dict[torch.device, int],
+                       kv_bytes: dict[torch.device, int] | None = None, kv_tokens: int = 0) -> dict[torch.device, int]:
+    """Raise BudgetError if a device cannot hold its dense part plus ``--reserve-mib``; where the dense
+    part includes the KV cache (``kv_bytes`` of it, for ``kv_tokens`` positions), the error says how much
+    of it that is and what takes less.
 
     Call it before loading anything. Returns each device's memory left for the expert cache.
     """
@@ -66,8 +69,12 @@ def check_dense_budget(settings: StrataSettings, dense_bytes: dict[torch.device,
         need = dense + settings.reserve_mib * MIB
         if need > have:
             within = f" within --vram-budget-gib {settings.vram_budget_gib:g}" if cap is not None and have == cap else ""
+            kv = (kv_bytes or {}).get(device, 0)
+            of_it = (f"; {kv / GIB:.2f} GiB of it is the KV cache of {kv_tokens} tokens (--kv-pool-tokens, default "
+                     f"--parallel x --max-context; --kv-type {settings.kv_type}): a shorter --max-context, fewer "
+                     "--parallel or a quantized --kv-type (int8, q8_0) takes less" if kv else "")
             raise BudgetError(f"{device}: the dense part needs {dense / GIB:.2f} GiB (+ {settings.reserve_mib} MiB "
-                              f"reserve) but only {have / GIB:.2f} GiB is available{within}")
+                              f"reserve) but only {have / GIB:.2f} GiB is available{within}{of_it}")
         left[device] = have - need
     return left
 

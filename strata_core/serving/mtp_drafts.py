@@ -19,6 +19,10 @@ its first position: a prompt prefix shared from other sessions, a restored conve
 to a position whose next token changed, whose row was fed and not kept), the entries start again at the
 first row held: the block's attention then sees the positions from there (RoPE is relative: the entry
 positions are counted from the first).
+
+With ``min_p`` (``--spec-min-p``) the chain stops at the first draft the block gives less than that
+probability: that draft and the ones after it are not verified (a draft seldom kept costs a row of the
+window for nothing).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ class _Entries:
     start: int = 0
     fed: list[int] = field(default_factory=list)  # entry i was fed the token at start + i + 1
     rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (first position, [n, H]) in order
-    last: tuple[torch.Tensor, int] | None = None  # the last entry's output [1, H] and the token it drafts
+    last: tuple[torch.Tensor, int, float] | None = None  # the last entry's output [1, H], its draft, its probability
 
     @property
     def end(self) -> int:
@@ -69,11 +73,13 @@ class _Entries:
 
 
 class MtpDrafts:
-    """Every session's MTP state under ``head``; prompt rows are fed ``chunk`` positions at a time."""
+    """Every session's MTP state under ``head``; prompt rows are fed ``chunk`` positions at a time; a
+    window's drafts end before the first the block gives less than ``min_p`` probability."""
 
-    def __init__(self, head: MtpHead, chunk: int) -> None:
+    def __init__(self, head: MtpHead, chunk: int, min_p: float = 0.0) -> None:
         self.head = head
         self.chunk = chunk
+        self.min_p = min_p
         self._sessions: dict[int, _Entries] = {}
 
     def take(self, session: Session, position: int, hidden: torch.Tensor) -> None:
@@ -97,8 +103,9 @@ class MtpDrafts:
 
     def draft(self, session: Session, tokens: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens drafted after ``tokens`` (the session's tokens and the pending one after them),
-        greedily; none before the session has any hidden rows, nor while the block's KV pool is full (the
-        drafts are only a guess: the request goes on without)."""
+        greedily, ending before the first of less than ``min_p`` probability; none before the session has
+        any hidden rows, nor while the block's KV pool is full (the drafts are only a guess: the request
+        goes on without)."""
         entries = self._sessions.get(session.id)
         if entries is None or k <= 0:
             return []
@@ -107,12 +114,14 @@ class MtpDrafts:
             self._sync(entries, session.n_tokens, tokens)
             if entries.last is None:
                 return []
-            x, token = entries.last
-            drafts.append(token)
-            for i in range(k - 1):  # chained entries past the session's positions, cut again below
-                x, logits = self._feed(entries, x, [token], len(entries.fed) + i)
-                token = int(torch.argmax(logits[-1]))
+            x, token, p = entries.last
+            for i in range(k):  # chained entries past the session's positions, cut again below
+                if p < self.min_p:
+                    break
                 drafts.append(token)
+                if i + 1 < k:
+                    x, logits = self._feed(entries, x, [token], len(entries.fed) + i)
+                    token, p = _greedy(logits[-1])
         except KVPoolFull as full:
             log.warning("no MTP drafts for session %d: %s", session.id, full)
             return []
@@ -140,7 +149,7 @@ class MtpDrafts:
             at = entries.end
             x, logits = self._feed(entries, part, tokens[at + 1:at + 1 + len(part)], len(entries.fed))
             entries.fed.extend(tokens[at + 1:at + 1 + len(part)])
-            entries.last = (x[-1:], int(torch.argmax(logits[-1])))
+            entries.last = (x[-1:], *_greedy(logits[-1]))
 
     def _feed(self, entries: _Entries, hidden: torch.Tensor, tokens: Sequence[int],
               first: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,6 +178,13 @@ class MtpDrafter:
     def draft(self, k: int) -> list[int]:
         """Up to ``k`` tokens the MTP block drafts after the sequence (its last token: the pending one)."""
         return self._drafts.draft(self._session, self.tokens, k)
+
+
+def _greedy(logits: torch.Tensor) -> tuple[int, float]:
+    """The most likely token of ``logits [V]`` and its probability."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    token = int(torch.argmax(probs))
+    return token, float(probs[token])
 
 
 def _before(rows: list[tuple[int, torch.Tensor]], position: int) -> list[tuple[int, torch.Tensor]]:

@@ -94,12 +94,14 @@ def _value(qtype: Q, shape: tuple[int, ...], scale: float, rng: np.random.Genera
 
 def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, expert_type: Q | None = None,
                     dense_type: Q = Q.Q8_0, n_layers: int | None = None, seed: int = 0,
-                    progress: bool = True, mtp_layers: int = 0) -> int:
+                    progress: bool = True, mtp_layers: int = 0, context: int | None = None) -> int:
     """Write a synthetic model of ``preset`` to ``path``; returns the file size in bytes.
 
     ``expert_type`` None: the preset's ``expert_type`` if it names one (gpt-oss: MXFP4), else Q4_K.
     ``n_layers`` overrides the preset's layer count (a shorter model of the same width); ``mtp_layers``
-    adds that many multi-token-prediction blocks after the layers (a preset that has them: qwen3next).
+    adds that many multi-token-prediction blocks after the layers (a preset that has them: qwen3next);
+    ``context`` the context length the file declares instead of the preset's (the RoPE unchanged: as a
+    model trained that long, e.g. Qwen3-30B-A3B-2507's 262,144 tokens).
     """
     if isinstance(preset, str):
         if preset not in PRESETS:
@@ -109,6 +111,8 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
         name = "custom"
     if n_layers is not None:
         preset = replace(preset, n_layers=n_layers)
+    if context is not None:
+        preset = replace(preset, context=context)
     if mtp_layers:
         if not hasattr(preset, "mtp_layers"):
             having = ", ".join(n for n, p in PRESETS.items() if hasattr(p, "mtp_layers"))
