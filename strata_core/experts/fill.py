@@ -91,7 +91,7 @@ def configure_pinned_allocator() -> str | None:
         settings = ",".join(PINNED_KEYS[:n])
         try:
             torch._C._accelerator_setAllocatorSettings(settings)
-        except (RuntimeError, AttributeError) as err:
+        except (ValueError, RuntimeError, AttributeError) as err:  # torch 2.11: ValueError, unknown key
             log.info("arena: this torch does not take pinned allocator setting %s (%s)", PINNED_KEYS[n - 1], err)
             continue
         log.info("arena: pinned allocator settings %s", settings)
