@@ -86,8 +86,6 @@ GROUPED_VARIANTS: list[C] = [
     *(C(**Q8, **f) for f in (dict(warps_q8=4), dict(tile=8192), dict(bn_gate_up=8), dict(bn_combine=8),
                              dict(bn_gate_up=2), dict(bn_combine=32), dict(bn_gate_up=8, bn_combine=32))),
     C(**G, dot_precision="bf16"),
-    *(C(**G, dot_precision="codes", **f) for f in (dict(), dict(bn_grouped=64), dict(bn_grouped=64, kt=128),
-                                                   dict(bn_grouped=128, warps_grouped=8), dict(bm=32))),
 ]
 TOL = 2e-2  # bf16, relative Frobenius error against the CPU reference (tests/test_kernels_cuda.py)
 

@@ -114,10 +114,8 @@ class LaunchConfig:
     token: 16 pairs share ~1 expert, 32 pairs ~4), so the per-pair kernels' fewer launches win.
     ``dot_precision``: ``tl.dot``'s input precision for the float32 operands (``"ieee"``: FMAs,
     ``bm`` of them per decoded weight; ``"tf32x3"``: three tensor-core products, within ~1e-6 of
-    float32; ``"tf32"``: one, ~1e-3) or ``"bf16"`` (both operands rounded to bf16); ``"codes"``: for Q4_K
-    read as nibbles, the bf16 activations dotted with the 4-bit codes themselves (exact in bf16) and each
-    sub-block's scale and min applied to the product (no decoded weight tile), else as ``"bf16"``;
-    accumulation is float32 in every case.
+    float32; ``"tf32"``: one, ~1e-3) or ``"bf16"`` (both operands rounded to bf16); accumulation is float32 in
+    every case.
     """
 
     design: str = "q8"
@@ -166,7 +164,7 @@ class LaunchConfig:
 
 
 #: The values of ``LaunchConfig.dot_precision``.
-DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16", "codes")
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
 
 
 #: The launch configuration of the CUDA kernels outside any ``launched_with``.

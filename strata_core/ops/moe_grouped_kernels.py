@@ -82,22 +82,12 @@ def _tile(w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS: tl.constexpr, TS
 @triton.jit
 def _dot(a, w, acc, PREC: tl.constexpr):
     """``acc + a @ w.T`` (``a [BM, KT]``, ``w [BN, KT]`` float32, ``acc [BM, BN]`` float32): ``PREC`` is
-    ``tl.dot``'s input precision, or ``"bf16"`` (``"codes"`` where the weights are decoded values):
-    both operands rounded to bf16."""
-    if PREC == "bf16" or PREC == "codes":
+    ``tl.dot``'s input precision, or ``"bf16"``: both operands rounded to bf16."""
+    if PREC == "bf16":
         out = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     else:
         out = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
     return out
-
-
-@triton.jit
-def _codes(a, codes, scale, low):
-    """``[BM, BN]`` float32: one sub-block's activations ``a [BM, 32]`` times its rows ``scale * codes - low``
-    (``codes [BN, 32]`` int32 in 0..15, ``scale`` / ``low [BN]``) as one bf16 product of the codes themselves
-    (exact in bf16), scaled after: ``scale * (a . codes) - low * sum(a)``."""
-    dot = tl.dot(a.to(tl.bfloat16), tl.trans(codes.to(tl.bfloat16)))  # [BM, BN]
-    return dot * scale[None, :] - tl.sum(a, axis=1)[:, None] * low[None, :]
 
 
 @triton.jit
@@ -106,8 +96,7 @@ def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS:
     """``acc [BM, BN]`` plus values ``[k0, k0 + KT)`` of the activations at ``arow [BM, 1]`` (a row not
     ``real``, or a value past K: zero) times those of rows ``cols`` of the ``[*, K]`` matrix of ``QT``
     blocks at ``w``. ``FAST`` (Q4_K, every row 16-byte aligned): per 64-value chunk, its 32 bytes of
-    nibbles as 16-byte loads, the low nibbles (sub-block 2c) and the high (2c + 1) each a product of 32,
-    of the decoded values or, with ``PREC == "codes"``, of the codes (``_codes``)."""
+    nibbles as 16-byte loads, the low nibbles (sub-block 2c) and the high (2c + 1) each a product of 32."""
     if FAST:
         wv = tl.arange(0, 32)[None, :]
         for ci in tl.static_range(KT // 64):
@@ -122,11 +111,8 @@ def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS:
             mask = real[:, None] & (kc + wv < K)  # [BM, 32]
             lo = tl.load(arow + kc + wv, mask=mask, other=0.0).to(tl.float32)  # [BM, 32]
             hi = tl.load(arow + kc + 32 + wv, mask=mask, other=0.0).to(tl.float32)
-            if PREC == "codes":
-                acc += _codes(lo, q & 15, d * sc0, dmin * mn0) + _codes(hi, q >> 4, d * sc1, dmin * mn1)
-            else:
-                acc = _dot(lo, (d * sc0)[:, None] * (q & 15).to(tl.float32) - (dmin * mn0)[:, None], acc, PREC)
-                acc = _dot(hi, (d * sc1)[:, None] * (q >> 4).to(tl.float32) - (dmin * mn1)[:, None], acc, PREC)
+            acc = _dot(lo, (d * sc0)[:, None] * (q & 15).to(tl.float32) - (dmin * mn0)[:, None], acc, PREC)
+            acc = _dot(hi, (d * sc1)[:, None] * (q >> 4).to(tl.float32) - (dmin * mn1)[:, None], acc, PREC)
     else:
         kk = tl.arange(0, KT)[None, :]
         a = tl.load(arow + k0 + kk, mask=real[:, None] & (k0 + kk < K), other=0.0).to(tl.float32)  # [BM, KT]
