@@ -1,7 +1,8 @@
 """The paged KV cache (model/kvpool.py, model/kvcache.py): logits bit-identical to one block per
-session (the contiguous layout) for any block size, chunking and shared prefix; pool accounting of
-growth, truncation, release and shared blocks; copy-on-write; snapshots; hand-offs between device
-slots; pool sizing errors."""
+session (the contiguous layout) for any block size, chunking, shared prefix and cached blocks taken
+back after their sessions were released (evicted least recently freed first); pool accounting of
+growth, truncation, release, shared and cached blocks; copy-on-write; snapshots; hand-offs between
+device slots; pool sizing errors."""
 
 from __future__ import annotations
 
@@ -19,9 +20,11 @@ from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
 CONTEXT = 64
 
 
-def repool(engine: Engine, block: int) -> Engine:
-    """``engine`` with fresh pools of ``block``-token blocks (what ``--kv-block block`` loads)."""
-    engine.kv_pools = kv_pools(engine.settings.model_copy(update={"kv_block": block}), engine.spec, engine.dtype)
+def repool(engine: Engine, block: int, tokens: int | None = None) -> Engine:
+    """``engine`` with fresh pools of ``block``-token blocks (what ``--kv-block block`` loads), of
+    ``tokens`` positions each if given (``--kv-pool-tokens``)."""
+    update = {"kv_block": block, "kv_pool_tokens": tokens}
+    engine.kv_pools = kv_pools(engine.settings.model_copy(update=update), engine.spec, engine.dtype)
     for phase in PHASES:
         for layer, placed in enumerate(engine.placement.layers(phase)):
             engine.kv_pools.pool(placed.device, engine.devices[placed.device].device).add_layer(
@@ -32,6 +35,14 @@ def repool(engine: Engine, block: int) -> Engine:
 def held(engine: Engine, slot: int = 0) -> int:
     """Blocks of ``slot``'s pool held by some session."""
     return engine.kv_pools.used(slot)
+
+
+def only_cached(engine: Engine) -> bool:
+    """Whether no session holds a block and every index entry's blocks are cached free blocks."""
+    pools = engine.kv_pools.pools
+    return (all(held(engine, slot) == 0 for slot in pools)
+            and all(block in pools[slot].cached for e in engine.kv_pools.index.values() for slot, block in e.blocks.items())
+            and all(len(pool.cached) == len(pool.published) for pool in pools.values()))
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next", "deepseek2"])
@@ -85,12 +96,18 @@ def test_paged_logits_are_bit_identical_to_a_block_per_session(engines, block, f
     assert none == 0 and all(torch.equal(g, w) for g, w in zip(got, want))
     expect = (min(common, len(two) - 1) // block) * block if paged.spec.rewindable else 0
     assert shared == expect  # the full blocks of the common prefix, shared, not recomputed
-    assert held(paged) == 0 and not paged.kv_pools.index  # every block back, no index entry left
+    assert only_cached(paged)  # every block back; the published ones cached
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_factory):
+def loaded(tiny_model_factory):
     return Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=CONTEXT, kv_block=4)
+
+
+@pytest.fixture
+def engine(loaded):
+    """The module's engine with fresh pools of 4-token blocks (no block cached by an earlier test)."""
+    return repool(loaded, 4)
 
 
 def test_blocks_grow_shrink_and_return(engine):
@@ -106,7 +123,7 @@ def test_blocks_grow_shrink_and_return(engine):
     s.truncate(5)
     assert held(engine) == 2 and s.kv.block_table(0) is table and table[2:].eq(0).all()
     engine.release_session(s)
-    assert held(engine) == 0 and not engine.kv_pools.index
+    assert only_cached(engine) and len(engine.kv_pools.index) == 2  # the prompt's full blocks, cached
 
 
 def test_shared_prefix_blocks_are_refcounted_and_freed_with_the_last_holder(engine):
@@ -125,8 +142,10 @@ def test_shared_prefix_blocks_are_refcounted_and_freed_with_the_last_holder(engi
     assert c.n_tokens == 8
     engine.release_session(b)
     engine.release_session(c)
-    assert held(engine) == 0 and not engine.kv_pools.index
-    assert engine.new_session(prompt).n_tokens == 0  # the last holder gone: nothing to share
+    assert only_cached(engine)
+    hits = engine.kv_pools.counters()["hits"]
+    d = engine.new_session(prompt)  # the last holder gone: the blocks are cached and taken back
+    assert d.n_tokens == 8 and engine.kv_pools.counters()["hits"] == hits + 2 and held(engine) == 2
 
 
 def test_a_write_after_truncating_into_a_shared_block_copies_it_first(engine):
@@ -176,7 +195,7 @@ def test_snapshots_restore_beside_and_after_the_original(engine):
     engine.release_session(a)
     engine.release_session(beside)
     assert held(engine) == 0
-    after = engine.restore_session(snap)  # nothing published any more: every row from the snapshot
+    after = engine.restore_session(snap)  # the cached prefix taken back, the rest from the snapshot
     assert after.tokens == list(snap.tokens) and held(engine) == 3
     assert torch.equal(engine.decode_window([(after, 4)]), want)
     engine.release_session(after)
