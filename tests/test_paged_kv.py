@@ -15,6 +15,7 @@ from strata_core.engine import Engine, kv_pools
 from strata_core.errors import BudgetError, RequestError
 from strata_core.model.kvpool import KVPoolFull
 from strata_core.plugin.placement import PHASES
+from strata_core.serving.conv_cache import common_prefix
 from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
 
 CONTEXT = 64
@@ -97,6 +98,47 @@ def test_paged_logits_are_bit_identical_to_a_block_per_session(engines, block, f
     expect = (min(common, len(two) - 1) // block) * block if paged.spec.rewindable else 0
     assert shared == expect  # the full blocks of the common prefix, shared, not recomputed
     assert only_cached(paged)  # every block back; the published ones cached
+
+
+def _conversation(engine: Engine, prompt: list[int], fed: list[int], reuse: bool) -> tuple[list, int]:
+    """The logits of ``prompt`` (its last position) and of a window for each of ``fed``; with ``reuse`` the
+    session first takes the published blocks ``prompt`` starts with and is released with ``cache``."""
+    session = engine.new_session(prompt[:-1] if reuse else ())
+    taken = session.n_tokens
+    out = [engine.prefill(session, prompt[taken:])]
+    out += [engine.decode_window([(session, token)]) for token in fed]
+    engine.release_session(session, cache=reuse)
+    return out, taken
+
+
+@given(block=st.integers(1, 12), small=st.booleans(),
+       turns=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40), st.integers(1, 10), st.integers(0, 6)),
+                      min_size=2, max_size=5))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_cached_blocks_taken_back_give_the_logits_of_the_prompt_computed_again(engines, block, small, turns):
+    """Conversations one after another, each released before the next: a turn continues an earlier one's
+    tokens (prompt and fed tokens) up to a cut, adds its own, and takes back the cached full blocks of
+    what was computed before. Its logits equal the whole prompt computed again bit for bit; with a pool
+    of one session (``small``) the cached blocks are evicted least recently freed first, never short."""
+    paged, whole = engines
+    repool(paged, block, CONTEXT if small else None)
+    histories: list[list[int]] = [[]]
+    taken_total = 0
+    for n, (parent, cut, tail, fed) in enumerate(turns):
+        history = histories[parent % len(histories)]
+        prompt = (history[:cut] + [100 + n] * tail)[-(CONTEXT - fed):]
+        tokens = [3 + (n + i) % 5 for i in range(fed)]
+        got, taken = _conversation(paged, prompt, tokens, reuse=True)
+        want, _ = _conversation(whole, prompt, tokens, reuse=False)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        known = max(common_prefix(h, prompt[:-1]) for h in histories) // block * block
+        assert taken % block == 0 and taken <= (known if paged.spec.rewindable else 0)
+        assert small or taken == (known if paged.spec.rewindable else 0)  # nothing evicted from a large pool
+        assert only_cached(paged)
+        taken_total += taken
+        histories.append(prompt + tokens)
+    counters = paged.kv_pools.counters()
+    assert counters["hits"] == taken_total // block and (small or counters["evictions"] == 0)
 
 
 @pytest.fixture(scope="module")
