@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from strata_core.engine import Engine, kv_pools
 from strata_core.errors import BudgetError, RequestError
-from strata_core.model.kvpool import KVPoolFull
+from strata_core.model.kvpool import KVPoolFull, KVPools, blocks_for
 from strata_core.plugin.placement import PHASES
 from strata_core.serving.conv_cache import common_prefix
 from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
@@ -346,3 +346,61 @@ def test_a_cuda_snapshot_lands_in_pinned_memory_before_its_blocks_are_reused(tin
     assert torch.equal(engine.decode_window([(restored, 3)]), want)
     engine.release_session(other)
     engine.release_session(restored)
+
+
+def _session_in(pools: KVPools, tokens: list[int]) -> list[int]:
+    """One session on slot 0 of ``pools`` (no layers: the block accounting alone): it takes the published
+    blocks ``tokens`` starts with, allocates the rest (checking that it evicts the least recently freed
+    cached blocks, and only when no unpublished block is free), publishes its full blocks and frees its
+    table. Returns the table."""
+    pool, bs = pools.pools[0], pools.block_size
+    chain: list = []
+    for j in range(len(tokens) // bs):
+        entry = pools.lookup(chain[-1] if chain else None, tuple(tokens[j * bs:(j + 1) * bs]))
+        if entry is None:
+            break
+        chain.append(entry)
+    for entry in chain:
+        pool.hold(entry.blocks[0])
+    need = blocks_for(len(tokens), bs) - len(chain)
+    lru, unpublished = list(pool.cached), pool.n_free - len(pool.cached)
+    evictions = pool.evictions
+    new = pools.allocate(0, need)
+    evicted = lru[:max(0, need - unpublished)]
+    assert set(evicted) <= set(new) and pool.evictions == evictions + len(evicted)
+    assert not any(block in pool.published or block in pool.cached for block in new)
+    assert not any(e.blocks[0] in evicted for e in pools.index.values())  # their entries left the index
+    table = [entry.blocks[0] for entry in chain] + new
+    for j in range(len(chain), len(tokens) // bs):
+        chain.append(pools.publish(chain[-1] if chain else None, tuple(tokens[j * bs:(j + 1) * bs]), {0: table[j]}))
+    pools.free(0, table)
+    return table
+
+
+@given(block=st.integers(1, 4), extra=st.integers(0, 12),
+       sessions=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=16), min_size=1, max_size=12))
+def test_freed_blocks_are_cached_tail_first_and_evicted_least_recently_freed(block, extra, sessions):
+    pools = KVPools(block, blocks_for(16, block) + 1 + extra, torch.float32)
+    pool = pools.pool(0, "cpu")
+    for tokens in sessions:
+        table = _session_in(pools, tokens)
+        full = len(tokens) // block
+        assert pool.refs == [0] * pool.n_blocks and pool.n_free == pool.n_blocks - 1
+        assert list(pool.cached)[len(pool.cached) - full:] == table[:full][::-1]  # the tail is evicted first
+        assert set(pool.cached) == set(pool.published) == {e.blocks[0] for e in pools.index.values()}
+        hits = pool.hits
+        again = _session_in(pools, tokens)  # the same prompt at once: every full block taken back
+        assert again[:full] == table[:full] and pool.hits == hits + full
+
+
+def test_evicting_a_block_on_one_slot_frees_its_cached_block_on_the_other():
+    pools = KVPools(2, 3, torch.float32)
+    first, second = pools.pool(0, "cpu"), pools.pool(1, "cpu")
+    blocks = {0: pools.allocate(0, 1)[0], 1: pools.allocate(1, 1)[0]}
+    entry = pools.publish(None, (1, 2), blocks)
+    pools.free(0, [blocks[0]])
+    pools.free(1, [blocks[1]])
+    assert list(first.cached) == [blocks[0]] and list(second.cached) == [blocks[1]]
+    assert pools.allocate(0, 2) and first.evictions == 1  # the unpublished block, then the cached one
+    assert pools.lookup(None, (1, 2)) is None and entry.key not in pools.index
+    assert not second.cached and not second.published and second.n_free == 2 and second.evictions == 0
