@@ -275,7 +275,9 @@ def test_the_default_pool_holds_parallel_sessions_of_the_context(tiny_model_fact
 
 def test_hand_offs_between_slots_share_and_match_single(tiny_model_factory):
     """prefill_main on logical devices: the prompt on slot 0, the later layers' decode on slot 1; a
-    session sharing a prefix holds its blocks on both slots; logits equal single's."""
+    session sharing a prefix holds its blocks on both slots; logits equal single's. A session released
+    after decoding caches only the blocks whose rows every slot holds: slot 0's rows of the layers
+    decoded on slot 1 stopped at the prompt."""
     path = tiny_model_factory(expert_type="Q8_0", n_layers=4)
     split = Engine.load(path, strategy="prefill_main", devices=["cpu", "cpu"], max_context=CONTEXT, kv_block=4,
                         strategy_options={"split": "2"}, dbg_handoff=True)
@@ -291,12 +293,19 @@ def test_hand_offs_between_slots_share_and_match_single(tiny_model_factory):
         snap = engine.save_session(b)
         c = engine.restore_session(snap)
         out.append(engine.decode_window([(b, 5), (c, 5)]))
-        results.append((out, b.kv, c.kv))
-    (got, b_kv, c_kv), (want, _, _) = results
+        history, home, used = list(b.tokens), dict(b.kv.home), engine.kv_pools.used(len(engine.devices) - 1)
+        shared = [b.kv.blocks(slot)[:2] == c.kv.blocks(slot)[:2] for slot in range(len(engine.devices))]
+        engine.release_session(b, cache=True)
+        engine.release_session(c)
+        d = engine.new_session(history)
+        taken = d.n_tokens
+        out.append(engine.prefill(d, history[taken:] + [6]))
+        out += [engine.decode_window([(d, 7)]) for _ in range(2)]
+        results.append((out, home, shared, used, taken))
+    (got, home, shared, used, taken), (want, _, _, _, all_blocks) = results
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert b_kv.home == {0: 0, 1: 0, 2: 1, 3: 1}
-    assert b_kv.blocks(0)[:2] == c_kv.blocks(0)[:2] and b_kv.blocks(1)[:2] == c_kv.blocks(1)[:2]  # shared on both
-    assert split.kv_pools.used(1) > 0
+    assert home == {0: 0, 1: 0, 2: 1, 3: 1} and shared == [True, True] and used > 0  # shared on both slots
+    assert (taken, all_blocks) == (8, 12)  # 11 prompt positions on slot 0 (8 in whole blocks); 15 on single
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
