@@ -200,7 +200,8 @@ class StrataSettings(BaseSettings):
         0.0, ge=0, le=1, description="with --spec mtp, the MTP block stops drafting a window at a token it gives "
         "less than this probability (0: always --spec-tokens drafts); a draft unlikely to be kept costs a row")
     max_queue: int = Field(64, ge=0, description="requests waiting beyond the slots before 503")
-    conv_cache: int = Field(4, ge=0, description="displaced conversations kept in host RAM")
+    conv_cache: int = Field(4, ge=0, description="displaced conversations of a model with recurrent state kept in "
+                            "host RAM (other models keep their KV blocks cached on the device)")
     conv_cache_gib: float = Field(4.0, ge=0, description="host RAM for the conversation cache (GiB)")
     api_key: SecretStr | None = Field(None, description="require `Authorization: Bearer KEY` "
                                       "(or `X-Api-Key: KEY`)")

@@ -281,9 +281,16 @@ class Engine:
         Pass a prompt without its last token when that token's logits are wanted.
         """
         session = self._session_at_home("prompt")
-        if prefix_tokens and self.remote is None:  # across ranks the other ranks' KV holds no shared prefix
+        if prefix_tokens and self.shares_prefixes:
             session.tokens.extend(list(prefix_tokens)[:session.kv.share(prefix_tokens)])
         return session
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether a new session takes over the published KV blocks its prompt starts with: a model without
+        recurrent state (its state at a block boundary is not kept), in one process (across ranks the
+        other ranks' KV holds no shared prefix)."""
+        return self.spec.rewindable and self.remote is None
 
     def _padding_session(self) -> Session:
         """A session at home in the decode placement whose rows pad a graphed window: it writes and reads
@@ -331,8 +338,13 @@ class Engine:
         self.telemetry.reset()
         log.info("warmed up the prompt path (%d prompts) in %.2f s", done, time.perf_counter() - start)
 
-    def release_session(self, session: Session) -> None:
-        """Give a session's KV blocks back to the pools (shared ones stay with their other holders)."""
+    def release_session(self, session: Session, cache: bool = False) -> None:
+        """Give a session's KV blocks back to the pools (shared ones stay with their other holders). With
+        ``cache`` its committed full blocks are published first: they stay on the device, cached, until an
+        allocation needs them, and a later prompt that starts with the same tokens takes them back
+        (kvpool.py). Published blocks stay cached either way."""
+        if cache:
+            session.kv.publish(session.tokens)
         session.kv.release()
         session.tokens.clear()
         if self.mtp is not None:

@@ -1,7 +1,8 @@
 """The paged KV cache (model/kvpool.py, model/kvcache.py): logits bit-identical to one block per
-session (the contiguous layout) for any block size, chunking and shared prefix; pool accounting of
-growth, truncation, release and shared blocks; copy-on-write; snapshots; hand-offs between device
-slots; pool sizing errors."""
+session (the contiguous layout) for any block size, chunking, shared prefix and cached blocks taken
+back after their sessions were released (evicted least recently freed first); pool accounting of
+growth, truncation, release, shared and cached blocks; copy-on-write; snapshots; hand-offs between
+device slots; pool sizing errors."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from hypothesis import strategies as st
 
 from strata_core.engine import Engine, kv_pools
 from strata_core.errors import BudgetError, RequestError
-from strata_core.model.kvpool import KVPoolFull
+from strata_core.model.kvpool import KVPoolFull, KVPools, blocks_for
 from strata_core.plugin.placement import PHASES
+from strata_core.serving.conv_cache import common_prefix
 from test_batch_invariance import DEEPSEEK2, GPT_OSS, QWEN3NEXT
 
 CONTEXT = 64
 
 
-def repool(engine: Engine, block: int) -> Engine:
-    """``engine`` with fresh pools of ``block``-token blocks (what ``--kv-block block`` loads)."""
-    engine.kv_pools = kv_pools(engine.settings.model_copy(update={"kv_block": block}), engine.spec, engine.dtype)
+def repool(engine: Engine, block: int, tokens: int | None = None) -> Engine:
+    """``engine`` with fresh pools of ``block``-token blocks (what ``--kv-block block`` loads), of
+    ``tokens`` positions each if given (``--kv-pool-tokens``)."""
+    update = {"kv_block": block, "kv_pool_tokens": tokens}
+    engine.kv_pools = kv_pools(engine.settings.model_copy(update=update), engine.spec, engine.dtype)
     for phase in PHASES:
         for layer, placed in enumerate(engine.placement.layers(phase)):
             engine.kv_pools.pool(placed.device, engine.devices[placed.device].device).add_layer(
@@ -32,6 +36,14 @@ def repool(engine: Engine, block: int) -> Engine:
 def held(engine: Engine, slot: int = 0) -> int:
     """Blocks of ``slot``'s pool held by some session."""
     return engine.kv_pools.used(slot)
+
+
+def only_cached(engine: Engine) -> bool:
+    """Whether no session holds a block and every index entry's blocks are cached free blocks."""
+    pools = engine.kv_pools.pools
+    return (all(held(engine, slot) == 0 for slot in pools)
+            and all(block in pools[slot].cached for e in engine.kv_pools.index.values() for slot, block in e.blocks.items())
+            and all(len(pool.cached) == len(pool.published) for pool in pools.values()))
 
 
 @pytest.fixture(scope="module", params=["qwen3moe", "gpt-oss", "qwen3next", "deepseek2"])
@@ -85,12 +97,59 @@ def test_paged_logits_are_bit_identical_to_a_block_per_session(engines, block, f
     assert none == 0 and all(torch.equal(g, w) for g, w in zip(got, want))
     expect = (min(common, len(two) - 1) // block) * block if paged.spec.rewindable else 0
     assert shared == expect  # the full blocks of the common prefix, shared, not recomputed
-    assert held(paged) == 0 and not paged.kv_pools.index  # every block back, no index entry left
+    assert only_cached(paged)  # every block back; the published ones cached
+
+
+def _conversation(engine: Engine, prompt: list[int], fed: list[int], reuse: bool) -> tuple[list, int]:
+    """The logits of ``prompt`` (its last position) and of a window for each of ``fed``; with ``reuse`` the
+    session first takes the published blocks ``prompt`` starts with and is released with ``cache``."""
+    session = engine.new_session(prompt[:-1] if reuse else ())
+    taken = session.n_tokens
+    out = [engine.prefill(session, prompt[taken:])]
+    out += [engine.decode_window([(session, token)]) for token in fed]
+    engine.release_session(session, cache=reuse)
+    return out, taken
+
+
+@given(block=st.integers(1, 12), small=st.booleans(),
+       turns=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 40), st.integers(1, 10), st.integers(0, 6)),
+                      min_size=2, max_size=5))
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_cached_blocks_taken_back_give_the_logits_of_the_prompt_computed_again(engines, block, small, turns):
+    """Conversations one after another, each released before the next: a turn continues an earlier one's
+    tokens (prompt and fed tokens) up to a cut, adds its own, and takes back the cached full blocks of
+    what was computed before. Its logits equal the whole prompt computed again bit for bit; with a pool
+    of one session (``small``) the cached blocks are evicted least recently freed first, never short."""
+    paged, whole = engines
+    repool(paged, block, CONTEXT if small else None)
+    histories: list[list[int]] = [[]]
+    taken_total = 0
+    for n, (parent, cut, tail, fed) in enumerate(turns):
+        history = histories[parent % len(histories)]
+        prompt = (history[:cut] + [100 + n] * tail)[-(CONTEXT - fed):]
+        tokens = [3 + (n + i) % 5 for i in range(fed)]
+        got, taken = _conversation(paged, prompt, tokens, reuse=True)
+        want, _ = _conversation(whole, prompt, tokens, reuse=False)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        known = max(common_prefix(h, prompt[:-1]) for h in histories) // block * block
+        assert taken % block == 0 and taken <= (known if paged.spec.rewindable else 0)
+        assert small or taken == (known if paged.spec.rewindable else 0)  # nothing evicted from a large pool
+        assert only_cached(paged)
+        taken_total += taken
+        histories.append(prompt + tokens)
+    counters = paged.kv_pools.counters()
+    assert counters["hits"] == taken_total // block and (small or counters["evictions"] == 0)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_factory):
+def loaded(tiny_model_factory):
     return Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=CONTEXT, kv_block=4)
+
+
+@pytest.fixture
+def engine(loaded):
+    """The module's engine with fresh pools of 4-token blocks (no block cached by an earlier test)."""
+    return repool(loaded, 4)
 
 
 def test_blocks_grow_shrink_and_return(engine):
@@ -106,7 +165,7 @@ def test_blocks_grow_shrink_and_return(engine):
     s.truncate(5)
     assert held(engine) == 2 and s.kv.block_table(0) is table and table[2:].eq(0).all()
     engine.release_session(s)
-    assert held(engine) == 0 and not engine.kv_pools.index
+    assert only_cached(engine) and len(engine.kv_pools.index) == 2  # the prompt's full blocks, cached
 
 
 def test_shared_prefix_blocks_are_refcounted_and_freed_with_the_last_holder(engine):
@@ -125,8 +184,10 @@ def test_shared_prefix_blocks_are_refcounted_and_freed_with_the_last_holder(engi
     assert c.n_tokens == 8
     engine.release_session(b)
     engine.release_session(c)
-    assert held(engine) == 0 and not engine.kv_pools.index
-    assert engine.new_session(prompt).n_tokens == 0  # the last holder gone: nothing to share
+    assert only_cached(engine)
+    hits = engine.kv_pools.counters()["hits"]
+    d = engine.new_session(prompt)  # the last holder gone: the blocks are cached and taken back
+    assert d.n_tokens == 8 and engine.kv_pools.counters()["hits"] == hits + 2 and held(engine) == 2
 
 
 def test_a_write_after_truncating_into_a_shared_block_copies_it_first(engine):
@@ -176,7 +237,7 @@ def test_snapshots_restore_beside_and_after_the_original(engine):
     engine.release_session(a)
     engine.release_session(beside)
     assert held(engine) == 0
-    after = engine.restore_session(snap)  # nothing published any more: every row from the snapshot
+    after = engine.restore_session(snap)  # the cached prefix taken back, the rest from the snapshot
     assert after.tokens == list(snap.tokens) and held(engine) == 3
     assert torch.equal(engine.decode_window([(after, 4)]), want)
     engine.release_session(after)
@@ -214,7 +275,9 @@ def test_the_default_pool_holds_parallel_sessions_of_the_context(tiny_model_fact
 
 def test_hand_offs_between_slots_share_and_match_single(tiny_model_factory):
     """prefill_main on logical devices: the prompt on slot 0, the later layers' decode on slot 1; a
-    session sharing a prefix holds its blocks on both slots; logits equal single's."""
+    session sharing a prefix holds its blocks on both slots; logits equal single's. A session released
+    after decoding caches only the blocks whose rows every slot holds: slot 0's rows of the layers
+    decoded on slot 1 stopped at the prompt."""
     path = tiny_model_factory(expert_type="Q8_0", n_layers=4)
     split = Engine.load(path, strategy="prefill_main", devices=["cpu", "cpu"], max_context=CONTEXT, kv_block=4,
                         strategy_options={"split": "2"}, dbg_handoff=True)
@@ -230,12 +293,19 @@ def test_hand_offs_between_slots_share_and_match_single(tiny_model_factory):
         snap = engine.save_session(b)
         c = engine.restore_session(snap)
         out.append(engine.decode_window([(b, 5), (c, 5)]))
-        results.append((out, b.kv, c.kv))
-    (got, b_kv, c_kv), (want, _, _) = results
+        history, home, used = list(b.tokens), dict(b.kv.home), engine.kv_pools.used(len(engine.devices) - 1)
+        shared = [b.kv.blocks(slot)[:2] == c.kv.blocks(slot)[:2] for slot in range(len(engine.devices))]
+        engine.release_session(b, cache=True)
+        engine.release_session(c)
+        d = engine.new_session(history)
+        taken = d.n_tokens
+        out.append(engine.prefill(d, history[taken:] + [6]))
+        out += [engine.decode_window([(d, 7)]) for _ in range(2)]
+        results.append((out, home, shared, used, taken))
+    (got, home, shared, used, taken), (want, _, _, _, all_blocks) = results
     assert all(torch.equal(g, w) for g, w in zip(got, want))
-    assert b_kv.home == {0: 0, 1: 0, 2: 1, 3: 1}
-    assert b_kv.blocks(0)[:2] == c_kv.blocks(0)[:2] and b_kv.blocks(1)[:2] == c_kv.blocks(1)[:2]  # shared on both
-    assert split.kv_pools.used(1) > 0
+    assert home == {0: 0, 1: 0, 2: 1, 3: 1} and shared == [True, True] and used > 0  # shared on both slots
+    assert (taken, all_blocks) == (8, 12)  # 11 prompt positions on slot 0 (8 in whole blocks); 15 on single
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -285,3 +355,61 @@ def test_a_cuda_snapshot_lands_in_pinned_memory_before_its_blocks_are_reused(tin
     assert torch.equal(engine.decode_window([(restored, 3)]), want)
     engine.release_session(other)
     engine.release_session(restored)
+
+
+def _session_in(pools: KVPools, tokens: list[int]) -> list[int]:
+    """One session on slot 0 of ``pools`` (no layers: the block accounting alone): it takes the published
+    blocks ``tokens`` starts with, allocates the rest (checking that it evicts the least recently freed
+    cached blocks, and only when no unpublished block is free), publishes its full blocks and frees its
+    table. Returns the table."""
+    pool, bs = pools.pools[0], pools.block_size
+    chain: list = []
+    for j in range(len(tokens) // bs):
+        entry = pools.lookup(chain[-1] if chain else None, tuple(tokens[j * bs:(j + 1) * bs]))
+        if entry is None:
+            break
+        chain.append(entry)
+    for entry in chain:
+        pool.hold(entry.blocks[0])
+    need = blocks_for(len(tokens), bs) - len(chain)
+    lru, unpublished = list(pool.cached), pool.n_free - len(pool.cached)
+    evictions = pool.evictions
+    new = pools.allocate(0, need)
+    evicted = lru[:max(0, need - unpublished)]
+    assert set(evicted) <= set(new) and pool.evictions == evictions + len(evicted)
+    assert not any(block in pool.published or block in pool.cached for block in new)
+    assert not any(e.blocks[0] in evicted for e in pools.index.values())  # their entries left the index
+    table = [entry.blocks[0] for entry in chain] + new
+    for j in range(len(chain), len(tokens) // bs):
+        chain.append(pools.publish(chain[-1] if chain else None, tuple(tokens[j * bs:(j + 1) * bs]), {0: table[j]}))
+    pools.free(0, table)
+    return table
+
+
+@given(block=st.integers(1, 4), extra=st.integers(0, 12),
+       sessions=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=16), min_size=1, max_size=12))
+def test_freed_blocks_are_cached_tail_first_and_evicted_least_recently_freed(block, extra, sessions):
+    pools = KVPools(block, blocks_for(16, block) + 1 + extra, torch.float32)
+    pool = pools.pool(0, "cpu")
+    for tokens in sessions:
+        table = _session_in(pools, tokens)
+        full = len(tokens) // block
+        assert pool.refs == [0] * pool.n_blocks and pool.n_free == pool.n_blocks - 1
+        assert list(pool.cached)[len(pool.cached) - full:] == table[:full][::-1]  # the tail is evicted first
+        assert set(pool.cached) == set(pool.published) == {e.blocks[0] for e in pools.index.values()}
+        hits = pool.hits
+        again = _session_in(pools, tokens)  # the same prompt at once: every full block taken back
+        assert again[:full] == table[:full] and pool.hits == hits + full
+
+
+def test_evicting_a_block_on_one_slot_frees_its_cached_block_on_the_other():
+    pools = KVPools(2, 3, torch.float32)
+    first, second = pools.pool(0, "cpu"), pools.pool(1, "cpu")
+    blocks = {0: pools.allocate(0, 1)[0], 1: pools.allocate(1, 1)[0]}
+    entry = pools.publish(None, (1, 2), blocks)
+    pools.free(0, [blocks[0]])
+    pools.free(1, [blocks[1]])
+    assert list(first.cached) == [blocks[0]] and list(second.cached) == [blocks[1]]
+    assert pools.allocate(0, 2) and first.evictions == 1  # the unpublished block, then the cached one
+    assert pools.lookup(None, (1, 2)) is None and entry.key not in pools.index
+    assert not second.cached and not second.published and second.n_free == 2 and second.evictions == 0

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from test_server_support import FakeEngine, FakeTokenizer, greedy_reference, steps_of
+from test_server_support import FakeBlocks, FakeEngine, FakeTokenizer, greedy_reference, steps_of
 
 from strata_core.config import StrataSettings
 from strata_core.serving.requests import (ContextLengthError, Delta, Finished, GenerationRequest, RequestCancelled,
@@ -148,8 +148,10 @@ def test_context_limits() -> None:
 
 @pytest.mark.parametrize("conv_cache", [0, 1, 2])
 @pytest.mark.parametrize("rewindable", [True, False])
-def test_conversation_cache_reuses_the_prefix(conv_cache: int, rewindable: bool) -> None:
-    """The next turn extends the whole cached conversation, so a recurrent state is reused too."""
+def test_a_displaced_conversation_s_next_turn_reuses_it(conv_cache: int, rewindable: bool) -> None:
+    """The next turn of a displaced conversation: a model without recurrent state takes back the whole
+    KV blocks its displaced session left cached on the device (no host snapshot, whatever --conv-cache);
+    one with recurrent state restores the whole conversation from the host conversation cache."""
     engine = FakeEngine(step_delay=0.0, rewindable=rewindable)
     scheduler = _scheduler(engine, parallel=1, conv_cache=conv_cache)
     first = _request("first turn", 6)
@@ -167,11 +169,15 @@ def test_conversation_cache_reuses_the_prefix(conv_cache: int, rewindable: bool)
         end = asyncio.run(main())
     finally:
         scheduler.stop()
-    # overlapped windows (a rewindable model) fed the last reply token to the window after it
-    cached = len(first.prompt) + len(reply) - (not rewindable) if conv_cache else 0
-    assert end.timings.cache_n == cached
+    if rewindable:  # overlapped windows fed the last reply token to the window after it: all of it is held
+        block = engine.kv_pools.block
+        cached = (len(first.prompt) + len(reply)) // block * block
+        assert len(scheduler.cache) == 0 and scheduler.kv_blocks["hits"] == cached // block
+    else:
+        cached = len(first.prompt) + len(reply) - 1 if conv_cache else 0
+        assert len(scheduler.cache) == (1 if conv_cache else 0)  # "something else" was displaced in turn
+    assert end.timings.cache_n == cached > 0 or not conv_cache
     assert end.timings.prompt_n == len(second.prompt) - cached == engine.prefilled[-1]
-    assert len(scheduler.cache) == (1 if conv_cache else 0)  # "something else" was displaced in turn
 
 
 @pytest.mark.parametrize("rewindable", [True, False])
@@ -235,10 +241,14 @@ def test_a_prompt_kept_but_its_last_token_runs_that_token_in_the_window() -> Non
     assert again[0] == first[0] == [t for t in _tokens_alone(request) if t not in FakeTokenizer.eos_token_ids]
 
 
-def test_a_prompt_sharing_only_the_template_opening_keeps_the_cached_conversation() -> None:
+@pytest.mark.parametrize("shares", [True, False])
+def test_a_prompt_sharing_only_the_template_opening_keeps_the_cached_conversation(shares: bool) -> None:
     """Conversations A, B, C, then A again, one slot: B and C share only the chat template's opening
-    with A, and A's next turn still finds all of A in the cache."""
+    with A, and A's next turn still finds all of A: its whole KV blocks cached on the device (an engine
+    sharing prefixes, its pool large enough), or A in the conversation cache (one that shares none)."""
     engine = FakeEngine()
+    engine.shares_prefixes = shares
+    engine.kv_pools = FakeBlocks(capacity=256)
     scheduler = _scheduler(engine, parallel=1, conv_cache=8)
     opening = "<|im_start|>user\n"
     a, b, c = (_request(opening + text * 20, 4) for text in ("alpha ", "bravo ", "charlie "))
@@ -254,7 +264,10 @@ def test_a_prompt_sharing_only_the_template_opening_keeps_the_cached_conversatio
         end = asyncio.run(main())
     finally:
         scheduler.stop()
-    assert end.timings.cache_n == len(a.prompt) + len(reply)  # all of A (the last reply token fed the window after it)
+    held = len(a.prompt) + len(reply)  # all of A (the last reply token fed the window after it)
+    block = engine.kv_pools.block
+    assert end.timings.cache_n == (held // block * block if shares else held)
+    assert len(scheduler.cache) == (0 if shares else 2)  # B and C (A went back into the slot)
 
 
 class _NoEos(FakeEngine):

@@ -1,4 +1,5 @@
-"""Many clients at once on a live server (fake engine): batching, disconnects, the conversation cache."""
+"""Many clients at once on a live server (fake engine): batching, disconnects, cached KV blocks and the
+conversation cache."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import asyncio
 
 import httpx
 import openai
-from test_server_support import FakeEngine, FakeTokenizer, greedy_reference, live_server, steps_of
+import pytest
+from test_server_support import FakeBlocks, FakeEngine, FakeTokenizer, greedy_reference, live_server, steps_of
 
 from strata_core.config import StrataSettings
 
@@ -110,25 +112,37 @@ def test_a_client_that_disconnects_frees_its_slot() -> None:
     assert "strata_requests_cancelled_total 2.0" in metrics, metrics
 
 
-def test_second_turn_reads_its_history_from_the_conversation_cache() -> None:
-    def converse(conv_cache: int) -> tuple[list[str], list[dict]]:
+@pytest.mark.parametrize("rewindable", [True, False])
+def test_second_turn_reads_its_history_from_cached_blocks_or_the_conversation_cache(rewindable: bool) -> None:
+    """A displaced conversation's second turn reads its history: a model without recurrent state from
+    the KV blocks its session left cached (whatever --conv-cache), one with recurrent state from the
+    conversation cache in host RAM; /metrics counts the blocks taken back."""
+    def converse(conv_cache: int) -> tuple[list[str], list[dict], dict[str, float]]:
         settings = StrataSettings(model_alias=MODEL, parallel=1, conv_cache=conv_cache)
-        with live_server(settings, FakeEngine()) as url:
+        with live_server(settings, FakeEngine(rewindable=rewindable)) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             history = [{"role": "user", "content": "tell me a story"}]
             first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "other"}],
-                                           max_tokens=3, temperature=0)  # displaces the conversation
+            other = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "other"}],
+                                                   max_tokens=3, temperature=0)  # displaces the conversation
             history += [{"role": "assistant", "content": first.choices[0].message.content},
                         {"role": "user", "content": "go on"}]
             second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+            text = httpx.get(f"{url}/metrics").text
+        metrics = {name: float(value) for name, value in (line.rsplit(" ", 1) for line in text.splitlines()
+                                                          if line.startswith("strata_kv_cached_block"))}
         return ([first.choices[0].message.content, second.choices[0].message.content],
-                [first.model_extra["timings"], second.model_extra["timings"]])
+                [r.model_extra["timings"] for r in (first, second, other)], metrics)
 
-    cached_texts, cached = converse(conv_cache=2)
-    plain_texts, plain = converse(conv_cache=0)
+    cached_texts, cached, metrics = converse(conv_cache=2)
+    plain_texts, plain, _ = converse(conv_cache=0)
     assert cached_texts == plain_texts
-    prompt_one = cached[0]["prompt_n"]
-    assert cached[1]["cache_n"] >= prompt_one  # the whole first prompt, at least, came from the cache
-    assert cached[1]["prompt_n"] + cached[1]["cache_n"] == plain[1]["prompt_n"]
-    assert plain[1]["cache_n"] == 0
+    prompt_one, block = cached[0]["prompt_n"], FakeBlocks().block
+    taken = sum(t["cache_n"] for t in cached) // block if rewindable else 0  # "other" shares the template's opening
+    assert metrics == {"strata_kv_cached_block_hits_total": taken,
+                       "strata_kv_cached_block_evictions_total": 0.0,
+                       "strata_kv_cached_blocks": metrics["strata_kv_cached_blocks"]}
+    assert (metrics["strata_kv_cached_blocks"] > 0) == rewindable
+    assert cached[1]["cache_n"] >= prompt_one // block * block  # the first prompt's whole blocks, at least
+    assert cached[1]["prompt_n"] + cached[1]["cache_n"] == plain[1]["prompt_n"] + plain[1]["cache_n"]
+    assert plain[1]["cache_n"] == (cached[1]["cache_n"] if rewindable else 0)

@@ -79,24 +79,32 @@ def test_sixteen_streaming_clients_equal_their_runs_alone(model_path: Path, refe
     assert len(set(outputs)) > 1  # distinct, non-trivial outputs
 
 
-def test_second_turn_from_the_conversation_cache_equals_a_run_without_it(model_path: Path) -> None:
-    def converse(conv_cache: int) -> tuple[list[str], dict]:
-        with live_server(_settings(model_path, parallel=1, conv_cache=conv_cache)) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-            history = [{"role": "user", "content": "the hot experts were cached"}]
-            first = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "cold"}],
-                                           max_tokens=1, temperature=0)  # takes the only slot
-            history += [{"role": "assistant", "content": first.choices[0].message.content},
-                        {"role": "user", "content": "and then?"}]
-            second = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
-        return [first.choices[0].message.content, second.choices[0].message.content], second.model_extra["timings"]
+def test_second_turn_from_cached_blocks_equals_a_run_without_them(model_path: Path) -> None:
+    """A displaced conversation's second turn takes back the KV blocks its first turn left cached on the
+    device (counted in /metrics) and gives the text a fresh server gives the same request."""
+    history = [{"role": "user", "content": "the hot experts were cached"}]
 
-    cached_texts, cached = converse(conv_cache=2)
-    plain_texts, plain = converse(conv_cache=0)
-    assert cached_texts == plain_texts and all(cached_texts)
+    def ask(url: str) -> openai.types.chat.ChatCompletion:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        return client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, temperature=0)
+
+    with live_server(_settings(model_path, parallel=1)) as url:
+        first = ask(url)
+        openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "cold"}], max_tokens=1, temperature=0)  # takes the slot
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "and then?"}]
+        second = ask(url)
+        metrics = httpx.get(f"{url}/metrics").text
+    with live_server(_settings(model_path, parallel=1)) as url:
+        alone = ask(url)
+    cached, plain = second.model_extra["timings"], alone.model_extra["timings"]
+    assert second.choices[0].message.content == alone.choices[0].message.content and first.choices[0].message.content
     assert cached["cache_n"] > 10 and plain["cache_n"] == 0
     assert cached["prompt_n"] + cached["cache_n"] == plain["prompt_n"]
+    hits = next(float(line.split()[1]) for line in metrics.splitlines()
+                if line.startswith("strata_kv_cached_block_hits_total "))
+    assert hits * 16 >= cached["cache_n"]  # --kv-block 16: the second turn's blocks, taken back
 
 
 @pytest.mark.parametrize("strategy", sorted(build_plugin_manager(StrataSettings()).strategies))

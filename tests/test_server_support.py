@@ -1,8 +1,8 @@
 """Shared helpers of the server tests: a fake engine and a live uvicorn server.
 
-The fake follows the Engine API the scheduler uses (sessions, prefill, decode windows, snapshots,
-tokenizer, chat template, telemetry) with deterministic logits from a hash of the token history,
-and checks that every engine call comes from one thread.
+The fake follows the Engine API the scheduler uses (sessions, cached prefix blocks, prefill, decode
+windows, snapshots, tokenizer, chat template, telemetry) with deterministic logits from a hash of the
+token history, and checks that every engine call comes from one thread.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import hashlib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -146,6 +147,37 @@ class FakeSnapshot:
         return 64 * len(self.tokens)
 
 
+class FakeBlocks:
+    """The fake's KV pools: the token prefixes of whole blocks published by sessions released with
+    ``cache``, least recently used evicted beyond ``capacity`` blocks; counted as ``KVPools.counters``."""
+
+    def __init__(self, block: int = 4, capacity: int = 64) -> None:
+        self.block, self.capacity = block, capacity
+        self._prefixes: OrderedDict[tuple[int, ...], None] = OrderedDict()
+        self.hits = self.evictions = 0
+
+    def share(self, tokens: Sequence[int]) -> int:
+        """Positions of the published whole blocks ``tokens`` starts with (taken back: counted as hits)."""
+        n = 0
+        while (n + 1) * self.block <= len(tokens) and tuple(tokens[:(n + 1) * self.block]) in self._prefixes:
+            n += 1
+            self._prefixes.move_to_end(tuple(tokens[:n * self.block]))
+            self.hits += 1
+        return n * self.block
+
+    def publish(self, tokens: Sequence[int]) -> None:
+        """Publish the whole blocks of ``tokens``, evicting the least recently used beyond capacity."""
+        for n in range(1, len(tokens) // self.block + 1):
+            self._prefixes[tuple(tokens[:n * self.block])] = None
+            self._prefixes.move_to_end(tuple(tokens[:n * self.block]))
+        while len(self._prefixes) > self.capacity:
+            self._prefixes.popitem(last=False)
+            self.evictions += 1
+
+    def counters(self) -> dict[str, int]:
+        return {"hits": self.hits, "evictions": self.evictions, "cached": len(self._prefixes)}
+
+
 def fake_logits(history: list[int]) -> torch.Tensor:
     """Deterministic logits of the next token after ``history``: mostly printable ASCII."""
     seed = int.from_bytes(hashlib.blake2b(str(history).encode(), digest_size=8).digest(), "little")
@@ -172,6 +204,8 @@ class FakeEngine:
         # every prefill ("prefill", session, tokens) and decode window ("window", None, rows), in order
         self.calls: list[tuple[str, FakeSession | None, int]] = []
         self.live: set[int] = set()
+        self.kv_pools = FakeBlocks()
+        self.shares_prefixes = rewindable  # as Engine.shares_prefixes
         self.telemetry = SimpleNamespace(snapshot=lambda: {"expert_hits": 3, "expert_misses": 1, "bytes_streamed": 42},
                                          by_device=lambda: {"cpu#0": {"resident": 3, "streamed": 1}})
         self._thread: threading.Thread | None = None
@@ -194,14 +228,20 @@ class FakeEngine:
         self._check_thread()
         self.warmed = True  # a server's start warmed the prompt path
 
-    def new_session(self, prefix_tokens=()) -> FakeSession:  # shares nothing: no KV blocks are published here
+    def new_session(self, prefix_tokens=()) -> FakeSession:
+        """As ``Engine.new_session``: holding the published whole blocks ``prefix_tokens`` starts with
+        (here published only by ``release_session`` with ``cache``, not after each prefill)."""
         self._check_thread()
         session = FakeSession(rewindable=self.spec.rewindable)
+        if self.shares_prefixes:
+            session.tokens = list(prefix_tokens[:self.kv_pools.share(prefix_tokens)])
         self.live.add(id(session))
         return session
 
-    def release_session(self, session: FakeSession) -> None:
+    def release_session(self, session: FakeSession, cache: bool = False) -> None:
         self._live(session)
+        if cache:
+            self.kv_pools.publish(session.tokens)
         session.released = True
         self.live.discard(id(session))
 

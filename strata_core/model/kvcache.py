@@ -26,8 +26,9 @@ kept (``keep_step``), and ``truncate`` to any of those positions puts that state
 window's rejected drafts cut off a Gated DeltaNet layer exactly as off attention K/V).
 
 Prefix sharing (kvpool.py has the rule): ``share`` makes an empty cache hold the published full
-blocks a prompt starts with, ``publish`` publishes the cache's own full blocks; a cache with
-recurrent state neither shares nor publishes (its state at a block boundary is not kept).
+blocks a prompt starts with (held by other sessions, or cached since their last holder freed them),
+``publish`` publishes the cache's own full blocks; a cache with recurrent state neither shares nor
+publishes (its state at a block boundary is not kept).
 
 ``read(layer, n)`` gathers positions ``[0, n)`` into contiguous tensors (the eager and prompt
 attention, the CPU reference); the fused decode kernels read the pools through the block tables.
@@ -145,7 +146,9 @@ class KVCache:
         self._chain: list[PrefixEntry] = []  # index entries of the leading full blocks (shared or published)
         self._state: dict[int, LayerTensors] = {}  # layer -> its recurrent state (on its home)
         self._parked: dict[tuple[int, int], LayerTensors] = {}  # (layer, slot) -> recurrent state left there
-        self._left: set[tuple[int, int]] = set()  # (layer, slot): rows left there by a hand-off
+        #: (layer, slot) -> positions whose rows a hand-off left there (or ``leave``) still hold: those after
+        #: go stale while the layer computes elsewhere (what ``publish`` may offer of that slot)
+        self._left: dict[tuple[int, int], int] = {}
         #: per recurrent layer, its state at positions ``_steps_from``, ``_steps_from + 1``, ... of the decode
         #: window in progress (``keep_steps``); what ``truncate`` rewinds to; cleared when a phase reserves
         self._steps: dict[int, list[LayerTensors]] = {}
@@ -322,7 +325,7 @@ class KVCache:
         table = self._tables[slot]
         if n_blocks > len(table):
             start = len(table)
-            table.extend(self.pools.pools[slot].allocate(n_blocks - start))
+            table.extend(self.pools.allocate(slot, n_blocks - start))
             self._upload(slot, start)
 
     def _make_private(self, slot: int, j: int) -> None:
@@ -335,7 +338,7 @@ class KVCache:
         if pool.refs[block] == 1:
             self.pools.unpublish(pool.published[block])
             return
-        (copy,) = pool.allocate(1)
+        (copy,) = self.pools.allocate(slot, 1)
         pool.copy_block(block, copy)
         self.pools.free(slot, [block])
         table[j] = copy
@@ -362,6 +365,7 @@ class KVCache:
         elif not self.can_truncate:
             self._rewind_state(n)
         self.n_tokens = n
+        self._left = {key: min(kept, n) for key, kept in self._left.items()}  # what follows is another sequence's
         self.trim()
 
     def keep_steps(self) -> None:
@@ -418,6 +422,7 @@ class KVCache:
         self._chain.clear()
         self._state.clear()
         self._parked.clear()
+        self._left.clear()
         self._drop_steps()
         self.released = True
         self.version += 1
@@ -452,8 +457,8 @@ class KVCache:
             for name, source in self._state[i].items():
                 moved[name].copy_(source, non_blocking=True)
             self._state[i], self.home[i] = moved, slot
-            self._left.add((i, src))
-            self._left.discard((i, slot))
+            self._left[(i, src)] = self.n_tokens
+            self._left.pop((i, slot), None)
             self.version += 1
 
     def leave(self, layers: range, slot: int) -> KVSnapshot:
@@ -465,6 +470,7 @@ class KVCache:
         snap = self.snapshot(layers)
         snap.wait()
         for i in layers:
+            self._left[(i, self.home[i])] = self.n_tokens
             del self._state[i], self.home[i]
             self.away[i] = slot
         self._steps = {i: steps for i, steps in self._steps.items() if i in self._state}
@@ -490,6 +496,7 @@ class KVCache:
                 self._state[i] = self._new_state(i, device)
                 self.home[i] = slot
             self.away.pop(i, None)
+            self._left.pop((i, slot), None)  # its rows are all written here below
         self.version += 1
         if not staying:
             self.restore(snap)
@@ -595,16 +602,26 @@ class KVCache:
         return self.n_tokens
 
     def publish(self, tokens: Sequence[int]) -> int:
-        """Publish this cache's committed full blocks (``tokens``: the ids of its positions) so other
-        sessions can share them; returns how many leading blocks are published now. The caller
-        publishes only when every slot's blocks hold the rows of every layer there (after a prefill)."""
-        if not self.can_truncate or len(tokens) < self.n_tokens:
+        """Publish this cache's committed full blocks so other sessions can share them (and so they stay
+        cached once released: kvpool.py); ``tokens``: the ids of its positions (a negative id, a token not
+        known on the host yet, ends what is published). Returns how many leading blocks are published now. A block is published with each slot's
+        block that holds the rows of every layer kept there, and only while every home slot's does (a
+        hand-off leaves rows behind that go stale once the layer computes elsewhere)."""
+        if not self.can_truncate:
             return len(self._chain)
         bs = self.block_size
-        for j in range(len(self._chain), self.n_tokens // bs):
-            if any(len(table) <= j for table in self._tables.values()):
+        valid = {slot: self._valid(slot) for slot in self._tables}
+        homes = self._home_slots()
+        for j in range(len(self._chain), min(len(tokens), self.n_tokens) // bs):
+            end = (j + 1) * bs
+            blocks = {slot: table[j] for slot, table in self._tables.items() if len(table) > j and valid[slot] >= end}
+            ids = tuple(tokens[j * bs:end])
+            if any(slot not in blocks for slot in homes) or min(ids) < 0:
                 break
-            blocks = {slot: table[j] for slot, table in self._tables.items()}
             parent = self._chain[-1] if self._chain else None
-            self._chain.append(self.pools.publish(parent, tuple(tokens[j * bs:(j + 1) * bs]), blocks))
+            self._chain.append(self.pools.publish(parent, ids, blocks))
         return len(self._chain)
+
+    def _valid(self, slot: int) -> int:
+        """Positions whose rows ``slot``'s blocks hold for every layer kept there."""
+        return min((kept for (_, s), kept in self._left.items() if s == slot), default=self.n_tokens)

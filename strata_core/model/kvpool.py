@@ -18,8 +18,15 @@ copy, no recompute. The rule: **only full, immutable blocks are shared, and a bl
 or published is never written.** Compute only writes positions at or past a session's length, so
 a shared block is written only after a ``truncate`` into it; the next ``KVCache.reserve`` then makes
 that block private first (copy-on-write when another session holds it too, else it is merely
-unpublished). A block returns to the free list when its last holder frees it, and its index entry
-goes with it.
+unpublished).
+
+Cached free blocks (as vLLM's and SGLang's prefix caches): a block its last holder frees returns to
+the free list, but a published one keeps its index entry and rows there, on an LRU list of *cached*
+blocks. A later session whose prompt starts with that content takes it back (``hold``: no copy, no
+recompute), as it shares a block another session holds. An allocation takes never-published free
+blocks first, then *evicts* the least recently freed cached block (its index entry goes). A table's
+blocks are freed from its last, so that a sequence's tail is evicted before its head. Each pool
+counts the cached blocks taken back (``hits``) and evicted (``evictions``).
 
 Sizing (``StrataSettings.kv_block`` and ``kv_pool_tokens``): ``kv_block`` tokens a block (default
 16); a pool of ``kv_pool_tokens`` tokens per device slot, by default ``parallel x max_context`` (what
@@ -33,6 +40,7 @@ bfloat16, or quantized as codes plus scales, each of them one more pool tensor o
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -81,7 +89,11 @@ class BlockPool:
         self.rows: dict[int, dict[str, torch.Tensor]] = {}  # layer -> name -> [n_blocks, block_size, *shape]
         self.refs = [0] * n_blocks
         self.published: dict[int, PrefixEntry] = {}  # block id -> its index entry
-        self._free = list(range(n_blocks - 1, NULL_BLOCK, -1))  # pop() hands out the lowest id first
+        self._free = list(range(n_blocks - 1, NULL_BLOCK, -1))  # unpublished free blocks; pop(): the lowest id first
+        #: free blocks still published (a later prompt may take them back), least recently freed first
+        self.cached: OrderedDict[int, None] = OrderedDict()
+        self.hits = 0  # cached blocks taken back by a session sharing their content
+        self.evictions = 0  # cached blocks handed out for other content
 
     def add_layer(self, layer: int, layout: Mapping[str, StateTensor]) -> None:
         """Storage for ``layer``'s per-token state as ``kv_type`` stores it (once; a layer already held is
@@ -95,41 +107,57 @@ class BlockPool:
 
     @property
     def n_free(self) -> int:
-        """Blocks that can be handed out now."""
-        return len(self._free)
+        """Blocks that can be handed out now (cached ones included)."""
+        return len(self._free) + len(self.cached)
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the pool's storage."""
         return sum(t.numel() * t.element_size() for named in self.rows.values() for t in named.values())
 
-    def allocate(self, n: int) -> list[int]:
-        """``n`` free blocks, each held once; KVPoolFull (nothing taken) when fewer are free."""
-        if n > len(self._free):
+    def allocate(self, n: int) -> tuple[list[int], list[PrefixEntry]]:
+        """``n`` free blocks, each held once: unpublished ones first, then the least recently freed cached
+        ones; with the index entries of the cached blocks taken (evicted: the caller drops them from the
+        index). KVPoolFull (nothing taken) when fewer are free."""
+        if n > self.n_free:
             raise KVPoolFull(f"the KV pool of device slot {self.slot} is full: {n} more blocks of {self.block_size} "
-                             f"tokens needed, {len(self._free)} of {self.n_blocks - 1} free (--kv-pool-tokens sets "
+                             f"tokens needed, {self.n_free} of {self.n_blocks - 1} free (--kv-pool-tokens sets "
                              "its size)")
-        ids = [self._free.pop() for _ in range(n)]
+        ids = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        evicted = []
+        while len(ids) < n:
+            block, _ = self.cached.popitem(last=False)
+            evicted.append(self.published.pop(block))
+            ids.append(block)
+        self.evictions += len(evicted)
         for i in ids:
             self.refs[i] = 1
-        return ids
+        return ids, evicted
 
     def hold(self, block: int) -> None:
-        """One more holder of ``block`` (a session sharing it)."""
+        """One more holder of ``block`` (a session sharing it; a cached block is taken back)."""
+        if self.refs[block] == 0:
+            del self.cached[block]
+            self.hits += 1
         self.refs[block] += 1
 
-    def free(self, blocks: list[int]) -> list[PrefixEntry]:
-        """Drop one hold of each of ``blocks``; a block held no more returns to the free list. Returns
-        the index entries of the blocks freed (the caller drops them from the index)."""
-        gone = []
-        for block in blocks:
+    def free(self, blocks: list[int]) -> None:
+        """Drop one hold of each of ``blocks`` (in position order), the last first; a block held no more
+        is free: cached (most recently freed) where it is published, else unpublished."""
+        for block in reversed(blocks):
             self.refs[block] -= 1
             if self.refs[block] == 0:
-                self._free.append(block)
-                entry = self.published.pop(block, None)
-                if entry is not None:
-                    gone.append(entry)
-        return gone
+                if block in self.published:
+                    self.cached[block] = None
+                else:
+                    self._free.append(block)
+
+    def forget(self, block: int) -> None:
+        """``block`` is no longer published: if it is cached, it becomes an unpublished free block."""
+        self.published.pop(block, None)
+        if block in self.cached:
+            del self.cached[block]
+            self._free.append(block)
 
     def writable(self, block: int) -> bool:
         """Whether a holder may write ``block`` in place: held once and not published."""
@@ -200,25 +228,48 @@ class KVPools:
         if found is not None:
             return found
         entry = PrefixEntry(self.key(parent, tokens), parent, tokens, dict(blocks))
-        if entry.key in self.index:  # a hash collision with other content: the older entry keeps the key
+        older = self.index.get(entry.key)
+        if older is not None and self._reachable(older):  # a hash collision with other content: the older keeps it
             return entry
+        if older is not None:  # left behind when an entry before it was evicted: no lookup can reach it
+            self.unpublish(older)
         self.index[entry.key] = entry
         for slot, block in blocks.items():
             self.pools[slot].published[block] = entry
         return entry
 
+    def _reachable(self, entry: PrefixEntry) -> bool:
+        """Whether ``entry``'s parent is still indexed (its own parent is checked when it is published again)."""
+        return entry.parent is None or self.index.get(entry.parent.key) is entry.parent
+
     def unpublish(self, entry: PrefixEntry) -> None:
-        """Take ``entry`` out of the index (its blocks stay with their holders)."""
+        """Take ``entry`` out of the index (its blocks stay with their holders; cached ones are plain free
+        blocks now)."""
         if self.index.get(entry.key) is entry:
             del self.index[entry.key]
         for slot, block in entry.blocks.items():
-            if self.pools[slot].published.get(block) is entry:
-                del self.pools[slot].published[block]
+            pool = self.pools[slot]
+            if pool.published.get(block) is entry:
+                pool.forget(block)
+
+    def allocate(self, slot: int, n: int) -> list[int]:
+        """``n`` free blocks of ``slot``, each held once; the cached blocks this evicts leave the index.
+        KVPoolFull (nothing taken) when fewer are free."""
+        blocks, evicted = self.pools[slot].allocate(n)
+        for entry in evicted:
+            self.unpublish(entry)
+        return blocks
 
     def free(self, slot: int, blocks: list[int]) -> None:
-        """Drop one hold of each of ``blocks`` of ``slot``; freed published blocks leave the index."""
-        for entry in self.pools[slot].free(blocks):
-            self.unpublish(entry)
+        """Drop one hold of each of ``blocks`` of ``slot`` (a table's, in position order); freed published
+        blocks stay indexed, cached."""
+        self.pools[slot].free(blocks)
+
+    def counters(self) -> dict[str, int]:
+        """Over every pool: cached blocks taken back (``hits``), evicted (``evictions``), and held now (``cached``)."""
+        pools = self.pools.values()
+        return {"hits": sum(p.hits for p in pools), "evictions": sum(p.evictions for p in pools),
+                "cached": sum(len(p.cached) for p in pools)}
 
     def used(self, slot: int) -> int:
         """Blocks of ``slot`` held now."""
@@ -227,5 +278,5 @@ class KVPools:
 
     def __repr__(self) -> str:
         return (f"KVPools(block_size={self.block_size}, n_blocks={self.n_blocks}, slots={sorted(self.pools)}, "
-                f"published={len(self.index)})")
+                f"published={len(self.index)}, cached={self.counters()['cached']})")
 

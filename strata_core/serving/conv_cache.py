@@ -1,7 +1,9 @@
 """The conversation cache: KV snapshots of displaced conversations, kept in host RAM.
 
-When the scheduler needs a slot whose idle session still holds a finished conversation, it saves
-that session here (``engine.save_session``) before freeing it. When a later prompt starts with the
+When the scheduler needs a slot whose idle session still holds a finished conversation of an engine
+that shares no prefixes (a model with recurrent state: its state is per session, not in the paged
+KV blocks that stay cached on the device), it saves that session here (``engine.save_session``)
+before freeing it. When a later prompt starts with the
 same tokens, the snapshot with the longest common prefix is restored and only the new part of the
 prompt is computed. Entries are bounded by count and by bytes; the least recently used go first.
 """

@@ -171,6 +171,11 @@ class Scheduler:
         return self._runner.experts_by_device
 
     @property
+    def kv_blocks(self) -> dict[str, int]:
+        """The KV pools' cached-block counters: taken back, evicted, cached now (kvpool.py; /metrics)."""
+        return self.engine.kv_pools.counters()
+
+    @property
     def worker(self) -> ComputeThread | None:
         """The thread every engine call runs on."""
         return self._worker

@@ -1,8 +1,12 @@
 """The generation slots and the sessions they hold: which slot, and which session, a request gets.
 
 A request that leaves its slot leaves its session there, so the next prompt that shares its prefix
-computes only the new part; a slot taken by another request first saves its idle session in the
-:class:`~strata_core.serving.conv_cache.ConvCache`, from which a returning conversation is restored.
+computes only the new part. A slot taken by another request first displaces its idle session: where
+the engine shares prefixes, the session's full KV blocks are published and released, and stay
+cached on the device until an allocation needs them (model/kvpool.py), so a returning conversation
+takes them back without a copy (the partial last block, fewer tokens than a block, is computed
+again); where it does not (a recurrent state is per session, not paged), the session is saved in
+the :class:`~strata_core.serving.conv_cache.ConvCache` in host RAM, from which it is restored.
 Under ``--batch-invariant`` nothing is reused: on CUDA a prompt's KV computed in other chunks, or its
 last token run as a decode row, would give other bits than the prompt computed alone.
 """
@@ -91,9 +95,15 @@ class Slots:
             slot.session = None
 
     def _displace(self, slot: Slot) -> None:
-        """Free the slot's idle session, keeping a snapshot in the conversation cache."""
-        if slot.session is None:
+        """Free the slot's idle session: its full KV blocks stay cached on the device where the engine
+        shares prefixes, else a snapshot of it goes to the conversation cache."""
+        session = slot.session
+        if session is None:
             return
-        if slot.session.n_tokens and self.cache.max_entries:
-            self.cache.put(list(slot.session.tokens), self.engine.save_session(slot.session))
+        if self.reuse and self.engine.shares_prefixes:
+            self.engine.release_session(session, cache=True)
+            slot.session = None
+            return
+        if session.n_tokens and self.cache.max_entries:
+            self.cache.put(list(session.tokens), self.engine.save_session(session))
         self.drop(slot)

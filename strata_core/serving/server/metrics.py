@@ -11,7 +11,7 @@ def _ratio(num: float, den: float) -> float:
 
 def render(scheduler: Scheduler) -> str:
     """Prometheus text exposition (version 0.0.4) of the server's state."""
-    st, tel, cache = scheduler.stats, scheduler.telemetry, scheduler.cache
+    st, tel, cache, kv = scheduler.stats, scheduler.telemetry, scheduler.cache, scheduler.kv_blocks
     computed = st.prompt_tokens - st.cached_tokens
     hits, misses = float(tel.get("expert_hits", 0)), float(tel.get("expert_misses", 0))
     rows: list[tuple[str, str, str, float]] = [
@@ -37,6 +37,11 @@ def render(scheduler: Scheduler) -> str:
         ("requests_processing", "gauge", "requests in a slot", st.active),
         ("requests_queued", "gauge", "requests waiting for a slot (queue depth)", st.waiting),
         ("slots", "gauge", "generation slots", scheduler.parallel),
+        ("kv_cached_block_hits_total", "counter", "freed KV blocks a prompt took back instead of computing them",
+         kv["hits"]),
+        ("kv_cached_block_evictions_total", "counter", "freed KV blocks of a published prefix given to other content",
+         kv["evictions"]),
+        ("kv_cached_blocks", "gauge", "free KV blocks that still hold a published prefix", kv["cached"]),
         ("conv_cache_entries", "gauge", "conversations kept in host RAM", len(cache)),
         ("conv_cache_bytes", "gauge", "host bytes held by the conversation cache", cache.nbytes),
         ("expert_cache_hit_ratio", "gauge", "routed experts found resident", _ratio(hits, hits + misses)),
