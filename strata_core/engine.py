@@ -38,7 +38,7 @@ from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 from strata_core.plugin.spec import StrategyOptions
 from strata_core.remote import Cluster, RankFailedError, RemoteStages, launch_of
 from strata_core.remote.launch import check_placement
-from strata_core.runtime.devices import resolve_slots, split_rank, synchronize
+from strata_core.runtime.devices import compute_dtype, resolve_slots, split_rank, synchronize
 from strata_core.runtime.memory_plan import dense_bytes_per_device, kv_bytes_per_device
 from strata_core.runtime.runner import Runner
 from strata_core.runtime.session import DecodeBatch, Session, SessionSnapshot
@@ -73,12 +73,6 @@ def kv_pools(settings: StrataSettings, spec: ModelSpec, dtype: torch.dtype) -> K
     max_context = min(settings.max_context, spec.context_length)
     tokens = settings.kv_pool_tokens or settings.parallel * max_context
     return KVPools.for_tokens(tokens, settings.kv_block, dtype, max_context, settings.kv_type)
-
-
-def _compute_dtype(settings: StrataSettings, device: torch.device) -> torch.dtype:
-    if settings.dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.bfloat16
-    return getattr(torch, settings.dtype)
 
 
 
@@ -126,7 +120,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.chat = chat
         self.max_context = min(settings.max_context, spec.context_length)
-        self.dtype = _compute_dtype(settings, devices[placement.main].device)
+        self.dtype = compute_dtype(settings.dtype, devices[placement.main].device)
         #: the segments on other ranks (strata_core/remote/), None for an engine in one process
         self.remote = remote
         #: the device slots this process computes on (every slot, but for an engine over several ranks)
@@ -194,7 +188,7 @@ class Engine:
         for phase in PHASES:
             log.info("%s placement: %s", phase, "; ".join(
                 f"{devices[s.device]} layers {s.layers.start}..{s.layers.stop - 1}" for s in placement.segments(phase)))
-        dtype = _compute_dtype(settings, devices[placement.main].device)
+        dtype = compute_dtype(settings.dtype, devices[placement.main].device)
         slots = {d.index: d for d in devices if d.index in local}  # this process's: all but across ranks
         pools = kv_pools(settings, spec, dtype)
         kv_tokens = pools.n_blocks * pools.block_size  # the null block's too

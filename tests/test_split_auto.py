@@ -4,6 +4,7 @@ decode miss computed exactly once whatever the split, and logits bit-identical t
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from strata_core.experts import split_auto
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.backend import build_expert_backend
 from strata_core.experts.rows import DequantExpertRows
-from strata_core.experts.split_auto import AutoSplit, resolve_pcie_frac
+from strata_core.experts.split_auto import AutoSplit, measure_rates, resolve_pcie_frac, split_from_rates
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.registry import load_model_spec
@@ -172,8 +173,46 @@ def test_hybrid_decode_logits_equal_every_miss_over_the_link(tiny, clock, caplog
     assert snap["experts_pcie"] > 0 and snap["experts_cpu"] > 0
 
 
+@pytest.mark.parametrize(("cpu", "link", "want"), [(4.0, 55.0, 1.0), (10.0, 40.0, None), (60.0, 25.0, None)])
+def test_the_measured_rates_decide_whether_the_cpu_takes_a_share(caplog, cpu, link, want):
+    with caplog.at_level(logging.INFO, logger=split_auto.__name__):
+        assert split_from_rates(cpu, link, "cuda:0") == want
+    if want == 1.0:  # 7% for the CPU: below MIN_CPU_SHARE, every miss over the link
+        assert "does not pay for the decode gather and CUDA graphs" in caplog.text
+    else:
+        assert f"the split starts at a link share of {link / (cpu + link):.2f}" in caplog.text
+
+
+def test_the_rates_are_measured_on_the_cpu_pool_and_over_the_link(tiny, monkeypatch):
+    engine = Engine.load(tiny, max_context=64, expert_cache=0, arena="pinned", pcie_frac=1.0)
+    on_pool, calls = [], []
+    real = split_auto.cpu_experts_ffn
+
+    def counted(x, parts, counts, *args):
+        calls.append((x.dtype, x.shape[0], len(parts), list(counts)))
+        return real(x, parts, counts, *args)
+
+    monkeypatch.setattr(split_auto, "cpu_experts_ffn", counted)
+    with ThreadPoolExecutor(1, initializer=lambda: on_pool.append(True)) as pool:
+        cpu, link = measure_rates(engine.experts.arena, 0, CPU, pool, experts=3, dtype=torch.bfloat16, repeats=2)
+    assert on_pool and 0 < cpu < float("inf") and 0 < link < float("inf")
+    assert calls == [(torch.bfloat16, 3, 3, [1, 1, 1])] * 3  # one row an expert, a warm-up and two timed
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
-def test_a_gpu_with_misses_learns_its_split_then_fixes_it(tiny, caplog):
+def test_a_cpu_too_slow_for_a_share_leaves_the_gather_and_graphs_on(tiny, caplog, monkeypatch):
+    monkeypatch.setattr(split_auto, "MIN_CPU_SHARE", 1.0)  # whatever this host measures
+    with caplog.at_level(logging.INFO):
+        engine = Engine.load(tiny, devices=["cuda:0"], max_context=64, expert_cache=4, arena="pinned",
+                             pcie_frac="auto")
+    rows = engine.experts.rows_for(0, "decode")
+    assert rows.auto is None and rows.gather and rows.split.frac == 1.0
+    assert "does not pay for the decode gather and CUDA graphs" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_a_gpu_with_misses_learns_its_split_then_fixes_it(tiny, caplog, monkeypatch):
+    monkeypatch.setattr(split_auto, "MIN_CPU_SHARE", 0.0)  # a split whatever this host measures
     with caplog.at_level(logging.INFO):
         engine = Engine.load(tiny, devices=["cuda:0"], max_context=64, expert_cache=4, arena="pinned",
                              pcie_frac="auto")

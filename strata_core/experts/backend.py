@@ -49,7 +49,8 @@ from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.sizing import cache_slots, check_dense_budget
 from strata_core.experts.split import MissSplit
-from strata_core.experts.split_auto import SETTLE_WINDOWS, AutoSplit, resolve_pcie_frac
+from strata_core.experts.split_auto import (SETTLE_WINDOWS, START_FRAC, AutoSplit, measure_rates, resolve_pcie_frac,
+                                            split_from_rates)
 from strata_core.experts.table import ResidencyTable
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import ArenaCopier, StagingRing
@@ -58,6 +59,7 @@ from strata_core.errors import ConfigError
 from strata_core.model.spec import ModelSpec
 from strata_core.ops.gather import HAS_TRITON
 from strata_core.plugin.placement import PHASES, DeviceSlot, ExpertSource, Phase, Placement
+from strata_core.runtime.devices import compute_dtype
 
 __all__ = ["ExpertBackend", "build_expert_backend"]
 
@@ -199,27 +201,27 @@ def _cpu_pool(threads: int) -> ThreadPoolExecutor:
                               initargs=(threads,))
 
 
-def _auto_split(slot: DeviceSlot, chains: dict[int, Chain], threads: int) -> AutoSplit | None:
+def _auto_split(slot: DeviceSlot, chains: dict[int, Chain], threads: int, start: float) -> AutoSplit | None:
     """``--pcie-frac auto``'s learned split of ``slot``'s decode layers whose misses may go both ways (None:
-    no such layer); logged, with what it turns off."""
+    no such layer), from link share ``start``; logged, with what it turns off."""
     layers = [layer for layer, chain in chains.items() if chain.link and chain.cpu]
     if not layers:
         return None
     log.info("pcie-frac auto: %s decodes with misses: each layer's misses are split between the host link and "
              "the CPU (%d threads), the split learned over the first %d decode windows; the decode gather and "
              "CUDA graphs are off on %s (they need --pcie-frac 1)", slot, threads, SETTLE_WINDOWS, slot)
-    return AutoSplit(layers, name=str(slot))
+    return AutoSplit(layers, name=str(slot), start=start)
 
 
 def _slot_split(frac: float | None, slot: DeviceSlot, phase: Phase, chains: dict[int, Chain],
-                threads: int) -> tuple[float | None, AutoSplit | None]:
+                threads: int, start: float) -> tuple[float | None, AutoSplit | None]:
     """The fixed link share of ``slot``'s decode misses in ``phase`` (``frac``, None: ``auto`` with misses),
-    or None and the ``AutoSplit`` that learns it per layer."""
+    or None and the ``AutoSplit`` that learns it per layer from link share ``start``."""
     if frac is not None:
         return frac, None
     if slot.device.type == "cpu":
         return 0.0, None  # a CPU computes its misses where they lie
-    auto = _auto_split(slot, chains, threads) if phase == "decode" else None
+    auto = _auto_split(slot, chains, threads, start) if phase == "decode" else None
     return (None, auto) if auto is not None else (1.0, None)  # no layer splits: every miss over the link
 
 
@@ -271,6 +273,17 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
                              bool(held[sorted(own & set(spec.moe_layers))].all()))
     threads = settings.threads or torch.get_num_threads()  # the CPU share's torch threads
     cpu_pool = _cpu_pool(threads) if any(slots[s].device.type != "cpu" for s in computing) and frac != 1.0 else None
+    start = START_FRAC
+    if frac is None and cpu_pool is not None:  # auto on a GPU with misses: is the CPU worth a share?
+        gpu = next(slots[s].device for s in sorted(computing) if slots[s].device.type != "cpu")
+        layer = min(own & set(spec.moe_layers))
+        cpu_gbps, link_gbps = measure_rates(arena, layer, gpu, cpu_pool, spec.n_experts_used, compute_dtype(settings.dtype, gpu))
+        frac = split_from_rates(cpu_gbps, link_gbps, str(gpu))
+        if frac == 1.0:
+            cpu_pool.shutdown()
+            cpu_pool = None
+        else:
+            start = 1.0 - cpu_gbps / (cpu_gbps + link_gbps)
     rows: dict[tuple[Phase, int], CachedExpertRows] = {}
     lanes = _lanes(placement, slots, caches, copiers, settings, spec)
     usages: dict[int, UsageCounter] = {}
@@ -282,7 +295,7 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
             if not layers:
                 continue
             chains = {l: _chain(placement, phase, l, caches, lanes) for l in layers}
-            slot_frac, auto = _slot_split(frac, slots[slot], phase, chains, threads)
+            slot_frac, auto = _slot_split(frac, slots[slot], phase, chains, threads, start)
             rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry,
                                                    MissSplit(1.0 if slot_frac is None else slot_frac),
                                                    cpu_pool, name=str(slots[slot]),

@@ -8,6 +8,13 @@ times both shares in the first decode windows, per expert, and gives the link th
 finish together. The first window is a warm-up (its timings are dropped); after ``SETTLE_WINDOWS``
 windows the split is fixed, logged once, and nothing is timed any more. Which misses go where never
 changes which rows are computed: every miss is computed exactly once, on one side or the other.
+
+Before any of that, ``measure_rates`` times one decode token's misses of a layer both ways on the
+running host (the CPU kernels on the pool's worker, the packed bytes over the link), and
+``split_from_rates`` keeps every miss on the link where the CPU's share would be below
+``MIN_CPU_SHARE``: a split turns the decode gather and CUDA graphs off, which a small CPU share does
+not pay for (on an H100 host the CPU computed a token's misses at ~4 GB/s against the link's ~55 GB/s,
+and a learned split decoded at a tenth of the link's speed).
 """
 
 from __future__ import annotations
@@ -21,13 +28,18 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
+from strata_core.ops.cpu_kernels import has_cpu_kernel  # before experts.cpu_ffn, which the ops package imports
+from strata_core.experts.cpu_ffn import cpu_experts_ffn
+from strata_core.experts.ffn import SILU
 from strata_core.experts.split import MissSplit
-from strata_core.ops.cpu_kernels import has_cpu_kernel
+from strata_core.runtime.devices import synchronize
 
 if TYPE_CHECKING:
-    from strata_core.experts.arena import ExpertFormat
+    from concurrent.futures import Executor
 
-__all__ = ["SETTLE_WINDOWS", "AutoSplit", "resolve_pcie_frac"]
+    from strata_core.experts.arena import Arena, ExpertFormat
+
+__all__ = ["MIN_CPU_SHARE", "SETTLE_WINDOWS", "AutoSplit", "measure_rates", "resolve_pcie_frac", "split_from_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +47,9 @@ log = logging.getLogger(__name__)
 SETTLE_WINDOWS = 8
 #: the link share a layer starts from, before anything is measured (both sides get misses to time)
 START_FRAC = 0.5
+#: the least share of a layer's misses the CPU must be able to take (by the measured rates) for a split
+#: to be learned: below it every miss goes over the link, with the decode gather and CUDA graphs
+MIN_CPU_SHARE = 0.15
 R = TypeVar("R")
 
 
@@ -52,6 +67,57 @@ def resolve_pcie_frac(setting: float | str, devices: Collection[torch.device],
         return _chosen(1.0, "every expert is resident: no misses to split")
     if not all(has_cpu_kernel(f.qtypes, f.shapes) for f in formats if f is not None):
         return _chosen(1.0, "the CPU kernels do not cover every layer's expert formats: misses go over the host link")
+    return None
+
+
+def measure_rates(arena: Arena, layer: int, device: torch.device, pool: Executor, experts: int,
+                  dtype: torch.dtype, repeats: int = 3) -> tuple[float, float]:
+    """``(CPU, link)`` GB/s of ``experts`` misses of ``layer`` for one decode token: the CPU kernels on
+    ``pool``'s worker (one row each, as a decode layer's CPU share runs), and their packed bytes copied
+    from the arena to ``device`` (pinned host memory over the link; a plain copy for a CPU device). Each
+    is timed over ``repeats`` runs after one unmeasured run."""
+    fmt = arena.formats[layer]
+    ids = list(range(min(experts, arena.n_experts)))
+    parts = [arena.parts(layer, e) for e in ids]
+    x = torch.randn(len(ids), fmt.shapes[0][1]).to(dtype)  # [k, H]
+
+    def cpu_runs() -> float:
+        cpu_experts_ffn(x, parts, [1] * len(ids), fmt.qtypes, fmt.shapes, SILU, ids)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            cpu_experts_ffn(x, parts, [1] * len(ids), fmt.qtypes, fmt.shapes, SILU, ids)
+        return time.perf_counter() - t0
+
+    cpu_s = pool.submit(cpu_runs).result()
+    sources = [torch.cat([p.reshape(-1) for p in part]) for part in parts]
+    if device.type == "cuda":
+        sources = [src.pin_memory() for src in sources]
+    dst = torch.empty(sum(src.numel() for src in sources), dtype=torch.uint8, device=device)
+
+    def copy() -> None:
+        for chunk, src in zip(dst.split([src.numel() for src in sources]), sources):
+            chunk.copy_(src, non_blocking=True)
+        synchronize(device)
+
+    copy()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        copy()
+    link_s = time.perf_counter() - t0
+    nbytes = repeats * dst.numel()
+    return nbytes / max(cpu_s, 1e-9) / 1e9, nbytes / max(link_s, 1e-9) / 1e9
+
+
+def split_from_rates(cpu_gbps: float, link_gbps: float, where: str = "") -> float | None:
+    """The link share a layer's misses start from by the measured rates, the CPU taking the share of its
+    speed; 1.0 (every miss over the link, logged) where that CPU share is below ``MIN_CPU_SHARE``."""
+    cpu_share = cpu_gbps / (cpu_gbps + link_gbps) if cpu_gbps + link_gbps > 0 else 0.0
+    if cpu_share < MIN_CPU_SHARE:
+        return _chosen(1.0, f"{where + ': ' if where else ''}the CPU computes misses at {cpu_gbps:.1f} GB/s, the "
+                            f"link moves them at {link_gbps:.1f} GB/s: a CPU share of {cpu_share:.0%} does not pay "
+                            "for the decode gather and CUDA graphs a split turns off")
+    log.info("pcie-frac auto%s: CPU %.1f GB/s, link %.1f GB/s: the split starts at a link share of %.2f",
+             f" on {where}" if where else "", cpu_gbps, link_gbps, 1.0 - cpu_share)
     return None
 
 

@@ -63,6 +63,13 @@ def resolve_devices(names: list[str]) -> list[torch.device]:
     return devices
 
 
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The activations' dtype that ``--dtype`` means on ``device`` (auto: float32 on the CPU, bfloat16 else)."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return getattr(torch, dtype)
+
+
 def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` the current CUDA device inside the block (kernels that launch on the current
     device, Triton's among them, then run where their tensors are); nothing on the CPU."""

@@ -149,11 +149,10 @@ def test_the_widest_host_link_becomes_main(monkeypatch, caplog):
 def test_across_ranks_the_order_stays_and_peer_read_is_off_or_refused(model, monkeypatch):
     """Another rank's stage: no link probe reorders the devices (every rank must place alike), the
     prompt streams the later stage's layers instead of reading its cache, and peer_read=true is refused."""
-    from strata_core.gguf.reader import GGUFFile
-    from strata_core.model.registry import load_model_spec
     from strata_core.plugin import ConfigError
+    from strata_core.testing.models import tiny_spec
 
-    spec = load_model_spec(GGUFFile.open(model))
+    spec = tiny_spec(model)
     slots = [DeviceSlot(0, torch.device("cuda", 0)), DeviceSlot(1, torch.device("cuda", 1), rank=1)]
     monkeypatch.setattr(prefill_main, "link_class", lambda device: (5, 16) if device.index == 1 else (4, 4))
     placement = prefill_main.strata_topology(slots, spec, None, prefill_main.PrefillMainOptions(split="2"))
