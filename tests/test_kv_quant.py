@@ -26,7 +26,8 @@ from strata_core.model.kvcache import KVCache
 from strata_core.model.kvpool import KVPools
 from strata_core.model.kvquant import (FP8, LOGIT_TOLERANCE, QuantizedRows, dequantize, kv_format, quantize,
                                        stored_layout, token_bytes)
-from strata_core.model.ops import masked_attention
+from strata_core.model import ops
+from strata_core.model.ops import dequantized_sdpa, masked_attention
 from strata_core.model.spec import StateTensor
 from strata_core.ops.mla import mla_blocked, mla_reference
 from strata_core.ops.qdecode import HAS_TRITON
@@ -126,6 +127,33 @@ def test_masked_attention_over_quantized_rows_is_the_attention_over_their_values
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5)
     loose = 0.05 if kv_type != "fp8" else 0.25
     assert torch.allclose(got.double(), _naive(q, keys, values, positions, window, sink), atol=loose)
+
+
+@given(kv_type=st.sampled_from(QUANTIZED), S=st.integers(2, 700), T=st.integers(2, 40), nkv=st.sampled_from([1, 2]),
+       rep=st.sampled_from([1, 4]), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=25, deadline=None)
+def test_a_prompt_chunk_s_fused_attention_over_dequantized_rows_is_the_blocked_one(kv_type, S, T, nkv, rep, seed):
+    """``dequantized_sdpa`` (a prompt chunk off the CPU: the layer's rows dequantized for one fused
+    attention) against the blocked online softmax over the same quantized rows; a chunk is the last T of S."""
+    g = torch.Generator().manual_seed(seed)
+    fmt, D, T = kv_format(kv_type), 32, min(T, S)
+    kq = QuantizedRows(*quantize(torch.randn(S, nkv, D, generator=g), fmt))
+    vq = QuantizedRows(*quantize(torch.randn(S, nkv, D, generator=g), fmt))
+    q = torch.randn(T, nkv * rep, D, generator=g)
+    positions = torch.arange(S - T, S)
+    got = dequantized_sdpa(q, kq, vq, positions)
+    want = ops._quantized_attention(q, kq, vq, positions, None, None)  # the blocked form any device takes
+    assert got.shape == (T, nkv * rep * D) and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_a_prompt_chunk_past_the_dequantize_bound_takes_the_blocked_form(monkeypatch):
+    fmt = kv_format("int8")
+    kq = QuantizedRows(*quantize(torch.randn(64, 2, 16), fmt))
+    q, positions = torch.randn(8, 4, 16), torch.arange(56, 64)
+    monkeypatch.setattr(ops, "PROMPT_DEQUANT_BYTES", 2 * 64 * 2 * 16 * 4)  # exactly the float32 rows: fits
+    assert dequantized_sdpa(q, kq, kq, positions) is not None
+    monkeypatch.setattr(ops, "PROMPT_DEQUANT_BYTES", 2 * 64 * 2 * 16 * 4 - 1)
+    assert dequantized_sdpa(q, kq, kq, positions) is None
 
 
 @given(kv_type=st.sampled_from(QUANTIZED), S=st.integers(1, 600), T=st.integers(1, 4), seed=st.integers(0, 2 ** 16))

@@ -144,6 +144,25 @@ def _blocked_attention(rows: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                            positions, window, sink)
 
 
+#: most bytes of one layer's keys and values (in the compute dtype) a prompt chunk dequantizes at once for
+#: the fused attention (``dequantized_sdpa``): 256K positions of Qwen3-30B-A3B's 4 kv heads of 128 in bf16
+#: take 512 MiB; past it the blocked form runs
+PROMPT_DEQUANT_BYTES = 1 << 30
+
+
+def dequantized_sdpa(q: torch.Tensor, keys: QuantizedRows, values: QuantizedRows,
+                     positions: torch.Tensor) -> torch.Tensor | None:
+    """``sdpa_attention`` of a prompt chunk ``q [T, nh, D]`` (the last T of the S positions) over quantized
+    rows: the layer's S keys and values dequantized to ``q``'s dtype for the call (transient, one layer at
+    a time), then one fused attention (flash on CUDA), where the blocked form would make ~15 launches a
+    block of ``ATTN_BLOCK`` keys (a 128K context: 512 blocks a layer a chunk). None where the dequantized
+    rows would pass ``PROMPT_DEQUANT_BYTES``."""
+    S, nkv, D = keys.shape
+    if 2 * S * nkv * D * q.element_size() > PROMPT_DEQUANT_BYTES:
+        return None
+    return sdpa_attention(q, keys.rows(0, S, q.dtype), values.rows(0, S, q.dtype), positions)
+
+
 def _quantized_attention(q: torch.Tensor, keys: QuantizedRows, values: QuantizedRows, positions: torch.Tensor,
                          window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
     """``masked_attention`` over quantized rows: the blocked form, each block of ``ATTN_BLOCK`` keys and

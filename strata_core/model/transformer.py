@@ -15,8 +15,8 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
-from strata_core.model.ops import (ATTN_BLOCK, apply_rope, masked_attention, norm_rope, rms_norm, rope_cos_sin,
-                                   sdpa_attention)
+from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, masked_attention, norm_rope, rms_norm,
+                                   rope_cos_sin, sdpa_attention)
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.matmul import batch_invariant, linear
@@ -142,9 +142,14 @@ class MoEModel:
         """``[T, nh*D]``: causal attention of ``q [T, nh, D]`` over the layer's cached K/V (see ``attention``);
         a prompt chunk's heads split with a peer where ``head_splits`` says so (equal output). A quantized
         cache (kvquant.py) takes the masked attention on every device, dequantizing a key block at a time,
-        with every head on the layer's device."""
+        with every head on the layer's device; off the CPU a prompt chunk instead dequantizes the layer's
+        visible rows for one fused attention (``dequantized_sdpa``) where they fit its bound."""
         if kv.kv_format is not None:
             keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # QuantizedRows
+            if q.device.type != "cpu" and self.kernels.device_sdpa and not static and q.shape[0] > 1:
+                out = dequantized_sdpa(q, keys, values, positions)  # a prompt chunk: one fused attention
+                if out is not None:
+                    return out
             return masked_attention(q, keys, values, positions)
         if q.device.type != "cpu" and self.kernels.device_sdpa:  # flash / cuDNN / memory-efficient kernels
             if static:
