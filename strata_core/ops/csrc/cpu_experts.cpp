@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -447,6 +448,14 @@ at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype) {
   return out;
 }
 
+// How many threads the kernels' parallel regions run on the calling thread (at::parallel_for's team,
+// of the OpenMP runtime this extension is linked to): what torch.set_num_threads on that thread gave it.
+int64_t kernel_threads() {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, int64_t(1) << 20, 1, [&](int64_t, int64_t) { seen.fetch_add(1); });
+  return seen.load();
+}
+
 // The instruction set the kernels run with: 0 generic, 1 AVX2, 2 AVX-512.
 int64_t kernel_isa() { return int64_t(chosen_isa()); }
 
@@ -466,6 +475,7 @@ TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets, int qtype, int out_features) -> Tensor");
   m.def("dequantize_blocks(Tensor raw, int qtype) -> Tensor");
   m.def("cpu_kernel_isa() -> int");
+  m.def("cpu_kernel_threads() -> int");
   m.def("cpu_kernel_limit_isa(int isa) -> int");
 }
 
@@ -477,5 +487,6 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
 
 TORCH_LIBRARY_IMPL(strata, CompositeExplicitAutograd, m) {
   m.impl("cpu_kernel_isa", &kernel_isa);
+  m.impl("cpu_kernel_threads", &kernel_threads);
   m.impl("cpu_kernel_limit_isa", &limit_kernel_isa);
 }

@@ -1,0 +1,119 @@
+"""Time the CPU share of a decode MoE layer: ``cpu_experts_ffn`` of 8 experts x 1 token, Qwen3-30B-A3B
+shapes (hidden 2048, expert FFN 768), as the GPU hybrid (``--pcie-frac 0``) runs it.
+
+    python tools/cpu_share_bench.py [--qtype Q4_K] [--threads 1,2] [--repeats 50] [--json out.json]
+
+Each case is (x dtype, torch threads, where): ``main`` calls on this thread; ``worker`` calls on a
+one-thread ThreadPoolExecutor whose initializer calls ``torch.set_num_threads(N)``, as
+``backend._cpu_pool`` builds it. The weights cycle over ``--experts`` experts so they come from DRAM,
+not the cache. Prints the median milliseconds of a call, the expert GB/s (quantized bytes read), and
+the OpenMP threads the kernel's parallel region actually ran (``strata::cpu_kernel_threads``).
+With CUDA the weights are pinned and a ``hybrid`` row times the whole per-layer path of
+``CachedExpertRows._submit_cpu``: the hidden state's copy to the host, the worker's call, the rows'
+copy back (what a decode layer waits for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType as T
+
+from strata_core.experts.cpu_ffn import cpu_experts_ffn
+from strata_core.experts.ffn import SILU
+from strata_core.ops.cpu_kernels import cpu_kernels
+from strata_core.ops.qdecode import block_geometry
+from strata_core.quant import random_blocks
+
+H, FF, K = 2048, 768, 8
+
+
+def layer_parts(qtype: T, n: int, pin: bool) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(gate, up, down) raw blocks of ``n`` random experts, views of one ``[n, packed]`` buffer as the arena holds them."""
+    rng = np.random.default_rng(0)
+    shapes = ((FF, H), (FF, H), (H, FF))
+    bs = block_geometry(qtype)[0]
+    blocks = [random_blocks(qtype, n * r * c // bs, rng, 0.05).reshape(n, -1) for r, c in shapes]
+    packed = torch.from_numpy(np.concatenate(blocks, axis=1))
+    if pin:
+        packed = packed.pin_memory()
+    sizes = [b.shape[1] for b in blocks]
+    return [tuple(packed[e].split(sizes)) for e in range(n)]
+
+
+def timed(fn: Callable[[int], object], repeats: int) -> float:
+    """Median seconds of ``fn(i)`` over ``repeats`` calls after two unmeasured ones."""
+    fn(0), fn(1)
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--qtype", default="Q4_K")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if not cpu_kernels():
+        raise SystemExit("the CPU kernels are not loaded")
+    qtype = T[args.qtype]
+    cuda = torch.cuda.is_available()
+    parts = layer_parts(qtype, args.experts, pin=cuda)
+    qtypes, shapes = (qtype,) * 3, ((FF, H), (FF, H), (H, FF))
+    layer_bytes = K * sum(p.numel() for p in parts[0])
+    groups = args.experts // K
+
+    def call(x: torch.Tensor, i: int) -> torch.Tensor:
+        g = i % groups
+        return cpu_experts_ffn(x, parts[g * K:(g + 1) * K], [1] * K, qtypes, shapes, SILU, list(range(K)))
+
+    rows = []
+
+    def report(case: str, seconds: float, threads_seen: int) -> None:
+        gbps = layer_bytes / seconds / 1e9
+        rows.append({"case": case, "ms": seconds * 1e3, "gbps": gbps, "omp_threads": threads_seen})
+        print(f"{case:34s} {seconds * 1e3:8.3f} ms  {gbps:6.2f} GB/s  kernel threads {threads_seen}", flush=True)
+
+    print(f"{args.qtype}: {K} experts x 1 token, {layer_bytes / 1e6:.1f} MB a call, weights "
+          f"{'pinned' if cuda else 'plain'}, {args.experts} experts cycled", flush=True)
+    for threads in [int(t) for t in args.threads.split(",")]:
+        pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,))
+        torch.set_num_threads(threads)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(K, H).to(dtype)
+            name = str(dtype).removeprefix("torch.")
+            report(f"{name} {threads}t main", timed(lambda i: call(x, i), args.repeats),
+                   torch.ops.strata.cpu_kernel_threads())
+            seen = pool.submit(torch.ops.strata.cpu_kernel_threads).result()
+            report(f"{name} {threads}t worker", timed(lambda i: pool.submit(call, x, i).result(), args.repeats), seen)
+            if cuda:
+                hidden = torch.randn(1, H, device="cuda").to(dtype)
+                pairs = torch.arange(K, device="cuda")
+
+                def hybrid(i: int) -> None:
+                    xs = hidden[pairs // K].cpu()  # [K, H]: the host read of the layer
+                    pool.submit(call, xs, i).result().to("cuda", dtype)
+                    torch.cuda.synchronize()
+
+                report(f"{name} {threads}t hybrid (copy, worker, back)", timed(hybrid, args.repeats), seen)
+        pool.shutdown()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
