@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
+from strata_core.ops.cpu_kernels import cpu_kernels  # strata_core.ops first: experts.cpu_ffn imports through it
+from strata_core.ops.qdecode import block_geometry
 from strata_core.experts.cpu_ffn import cpu_experts_ffn
 from strata_core.experts.ffn import SILU
-from strata_core.ops.cpu_kernels import cpu_kernels
-from strata_core.ops.qdecode import block_geometry
 from strata_core.quant import random_blocks
 
 H, FF, K = 2048, 768, 8
