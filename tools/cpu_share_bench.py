@@ -3,7 +3,11 @@ shapes (hidden 2048, expert FFN 768), as the GPU hybrid (``--pcie-frac 0``) runs
 
     python tools/cpu_share_bench.py [--qtype Q4_K] [--threads 1,2] [--repeats 50] [--json out.json]
 
-Each case is (x dtype, torch threads, where): ``main`` calls on this thread; ``worker`` calls on a
+First what decides the kernels' threading and speed on this host: the CPUs this process may use and
+their cores, a cgroup quota, ``OMP_*`` variables, the OpenMP runtimes mapped into the process (two
+would give the kernels' parallel regions a thread count of their own, whatever torch.set_num_threads
+said), the instruction set, and one matrix on one thread in cache (the kernel's own speed, no DRAM).
+Then each case is (x dtype, torch threads, where): ``main`` calls on this thread; ``worker`` calls on a
 one-thread ThreadPoolExecutor whose initializer calls ``torch.set_num_threads(N)``, as
 ``backend._cpu_pool`` builds it. The weights cycle over ``--experts`` experts so they come from DRAM,
 not the cache. Prints the median milliseconds of a call, the expert GB/s (quantized bytes read), and
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +31,7 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from strata_core.ops.cpu_kernels import cpu_kernels  # strata_core.ops first: experts.cpu_ffn imports through it
+from strata_core.ops.cpu_kernels import cpu_kernels, qlinear_grouped  # strata_core.ops first: experts.cpu_ffn imports through it
 from strata_core.ops.qdecode import block_geometry
 from strata_core.experts.cpu_ffn import cpu_experts_ffn
 from strata_core.experts.ffn import SILU
@@ -46,6 +51,28 @@ def layer_parts(qtype: T, n: int, pin: bool) -> list[tuple[torch.Tensor, torch.T
         packed = packed.pin_memory()
     sizes = [b.shape[1] for b in blocks]
     return [tuple(packed[e].split(sizes)) for e in range(n)]
+
+
+def host_report() -> dict[str, object]:
+    """What decides the CPU share's threading on this host (module doc)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota = f.read().strip()
+    except OSError:
+        quota = "n/a"
+    with open("/proc/self/maps") as f:
+        runtimes = sorted({line.split()[-1] for line in f if "omp" in line.rsplit("/", 1)[-1]})
+    return {"torch": torch.__version__, "cpus": len(cpus), "cores": len(cores), "cgroup_cpu_max": quota,
+            "torch_threads": torch.get_num_threads(), "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
+            "openmp_runtimes": runtimes, "isa": ("generic", "AVX2", "AVX-512")[torch.ops.strata.cpu_kernel_isa()]}
 
 
 def timed(fn: Callable[[int], object], repeats: int) -> float:
@@ -87,6 +114,14 @@ def main() -> None:
         rows.append({"case": case, "ms": seconds * 1e3, "gbps": gbps, "omp_threads": threads_seen})
         print(f"{case:34s} {seconds * 1e3:8.3f} ms  {gbps:6.2f} GB/s  kernel threads {threads_seen}", flush=True)
 
+    report_host = host_report()
+    for key, value in report_host.items():
+        print(f"{key}: {value}")
+    torch.set_num_threads(1)
+    gate = parts[0][0]
+    x1 = torch.randn(1, H)
+    one = timed(lambda i: qlinear_grouped(x1, [gate], [1], qtype, FF), args.repeats * 4)
+    print(f"one {FF}x{H} matrix in cache, 1 thread: {one * 1e6:.0f} us, {gate.numel() / one / 1e9:.2f} GB/s", flush=True)
     print(f"{args.qtype}: {K} experts x 1 token, {layer_bytes / 1e6:.1f} MB a call, weights "
           f"{'pinned' if cuda else 'plain'}, {args.experts} experts cycled", flush=True)
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -112,7 +147,7 @@ def main() -> None:
         pool.shutdown()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"host": report_host, "one_matrix_gbps": gate.numel() / one / 1e9, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
