@@ -112,7 +112,7 @@ def main() -> None:
     def report(case: str, seconds: float, threads_seen: int) -> None:
         gbps = layer_bytes / seconds / 1e9
         rows.append({"case": case, "ms": seconds * 1e3, "gbps": gbps, "omp_threads": threads_seen})
-        print(f"{case:34s} {seconds * 1e3:8.3f} ms  {gbps:6.2f} GB/s  kernel threads {threads_seen}", flush=True)
+        print(f"{case:40s} {seconds * 1e3:8.3f} ms  {gbps:6.2f} GB/s  kernel threads {threads_seen}", flush=True)
 
     report_host = host_report()
     for key, value in report_host.items():
@@ -124,16 +124,34 @@ def main() -> None:
     print(f"one {FF}x{H} matrix in cache, 1 thread: {one * 1e6:.0f} us, {gate.numel() / one / 1e9:.2f} GB/s", flush=True)
     print(f"{args.qtype}: {K} experts x 1 token, {layer_bytes / 1e6:.1f} MB a call, weights "
           f"{'pinned' if cuda else 'plain'}, {args.experts} experts cycled", flush=True)
+    device = torch.device("cuda" if cuda else "cpu")
+    small = torch.randn(64, device=device)
+
+    def step() -> float:
+        """Seconds of what the main thread does between two CPU shares: small device ops, a host read."""
+        t0 = time.perf_counter()
+        y = small
+        for _ in range(32):
+            y = y * 1.0001
+        y.sum().item()
+        return time.perf_counter() - t0
+
     for threads in [int(t) for t in args.threads.split(",")]:
         pool = ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,))
         torch.set_num_threads(threads)
+        seen = pool.submit(torch.ops.strata.cpu_kernel_threads).result()
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(K, H).to(dtype)
-            name = str(dtype).removeprefix("torch.")
-            report(f"{name} {threads}t main", timed(lambda i: call(x, i), args.repeats),
-                   torch.ops.strata.cpu_kernel_threads())
-            seen = pool.submit(torch.ops.strata.cpu_kernel_threads).result()
-            report(f"{name} {threads}t worker", timed(lambda i: pool.submit(call, x, i).result(), args.repeats), seen)
+            name = f"{str(dtype).removeprefix('torch.')} {threads}t"
+            time.sleep(0.05)  # this thread's OpenMP team asleep, as in a GPU decode
+            report(f"{name} worker", timed(lambda i: pool.submit(call, x, i).result(), args.repeats), seen)
+
+            def after_main_region(i: int) -> None:  # this thread's team still spinning (libgomp's wait)
+                torch.ops.strata.cpu_kernel_threads()
+                pool.submit(call, x, i).result()
+
+            report(f"{name} worker, main team spinning", timed(after_main_region, args.repeats), seen)
+            report(f"{name} main", timed(lambda i: call(x, i), args.repeats), torch.ops.strata.cpu_kernel_threads())
             if cuda:
                 hidden = torch.randn(1, H, device="cuda").to(dtype)
                 pairs = torch.arange(K, device="cuda")
@@ -143,7 +161,17 @@ def main() -> None:
                     pool.submit(call, xs, i).result().to("cuda", dtype)
                     torch.cuda.synchronize()
 
-                report(f"{name} {threads}t hybrid (copy, worker, back)", timed(hybrid, args.repeats), seen)
+                report(f"{name} hybrid (copy, worker, back)", timed(hybrid, args.repeats), seen)
+        idle, busy = [], []
+        for i in range(args.repeats):
+            time.sleep(0.05)
+            idle.append(step())
+            pool.submit(call, x, i).result()
+            busy.append(step())  # the worker's team spinning
+        print(f"main-thread step {threads}t: {statistics.median(idle) * 1e6:.0f} us with the worker's team asleep, "
+              f"{statistics.median(busy) * 1e6:.0f} us right after a worker call", flush=True)
+        rows.append({"case": f"main step {threads}t", "idle_us": statistics.median(idle) * 1e6,
+                     "after_worker_us": statistics.median(busy) * 1e6})
         pool.shutdown()
     if args.json:
         with open(args.json, "w") as f:
