@@ -96,12 +96,14 @@ typedef uint8_t u8x16u __attribute__((vector_size(16), aligned(1)));
 
 STRATA_INLINE u8x16 load16(const uint8_t* p) { return *reinterpret_cast<const u8x16u*>(p); }
 typedef int16_t i16x16 __attribute__((vector_size(32)));
-// bytes widened to int32 first (GCC scalarises a direct byte -> float conversion); signed bytes through
-// int16 (GCC scalarises the byte -> int32 step of bytes just loaded: Q8_0's codes, 32 byte moves and
-// inserts a block)
+// widened to int32 first: a direct byte -> float conversion is scalarised by GCC
 STRATA_INLINE f32x16 floats(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
-STRATA_INLINE f32x16 floats(i8x16 v) {
-  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(v, i16x16), i32x16), f32x16);
+STRATA_INLINE f32x16 floats(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
+// 16 signed bytes at p (Q8_0's codes) widened through int16: GCC scalarises the byte -> int32 step of
+// bytes just loaded (32 byte moves and inserts a block, in every body)
+STRATA_INLINE f32x16 loaded_floats(const uint8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(i8x16(load16(p)), i16x16), i32x16),
+                                 f32x16);
 }
 // table[code] of 16 int8 values for 16 codes 0..15 (a byte shuffle)
 STRATA_INLINE f32x16 lookup(const i8x16 table, u8x16 codes) { return floats(__builtin_shuffle(table, codes)); }
@@ -109,8 +111,8 @@ STRATA_INLINE f32x16 lookup(const i8x16 table, u8x16 codes) { return floats(__bu
 // Decoders: one block's values in float32 (``out`` as 16-lane vectors), as strata_core/quant computes them.
 STRATA_INLINE void decode_q8_0(const uint8_t* b, f32x16* out) {
   const f32x16 d = splat(fp16(b));
-  out[0] = floats(i8x16(load16(b + 2))) * d;
-  out[1] = floats(i8x16(load16(b + 18))) * d;
+  out[0] = loaded_floats(b + 2) * d;
+  out[1] = loaded_floats(b + 18) * d;
 }
 
 STRATA_INLINE void decode_q4_0(const uint8_t* b, f32x16* out) {
