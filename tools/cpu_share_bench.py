@@ -6,7 +6,8 @@ shapes (hidden 2048, expert FFN 768), as the GPU hybrid (``--pcie-frac 0``) runs
 First what decides the kernels' threading and speed on this host: the CPUs this process may use and
 their cores, a cgroup quota, ``OMP_*`` variables, the OpenMP runtimes mapped into the process (two
 would give the kernels' parallel regions a thread count of their own, whatever torch.set_num_threads
-said), the instruction set, and one matrix on one thread in cache (the kernel's own speed, no DRAM).
+said), the instruction set, the CPU a team burns after a region (its spin-wait), and one matrix on one
+thread in cache (the kernel's own speed, no DRAM).
 Then each case is (x dtype, torch threads, where): ``main`` calls on this thread; ``worker`` calls on a
 one-thread ThreadPoolExecutor whose initializer calls ``torch.set_num_threads(N)``, as
 ``backend._cpu_pool`` builds it. The weights cycle over ``--experts`` experts so they come from DRAM,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -75,6 +77,24 @@ def host_report() -> dict[str, object]:
             "openmp_runtimes": runtimes, "isa": ("generic", "AVX2", "AVX-512")[torch.ops.strata.cpu_kernel_isa()]}
 
 
+def spin_after_region(threads: int, gap: float = 0.005, n: int = 40) -> float:
+    """Seconds of CPU the process burns per parallel region of ``threads`` threads on this thread while it
+    then sleeps ``gap``: the OpenMP team's wait before its threads sleep (libgomp spins, unless
+    ``OMP_WAIT_POLICY=passive``)."""
+    torch.set_num_threads(threads)
+    torch.ops.strata.cpu_kernel_threads()
+
+    def cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    start = cpu()
+    for _ in range(n):
+        torch.ops.strata.cpu_kernel_threads()
+        time.sleep(gap)
+    return (cpu() - start) / n
+
+
 def timed(fn: Callable[[int], object], repeats: int) -> float:
     """Median seconds of ``fn(i)`` over ``repeats`` calls after two unmeasured ones."""
     fn(0), fn(1)
@@ -117,6 +137,9 @@ def main() -> None:
     report_host = host_report()
     for key, value in report_host.items():
         print(f"{key}: {value}")
+    threads_max = max(int(t) for t in args.threads.split(","))
+    print(f"CPU burnt after one {threads_max}-thread parallel region, then 5 ms asleep: "
+          f"{spin_after_region(threads_max) * 1e3:.2f} ms", flush=True)
     torch.set_num_threads(1)
     gate = parts[0][0]
     x1 = torch.randn(1, H)
