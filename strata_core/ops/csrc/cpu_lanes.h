@@ -18,8 +18,8 @@ typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 // v in every lane, the same bits (a negative zero, a NaN). Through an array, not ``v - f32x16{}`` or a
 // braced list: GCC 12 builds those in a target("avx512f") body lane by lane (16 masked broadcasts in
-// one dependency chain, several a decoded block), which left the AVX-512 kernels slower than the AVX2
-// ones; this form is one broadcast in every body.
+// one dependency chain, several a decoded block, which makes that body slower than the AVX2 one); this
+// form is one broadcast in every body.
 STRATA_INLINE f32x16 splat(float v) {
   float lanes[LANES];
   for (int l = 0; l < LANES; ++l) lanes[l] = v;
