@@ -10,6 +10,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from strata_core.experts.backend import _cpu_pool
 from strata_core.ops.cpu_kernels import (CPU_KERNEL_TYPES, cpu_kernels, dequantize_blocks, qlinear_grouped,
                                          qlinear_slots)
 from strata_core.quant.registry import dequantize_reference
@@ -43,9 +44,10 @@ def test_grouped_product_matches_the_reference(qtype: T, seed: int, counts: list
 
 
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(TYPES), n=st.integers(1, 21), threads=st.integers(1, 2))
+@given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(TYPES), n=st.integers(1, 21), threads=st.integers(1, 5))
 def test_a_rows_bits_do_not_depend_on_the_batch(seed: int, qtype: T, n: int, threads: int) -> None:
-    """A token's row is the same bits alone, in a batch of ``n``, split per pair, with any thread count."""
+    """A token's row is the same bits alone, in a batch of ``n``, split per pair, with any thread count
+    (more threads than cores too: each item is claimed by whichever thread comes first)."""
     rng = np.random.default_rng(seed)
     w, K = _weight(qtype, 24, 2, rng)
     x = torch.from_numpy(rng.standard_normal((n, K), dtype=np.float32))
@@ -150,3 +152,35 @@ def test_the_block_decoders_give_the_reference_s_bits(qtype: int, n_blocks: int,
     want = dequantize_reference(raw, qtype, [n_blocks * values])
     assert got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
     assert torch.equal(dequantize(raw, qtype, [n_blocks * values]).view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["generic", "AVX2", "AVX-512"])
+def test_a_negative_zero_scale_keeps_its_sign_in_every_body(isa: int) -> None:
+    """A Q8_0 block scaled by -0.0 decodes to the reference's signed zeros, whichever body runs (the
+    scale is broadcast to the lanes as it is: ``splat`` in csrc/cpu_lanes.h)."""
+    codes = np.arange(-16, 16, dtype=np.int8)
+    raw = torch.from_numpy(np.concatenate([np.array([0x00, 0x80], np.uint8), codes.view(np.uint8)]))  # d = -0.0
+    want = dequantize_reference(raw, T.Q8_0, [32])
+    best = torch.ops.strata.cpu_kernel_isa()
+    if isa > best:
+        pytest.skip("this CPU lacks that instruction set")
+    try:
+        assert torch.ops.strata.cpu_kernel_limit_isa(isa) == isa
+        got = dequantize_blocks(raw, T.Q8_0)
+    finally:
+        torch.ops.strata.cpu_kernel_limit_isa(best)
+    assert torch.signbit(want).any() and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_cpu_share_s_worker_runs_the_kernels_on_its_threads(threads: int) -> None:
+    """``torch.set_num_threads`` in the initializer of a GPU's CPU-share worker (``backend._cpu_pool``) sets
+    how many threads the kernels' parallel regions run there (torch and the kernels share one OpenMP
+    runtime); the calling thread keeps its own count."""
+    here = torch.ops.strata.cpu_kernel_threads()
+    pool = _cpu_pool(threads)
+    try:
+        assert pool.submit(torch.ops.strata.cpu_kernel_threads).result() == threads
+    finally:
+        pool.shutdown()
+    assert torch.ops.strata.cpu_kernel_threads() == here

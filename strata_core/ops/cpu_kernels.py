@@ -6,7 +6,9 @@ the CPU, for the formats they cover: bit for bit the torch reference's values, m
 qtype, out) -> [N, out] float32``: the rows of ``x`` are cut into consecutive segments, segment i
 (``counts[i]`` rows) multiplied by ``weights[i]`` transposed (``out`` rows of ``K`` values in
 ``qtype`` blocks). One call computes every routed expert of a layer (its pairs sorted by expert) or
-one weight each pair, threaded over (segment, 16 rows) on ``torch.get_num_threads()`` threads.
+one weight each pair, threaded over (segment, 16 rows) on ``torch.get_num_threads()`` threads, each
+item claimed by the next free thread (``strata::cpu_kernel_threads()`` says how many threads the
+calling thread's products run).
 ``qlinear_slots`` is the same product with the weights found by row of one buffer (a cache's slots)
 per (token, k) pair, grouped by slot inside the op: a layer's routed experts without a tensor per
 expert on the host.

@@ -31,7 +31,6 @@ namespace {
 
 constexpr int ROW_TILE = 8;  // query rows of one work item
 
-STRATA_INLINE f32x16 splat(float v) { return v - f32x16{}; }
 const i32x16 LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // exp(x) lane-wise from basic operations (Cody-Waite reduction by ln 2, a degree-6 polynomial, the

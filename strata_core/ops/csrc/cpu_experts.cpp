@@ -12,9 +12,11 @@
 #include <torch/library.h>
 
 #include "cpu_isa.h"
+#include "cpu_lanes.h"
 
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -25,7 +27,6 @@ namespace {
 
 // GGML type ids (gguf GGMLQuantizationType)
 constexpr int Q4_0 = 2, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, MXFP4 = 39;
-constexpr int LANES = 16;      // accumulator lanes of one token
 constexpr int TOKEN_TILE = 8;  // tokens multiplied per decoded block
 constexpr int ROW_CHUNK = 16;  // rows of one work item
 constexpr int64_t MIN_THREAD_BYTES = 64 << 10;
@@ -88,27 +89,30 @@ STRATA_INLINE void scale_min(const uint8_t* s, int j, float& sc, float& mn) {
 
 // 16 lanes as GCC vector types: one zmm register with AVX-512, two ymm with AVX2; the same lane
 // arithmetic either way.
-typedef float f32x16 __attribute__((vector_size(64)));
 typedef float f32x16u __attribute__((vector_size(64), aligned(4)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 typedef int8_t i8x16 __attribute__((vector_size(16)));
 typedef uint8_t u8x16u __attribute__((vector_size(16), aligned(1)));
 
 STRATA_INLINE u8x16 load16(const uint8_t* p) { return *reinterpret_cast<const u8x16u*>(p); }
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+typedef int16_t i16x16 __attribute__((vector_size(32)));
 // widened to int32 first: a direct byte -> float conversion is scalarised by GCC
 STRATA_INLINE f32x16 floats(u8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
 STRATA_INLINE f32x16 floats(i8x16 v) { return __builtin_convertvector(__builtin_convertvector(v, i32x16), f32x16); }
-// v in every lane; v - 0 keeps a negative zero's sign (0 + v would not)
-STRATA_INLINE f32x16 splat(float v) { return v - f32x16{}; }
+// 16 signed bytes at p (Q8_0's codes) widened through int16: GCC scalarises the byte -> int32 step of
+// bytes just loaded (32 byte moves and inserts a block, in every body)
+STRATA_INLINE f32x16 loaded_floats(const uint8_t* p) {
+  return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(i8x16(load16(p)), i16x16), i32x16),
+                                 f32x16);
+}
 // table[code] of 16 int8 values for 16 codes 0..15 (a byte shuffle)
 STRATA_INLINE f32x16 lookup(const i8x16 table, u8x16 codes) { return floats(__builtin_shuffle(table, codes)); }
 
 // Decoders: one block's values in float32 (``out`` as 16-lane vectors), as strata_core/quant computes them.
 STRATA_INLINE void decode_q8_0(const uint8_t* b, f32x16* out) {
   const f32x16 d = splat(fp16(b));
-  out[0] = floats(i8x16(load16(b + 2))) * d;
-  out[1] = floats(i8x16(load16(b + 18))) * d;
+  out[0] = loaded_floats(b + 2) * d;
+  out[1] = loaded_floats(b + 18) * d;
 }
 
 STRATA_INLINE void decode_q4_0(const uint8_t* b, f32x16* out) {
@@ -312,6 +316,21 @@ Kernels kernels_for(int64_t qtype) {
   }
 }
 
+// item(i) for i in [0, n) on torch's threads (as many as at::parallel_for gives at least ``grain`` items
+// each), every thread taking the next item left from a shared counter until none is: a thread that is
+// slow or descheduled (its core also needed by the caller's process: a GPU host's main thread, the
+// driver, another job) delays the product by the item it holds, where at::parallel_for's even split
+// makes the region wait for that thread's whole share. Which thread computes an item does not change
+// its bits.
+template <typename F>
+void parallel_items(int64_t n, int64_t grain, const F& item) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, n, grain, [&](int64_t, int64_t) {
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n; i = next.fetch_add(1, std::memory_order_relaxed))
+      item(i);
+  });
+}
+
 // x [N, K] float32; weights[i] the packed rows (out_features x K values) of segment i, which owns
 // counts[i] consecutive rows of x; returns [N, out_features] float32.
 at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntArrayRef counts, int64_t qtype,
@@ -347,13 +366,11 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
   float* yp = y.data_ptr<float>();
   // at least MIN_THREAD_BYTES of weights a thread: a small product runs inline, sparing a wake-up of the pool
   const int64_t grain = (MIN_THREAD_BYTES + ROW_CHUNK * row_bytes - 1) / (ROW_CHUNK * row_bytes);
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const Segment& seg = segs[item / chunks];
-      const int64_t r0 = (item % chunks) * ROW_CHUNK;
-      const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
-      fn(xp, K, seg, r0, r1, yp, out_features);
-    }
+  parallel_items(items, grain, [&](int64_t item) {
+    const Segment& seg = segs[item / chunks];
+    const int64_t r0 = (item % chunks) * ROW_CHUNK;
+    const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
+    fn(xp, K, seg, r0, r1, yp, out_features);
   });
   return y;
 }
@@ -412,13 +429,11 @@ at::Tensor qlinear_slots(const at::Tensor& x, int64_t rep, const at::Tensor& buf
   const int64_t items = int64_t(segs.size()) * chunks;
   const int64_t grain = (MIN_THREAD_BYTES + ROW_CHUNK * (matrix_bytes / out_features) - 1) /
                         (ROW_CHUNK * (matrix_bytes / out_features));
-  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const auto& [seg, m] = segs[item / chunks];
-      const int64_t r0 = (item % chunks) * ROW_CHUNK;
-      const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
-      fn(xsp, K, seg, r0, r1, ysp + m * P * out_features, out_features);
-    }
+  parallel_items(items, grain, [&](int64_t item) {
+    const auto& [seg, m] = segs[item / chunks];
+    const int64_t r0 = (item % chunks) * ROW_CHUNK;
+    const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
+    fn(xsp, K, seg, r0, r1, ysp + m * P * out_features, out_features);
   });
   at::Tensor y = at::empty({P, M * out_features}, x.options());
   float* yp = y.data_ptr<float>();
@@ -447,6 +462,14 @@ at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype) {
   return out;
 }
 
+// How many threads the kernels' parallel regions run on the calling thread (at::parallel_for's team,
+// of the OpenMP runtime this extension is linked to): what torch.set_num_threads on that thread gave it.
+int64_t kernel_threads() {
+  std::atomic<int64_t> seen{0};
+  at::parallel_for(0, int64_t(1) << 20, 1, [&](int64_t, int64_t) { seen.fetch_add(1); });
+  return seen.load();
+}
+
 // The instruction set the kernels run with: 0 generic, 1 AVX2, 2 AVX-512.
 int64_t kernel_isa() { return int64_t(chosen_isa()); }
 
@@ -466,6 +489,7 @@ TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets, int qtype, int out_features) -> Tensor");
   m.def("dequantize_blocks(Tensor raw, int qtype) -> Tensor");
   m.def("cpu_kernel_isa() -> int");
+  m.def("cpu_kernel_threads() -> int");
   m.def("cpu_kernel_limit_isa(int isa) -> int");
 }
 
@@ -477,5 +501,6 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
 
 TORCH_LIBRARY_IMPL(strata, CompositeExplicitAutograd, m) {
   m.impl("cpu_kernel_isa", &kernel_isa);
+  m.impl("cpu_kernel_threads", &kernel_threads);
   m.impl("cpu_kernel_limit_isa", &limit_kernel_isa);
 }
