@@ -70,3 +70,27 @@ def test_the_bodies_and_thread_counts_give_the_same_bits():
 def test_opcheck_attention_cpu():
     q, keys, values = torch.randn(3, 4, 16), torch.randn(9, 2, 16), torch.randn(9, 2, 16)
     torch.library.opcheck(torch.ops.strata.attention_cpu.default, (q, keys, values, torch.arange(6, 9), 0, None))
+    torch.library.opcheck(torch.ops.strata.attention_cpu.default,
+                          (q, keys, values, torch.arange(3), 0, None, torch.tensor([8, 0, 4])))
+
+
+@given(S=st.integers(1, 200), T=st.integers(1, 5), spare=st.integers(0, 50), window=st.sampled_from([None, 7]),
+       seed=st.integers(0, 2 ** 16))
+@settings(max_examples=25, deadline=None)
+def test_rows_read_through_row_ids_are_the_gathered_rows_bits(S, T, spare, window, seed):
+    """A paged cache's pool read in place (key s at row ``rows[s]``, in any order, among rows no position
+    names: NaN, never read) gives the bits of the same keys gathered first."""
+    g = torch.Generator().manual_seed(seed)
+    N = S + spare
+    pool_k, pool_v = torch.full((N, 2, 16), float("nan")), torch.full((N, 2, 16), float("nan"))
+    rows = torch.randperm(N, generator=g)[:S]
+    pool_k[rows], pool_v[rows] = torch.randn(S, 2, 16, generator=g), torch.randn(S, 2, 16, generator=g)
+    q, positions = torch.randn(T, 4, 16, generator=g), torch.randint(0, S, (T,), generator=g)
+    want = attention_cpu(q, pool_k[rows], pool_v[rows], positions, window)
+    assert torch.equal(attention_cpu(q, pool_k, pool_v, positions, window, rows=rows), want)
+
+
+def test_a_row_id_outside_the_keys_is_an_error():
+    q, keys = torch.randn(2, 2, 16), torch.randn(5, 1, 16)
+    with pytest.raises(RuntimeError, match="a row id outside the 5 rows of keys"):
+        attention_cpu(q, keys, keys, torch.arange(2), rows=torch.tensor([0, 5]))

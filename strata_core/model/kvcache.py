@@ -258,6 +258,13 @@ class KVCache:
                 out.extend(self._gather(layer, n, (name,)))
         return tuple(out)
 
+    def paged(self, layer: int, n: int, *names: str) -> tuple[torch.Tensor, ...]:
+        """``layer``'s stored tensors ``names`` (default ``"k", "v"``) as the pool's rows ``[n_blocks * block_size,
+        ...]``, read in place, then the int64 row ids ``[n]`` of positions ``[0, n)`` in them (a position without
+        a block: a row of the null block): what ``read`` gathers, for a kernel that follows the ids itself."""
+        names = names or ("k", "v")
+        return (*(self._rows(layer, name) for name in names), self._row_ids[self.home[layer]][:n])
+
     def _gather(self, layer: int, n: int, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
         """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored."""
         flat = self._row_ids[self.home[layer]][:n]

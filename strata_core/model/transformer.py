@@ -19,6 +19,7 @@ from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, mas
                                    rope_cos_sin, sdpa_attention)
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
+from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels
 from strata_core.ops.matmul import batch_invariant, linear
 
 __all__ = ["MoEModel"]
@@ -151,6 +152,7 @@ class MoEModel:
                 if out is not None:
                     return out
             return masked_attention(q, keys, values, positions)
+        split = self.head_splits.get(layer)
         if q.device.type != "cpu" and self.kernels.device_sdpa:  # flash / cuDNN / memory-efficient kernels
             if static:
                 n_ctx = kv.max_tokens
@@ -162,9 +164,14 @@ class MoEModel:
                        positions: torch.Tensor) -> torch.Tensor:
                 return sdpa_attention(q, keys, values, positions, static)
         else:
-            keys, values = kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static))  # [S, nkv, D]
+            n = self.masked_context(q, positions, kv, n_ctx, static)
+            if q.device.type == "cpu" and q.dtype == torch.float32 and (split is None or q.shape[0] == 1) \
+                    and cpu_kernels():
+                keys, values, rows = kv.paged(layer, n)  # the CPU kernel follows the row ids: no gather
+                if keys.dtype == torch.float32:
+                    return attention_cpu(q, keys, values, positions, rows=rows)
+            keys, values = kv.read(layer, n)  # [S, nkv, D]
             attend = masked_attention
-        split = self.head_splits.get(layer)
         if split is not None and q.shape[0] > 1 and not static:
             return split(q, keys, values, positions, attend)
         return attend(q, keys, values, positions)

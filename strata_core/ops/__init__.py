@@ -16,7 +16,7 @@
   ``x @ dequantize(W).T``); ``strata::qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets,
   int qtype, int out_features) -> Tensor``: the same products per (token, k) pair, each pair's weights a row
   of one buffer (a CPU device's cache slots: a layer's routed experts in one call)
-- ``strata::attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, Tensor? sinks)
+- ``strata::attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, Tensor? sinks, Tensor? rows)
   -> Tensor``: the CPU's causal GQA attention, each row's arithmetic fixed by its own query and visible keys
   (batch-invariant by construction; same extension, see :mod:`strata_core.ops.cpu_kernels`)
 - ``strata::linear_cpu(Tensor x, Tensor weight) -> Tensor``: the CPU's float32 ``x @ weight.T``, each output one

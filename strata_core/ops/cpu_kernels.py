@@ -112,13 +112,14 @@ def qlinear_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Se
 
 
 def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None = None,
-                  sinks: Tensor | None = None) -> Tensor:
+                  sinks: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
     """``[T, nh*D]`` float32: causal GQA attention of ``q [T, nh, D]`` at ``positions [T]`` over ``keys`` /
     ``values [S, nkv, D]`` (key s visible when ``s <= position``, and ``position - s < window`` with a
-    window), ``sinks [nh]`` joining each softmax's denominator only; float32 CPU tensors. Needs
-    :func:`cpu_kernels`."""
+    window), ``sinks [nh]`` joining each softmax's denominator only; float32 CPU tensors. With ``rows``
+    (int64 ``[S]``) key s is row ``rows[s]`` of ``keys`` / ``values [N, nkv, D]``: a paged cache's pool read
+    in place, the same bits as its rows gathered first. Needs :func:`cpu_kernels`."""
     return torch.ops.strata.attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(),
-                                          positions.to(torch.long), window or 0, sinks)
+                                          positions.to(torch.long), window or 0, sinks, rows)
 
 
 def linear_cpu(x: Tensor, weight: Tensor) -> Tensor:
@@ -187,7 +188,7 @@ def _slots_fake(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: list
 
 
 def _attention_fake(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int,
-                    sinks: Tensor | None) -> Tensor:
+                    sinks: Tensor | None, rows: Tensor | None = None) -> Tensor:
     return q.new_empty((q.shape[0], q.shape[1] * q.shape[2]))
 
 

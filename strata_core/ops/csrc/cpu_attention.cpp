@@ -13,6 +13,7 @@
 //              plus exp(sink - m) with a sink
 //   out[d]   = (sum over the visible s, ascending, of w[s] * v[s, d]) / total
 // Keys outside a row's range are never read into its sums (a cache's unwritten rows may hold anything).
+// With row ids, key s is row rows[s] of keys / values (a paged cache's pool read in place, no gather).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -59,11 +60,13 @@ STRATA_INLINE f32x16 exp_lanes(f32x16 x) {
 
 struct Problem {
   const float *q, *k, *v, *sinks;
-  const int64_t* pos;
+  const int64_t *pos, *rows;  // rows: key s at row rows[s] of k / v (nullptr: row s)
   float* out;
   int64_t T, nh, nkv, D, S, window;
   float scale;
 };
+
+STRATA_INLINE int64_t key_row(const Problem& p, int64_t s) { return p.rows != nullptr ? p.rows[s] : s; }
 
 // Lane l of the products of q and k over d = l, l + 16, ... (ascending d), D floats each.
 STRATA_INLINE f32x16 dot_lanes(const float* q, const float* k, int64_t D) {
@@ -103,7 +106,7 @@ STRATA_INLINE void rows_body(const Problem& p, int64_t g, int64_t r0, int64_t r1
     float* sc = scores.data();
     float m = ninf;
     for (int64_t s = first; s <= last; ++s) {
-      const float score = lane_sum(dot_lanes(qr, p.k + s * stride + g * D, D)) * p.scale;
+      const float score = lane_sum(dot_lanes(qr, p.k + key_row(p, s) * stride + g * D, D)) * p.scale;
       sc[s - base] = score;
       m = score > m ? score : m;
     }
@@ -127,7 +130,7 @@ STRATA_INLINE void rows_body(const Problem& p, int64_t g, int64_t r0, int64_t r1
       f32x16 acc = f32x16{};
       for (int64_t s = first; s <= last; ++s) {
         f32x16 v;
-        std::memcpy(&v, p.v + s * stride + g * D + d0, sizeof(v));
+        std::memcpy(&v, p.v + key_row(p, s) * stride + g * D + d0, sizeof(v));
         acc = v * sc[s - base] + acc;  // the scalar broadcast to every lane
       }
       acc = acc / splat(sum);
@@ -135,7 +138,7 @@ STRATA_INLINE void rows_body(const Problem& p, int64_t g, int64_t r0, int64_t r1
     }
     for (; d0 < D; ++d0) {  // the columns past the last 16: the same arithmetic one at a time
       float acc = 0.0f;
-      for (int64_t s = first; s <= last; ++s) acc = sc[s - base] * p.v[s * stride + g * D + d0] + acc;
+      for (int64_t s = first; s <= last; ++s) acc = sc[s - base] * p.v[key_row(p, s) * stride + g * D + d0] + acc;
       o[d0] = acc / sum;
     }
   }
@@ -155,10 +158,12 @@ STRATA_BODY(rows_generic, )
 
 RowsFn pick() { return strata_cpu::for_isa<RowsFn>(&rows_avx512, &rows_avx2, &rows_generic); }
 
-// q [T, nh, D], keys / values [S, nkv, D] float32 contiguous, positions [T] int64; sinks [nh] or
-// undefined; window 0 = none. Returns [T, nh * D] float32.
+// q [T, nh, D], keys / values [N, nkv, D] float32 contiguous, positions [T] int64; sinks [nh] or
+// undefined; window 0 = none; rows [S] int64 (key s is row rows[s], each < N) or undefined (S = N, key s
+// row s). Returns [T, nh * D] float32.
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
-                         const at::Tensor& positions, int64_t window, const c10::optional<at::Tensor>& sinks) {
+                         const at::Tensor& positions, int64_t window, const c10::optional<at::Tensor>& sinks,
+                         const c10::optional<at::Tensor>& row_ids) {
   TORCH_CHECK(q.dim() == 3 && keys.dim() == 3 && values.sizes() == keys.sizes(), "attention_cpu: shapes ",
               q.sizes(), " ", keys.sizes(), " ", values.sizes());
   TORCH_CHECK(q.scalar_type() == at::kFloat && keys.scalar_type() == at::kFloat &&
@@ -167,15 +172,23 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::
               "attention_cpu: positions must be int64 [T]");
   const at::Tensor qc = q.contiguous(), kc = keys.contiguous(), vc = values.contiguous(),
                    pc = positions.contiguous();
-  at::Tensor sc;
+  at::Tensor sc, rc;
   if (sinks.has_value() && sinks->defined()) sc = sinks->to(at::kFloat).contiguous();
-  const int64_t T = qc.size(0), nh = qc.size(1), D = qc.size(2), S = kc.size(0), nkv = kc.size(1);
+  if (row_ids.has_value() && row_ids->defined()) {
+    TORCH_CHECK(row_ids->scalar_type() == at::kLong && row_ids->dim() == 1, "attention_cpu: rows must be int64 [S]");
+    rc = row_ids->contiguous();
+    TORCH_CHECK(rc.numel() == 0 || (rc.min().item<int64_t>() >= 0 && rc.max().item<int64_t>() < kc.size(0)),
+                "attention_cpu: a row id outside the ", kc.size(0), " rows of keys");
+  }
+  const int64_t T = qc.size(0), nh = qc.size(1), D = qc.size(2), nkv = kc.size(1);
+  const int64_t S = rc.defined() ? rc.numel() : kc.size(0);
   TORCH_CHECK(kc.size(2) == D && nkv > 0 && nh % nkv == 0, "attention_cpu: ", nh, " heads over ", nkv, " kv heads");
   TORCH_CHECK(!sc.defined() || sc.numel() == nh, "attention_cpu: ", sc.numel(), " sinks for ", nh, " heads");
   at::Tensor out = at::empty({T, nh * D}, qc.options());
   if (T == 0) return out;
   const Problem p{qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
-                  sc.defined() ? sc.data_ptr<float>() : nullptr, pc.data_ptr<int64_t>(), out.data_ptr<float>(),
+                  sc.defined() ? sc.data_ptr<float>() : nullptr, pc.data_ptr<int64_t>(),
+                  rc.defined() ? rc.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(),
                   T, nh, nkv, D, S, window, float(1.0 / std::sqrt(double(D)))};
   const int64_t rows = T * (nh / nkv), tiles = (rows + ROW_TILE - 1) / ROW_TILE;
   // a tile's work is about its rows times the keys times D: enough of it per thread to pay a wake-up
@@ -194,7 +207,8 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(strata, m) {
-  m.def("attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, Tensor? sinks) -> Tensor");
+  m.def("attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, Tensor? sinks, "
+        "Tensor? rows=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(strata, CPU, m) { m.impl("attention_cpu", &attention_cpu); }
