@@ -16,7 +16,7 @@ from strata_core.experts import split_auto
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.backend import build_expert_backend
 from strata_core.experts.rows import DequantExpertRows
-from strata_core.experts.split_auto import AutoSplit, measure_rates, resolve_pcie_frac, split_from_rates
+from strata_core.experts.split_auto import AutoSplit, measure_rates, probe_split, resolve_pcie_frac, split_from_rates
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.registry import load_model_spec
@@ -197,6 +197,24 @@ def test_the_rates_are_measured_on_the_cpu_pool_and_over_the_link(tiny, monkeypa
         cpu, link = measure_rates(engine.experts.arena, 0, CPU, pool, experts=3, dtype=torch.bfloat16, repeats=2)
     assert on_pool and 0 < cpu < float("inf") and 0 < link < float("inf")
     assert calls == [(torch.bfloat16, 3, 3, [1, 1, 1])] * 3  # one row an expert, a warm-up and two timed
+
+
+def test_the_probe_starts_a_split_from_the_measured_share_or_keeps_the_link(tiny, monkeypatch, caplog):
+    engine = Engine.load(tiny, max_context=64, expert_cache=0, arena="pinned", pcie_frac=1.0)
+    arena = engine.experts.arena
+    monkeypatch.setattr(split_auto, "measure_rates", lambda *args: (30.0, 10.0))
+    with ThreadPoolExecutor(1) as pool:
+        assert probe_split(arena, 0, CPU, pool, 2, torch.float32) == (None, 0.25)  # the CPU 3x the link
+        monkeypatch.setattr(split_auto, "measure_rates", lambda *args: (1.0, 50.0))
+        assert probe_split(arena, 0, CPU, pool, 2, torch.float32)[0] == 1.0
+
+        def broken(*args):
+            raise RuntimeError("no pinned memory")
+
+        monkeypatch.setattr(split_auto, "measure_rates", broken)
+        with caplog.at_level(logging.WARNING, logger=split_auto.__name__):
+            assert probe_split(arena, 0, CPU, pool, 2, torch.float32)[0] == 1.0
+    assert "could not be measured on cpu (RuntimeError: no pinned memory): every miss goes over the link" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

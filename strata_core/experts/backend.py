@@ -49,8 +49,7 @@ from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.sizing import cache_slots, check_dense_budget
 from strata_core.experts.split import MissSplit
-from strata_core.experts.split_auto import (SETTLE_WINDOWS, START_FRAC, AutoSplit, measure_rates, resolve_pcie_frac,
-                                            split_from_rates)
+from strata_core.experts.split_auto import SETTLE_WINDOWS, START_FRAC, AutoSplit, probe_split, resolve_pcie_frac
 from strata_core.experts.table import ResidencyTable
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import ArenaCopier, StagingRing
@@ -277,13 +276,10 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
     if frac is None and cpu_pool is not None:  # auto on a GPU with misses: is the CPU worth a share?
         gpu = next(slots[s].device for s in sorted(computing) if slots[s].device.type != "cpu")
         layer = min(own & set(spec.moe_layers))
-        cpu_gbps, link_gbps = measure_rates(arena, layer, gpu, cpu_pool, spec.n_experts_used, compute_dtype(settings.dtype, gpu))
-        frac = split_from_rates(cpu_gbps, link_gbps, str(gpu))
+        frac, start = probe_split(arena, layer, gpu, cpu_pool, spec.n_experts_used, compute_dtype(settings.dtype, gpu))
         if frac == 1.0:
             cpu_pool.shutdown()
             cpu_pool = None
-        else:
-            start = 1.0 - cpu_gbps / (cpu_gbps + link_gbps)
     rows: dict[tuple[Phase, int], CachedExpertRows] = {}
     lanes = _lanes(placement, slots, caches, copiers, settings, spec)
     usages: dict[int, UsageCounter] = {}

@@ -39,7 +39,8 @@ if TYPE_CHECKING:
 
     from strata_core.experts.arena import Arena, ExpertFormat
 
-__all__ = ["MIN_CPU_SHARE", "SETTLE_WINDOWS", "AutoSplit", "measure_rates", "resolve_pcie_frac", "split_from_rates"]
+__all__ = ["MIN_CPU_SHARE", "SETTLE_WINDOWS", "AutoSplit", "measure_rates", "probe_split", "resolve_pcie_frac",
+           "split_from_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,21 @@ def split_from_rates(cpu_gbps: float, link_gbps: float, where: str = "") -> floa
     log.info("pcie-frac auto%s: CPU %.1f GB/s, link %.1f GB/s: the split starts at a link share of %.2f",
              f" on {where}" if where else "", cpu_gbps, link_gbps, 1.0 - cpu_share)
     return None
+
+
+def probe_split(arena: Arena, layer: int, device: torch.device, pool: Executor, experts: int,
+                dtype: torch.dtype) -> tuple[float | None, float]:
+    """``(frac, start)`` for a GPU with misses under ``auto``: ``split_from_rates`` of ``measure_rates``
+    (1.0, or None and the measured link share ``start`` a learned split begins from). A probe that fails
+    keeps every miss on the link (logged): the split is an optimisation, not worth a failed load."""
+    try:
+        cpu_gbps, link_gbps = measure_rates(arena, layer, device, pool, experts, dtype)
+    except Exception as exc:  # noqa: BLE001 - whatever stops the probe, the link alone still decodes
+        log.warning("pcie-frac auto: the CPU and link rates could not be measured on %s (%s: %s): every miss "
+                    "goes over the link", device, type(exc).__name__, exc)
+        return 1.0, START_FRAC
+    frac = split_from_rates(cpu_gbps, link_gbps, str(device))
+    return frac, (START_FRAC if frac is not None else 1.0 - cpu_gbps / (cpu_gbps + link_gbps))
 
 
 def _chosen(frac: float, why: str) -> float:
