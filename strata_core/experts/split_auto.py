@@ -32,7 +32,7 @@ from strata_core.ops.cpu_kernels import has_cpu_kernel  # before experts.cpu_ffn
 from strata_core.experts.cpu_ffn import cpu_experts_ffn
 from strata_core.experts.ffn import SILU
 from strata_core.experts.split import MissSplit
-from strata_core.runtime.devices import synchronize
+from strata_core.runtime.devices import synchronize, timed_span
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
@@ -183,16 +183,10 @@ class AutoSplit:
         resolved at the window's end; wall clock on the CPU); nothing once settled or without misses."""
         if not self.learning or n_experts == 0:
             yield
-        elif device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            return
+        with timed_span(device, lambda start, end: self._events.append((layer, n_experts, start, end)),
+                        lambda seconds: self._add(self._link[layer], n_experts, seconds), time.perf_counter):
             yield
-            end.record()
-            self._events.append((layer, n_experts, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._add(self._link[layer], n_experts, time.perf_counter() - t0)
 
     def cpu_job(self, layer: int, n_experts: int, fn: Callable[..., R]) -> Callable[..., R]:
         """``fn`` timed where it runs (the CPU pool's worker) as ``layer``'s CPU share of ``n_experts``

@@ -15,11 +15,12 @@ runner folds them in after each replay. Outside ``capturing`` nothing changes.
 from __future__ import annotations
 
 import contextlib
-import time
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+
+from strata_core.runtime.devices import timed_span
 
 __all__ = ["ExpertTelemetry"]
 
@@ -88,22 +89,13 @@ class ExpertTelemetry:
         self.bytes_copied += nbytes
         self._events.append(("copy", start, end))
 
-    @contextmanager
-    def timed(self, kind: str, device: torch.device) -> Iterator[None]:
+    def timed(self, kind: str, device: torch.device) -> contextlib.AbstractContextManager[None]:
         """Time the work of ``kind`` ("copy" or "compute") enqueued inside the block (events on
         CUDA, wall clock on CPU); nothing inside ``capturing``."""
         if self._sink is not None:
-            yield
-        elif device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events.append((kind, start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._seconds[kind] += time.perf_counter() - t0
+            return contextlib.nullcontext()
+        return timed_span(device, lambda start, end: self._events.append((kind, start, end)),
+                          lambda seconds: self._seconds.update({kind: self._seconds[kind] + seconds}))
 
     def compute(self, device: torch.device) -> contextlib.AbstractContextManager[None]:
         """Time the expert compute enqueued inside the block."""

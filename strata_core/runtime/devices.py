@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -74,6 +76,25 @@ def device_scope(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` the current CUDA device inside the block (kernels that launch on the current
     device, Triton's among them, then run where their tensors are); nothing on the CPU."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def timed_span(device: torch.device, on_events: Callable[[torch.cuda.Event, torch.cuda.Event], None],
+               on_seconds: Callable[[float], None],
+               clock: Callable[[], float] = time.perf_counter) -> Iterator[None]:
+    """Time the work enqueued inside the block: on CUDA two timing events recorded around it, given to
+    ``on_events`` (the caller resolves them later: no wait here); elsewhere the seconds of ``clock`` it
+    took, given to ``on_seconds``."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        on_events(start, end)
+    else:
+        t0 = clock()
+        yield
+        on_seconds(clock() - t0)
 
 
 def synchronize(device: torch.device) -> None:
