@@ -92,5 +92,5 @@ def test_rows_read_through_row_ids_are_the_gathered_rows_bits(S, T, spare, windo
 
 def test_a_row_id_outside_the_keys_is_an_error():
     q, keys = torch.randn(2, 2, 16), torch.randn(5, 1, 16)
-    with pytest.raises(RuntimeError, match="a row id outside the 5 rows of keys"):
+    with pytest.raises(ValueError, match="a row id outside the 5 rows of keys"):
         attention_cpu(q, keys, keys, torch.arange(2), rows=torch.tensor([0, 5]))

@@ -117,7 +117,13 @@ def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, wi
     ``values [S, nkv, D]`` (key s visible when ``s <= position``, and ``position - s < window`` with a
     window), ``sinks [nh]`` joining each softmax's denominator only; float32 CPU tensors. With ``rows``
     (int64 ``[S]``) key s is row ``rows[s]`` of ``keys`` / ``values [N, nkv, D]``: a paged cache's pool read
-    in place, the same bits as its rows gathered first. Needs :func:`cpu_kernels`."""
+    in place, the same bits as its rows gathered first. Needs :func:`cpu_kernels`; a row id outside ``keys``
+    is a ValueError (checked here, as for ``qlinear_grouped``)."""
+    if rows is not None and rows.numel():
+        low, high = (int(v) for v in torch.aminmax(rows))
+        if low < 0 or high >= keys.shape[0]:
+            raise ValueError(f"attention_cpu: a row id outside the {keys.shape[0]} rows of keys "
+                             f"(ids {low}..{high})")
     return torch.ops.strata.attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(),
                                           positions.to(torch.long), window or 0, sinks, rows)
 
