@@ -11,7 +11,8 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from strata_core.model.ops import rms_norm
+from strata_core.model.ops import apply_rope, rms_norm, rope_cos_sin
+from strata_core.model.rope import scaled_inv_freq
 from strata_core.ops import decode
 from strata_core.ops.decode import add_rms_norm, decode_attention, kv_table, rope_kv_write, route_topk
 from strata_core.ops.moe import moe_decode, moe_pair_rows
@@ -82,6 +83,25 @@ def test_rope_kv_write_writes_each_session_at_its_position():
                           (qkv, positions, qn, None, 1e4, 1e-6, nh, nkv, *_paged(B, S, nkv, D, 4), None))
 
 
+def test_rope_kv_write_applies_a_scaled_rope():
+    """With a YaRN table and attention factor, q and the written k are rotated by them (as the eager
+    path's ``rope_cos_sin`` + ``apply_rope``), not by the plain frequencies of theta."""
+    B, nh, nkv, D, S = 2, 4, 2, 16, 9000
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
+    positions = torch.tensor([5, 8191])
+    inv_freq, mscale = scaled_inv_freq(D, 1e4, "yarn", 4.0, 2048), 1.25
+    keys, values, table = _paged(B, S, nkv, D, 3, 512)
+    q = rope_kv_write(qkv, positions, None, None, 1e4, 1e-6, nh, nkv, keys, values, table, None, inv_freq, mscale)
+    cos, sin = rope_cos_sin(positions, D, 1e4, inv_freq, mscale)
+    torch.testing.assert_close(q, apply_rope(qkv[:, :nh * D].view(B, nh, D), cos, sin), rtol=0, atol=0)
+    k = apply_rope(qkv[:, nh * D:(nh + nkv) * D].view(B, nkv, D), cos, sin)
+    for b, p in enumerate(positions.tolist()):
+        assert torch.equal(_rows(keys, table, b)[p], k[b])
+    plain = rope_kv_write(qkv, positions, None, None, 1e4, 1e-6, nh, nkv, *_paged(B, S, nkv, D, 3, 512), None)
+    assert not torch.allclose(q, plain)
+
+
 @pytest.mark.parametrize("block", [1, 3, 4, 16])
 def test_decode_attention_attends_causally_over_each_sessions_blocks(block):
     B, nh, nkv, D, S = 2, 4, 2, 16, 10
@@ -119,9 +139,11 @@ def test_paged_decode_ops_match_contiguous_caches_bit_for_bit():
 @pytest.mark.skipif(not (os.environ.get("TRITON_INTERPRET") == "1" and decode.HAS_TRITON),
                     reason="needs TRITON_INTERPRET=1 and a CPU Triton (on CUDA: tests/test_decode_ops_cuda.py)")
 @pytest.mark.parametrize("block", [1, 5, 16, 80])
-def test_block_table_kernels_match_the_references_under_the_interpreter(block):
+@pytest.mark.parametrize("scaled", [False, True], ids=["rope", "yarn"])
+def test_block_table_kernels_match_the_references_under_the_interpreter(block, scaled):
     """The Triton kernels of rope_kv_write and decode_attention, run by Triton's interpreter on CPU
-    tensors through an address table: what they write and attend equals the references'."""
+    tensors through an address table: what they write and attend equals the references', with plain
+    RoPE and with a YaRN table and attention factor."""
     B, nh, nkv, D, S = 3, 8, 2, 32, 70
     gen = torch.Generator().manual_seed(2)
     qkv = torch.randn(B, (nh + 2 * nkv) * D, generator=gen)
@@ -130,8 +152,9 @@ def test_block_table_kernels_match_the_references_under_the_interpreter(block):
     keys, values, blocks = _paged(B, S, nkv, D, 3, block)
     got_keys, got_values = keys.clone(), values.clone()
     table = kv_table(got_keys, got_values, list(blocks))
-    q = decode._rope_kv_cuda(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, got_keys, got_values, None, table)
-    want_q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, keys, values, blocks, None)
+    rope = (scaled_inv_freq(D, 1e4, "yarn", 4.0, 32), 1.25) if scaled else (None, 1.0)
+    q = decode._rope_kv_cuda(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, got_keys, got_values, None, table, *rope)
+    want_q = rope_kv_write(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, keys, values, blocks, None, *rope)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_keys, keys, rtol=1e-5, atol=1e-5)
     assert torch.equal(got_values, values)

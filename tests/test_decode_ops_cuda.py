@@ -7,6 +7,7 @@ import pytest
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
+from strata_core.model.rope import scaled_inv_freq
 from strata_core.ops.decode import add_rms_norm, decode_attention, kv_table, rope_kv_write, route_topk
 from strata_core.ops import moe
 from strata_core.ops.moe import moe_decode
@@ -67,9 +68,11 @@ def test_rope_kv_write_and_attention_kernels(dtype, table, block):
     keys, values, blocks = _paged(B, S, nkv, D, dtype, 3, block)
     dkeys, dvalues, dblocks = keys.cuda(), values.cuda(), blocks.cuda()
     tables = kv_table(dkeys, dvalues, list(dblocks)).cuda() if table else None
+    inv_freq = scaled_inv_freq(D, 1e6, "yarn", 4.0, 4096) if block == 5 else None  # a YaRN model's RoPE
+    rope = (inv_freq, 1.1) if inv_freq is not None else (None, 1.0)
     q = rope_kv_write(qkv.cuda(), positions.cuda(), qn.cuda(), kn.cuda(), 1e6, 1e-6, nh, nkv, dkeys, dvalues,
-                      None if table else dblocks, tables)
-    want_q = rope_kv_write(qkv, positions, qn, kn, 1e6, 1e-6, nh, nkv, keys, values, blocks, None)
+                      None if table else dblocks, tables, None if inv_freq is None else inv_freq.cuda(), rope[1])
+    want_q = rope_kv_write(qkv, positions, qn, kn, 1e6, 1e-6, nh, nkv, keys, values, blocks, None, *rope)
     # at position 8999 an ulp of the CPU's inverse frequency moves the angle by ~5e-4 rad: q and k
     # agree with the CPU's to 1e-3 in float32 (test_kernels_cuda compares the RoPE with torch on CUDA)
     rope_tol = max(TOL[dtype], 1e-3)

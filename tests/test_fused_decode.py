@@ -7,11 +7,14 @@ Triton kernels (the engine takes the fused path there by itself).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from strata_core.engine import Engine
 from strata_core.model.fused_decode import why_not_fused
+from strata_core.model.rope import RopeScaling
 from strata_core.runtime.session import DecodeBatch
 
 devices = ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else [])
@@ -33,9 +36,12 @@ def test_why_not_fused(tiny_model_factory):
 
 
 @pytest.mark.parametrize("device", devices)
-def test_fused_layers_match_the_eager_layers(tiny_model_factory, device):
+@pytest.mark.parametrize("scaling", [None, RopeScaling("yarn", 4.0, 16, 1.1)], ids=["rope", "yarn"])
+def test_fused_layers_match_the_eager_layers(tiny_model_factory, device, scaling):
+    """Also for a model whose GGUF asks for a scaled RoPE (YaRN): the fused layers rotate by its table."""
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
     engine = Engine.load(path, devices=[device], max_context=64, dtype="float32")
+    engine.model.spec = dataclasses.replace(engine.model.spec, rope_scale=scaling)
     prompts = [list(range(5, 30)), list(range(40, 52))]
     eager_sessions, fused_sessions = _sessions(engine, prompts), _sessions(engine, prompts)
     tokens = torch.tensor([3, 9])

@@ -17,6 +17,7 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.model.ops import sdpa_attention
+from strata_core.model.rope import scaled_inv_freq
 from strata_core.ops import moe
 from strata_core.ops.qdecode import HAS_TRITON, KERNEL_TYPES, block_geometry
 from strata_core.quant import dequantize, random_blocks
@@ -174,10 +175,13 @@ def test_fused_norm_and_rope_match_the_torch_formulas(dtype):
     q = torch.randn(6, 32, 128, generator=gen).to(DEV, dtype)
     qw = torch.randn(128, generator=gen).to(DEV, dtype)
     positions = torch.tensor([0, 1, 17, 1000, 8191, 32767], device=DEV)
+    yarn = (scaled_inv_freq(128, 1e6, "yarn", 4.0, 8192).to(DEV), 1.2)  # a scaled RoPE's table and factor
     fused = [ops.rms_norm(x, w, 1e-6), ops.norm_rope(q, positions, 1e6, qw, 1e-6),
-             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0)]
+             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0), ops.norm_rope(q, positions, 1e6, qw, 1e-6,
+                                                                                       True, *yarn)]
     plain = [ops.rms_norm(x, w, 1e-6, fused=False), ops.norm_rope(q, positions, 1e6, qw, 1e-6, fused=False),
-             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0, fused=False)]
+             ops.norm_rope(q, positions[:1].expand(6), 1e4, None, 0.0, fused=False),
+             ops.norm_rope(q, positions, 1e6, qw, 1e-6, False, *yarn)]
     for got, want in zip(fused, plain):
         assert got.dtype == dtype and got.shape == want.shape
         assert rel(got, want) < (1e-3 if dtype == torch.float32 else 1e-2)

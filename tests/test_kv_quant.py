@@ -28,6 +28,7 @@ from strata_core.model.kvquant import (FP8, LOGIT_TOLERANCE, QuantizedRows, dequ
                                        stored_layout, token_bytes)
 from strata_core.model import ops
 from strata_core.model.ops import dequantized_sdpa, masked_attention
+from strata_core.model.rope import scaled_inv_freq
 from strata_core.model.spec import StateTensor
 from strata_core.ops.mla import mla_blocked, mla_reference
 from strata_core.ops.qdecode import HAS_TRITON
@@ -570,8 +571,9 @@ def test_the_quantized_decode_kernels_match_the_references_under_the_interpreter
     blocks = pools[-1]
     mine = [t.clone() for t in pools[:4]]
     table = decode_q.kv_table_q(*mine, list(blocks))
-    q = decode_q._rope_kv_q_cuda(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, *mine, None, table)
-    want_q = decode_q.rope_kv_write_q(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, *pools[:4], blocks, None)
+    rope = (scaled_inv_freq(D, 1e4, "yarn", 4.0, 32), 1.25) if block == 5 else (None, 1.0)  # a YaRN model's
+    q = decode_q._rope_kv_q_cuda(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, *mine, None, table, *rope)
+    want_q = decode_q.rope_kv_write_q(qkv, positions, qn, kn, 1e4, 1e-6, nh, nkv, *pools[:4], blocks, None, *rope)
     torch.testing.assert_close(q, want_q, rtol=1e-5, atol=1e-5)
     kc, vc, ks, vs = mine
     assert torch.equal(vc, pools[1]) and torch.equal(vs, pools[3])  # v is copied: the same bits

@@ -72,8 +72,6 @@ def why_not_fused(model, device: torch.device) -> str | None:
         return f"the {s.architecture} forward has layers of its own"
     if s.has_shared_expert:
         return "the model has a shared expert"
-    if s.rope_scale is not None:
-        return f"the fused kernels apply plain RoPE, the model asks for {s.rope_scale.kind} scaling"
     if not fused_decode_supported(s.head_dim):
         return f"no fused kernels for head dim {s.head_dim} (or no Triton)"
     kv_type = model.kernels.kv_type
@@ -205,7 +203,7 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
     write, attend = (rope_kv_write, decode_attention) if len(pools) == 2 else (rope_kv_write_q, decode_attention_q)
     q = write(qkv, positions, w.get("attn_q_norm.weight") if s.has_qk_norm else None,
               w.get("attn_k_norm.weight") if s.has_qk_norm else None, s.rope_theta, eps, s.n_heads,
-              s.n_kv_heads, *pools, blocks, table)  # [B, nh, D]
+              s.n_kv_heads, *pools, blocks, table, *model.rope_tables(hidden.device, s.head_dim))  # [B, nh, D]
     out = attend(q, positions, *pools, blocks, table, INVARIANT_SPLITS if invariant else 0)  # [B, nh D]
     hidden, x = add_rms_norm(hidden, model.weights.product(out, "attn_output.weight", layer, invariant),
                              w["ffn_norm.weight"], eps)

@@ -55,14 +55,13 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, weight: to
     """``x [T, heads, D]``: RMSNorm per head with ``weight`` (if given), then RoPE at ``positions [T]``
     (``inv_freq`` and ``mscale``: a scaled RoPE, as ``rope_cos_sin`` takes them).
 
-    On CUDA with ``fused`` (``ForwardKernels.fused_norms``) one kernel for plain RoPE; otherwise (a
-    scaled RoPE, head dims whose half is not a power of two) the torch formulas: ``rms_norm``,
-    ``rope_cos_sin`` and ``apply_rope``, exactly as the CPU path runs them.
+    On CUDA with ``fused`` (``ForwardKernels.fused_norms``) one kernel, plain or scaled RoPE; otherwise
+    (head dims whose half is not a power of two) the torch formulas: ``rms_norm``, ``rope_cos_sin`` and
+    ``apply_rope``, exactly as the CPU path runs them.
     """
     half = x.shape[-1] // 2
-    if (x.device.type == "cuda" and fused and norm_rope_cuda is not None and half & (half - 1) == 0
-            and inv_freq is None):
-        return norm_rope_cuda(x, positions, theta, weight, eps)
+    if x.device.type == "cuda" and fused and norm_rope_cuda is not None and half & (half - 1) == 0:
+        return norm_rope_cuda(x, positions, theta, weight, eps, inv_freq, mscale)
     if weight is not None:
         x = rms_norm(x, weight, eps, fused)
     cos, sin = rope_cos_sin(positions, x.shape[-1], theta, inv_freq, mscale)  # [T, D]

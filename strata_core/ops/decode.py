@@ -11,9 +11,10 @@ Each op is a ``strata::`` custom op whose CPU kernel is the torch reference (the
   softmax over the experts in float32, top-k (largest first), optional renormalisation (the sum
   clamped to ``min_sum``) and scale;
 - ``rope_kv_write(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool,
-  value_pool, block_table, table) -> q [B, n_heads, D]``: the fused QKV projection's output split
-  into heads, q and k RMS-normed per head (where weights are given) and NEOX-rotated at
-  ``positions``, k and v written into the paged KV of session b at position ``positions[b]``;
+  value_pool, block_table, table, inv_freq=None, mscale=1.0) -> q [B, n_heads, D]``: the fused QKV
+  projection's output split into heads, q and k RMS-normed per head (where weights are given) and
+  NEOX-rotated at ``positions`` (``inv_freq`` and ``mscale``: a scaled RoPE such as YaRN, as
+  ``rope_cos_sin`` takes them), k and v written into the paged KV of session b at ``positions[b]``;
 - ``decode_attention(q, positions, key_pool, value_pool, block_table, table, splits=0) -> [B, n_heads * D]``:
   causal GQA attention of each session's query over its positions ``0..positions[b]`` (split over
   the context, flash-decoding style, then one reduce launch; ``splits`` programs per (session, kv
@@ -89,14 +90,15 @@ def _need_blocks(block_table: Tensor | None) -> Tensor:
 
 def _rope_kv_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
                  eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor, value_pool: Tensor,
-                 block_table: Tensor | None, table: Tensor | None) -> Tensor:
+                 block_table: Tensor | None, table: Tensor | None, inv_freq: Tensor | None = None,
+                 mscale: float = 1.0) -> Tensor:
     block_table = _need_blocks(block_table)
     q, k, v = _split_heads(qkv, n_heads, n_kv_heads)
     if q_norm is not None:
         q = _rms(q, q_norm, eps)
     if k_norm is not None:
         k = _rms(k, k_norm, eps)
-    cos, sin = rope_cos_sin(positions, q.shape[-1], theta)  # [B, D]
+    cos, sin = rope_cos_sin(positions, q.shape[-1], theta, inv_freq, mscale)  # [B, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     bs = key_pool.shape[1]
     for b, p in enumerate(positions.tolist()):
@@ -144,7 +146,7 @@ def _route_fake(logits, k, norm, scale, min_sum):
 
 
 def _rope_kv_fake(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool, value_pool,
-                  block_table, table):
+                  block_table, table, inv_freq=None, mscale=1.0):
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     return qkv.new_empty((qkv.shape[0], n_heads, D))
 
@@ -162,8 +164,8 @@ route_topk = torch.library.custom_op(
 rope_kv_write = torch.library.custom_op(
     "strata::rope_kv_write", _rope_kv_ref, mutates_args=("key_pool", "value_pool"),
     schema=("(Tensor qkv, Tensor positions, Tensor? q_norm, Tensor? k_norm, float theta, float eps, int n_heads, "
-            "int n_kv_heads, Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor? block_table, Tensor? table) "
-            "-> Tensor"))
+            "int n_kv_heads, Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor? block_table, Tensor? table, "
+            "Tensor? inv_freq=None, float mscale=1.0) -> Tensor"))
 decode_attention = torch.library.custom_op(
     "strata::decode_attention", _attention_ref, mutates_args=(),
     schema=("(Tensor q, Tensor positions, Tensor key_pool, Tensor value_pool, Tensor? block_table, Tensor? table, "
@@ -195,7 +197,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from strata_core.ops.dense import _norm_rope_halves
+    from strata_core.ops.dense import _norm_rope_halves, rope_frequencies
 
     _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"  # False: the interpreter runs the kernels
 
@@ -273,9 +275,9 @@ if HAS_TRITON:
         return tl.load(table + b * 3 + 2).to(tl.pointer_type(tl.int32))
 
     @triton.jit
-    def _rope_kv_kernel(qkv, pos, qw, kw, q_out, table, n_heads, n_kv, eps, theta, log2_theta,
+    def _rope_kv_kernel(qkv, pos, qw, kw, q_out, table, n_heads, n_kv, eps, theta, log2_theta, freq, mscale,
                         D: tl.constexpr, HALF: tl.constexpr, QNORM: tl.constexpr, KNORM: tl.constexpr,
-                        BS: tl.constexpr, LIBDEVICE: tl.constexpr):
+                        BS: tl.constexpr, FREQ: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Program (b, head): q heads first, then kv heads (k normed and rotated, v copied)."""
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -287,15 +289,15 @@ if HAS_TRITON:
         a = tl.load(src + i).to(tl.float32)
         c = tl.load(src + HALF + i).to(tl.float32)
         if head < n_heads:
-            a, c = _norm_rope_halves(a, c, qw, p.to(tl.float32), eps, theta, log2_theta, dt, D, HALF, QNORM,
-                                     LIBDEVICE)
+            a, c = _norm_rope_halves(a, c, qw, p.to(tl.float32), eps, theta, log2_theta, freq, mscale, dt, D, HALF,
+                                     QNORM, FREQ, LIBDEVICE)
             dst = q_out + (b * n_heads + head) * D
             tl.store(dst + i, a.to(dt))
             tl.store(dst + HALF + i, c.to(dt))
         else:
             g = head - n_heads
-            a, c = _norm_rope_halves(a, c, kw, p.to(tl.float32), eps, theta, log2_theta, dt, D, HALF, KNORM,
-                                     LIBDEVICE)
+            a, c = _norm_rope_halves(a, c, kw, p.to(tl.float32), eps, theta, log2_theta, freq, mscale, dt, D, HALF,
+                                     KNORM, FREQ, LIBDEVICE)
             kc = _pool_ptr(table, b, 0, dt)
             vc = _pool_ptr(table, b, 1, dt)
             block = tl.load(_blocks_ptr(table, b) + p // BS).to(tl.int64)
@@ -323,7 +325,8 @@ if HAS_TRITON:
 
     def _rope_kv_cuda(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
                       eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor, value_pool: Tensor,
-                      block_table: Tensor | None, table: Tensor | None) -> Tensor:
+                      block_table: Tensor | None, table: Tensor | None, inv_freq: Tensor | None = None,
+                      mscale: float = 1.0) -> Tensor:
         B = qkv.shape[0]
         D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
         q = qkv.new_empty((B, n_heads, D))
@@ -335,8 +338,9 @@ if HAS_TRITON:
             _rope_kv_kernel[(B, n_heads + n_kv_heads)](
                 qkv.contiguous(), positions.contiguous(), q_norm if q_norm is not None else qkv,
                 k_norm if k_norm is not None else qkv, q, table, n_heads, n_kv_heads, eps, float(theta),
-                math.log2(theta), D=D, HALF=D // 2, QNORM=q_norm is not None, KNORM=k_norm is not None,
-                BS=key_pool.shape[1], LIBDEVICE=_LIBDEVICE, num_warps=1)
+                math.log2(theta), rope_frequencies(inv_freq, qkv), float(mscale), D=D, HALF=D // 2,
+                QNORM=q_norm is not None, KNORM=k_norm is not None, BS=key_pool.shape[1], FREQ=inv_freq is not None,
+                LIBDEVICE=_LIBDEVICE, num_warps=1)
         return q
 
     @triton.jit

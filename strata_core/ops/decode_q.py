@@ -7,7 +7,7 @@ n_kv_heads, D]`` (int8, or fp8 e4m3's bytes as uint8) and ``key_scales`` / ``val
 float32 for int8 and fp8):
 
 - ``rope_kv_write_q(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool,
-  value_pool, key_scales, value_scales, block_table, table) -> q [B, n_heads, D]``: as
+  value_pool, key_scales, value_scales, block_table, table, inv_freq=None, mscale=1.0) -> q [B, n_heads, D]``: as
   ``rope_kv_write``, the k and v rows (rounded to the compute dtype first, as the eager path's are)
   quantized as ``kvquant.quantize`` does before they are stored;
 - ``decode_attention_q(q, positions, key_pool, value_pool, key_scales, value_scales, block_table, table,
@@ -50,7 +50,8 @@ def _format(codes: Tensor, scales: Tensor):
 
 def _rope_kv_q_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
                    eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor, value_pool: Tensor, key_scales: Tensor,
-                   value_scales: Tensor, block_table: Tensor | None, table: Tensor | None) -> Tensor:
+                   value_scales: Tensor, block_table: Tensor | None, table: Tensor | None,
+                   inv_freq: Tensor | None = None, mscale: float = 1.0) -> Tensor:
     block_table = _need_blocks(block_table)
     fmt = _format(key_pool, key_scales)
     q, k, v = _split_heads(qkv, n_heads, n_kv_heads)
@@ -58,7 +59,7 @@ def _rope_kv_q_ref(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm
         q = _rms(q, q_norm, eps)
     if k_norm is not None:
         k = _rms(k, k_norm, eps)
-    cos, sin = rope_cos_sin(positions, q.shape[-1], theta)  # [B, D]
+    cos, sin = rope_cos_sin(positions, q.shape[-1], theta, inv_freq, mscale)  # [B, D]
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     (kc, ks), (vc, vs) = quantize(k, fmt), quantize(v, fmt)
     bs = key_pool.shape[1]
@@ -98,7 +99,7 @@ def kv_table_q(key_pool: Tensor, value_pool: Tensor, key_scales: Tensor, value_s
 
 
 def _rope_kv_q_fake(qkv, positions, q_norm, k_norm, theta, eps, n_heads, n_kv_heads, key_pool, value_pool,
-                    key_scales, value_scales, block_table, table):
+                    key_scales, value_scales, block_table, table, inv_freq=None, mscale=1.0):
     D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
     return qkv.new_empty((qkv.shape[0], n_heads, D))
 
@@ -111,7 +112,8 @@ rope_kv_write_q = torch.library.custom_op(
     "strata::rope_kv_write_q", _rope_kv_q_ref, mutates_args=("key_pool", "value_pool", "key_scales", "value_scales"),
     schema=("(Tensor qkv, Tensor positions, Tensor? q_norm, Tensor? k_norm, float theta, float eps, int n_heads, "
             "int n_kv_heads, Tensor(a!) key_pool, Tensor(b!) value_pool, Tensor(c!) key_scales, "
-            "Tensor(d!) value_scales, Tensor? block_table, Tensor? table) -> Tensor"))
+            "Tensor(d!) value_scales, Tensor? block_table, Tensor? table, Tensor? inv_freq=None, "
+            "float mscale=1.0) -> Tensor"))
 decode_attention_q = torch.library.custom_op(
     "strata::decode_attention_q", _attention_q_ref, mutates_args=(),
     schema=("(Tensor q, Tensor positions, Tensor key_pool, Tensor value_pool, Tensor key_scales, "
@@ -133,7 +135,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from strata_core.ops.decode import _attention_reduce_kernel
-    from strata_core.ops.dense import _norm_rope_halves
+    from strata_core.ops.dense import _norm_rope_halves, rope_frequencies
 
     _LIBDEVICE = os.environ.get("TRITON_INTERPRET") != "1"  # False: the interpreter runs the kernels
 
@@ -176,10 +178,10 @@ if HAS_TRITON:
             tl.store(scales + srow + GH + g, dc.to(sdt))
 
     @triton.jit
-    def _rope_kv_q_kernel(qkv, pos, qw, kw, q_out, table, n_heads, n_kv, eps, theta, log2_theta,
+    def _rope_kv_q_kernel(qkv, pos, qw, kw, q_out, table, n_heads, n_kv, eps, theta, log2_theta, freq, mscale,
                           D: tl.constexpr, HALF: tl.constexpr, QNORM: tl.constexpr, KNORM: tl.constexpr,
                           BS: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr,
-                          SDT: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          SDT: tl.constexpr, FREQ: tl.constexpr, LIBDEVICE: tl.constexpr):
         """Program (b, head): q heads first, then kv heads (k normed and rotated, k and v quantized)."""
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
@@ -191,15 +193,15 @@ if HAS_TRITON:
         a = tl.load(src + i).to(tl.float32)
         c = tl.load(src + HALF + i).to(tl.float32)
         if head < n_heads:
-            a, c = _norm_rope_halves(a, c, qw, p.to(tl.float32), eps, theta, log2_theta, dt, D, HALF, QNORM,
-                                     LIBDEVICE)
+            a, c = _norm_rope_halves(a, c, qw, p.to(tl.float32), eps, theta, log2_theta, freq, mscale, dt, D, HALF,
+                                     QNORM, FREQ, LIBDEVICE)
             dst = q_out + (b * n_heads + head) * D
             tl.store(dst + i, a.to(dt))
             tl.store(dst + HALF + i, c.to(dt))
         else:
             g = head - n_heads
-            a, c = _norm_rope_halves(a, c, kw, p.to(tl.float32), eps, theta, log2_theta, dt, D, HALF, KNORM,
-                                     LIBDEVICE)
+            a, c = _norm_rope_halves(a, c, kw, p.to(tl.float32), eps, theta, log2_theta, freq, mscale, dt, D, HALF,
+                                     KNORM, FREQ, LIBDEVICE)
             block = tl.load(_ptr(table, b, 2, tl.int32) + p // BS).to(tl.int64)
             at = (block * BS + p % BS) * n_kv + g
             _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _ptr(table, b, 0, tl.int8), _ptr(table, b, 3, SDT),
@@ -292,7 +294,8 @@ if HAS_TRITON:
     def _rope_kv_q_cuda(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None,
                         theta: float, eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor,
                         value_pool: Tensor, key_scales: Tensor, value_scales: Tensor, block_table: Tensor | None,
-                        table: Tensor | None) -> Tensor:
+                        table: Tensor | None, inv_freq: Tensor | None = None,
+                        mscale: float = 1.0) -> Tensor:
         B = qkv.shape[0]
         D = qkv.shape[1] // (n_heads + 2 * n_kv_heads)
         q = qkv.new_empty((B, n_heads, D))
@@ -305,9 +308,10 @@ if HAS_TRITON:
             _rope_kv_q_kernel[(B, n_heads + n_kv_heads)](
                 qkv.contiguous(), positions.contiguous(), q_norm if q_norm is not None else qkv,
                 k_norm if k_norm is not None else qkv, q, table, n_heads, n_kv_heads, eps, float(theta),
-                math.log2(theta), D=D, HALF=D // 2, QNORM=q_norm is not None, KNORM=k_norm is not None,
-                BS=key_pool.shape[1], G=G, GH=GH, QMAX=qmax, SDT=_SDT[key_scales.dtype], LIBDEVICE=_LIBDEVICE,
-                num_warps=1)
+                math.log2(theta), rope_frequencies(inv_freq, qkv), float(mscale), D=D, HALF=D // 2,
+                QNORM=q_norm is not None, KNORM=k_norm is not None,
+                BS=key_pool.shape[1], G=G, GH=GH, QMAX=qmax, SDT=_SDT[key_scales.dtype], FREQ=inv_freq is not None,
+                LIBDEVICE=_LIBDEVICE, num_warps=1)
         return q
 
     def _attention_q_cuda(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor, key_scales: Tensor,
