@@ -46,6 +46,15 @@ def _variants():
             Q8Config(programs=4096), Q8Config(tile=4096, warps=2), Q8Config(max_mb=1), Q8Config(max_bn=4)]
 
 
+def _rows_variants():
+    """Launches of the rows kernel (``q8_rows_triton``), the default first."""
+    from strata_core.ops.dense_q8 import DEFAULT_ROWS, Q8RowsConfig as R
+
+    return [DEFAULT_ROWS, R(bn=16), R(bn=64), R(programs=0), R(programs=512), R(nb=8), R(nb=2), R(stages=4),
+            R(stages=2), R(warps=2), R(bm=32), R(mode="deq"), R(mode="deq", bn=16, nb=8), R(mode="deq", bn=64),
+            R(mode="i8"), R(mode="i8", bn=64), R(mode="i8", bn=16), R(bn=64, warps=8), R(bn=16, programs=512)]
+
+
 def _copies(t, nbytes: int, clone, total: int) -> list:
     """``t`` and ``clone(t)``s, enough that their bytes reach ``total``."""
     return [t] + [clone(t) for _ in range(max(1, math.ceil(total / nbytes)) - 1)]
@@ -118,9 +127,31 @@ def main() -> None:
         rows.append(dict(shape=case["name"], N=case["N"], K=case["K"], M=case["M"], kernel="cublas-bf16",
                          config=None, us=us, gbps=case["bf16s"][0].nbytes / us / 1e3, copies=len(case["bf16s"]),
                          rel_err=None))
+    rows_variants = _rows_variants()
+    for config in rows_variants:  # the rows kernel: each variant over every case of 2+ rows (1 row: default only)
+        for case in cases:
+            if config is not rows_variants[0] and (time.perf_counter() - start > args.budget or case["M"] == 1):
+                if case["M"] > 1:
+                    skipped.append(dict(shape=case["name"], M=case["M"], config=dataclasses.asdict(config)))
+                continue
+            x, q8s, want = case["x"], case["q8s"], case["want"]
+            try:
+                got = dense_q8.q8_rows_triton(x, q8s[0].codes, q8s[0].scales, config)
+                one = dense_q8.q8_rows_triton(x[-1:], q8s[0].codes, q8s[0].scales, config)
+            except Exception as e:  # a launch that does not compile on this device: listed, not fatal
+                print(f"rows {config} failed: {type(e).__name__}: {str(e)[:300]}")
+                break
+            err = float((got.float() - want).abs().max() / want.abs().max())
+            tol = 2e-2 if config.mode == "i8" else 1e-2
+            us = bench(_rotating(lambda c, s: dense_q8.q8_rows_triton(x, c, s, config),
+                                 [(m.codes, m.scales) for m in q8s]))
+            rows.append(dict(shape=case["name"], N=case["N"], K=case["K"], M=case["M"], kernel="q8_rows",
+                             config=dataclasses.asdict(config), launch=config.launch(case["N"], case["K"]),
+                             us=us, gbps=q8s[0].nbytes / us / 1e3, copies=len(q8s), rel_err=err, ok=err <= tol,
+                             invariant=bool(torch.equal(one[0], got[-1]))))
     for config in variants:
         for case in cases:
-            if config is not variants[0] and time.perf_counter() - start > args.budget:
+            if config is not variants[0] and (time.perf_counter() - start > args.budget or case["M"] > 4):
                 skipped.append(dict(shape=case["name"], M=case["M"], config=dataclasses.asdict(config)))
                 continue
             x, q8s, want = case["x"], case["q8s"], case["want"]
@@ -134,11 +165,15 @@ def main() -> None:
     rows.sort(key=lambda r: (list(shapes).index(r["shape"]), r["M"]))
 
     defaults = dataclasses.asdict(dense_q8.Q8Config())
-    print(f"{'shape':12} {'M':>2} {'kernel':12} {'launch (MB,BN,NB)':18} {'config (vs defaults)':28} {'us':>8} "
+    rows_defaults = dataclasses.asdict(dense_q8.Q8RowsConfig())
+    print(f"{'shape':12} {'M':>2} {'kernel':12} {'launch':18} {'config (vs defaults)':28} {'us':>8} "
           f"{'GB/s':>7} {'err':>8}")
     for r in rows:
+        base = rows_defaults if r["kernel"] == "q8_rows" else defaults
         cfg = "" if r["config"] is None else (
-            ",".join(f"{k}={v}" for k, v in r["config"].items() if defaults[k] != v) or "defaults")
+            ",".join(f"{k}={v}" for k, v in r["config"].items() if base[k] != v) or "defaults")
+        if r.get("invariant") is False:
+            cfg += " NOT-INVARIANT"
         launch = "" if r["config"] is None else str(tuple(r["launch"]))
         err = "" if r["rel_err"] is None else f"{r['rel_err']:.1e}" + ("" if r["ok"] else " BAD")
         print(f"{r['shape']:12} {r['M']:>2} {r['kernel']:12} {launch:18} {cfg:28} {r['us']:8.2f} {r['gbps']:7.0f} "
@@ -147,10 +182,11 @@ def main() -> None:
         for M in tokens:
             mine = [r for r in rows if r["shape"] == shape and r["M"] == M]
             base = next(r["us"] for r in mine if r["kernel"] == "cublas-bf16")
-            best = min((r for r in mine if r["kernel"] == "q8_0" and r["ok"]), key=lambda r: r["us"], default=None)
-            if best is not None:
-                print(f"best {shape} M={M}: {best['us']:.2f} us ({best['gbps']:.0f} GB/s) vs cuBLAS bf16 "
-                      f"{base:.2f} us: x{base / best['us']:.2f}  config {best['config']}")
+            for kernel in ("q8_0", "q8_rows"):
+                best = min((r for r in mine if r["kernel"] == kernel and r["ok"]), key=lambda r: r["us"], default=None)
+                if best is not None:
+                    print(f"best {kernel} {shape} M={M}: {best['us']:.2f} us ({best['gbps']:.0f} GB/s) vs cuBLAS bf16 "
+                          f"{base:.2f} us: x{base / best['us']:.2f}  config {best['config']}")
     if skipped:
         print(f"skipped (past --budget {args.budget:g} s): {len(skipped)} runs")
     out = Path(args.json or Path(os.environ.get("OUT", ".")) / "gemv_bench.json")
