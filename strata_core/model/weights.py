@@ -29,11 +29,10 @@ __all__ = ["DenseWeights", "Q8Sources", "dense_product", "load_dense", "q8_sourc
 #: Q8_0 matrices by (layer, name); layer None: a global tensor (``output.weight``)
 Q8Sources = dict[tuple[int | None, str], TensorRef]
 
-#: Most rows of x a product reads from a Q8_0 copy: ``strata::q8_linear`` beats cuBLAS's bf16 product on
-#: the float copy by 1.4-1.7x for one row (one session's decode) and loses from two rows on, where
-#: cuBLAS reads the weights once for all rows (tools/gemv_bench.py, BENCHMARKS.md); more rows multiply
-#: the float copy.
-Q8_MAX_ROWS = 1
+#: Most rows of x a product reads from a Q8_0 copy (``strata::q8_linear``: the gemv kernel for one row,
+#: the rows kernel, which reads each W tile once for 16 rows, up to this many), more the float copy
+#: (cuBLAS). Measured with tools/gemv_bench.py (BENCHMARKS.md, "Dense decode products").
+Q8_MAX_ROWS = 32
 
 
 #: ``--batch-invariant`` on CUDA: a product's rows are padded to a multiple of this many, so every decode

@@ -33,6 +33,7 @@ order); bf16 / fp16 outputs within 1e-2 of it (one rounding of the output) (test
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -181,7 +182,7 @@ class Q8RowsConfig:
 
     mode: str = "bf16"
     bm: int = 16
-    bn: int = 32
+    bn: int = 64
     nb: int = 4
     programs: int = 256
     warps: int = 4
@@ -290,15 +291,15 @@ if HAS_TRITON:
     def _q8_rows_kernel(x, xd, codes, scales, out, M, N, K, stride_x, stride_o, stride_s, BLOCKS,
                         BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, MODE: tl.constexpr,
                         EVEN: tl.constexpr, IEEE: tl.constexpr):
-        """Program (n, s, m): rows ``[n*BN, (n+1)*BN)`` of W times rows ``[m*BM, (m+1)*BM)`` of x over the
+        """Program (m, n, s): rows ``[n*BN, (n+1)*BN)`` of W times rows ``[m*BM, (m+1)*BM)`` of x over the
         blocks ``[s*BLOCKS, (s+1)*BLOCKS)`` of K (``out``: the float32 partial sums ``[S, M, N]``
         where K is split, at ``s * stride_s``); a step reads ``NB`` blocks of 32 codes of each W row once
         for all BM x rows. MODE 0 ("bf16"): a block's codes dotted with x's, scaled by W's scale; 1
         ("deq"): the step's tile dequantized to x's dtype, one dot; 2 ("i8"): x's int8 codes (``xd``:
         their float32 scales ``[M, K/32]``) dotted with the block's codes in int32, scaled by both."""
-        pn = tl.program_id(0)
-        ps = tl.program_id(1)
-        pm = tl.program_id(2)
+        pm = tl.program_id(0)  # the x tiles of one W tile run side by side: its second read hits the L2
+        pn = tl.program_id(1)
+        ps = tl.program_id(2)
         rows = pn * BN + tl.arange(0, BN)
         keep = rows < N
         rows = tl.where(keep, rows, 0).to(tl.int64)  # out-of-range rows read row 0 and are not stored
@@ -392,7 +393,7 @@ if HAS_TRITON:
         part = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=out.device)
         even = (K // QK) % blocks == 0 and blocks % config.nb == 0
         with on_device(out.device):
-            _q8_rows_kernel[(triton.cdiv(N, config.bn), splits, triton.cdiv(M, config.bm))](
+            _q8_rows_kernel[(triton.cdiv(M, config.bm), triton.cdiv(N, config.bn), splits)](
                 x, xd, codes, scales, part, M, N, K, x.stride(0), N, M * N, blocks,
                 BM=config.bm, BN=config.bn, NB=config.nb, MODE=ROWS_MODES.index(config.mode), EVEN=even,
                 IEEE=x.dtype == torch.float32, num_warps=config.warps, num_stages=config.stages)
@@ -421,7 +422,19 @@ if HAS_TRITON:
         return out
 
 
+if HAS_TRITON:
+    def q8_linear_cuda(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+        """``q8_linear`` on CUDA: the gemv kernel for at most :data:`GEMV_MAX_ROWS` rows of x, the rows
+        kernel (:data:`DEFAULT_ROWS`; float32 x never quantized) beyond. The choice reads x's shape alone."""
+        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return q8_linear_triton(x, codes, scales)
+        config = DEFAULT_ROWS
+        if config.mode == "i8" and x.dtype == torch.float32:
+            config = dataclasses.replace(config, mode="bf16")
+        return q8_rows_triton(x, codes, scales, config)
+
+
 q8_linear = torch.library.custom_op("strata::q8_linear", _reference, mutates_args=(), schema=_SCHEMA)
 q8_linear.register_fake(_fake)
 if HAS_TRITON:
-    q8_linear.register_kernel("cuda")(q8_linear_triton)
+    q8_linear.register_kernel("cuda")(q8_linear_cuda)
