@@ -281,9 +281,10 @@ def test_load_places_and_counts_the_q8_copies(tiny_model_factory, monkeypatch, c
 
 @pytest.mark.parametrize("n_sessions", [1, 2])
 def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch, n_sessions):
-    """A window's fused layers and head read the Q8_0 copies (q8_linear: the QKV, output and router
-    products of each layer, then the head), one session or two (up to ``Q8_MAX_ROWS``). On the CPU,
-    where the op is the float32 reference, the logits are the float copies' bit for bit."""
+    """One session's fused layers and head read the Q8_0 copies (q8_linear: the QKV, output and router
+    products of each layer, then the head); a window of two reads the float copies of matrices smaller
+    than ``Q8_ROWS_MIN_VALUES`` (all of the tiny model's). On the CPU, where the op is the float32
+    reference, the logits are the float copies' bit for bit."""
     path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
     prompts = [list(range(5, 30)), list(range(40, 52))][:n_sessions]
     tokens = torch.tensor([3, 9][:n_sessions])
@@ -299,7 +300,7 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch, n_ses
         h = engine.runner.decode_layers(segment, hidden, DecodeBatch(tuple(sessions), tokens), fused=True)
         outs.append(engine.model.head(h))
         monkeypatch.undo()
-        if on:
+        if on and n_sessions == 1:
             per_layer = len(engine.model.weights.q8_at(0, "cpu"))  # q, k and v are one product
             assert len(calls) == engine.spec.n_layers * (per_layer - 2) + 1
             assert calls[-1] == (engine.spec.vocab_size, engine.spec.hidden_size)
@@ -309,17 +310,20 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch, n_ses
 
 
 @pytest.mark.parametrize("rows", [1, 2, weights_module.Q8_MAX_ROWS, weights_module.Q8_MAX_ROWS + 1])
-def test_dense_product_reads_the_copy_up_to_q8_max_rows(monkeypatch, rows):
-    """``dense_product`` takes the Q8_0 copy for 1 to ``Q8_MAX_ROWS`` rows of x (any leading shape), the
-    float copy beyond, and the float copy for every row count under ``batch_invariant`` on the CPU too
-    (``linear``)."""
+@pytest.mark.parametrize("big", [False, True])
+def test_dense_product_reads_the_copy_up_to_q8_max_rows(monkeypatch, rows, big):
+    """``dense_product`` takes the Q8_0 copy for one row of x (any leading shape), and for 2 to
+    ``Q8_MAX_ROWS`` rows where the matrix has ``Q8_ROWS_MIN_VALUES`` values (``big``: the threshold
+    lowered to this one's), the float copy otherwise."""
     _, m = _q8(24, 64, 5)
     weight = m.dequantize()
     x = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(rows))
+    if big:
+        monkeypatch.setattr(weights_module, "Q8_ROWS_MIN_VALUES", 24 * 64)
     calls = _counting(monkeypatch)
     got = weights_module.dense_product(x, weight, m)
     assert got.shape == (rows, 1, 24)
-    assert calls == ([(24, 64)] if rows <= weights_module.Q8_MAX_ROWS else [])
+    assert calls == ([(24, 64)] if rows == 1 or (big and rows <= weights_module.Q8_MAX_ROWS) else [])
     assert torch.equal(got, linear(x, weight))
     assert torch.equal(weights_module.dense_product(x[:0], weight, m), linear(x[:0], weight))
 
