@@ -6,6 +6,7 @@ against the reference within the documented tolerance (float32: 1e-5 of the larg
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -19,7 +20,7 @@ from strata_core.engine import Engine
 from strata_core.model import fused_decode, weights as weights_module
 from strata_core.runtime.session import DecodeBatch
 from strata_core.ops import dense_q8
-from strata_core.ops.dense_q8 import Q8Config, Q8Matrix, q8_bytes, q8_linear, repack_q8_0
+from strata_core.ops.dense_q8 import Q8Config, Q8Matrix, Q8RowsConfig, q8_bytes, q8_linear, repack_q8_0
 from strata_core.ops.matmul import linear
 from strata_core.quant import random_blocks
 from test_cuda_graphs import _decode
@@ -145,6 +146,95 @@ def test_opcheck_on_cuda():
                               (torch.randn(3, 512).to(dtype).cuda(), dev.codes, dev.scales))
 
 
+# --- the rows kernel (several rows of x, each W tile read once for all of them) -------------------
+
+ROWS_M = [1, 2, 3, 8, 17, 32]
+#: the interpreter's bf16 ``tl.dot`` is wrong, its int8 one right: there the bf16 / deq modes run float32 x
+ROWS_CASES = [("bf16", torch.bfloat16), ("deq", torch.bfloat16), ("i8", torch.bfloat16), ("bf16", torch.float32),
+              ("deq", torch.float32)]
+#: quantizing x to int8 per 32 values costs the accuracy of tests/test_moe_q8.py's bf16 tolerance
+ROWS_TOL = {"i8": 2e-2}
+
+
+@pytest.mark.parametrize("N, K", [(1, 32), (37, 96), (129, 1024), (5120, 2048), (151936, 2048)])
+@pytest.mark.parametrize("config", [Q8RowsConfig(), Q8RowsConfig(bn=16, nb=8, programs=4096), Q8RowsConfig(programs=0)])
+def test_rows_launch_covers_k_in_whole_steps(N, K, config):
+    """K is cut into ranges of whole steps (the last maybe shorter) that cover it, each non-empty; the
+    launch depends on the matrix alone (not on M: a row's order of sums is the same in any window)."""
+    splits, blocks = config.launch(N, K)
+    kb = K // 32
+    assert blocks % config.nb == 0 and splits >= 1
+    assert (splits - 1) * blocks < kb <= splits * blocks
+    if not config.programs:
+        assert splits == 1
+
+
+def test_rows_config_rejects_bad_launches():
+    with pytest.raises(ValueError, match="mode"):
+        Q8RowsConfig(mode="fp8")
+    with pytest.raises(ValueError, match="at least 16"):
+        Q8RowsConfig(bn=8)
+    with pytest.raises(ValueError, match="power of two"):
+        Q8RowsConfig(nb=3)
+
+
+def _rows_case(device: str, mode: str, dtype: torch.dtype, N: int, K: int, config: Q8RowsConfig):
+    """Every M of :data:`ROWS_M`: within tolerance of the reference, and each row the bits of that row
+    alone (a 1-row call), whatever M."""
+    config = dataclasses.replace(config, mode=mode)
+    _, m = _q8(N, K, N + K)
+    dev = m.to(device)
+    x = torch.randn(max(ROWS_M), K, generator=torch.Generator().manual_seed(K)).to(dtype)
+    alone = [dense_q8.q8_rows_triton(x[r:r + 1].to(device), dev.codes, dev.scales, config)[0] for r in range(len(x))]
+    for M in ROWS_M:
+        got = dense_q8.q8_rows_triton(x[:M].to(device), dev.codes, dev.scales, config)
+        assert got.dtype == dtype and got.shape == (M, N)
+        want = q8_linear(x[:M], m.codes, m.scales)  # the CPU reference
+        tol = ROWS_TOL.get(mode, TOL[dtype])
+        assert _rel(got, want) <= tol, (M, N, K, mode, dtype, config)
+        for r in range(M):
+            assert torch.equal(got[r], alone[r]), (M, r, mode, dtype, config)
+
+
+@pytest.mark.parametrize("device", KERNEL_DEVICES)
+@pytest.mark.parametrize("mode, dtype", ROWS_CASES)
+@pytest.mark.parametrize("N, K", [(37, 96), (129, 1024)])
+def test_rows_kernel_matches_the_reference_and_keeps_rows_apart(device, mode, dtype, N, K):
+    """N not a multiple of a program's W rows, K not a multiple of a step (96: 3 blocks) or of a split,
+    M from 1 to two x tiles (17, 32 > bm = 16), K split into ranges or not."""
+    if device == "cpu" and mode != "i8" and dtype != torch.float32:
+        pytest.skip("the interpreter's bf16 tl.dot is wrong")
+    for config in (Q8RowsConfig(bn=16, nb=2, programs=64), Q8RowsConfig(nb=8, programs=0)):
+        _rows_case(device, mode, dtype, N, K, config)
+
+
+@pytest.mark.skipif(not dense_q8.HAS_TRITON, reason="needs Triton")
+def test_rows_kernel_refuses_float32_x_for_int8():
+    _, m = _q8(16, 64, 0)
+    with pytest.raises(ValueError, match="float32"):
+        dense_q8.q8_rows_triton(torch.randn(2, 64), m.codes, m.scales, Q8RowsConfig(mode="i8"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("N, K", [(5120, 2048), (2048, 4096), (128, 2048), (151936, 256)])
+def test_rows_kernel_at_decode_shapes(N, K):
+    """The default launch at the decode shapes, bf16 x, every M."""
+    _rows_case("cuda", dense_q8.DEFAULT_ROWS.mode, torch.bfloat16, N, K, dense_q8.DEFAULT_ROWS)
+
+
+@needs_cuda
+@pytest.mark.parametrize("M", ROWS_M)
+def test_op_on_cuda_takes_each_row_count(M):
+    """``strata::q8_linear`` on CUDA (the gemv for few rows, the rows kernel beyond) within tolerance at
+    every window size, and opcheck'ed (fake, autograd registration, schema)."""
+    _, m = _q8(300, 512, 3)
+    dev = m.to("cuda")
+    x = torch.randn(M, 512, generator=torch.Generator().manual_seed(M)).to(torch.bfloat16)
+    got = q8_linear(x.cuda(), dev.codes, dev.scales)
+    assert _rel(got, q8_linear(x, m.codes, m.scales)) <= ROWS_TOL.get(dense_q8.DEFAULT_ROWS.mode, 1e-2)
+    torch.library.opcheck(torch.ops.strata.q8_linear.default, (x.cuda(), dev.codes, dev.scales))
+
+
 # --- the fused decode path reading the copies (model/fused_decode.py) ------------------------------
 
 def _q8_engine(path, monkeypatch, on: bool) -> Engine:
@@ -192,9 +282,9 @@ def test_load_places_and_counts_the_q8_copies(tiny_model_factory, monkeypatch, c
 @pytest.mark.parametrize("n_sessions", [1, 2])
 def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch, n_sessions):
     """One session's fused layers and head read the Q8_0 copies (q8_linear: the QKV, output and router
-    products of each layer, then the head); a window of two reads the float copies (cuBLAS is faster
-    from two rows on). On the CPU, where the op is the float32 reference, the logits are the float
-    copies' bit for bit."""
+    products of each layer, then the head); a window of two reads the float copies of matrices smaller
+    than ``Q8_ROWS_MIN_VALUES`` (all of the tiny model's). On the CPU, where the op is the float32
+    reference, the logits are the float copies' bit for bit."""
     path = tiny_model_factory(expert_type="Q4_0", dense_type="Q8_0", n_layers=3)
     prompts = [list(range(5, 30)), list(range(40, 52))][:n_sessions]
     tokens = torch.tensor([3, 9][:n_sessions])
@@ -217,6 +307,25 @@ def test_fused_decode_reads_the_q8_copies(tiny_model_factory, monkeypatch, n_ses
         else:
             assert calls == []
     assert torch.equal(outs[1], outs[0])
+
+
+@pytest.mark.parametrize("rows", [1, 2, weights_module.Q8_MAX_ROWS, weights_module.Q8_MAX_ROWS + 1])
+@pytest.mark.parametrize("big", [False, True])
+def test_dense_product_reads_the_copy_up_to_q8_max_rows(monkeypatch, rows, big):
+    """``dense_product`` takes the Q8_0 copy for one row of x (any leading shape), and for 2 to
+    ``Q8_MAX_ROWS`` rows where the matrix has ``Q8_ROWS_MIN_VALUES`` values (``big``: the threshold
+    lowered to this one's), the float copy otherwise."""
+    _, m = _q8(24, 64, 5)
+    weight = m.dequantize()
+    x = torch.randn(rows, 1, 64, generator=torch.Generator().manual_seed(rows))
+    if big:
+        monkeypatch.setattr(weights_module, "Q8_ROWS_MIN_VALUES", 24 * 64)
+    calls = _counting(monkeypatch)
+    got = weights_module.dense_product(x, weight, m)
+    assert got.shape == (rows, 1, 24)
+    assert calls == ([(24, 64)] if rows == 1 or (big and rows <= weights_module.Q8_MAX_ROWS) else [])
+    assert torch.equal(got, linear(x, weight))
+    assert torch.equal(weights_module.dense_product(x[:0], weight, m), linear(x[:0], weight))
 
 
 @needs_cuda

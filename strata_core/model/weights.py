@@ -29,11 +29,23 @@ __all__ = ["DenseWeights", "Q8Sources", "dense_product", "load_dense", "q8_sourc
 #: Q8_0 matrices by (layer, name); layer None: a global tensor (``output.weight``)
 Q8Sources = dict[tuple[int | None, str], TensorRef]
 
-#: Most rows of x a product reads from a Q8_0 copy: ``strata::q8_linear`` beats cuBLAS's bf16 product on
-#: the float copy by 1.4-1.7x for one row (one session's decode) and loses from two rows on, where
-#: cuBLAS reads the weights once for all rows (tools/gemv_bench.py, BENCHMARKS.md); more rows multiply
-#: the float copy.
+#: Most rows of x a product reads from a Q8_0 copy (``strata::q8_linear``: the gemv kernel for one row,
+#: the rows kernel, which reads each W tile once for 16 rows, from two), more the float copy (cuBLAS).
+#: Two rows or more read the copy only for a matrix of at least :data:`Q8_ROWS_MIN_VALUES` values.
+#: Measured with tools/gemv_bench.py on an H100 (BENCHMARKS.md, "Dense decode products"): the rows
+#: kernel beats cuBLAS's bf16 product on the head [151936, 2048] by 1.2-1.4x from 2 to 16 rows and
+#: loses at 32 (two x tiles); the smaller matrices (QKV, attention output, router) were not measured
+#: without the host's launch cost yet, so they keep cuBLAS from two rows on. Held at one row (16 is the
+#: measured choice) until the rows kernel's CUDA dispatch has passed tests/test_dense_q8.py on a GPU.
 Q8_MAX_ROWS = 1
+#: Fewest values of a matrix whose products of 2 to :data:`Q8_MAX_ROWS` rows read its Q8_0 copy
+Q8_ROWS_MIN_VALUES = 1 << 26
+
+
+def reads_q8(rows: int, q8: Q8Matrix) -> bool:
+    """Whether a product of ``rows`` rows of x reads ``q8`` rather than the float copy (the rule above:
+    shapes alone, so a captured decode window always takes the same kernels)."""
+    return rows == 1 or (1 < rows <= Q8_MAX_ROWS and q8.codes.numel() >= Q8_ROWS_MIN_VALUES)
 
 
 #: ``--batch-invariant`` on CUDA: a product's rows are padded to a multiple of this many, so every decode
@@ -44,7 +56,7 @@ INVARIANT_ROWS = 64
 def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None,
                   batch_invariant: bool = False) -> torch.Tensor:
     """``x [..., in] @ weight.T``: from ``q8`` (the same matrix's Q8_0 copy, ``strata::q8_linear``) for
-    at most :data:`Q8_MAX_ROWS` rows of x, else from ``weight`` (``linear``). ``batch_invariant``: each
+    the row counts :func:`reads_q8` gives it, else from ``weight`` (``linear``). ``batch_invariant``: each
     row's result is the same whatever the other rows (on CUDA the float copy, rows padded to
     :data:`INVARIANT_ROWS`; on the CPU ``linear`` is so already)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -52,7 +64,7 @@ def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None,
         flat = x.reshape(rows, x.shape[-1])
         out = linear(F.pad(flat, (0, 0, 0, (-rows) % INVARIANT_ROWS)), weight)[:rows]  # [rows, out]
         return out.reshape(*x.shape[:-1], weight.shape[0])
-    if q8 is not None and 0 < rows <= Q8_MAX_ROWS:
+    if q8 is not None and rows and reads_q8(rows, q8):
         out = q8_linear(x.reshape(rows, x.shape[-1]), q8.codes, q8.scales)  # [rows, out]
         return out.reshape(*x.shape[:-1], q8.shape[0])
     return linear(x, weight)

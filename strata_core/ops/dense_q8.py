@@ -33,6 +33,7 @@ order); bf16 / fp16 outputs within 1e-2 of it (one rounding of the output) (test
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,8 @@ from strata_core.ops.matmul import linear
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 from strata_core.quant.bits import fields, reinterpret
 
-__all__ = ["DEFAULT_LAUNCH", "Q8Config", "Q8Matrix", "q8_bytes", "q8_linear", "repack_q8_0"]
+__all__ = ["DEFAULT_LAUNCH", "DEFAULT_ROWS", "GEMV_MAX_ROWS", "Q8Config", "Q8Matrix", "Q8RowsConfig", "q8_bytes",
+           "q8_linear", "repack_q8_0"]
 
 QK = GGML_QUANT_SIZES[T.Q8_0][0]  # 32 values a block
 _BLOCK_BYTES = GGML_QUANT_SIZES[T.Q8_0][1]  # 34: float16 d + 32 int8
@@ -156,6 +158,68 @@ def _pow2_at_most(n: int) -> int:
 #: The launch configuration of the CUDA kernel (what ``strata::q8_linear`` launches with).
 DEFAULT_LAUNCH = Q8Config()
 
+
+#: ``Q8RowsConfig.mode``s: how a step's W tile meets the x rows on the tensor cores
+ROWS_MODES = ("bf16", "deq", "i8")
+
+
+@dataclass(frozen=True)
+class Q8RowsConfig:
+    """How the rows kernel (several rows of x, ``q8_rows_triton``) is launched.
+
+    ``mode``: ``"bf16"``: each 32-value block's codes (exact in bf16) dotted with x's block on the tensor
+    cores, the float32 result scaled by the block's scale (no rounding of W; x as given; float32 x: the
+    exact "ieee" dot); ``"deq"``: the step's ``[BN, nb*32]`` tile dequantized to x's dtype (``codes *
+    scale`` rounded to bf16, as the float copy is) and dotted once; ``"i8"``: x quantized per 32 values to
+    int8 (``moe_q8.quantize_q8``), each block an int8 x int8 -> int32 dot, scaled by both scales (half
+    precision x only). ``bm``: rows of x a program (the ``tl.dot`` tile, at least 16; more rows of x
+    tile over programs, each reading W again); ``bn``: rows of W a program; ``nb``: blocks of 32 a step;
+    ``programs``: split K so that about this many programs run (0: never split); the splits' float32
+    partial sums are added in split order by a second launch. ``warps``/``stages``: num_warps and
+    num_stages. Nothing depends on M but the number of x tiles, so a row's result is the same bits
+    whatever the other rows and however many (tests/test_dense_q8.py).
+    """
+
+    mode: str = "bf16"
+    bm: int = 16
+    bn: int = 64
+    nb: int = 4
+    programs: int = 256
+    warps: int = 4
+    stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROWS_MODES:
+            raise ValueError(f"Q8RowsConfig.mode: {self.mode!r} is not one of {ROWS_MODES}")
+        if self.stages < 1:
+            raise ValueError(f"Q8RowsConfig.stages: {self.stages} < 1")
+        for name in ("bm", "bn", "nb", "warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"Q8RowsConfig.{name}: {v} is not a power of two")
+        if self.bm < 16 or self.bn < 16:
+            raise ValueError(f"Q8RowsConfig: bm and bn are tl.dot tiles, at least 16 (got {self.bm}, {self.bn})")
+        if self.programs < 0:
+            raise ValueError(f"Q8RowsConfig.programs: {self.programs} < 0")
+
+    def launch(self, N: int, K: int) -> tuple[int, int]:
+        """``(splits, blocks)`` for an ``[N, K]`` matrix: K cut into ``splits`` ranges of ``blocks`` blocks
+        of 32 (a multiple of ``nb``; the last range may be shorter). M plays no part."""
+        kb = K // QK
+        n_tiles = -(-N // self.bn)
+        splits = 1
+        if self.programs:
+            splits = min(_pow2_at_most(max(1, self.programs // n_tiles)), _pow2_at_least(-(-kb // self.nb)))
+        blocks = -(-kb // splits)
+        blocks = -(-blocks // self.nb) * self.nb
+        return -(-kb // blocks), blocks
+
+
+#: The rows kernel's launch (what ``strata::q8_linear`` launches for more than :data:`GEMV_MAX_ROWS` rows).
+DEFAULT_ROWS = Q8RowsConfig()
+#: Most rows of x the gemv kernel takes on CUDA; more take the rows kernel.
+GEMV_MAX_ROWS = 1
+
 _SCHEMA = "(Tensor x, Tensor codes, Tensor scales) -> Tensor"
 
 
@@ -223,6 +287,120 @@ if HAS_TRITON:
                 tl.store(out + m.to(tl.int64) * stride_o + rows, tl.sum(acc, axis=1).to(out.dtype.element_ty),
                          mask=keep)
 
+    @triton.jit
+    def _q8_rows_kernel(x, xd, codes, scales, out, M, N, K, stride_x, stride_o, stride_s, BLOCKS,
+                        BM: tl.constexpr, BN: tl.constexpr, NB: tl.constexpr, MODE: tl.constexpr,
+                        EVEN: tl.constexpr, IEEE: tl.constexpr):
+        """Program (m, n, s): rows ``[n*BN, (n+1)*BN)`` of W times rows ``[m*BM, (m+1)*BM)`` of x over the
+        blocks ``[s*BLOCKS, (s+1)*BLOCKS)`` of K (``out``: the float32 partial sums ``[S, M, N]``
+        where K is split, at ``s * stride_s``); a step reads ``NB`` blocks of 32 codes of each W row once
+        for all BM x rows. MODE 0 ("bf16"): a block's codes dotted with x's, scaled by W's scale; 1
+        ("deq"): the step's tile dequantized to x's dtype, one dot; 2 ("i8"): x's int8 codes (``xd``:
+        their float32 scales ``[M, K/32]``) dotted with the block's codes in int32, scaled by both."""
+        pm = tl.program_id(0)  # the x tiles of one W tile run side by side: its second read hits the L2
+        pn = tl.program_id(1)
+        ps = tl.program_id(2)
+        rows = pn * BN + tl.arange(0, BN)
+        keep = rows < N
+        rows = tl.where(keep, rows, 0).to(tl.int64)  # out-of-range rows read row 0 and are not stored
+        xm = pm * BM + tl.arange(0, BM)
+        keep_m = xm < M
+        xm = tl.where(keep_m, xm, 0).to(tl.int64)  # out-of-range x rows read as 0, not stored
+        KB = K // 32
+        lo = ps * BLOCKS
+        hi = tl.minimum(lo + BLOCKS, KB)
+        w = tl.arange(0, 32)
+        q_row = codes + rows[:, None] * K + w[None, :]  # [BN, 32]
+        x_base = x + xm[:, None] * stride_x  # [BM, 1]
+        x_row = x_base + w[None, :]  # [BM, 32]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb0 in range(lo, hi, NB):
+            if MODE == 1:
+                blk = kb0 + tl.arange(0, NB)
+                kt = tl.arange(0, NB * 32)
+                if EVEN:
+                    q = tl.load(q_row[:, None, :] + blk[None, :, None] * 32)  # [BN, NB, 32] int8
+                    s = tl.load(scales + rows[:, None] * KB + blk[None, :])  # [BN, NB]
+                    xv = tl.load(x_base + kb0 * 32 + kt[None, :], mask=keep_m[:, None], other=0.0)
+                else:
+                    valid = blk < hi
+                    q = tl.load(q_row[:, None, :] + blk[None, :, None] * 32, mask=valid[None, :, None], other=0)
+                    s = tl.load(scales + rows[:, None] * KB + blk[None, :], mask=valid[None, :], other=0.0)
+                    xv = tl.load(x_base + kb0 * 32 + kt[None, :],
+                                 mask=keep_m[:, None] & (kb0 * 32 + kt < hi * 32)[None, :], other=0.0)
+                wt = tl.reshape((q.to(tl.float32) * s.to(tl.float32)[:, :, None]).to(xv.dtype), (BN, NB * 32))
+                if IEEE:
+                    acc = tl.dot(xv, tl.trans(wt), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(xv, tl.trans(wt), acc)
+            else:
+                for j in tl.static_range(NB):
+                    kb = kb0 + j
+                    if EVEN:
+                        q = tl.load(q_row + kb * 32)  # [BN, 32] int8
+                        s = tl.load(scales + rows * KB + kb).to(tl.float32)  # [BN]
+                        xv = tl.load(x_row + kb * 32, mask=keep_m[:, None], other=0)  # [BM, 32]
+                    else:
+                        valid = (kb + tl.zeros([BN], dtype=tl.int32)) < hi  # [BN]: the block is in range
+                        q = tl.load(q_row + kb * 32, mask=valid[:, None], other=0)
+                        s = tl.load(scales + rows * KB + kb, mask=valid, other=0.0).to(tl.float32)
+                        xv = tl.load(x_row + kb * 32, mask=(keep_m & (kb + tl.zeros([BM], dtype=tl.int32) < hi))[:, None],
+                                     other=0)
+                    if MODE == 2:
+                        dx = tl.load(xd + xm * KB + kb, mask=keep_m, other=0.0)  # [BM] float32
+                        d = tl.dot(xv, tl.trans(q), out_dtype=tl.int32)  # [BM, BN] exact
+                        acc += d.to(tl.float32) * (dx[:, None] * s[None, :])
+                    else:
+                        if IEEE:
+                            d = tl.dot(xv, tl.trans(q.to(xv.dtype)), input_precision="ieee")
+                        else:
+                            d = tl.dot(xv, tl.trans(q.to(xv.dtype)))  # [BM, BN] float32
+                        acc += d * s[None, :]
+        at = out + ps.to(tl.int64) * stride_s + xm[:, None] * stride_o + rows[None, :]
+        tl.store(at, acc.to(out.dtype.element_ty), mask=keep_m[:, None] & keep[None, :])
+
+    @triton.jit
+    def _sum_splits_kernel(part, out, MN, S: tl.constexpr, B: tl.constexpr):
+        """``out[i] = part[0, i] + part[1, i] + ...`` (``S`` float32 partial sums, in that order)."""
+        i = tl.program_id(0) * B + tl.arange(0, B)
+        keep = i < MN
+        acc = tl.load(part + i, mask=keep, other=0.0)
+        for s in tl.static_range(1, S):
+            acc += tl.load(part + s * MN + i, mask=keep, other=0.0)
+        tl.store(out + i, acc.to(out.dtype.element_ty), mask=keep)
+
+    def q8_rows_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8RowsConfig = DEFAULT_ROWS) -> Tensor:
+        """The rows kernel of ``q8_linear`` (several rows of x: each W tile read once for ``config.bm``
+        rows) on the tensors' device (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)."""
+        _check(x, codes, scales)
+        if config.mode == "i8" and x.dtype == torch.float32:
+            raise ValueError("q8_rows_triton: mode 'i8' quantizes x, which takes bf16 / fp16 x, not float32")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        codes, scales = codes.contiguous(), scales.contiguous()
+        M, K = x.shape
+        N = codes.shape[0]
+        out = x.new_empty((M, N))
+        if M == 0 or N == 0:
+            return out
+        splits, blocks = config.launch(N, K)
+        xd = scales  # unread unless i8
+        if config.mode == "i8":
+            from strata_core.ops.moe_q8 import quantize_q8  # imports the MoE kernels: only when asked for
+
+            words, xd, _ = quantize_q8(x)
+            x = words.view(torch.int8)
+        part = out if splits == 1 else torch.empty((splits, M, N), dtype=torch.float32, device=out.device)
+        even = (K // QK) % blocks == 0 and blocks % config.nb == 0
+        with on_device(out.device):
+            _q8_rows_kernel[(triton.cdiv(M, config.bm), triton.cdiv(N, config.bn), splits)](
+                x, xd, codes, scales, part, M, N, K, x.stride(0), N, M * N, blocks,
+                BM=config.bm, BN=config.bn, NB=config.nb, MODE=ROWS_MODES.index(config.mode), EVEN=even,
+                IEEE=x.dtype == torch.float32, num_warps=config.warps, num_stages=config.stages)
+            if splits > 1:
+                _sum_splits_kernel[(triton.cdiv(M * N, 1024),)](part, out, M * N, S=splits, B=1024, num_warps=4)
+        return out
+
     def q8_linear_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8Config = DEFAULT_LAUNCH) -> Tensor:
         """The Triton kernel of ``q8_linear`` on the tensors' device (CUDA; CPU tensors under
         ``TRITON_INTERPRET=1``), launched as ``config`` says."""
@@ -244,7 +422,19 @@ if HAS_TRITON:
         return out
 
 
+if HAS_TRITON:
+    def q8_linear_cuda(x: Tensor, codes: Tensor, scales: Tensor) -> Tensor:
+        """``q8_linear`` on CUDA: the gemv kernel for at most :data:`GEMV_MAX_ROWS` rows of x, the rows
+        kernel (:data:`DEFAULT_ROWS`; float32 x never quantized) beyond. The choice reads x's shape alone."""
+        if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return q8_linear_triton(x, codes, scales)
+        config = DEFAULT_ROWS
+        if config.mode == "i8" and x.dtype == torch.float32:
+            config = dataclasses.replace(config, mode="bf16")
+        return q8_rows_triton(x, codes, scales, config)
+
+
 q8_linear = torch.library.custom_op("strata::q8_linear", _reference, mutates_args=(), schema=_SCHEMA)
 q8_linear.register_fake(_fake)
 if HAS_TRITON:
-    q8_linear.register_kernel("cuda")(q8_linear_triton)
+    q8_linear.register_kernel("cuda")(q8_linear_cuda)
