@@ -369,18 +369,21 @@ if HAS_TRITON:
             acc += tl.load(part + s * MN + i, mask=keep, other=0.0)
         tl.store(out + i, acc.to(out.dtype.element_ty), mask=keep)
 
+    def _launch_operands(x: Tensor, codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """A Triton launch's ``(x, codes, scales, out)``: the arguments checked, x's rows unit-stride, the
+        matrix contiguous, and the ``[M, N]`` output allocated in x's dtype."""
+        _check(x, codes, scales)
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        return x, codes.contiguous(), scales.contiguous(), x.new_empty((x.shape[0], codes.shape[0]))
+
     def q8_rows_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8RowsConfig = DEFAULT_ROWS) -> Tensor:
         """The rows kernel of ``q8_linear`` (several rows of x: each W tile read once for ``config.bm``
         rows) on the tensors' device (CUDA; CPU tensors under ``TRITON_INTERPRET=1``)."""
-        _check(x, codes, scales)
         if config.mode == "i8" and x.dtype == torch.float32:
             raise ValueError("q8_rows_triton: mode 'i8' quantizes x, which takes bf16 / fp16 x, not float32")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        codes, scales = codes.contiguous(), scales.contiguous()
-        M, K = x.shape
-        N = codes.shape[0]
-        out = x.new_empty((M, N))
+        x, codes, scales, out = _launch_operands(x, codes, scales)
+        (M, K), N = x.shape, codes.shape[0]
         if M == 0 or N == 0:
             return out
         splits, blocks = config.launch(N, K)
@@ -404,13 +407,8 @@ if HAS_TRITON:
     def q8_linear_triton(x: Tensor, codes: Tensor, scales: Tensor, config: Q8Config = DEFAULT_LAUNCH) -> Tensor:
         """The Triton kernel of ``q8_linear`` on the tensors' device (CUDA; CPU tensors under
         ``TRITON_INTERPRET=1``), launched as ``config`` says."""
-        _check(x, codes, scales)
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        codes, scales = codes.contiguous(), scales.contiguous()
-        M, K = x.shape
-        N = codes.shape[0]
-        out = x.new_empty((M, N))
+        x, codes, scales, out = _launch_operands(x, codes, scales)
+        (M, K), N = x.shape, codes.shape[0]
         if M == 0 or N == 0:
             return out
         mb, bn, nb = config.launch(M, N, K)
