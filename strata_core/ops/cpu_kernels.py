@@ -28,6 +28,13 @@ a token's output does not depend on the chunk, the batch, the cache capacity or 
 ``strata::linear_cpu`` (csrc/cpu_linear.cpp) is the CPU's float32 weight product with the same property
 (ops/matmul.py ``linear``).
 
+``strata::rms_norm_cpu``, ``strata::norm_rope_cpu``, ``strata::route_cpu`` and ``strata::combine_cpu``
+(csrc/cpu_layer.cpp) are the small ops of a float32 layer on the CPU (the RMSNorm, the q/k norm with
+RoPE, the router's softmax / top-k / renormalisation, the weighted sum of the expert rows with the
+residual), each one call where the torch formulas take several, each row's arithmetic fixed by its own
+values: the forward's CPU path calls them wherever it would call those formulas (model/ops.py,
+model/transformer.py, ops/combine.py), so every CPU path of a forward gives the same bits.
+
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
 changes). Without a compiler, or with ``STRATA_CPU_KERNELS=0``, :func:`cpu_kernels` is False and
@@ -46,15 +53,16 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
-           "linear_cpu", "qlinear_grouped", "qlinear_slots"]
+__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu", "route_cpu"]
 
 log = logging.getLogger(__name__)
 
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp")]
 _ISA = ("generic", "AVX2", "AVX-512")
 
 
@@ -79,6 +87,10 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::attention_cpu")(_attention_fake)
     torch.library.register_fake("strata::linear_cpu")(_linear_fake)
     torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
+    torch.library.register_fake("strata::rms_norm_cpu")(_rms_norm_fake)
+    torch.library.register_fake("strata::norm_rope_cpu")(_norm_rope_fake)
+    torch.library.register_fake("strata::route_cpu")(_route_fake)
+    torch.library.register_fake("strata::combine_cpu")(_combine_fake)
     log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
@@ -133,6 +145,34 @@ def linear_cpu(x: Tensor, weight: Tensor) -> Tensor:
     summed pairwise, so a row's bits do not depend on M, the threads or the instruction set (csrc/cpu_linear.cpp).
     Needs :func:`cpu_kernels`."""
     return torch.ops.strata.linear_cpu(x.contiguous(), weight.contiguous())
+
+
+def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of float32 ``x [..., D]`` over its last dim with ``weight [D]`` (csrc/cpu_layer.cpp: the
+    formula of model/ops.py ``rms_norm``, the squares summed in 16 lanes). Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.rms_norm_cpu(x, weight, eps)
+
+
+def norm_rope_cpu(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor,
+                  mscale: float = 1.0) -> Tensor:
+    """``[T, heads, D]`` float32: ``x [T, heads, D]`` (a view whose last dim is contiguous is read in place)
+    RMS-normed per head with ``weight [D]`` (None: not normed), then NEOX-rotated at ``positions [T]`` by the
+    angles ``position * inv_freq [D / 2]`` (tables times ``mscale``): model/ops.py's ``rms_norm``,
+    ``rope_cos_sin`` and ``apply_rope`` in one call. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.norm_rope_cpu(x, weight, eps, positions.to(torch.long), inv_freq, mscale)
+
+
+def route_cpu(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float) -> tuple[Tensor, Tensor]:
+    """``(ids int64 [T, k], weights float32 [T, k])`` of float32 router ``logits [T, E]``: the softmax's k
+    largest probabilities, largest first (ties: the lower expert), renormalised to sum 1 with ``norm``
+    (the sum clamped to ``min_sum``), times ``scale``. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.route_cpu(logits, k, norm, scale, min_sum)
+
+
+def combine_cpu(rows: Tensor, weights: Tensor, residual: Tensor | None = None) -> Tensor:
+    """``[T, H]`` float32: ``residual`` (if given) plus ``sum_j rows[:, j] * weights[:, j, None]`` of ``rows
+    [T, k, H]`` and ``weights [T, k]``, j ascending. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.combine_cpu(rows, weights, residual)
 
 
 def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
@@ -200,6 +240,23 @@ def _attention_fake(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, 
 
 def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _norm_rope_fake(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor,
+                    mscale: float) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _route_fake(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float) -> tuple[Tensor, Tensor]:
+    return logits.new_empty((logits.shape[0], k), dtype=torch.long), logits.new_empty((logits.shape[0], k))
+
+
+def _combine_fake(rows: Tensor, weights: Tensor, residual: Tensor | None) -> Tensor:
+    return rows.new_empty((rows.shape[0], rows.shape[2]))
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:
