@@ -11,7 +11,9 @@ item claimed by the next free thread (``strata::cpu_kernel_threads()`` says how 
 calling thread's products run).
 ``qlinear_slots`` is the same product with the weights found by row of one buffer (a cache's slots)
 per (token, k) pair, grouped by slot inside the op: a layer's routed experts without a tensor per
-expert on the host.
+expert on the host. ``slot_ffn_cpu`` is a whole SiLU-gated expert FFN that way (gate and up products,
+``silu_mul_cpu``, the down product) in one call; ``silu_mul_cpu`` is the activation every CPU expert
+path applies to float32 (experts/ffn.py), so each row has the same bits whichever path computes it.
 
 The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
 reference (strata_core/quant), and multiplies it into up to 8 tokens lane-wise (a multiply and an
@@ -54,7 +56,8 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
 __all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
-           "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu", "route_cpu"]
+           "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu", "route_cpu",
+           "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,8 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::attention_cpu")(_attention_fake)
     torch.library.register_fake("strata::linear_cpu")(_linear_fake)
     torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
+    torch.library.register_fake("strata::silu_mul_cpu")(_silu_mul_fake)
+    torch.library.register_fake("strata::slot_ffn_cpu")(_slot_ffn_fake)
     torch.library.register_fake("strata::rms_norm_cpu")(_rms_norm_fake)
     torch.library.register_fake("strata::norm_rope_cpu")(_norm_rope_fake)
     torch.library.register_fake("strata::route_cpu")(_route_fake)
@@ -121,6 +126,29 @@ def qlinear_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Se
     arguments that do not fit are a ValueError (checked here, as for ``qlinear_grouped``)."""
     _check_slots(x, rep, buffer, slot, offsets, int(qtype), out)
     return torch.ops.strata.qlinear_slots(x.float().contiguous(), rep, buffer, slot, list(offsets), int(qtype), out)
+
+
+def slot_ffn_cpu(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtypes: Sequence[int],
+                 ffn_dim: int) -> Tensor:
+    """``[P, H]`` float32 for the ``P = slot.numel()`` pairs: pair p is row ``p // rep`` of ``x [P / rep, H]``
+    through the expert packed in row ``slot[p]`` of ``buffer``, its gate, up and down matrices (``ffn_dim`` x
+    H, ``ffn_dim`` x H, H x ``ffn_dim`` in ``qtypes``) at byte ``offsets``: ``down(silu(gate x) * up x)``, the
+    bits of ``qlinear_slots`` for gate and up, ``silu_mul_cpu``, ``qlinear_slots`` for down. Needs
+    :func:`cpu_kernels`; arguments that do not fit are a ValueError (checked here, as for ``qlinear_slots``)."""
+    x = x.float().contiguous()
+    H = x.shape[1]
+    _check_pairs("slot_ffn_cpu", x, rep, buffer, slot)
+    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim), ("up", offsets[1], qtypes[1], H, ffn_dim),
+                                     ("down", offsets[2], qtypes[2], ffn_dim, H)):
+        _check_matrices(f"slot_ffn_cpu ({name})", K, buffer, [off], int(qtype), out)
+    return torch.ops.strata.slot_ffn_cpu(x, rep, buffer, slot, [int(o) for o in offsets], [int(q) for q in qtypes],
+                                         ffn_dim)
+
+
+def silu_mul_cpu(g: Tensor, u: Tensor) -> Tensor:
+    """``silu(g) * u`` of float32 CPU tensors of one shape, ``silu(g) = g / (1 + exp(-g))`` lane-wise
+    (csrc/cpu_experts.cpp): each element's bits its own. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.silu_mul_cpu(g, u)
 
 
 def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None = None,
@@ -206,21 +234,32 @@ def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out:
 def _check_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtype: int,
                  out: int) -> None:
     """ValueError unless ``qlinear_slots``' arguments fit one another."""
-    if qtype not in CPU_KERNEL_TYPES:
-        raise ValueError(f"qlinear_slots: no CPU kernel for {T(qtype).name}")
+    _check_pairs("qlinear_slots", x, rep, buffer, slot)
+    _check_matrices("qlinear_slots", x.shape[1], buffer, offsets, qtype, out)
+
+
+def _check_pairs(op: str, x: Tensor, rep: int, buffer: Tensor, slot: Tensor) -> None:
+    """ValueError unless ``x``, ``rep``, ``buffer`` and ``slot`` fit one another (a slot op's pairs)."""
     if x.dim() != 2 or x.device.type != "cpu" or rep < 1 or slot.numel() != x.shape[0] * rep:
-        raise ValueError(f"qlinear_slots: {slot.numel()} pairs for x {tuple(x.shape)} on {x.device} times {rep}")
+        raise ValueError(f"{op}: {slot.numel()} pairs for x {tuple(x.shape)} on {x.device} times {rep}")
     if buffer.dim() != 2 or buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
-        raise ValueError(f"qlinear_slots: buffer must be contiguous 2-D uint8 on the CPU, got {tuple(buffer.shape)} "
+        raise ValueError(f"{op}: buffer must be contiguous 2-D uint8 on the CPU, got {tuple(buffer.shape)} "
                          f"{buffer.dtype} on {buffer.device}")
     if slot.dim() != 1 or slot.dtype != torch.long or slot.device.type != "cpu":
-        raise ValueError(f"qlinear_slots: slot must be 1-D int64 on the CPU, got {tuple(slot.shape)} {slot.dtype}")
+        raise ValueError(f"{op}: slot must be 1-D int64 on the CPU, got {tuple(slot.shape)} {slot.dtype}")
+
+
+def _check_matrices(op: str, K: int, buffer: Tensor, offsets: Sequence[int], qtype: int, out: int) -> None:
+    """ValueError unless matrices of ``out`` rows of ``K`` values in ``qtype`` blocks fit rows of ``buffer`` at
+    ``offsets``."""
+    if qtype not in CPU_KERNEL_TYPES:
+        raise ValueError(f"{op}: no CPU kernel for {T(qtype).name}")
     values, size = GGML_QUANT_SIZES[T(qtype)]
-    if x.shape[1] % values:
-        raise ValueError(f"qlinear_slots: row length {x.shape[1]} is not a multiple of {values}")
-    need = out * x.shape[1] // values * size
+    if K % values:
+        raise ValueError(f"{op}: row length {K} is not a multiple of {values}")
+    need = out * K // values * size
     if any(off < 0 or off + need > buffer.shape[1] for off in offsets):
-        raise ValueError(f"qlinear_slots: matrices of {need} bytes at {list(offsets)} do not fit rows of "
+        raise ValueError(f"{op}: matrices of {need} bytes at {list(offsets)} do not fit rows of "
                          f"{buffer.shape[1]} bytes")
 
 
@@ -240,6 +279,15 @@ def _attention_fake(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, 
 
 def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _silu_mul_fake(g: Tensor, u: Tensor) -> Tensor:
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+def _slot_ffn_fake(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: list[int], qtypes: list[int],
+                   ffn_dim: int) -> Tensor:
+    return x.new_empty((slot.shape[0], x.shape[1]), dtype=torch.float32)
 
 
 def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
