@@ -252,15 +252,20 @@ def _check_pairs(op: str, x: Tensor, rep: int, buffer: Tensor, slot: Tensor) -> 
 def _check_matrices(op: str, K: int, buffer: Tensor, offsets: Sequence[int], qtype: int, out: int) -> None:
     """ValueError unless matrices of ``out`` rows of ``K`` values in ``qtype`` blocks fit rows of ``buffer`` at
     ``offsets``."""
+    _matrices_fit(op, K, buffer.shape[1], tuple(offsets), qtype, out)
+
+
+@functools.lru_cache(maxsize=1024)  # a decode token asks the same few questions every layer
+def _matrices_fit(op: str, K: int, stride: int, offsets: tuple[int, ...], qtype: int, out: int) -> None:
+    """``_check_matrices`` of a buffer's row of ``stride`` bytes (an answer that raises is not kept)."""
     if qtype not in CPU_KERNEL_TYPES:
         raise ValueError(f"{op}: no CPU kernel for {T(qtype).name}")
     values, size = GGML_QUANT_SIZES[T(qtype)]
     if K % values:
         raise ValueError(f"{op}: row length {K} is not a multiple of {values}")
     need = out * K // values * size
-    if any(off < 0 or off + need > buffer.shape[1] for off in offsets):
-        raise ValueError(f"{op}: matrices of {need} bytes at {list(offsets)} do not fit rows of "
-                         f"{buffer.shape[1]} bytes")
+    if any(off < 0 or off + need > stride for off in offsets):
+        raise ValueError(f"{op}: matrices of {need} bytes at {list(offsets)} do not fit rows of {stride} bytes")
 
 
 def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
