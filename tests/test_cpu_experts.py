@@ -38,9 +38,10 @@ def _logits(engine: Engine) -> torch.Tensor:
 
 def test_cpu_engine_computes_its_experts_with_the_kernels(model, monkeypatch, one_thread):
     calls = []
-    grouped, slots = cpu_ffn.qlinear_grouped, cpu_ffn.qlinear_slots
+    grouped, slots, slot_ffn = cpu_ffn.qlinear_grouped, cpu_ffn.qlinear_slots, cpu_ffn.slot_ffn_cpu
     monkeypatch.setattr(cpu_ffn, "qlinear_grouped", lambda *args: calls.append(args[3]) or grouped(*args))
     monkeypatch.setattr(cpu_ffn, "qlinear_slots", lambda *args: calls.append(args[5]) or slots(*args))
+    monkeypatch.setattr(cpu_ffn, "slot_ffn_cpu", lambda *args: calls.extend(args[5]) or slot_ffn(*args))
     got = _logits(Engine.load(model, max_context=64))
     assert calls and all(qtype in kernels.CPU_KERNEL_TYPES for qtype in calls)
     monkeypatch.setattr(cpu_ffn, "has_cpu_kernel", lambda qtypes, shapes: False)

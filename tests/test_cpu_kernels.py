@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from strata_core.experts.backend import _cpu_pool
 from strata_core.ops.cpu_kernels import (CPU_KERNEL_TYPES, cpu_kernels, dequantize_blocks, qlinear_grouped,
-                                         qlinear_slots)
+                                         qlinear_slots, silu_mul_cpu, slot_ffn_cpu)
 from strata_core.quant.registry import dequantize_reference
 from strata_core.quant import dequantize, random_blocks
 
@@ -86,6 +86,72 @@ def test_slot_products_are_the_grouped_products_of_each_pair(seed: int, qtype: T
     want = torch.cat([torch.cat([qlinear_grouped(x[p // rep:p // rep + 1], [mats[s][m]], [1], qtype, out)
                                  for m in range(2)], dim=1) for p, s in enumerate(slot.tolist())])
     assert torch.equal(got, want)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), gate_up=st.sampled_from(TYPES), down=st.sampled_from(TYPES),
+       split=st.booleans(), tokens=st.integers(1, 9), rep=st.integers(1, 4), n_slots=st.integers(1, 5),
+       threads=st.integers(1, 2))
+def test_a_slot_ffn_is_its_products_and_activation(seed: int, gate_up: T, down: T, split: bool, tokens: int, rep: int,
+                                                   n_slots: int, threads: int) -> None:
+    """``slot_ffn_cpu``: the bits of ``qlinear_slots`` (gate and up), ``silu_mul_cpu`` and ``qlinear_slots`` (down)
+    called one after another, gate and up of one format or two, for any routing and thread count."""
+    rng = np.random.default_rng(seed)
+    up = TYPES[(TYPES.index(gate_up) + 1) % len(TYPES)] if split else gate_up
+    H, F = 256, 2 * GGML_QUANT_SIZES[down][0]  # rows of whole blocks in every format
+    qtypes = (gate_up, up, down)
+
+    def expert() -> torch.Tensor:
+        parts = [_weight(gate_up, F, H // GGML_QUANT_SIZES[gate_up][0], rng)[0],
+                 _weight(up, F, H // GGML_QUANT_SIZES[up][0], rng)[0], _weight(down, H, 2, rng)[0]]
+        return torch.cat([*parts, torch.zeros(3, dtype=torch.uint8)]), [p.numel() for p in parts]
+
+    experts = [expert() for _ in range(n_slots)]
+    g_bytes, u_bytes, _ = experts[0][1]
+    buffer = torch.stack([e for e, _ in experts])
+    slot = torch.from_numpy(rng.integers(0, n_slots, tokens * rep))
+    x = torch.from_numpy(rng.standard_normal((tokens, H), dtype=np.float32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = slot_ffn_cpu(x, rep, buffer, slot, (0, g_bytes, g_bytes + u_bytes), qtypes, F)
+    finally:
+        torch.set_num_threads(before)
+    g = qlinear_slots(x, rep, buffer, slot, [0], gate_up, F)
+    u = qlinear_slots(x, rep, buffer, slot, [g_bytes], up, F)
+    want = qlinear_slots(silu_mul_cpu(g, u), 1, buffer, slot, [g_bytes + u_bytes], down, H)
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 30), F=st.integers(1, 300), split=st.integers(0, 30))
+def test_silu_mul_matches_the_formula_and_rows_are_their_own(seed: int, rows: int, F: int, split: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(rows, F, generator=g) * 6, torch.randn(rows, F, generator=g)
+    got = silu_mul_cpu(gate, up)
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    split = min(split, rows)
+    assert torch.equal(torch.cat((silu_mul_cpu(gate[:split], up[:split]), silu_mul_cpu(gate[split:], up[split:]))), got)
+    assert torch.equal(silu_mul_cpu(gate[:, :1], up[:, :1]), got[:, :1])  # an element alone: the same bits
+    best = torch.ops.strata.cpu_kernel_isa()
+    try:
+        for isa in range(best):
+            torch.ops.strata.cpu_kernel_limit_isa(isa)
+            assert torch.equal(silu_mul_cpu(gate, up), got)
+    finally:
+        torch.ops.strata.cpu_kernel_limit_isa(best)
+
+
+def test_opcheck_slot_ffn_and_silu_mul() -> None:
+    rng = np.random.default_rng(0)
+    buffer = torch.stack([torch.cat([_weight(T.Q8_0, 64, 8, rng)[0], _weight(T.Q8_0, 64, 8, rng)[0],
+                                     _weight(T.Q8_0, 256, 2, rng)[0]]) for _ in range(2)])  # two experts
+    n = buffer.shape[1] // 3  # gate, up and down take the same bytes here
+    torch.library.opcheck(torch.ops.strata.slot_ffn_cpu.default,
+                          (torch.randn(2, 256), 2, buffer, torch.tensor([1, 0, 1, 1]), [0, n, 2 * n],
+                           [int(T.Q8_0)] * 3, 64))
+    torch.library.opcheck(torch.ops.strata.silu_mul_cpu.default, (torch.randn(3, 20), torch.randn(3, 20)))
 
 
 def test_opcheck_qlinear_slots() -> None:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from strata_core.experts.ffn import SILU, ExpertFFN
-from strata_core.ops.cpu_kernels import has_cpu_kernel, qlinear_grouped, qlinear_slots
+from strata_core.ops.cpu_kernels import has_cpu_kernel, qlinear_grouped, qlinear_slots, slot_ffn_cpu
 
 if TYPE_CHECKING:
     from strata_core.experts.arena import ExpertFormat
@@ -58,9 +58,12 @@ def cpu_slot_ffn(x: torch.Tensor, k: int, buffer: torch.Tensor, slot: torch.Tens
     through the expert packed (gate|up|down) in row ``slot[p]`` (int64 ``[P]``) of ``buffer`` (uint8
     ``[S, >= fmt.total]``), as ``cpu_experts_ffn`` computes it (the same bits a row); ``experts [P]``
     index ``ffn``'s biases. Two kernel calls for the whole layer (gate and up in one where their
-    formats agree), each grouping the pairs by slot."""
+    formats agree), each grouping the pairs by slot; float32 SiLU without biases all in one
+    (``strata::slot_ffn_cpu``: the same ops inside)."""
     (F, _), _, (H, _) = fmt.shapes
     g_bytes, u_bytes, _ = fmt.nbytes
+    if ffn.plain and x.dtype == torch.float32:
+        return slot_ffn_cpu(x, k, buffer, slot, (0, g_bytes, g_bytes + u_bytes), fmt.qtypes, F)  # [P, H]
     if fmt.qtypes[0] == fmt.qtypes[1]:
         both = qlinear_slots(x, k, buffer, slot, [0, g_bytes], fmt.qtypes[0], F)  # [P, 2F]
         g, u = both[:, :F], both[:, F:]

@@ -131,6 +131,8 @@ class CachedExpertRows:
         self.group_experts = min(group_size(*fmt.shapes[0]) for fmt in self.arena.formats if fmt is not None)
         self._group_ring: StagingRing | None = None
         self.planner = PromptPlanner(self.device, self.arena.n_experts)  # planned prompt layers' plans
+        #: per layer, whether the own cache held it whole and its slots (int64 ``[E]``), as of a table version
+        self._whole: dict[int, tuple[object, int, bool, torch.Tensor]] = {}
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
@@ -221,22 +223,36 @@ class CachedExpertRows:
         cache holding every expert of the layer (no miss whatever the routing), no peers, formats the CPU
         kernels cover."""
         own = chain.own
+        if own is None or own.device.type != "cpu" or chain.peers:
+            return False
         fmt = self.arena.formats[layer]
-        return (own is not None and own.device.type == "cpu" and not chain.peers
-                and takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes) and bool(own.table.host[layer].ge(0).all()))
+        return takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes) and self._held_whole(layer, own)[0]
+
+    def _held_whole(self, layer: int, own: ExpertCache) -> tuple[bool, torch.Tensor]:
+        """Whether ``own`` holds every expert of ``layer``, and the layer's slots (int64 ``[E]``, -1 where not
+        resident): read from the host table once per version of it (a decode token asks every layer)."""
+        table = own.table
+        cached = self._whole.get(layer)
+        if cached is None or cached[0] is not table or cached[1] != table.version:
+            row = table.host[layer]
+            cached = (table, table.version, bool(row.ge(0).all()), row.long())
+            self._whole[layer] = cached
+        return cached[2], cached[3]
 
     def _slot_rows(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
                    ffn: ExpertFFN) -> torch.Tensor:
-        """Rows ``[T*k, H]`` in pair order of a layer the own CPU cache holds whole: two kernel calls read the
-        experts in their slots (``cpu_slot_ffn``), each row with the bits the per-expert loop gives it."""
+        """Rows ``[T*k, H]`` in pair order of a layer the own CPU cache holds whole: the experts read in their
+        slots (``cpu_slot_ffn``: one kernel call a layer, or two), each row with the bits the per-expert loop
+        gives it. Every pair is a hit: counted on the host."""
         fmt = self.arena.formats[layer]
         flat = expert_ids.reshape(-1)  # [P]
-        slot, held = held_slots(chain.own.table.host[layer], flat)
-        self._count_routing(layer, expert_ids, chain)
+        slot, experts = held_slots(self._held_whole(layer, chain.own)[1], flat)  # [P] int64, P host ints
+        self.usage.count(layer, flat, expert_ids.shape[0])
+        self.telemetry.add_hits(flat.numel(), flat.numel())
         with self.telemetry.compute(self.device):
-            rows = cpu_slot_ffn(hidden, expert_ids.shape[1], chain.own.padded, slot.long(), fmt, ffn,
+            rows = cpu_slot_ffn(hidden, expert_ids.shape[1], chain.own.padded, slot, fmt, ffn,
                                 None if ffn.plain else flat)  # [P, H]
-        n = len(set(held))
+        n = len(set(experts))
         self.telemetry.add_expert_bytes(n * fmt.total)
         self.telemetry.count(self.name, {"resident": n, "peer": 0, "pcie" if self.decoding else "streamed": 0,
                                          "cpu": 0})
@@ -506,11 +522,11 @@ class CachedExpertRows:
         return fut
 
 
-def held_slots(table: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """The slots ``table[experts]`` (a layer's host residency row, -1 = not resident) of a layer's pairs
-    ``experts [P]``, and their host copy: the slot rows' one host read of the layer's routing."""
-    slot = table.index_select(0, experts)  # [P] int32
-    return slot, slot.tolist()
+def held_slots(slots: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """The slots ``slots[experts]`` (int64 ``[P]``; ``slots``: a layer's int64 slot per expert ``[E]``) of a
+    layer's pairs ``experts [P]``, and the pairs' experts read on the host: the slot rows' one host read
+    of the layer's routing."""
+    return slots[experts], experts.tolist()
 
 
 def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata_core.ops.cpu_kernels import cpu_kernels, silu_mul_cpu
 from strata_core.ops.matmul import batch_invariant
 
 __all__ = ["ACTIVATIONS", "ExpertFFN", "SILU"]
@@ -59,8 +60,11 @@ class ExpertFFN:
 
     def glu(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         """The gated activation of ``g, u [..., F]`` (on the CPU each row's value is independent of
-        the row count: ``batch_invariant``)."""
+        the row count: ``batch_invariant``; SiLU of float32 one call, ``strata::silu_mul_cpu``, where the
+        CPU kernels are loaded)."""
         if self.activation == "silu":
+            if g.device.type == "cpu" and g.dtype == u.dtype == torch.float32 and cpu_kernels():
+                return silu_mul_cpu(g, u)
             return batch_invariant(F.silu, g) * u
         g = g.clamp(max=self.limit)
         return g * batch_invariant(torch.sigmoid, g * self.alpha) * (u.clamp(-self.limit, self.limit) + 1)

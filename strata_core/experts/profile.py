@@ -100,6 +100,11 @@ class UsageCounter:
         self.row(layer, expert_ids.shape[0]).add_(counted)
         return counted
 
+    def count(self, layer: int, flat: torch.Tensor, n_tokens: int) -> None:
+        """Count the routings ``flat [T*k]`` of ``n_tokens`` tokens of ``layer`` in place (``add`` without
+        its per-call counts: one op)."""
+        self.row(layer, n_tokens).index_add_(0, flat, torch.ones_like(flat))
+
     def row(self, layer: int, n_tokens: int) -> torch.Tensor:
         """The counts ``[E]`` of ``layer``, for the caller to add the routings of ``n_tokens`` tokens to
         (in place, on the device)."""

@@ -34,6 +34,7 @@ class ExpertTelemetry:
 
     def reset(self) -> None:
         self.routed = 0  # (token, top-k) pairs routed
+        self._host_hits = 0  # routed pairs whose expert was resident, where the host knows it (``add_hits``)
         # (counter names, device) -> int64 [len(names)] accumulated on that device
         self._device: dict[tuple[tuple[str, ...], torch.device], torch.Tensor] = {}
         # (layer, expert) groups by source, in all and per device slot
@@ -50,6 +51,11 @@ class ExpertTelemetry:
         """``hits``: 0-d tensor on the computing device, pairs whose expert was resident."""
         self.routed += n_pairs
         self.add_counts(("expert_hits",), hits.reshape(1))
+
+    def add_hits(self, n_pairs: int, hits: int) -> None:
+        """``add_routing`` where the host knows the hits (a layer held whole: every pair)."""
+        self.routed += n_pairs
+        self._host_hits += hits
 
     def count(self, device: str, by_source: dict[str, int]) -> None:
         """Add the (layer, expert) groups one layer served on device slot ``device``, by source."""
@@ -125,7 +131,7 @@ class ExpertTelemetry:
         for (names, _), acc in self._device.items():
             for name, value in zip(names, acc.tolist()):
                 device[name] = device.get(name, 0) + value
-        hits = device.get("expert_hits", 0)
+        hits = device.get("expert_hits", 0) + self._host_hits
         counters = {
             "expert_hits": hits,
             "expert_misses": self.routed - hits,

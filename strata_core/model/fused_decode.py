@@ -44,7 +44,7 @@ from strata_core.experts.sizing import GIB, check_dense_budget
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.ops import rms_norm
 from strata_core.model.transformer import _MIN_WEIGHT_SUM, MoEModel  # llama.cpp's top-k weight sum clamp
-from strata_core.model.weights import dense_product, q8_sources
+from strata_core.model.weights import QKV_NAMES, dense_product, q8_sources
 from strata_core.ops.decode import (INVARIANT_SPLITS, add_rms_norm, decode_attention, fused_decode_supported,
                                     rope_kv_write, route_topk)
 from strata_core.ops.decode_q import decode_attention_q, fused_quantized_supported, rope_kv_write_q
@@ -56,10 +56,8 @@ __all__ = ["decode_layer", "kv_tables", "place_q8_copies", "why_not_fused"]
 
 log = logging.getLogger(__name__)
 
-_QKV = ("attn_q", "attn_k", "attn_v")
-
 #: The layer weights and globals whose Q8_0 copies the fused path reads.
-Q8_LAYER_NAMES = (*(f"{n}.weight" for n in _QKV), "attn_output.weight", "ffn_gate_inp.weight")
+Q8_LAYER_NAMES = (*(f"{n}.weight" for n in QKV_NAMES), "attn_output.weight", "ffn_gate_inp.weight")
 Q8_GLOBAL_NAMES = ("output.weight",)
 
 
@@ -152,31 +150,6 @@ def place_q8_copies(model, gguf_file: GGUFFile, settings: StrataSettings, placem
     return total
 
 
-def _qkv(model, layer: int, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None, Q8Matrix | None]:
-    """The layer's q, k and v projections as one ``[(nh + 2 nkv) D, H]`` matrix (and bias, and its Q8_0
-    copy where the layer has one on this device): built once per (layer, device), the three weights
-    (and copies) then become views of it (no second copy)."""
-    cache = model.__dict__.setdefault("_fused_qkv", {})
-    device = w["attn_q.weight"].device
-    key = (layer, device)
-    if key not in cache:
-        fused = {}
-        for part in ("weight", "bias"):
-            names = [f"{n}.{part}" for n in _QKV]
-            if names[0] in w:
-                fused[part] = torch.cat([w[n] for n in names])
-                for name, view in zip(names, fused[part].split([w[n].shape[0] for n in names])):
-                    w[name] = view
-        q8 = model.weights.q8_at(layer, device)
-        names = [f"{n}.weight" for n in _QKV]
-        if all(n in q8 for n in names):
-            fused["q8"] = Q8Matrix.cat([q8[n] for n in names])
-            for name, view in zip(names, fused["q8"].split([q8[n].shape[0] for n in names])):
-                q8[name] = view
-        cache[key] = (fused["weight"], fused.get("bias"), fused.get("q8"))
-    return cache[key]
-
-
 def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
                  sessions: Sequence[Session], rows: ExpertRows,
                  table: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,7 +165,7 @@ def decode_layer(model, layer: int, hidden: torch.Tensor, delta: torch.Tensor | 
         x = rms_norm(hidden, w["attn_norm.weight"], eps, model.kernels.fused_norms)
     else:
         hidden, x = add_rms_norm(hidden, delta, w["attn_norm.weight"], eps)
-    weight, bias, q8 = _qkv(model, layer, w)
+    weight, bias, q8 = model.weights.qkv(layer, hidden.device)
     invariant = model.kernels.batch_invariant
     qkv = dense_product(x, weight, q8, invariant)  # [B, (nh + 2 nkv) D]
     if bias is not None:

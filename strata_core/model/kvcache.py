@@ -219,7 +219,7 @@ class KVCache:
     def _flat(self, slot: int, positions: torch.Tensor) -> torch.Tensor:
         """int64 row ids in ``slot``'s pool of ``positions`` (on the device table's device: no host work)."""
         rows = self._row_ids[slot]
-        return rows[positions.to(rows.device)]
+        return rows.index_select(0, positions.to(rows.device))
 
     # --- compute's view --------------------------------------------------------------------------
 
@@ -241,7 +241,7 @@ class KVCache:
         flat = self._flat(self.home[layer], positions)
         for name, value in rows.items():
             target = self._rows(layer, name)
-            target[flat] = value.to(target.dtype)
+            target.index_copy_(0, flat, value.to(target.dtype))  # one op (an index put costs several a call)
 
     def read(self, layer: int, n: int, *names: str) -> tuple[torch.Tensor | QuantizedRows, ...]:
         """Positions ``[0, n)`` of ``layer``'s rows ``names`` (default ``"k", "v"``), gathered from its

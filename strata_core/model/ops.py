@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from strata_core.model.kvquant import QuantizedRows
-from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels
+from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels, rms_norm_cpu
 from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
 from strata_core.ops.matmul import matmul
 
@@ -18,9 +18,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Tr
     """RMSNorm over the last dim, computed in float32, returned in ``x``'s dtype.
 
     On CUDA with ``fused`` (``ForwardKernels.fused_norms``) one Triton kernel (``strata_core.ops.dense``)
-    computes the same formula; otherwise the torch formula."""
+    computes the same formula; on the CPU in float32 ``strata::rms_norm_cpu`` (one call, each row's sum
+    in a fixed order: ops/cpu_kernels.py) where the CPU kernels are loaded; otherwise the torch formula."""
     if x.device.type == "cuda" and fused and rms_norm_cuda is not None:
         return rms_norm_cuda(x, weight, eps)
+    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and cpu_kernels():
+        return rms_norm_cpu(x, weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf.to(x.dtype)).to(x.dtype)

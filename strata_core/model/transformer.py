@@ -19,7 +19,7 @@ from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, mas
                                    rope_cos_sin, sdpa_attention)
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
-from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels
+from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels, linear_cpu, norm_rope_cpu, route_cpu
 from strata_core.ops.matmul import batch_invariant, linear
 
 __all__ = ["MoEModel"]
@@ -46,6 +46,7 @@ class MoEModel:
         #: the engine from the placement; head_split.py)
         self.head_splits: dict[int, HeadSplit] = {}
         self._rope_freq: dict[torch.device, torch.Tensor] = {}  # a scaled RoPE's angles, made once per device
+        self._plain_freq: dict[int, torch.Tensor] = {}  # plain RoPE's angles on the CPU by head dim (``_cpu_qkv``)
 
     def rope_tables(self, device: torch.device, dim: int) -> tuple[torch.Tensor | None, float]:
         """``(inv_freq [dim / 2], mscale)`` of the spec's RoPE scaling on ``device`` ((None, 1.0) for plain
@@ -106,6 +107,8 @@ class MoEModel:
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries ``[T, nh, D]``, keys and values ``[T, nkv, D]`` of normed ``x [T, H]``: the
         projections (and biases), the q/k norm and RoPE (``rope``) at ``positions`` (on x's device)."""
+        if type(self).rope is MoEModel.rope and self._cpu_float(x):  # a model's own RoPE keeps its formulas
+            return self._cpu_qkv(layer, x, positions)
         s, w = self.spec, self.weights.at(layer, x.device)
         T = x.shape[0]
         q = linear(x, w["attn_q.weight"])  # [T, nh*D]
@@ -120,6 +123,37 @@ class MoEModel:
             q = rms_norm(q, w["attn_q_norm.weight"], s.rms_norm_eps)
             k = rms_norm(k, w["attn_k_norm.weight"], s.rms_norm_eps)
         q, k = self.rope(layer, q, k, positions)
+        return q, k, v
+
+    @staticmethod
+    def _cpu_float(x: torch.Tensor) -> bool:
+        """Whether ``x`` takes the CPU's float32 layer ops (``strata::norm_rope_cpu``, ``strata::route_cpu``;
+        ops/cpu_kernels.py): float32 on the CPU with the CPU kernels loaded."""
+        return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels()
+
+    def _cpu_qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``qkv`` on the CPU in float32: the three projections as one product (``DenseWeights.qkv``: each
+        output the bits of its own projection's), q and k normed and rotated by one call each."""
+        s = self.spec
+        T, D = x.shape[0], s.head_dim
+        weight, bias, _ = self.weights.qkv(layer, x.device)
+        qkv = linear_cpu(x, weight)  # [T, (nh + 2 nkv) D]
+        if bias is not None:
+            qkv = qkv + bias
+        q_size, kv_size = s.n_heads * D, s.n_kv_heads * D
+        q = qkv[:, :q_size].view(T, s.n_heads, D)  # [T, nh, D] (a view: the op reads it in place)
+        k = qkv[:, q_size:q_size + kv_size].view(T, s.n_kv_heads, D)  # [T, nkv, D]
+        v = qkv[:, q_size + kv_size:].view(T, s.n_kv_heads, D)  # [T, nkv, D]
+        inv_freq, mscale = self.rope_tables(x.device, D)
+        if inv_freq is None:
+            inv_freq = self._plain_freq.get(D)
+            if inv_freq is None:  # the angles ``rope_cos_sin`` computes, made once
+                inv_freq = self._plain_freq[D] = 1.0 / (s.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64)
+                                                                         .float() / D))  # [D/2]
+        w = self.weights.at(layer, x.device) if s.has_qk_norm else {}
+        eps = s.rms_norm_eps
+        q = norm_rope_cpu(q, w.get("attn_q_norm.weight"), eps, positions, inv_freq, mscale)  # [T, nh, D]
+        k = norm_rope_cpu(k, w.get("attn_k_norm.weight"), eps, positions, inv_freq, mscale)  # [T, nkv, D]
         return q, k, v
 
     def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
@@ -197,6 +231,8 @@ class MoEModel:
         """
         s = self.spec
         logits = linear(x, self.weights.at(layer, x.device)["ffn_gate_inp.weight"])  # [T, E]
+        if self._cpu_float(x):  # one call on the CPU (ops/cpu_kernels.py)
+            return route_cpu(logits, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale, _MIN_WEIGHT_SUM)
         probs = torch.softmax(logits.float(), dim=-1)  # [T, E]
         weights, ids = torch.topk(probs, s.n_experts_used, dim=-1)  # [T, k]
         return ids, self.finish_weights(weights).to(x.dtype)

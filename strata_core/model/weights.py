@@ -24,7 +24,10 @@ from strata_core.gguf.reader import GGUFFile, TensorRef
 from strata_core.model.spec import ModelSpec
 from strata_core.quant import dequantize
 
-__all__ = ["DenseWeights", "Q8Sources", "dense_product", "load_dense", "q8_sources"]
+__all__ = ["QKV_NAMES", "DenseWeights", "Q8Sources", "dense_product", "load_dense", "q8_sources"]
+
+#: the attention projections ``DenseWeights.qkv`` fuses into one matrix, in its row order
+QKV_NAMES = ("attn_q", "attn_k", "attn_v")
 
 #: Q8_0 matrices by (layer, name); layer None: a global tensor (``output.weight``)
 Q8Sources = dict[tuple[int | None, str], TensorRef]
@@ -114,6 +117,8 @@ class DenseWeights:
             (i, cpu): tensors for i, tensors in enumerate(layers) if tensors is not None}  # None: another rank's
         #: repacked Q8_0 copies by (layer or None for the globals, device) -> name -> matrix
         self._q8: dict[tuple[int | None, torch.device], dict[str, Q8Matrix]] = {}
+        #: the fused q/k/v projections by (layer, device): ``qkv``
+        self._qkv: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor | None, Q8Matrix | None]] = {}
 
     @classmethod
     def load(cls, gguf_file: GGUFFile, spec: ModelSpec, dtype: torch.dtype = torch.float32,
@@ -181,6 +186,31 @@ class DenseWeights:
                 ref = sources[(layer, name)]
                 mats[name] = repack_q8_0(ref.raw().to(device), ref.shape)
         return self
+
+    def qkv(self, layer: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None, Q8Matrix | None]:
+        """Layer ``layer``'s q, k and v projections on ``device`` as one ``[(nh + 2 nkv) D, H]`` matrix (and
+        bias, and its Q8_0 copy where the layer has one there): built once per (layer, device), the three
+        weights (and copies) then become views of it (no second copy). One product of it gives each
+        output the bits of its own projection's product (each output one dot product)."""
+        device = torch.device(device)
+        key = (layer, device)
+        if key not in self._qkv:
+            w = self.at(layer, device)
+            fused = {}
+            for part in ("weight", "bias"):
+                names = [f"{n}.{part}" for n in QKV_NAMES]
+                if names[0] in w:
+                    fused[part] = torch.cat([w[n] for n in names])
+                    for name, view in zip(names, fused[part].split([w[n].shape[0] for n in names])):
+                        w[name] = view
+            q8 = self.q8_at(layer, device)
+            names = [f"{n}.weight" for n in QKV_NAMES]
+            if all(n in q8 for n in names):
+                fused["q8"] = Q8Matrix.cat([q8[n] for n in names])
+                for name, view in zip(names, fused["q8"].split([q8[n].shape[0] for n in names])):
+                    q8[name] = view
+            self._qkv[key] = (fused["weight"], fused.get("bias"), fused.get("q8"))
+        return self._qkv[key]
 
     def q8_at(self, layer: int | None, device: torch.device | str) -> dict[str, Q8Matrix]:
         """Layer ``layer``'s (None: the globals') Q8_0 copies on ``device`` by name (empty if none)."""

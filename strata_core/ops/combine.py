@@ -14,13 +14,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from strata_core.ops.cpu_kernels import combine_cpu, cpu_kernels
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 
 __all__ = ["combine_rows", "combine_sorted", "in_pair_order"]
 
 
 def combine_rows(rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """The routed output ``[T, H]`` from ``rows [T, k, H]`` and ``weights [T, k]``, in one fixed order."""
+    """The routed output ``[T, H]`` from ``rows [T, k, H]`` and ``weights [T, k]``, in one fixed order (on the
+    CPU in float32 ``strata::combine_cpu``: j ascending, one call, where the CPU kernels are loaded)."""
+    if rows.device.type == "cpu" and rows.dtype == weights.dtype == torch.float32 and cpu_kernels():
+        return combine_cpu(rows, weights)
     return (rows * weights[..., None].to(rows.dtype)).sum(1)  # [T, H]
 
 

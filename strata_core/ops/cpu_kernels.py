@@ -11,7 +11,9 @@ item claimed by the next free thread (``strata::cpu_kernel_threads()`` says how 
 calling thread's products run).
 ``qlinear_slots`` is the same product with the weights found by row of one buffer (a cache's slots)
 per (token, k) pair, grouped by slot inside the op: a layer's routed experts without a tensor per
-expert on the host.
+expert on the host. ``slot_ffn_cpu`` is a whole SiLU-gated expert FFN that way (gate and up products,
+``silu_mul_cpu``, the down product) in one call; ``silu_mul_cpu`` is the activation every CPU expert
+path applies to float32 (experts/ffn.py), so each row has the same bits whichever path computes it.
 
 The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
 reference (strata_core/quant), and multiplies it into up to 8 tokens lane-wise (a multiply and an
@@ -27,6 +29,13 @@ a token's output does not depend on the chunk, the batch, the cache capacity or 
 
 ``strata::linear_cpu`` (csrc/cpu_linear.cpp) is the CPU's float32 weight product with the same property
 (ops/matmul.py ``linear``).
+
+``strata::rms_norm_cpu``, ``strata::norm_rope_cpu``, ``strata::route_cpu`` and ``strata::combine_cpu``
+(csrc/cpu_layer.cpp) are the small ops of a float32 layer on the CPU (the RMSNorm, the q/k norm with
+RoPE, the router's softmax / top-k / renormalisation, the weighted sum of the expert rows with the
+residual), each one call where the torch formulas take several, each row's arithmetic fixed by its own
+values: the forward's CPU path calls them wherever it would call those formulas (model/ops.py,
+model/transformer.py, ops/combine.py), so every CPU path of a forward gives the same bits.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
@@ -46,15 +55,17 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
-           "linear_cpu", "qlinear_grouped", "qlinear_slots"]
+__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu", "route_cpu",
+           "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp")]
 _ISA = ("generic", "AVX2", "AVX-512")
 
 
@@ -79,6 +90,12 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::attention_cpu")(_attention_fake)
     torch.library.register_fake("strata::linear_cpu")(_linear_fake)
     torch.library.register_fake("strata::dequantize_blocks")(_blocks_fake)
+    torch.library.register_fake("strata::silu_mul_cpu")(_silu_mul_fake)
+    torch.library.register_fake("strata::slot_ffn_cpu")(_slot_ffn_fake)
+    torch.library.register_fake("strata::rms_norm_cpu")(_rms_norm_fake)
+    torch.library.register_fake("strata::norm_rope_cpu")(_norm_rope_fake)
+    torch.library.register_fake("strata::route_cpu")(_route_fake)
+    torch.library.register_fake("strata::combine_cpu")(_combine_fake)
     log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
@@ -111,6 +128,29 @@ def qlinear_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Se
     return torch.ops.strata.qlinear_slots(x.float().contiguous(), rep, buffer, slot, list(offsets), int(qtype), out)
 
 
+def slot_ffn_cpu(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtypes: Sequence[int],
+                 ffn_dim: int) -> Tensor:
+    """``[P, H]`` float32 for the ``P = slot.numel()`` pairs: pair p is row ``p // rep`` of ``x [P / rep, H]``
+    through the expert packed in row ``slot[p]`` of ``buffer``, its gate, up and down matrices (``ffn_dim`` x
+    H, ``ffn_dim`` x H, H x ``ffn_dim`` in ``qtypes``) at byte ``offsets``: ``down(silu(gate x) * up x)``, the
+    bits of ``qlinear_slots`` for gate and up, ``silu_mul_cpu``, ``qlinear_slots`` for down. Needs
+    :func:`cpu_kernels`; arguments that do not fit are a ValueError (checked here, as for ``qlinear_slots``)."""
+    x = x.float().contiguous()
+    H = x.shape[1]
+    _check_pairs("slot_ffn_cpu", x, rep, buffer, slot)
+    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim), ("up", offsets[1], qtypes[1], H, ffn_dim),
+                                     ("down", offsets[2], qtypes[2], ffn_dim, H)):
+        _check_matrices(f"slot_ffn_cpu ({name})", K, buffer, [off], int(qtype), out)
+    return torch.ops.strata.slot_ffn_cpu(x, rep, buffer, slot, [int(o) for o in offsets], [int(q) for q in qtypes],
+                                         ffn_dim)
+
+
+def silu_mul_cpu(g: Tensor, u: Tensor) -> Tensor:
+    """``silu(g) * u`` of float32 CPU tensors of one shape, ``silu(g) = g / (1 + exp(-g))`` lane-wise
+    (csrc/cpu_experts.cpp): each element's bits its own. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.silu_mul_cpu(g, u)
+
+
 def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None = None,
                   sinks: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
     """``[T, nh*D]`` float32: causal GQA attention of ``q [T, nh, D]`` at ``positions [T]`` over ``keys`` /
@@ -133,6 +173,34 @@ def linear_cpu(x: Tensor, weight: Tensor) -> Tensor:
     summed pairwise, so a row's bits do not depend on M, the threads or the instruction set (csrc/cpu_linear.cpp).
     Needs :func:`cpu_kernels`."""
     return torch.ops.strata.linear_cpu(x.contiguous(), weight.contiguous())
+
+
+def rms_norm_cpu(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of float32 ``x [..., D]`` over its last dim with ``weight [D]`` (csrc/cpu_layer.cpp: the
+    formula of model/ops.py ``rms_norm``, the squares summed in 16 lanes). Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.rms_norm_cpu(x, weight, eps)
+
+
+def norm_rope_cpu(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor,
+                  mscale: float = 1.0) -> Tensor:
+    """``[T, heads, D]`` float32: ``x [T, heads, D]`` (a view whose last dim is contiguous is read in place)
+    RMS-normed per head with ``weight [D]`` (None: not normed), then NEOX-rotated at ``positions [T]`` by the
+    angles ``position * inv_freq [D / 2]`` (tables times ``mscale``): model/ops.py's ``rms_norm``,
+    ``rope_cos_sin`` and ``apply_rope`` in one call. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.norm_rope_cpu(x, weight, eps, positions.to(torch.long), inv_freq, mscale)
+
+
+def route_cpu(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float) -> tuple[Tensor, Tensor]:
+    """``(ids int64 [T, k], weights float32 [T, k])`` of float32 router ``logits [T, E]``: the softmax's k
+    largest probabilities, largest first (ties: the lower expert), renormalised to sum 1 with ``norm``
+    (the sum clamped to ``min_sum``), times ``scale``. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.route_cpu(logits, k, norm, scale, min_sum)
+
+
+def combine_cpu(rows: Tensor, weights: Tensor, residual: Tensor | None = None) -> Tensor:
+    """``[T, H]`` float32: ``residual`` (if given) plus ``sum_j rows[:, j] * weights[:, j, None]`` of ``rows
+    [T, k, H]`` and ``weights [T, k]``, j ascending. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.combine_cpu(rows, weights, residual)
 
 
 def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
@@ -166,22 +234,38 @@ def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out:
 def _check_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtype: int,
                  out: int) -> None:
     """ValueError unless ``qlinear_slots``' arguments fit one another."""
-    if qtype not in CPU_KERNEL_TYPES:
-        raise ValueError(f"qlinear_slots: no CPU kernel for {T(qtype).name}")
+    _check_pairs("qlinear_slots", x, rep, buffer, slot)
+    _check_matrices("qlinear_slots", x.shape[1], buffer, offsets, qtype, out)
+
+
+def _check_pairs(op: str, x: Tensor, rep: int, buffer: Tensor, slot: Tensor) -> None:
+    """ValueError unless ``x``, ``rep``, ``buffer`` and ``slot`` fit one another (a slot op's pairs)."""
     if x.dim() != 2 or x.device.type != "cpu" or rep < 1 or slot.numel() != x.shape[0] * rep:
-        raise ValueError(f"qlinear_slots: {slot.numel()} pairs for x {tuple(x.shape)} on {x.device} times {rep}")
+        raise ValueError(f"{op}: {slot.numel()} pairs for x {tuple(x.shape)} on {x.device} times {rep}")
     if buffer.dim() != 2 or buffer.dtype != torch.uint8 or buffer.device.type != "cpu" or not buffer.is_contiguous():
-        raise ValueError(f"qlinear_slots: buffer must be contiguous 2-D uint8 on the CPU, got {tuple(buffer.shape)} "
+        raise ValueError(f"{op}: buffer must be contiguous 2-D uint8 on the CPU, got {tuple(buffer.shape)} "
                          f"{buffer.dtype} on {buffer.device}")
     if slot.dim() != 1 or slot.dtype != torch.long or slot.device.type != "cpu":
-        raise ValueError(f"qlinear_slots: slot must be 1-D int64 on the CPU, got {tuple(slot.shape)} {slot.dtype}")
+        raise ValueError(f"{op}: slot must be 1-D int64 on the CPU, got {tuple(slot.shape)} {slot.dtype}")
+
+
+def _check_matrices(op: str, K: int, buffer: Tensor, offsets: Sequence[int], qtype: int, out: int) -> None:
+    """ValueError unless matrices of ``out`` rows of ``K`` values in ``qtype`` blocks fit rows of ``buffer`` at
+    ``offsets``."""
+    _matrices_fit(op, K, buffer.shape[1], tuple(offsets), qtype, out)
+
+
+@functools.lru_cache(maxsize=1024)  # a decode token asks the same few questions every layer
+def _matrices_fit(op: str, K: int, stride: int, offsets: tuple[int, ...], qtype: int, out: int) -> None:
+    """``_check_matrices`` of a buffer's row of ``stride`` bytes (an answer that raises is not kept)."""
+    if qtype not in CPU_KERNEL_TYPES:
+        raise ValueError(f"{op}: no CPU kernel for {T(qtype).name}")
     values, size = GGML_QUANT_SIZES[T(qtype)]
-    if x.shape[1] % values:
-        raise ValueError(f"qlinear_slots: row length {x.shape[1]} is not a multiple of {values}")
-    need = out * x.shape[1] // values * size
-    if any(off < 0 or off + need > buffer.shape[1] for off in offsets):
-        raise ValueError(f"qlinear_slots: matrices of {need} bytes at {list(offsets)} do not fit rows of "
-                         f"{buffer.shape[1]} bytes")
+    if K % values:
+        raise ValueError(f"{op}: row length {K} is not a multiple of {values}")
+    need = out * K // values * size
+    if any(off < 0 or off + need > stride for off in offsets):
+        raise ValueError(f"{op}: matrices of {need} bytes at {list(offsets)} do not fit rows of {stride} bytes")
 
 
 def _qlinear_fake(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:
@@ -200,6 +284,32 @@ def _attention_fake(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, 
 
 def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def _silu_mul_fake(g: Tensor, u: Tensor) -> Tensor:
+    return torch.empty_like(g, memory_format=torch.contiguous_format)
+
+
+def _slot_ffn_fake(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: list[int], qtypes: list[int],
+                   ffn_dim: int) -> Tensor:
+    return x.new_empty((slot.shape[0], x.shape[1]), dtype=torch.float32)
+
+
+def _rms_norm_fake(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _norm_rope_fake(x: Tensor, weight: Tensor | None, eps: float, positions: Tensor, inv_freq: Tensor,
+                    mscale: float) -> Tensor:
+    return x.new_empty(x.shape)
+
+
+def _route_fake(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float) -> tuple[Tensor, Tensor]:
+    return logits.new_empty((logits.shape[0], k), dtype=torch.long), logits.new_empty((logits.shape[0], k))
+
+
+def _combine_fake(rows: Tensor, weights: Tensor, residual: Tensor | None) -> Tensor:
+    return rows.new_empty((rows.shape[0], rows.shape[2]))
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:

@@ -8,7 +8,7 @@
 //   score[s] = q . k[s] in 16 lanes (lane l: d = l, l + 16, ... ascending; each product and sum
 //              rounded), the lanes summed pairwise, times scale
 //   m        = max over the visible s of score[s]
-//   w[s]     = exp(score[s] - m)              (exp_lanes below: basic operations only)
+//   w[s]     = exp(score[s] - m)              (exp_lanes, cpu_lanes.h: basic operations only)
 //   total    = the visible w[s] summed in 16 lanes (lane s % 16, s ascending), the lanes pairwise,
 //              plus exp(sink - m) with a sink
 //   out[d]   = (sum over the visible s, ascending, of w[s] * v[s, d]) / total
@@ -33,30 +33,6 @@ namespace {
 constexpr int ROW_TILE = 8;  // query rows of one work item
 
 const i32x16 LANE_INDEX = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
-// exp(x) lane-wise from basic operations (Cody-Waite reduction by ln 2, a degree-6 polynomial, the
-// exponent added to the bits): within ~2 ulp of expf, and the same bits vectorised or not.
-STRATA_INLINE f32x16 exp_lanes(f32x16 x) {
-  const f32x16 lo = splat(-87.3f), hi = splat(88.3f);  // 2**n stays a normal float
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const f32x16 t = x * splat(1.44269504088896341f);
-  const i32x16 ni = __builtin_convertvector(t + (t < 0 ? splat(-0.5f) : splat(0.5f)), i32x16);  // nearest n
-  const f32x16 nf = __builtin_convertvector(ni, f32x16);
-  f32x16 r = x - nf * splat(0.693359375f);
-  r = r - nf * splat(-2.12194440e-4f);
-  f32x16 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * (r * r) + r + splat(1.0f);
-  const i32x16 bits = (ni + 127) << 23;
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 struct Problem {
   const float *q, *k, *v, *sinks;
@@ -177,8 +153,10 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& keys, const at::
   if (row_ids.has_value() && row_ids->defined()) {
     TORCH_CHECK(row_ids->scalar_type() == at::kLong && row_ids->dim() == 1, "attention_cpu: rows must be int64 [S]");
     rc = row_ids->contiguous();
-    TORCH_CHECK(rc.numel() == 0 || (rc.min().item<int64_t>() >= 0 && rc.max().item<int64_t>() < kc.size(0)),
-                "attention_cpu: a row id outside the ", kc.size(0), " rows of keys");
+    const int64_t* ids = rc.data_ptr<int64_t>();
+    bool inside = true;  // one pass here, where two reductions and their reads cost a decode layer more
+    for (int64_t s = 0, n = rc.numel(), N = kc.size(0); s < n; ++s) inside = inside && ids[s] >= 0 && ids[s] < N;
+    TORCH_CHECK(inside, "attention_cpu: a row id outside the ", kc.size(0), " rows of keys");
   }
   const int64_t T = qc.size(0), nh = qc.size(1), D = qc.size(2), nkv = kc.size(1);
   const int64_t S = rc.defined() ? rc.numel() : kc.size(0);

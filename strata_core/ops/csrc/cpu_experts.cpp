@@ -444,6 +444,77 @@ at::Tensor qlinear_slots(const at::Tensor& x, int64_t rep, const at::Tensor& buf
   return y;
 }
 
+// h = silu(g) * u lane-wise: silu(g) = g / (1 + exp(-g)) (exp_lanes, cpu_lanes.h), each operation
+// rounded, so an element's bits depend on its own g and u alone (vectorised or not, any row count).
+STRATA_INLINE void silu_mul_body(const float* g, const float* u, float* h, int64_t n) {
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES) {
+    f32x16 a, b;
+    std::memcpy(&a, g + i, sizeof(a));
+    std::memcpy(&b, u + i, sizeof(b));
+    const f32x16 out = a / (splat(1.0f) + exp_lanes(-a)) * b;
+    std::memcpy(h + i, &out, sizeof(out));
+  }
+  if (i < n) {  // the tail through the same lane arithmetic
+    f32x16 a = f32x16{}, b = f32x16{};
+    std::memcpy(&a, g + i, (n - i) * sizeof(float));
+    std::memcpy(&b, u + i, (n - i) * sizeof(float));
+    const f32x16 out = a / (splat(1.0f) + exp_lanes(-a)) * b;
+    std::memcpy(h + i, &out, (n - i) * sizeof(float));
+  }
+}
+
+using SiluMulFn = void (*)(const float*, const float*, float*, int64_t);
+STRATA_AVX512 void silu_mul_avx512(const float* g, const float* u, float* h, int64_t n) { silu_mul_body(g, u, h, n); }
+STRATA_AVX2 void silu_mul_avx2(const float* g, const float* u, float* h, int64_t n) { silu_mul_body(g, u, h, n); }
+void silu_mul_generic(const float* g, const float* u, float* h, int64_t n) { silu_mul_body(g, u, h, n); }
+
+// rows of g [N, F] and u [N, F] (row strides g_stride, u_stride) -> h [N, F] contiguous, threaded over rows.
+void silu_mul_rows(const float* g, int64_t g_stride, const float* u, int64_t u_stride, float* h, int64_t N,
+                   int64_t F) {
+  const SiluMulFn fn = strata_cpu::for_isa<SiluMulFn>(&silu_mul_avx512, &silu_mul_avx2, &silu_mul_generic);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / std::max<int64_t>(1, F));
+  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fn(g + r * g_stride, u + r * u_stride, h + r * F, F);
+  });
+}
+
+// g, u [..., F] float32 -> silu(g) * u [..., F] float32 (the SiLU-gated activation of every CPU expert path).
+at::Tensor silu_mul_cpu(const at::Tensor& g, const at::Tensor& u) {
+  TORCH_CHECK(g.device().is_cpu() && g.scalar_type() == at::kFloat && u.scalar_type() == at::kFloat &&
+              g.sizes() == u.sizes() && g.dim() >= 1, "silu_mul_cpu: g and u must be float32 CPU tensors of one shape, got ",
+              g.sizes(), " ", u.sizes());
+  const at::Tensor gc = g.contiguous(), uc = u.contiguous();
+  at::Tensor h = at::empty_like(gc);
+  const int64_t F = gc.size(-1), N = F ? gc.numel() / F : 0;
+  if (N > 0) silu_mul_rows(gc.data_ptr<float>(), F, uc.data_ptr<float>(), F, h.data_ptr<float>(), N, F);
+  return h;
+}
+
+// A layer's routed experts held whole in one buffer's rows (a CPU cache's slots), every pair in one call:
+// pair p (of P = slot.numel()) is row p / rep of x [T, H] through the expert packed gate | up | down at
+// offsets[0..2] of row slot[p] (qtypes[0..2], gate and up F x H, down H x F): down(silu(gate x) * up x),
+// [P, H] float32. The products are qlinear_slots' (gate and up in one where their formats agree) and the
+// activation silu_mul_cpu's, so each row has the bits of those ops called one after another.
+at::Tensor slot_ffn_cpu(const at::Tensor& x, int64_t rep, const at::Tensor& buffer, const at::Tensor& slot,
+                        at::IntArrayRef offsets, at::IntArrayRef qtypes, int64_t F) {
+  TORCH_CHECK(offsets.size() == 3 && qtypes.size() == 3, "slot_ffn_cpu: gate, up and down offsets and types");
+  const int64_t H = x.size(1), P = slot.numel();
+  at::Tensor g, u;
+  int64_t g_stride = F, u_stride = F;
+  if (qtypes[0] == qtypes[1]) {
+    g = qlinear_slots(x, rep, buffer, slot, {offsets[0], offsets[1]}, qtypes[0], F);  // [P, 2F]
+    u = g.narrow(1, F, F);
+    g_stride = u_stride = 2 * F;
+  } else {
+    g = qlinear_slots(x, rep, buffer, slot, {offsets[0]}, qtypes[0], F);
+    u = qlinear_slots(x, rep, buffer, slot, {offsets[1]}, qtypes[1], F);
+  }
+  at::Tensor h = at::empty({P, F}, x.options());
+  silu_mul_rows(g.data_ptr<float>(), g_stride, u.data_ptr<float>(), u_stride, h.data_ptr<float>(), P, F);
+  return qlinear_slots(h, 1, buffer, slot, {offsets[2]}, qtypes[2], H);
+}
+
 // Every block of raw (contiguous uint8, whole blocks) decoded to float32: [blocks * values].
 at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype) {
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous(),
@@ -488,6 +559,8 @@ TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");
   m.def("qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets, int qtype, int out_features) -> Tensor");
   m.def("dequantize_blocks(Tensor raw, int qtype) -> Tensor");
+  m.def("silu_mul_cpu(Tensor g, Tensor u) -> Tensor");
+  m.def("slot_ffn_cpu(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets, int[] qtypes, int F) -> Tensor");
   m.def("cpu_kernel_isa() -> int");
   m.def("cpu_kernel_threads() -> int");
   m.def("cpu_kernel_limit_isa(int isa) -> int");
@@ -497,6 +570,8 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
   m.impl("qlinear_grouped", &qlinear_grouped);
   m.impl("qlinear_slots", &qlinear_slots);
   m.impl("dequantize_blocks", &dequantize_blocks);
+  m.impl("silu_mul_cpu", &silu_mul_cpu);
+  m.impl("slot_ffn_cpu", &slot_ffn_cpu);
 }
 
 TORCH_LIBRARY_IMPL(strata, CompositeExplicitAutograd, m) {

@@ -1,5 +1,5 @@
-// The 16-lane float32 vectors the batch-invariant CPU kernels compute in (experts, attention, linear),
-// a scalar in every lane, and their fixed-order horizontal sum.
+// The 16-lane float32 vectors the batch-invariant CPU kernels compute in (experts, attention, linear,
+// the layer's small ops), a scalar in every lane, their fixed-order horizontal sum, and exp lane-wise.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +35,30 @@ STRATA_INLINE float lane_sum(f32x16 v) {
   v = v + __builtin_shuffle(v, i32x16{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
   v = v + __builtin_shuffle(v, i32x16{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
   return v[0];
+}
+
+// exp(x) lane-wise from basic operations (Cody-Waite reduction by ln 2, a degree-6 polynomial, the
+// exponent added to the bits): within ~2 ulp of expf, and the same bits vectorised or not.
+STRATA_INLINE f32x16 exp_lanes(f32x16 x) {
+  const f32x16 lo = splat(-87.3f), hi = splat(88.3f);  // 2**n stays a normal float
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const f32x16 t = x * splat(1.44269504088896341f);
+  const i32x16 ni = __builtin_convertvector(t + (t < 0 ? splat(-0.5f) : splat(0.5f)), i32x16);  // nearest n
+  const f32x16 nf = __builtin_convertvector(ni, f32x16);
+  f32x16 r = x - nf * splat(0.693359375f);
+  r = r - nf * splat(-2.12194440e-4f);
+  f32x16 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * (r * r) + r + splat(1.0f);
+  const i32x16 bits = (ni + 127) << 23;
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
 }
 
 }  // namespace

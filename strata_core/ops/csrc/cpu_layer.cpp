@@ -1,0 +1,316 @@
+// The small per-layer ops of the CPU forward in float32, each one call where the torch formulas take
+// five to fifteen (a decode token's layer is otherwise bound by the host: ~150 small ops a layer).
+// Every row's arithmetic is fixed by its own values alone, so a token's result has the same bits in a
+// prompt chunk of any size, in a decode window of any batch, with any thread count and either
+// instruction set (sums in 16 lanes, lane l taking d = l, l + 16, ... ascending, the lanes summed
+// pairwise; each product and sum rounded: compiled without FP contraction):
+//
+//   rms_norm_cpu(x [..., D], w [D], eps):      ss = sum of x[d] * x[d] in lanes;
+//                                              y[d] = w[d] * (x[d] * (1 / sqrt(ss / D + eps)))
+//   norm_rope_cpu(x [T, heads, D], w? [D], eps, positions [T], inv_freq [D/2], mscale):
+//                                              y = rms_norm(x) per head where w is given, else x; then
+//                                              NEOX RoPE at angle a[i] = float(position) * inv_freq[i]:
+//                                              c = cos(a), s = sin(a) (double, rounded to float; times
+//                                              mscale unless 1), out[d] = y[d] * c + rot[d] * s with
+//                                              rot[d] = -y[d + D/2] (d < D/2), y[d - D/2] (d >= D/2)
+//   route_cpu(logits [T, E], k, norm, scale, min_sum):
+//                                              p[e] = exp(x[e] - max) / (the exps summed in lanes);
+//                                              the k largest p (ties: the lower expert first), largest
+//                                              first; with norm each divided by max(their sum, k
+//                                              ascending, min_sum); times scale unless 1
+//   combine_cpu(rows [T, k, H], weights [T, k], residual? [T, H]):
+//                                              out[t] = residual[t] + (rows[t, 0] * w[t, 0] +
+//                                              rows[t, 1] * w[t, 1] + ...), j ascending
+//
+// The torch formulas (strata_core/model/ops.py, transformer.py, ops/combine.py) stay the references these
+// are tested against (tests/test_cpu_layer.py, float32 within a relative 1e-5); every CPU path of a
+// forward calls the same op, so logits stay bit-identical across chunks, batches and topologies.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu_isa.h"
+#include "cpu_lanes.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// Lane l of x[d] * y[d] over d = l, l + 16, ... (ascending), n floats each; the tail in the first lanes.
+STRATA_INLINE f32x16 products(const float* x, const float* y, int64_t n) {
+  f32x16 acc = f32x16{};
+  int64_t d = 0;
+  for (; d + LANES <= n; d += LANES) {
+    f32x16 a, b;
+    std::memcpy(&a, x + d, sizeof(a));
+    std::memcpy(&b, y + d, sizeof(b));
+    acc = a * b + acc;  // rounded twice (-ffp-contract=off)
+  }
+  if (d < n) {  // zeros elsewhere add exactly nothing
+    f32x16 a = f32x16{}, b = f32x16{};
+    std::memcpy(&a, x + d, (n - d) * sizeof(float));
+    std::memcpy(&b, y + d, (n - d) * sizeof(float));
+    acc = a * b + acc;
+  }
+  return acc;
+}
+
+// 1 / sqrt(mean of the squares + eps) of one row of n floats.
+STRATA_INLINE float inv_rms(const float* x, int64_t n, float eps) {
+  const float mean = lane_sum(products(x, x, n)) / float(n);
+  return 1.0f / std::sqrt(mean + eps);
+}
+
+// y = w * (x * r), elementwise over n floats (y may be x).
+STRATA_INLINE void scale_row(const float* x, const float* w, float r, float* y, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) y[d] = w[d] * (x[d] * r);
+}
+
+struct NormRope {
+  const float *x, *w, *inv_freq;
+  const int64_t* pos;
+  float* out;
+  int64_t heads, D, row_stride, head_stride;  // x's strides (elements) of a row and of a head
+  float eps, mscale;
+};
+
+// Rows [t0, t1) of norm_rope_cpu.
+STRATA_INLINE void norm_rope_body(const NormRope& p, int64_t t0, int64_t t1) {
+  const int64_t D = p.D, half = D / 2;
+  std::vector<float> cs(static_cast<size_t>(2 * half)), y(static_cast<size_t>(D));
+  for (int64_t t = t0; t < t1; ++t) {
+    const float position = float(p.pos[t]);
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = position * p.inv_freq[i];
+      float c = float(std::cos(double(angle))), s = float(std::sin(double(angle)));
+      if (p.mscale != 1.0f) c = c * p.mscale, s = s * p.mscale;
+      cs[size_t(i)] = c;
+      cs[size_t(half + i)] = s;
+    }
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const float* x = p.x + t * p.row_stride + h * p.head_stride;
+      float* o = p.out + (t * p.heads + h) * D;
+      if (p.w != nullptr) {
+        scale_row(x, p.w, inv_rms(x, D, p.eps), y.data(), D);
+      } else {
+        std::memcpy(y.data(), x, size_t(D) * sizeof(float));
+      }
+      for (int64_t i = 0; i < half; ++i) {
+        const float c = cs[size_t(i)], s = cs[size_t(half + i)];
+        o[i] = y[size_t(i)] * c + -y[size_t(half + i)] * s;
+        o[half + i] = y[size_t(half + i)] * c + y[size_t(i)] * s;
+      }
+    }
+  }
+}
+
+// Rows [t0, t1) of rms_norm_cpu over rows of D.
+STRATA_INLINE void norm_body(const float* x, const float* w, float* y, int64_t D, float eps, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) scale_row(x + t * D, w, inv_rms(x + t * D, D, eps), y + t * D, D);
+}
+
+// Rows [t0, t1) of route_cpu: E logits a row, k chosen.
+STRATA_INLINE void route_body(const float* logits, int64_t* ids, float* weights, int64_t E, int64_t k, bool norm,
+                              float scale, float min_sum, int64_t t0, int64_t t1) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const int64_t padded = (E + LANES - 1) / LANES * LANES;
+  std::vector<float> p(static_cast<size_t>(padded));
+  std::vector<char> taken(static_cast<size_t>(E));
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* x = logits + t * E;
+    float m = ninf;
+    for (int64_t e = 0; e < E; ++e) m = x[e] > m ? x[e] : m;
+    f32x16 total = f32x16{};
+    for (int64_t c = 0; c < padded; c += LANES) {
+      f32x16 v = splat(ninf);
+      std::memcpy(&v, x + c, size_t(std::min<int64_t>(LANES, E - c)) * sizeof(float));
+      const f32x16 w = exp_lanes(v - splat(m));
+      const f32x16 kept = v == splat(ninf) ? f32x16{} : w;  // past E (or a -inf logit): nothing
+      total = total + kept;
+      std::memcpy(p.data() + c, &kept, sizeof(kept));
+    }
+    const float sum = lane_sum(total);
+    for (int64_t e = 0; e < E; ++e) p[size_t(e)] = p[size_t(e)] / sum;
+    std::fill(taken.begin(), taken.end(), 0);
+    int64_t* row_ids = ids + t * k;
+    float* row_w = weights + t * k;
+    for (int64_t j = 0; j < k; ++j) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e)
+        if (!taken[size_t(e)] && (best < 0 || p[size_t(e)] > p[size_t(best)])) best = e;
+      taken[size_t(best)] = 1;
+      row_ids[j] = best;
+      row_w[j] = p[size_t(best)];
+    }
+    if (norm) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < k; ++j) s = s + row_w[j];
+      s = s > min_sum ? s : min_sum;
+      for (int64_t j = 0; j < k; ++j) row_w[j] = row_w[j] / s;
+    }
+    if (scale != 1.0f)
+      for (int64_t j = 0; j < k; ++j) row_w[j] = row_w[j] * scale;
+  }
+}
+
+// Rows [t0, t1) of combine_cpu.
+STRATA_INLINE void combine_body(const float* rows, const float* w, const float* residual, float* out, int64_t k,
+                                int64_t H, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    float* o = out + t * H;
+    const float* r = rows + t * k * H;
+    const float* wt = w + t * k;
+    for (int64_t h = 0; h < H; ++h) o[h] = r[h] * wt[0];
+    for (int64_t j = 1; j < k; ++j)
+      for (int64_t h = 0; h < H; ++h) o[h] = o[h] + r[j * H + h] * wt[j];
+    if (residual != nullptr)
+      for (int64_t h = 0; h < H; ++h) o[h] = residual[t * H + h] + o[h];
+  }
+}
+
+using NormRopeFn = void (*)(const NormRope&, int64_t, int64_t);
+using NormFn = void (*)(const float*, const float*, float*, int64_t, float, int64_t, int64_t);
+using RouteFn = void (*)(const float*, int64_t*, float*, int64_t, int64_t, bool, float, float, int64_t, int64_t);
+using CombineFn = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
+
+// Each body compiled for each instruction set (inlined, so vectorised with its registers).
+#define STRATA_BODIES(SUFFIX, ATTRIBUTES)                                                                  \
+  ATTRIBUTES void norm_rope_##SUFFIX(const NormRope& p, int64_t t0, int64_t t1) { norm_rope_body(p, t0, t1); } \
+  ATTRIBUTES void norm_##SUFFIX(const float* x, const float* w, float* y, int64_t D, float eps, int64_t t0,    \
+                                int64_t t1) {                                                              \
+    norm_body(x, w, y, D, eps, t0, t1);                                                                    \
+  }                                                                                                        \
+  ATTRIBUTES void route_##SUFFIX(const float* logits, int64_t* ids, float* weights, int64_t E, int64_t k,      \
+                                 bool norm, float scale, float min_sum, int64_t t0, int64_t t1) {          \
+    route_body(logits, ids, weights, E, k, norm, scale, min_sum, t0, t1);                                  \
+  }                                                                                                        \
+  ATTRIBUTES void combine_##SUFFIX(const float* rows, const float* w, const float* residual, float* out,       \
+                                   int64_t k, int64_t H, int64_t t0, int64_t t1) {                         \
+    combine_body(rows, w, residual, out, k, H, t0, t1);                                                    \
+  }
+STRATA_BODIES(avx512, STRATA_AVX512)
+STRATA_BODIES(avx2, STRATA_AVX2)
+STRATA_BODIES(generic, )
+#undef STRATA_BODIES
+
+// rows of at least this many floats of work go to one thread (a decode row never wakes a second one)
+constexpr int64_t GRAIN_FLOATS = 1 << 14;
+
+int64_t grain(int64_t per_row) { return std::max<int64_t>(1, GRAIN_FLOATS / std::max<int64_t>(1, per_row)); }
+
+void check_float(const at::Tensor& t, const char* op, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.device().is_cpu(), op, ": ", name, " must be float32 on the CPU");
+}
+
+// x [..., D], weight [D] float32 -> [..., D] float32.
+at::Tensor rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_float(x, "rms_norm_cpu", "x");
+  check_float(weight, "rms_norm_cpu", "weight");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm_cpu: shapes ", x.sizes(),
+              " ", weight.sizes());
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor y = at::empty_like(xc);
+  const int64_t D = xc.size(-1), T = D ? xc.numel() / D : 0;
+  if (T == 0) return y;
+  const float *xp = xc.data_ptr<float>(), *wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const NormFn body = strata_cpu::for_isa<NormFn>(&norm_avx512, &norm_avx2, &norm_generic);
+  const float e = float(eps);
+  at::parallel_for(0, T, grain(D), [&](int64_t t0, int64_t t1) { body(xp, wp, yp, D, e, t0, t1); });
+  return y;
+}
+
+// x [T, heads, D] float32 (its last dim contiguous), weight [D] or undefined, positions [T] int64,
+// inv_freq [D / 2] float32 -> [T, heads, D] float32 contiguous.
+at::Tensor norm_rope_cpu(const at::Tensor& x, const c10::optional<at::Tensor>& weight, double eps,
+                         const at::Tensor& positions, const at::Tensor& inv_freq, double mscale) {
+  check_float(x, "norm_rope_cpu", "x");
+  check_float(inv_freq, "norm_rope_cpu", "inv_freq");
+  TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "norm_rope_cpu: x must be [T, heads, D] with D even, got ",
+              x.sizes());
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
+  const at::Tensor xc = x.stride(2) == 1 ? x : x.contiguous();
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == T,
+              "norm_rope_cpu: positions must be int64 [T]");
+  TORCH_CHECK(inv_freq.dim() == 1 && inv_freq.size(0) == D / 2, "norm_rope_cpu: inv_freq must be [D / 2]");
+  at::Tensor wc;
+  if (weight.has_value() && weight->defined()) {
+    check_float(*weight, "norm_rope_cpu", "weight");
+    TORCH_CHECK(weight->dim() == 1 && weight->size(0) == D, "norm_rope_cpu: weight must be [D]");
+    wc = weight->contiguous();
+  }
+  const at::Tensor pc = positions.contiguous(), fc = inv_freq.contiguous();
+  at::Tensor out = at::empty({T, heads, D}, xc.options());
+  if (T == 0 || heads == 0) return out;
+  const NormRope p{xc.data_ptr<float>(), wc.defined() ? wc.data_ptr<float>() : nullptr, fc.data_ptr<float>(),
+                   pc.data_ptr<int64_t>(), out.data_ptr<float>(), heads, D, xc.stride(0), xc.stride(1),
+                   float(eps), float(mscale)};
+  const NormRopeFn body = strata_cpu::for_isa<NormRopeFn>(&norm_rope_avx512, &norm_rope_avx2, &norm_rope_generic);
+  at::parallel_for(0, T, grain(heads * D), [&](int64_t t0, int64_t t1) { body(p, t0, t1); });
+  return out;
+}
+
+// logits [T, E] float32 -> (ids int64 [T, k], weights float32 [T, k]).
+std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits, int64_t k, bool norm, double scale,
+                                             double min_sum) {
+  check_float(logits, "route_cpu", "logits");
+  TORCH_CHECK(logits.dim() == 2 && k >= 1 && k <= logits.size(1), "route_cpu: top ", k, " of logits ",
+              logits.sizes());
+  const at::Tensor lc = logits.contiguous();
+  const int64_t T = lc.size(0), E = lc.size(1);
+  at::Tensor ids = at::empty({T, k}, lc.options().dtype(at::kLong)), weights = at::empty({T, k}, lc.options());
+  if (T == 0) return {ids, weights};
+  const float* lp = lc.data_ptr<float>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* wp = weights.data_ptr<float>();
+  const RouteFn body = strata_cpu::for_isa<RouteFn>(&route_avx512, &route_avx2, &route_generic);
+  const float s = float(scale), lo = float(min_sum);
+  at::parallel_for(0, T, grain(E * k), [&](int64_t t0, int64_t t1) { body(lp, ip, wp, E, k, norm, s, lo, t0, t1); });
+  return {ids, weights};
+}
+
+// rows [T, k, H], weights [T, k], residual [T, H] or undefined, float32 -> [T, H] float32.
+at::Tensor combine_cpu(const at::Tensor& rows, const at::Tensor& weights, const c10::optional<at::Tensor>& residual) {
+  check_float(rows, "combine_cpu", "rows");
+  check_float(weights, "combine_cpu", "weights");
+  TORCH_CHECK(rows.dim() == 3 && weights.dim() == 2 && weights.size(0) == rows.size(0) &&
+              weights.size(1) == rows.size(1) && rows.size(1) >= 1, "combine_cpu: shapes ", rows.sizes(), " ",
+              weights.sizes());
+  const int64_t T = rows.size(0), k = rows.size(1), H = rows.size(2);
+  at::Tensor rc_ = rows.contiguous(), wc = weights.contiguous(), res;
+  if (residual.has_value() && residual->defined()) {
+    check_float(*residual, "combine_cpu", "residual");
+    TORCH_CHECK(residual->dim() == 2 && residual->size(0) == T && residual->size(1) == H,
+                "combine_cpu: residual must be [T, H]");
+    res = residual->contiguous();
+  }
+  at::Tensor out = at::empty({T, H}, rc_.options());
+  if (T == 0 || H == 0) return out;
+  const float *rp = rc_.data_ptr<float>(), *wp = wc.data_ptr<float>(), *sp = res.defined() ? res.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const CombineFn body = strata_cpu::for_isa<CombineFn>(&combine_avx512, &combine_avx2, &combine_generic);
+  at::parallel_for(0, T, grain(k * H), [&](int64_t t0, int64_t t1) { body(rp, wp, sp, op, k, H, t0, t1); });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(strata, m) {
+  m.def("rms_norm_cpu(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("norm_rope_cpu(Tensor x, Tensor? weight, float eps, Tensor positions, Tensor inv_freq, float mscale) -> Tensor");
+  m.def("route_cpu(Tensor logits, int k, bool norm, float scale, float min_sum) -> (Tensor, Tensor)");
+  m.def("combine_cpu(Tensor rows, Tensor weights, Tensor? residual) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(strata, CPU, m) {
+  m.impl("rms_norm_cpu", &rms_norm_cpu);
+  m.impl("norm_rope_cpu", &norm_rope_cpu);
+  m.impl("route_cpu", &route_cpu);
+  m.impl("combine_cpu", &combine_cpu);
+}
