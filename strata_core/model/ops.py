@@ -29,6 +29,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Tr
     return (weight * xf.to(x.dtype)).to(x.dtype)
 
 
+def plain_inv_freq(head_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[head_dim / 2]`` float32: plain RoPE's angle per position of each rotated pair,
+    ``theta ** (-2i / head_dim)``."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, inv_freq: torch.Tensor | None = None,
                  mscale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """NEOX-style RoPE tables ``cos, sin [T, head_dim]`` for ``positions [T]`` (float32).
@@ -36,8 +42,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, inv_freq:
     ``inv_freq [head_dim / 2]`` replaces the plain ``theta ** (-2i / head_dim)`` angles (a scaled
     RoPE, e.g. YaRN); ``mscale`` multiplies both tables (YaRN's attention factor)."""
     if inv_freq is None:
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device)
-                                    .float() / head_dim))  # [D/2]
+        inv_freq = plain_inv_freq(head_dim, theta, positions.device)  # [D/2]
     angles = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # [T, D/2]
     emb = torch.cat((angles, angles), dim=-1)  # [T, D]
     if mscale != 1.0:

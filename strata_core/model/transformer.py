@@ -15,8 +15,8 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
-from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, masked_attention, norm_rope, rms_norm,
-                                   rope_cos_sin, sdpa_attention)
+from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, masked_attention, norm_rope,
+                                   plain_inv_freq, rms_norm, rope_cos_sin, sdpa_attention)
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels, linear_cpu, norm_rope_cpu, route_cpu
@@ -148,8 +148,7 @@ class MoEModel:
         if inv_freq is None:
             inv_freq = self._plain_freq.get(D)
             if inv_freq is None:  # the angles ``rope_cos_sin`` computes, made once
-                inv_freq = self._plain_freq[D] = 1.0 / (s.rope_theta ** (torch.arange(0, D, 2, dtype=torch.int64)
-                                                                         .float() / D))  # [D/2]
+                inv_freq = self._plain_freq[D] = plain_inv_freq(D, s.rope_theta)  # [D/2]
         w = self.weights.at(layer, x.device) if s.has_qk_norm else {}
         eps = s.rms_norm_eps
         q = norm_rope_cpu(q, w.get("attn_q_norm.weight"), eps, positions, inv_freq, mscale)  # [T, nh, D]
