@@ -202,7 +202,7 @@ class MoEModel:
                     and cpu_kernels():
                 keys, values, rows = kv.paged(layer, n)  # the CPU kernel follows the row ids: no gather
                 if keys.dtype == torch.float32:
-                    return attention_cpu(q, keys, values, positions, rows=rows)
+                    return attention_cpu(q, keys, values, positions, rows=rows, check_rows=False)  # its own pool's
             keys, values = kv.read(layer, n)  # [S, nkv, D]
             attend = masked_attention
         if split is not None and q.shape[0] > 1 and not static:

@@ -152,14 +152,15 @@ def silu_mul_cpu(g: Tensor, u: Tensor) -> Tensor:
 
 
 def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, window: int | None = None,
-                  sinks: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
+                  sinks: Tensor | None = None, rows: Tensor | None = None, check_rows: bool = True) -> Tensor:
     """``[T, nh*D]`` float32: causal GQA attention of ``q [T, nh, D]`` at ``positions [T]`` over ``keys`` /
     ``values [S, nkv, D]`` (key s visible when ``s <= position``, and ``position - s < window`` with a
     window), ``sinks [nh]`` joining each softmax's denominator only; float32 CPU tensors. With ``rows``
     (int64 ``[S]``) key s is row ``rows[s]`` of ``keys`` / ``values [N, nkv, D]``: a paged cache's pool read
     in place, the same bits as its rows gathered first. Needs :func:`cpu_kernels`; a row id outside ``keys``
-    is a ValueError (checked here, as for ``qlinear_grouped``)."""
-    if rows is not None and rows.numel():
+    is a ValueError (checked here, as for ``qlinear_grouped``), unless ``check_rows`` is False: the caller
+    vouches for them (a KV cache's row ids into its own pool), and no value is read back per call."""
+    if check_rows and rows is not None and rows.numel():
         low, high = (int(v) for v in torch.aminmax(rows))
         if low < 0 or high >= keys.shape[0]:
             raise ValueError(f"attention_cpu: a row id outside the {keys.shape[0]} rows of keys "
