@@ -44,25 +44,6 @@ struct Problem {
 
 STRATA_INLINE int64_t key_row(const Problem& p, int64_t s) { return p.rows != nullptr ? p.rows[s] : s; }
 
-// Lane l of the products of q and k over d = l, l + 16, ... (ascending d), D floats each.
-STRATA_INLINE f32x16 dot_lanes(const float* q, const float* k, int64_t D) {
-  f32x16 acc = f32x16{};
-  int64_t d = 0;
-  for (; d + LANES <= D; d += LANES) {
-    f32x16 a, b;
-    std::memcpy(&a, q + d, sizeof(a));
-    std::memcpy(&b, k + d, sizeof(b));
-    acc = a * b + acc;  // rounded twice (-ffp-contract=off)
-  }
-  if (d < D) {  // the tail in the first lanes; zeros elsewhere add exactly nothing
-    f32x16 a = f32x16{}, b = f32x16{};
-    std::memcpy(&a, q + d, (D - d) * sizeof(float));
-    std::memcpy(&b, k + d, (D - d) * sizeof(float));
-    acc = a * b + acc;
-  }
-  return acc;
-}
-
 // Rows [r0, r1) of kv head g (row r = rep index r / T, token r % T: query head g * rep + r / T).
 STRATA_INLINE void rows_body(const Problem& p, int64_t g, int64_t r0, int64_t r1, std::vector<float>& scores) {
   const int64_t rep = p.nh / p.nkv, D = p.D, stride = p.nkv * D;

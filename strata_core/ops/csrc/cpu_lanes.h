@@ -1,5 +1,6 @@
 // The 16-lane float32 vectors the batch-invariant CPU kernels compute in (experts, attention, linear,
-// the layer's small ops), a scalar in every lane, their fixed-order horizontal sum, and exp lane-wise.
+// the layer's small ops), a scalar in every lane, their fixed-order horizontal sum, a dot product in
+// lanes, and exp lane-wise.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,26 @@ STRATA_INLINE float lane_sum(f32x16 v) {
   v = v + __builtin_shuffle(v, i32x16{2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3});
   v = v + __builtin_shuffle(v, i32x16{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
   return v[0];
+}
+
+// Lane l of the products x[d] * y[d] over d = l, l + 16, ... (ascending), n floats each (each product and
+// sum rounded: -ffp-contract=off); the tail in the first lanes, zeros elsewhere adding exactly nothing.
+STRATA_INLINE f32x16 dot_lanes(const float* x, const float* y, int64_t n) {
+  f32x16 acc = f32x16{};
+  int64_t d = 0;
+  for (; d + LANES <= n; d += LANES) {
+    f32x16 a, b;
+    std::memcpy(&a, x + d, sizeof(a));
+    std::memcpy(&b, y + d, sizeof(b));
+    acc = a * b + acc;
+  }
+  if (d < n) {
+    f32x16 a = f32x16{}, b = f32x16{};
+    std::memcpy(&a, x + d, (n - d) * sizeof(float));
+    std::memcpy(&b, y + d, (n - d) * sizeof(float));
+    acc = a * b + acc;
+  }
+  return acc;
 }
 
 // exp(x) lane-wise from basic operations (Cody-Waite reduction by ln 2, a degree-6 polynomial, the

@@ -42,28 +42,9 @@
 
 namespace {
 
-// Lane l of x[d] * y[d] over d = l, l + 16, ... (ascending), n floats each; the tail in the first lanes.
-STRATA_INLINE f32x16 products(const float* x, const float* y, int64_t n) {
-  f32x16 acc = f32x16{};
-  int64_t d = 0;
-  for (; d + LANES <= n; d += LANES) {
-    f32x16 a, b;
-    std::memcpy(&a, x + d, sizeof(a));
-    std::memcpy(&b, y + d, sizeof(b));
-    acc = a * b + acc;  // rounded twice (-ffp-contract=off)
-  }
-  if (d < n) {  // zeros elsewhere add exactly nothing
-    f32x16 a = f32x16{}, b = f32x16{};
-    std::memcpy(&a, x + d, (n - d) * sizeof(float));
-    std::memcpy(&b, y + d, (n - d) * sizeof(float));
-    acc = a * b + acc;
-  }
-  return acc;
-}
-
 // 1 / sqrt(mean of the squares + eps) of one row of n floats.
 STRATA_INLINE float inv_rms(const float* x, int64_t n, float eps) {
-  const float mean = lane_sum(products(x, x, n)) / float(n);
+  const float mean = lane_sum(dot_lanes(x, x, n)) / float(n);
   return 1.0f / std::sqrt(mean + eps);
 }
 
