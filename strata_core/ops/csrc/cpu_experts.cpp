@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -105,8 +106,23 @@ STRATA_INLINE f32x16 loaded_floats(const uint8_t* p) {
   return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(i8x16(load16(p)), i16x16), i32x16),
                                  f32x16);
 }
-// table[code] of 16 int8 values for 16 codes 0..15 (a byte shuffle)
-STRATA_INLINE f32x16 lookup(const i8x16 table, u8x16 codes) { return floats(__builtin_shuffle(table, codes)); }
+
+// 16 bytes as floats, widened as the body's instruction set compiles best (the same values; measured with
+// tools/cpu_kernel_isa_bench.py): through int16 in the AVX2 body, and in the generic one for unsigned
+// bytes (GCC builds their direct byte -> int32 step from scalar extracts and inserts), directly otherwise
+// (through int16 halves the AVX-512 body, and the generic one's table lookups).
+template <int ISA, typename Bytes>
+STRATA_INLINE f32x16 byte_floats(Bytes v) {
+  if constexpr (ISA == 1 || (ISA == 0 && std::is_same_v<Bytes, u8x16>))
+    return __builtin_convertvector(__builtin_convertvector(__builtin_convertvector(v, i16x16), i32x16), f32x16);
+  else
+    return floats(v);
+}
+// table[code] of 16 int8 values for 16 codes 0..15 (a byte shuffle), as floats
+template <int ISA>
+STRATA_INLINE f32x16 table_floats(const i8x16 table, u8x16 codes) {
+  return byte_floats<ISA>(__builtin_shuffle(table, codes));
+}
 
 // Decoders: one block's values in float32 (``out`` as 16-lane vectors), as strata_core/quant computes them.
 STRATA_INLINE void decode_q8_0(const uint8_t* b, f32x16* out) {
@@ -115,23 +131,26 @@ STRATA_INLINE void decode_q8_0(const uint8_t* b, f32x16* out) {
   out[1] = loaded_floats(b + 18) * d;
 }
 
+template <int ISA>
 STRATA_INLINE void decode_q4_0(const uint8_t* b, f32x16* out) {
   const f32x16 d = splat(fp16(b)), eight = splat(8.f);
   const u8x16 q = load16(b + 2);
-  out[0] = d * (floats(u8x16(q & 15)) - eight);
-  out[1] = d * (floats(u8x16(q >> 4)) - eight);
+  out[0] = d * (byte_floats<ISA>(u8x16(q & 15)) - eight);
+  out[1] = d * (byte_floats<ISA>(u8x16(q >> 4)) - eight);
 }
 
 const i8x16 IQ4NL = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 const i8x16 MXFP4_VALUES = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
+template <int ISA>
 STRATA_INLINE void decode_mxfp4(const uint8_t* b, f32x16* out) {
   const f32x16 d = splat(e8m0_half(b[0]));
   const u8x16 q = load16(b + 1);
-  out[0] = d * lookup(MXFP4_VALUES, q & 15);
-  out[1] = d * lookup(MXFP4_VALUES, q >> 4);
+  out[0] = d * table_floats<ISA>(MXFP4_VALUES, q & 15);
+  out[1] = d * table_floats<ISA>(MXFP4_VALUES, q >> 4);
 }
 
+template <int ISA>
 STRATA_INLINE void decode_q4_k(const uint8_t* b, f32x16* out) {
   const float d = fp16(b), dmin = fp16(b + 2);
   const uint8_t* s = b + 4;
@@ -143,12 +162,13 @@ STRATA_INLINE void decode_q4_k(const uint8_t* b, f32x16* out) {
     const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
     for (int h = 0; h < 2; ++h) {
       const u8x16 v = load16(q + 32 * j + 16 * h);
-      out[4 * j + h] = d0 * floats(u8x16(v & 15)) - n0;
-      out[4 * j + 2 + h] = d1 * floats(u8x16(v >> 4)) - n1;
+      out[4 * j + h] = d0 * byte_floats<ISA>(u8x16(v & 15)) - n0;
+      out[4 * j + 2 + h] = d1 * byte_floats<ISA>(u8x16(v >> 4)) - n1;
     }
   }
 }
 
+template <int ISA>
 STRATA_INLINE void decode_q5_k(const uint8_t* b, f32x16* out) {
   const float d = fp16(b), dmin = fp16(b + 2);
   const uint8_t* s = b + 4;
@@ -163,12 +183,13 @@ STRATA_INLINE void decode_q5_k(const uint8_t* b, f32x16* out) {
       const u8x16 v = load16(q + 32 * j + 16 * h), hb = load16(qh + 16 * h);
       const u8x16 lo = (v & 15) | (((hb >> (2 * j)) & 1) << 4);
       const u8x16 hi = (v >> 4) | (((hb >> (2 * j + 1)) & 1) << 4);
-      out[4 * j + h] = d0 * floats(lo) - n0;
-      out[4 * j + 2 + h] = d1 * floats(hi) - n1;
+      out[4 * j + h] = d0 * byte_floats<ISA>(lo) - n0;
+      out[4 * j + 2 + h] = d1 * byte_floats<ISA>(hi) - n1;
     }
   }
 }
 
+template <int ISA>
 STRATA_INLINE void decode_q6_k(const uint8_t* b, f32x16* out) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
@@ -181,12 +202,13 @@ STRATA_INLINE void decode_q6_k(const uint8_t* b, f32x16* out) {
       for (int h = 0; h < 2; ++h) {  // 16 values, one scale
         const u8x16 l = load16(ql + 64 * r + 32 * (k & 1) + 16 * h), hb = load16(qh + 32 * r + 16 * h);
         const u8x16 q = ((l >> shift) & 15) | (((hb >> (2 * k)) & 3) << 4);
-        out[8 * r + 2 * k + h] = splat(d * float(sc[8 * r + 2 * k + h])) * (floats(q) - off);
+        out[8 * r + 2 * k + h] = splat(d * float(sc[8 * r + 2 * k + h])) * (byte_floats<ISA>(q) - off);
       }
     }
   }
 }
 
+template <int ISA>
 STRATA_INLINE void decode_iq4_xs(const uint8_t* b, f32x16* out) {
   const float d = fp16(b);
   const uint16_t sh = uint16_t(b[2] | (b[3] << 8));
@@ -196,27 +218,27 @@ STRATA_INLINE void decode_iq4_xs(const uint8_t* b, f32x16* out) {
     const int sc = ((sl[j / 2] >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4);
     const f32x16 dl = splat(d * float(sc - 32));
     const u8x16 v = load16(q + 16 * j);
-    out[2 * j] = dl * lookup(IQ4NL, v & 15);
-    out[2 * j + 1] = dl * lookup(IQ4NL, v >> 4);
+    out[2 * j] = dl * table_floats<ISA>(IQ4NL, v & 15);
+    out[2 * j + 1] = dl * table_floats<ISA>(IQ4NL, v >> 4);
   }
 }
 
-template <int QT>
+template <int QT, int ISA>
 STRATA_INLINE void decode_block(const uint8_t* blk, f32x16* w) {
   if constexpr (QT == Q8_0) decode_q8_0(blk, w);
-  else if constexpr (QT == Q4_0) decode_q4_0(blk, w);
-  else if constexpr (QT == MXFP4) decode_mxfp4(blk, w);
-  else if constexpr (QT == Q4_K) decode_q4_k(blk, w);
-  else if constexpr (QT == Q5_K) decode_q5_k(blk, w);
-  else if constexpr (QT == Q6_K) decode_q6_k(blk, w);
-  else decode_iq4_xs(blk, w);
+  else if constexpr (QT == Q4_0) decode_q4_0<ISA>(blk, w);
+  else if constexpr (QT == MXFP4) decode_mxfp4<ISA>(blk, w);
+  else if constexpr (QT == Q4_K) decode_q4_k<ISA>(blk, w);
+  else if constexpr (QT == Q5_K) decode_q5_k<ISA>(blk, w);
+  else if constexpr (QT == Q6_K) decode_q6_k<ISA>(blk, w);
+  else decode_iq4_xs<ISA>(blk, w);
 }
 
 // One segment: tokens [t0, t0 + n) of x against rows of W.
 struct Segment { const uint8_t* w; int64_t t0, n; };
 
 // Rows [r0, r1) of one segment: tokens in tiles, each block decoded once per tile.
-template <int QT, int VALUES, int BYTES>
+template <int QT, int VALUES, int BYTES, int ISA>
 STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,
                              int64_t out_features) {
   constexpr int V = VALUES / LANES;
@@ -230,7 +252,7 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
       const uint8_t* row = seg.w + r * row_bytes;
       for (int t = 0; t < TOKEN_TILE; ++t) acc[t] = f32x16{};
       for (int64_t bi = 0; bi < blocks; ++bi) {
-        decode_block<QT>(row + bi * BYTES, w);
+        decode_block<QT, ISA>(row + bi * BYTES, w);
         for (int t = 0; t < nt; ++t) {
           const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES);
           for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // rounded twice (-ffp-contract=off): the same bits from every body and compiler
@@ -248,11 +270,11 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
 }
 
 // Blocks [b0, b1) of raw decoded into out (VALUES floats a block): the values the products multiply.
-template <int QT, int VALUES, int BYTES>
+template <int QT, int VALUES, int BYTES, int ISA>
 STRATA_INLINE void blocks_body(const uint8_t* raw, int64_t b0, int64_t b1, float* out) {
   f32x16 w[VALUES / LANES];
   for (int64_t b = b0; b < b1; ++b) {
-    decode_block<QT>(raw + b * BYTES, w);
+    decode_block<QT, ISA>(raw + b * BYTES, w);
     std::memcpy(out + b * VALUES, w, sizeof(w));
   }
 }
@@ -261,19 +283,19 @@ using RowsFn = void (*)(const float*, int64_t, const Segment&, int64_t, int64_t,
 using BlocksFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
 
 // The same bodies compiled for each instruction set (inlined, so vectorised with its registers).
-#define STRATA_BODIES(ROWS, BLOCKS, ATTRIBUTES)                                                             \
+#define STRATA_BODIES(ROWS, BLOCKS, ATTRIBUTES, ISA)                                                        \
   template <int QT, int VALUES, int BYTES>                                                                 \
   ATTRIBUTES void ROWS(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,     \
                        int64_t out_features) {                                                             \
-    rows_body<QT, VALUES, BYTES>(x, K, seg, r0, r1, y, out_features);                                      \
+    rows_body<QT, VALUES, BYTES, ISA>(x, K, seg, r0, r1, y, out_features);                                 \
   }                                                                                                        \
   template <int QT, int VALUES, int BYTES>                                                                 \
   ATTRIBUTES void BLOCKS(const uint8_t* raw, int64_t b0, int64_t b1, float* out) {                          \
-    blocks_body<QT, VALUES, BYTES>(raw, b0, b1, out);                                                      \
+    blocks_body<QT, VALUES, BYTES, ISA>(raw, b0, b1, out);                                                 \
   }
-STRATA_BODIES(rows_avx512, blocks_avx512, STRATA_AVX512)
-STRATA_BODIES(rows_avx2, blocks_avx2, STRATA_AVX2)
-STRATA_BODIES(rows_generic, blocks_generic, )
+STRATA_BODIES(rows_avx512, blocks_avx512, STRATA_AVX512, 2)
+STRATA_BODIES(rows_avx2, blocks_avx2, STRATA_AVX2, 1)
+STRATA_BODIES(rows_generic, blocks_generic, , 0)
 #undef STRATA_BODIES
 
 enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
