@@ -150,22 +150,26 @@ STRATA_INLINE void decode_mxfp4(const uint8_t* b, f32x16* out) {
   out[1] = d * table_floats<ISA>(MXFP4_VALUES, q >> 4);
 }
 
+// Values [64 j, 64 j + 64) of a Q4_K block b (its super-scales d and dmin given) as out[0..4).
+template <int ISA>
+STRATA_INLINE void q4_k_part(const uint8_t* b, float d, float dmin, int j, f32x16* out) {
+  const uint8_t* s = b + 4;
+  const uint8_t* q = b + 16;
+  float sc0, m0, sc1, m1;
+  scale_min(s, 2 * j, sc0, m0);
+  scale_min(s, 2 * j + 1, sc1, m1);
+  const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
+  for (int h = 0; h < 2; ++h) {
+    const u8x16 v = load16(q + 32 * j + 16 * h);
+    out[h] = d0 * byte_floats<ISA>(u8x16(v & 15)) - n0;
+    out[2 + h] = d1 * byte_floats<ISA>(u8x16(v >> 4)) - n1;
+  }
+}
+
 template <int ISA>
 STRATA_INLINE void decode_q4_k(const uint8_t* b, f32x16* out) {
   const float d = fp16(b), dmin = fp16(b + 2);
-  const uint8_t* s = b + 4;
-  const uint8_t* q = b + 16;
-  for (int j = 0; j < 4; ++j) {
-    float sc0, m0, sc1, m1;
-    scale_min(s, 2 * j, sc0, m0);
-    scale_min(s, 2 * j + 1, sc1, m1);
-    const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
-    for (int h = 0; h < 2; ++h) {
-      const u8x16 v = load16(q + 32 * j + 16 * h);
-      out[4 * j + h] = d0 * byte_floats<ISA>(u8x16(v & 15)) - n0;
-      out[4 * j + 2 + h] = d1 * byte_floats<ISA>(u8x16(v >> 4)) - n1;
-    }
-  }
+  for (int j = 0; j < 4; ++j) q4_k_part<ISA>(b, d, dmin, j, out + 4 * j);
 }
 
 template <int ISA>
@@ -252,10 +256,22 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
       const uint8_t* row = seg.w + r * row_bytes;
       for (int t = 0; t < TOKEN_TILE; ++t) acc[t] = f32x16{};
       for (int64_t bi = 0; bi < blocks; ++bi) {
-        decode_block<QT, ISA>(row + bi * BYTES, w);
-        for (int t = 0; t < nt; ++t) {
-          const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES);
-          for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // rounded twice (-ffp-contract=off): the same bits from every body and compiler
+        const uint8_t* blk = row + bi * BYTES;
+        if constexpr (QT == Q4_K) {  // a quarter of the block at a time: its values stay in registers
+          const float d = fp16(blk), dmin = fp16(blk + 2);
+          for (int j = 0; j < 4; ++j) {
+            q4_k_part<ISA>(blk, d, dmin, j, w);
+            for (int t = 0; t < nt; ++t) {  // each acc[t] summed in the same order as the whole block's
+              const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES + 64 * j);
+              for (int i = 0; i < 4; ++i) acc[t] = xb[i] * w[i] + acc[t];
+            }
+          }
+        } else {
+          decode_block<QT, ISA>(blk, w);
+          for (int t = 0; t < nt; ++t) {
+            const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES);
+            for (int i = 0; i < V; ++i) acc[t] = xb[i] * w[i] + acc[t];  // rounded twice (-ffp-contract=off): the same bits from every body and compiler
+          }
         }
       }
       for (int t = 0; t < nt; ++t) {  // fixed pairwise order over the lanes
