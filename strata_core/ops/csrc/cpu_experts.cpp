@@ -150,47 +150,34 @@ STRATA_INLINE void decode_mxfp4(const uint8_t* b, f32x16* out) {
   out[1] = d * table_floats<ISA>(MXFP4_VALUES, q >> 4);
 }
 
-// Values [64 j, 64 j + 64) of a Q4_K block b (its super-scales d and dmin given) as out[0..4).
-template <int ISA>
-STRATA_INLINE void q4_k_part(const uint8_t* b, float d, float dmin, int j, f32x16* out) {
+// Q4_K and Q5_K blocks (256 values) decoded a quarter at a time: values [64 j, 64 j + 64) of block b as
+// out[0..4), given its super-scales d (fp16 at b) and dmin (at b + 2): 4-bit codes (and Q5_K's fifth
+// bits), a 6-bit scale and min a 32 values.
+template <int QT, int ISA>
+STRATA_INLINE void k_part(const uint8_t* b, float d, float dmin, int j, f32x16* out) {
   const uint8_t* s = b + 4;
-  const uint8_t* q = b + 16;
+  const uint8_t* q = b + (QT == Q5_K ? 48 : 16);
   float sc0, m0, sc1, m1;
   scale_min(s, 2 * j, sc0, m0);
   scale_min(s, 2 * j + 1, sc1, m1);
   const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
   for (int h = 0; h < 2; ++h) {
     const u8x16 v = load16(q + 32 * j + 16 * h);
-    out[h] = d0 * byte_floats<ISA>(u8x16(v & 15)) - n0;
-    out[2 + h] = d1 * byte_floats<ISA>(u8x16(v >> 4)) - n1;
-  }
-}
-
-template <int ISA>
-STRATA_INLINE void decode_q4_k(const uint8_t* b, f32x16* out) {
-  const float d = fp16(b), dmin = fp16(b + 2);
-  for (int j = 0; j < 4; ++j) q4_k_part<ISA>(b, d, dmin, j, out + 4 * j);
-}
-
-template <int ISA>
-STRATA_INLINE void decode_q5_k(const uint8_t* b, f32x16* out) {
-  const float d = fp16(b), dmin = fp16(b + 2);
-  const uint8_t* s = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* q = b + 48;
-  for (int j = 0; j < 4; ++j) {
-    float sc0, m0, sc1, m1;
-    scale_min(s, 2 * j, sc0, m0);
-    scale_min(s, 2 * j + 1, sc1, m1);
-    const f32x16 d0 = splat(d * sc0), n0 = splat(dmin * m0), d1 = splat(d * sc1), n1 = splat(dmin * m1);
-    for (int h = 0; h < 2; ++h) {
-      const u8x16 v = load16(q + 32 * j + 16 * h), hb = load16(qh + 16 * h);
-      const u8x16 lo = (v & 15) | (((hb >> (2 * j)) & 1) << 4);
-      const u8x16 hi = (v >> 4) | (((hb >> (2 * j + 1)) & 1) << 4);
-      out[4 * j + h] = d0 * byte_floats<ISA>(lo) - n0;
-      out[4 * j + 2 + h] = d1 * byte_floats<ISA>(hi) - n1;
+    u8x16 lo = v & 15, hi = v >> 4;
+    if constexpr (QT == Q5_K) {
+      const u8x16 hb = load16(b + 16 + 16 * h);
+      lo = lo | (((hb >> (2 * j)) & 1) << 4);
+      hi = hi | (((hb >> (2 * j + 1)) & 1) << 4);
     }
+    out[h] = d0 * byte_floats<ISA>(lo) - n0;
+    out[2 + h] = d1 * byte_floats<ISA>(hi) - n1;
   }
+}
+
+template <int QT, int ISA>
+STRATA_INLINE void decode_k(const uint8_t* b, f32x16* out) {
+  const float d = fp16(b), dmin = fp16(b + 2);
+  for (int j = 0; j < 4; ++j) k_part<QT, ISA>(b, d, dmin, j, out + 4 * j);
 }
 
 template <int ISA>
@@ -232,8 +219,7 @@ STRATA_INLINE void decode_block(const uint8_t* blk, f32x16* w) {
   if constexpr (QT == Q8_0) decode_q8_0(blk, w);
   else if constexpr (QT == Q4_0) decode_q4_0<ISA>(blk, w);
   else if constexpr (QT == MXFP4) decode_mxfp4<ISA>(blk, w);
-  else if constexpr (QT == Q4_K) decode_q4_k<ISA>(blk, w);
-  else if constexpr (QT == Q5_K) decode_q5_k<ISA>(blk, w);
+  else if constexpr (QT == Q4_K || QT == Q5_K) decode_k<QT, ISA>(blk, w);
   else if constexpr (QT == Q6_K) decode_q6_k<ISA>(blk, w);
   else decode_iq4_xs<ISA>(blk, w);
 }
@@ -257,10 +243,10 @@ STRATA_INLINE void rows_body(const float* x, int64_t K, const Segment& seg, int6
       for (int t = 0; t < TOKEN_TILE; ++t) acc[t] = f32x16{};
       for (int64_t bi = 0; bi < blocks; ++bi) {
         const uint8_t* blk = row + bi * BYTES;
-        if constexpr (QT == Q4_K) {  // a quarter of the block at a time: its values stay in registers
+        if constexpr (QT == Q4_K || QT == Q5_K) {  // a quarter at a time: values in registers (Q6_K measured slower)
           const float d = fp16(blk), dmin = fp16(blk + 2);
           for (int j = 0; j < 4; ++j) {
-            q4_k_part<ISA>(blk, d, dmin, j, w);
+            k_part<QT, ISA>(blk, d, dmin, j, w);
             for (int t = 0; t < nt; ++t) {  // each acc[t] summed in the same order as the whole block's
               const f32x16u* xb = reinterpret_cast<const f32x16u*>(xt + t * K + bi * VALUES + 64 * j);
               for (int i = 0; i < 4; ++i) acc[t] = xb[i] * w[i] + acc[t];
