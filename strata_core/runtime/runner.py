@@ -361,14 +361,10 @@ class Runner:
         if fused and tables is None:
             tables = to_device(kv_tables(batch.sessions, segment.layers), device)
         delta = None
-        alone = batch.sessions[0] if len(batch.sessions) == 1 and not batch.offsets else None
         for i, layer in enumerate(segment.layers):
             if fused:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
                                                    tables[i])
-            elif alone is not None:  # one session's row: no slicing or concatenation
-                hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, alone.kv,
-                                                                    alone.n_tokens + 1, static=static), rows)
             else:
                 parts = []
                 for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
@@ -376,7 +372,7 @@ class Runner:
                                                       session.n_tokens + 1, static=static))
                     if batch.offsets:  # a session of several rows keeps its recurrent state after each
                         session.kv.keep_step(layer)
-                hidden = self.model.moe(layer, torch.cat(parts), rows)  # [B, H]
+                hidden = self.model.moe(layer, parts[0] if len(parts) == 1 else torch.cat(parts), rows)  # [B, H]
             if self._observers:
                 self._notify(layer, hidden if delta is None else hidden + delta)
         return hidden if delta is None else hidden + delta
