@@ -30,6 +30,7 @@ from strata_core.model.gpt_oss.preset import GPT_OSS_PRESETS, GptOssPreset
 from strata_core.model.preset import Preset
 from strata_core.model.qwen3moe import QWEN3MOE_PRESETS
 from strata_core.model.qwen3next.preset import QWEN3NEXT_PRESETS, Qwen3NextPreset
+from strata_core.tools.synthetic_copy import CopyCircuit
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
 
@@ -94,14 +95,18 @@ def _value(qtype: Q, shape: tuple[int, ...], scale: float, rng: np.random.Genera
 
 def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, expert_type: Q | None = None,
                     dense_type: Q = Q.Q8_0, n_layers: int | None = None, seed: int = 0,
-                    progress: bool = True, mtp_layers: int = 0, context: int | None = None) -> int:
+                    progress: bool = True, mtp_layers: int = 0, context: int | None = None,
+                    copy: bool = False) -> int:
     """Write a synthetic model of ``preset`` to ``path``; returns the file size in bytes.
 
     ``expert_type`` None: the preset's ``expert_type`` if it names one (gpt-oss: MXFP4), else Q4_K.
     ``n_layers`` overrides the preset's layer count (a shorter model of the same width); ``mtp_layers``
     adds that many multi-token-prediction blocks after the layers (a preset that has them: qwen3next);
     ``context`` the context length the file declares instead of the preset's (the RoPE unchanged: as a
-    model trained that long, e.g. Qwen3-30B-A3B-2507's 262,144 tokens).
+    model trained that long, e.g. Qwen3-30B-A3B-2507's 262,144 tokens). ``copy``: a model whose greedy
+    output copies its prompt (an induction circuit, synthetic_copy.py; qwen3moe presets), a stand-in for
+    a real model's tendency to repeat its prompt in speculation benchmarks, with the same tensors, block
+    types, bytes and speed as the random one.
     """
     if isinstance(preset, str):
         if preset not in PRESETS:
@@ -122,6 +127,7 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
     if expert_type is None:
         expert_type = getattr(preset, "expert_type", Q.Q4_K)
     rng = np.random.default_rng(seed)
+    circuit = CopyCircuit(preset, dense_type, seed) if copy else None
     specs = list(_tensors(preset, expert_type, dense_type))
     w = gguf.GGUFWriter(os.fspath(path), preset.architecture)
     _metadata(w, name, preset, expert_type)
@@ -142,6 +148,8 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {os.fspath(path)}", disable=not progress) as bar:
         for tname, shape, qtype, scale in specs:
             data = _value(qtype, shape, scale, rng, pools)
+            if circuit is not None:
+                data = circuit.value(tname, shape, qtype, data)
             w.write_tensor_data(data)
             bar.update(data.nbytes)
     w.close()
