@@ -6,9 +6,10 @@
 #   RUNS="long128" bash tools/gpu_long_context.sh                    # prefill 8K and 128K, int8 KV, decode @128K
 #   RUNS="long256" bash tools/gpu_long_context.sh                    # one 256K-token prompt, int8 KV
 #   RUNS="spec" bash tools/gpu_long_context.sh                       # n-gram speculation on the code-editing workload
+#                                                                    # (make-synthetic --copy: a model that copies its prompt)
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; RES=/tmp/long-results; mkdir -p "$OUT" "$RES"; T0=$(date +%s)
-MODEL=/tmp/q30.gguf; LONG=/tmp/q30-256k.gguf
+MODEL=/tmp/q30.gguf; LONG=/tmp/q30-256k.gguf; COPY=/tmp/q30-copy.gguf
 step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; tar -C /tmp -czf "$OUT/long-results.tgz" long-results; }
 wanted() { [[ " ${RUNS:-kv32k} " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -19,7 +20,7 @@ if wanted kv32k && [ -n "${LLAMACPP:-}" ]; then  # built beside the runs, in its
     && nice -n 19 cmake --build /tmp/llama.cpp/build-cuda -j 10 --target llama-bench; echo \"llama.cpp built rc=\$?\"" \
     > "$RES/llama-build.log" 2>&1 < /dev/null & build=$!
 fi
-if wanted kv32k || wanted spec; then
+if wanted kv32k; then
   [ -f $MODEL ] || strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > "$RES/synth.log" 2>&1
   step "model ready"
 fi
@@ -51,9 +52,11 @@ if wanted long256; then
     --max-context 262144 --prompts 256k --contexts 1k --decode-tokens 16 --repeats 1 > "$RES/bench-256k.log" 2>&1
   step "bench 256k rc=$?"; grep -E "^\| (prefill|decode)" "$RES/bench-256k.log"
 fi
-if wanted spec; then  # one client, greedy, the committed prompts; a random model repeats little of its prompt
+if wanted spec; then  # one client, greedy, the committed prompts, on a model that copies its prompt (a random one doesn't)
+  [ -f $COPY ] || strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K --copy $COPY > "$RES/synth-copy.log" 2>&1
+  step "copy model ready"
   for mode in off ngram; do
-    timeout 200 strata bench serve --model $MODEL --devices cuda:0 --arena pinned --expert-cache 6144 \
+    timeout 200 strata bench serve --model $COPY --devices cuda:0 --arena pinned --expert-cache 6144 \
       --max-context 2048 --parallel 4 --spec $mode --spec-tokens 4 --clients 1 --requests 4 \
       --input tools/data/code_edit.jsonl --ignore-eos --no-progress --json "$RES/spec-$mode.json" > "$RES/spec-$mode.log" 2>&1
     step "spec $mode rc=$?"; grep -E "^\|" "$RES/spec-$mode.log" | head -12

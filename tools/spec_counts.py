@@ -2,6 +2,9 @@
 counts, not time, through the scheduler, for --spec-tokens off, 4 and 8; the text must be the same.
 
     python tools/spec_counts.py [MODEL.gguf] [--devices cpu]   # default: the embedded demo model
+
+A model that repeats its prompt keeps most drafts: ``strata make-synthetic --preset small --copy small-copy.gguf``
+(or ``--preset qwen3-30b-a3b --layers 2 --copy``: the copy circuit's layers at the 30B widths; the others add nothing).
 """
 
 import asyncio
