@@ -213,7 +213,7 @@ class CopyCircuit:
 
         k = a (real, pairs 0..n), q = a e^{-i m theta}: the score sum_f a_f^2 cos((Δ - m) theta_f) peaks at
         Δ = m; the norm weights scale it to _PREV_SCORE nats there."""
-        p, D, half = self.p, self.p.head_dim, self.p.head_dim // 2
+        D, half = self.p.head_dim, self.p.head_dim // 2
         n, _margin = _offset_pairs(self.theta, self.context)
         amp = np.full(n, 1 / math.sqrt(n))
         out = self._empty(part)
