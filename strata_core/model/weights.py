@@ -35,12 +35,11 @@ Q8Sources = dict[tuple[int | None, str], TensorRef]
 #: Most rows of x a product reads from a Q8_0 copy (``strata::q8_linear``: the gemv kernel for one row,
 #: the rows kernel, which reads each W tile once for 16 rows, from two), more the float copy (cuBLAS).
 #: Two rows or more read the copy only for a matrix of at least :data:`Q8_ROWS_MIN_VALUES` values.
-#: Measured with tools/gemv_bench.py on an H100 (BENCHMARKS.md, "Dense decode products"): the rows
-#: kernel beats cuBLAS's bf16 product on the head [151936, 2048] by 1.2-1.4x from 2 to 16 rows and
-#: loses at 32 (two x tiles); the smaller matrices (QKV, attention output, router) were not measured
-#: without the host's launch cost yet, so they keep cuBLAS from two rows on. Held at one row (16 is the
-#: measured choice) until the rows kernel's CUDA dispatch has passed tests/test_dense_q8.py on a GPU.
-Q8_MAX_ROWS = 1
+#: Measured with tools/gemv_bench.py in CUDA graphs on an H100 (BENCHMARKS.md, "Dense decode products"):
+#: the rows kernel beats cuBLAS's bf16 product on the head [151936, 2048] by 1.33-1.48x from 2 to 16 rows
+#: and loses at 32 (two x tiles); on QKV, the attention output and the router it ties or loses from two
+#: rows on, so those keep cuBLAS.
+Q8_MAX_ROWS = 16
 #: Fewest values of a matrix whose products of 2 to :data:`Q8_MAX_ROWS` rows read its Q8_0 copy
 Q8_ROWS_MIN_VALUES = 1 << 26
 
