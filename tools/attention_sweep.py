@@ -9,6 +9,10 @@ a decode step reads them: not served from the L2) is captured in a CUDA graph pe
 replayed (``triton.testing.do_bench``, median); printed as us a layer, with the KV bytes read per
 second. Every configuration's output must be within 1e-2 of the default's (bf16; the splits change
 the summation order only). Make the winner the default: ``_BLOCK_N, _SPLITS`` in ops/decode.py.
+
+``--kv-types bf16,q8_0,int8``: also the quantized KV kernel (``strata::decode_attention_q``, paged pools of
+16-token blocks) at the default split, both ways of loading its scales (``GROUPED_SCALES`` of
+ops/decode_q.py), each checked against the first; GB/s counts the codes and scales read.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="1024,8192,32768")
     parser.add_argument("--sessions", default="1,4")
+    parser.add_argument("--kv-types", default="bf16", help="bf16 and / or quantized KV types (q8_0, int8)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_sweep.json"))
     args = parser.parse_args()
     import triton
@@ -36,8 +41,14 @@ def main() -> None:
     dev = torch.device("cuda")
     default = (decode._BLOCK_N, decode._SPLITS)
     results = []
+    kv_types = args.kv_types.split(",")
     for n in map(int, args.contexts.split(",")):
         for B in map(int, args.sessions.split(",")):
+            for kv_type in kv_types:
+                if kv_type != "bf16":
+                    results += _sweep_quantized(n, B, kv_type, dev)
+            if "bf16" not in kv_types:
+                continue
             gen = torch.Generator(device=dev).manual_seed(n + B)
             keys = [[torch.randn(n + 1, KV_HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
                      for _ in range(B)] for _ in range(LAYERS)]
@@ -71,6 +82,52 @@ def main() -> None:
             decode._BLOCK_N, decode._SPLITS = default
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
+
+
+def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[dict]:
+    """Time ``decode_attention_q`` over ``n + 1`` positions of ``B`` sessions' paged ``kv_type`` pools, each
+    way of loading scales, in a CUDA graph over 48 layers; each checked against the first."""
+    import triton
+
+    from strata_core.model.kvquant import kv_format, quantize
+    from strata_core.ops import decode_q
+
+    fmt, bs = kv_format(kv_type), 16
+    per = (n + 1 + bs - 1) // bs
+    gen = torch.Generator(device=dev).manual_seed(n + B)
+    block_table = torch.arange(B * per, dtype=torch.int32, device=dev).view(B, per)
+    layers = []
+    for _ in range(LAYERS):
+        (kc, ks), (vc, vs) = (quantize(torch.randn(B * per, bs, KV_HEADS, HEAD_DIM, generator=gen, device=dev,
+                                                   dtype=torch.bfloat16), fmt) for _ in range(2))
+        pools = (kc, vc, ks, vs)
+        layers.append((pools, decode_q._device_table_q(pools, block_table, dev)))
+    q = torch.randn(B, HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
+    positions = torch.full((B,), n, dtype=torch.int64, device=dev)
+    nbytes = sum(t.numel() * t.element_size() for t in layers[0][0]) * (n + 1) / (per * bs)
+    rows, reference, default = [], None, decode_q.GROUPED_SCALES
+    for grouped in (default, not default):
+        decode_q.GROUPED_SCALES = grouped
+
+        def step() -> list[torch.Tensor]:
+            return [decode_q.decode_attention_q(q, positions, *pools, block_table, table) for pools, table in layers]
+
+        step()  # compile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        reference = reference or [o.clone() for o in outs]
+        err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
+        us = triton.testing.do_bench(graph.replay, warmup=5, rep=50) * 1e3 / LAYERS
+        row = dict(context=n, sessions=B, kv_type=kv_type, grouped_scales=grouped, us_per_layer=us,
+                   kv_gbps=nbytes / us / 1e3, max_err=err, ok=err <= 1e-2)
+        rows.append(row)
+        print(f"context {n:6d} B {B}: {kv_type} scales {'grouped' if grouped else 'per value'}: {us:7.2f} us a layer, "
+              f"{row['kv_gbps']:6.0f} GB/s of KV, err {err:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
+    decode_q.GROUPED_SCALES = default
+    return rows
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ from strata_core.ops.qdecode import HAS_TRITON, on_device
 
 __all__ = ["decode_attention_q", "fused_quantized_supported", "kv_table_q", "rope_kv_write_q"]
 
+#: How the CUDA decode attention loads a tile's scales: True, one load a 32-value group beside codes loaded
+#: as [BLOCK_N, G, D / G]; False, each value's scale gathered beside it (tools/attention_sweep.py
+#: ``--kv-type`` times both)
+GROUPED_SCALES = True
+
 
 def _format(codes: Tensor, scales: Tensor):
     """The kvquant format of a pool of ``codes`` and ``scales``."""
@@ -214,9 +219,11 @@ if HAS_TRITON:
     def _attention_q_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
                                   REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                   SPLITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, SDT: tl.constexpr,
-                                  IEEE: tl.constexpr):
+                                  IEEE: tl.constexpr, GROUPED: tl.constexpr):
         """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b], each
-        tile of codes dequantized (codes x scale in float32, rounded to q's dtype) as it is loaded."""
+        tile of codes dequantized (codes x scale in float32, rounded to q's dtype) as it is loaded.
+        ``GROUPED``: a tile's codes are loaded as [BLOCK_N, G, D / G] beside its [BLOCK_N, G] scales (one scale
+        load a group); else each value's scale is gathered beside it ([BLOCK_N, D] loads)."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -243,10 +250,20 @@ if HAS_TRITON:
             tm = t < end
             block = tl.load(bt + t // BS, mask=tm, other=0).to(tl.int64)  # [BLOCK_N] block ids
             head_row = (block * BS + t % BS)[:, None] * n_kv + g  # [BLOCK_N, 1]
-            at = head_row * D + d[None, :]  # [BLOCK_N, D]
-            sat = head_row * G + d[None, :] // (D // G)  # [BLOCK_N, D]: each value's scale
-            k = (tl.load(kc + at, mask=tm[:, None], other=0).to(tl.float32)
-                 * tl.load(ksc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
+            if GROUPED:
+                gi = tl.arange(0, G)[None, :, None]
+                ci = tl.arange(0, D // G)[None, None, :]
+                row3 = head_row[:, :, None]  # [BLOCK_N, 1, 1]
+                at3 = row3 * D + gi * (D // G) + ci  # [BLOCK_N, G, D / G]
+                sat3 = row3 * G + gi  # [BLOCK_N, G, 1]: each group's scale
+                tm3 = tm[:, None, None]
+                k = tl.reshape((tl.load(kc + at3, mask=tm3, other=0).to(tl.float32)
+                                * tl.load(ksc + sat3, mask=tm3, other=0.0).to(tl.float32)).to(dt), [BLOCK_N, D])
+            else:
+                at = head_row * D + d[None, :]  # [BLOCK_N, D]
+                sat = head_row * G + d[None, :] // (D // G)  # [BLOCK_N, D]: each value's scale
+                k = (tl.load(kc + at, mask=tm[:, None], other=0).to(tl.float32)
+                     * tl.load(ksc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
             if IEEE:  # float32 products (float32 compute; the interpreter, whose bf16 dot is wrong)
                 sc = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
@@ -256,8 +273,12 @@ if HAS_TRITON:
             alpha = tl.exp(m_i - m_new)
             pr = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            v = (tl.load(vc + at, mask=tm[:, None], other=0).to(tl.float32)
-                 * tl.load(vsc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
+            if GROUPED:
+                v = tl.reshape((tl.load(vc + at3, mask=tm3, other=0).to(tl.float32)
+                                * tl.load(vsc + sat3, mask=tm3, other=0.0).to(tl.float32)).to(dt), [BLOCK_N, D])
+            else:
+                v = (tl.load(vc + at, mask=tm[:, None], other=0).to(tl.float32)
+                     * tl.load(vsc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(pr.to(dt).to(tl.float32), v.to(tl.float32),
                                                     input_precision="ieee")
@@ -335,7 +356,7 @@ if HAS_TRITON:
                 q.contiguous(), positions.contiguous(), table, m, l, acc, nh, nkv, D ** -0.5,
                 REP=rep, RP=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=_BLOCK_N, SPLITS=splits,
                 BS=key_pool.shape[1], G=G, SDT=_SDT[key_scales.dtype],
-                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, num_warps=4)
+                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, GROUPED=GROUPED_SCALES, num_warps=4)
             _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits, num_warps=1)
         return out
 
