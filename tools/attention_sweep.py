@@ -11,8 +11,8 @@ second. Every configuration's output must be within 1e-2 of the default's (bf16;
 the summation order only). Make the winner the default: ``_BLOCK_N, _SPLITS`` in ops/decode.py.
 
 ``--kv-types bf16,q8_0,int8``: also the quantized KV kernel (``strata::decode_attention_q``, paged pools of
-16-token blocks) at the default split, both ways of loading its scales (``GROUPED_SCALES`` of
-ops/decode_q.py), each checked against the first; GB/s counts the codes and scales read.
+16-token blocks): both ways of loading its scales (``GROUPED_SCALES`` of ops/decode_q.py) and the
+splits of ``Q_CONFIGS``, each checked against the first; GB/s counts the codes and scales read.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from strata_core.ops import decode
 
 CONFIGS = [(64, 32), (32, 16), (32, 32), (32, 64), (16, 64), (16, 128)]  # (BLOCK_N, SPLITS)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 48, 32, 4, 128
+#: the quantized kernel's (GROUPED_SCALES, BLOCK_N, SPLITS) tried beside its default (SPLITS 0: the rule)
+Q_CONFIGS = [(True, 64, 0), (True, 32, 128), (True, 64, 128), (True, 16, 128)]
 
 
 def main() -> None:
@@ -105,12 +107,13 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
     q = torch.randn(B, HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
     positions = torch.full((B,), n, dtype=torch.int64, device=dev)
     nbytes = sum(t.numel() * t.element_size() for t in layers[0][0]) * (n + 1) / (per * bs)
-    rows, reference, default = [], None, decode_q.GROUPED_SCALES
-    for grouped in (default, not default):
-        decode_q.GROUPED_SCALES = grouped
+    rows, reference, default = [], None, (decode_q.GROUPED_SCALES, decode_q._BLOCK_N)
+    for grouped, block_n, splits in [(*default, 0), (not default[0], default[1], 0)] + Q_CONFIGS:
+        decode_q.GROUPED_SCALES, decode_q._BLOCK_N = grouped, block_n
 
         def step() -> list[torch.Tensor]:
-            return [decode_q.decode_attention_q(q, positions, *pools, block_table, table) for pools, table in layers]
+            return [decode_q.decode_attention_q(q, positions, *pools, block_table, table, splits)
+                    for pools, table in layers]
 
         step()  # compile
         graph = torch.cuda.CUDAGraph()
@@ -121,12 +124,13 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
         reference = reference or [o.clone() for o in outs]
         err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
         us = triton.testing.do_bench(graph.replay, warmup=5, rep=50) * 1e3 / LAYERS
-        row = dict(context=n, sessions=B, kv_type=kv_type, grouped_scales=grouped, us_per_layer=us,
-                   kv_gbps=nbytes / us / 1e3, max_err=err, ok=err <= 1e-2)
+        row = dict(context=n, sessions=B, kv_type=kv_type, grouped_scales=grouped, block_n=block_n, splits=splits,
+                   us_per_layer=us, kv_gbps=nbytes / us / 1e3, max_err=err, ok=err <= 1e-2)
         rows.append(row)
-        print(f"context {n:6d} B {B}: {kv_type} scales {'grouped' if grouped else 'per value'}: {us:7.2f} us a layer, "
-              f"{row['kv_gbps']:6.0f} GB/s of KV, err {err:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
-    decode_q.GROUPED_SCALES = default
+        print(f"context {n:6d} B {B}: {kv_type} scales {'grouped' if grouped else 'per value'} BLOCK_N {block_n:3d} "
+              f"SPLITS {splits or 'auto':>4}: {us:7.2f} us a layer, {row['kv_gbps']:6.0f} GB/s of KV, "
+              f"err {err:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
+    decode_q.GROUPED_SCALES, decode_q._BLOCK_N = default
     return rows
 
 
