@@ -29,20 +29,61 @@ MODELS = [DEMO, DATA / "gpt-oss_llamacpp" / "model-q8_0.gguf", DATA / "deepseek3
 
 
 def _lookup(tokens: list[int], k: int) -> list[int]:
-    """The draft by a plain scan: the longest suffix (up to MAX_NGRAM) seen before, latest occurrence."""
+    """The draft by a plain scan: the longest suffix (up to MAX_NGRAM) seen before, latest occurrence; the
+    ``k`` tokens after it, copied one at a time onto the sequence (so a copy that reaches the end goes
+    on with what it copied)."""
     for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == tokens[-n:]:
-                return tokens[start + n:start + n + k]
+                out = list(tokens)
+                for j in range(k):
+                    out.append(out[start + n + j])
+                return out[len(tokens):]
     return []
 
 
-@settings(max_examples=200)
-@given(tokens=st.lists(st.integers(0, 5), max_size=40), cut=st.integers(0, 40), k=st.integers(1, 6))
+@settings(max_examples=300)
+@given(tokens=st.lists(st.integers(0, 5), max_size=40), cut=st.integers(0, 40), k=st.integers(1, 12))
 def test_the_drafter_finds_what_a_scan_finds(tokens: list[int], cut: int, k: int) -> None:
     drafter = NgramDrafter(tokens[:cut])
     drafter.extend(tokens[cut:])
     assert drafter.draft(k) == _lookup(tokens, k)
+
+
+@settings(max_examples=200)
+@given(loop=st.lists(st.integers(0, 1000), min_size=1, max_size=6, unique=True),
+       head=st.lists(st.integers(1001, 2000), max_size=10), laps=st.integers(2, 4), into=st.integers(0, 5),
+       k=st.integers(1, 16))
+def test_a_loop_is_drafted_around_in_full(loop: list[int], head: list[int], laps: int, into: int, k: int) -> None:
+    """A sequence that ends in a loop (``laps`` turns of ``loop``, then ``into`` of its tokens): ``k``
+    drafted tokens, the loop going on, however short its period."""
+    tokens = head + loop * laps + loop[:into % len(loop)]
+    drafter = NgramDrafter(tokens)
+    assert drafter.draft(k) == [loop[(len(tokens) - len(head) + j) % len(loop)] for j in range(k)]
+
+
+@settings(max_examples=200)
+@given(tokens=st.lists(st.integers(0, 5), max_size=40), k=st.integers(1, 12))
+def test_a_match_k_or_more_tokens_back_drafts_what_followed_it(tokens: list[int], k: int) -> None:
+    """No overlap with the end: the ``k`` tokens that followed the match, as before loops were drafted."""
+    draft = NgramDrafter(tokens).draft(k)
+    for n in range(min(MAX_NGRAM, len(tokens) - 1), 0, -1):
+        starts = [s for s in range(len(tokens) - n) if tokens[s:s + n] == tokens[-n:]]
+        if starts:
+            after = starts[-1] + n
+            if len(tokens) - after >= k:
+                assert draft == tokens[after:after + k]
+            assert len(draft) == k
+            return
+    assert draft == []
+
+
+def test_drafts_examples() -> None:
+    """A run of spaces (period 1), a repeated pair (period 2) and a plain copy."""
+    assert NgramDrafter([7, 0, 0, 0]).draft(4) == [0, 0, 0, 0]
+    assert NgramDrafter([5, 1, 2, 1, 2]).draft(5) == [1, 2, 1, 2, 1]
+    assert NgramDrafter([1, 2, 3, 4, 5, 6, 9, 1, 2]).draft(3) == [3, 4, 5]
+    assert NgramDrafter([1, 2, 3]).draft(3) == []
 
 
 def test_accepted_counts_the_drafts_greedy_decoding_keeps() -> None:

@@ -35,7 +35,7 @@ class MakeSyntheticCommand(CommandSettings):
                             "for --spec mtp (qwen3-next presets)")
     context: int | None = Field(None, ge=16, description="the context length the file declares (default: the "
                                 "preset's), e.g. 262144 for a 256K-token session of qwen3-30b-a3b's shapes")
-    copy: bool = Field(False, description="a model whose greedy output copies its prompt (an induction circuit "
+    copy_prompt: bool = Field(False, alias="copy", description="a model whose greedy output copies its prompt (an induction circuit "
                        "in layers 0-1, the others adding nothing): a stand-in for a real model's tendency to repeat "
                        "its prompt, for --spec ngram benchmarks; same shapes, bytes and speed as the random preset "
                        "(qwen3moe presets)")
@@ -55,7 +55,7 @@ class MakeSyntheticCommand(CommandSettings):
             size = write_synthetic(self.out, self.preset, expert_type=expert_type,
                                    dense_type=_qtype(self.dense_type, "--dense-type"), n_layers=self.layers,
                                    seed=self.seed, mtp_layers=self.mtp_layers, context=self.context,
-                                   copy=self.copy)
+                                   copy=self.copy_prompt)
         except OSError as error:  # no such directory, no space, no permission: one line, exit 2
             raise ConfigError(f"{self.out}: cannot write the model: {error.strerror or error}") from None
         seconds = time.perf_counter() - start

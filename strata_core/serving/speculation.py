@@ -3,7 +3,9 @@ decode window.
 
 A request's next tokens are guessed by prompt lookup: the tokens that followed the latest earlier
 occurrence of its last ``n`` tokens (the longest ``n`` up to ``MAX_NGRAM`` that occurred before), so a
-reply that repeats its prompt (code edits, quotes, lists) is drafted ahead. The window then holds the
+reply that repeats its prompt (code edits, quotes, lists) is drafted ahead. Where that occurrence is
+``d`` tokens back with ``d`` less than the draft (the sequence ends in a loop of period ``d``: a run of
+spaces, a repeated line), the draft goes on around the loop, ``k`` tokens rather than ``d``. The window then holds the
 request's pending token and its ``k`` drafted tokens as ``k + 1`` rows of one session
 (``Engine.decode_window``: each row's logits follow the session's tokens up to it, exactly as ``k + 1``
 windows of one row would give them). Each row is drawn as the request's draw at that token would be
@@ -58,12 +60,15 @@ class NgramDrafter:
                 self._next[tuple(self.tokens[end - n:end])] = end
 
     def draft(self, k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's longest
-        suffix that occurred before (at most ``MAX_NGRAM`` long); none when no suffix did."""
+        """``k`` tokens that followed the latest earlier occurrence of the sequence's longest suffix that
+        occurred before (at most ``MAX_NGRAM`` long); none when no suffix did. An occurrence ``d < k``
+        tokens back is followed by the sequence's last ``d`` tokens, then by the draft itself (the
+        sequence as a loop of period ``d``): ``draft[j] = tokens[at + j % d]``."""
         for n in range(min(MAX_NGRAM, len(self.tokens)), 0, -1):
             at = self._next.get(tuple(self.tokens[-n:]))
             if at is not None:
-                return self.tokens[at:at + k]
+                period = len(self.tokens) - at
+                return [self.tokens[at + j % period] for j in range(k)]
         return []
 
 

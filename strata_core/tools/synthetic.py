@@ -5,7 +5,8 @@ then each tensor's data), so memory stays at about one expert tensor whatever th
 Blocks come from ``strata_core.quant.random_blocks`` (finite scales sized so activations stay
 finite); to write at disk speed, each tensor is assembled from a pool of random blocks at random
 offsets instead of drawing every byte from the RNG. The file carries a small byte-level BPE
-tokenizer padded to the model's vocabulary, so the whole engine runs on it.
+tokenizer padded to the model's vocabulary, so the whole engine runs on it (a copy model's is trained
+on Python code: synthetic_copy.py).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from strata_core.model.gpt_oss.preset import GPT_OSS_PRESETS, GptOssPreset
 from strata_core.model.preset import Preset
 from strata_core.model.qwen3moe import QWEN3MOE_PRESETS
 from strata_core.model.qwen3next.preset import QWEN3NEXT_PRESETS, Qwen3NextPreset
-from strata_core.tools.synthetic_copy import CopyCircuit
+from strata_core.tools.synthetic_copy import CopyCircuit, code_tokenizer
 
 __all__ = ["PRESETS", "Preset", "write_synthetic"]
 
@@ -70,14 +71,20 @@ def _tensors(p: Preset, expert_type: Q, dense_type: Q) -> Iterator[tuple[str, tu
     return p.tensors(expert_type, dense_type)
 
 
-def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q) -> None:
+def _metadata(w: gguf.GGUFWriter, name: str, p: Preset, expert_type: Q, copy: bool) -> None:
+    """The preset's metadata and a tokenizer: a toy one (320 tokens) for random weights; for a copy
+    model, one trained on Python code (``code_tokenizer``), as a real model's tokenizer would cut its
+    code-editing prompts."""
     w.add_name(f"strata-synthetic-{name}")
     p.add_metadata(w)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     w.add_string("strata.synthetic.expert_type", expert_type.name)
-    text = ["the quick brown fox jumps over the lazy dog", "strata streams experts from host memory",
-            "0123456789 hello world, a synthetic model"] * 4
-    tok = train_byte_level_bpe(text, vocab_size=min(p.vocab, 320), special_tokens=_SPECIALS)
+    if copy:
+        tok = code_tokenizer(p.vocab, _SPECIALS)
+    else:
+        text = ["the quick brown fox jumps over the lazy dog", "strata streams experts from host memory",
+                "0123456789 hello world, a synthetic model"] * 4
+        tok = train_byte_level_bpe(text, vocab_size=min(p.vocab, 320), special_tokens=_SPECIALS)
     add_tokenizer_metadata(w, tok, bos=None, eos="<|im_end|>", pad="<|endoftext|>", vocab_size=p.vocab)
 
 
@@ -130,7 +137,7 @@ def write_synthetic(path: str | os.PathLike[str], preset: str | Preset, *, exper
     circuit = CopyCircuit(preset, dense_type, seed) if copy else None
     specs = list(_tensors(preset, expert_type, dense_type))
     w = gguf.GGUFWriter(os.fspath(path), preset.architecture)
-    _metadata(w, name, preset, expert_type)
+    _metadata(w, name, preset, expert_type, copy)
     total = 0
     for tname, shape, qtype, _scale in specs:
         if qtype == Q.F32:

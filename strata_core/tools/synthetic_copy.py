@@ -27,21 +27,34 @@ same speed), with a few of them set by hand to an induction ("copy") circuit:
 
 Where the context never occurred before the output is arbitrary; a prompt that holds the text to
 repeat (tools/data/code_edit.jsonl) makes the copy go on.
+
+The model's tokenizer (``code_tokenizer``) is a Qwen2-style byte-level BPE of up to ``CODE_VOCAB``
+tokens trained on Python code, a stand-in for a real tokenizer trained on a corpus with code: runs of
+indentation and common identifiers are single tokens, so a code prompt is a few hundred tokens of many
+distinct ones (the toy tokenizer of the random presets cuts it into ~1 token a character of ~80 distinct
+ones, every space its own token, where a two-token context says little about what follows).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import sysconfig
+from pathlib import Path
 
 import numpy as np
+import tokenizers
 from gguf import GGMLQuantizationType as Q
 
 from strata_core.errors import ConfigError
 from strata_core.model.preset import Preset
 from strata_core.quant import QUANTIZABLE_TYPES, quantize
+from strata_core.text.tokenizer import train_byte_level_bpe
 
-__all__ = ["COPY_CONTEXT", "CopyCircuit"]
+__all__ = ["CODE_VOCAB", "COPY_CONTEXT", "CopyCircuit", "code_corpus", "code_tokenizer"]
+
+#: the most tokens the copy model's code tokenizer learns (trained in about a second)
+CODE_VOCAB = 16384
 
 #: the context over which the copy circuit is designed to be reliable (RoPE rotation of its codes)
 COPY_CONTEXT = 2048
@@ -54,6 +67,22 @@ _CONTENT_TURN = 0.5  # the most the induction codes' RoPE pairs turn over COPY_C
 _RIDGE = 1.0  # the recency fit's ridge weight
 _EMBED_ROWS = 1 << 13  # embedding / output rows quantized at a time (bounded memory at 152K x 2048)
 _ROUTER = "ffn_gate_inp.weight"
+
+
+def code_corpus() -> list[str]:
+    """The training text of ``code_tokenizer``: the Python standard library's top-level modules
+    (``sysconfig``'s stdlib folder, ``*.py`` in sorted order, about 4.7 MB), Python code that is not the
+    benchmark's prompts (those quote strata's own source). The same for one Python version."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    if not files:
+        raise ConfigError(f"--copy trains its tokenizer on the Python standard library's sources, not found in "
+                          f"{sysconfig.get_paths()['stdlib']}")
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def code_tokenizer(vocab: int, special_tokens: list[str]) -> tokenizers.Tokenizer:
+    """A Qwen2-style byte-level BPE of ``min(vocab, CODE_VOCAB)`` tokens trained on ``code_corpus()``."""
+    return train_byte_level_bpe(code_corpus(), vocab_size=min(vocab, CODE_VOCAB), special_tokens=special_tokens)
 
 
 def _unit_rows(rng: np.random.Generator, n: int, d: int) -> np.ndarray:
