@@ -130,6 +130,26 @@ def test_greedy_output_with_speculation_is_the_output_without(path: Path, option
     assert with_spec.stats.completion_tokens == without.stats.completion_tokens
 
 
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.parent.name if p.parent.name != "data" else "qwen3moe")
+                                  for p in MODELS])
+def test_a_window_of_one_session_s_rows_gives_each_row_its_prefill_logits(path: Path) -> None:
+    """A verification window (several rows of one session) crossing the CPU attention's key blocks
+    (``ATTN_BLOCK``, 256 positions): each row attends over every position up to its own, so its logits are
+    those a prefill of the same tokens gives at that position."""
+    engine = Engine.load(path, max_context=320, devices=["cpu"])
+    try:
+        tokens = torch.randint(10, 200, (262,), generator=torch.Generator().manual_seed(3)).tolist()
+        want = engine.logits(tokens)  # [T, V]
+        for start, rows in ((250, 9), (253, 5)):
+            session = engine.new_session()
+            engine.prefill(session, tokens[:start])
+            got = engine.decode_window([(session, t) for t in tokens[start:start + rows]]).float()
+            engine.release_session(session)
+            torch.testing.assert_close(got, want[start:start + rows].float(), rtol=1e-4, atol=1e-4)
+    finally:
+        engine.close()
+
+
 def test_a_request_s_timings_count_its_drafts() -> None:
     """llama-server's ``draft_n`` / ``draft_n_accepted`` in a request's timings, and its log line."""
     engine = Engine.load(DEMO, max_context=256)

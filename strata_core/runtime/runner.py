@@ -367,9 +367,11 @@ class Runner:
                                                    tables[i])
             else:
                 parts = []
+                offsets = batch.offsets or (0,) * len(batch.sessions)
                 for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
+                    n_ctx = session.n_tokens + offsets[b] + 1  # the row's own position and those before it
                     parts.append(self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
-                                                      session.n_tokens + 1, static=static))
+                                                      n_ctx, static=static))
                     if batch.offsets:  # a session of several rows keeps its recurrent state after each
                         session.kv.keep_step(layer)
                 hidden = self.model.moe(layer, parts[0] if len(parts) == 1 else torch.cat(parts), rows)  # [B, H]
