@@ -26,6 +26,7 @@ from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.fused_decode import place_q8_copies
 from strata_core.model.head_split import HeadSplit
+from strata_core.model import kvtransfer
 from strata_core.model.kvcache import KVCache
 from strata_core.model.kvpool import KVPoolFull, KVPools
 from strata_core.model.mtp import MtpHead, mtp_block_spec
@@ -346,14 +347,14 @@ class Engine:
 
     def save_session(self, session: Session) -> SessionSnapshot:
         """A host-RAM copy of ``session`` (the conversation cache keeps these)."""
-        return SessionSnapshot(tokens=tuple(session.tokens), kv=session.kv.snapshot())
+        return SessionSnapshot(tokens=tuple(session.tokens), kv=kvtransfer.snapshot(session.kv))
 
     def restore_session(self, snapshot: SessionSnapshot) -> Session:
         """A live session equal to the one saved in ``snapshot``: the leading blocks another session
         has published are shared, the rest copied in from the snapshot."""
         session = self.new_session(snapshot.tokens)
         try:
-            session.kv.restore(snapshot.kv, keep=session.n_tokens)
+            kvtransfer.restore(session.kv, snapshot.kv, keep=session.n_tokens)
         except Exception:
             self.release_session(session)
             raise

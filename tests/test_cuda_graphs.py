@@ -13,6 +13,7 @@ from strata_core.testing.sync import no_host_sync
 from strata_core.runtime.graphs import BUCKETS, DecodeGraphs, _Graph, bucket
 from strata_core.plugin.placement import Segment
 from strata_core.model.spec import StateTensor
+from strata_core.model import kvtransfer
 from strata_core.model.kvcache import KVCache
 from strata_core.runtime.session import DecodeBatch, Session
 
@@ -120,9 +121,9 @@ def test_capture_cache_invalidation():
     a, b = _session(), _session()
     first = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
     a.truncate(0)  # truncation keeps the KV tensors: still valid
-    a.kv.restore(a.kv.snapshot())  # so does a restore into the same tensors
+    kvtransfer.restore(a.kv, kvtransfer.snapshot(a.kv))  # so does a restore into the same tensors
     assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first
-    a.kv.move(range(1, 2), slot=1, device="cpu")  # a moved layer: another pool and block table -> capture again
+    kvtransfer.move(a.kv, range(1, 2), slot=1, device="cpu")  # a moved layer: another pool and block table -> capture again
     second = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
     assert second is not first and graphs.captures == 2
     graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None)

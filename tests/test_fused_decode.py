@@ -64,6 +64,7 @@ def test_kv_tables_follow_a_moved_cache():
     table, also after a hand-off puts some layers in another slot's pool (the tables are built once per
     version of a cache)."""
     from strata_core.model.fused_decode import kv_tables
+    from strata_core.model import kvtransfer
     from strata_core.model.kvcache import KVCache
     from strata_core.model.spec import StateTensor
     from strata_core.runtime.session import Session
@@ -77,6 +78,6 @@ def test_kv_tables_follow_a_moved_cache():
 
     assert kv_tables(sessions, range(3)).tolist() == want(range(3))
     assert kv_tables(sessions, range(1, 3)).tolist() == want(range(1, 3))
-    sessions[1].kv.move(range(1, 3), 1, "cpu")  # another pool and block table for layers 1 and 2
+    kvtransfer.move(sessions[1].kv, range(1, 3), 1, "cpu")  # another pool and block table for layers 1 and 2
     assert kv_tables(sessions, range(3)).tolist() == want(range(3))
     assert kv_tables(sessions, range(1, 3)).tolist() == want(range(1, 3)) != kv_tables(sessions[:1] * 2, range(1, 3)).tolist()

@@ -1,4 +1,5 @@
-"""KVCache: write/read, truncate (rows and recurrent state), hand-off between device slots, host snapshot/restore; DenseWeights.place."""
+"""KVCache: write/read, truncate (rows and recurrent state); kvtransfer: hand-off between device slots and ranks,
+host snapshot/restore; DenseWeights.place."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from strata_core.model.registry import load_model_spec
 from strata_core.model.spec import StateTensor
 from strata_core.gguf.tiny import tiny_hf_model
 from strata_core.gguf.writer import write_gguf
+from strata_core.model import kvtransfer
 from strata_core.model.kvcache import KVCache
 from strata_core.model.weights import DenseWeights
 
@@ -98,19 +100,20 @@ def test_hand_off_moves_only_the_given_layers_and_keeps_the_way_back():
     kv = filled(layout=HYBRID)
     before = {i: {name: t.clone() for name, t in kv.committed(i).items()} for i in range(3)}
     conv = kv.state(1, "conv")
-    kv.move(range(1, 3), slot=1, device="cpu")
+    kvtransfer.move(kv, range(1, 3), slot=1, device="cpu")
     assert kv.home == {0: 0, 1: 1, 2: 1}
     assert kv.pool_rows(2)["k"] is kv.pools.pools[1].rows[2]["k"] and kv.pool_rows(0) is kv.pools.pools[0].rows[0]
-    assert len(kv.blocks(1)) == 3 and kv.parked(0, 1) is None and kv.parked(1, 0)["conv"] is conv
+    assert len(kv.blocks(1)) == 3 and kvtransfer.parked(kv, 0, 1) is None
+    assert kvtransfer.parked(kv, 1, 0)["conv"] is conv
     assert torch.equal(kv.state(1, "conv"), before[1]["conv"])  # the whole recurrent state
     assert torch.equal(kv.read(2, 5)[0], before[2]["k"]) and not kv.read(2, 8)[0][6:].any()
-    assert torch.equal(kv.parked(2, 0)["k"], before[2]["k"])
+    assert torch.equal(kvtransfer.parked(kv, 2, 0)["k"], before[2]["k"])
     kv.reserve(6)
     kv.write(2, torch.tensor([5]), k=torch.ones(1, 2, 4), v=torch.ones(1, 2, 4))
     kv.state(1, "conv").add_(1)
     kv.advance(1)
     blocks = kv.blocks(0)
-    kv.move(range(1, 3), slot=0, device="cpu")  # back: the same blocks and parked state, with the new rows
+    kvtransfer.move(kv, range(1, 3), slot=0, device="cpu")  # back: the same blocks and parked state, with the new rows
     assert kv.blocks(0) == blocks and kv.state(1, "conv") is conv and kv.home[2] == 0
     assert torch.equal(kv.read(2, 6)[0][5], torch.ones(2, 4)) and torch.equal(kv.read(2, 5)[0], before[2]["k"])
     assert torch.equal(kv.state(1, "conv"), before[1]["conv"] + 1)
@@ -122,41 +125,41 @@ def test_layers_leave_for_another_process_and_arrive_back_with_its_rows():
     kv = filled(layout=HYBRID)
     before = {i: {name: t.clone() for name, t in kv.committed(i).items()} for i in range(3)}
     blocks = kv.blocks(0)
-    snap = kv.leave(range(1, 3), slot=1)
+    snap = kvtransfer.leave(kv, range(1, 3), slot=1)
     assert kv.home == {0: 0} and kv.away == {1: 1, 2: 1} and kv.n_tokens == 5
     assert torch.equal(snap.tensors[2]["k"], before[2]["k"]) and torch.equal(snap.tensors[1]["conv"], before[1]["conv"])
     with pytest.raises(ValueError, match="layer 1's state is on another rank's device slot 1"):
-        kv.snapshot()
+        kvtransfer.snapshot(kv)
     mirror = KVCache(range(1, 3), 8, {1: HYBRID[1], 2: HYBRID[2]}, block_size=2)  # the other process's
-    mirror.arrive(snap, slot=0, device="cpu")
+    kvtransfer.arrive(mirror, snap, slot=0, device="cpu")
     assert mirror.n_tokens == 5 and torch.equal(mirror.read(2, 5)[0], before[2]["k"])
     mirror.reserve(6)  # one more position computed there
     mirror.write(2, torch.tensor([5]), k=torch.ones(1, 2, 4), v=torch.ones(1, 2, 4))
     mirror.state(1, "conv").add_(1)
     mirror.advance(1)
-    back = mirror.leave(range(1, 3), slot=0)
+    back = kvtransfer.leave(mirror, range(1, 3), slot=0)
     with pytest.raises(ValueError, match="the rows received hold 6 positions, this cache 5"):
-        kv.arrive(back, slot=0, device="cpu")
+        kvtransfer.arrive(kv, back, slot=0, device="cpu")
     kv.reserve(6)
     kv.write(0, torch.tensor([5]), k=torch.ones(1, 2, 4), v=torch.ones(1, 2, 4))
     kv.advance(1)
-    kv.arrive(back, slot=0, device="cpu")
+    kvtransfer.arrive(kv, back, slot=0, device="cpu")
     assert kv.home == {0: 0, 1: 0, 2: 0} and kv.away == {} and kv.blocks(0) == blocks
     assert torch.equal(kv.read(2, 6)[0][:5], before[2]["k"]) and torch.equal(kv.read(2, 6)[0][5], torch.ones(2, 4))
     assert torch.equal(kv.state(1, "conv"), before[1]["conv"] + 1)
     with pytest.raises(ValueError, match="cannot receive layer 1 on slot 1: .* at home on slot 0"):
-        kv.arrive(back, slot=1, device="cpu")
+        kvtransfer.arrive(kv, back, slot=1, device="cpu")
 
 
 def test_snapshot_restore_roundtrip():
     kv = filled(layout=HYBRID)
-    snap = kv.snapshot()
+    snap = kvtransfer.snapshot(kv)
     k0, conv = kv.read(0, 5)[0].clone(), kv.state(1, "conv").clone()
     table = kv.block_table(0)
     kv.truncate(0)
     kv.reserve(5)
     kv.write(0, torch.arange(5), k=torch.zeros(5, 2, 4), v=torch.zeros(5, 2, 4))
-    kv.restore(snap)
+    kvtransfer.restore(kv, snap)
     assert kv.n_tokens == 5 and torch.equal(kv.read(0, 5)[0], k0) and torch.equal(kv.state(1, "conv"), conv)
     assert kv.block_table(0) is table  # refilled in place: a graph reading it stays valid
     assert snap.tensors[0]["k"].device.type == "cpu"

@@ -10,6 +10,7 @@ import torch
 from strata_core.config import StrataSettings
 from strata_core.engine import Engine
 from strata_core.errors import ConfigError
+from strata_core.model import kvtransfer
 from strata_core.runtime.phase_state import HandOffError
 from strata_core.plugin import CacheBudget, ExpertSource, LayerPlacement, Placement, hookimpl
 
@@ -146,7 +147,7 @@ def test_dbg_handoff_catches_a_copy_that_lands_nothing(model, monkeypatch):
     placement = Placement.stages([(0, range(0, 2)), (1, range(2, 4))], prompt_device=0)
 
     def lossy(ctx, session, layers, src, dst):  # moves the home, drops the rows
-        session.kv.move(layers, dst.index, dst.device)
+        kvtransfer.move(session.kv, layers, dst.index, dst.device)
         for layer in layers:
             session.kv.pool_rows(layer)["k"].zero_()
         return True

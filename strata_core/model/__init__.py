@@ -4,8 +4,9 @@
   reads; ``architecture.py``: ``Architecture``, metadata -> spec, the checks, the forward it builds;
   ``registry.py``: ``general.architecture`` -> ``Architecture``, ``load_model_spec``, ``load_model``.
 - The shared Qwen-style MoE forward: ``transformer.py`` (``MoEModel``), ``ops.py``, ``rope.py``,
-  ``kvcache.py`` (``KVCache``), ``weights.py`` (``DenseWeights``), ``head_split.py``,
-  ``fused_decode.py``; ``preset.py``: ``Preset``, the base of the synthetic presets.
+  ``kvcache.py`` (``KVCache``), ``kvtransfer.py`` (its hand-offs and host snapshots, ``KVSnapshot``),
+  ``weights.py`` (``DenseWeights``), ``head_split.py``, ``fused_decode.py``; ``preset.py``: ``Preset``,
+  the base of the synthetic presets.
 - An architecture: ``qwen3moe.py``, ``qwen2moe.py`` (the shared forward, other flags), and
   ``gpt_oss/``, ``deepseek2/``, ``qwen3next/``, each with ``spec.py`` (its ModelSpec: numbers,
   state, tensors), ``architecture.py`` (llama.cpp's reading of its metadata, ``ARCH``),

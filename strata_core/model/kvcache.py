@@ -10,13 +10,10 @@ never changes and a CUDA graph or a fused kernel reads it in place) and grows bl
 is reallocated. Recurrent state is not paged: each cache owns its tensors.
 
 A cache may hold only some layers; the layers of one cache may sit on different device slots. Each
-layer has a *home* slot (where compute reads and writes it now). A hand-off (``move``) copies the
-committed rows of the moved layers into the session's blocks on the other slot (one table per slot
-serves every layer the session keeps there) and the recurrent state into tensors parked there for
-the way back; the blocks left on the old slot stay the session's, so going back and forth between
-a prompt and a decode placement allocates each block once. Across processes (ranks) a hand-off is
-``leave`` (host copies of the layers' rows and state; the layers are *away* until they come back)
-on the sending side and ``arrive`` (written into this cache's blocks) on the receiving one. Compute
+layer has a *home* slot (where compute reads and writes it now), or is *away* on another rank's.
+Moving layers to another slot, another rank or host memory (hand-offs, snapshots, restores) is
+kvtransfer.py's: it works on this cache's block tables and state directly (``_tables``, ``_state``,
+``_parked``, ``_left``, ``_place_layer``, ``_store`` ...), as a method here would. Compute
 writes rows at the positions it computes, into blocks ``reserve`` made ready before (no allocation, no host work inside a layer);
 the caller commits them with ``advance`` once every layer has run, so ``n_tokens`` is the number of
 positions all layers hold. Recurrent state cannot be rewound in general: ``truncate`` to a shorter
@@ -43,7 +40,6 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -52,7 +48,7 @@ from strata_core.model.kvquant import SCALE, QuantizedRows, quantize, stored_lay
 from strata_core.model.spec import StateTensor
 from strata_core.runtime.devices import to_device
 
-__all__ = ["DEFAULT_BLOCK", "KVCache", "KVSnapshot", "StateTensor"]
+__all__ = ["DEFAULT_BLOCK", "KVCache", "StateTensor"]
 
 LayerTensors = dict[str, torch.Tensor]
 
@@ -60,40 +56,11 @@ LayerTensors = dict[str, torch.Tensor]
 DEFAULT_BLOCK = 16
 
 
-@dataclass(frozen=True)
-class KVSnapshot:
-    """A host copy of the first ``n_tokens`` rows (and the recurrent state) of some layers. From a
-    CUDA cache the copies are still in flight until ``ready`` (one event per device) has passed:
-    ``wait()`` before reading them."""
-
-    n_tokens: int
-    tensors: dict[int, LayerTensors]  # layer -> name -> rows [n_tokens, ...] or the whole state
-    ready: tuple[torch.cuda.Event, ...] = ()
-
-    def wait(self) -> None:
-        """Block until every copy to the host has landed."""
-        for event in self.ready:
-            event.synchronize()
-
-    @property
-    def nbytes(self) -> int:
-        """Host bytes held."""
-        return sum(t.numel() * t.element_size() for named in self.tensors.values() for t in named.values())
-
-
 def _give_back(pools: KVPools, tables: dict[int, list[int]]) -> None:
     """Return every block of ``tables`` to ``pools`` (a cache released, or dropped unreleased)."""
     for slot, table in tables.items():
         pools.free(slot, table)
     tables.clear()
-
-
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t``: from a CUDA device into pinned memory by a copy that does not wait."""
-    if t.device.type != "cuda":
-        return t.to("cpu", copy=True)
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    return host.copy_(t, non_blocking=True)
 
 
 def _clone(named: LayerTensors) -> LayerTensors:
@@ -136,7 +103,7 @@ class KVCache:
         self.version = 0
         homes = homes or {i: (0, torch.device(device)) for i in layers}
         self.home = {i: homes[i][0] for i in layers}  # layer -> device slot holding it now
-        #: layer -> another rank's device slot holding it now (``leave``; not in ``home`` meanwhile)
+        #: layer -> another rank's device slot holding it now (kvtransfer ``leave``; not in ``home`` meanwhile)
         self.away: dict[int, int] = {}
         self._tables: dict[int, list[int]] = {}  # slot -> block ids (host)
         self._device_tables: dict[int, torch.Tensor] = {}  # slot -> int32 [max_blocks] on the slot's device
@@ -146,8 +113,8 @@ class KVCache:
         self._chain: list[PrefixEntry] = []  # index entries of the leading full blocks (shared or published)
         self._state: dict[int, LayerTensors] = {}  # layer -> its recurrent state (on its home)
         self._parked: dict[tuple[int, int], LayerTensors] = {}  # (layer, slot) -> recurrent state left there
-        #: (layer, slot) -> positions whose rows a hand-off left there (or ``leave``) still hold: those after
-        #: go stale while the layer computes elsewhere (what ``publish`` may offer of that slot)
+        #: (layer, slot) -> positions whose rows a hand-off (kvtransfer ``move``, ``leave``) left there still hold:
+        #: those after go stale while the layer computes elsewhere (what ``publish`` may offer of that slot)
         self._left: dict[tuple[int, int], int] = {}
         #: per recurrent layer, its state at positions ``_steps_from``, ``_steps_from + 1``, ... of the decode
         #: window in progress (``keep_steps``); what ``truncate`` rewinds to; cleared when a phase reserves
@@ -269,6 +236,15 @@ class KVCache:
         """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored."""
         flat = self._row_ids[self.home[layer]][:n]
         return tuple(self._rows(layer, name).index_select(0, flat) for name in names)
+
+    def committed(self, layer: int, tensors: LayerTensors | None = None) -> LayerTensors:
+        """What ``layer`` holds now: its committed rows (gathered) and its
+        whole recurrent state (of ``tensors``, e.g. a parked set, instead of the live ones if given)."""
+        if tensors is None:
+            names = [name for name, t in self._layout[layer].items() if t.per_token]
+            rows = dict(zip(names, self._gather(layer, self.n_tokens, names))) if names else {}
+            return {**rows, **self._state[layer]}
+        return {name: t[:self.n_tokens] if self._layout[layer][name].per_token else t for name, t in tensors.items()}
 
     def block_table(self, layer: int) -> torch.Tensor:
         """int32 ``[max_blocks]`` block ids of ``layer``'s home slot, on its device (a fixed tensor,
@@ -437,150 +413,6 @@ class KVCache:
     def blocks(self, slot: int) -> list[int]:
         """The block ids this cache holds on ``slot`` (its table), in position order."""
         return list(self._tables.get(slot, ()))
-
-    # --- hand-off --------------------------------------------------------------------------------
-
-    def move(self, layers: range, slot: int, device: torch.device | str) -> None:
-        """Hand-off: make device slot ``slot`` (on ``device``) the home of ``layers``, copying the
-        committed rows into this cache's blocks there (blocks shared there hold them already) and the
-        recurrent state, device to device (no host round trip); what is left behind stays for the way back."""
-        nb = blocks_for(self.n_tokens, self.block_size)
-        for i in layers:
-            src = self.home[i]
-            if src == slot:
-                continue
-            self._place_layer(i, slot, device)
-            self._extend(slot, len(self._tables[src]))
-            pool = self.pools.pools[slot]
-            pairs = [(s, d) for s, d in zip(self._tables[src][:nb], self._tables[slot][:nb]) if pool.writable(d)]
-            if pairs:
-                source_rows = self.pools.pools[src].rows[i]
-                at_src = _on(self.pools.pools[src].device, [s for s, _ in pairs], torch.int64)
-                at_dst = _on(pool.device, [d for _, d in pairs], torch.int64)
-                for name, rows in pool.rows[i].items():
-                    rows[at_dst] = source_rows[name][at_src].to(pool.device, non_blocking=True)
-            self._parked[(i, src)] = self._state[i]
-            moved = self._parked.pop((i, slot), None) or self._new_state(i, device)
-            for name, source in self._state[i].items():
-                moved[name].copy_(source, non_blocking=True)
-            self._state[i], self.home[i] = moved, slot
-            self._left[(i, src)] = self.n_tokens
-            self._left.pop((i, slot), None)
-            self.version += 1
-
-    def leave(self, layers: range, slot: int) -> KVSnapshot:
-        """Hand-off to another process: host copies of the committed rows and recurrent state of
-        ``layers`` (landed), after which the layers are *away* at device slot ``slot`` (another rank's):
-        no compute here reads them until :meth:`arrive` brings them back. Their blocks here stay this
-        cache's (their rows go stale)."""
-        self._check_here(layers)
-        snap = self.snapshot(layers)
-        snap.wait()
-        for i in layers:
-            self._left[(i, self.home[i])] = self.n_tokens
-            del self._state[i], self.home[i]
-            self.away[i] = slot
-        self._steps = {i: steps for i, steps in self._steps.items() if i in self._state}
-        self.version += 1
-        return snap
-
-    def arrive(self, snap: KVSnapshot, slot: int, device: torch.device | str) -> None:
-        """Hand-off from another process: make ``slot`` (on ``device``) the home of the snapshot's
-        layers (away, or at home there) and write their rows and state. Where the cache keeps other
-        layers at home the snapshot must hold as many positions as they do; where it keeps none it
-        takes the snapshot's length (as :meth:`restore`)."""
-        layers = sorted(snap.tensors)
-        wrong = [i for i in layers if i not in self.layers or self.home.get(i, slot) != slot]
-        if wrong:
-            raise ValueError(f"cannot receive layer {wrong[0]} on slot {slot}: it is not this cache's or is at home "
-                             f"on slot {self.home.get(wrong[0])}")
-        staying = self.home.keys() - set(layers)
-        if staying and snap.n_tokens != self.n_tokens:
-            raise ValueError(f"the rows received hold {snap.n_tokens} positions, this cache {self.n_tokens}")
-        for i in layers:
-            if i not in self.home:
-                self._place_layer(i, slot, device)
-                self._state[i] = self._new_state(i, device)
-                self.home[i] = slot
-            self.away.pop(i, None)
-            self._left.pop((i, slot), None)  # its rows are all written here below
-        self.version += 1
-        if not staying:
-            self.restore(snap)
-            return
-        self._extend(slot, blocks_for(self.n_tokens, self.block_size))
-        positions = torch.arange(self.n_tokens, device=self._device_tables[slot].device)
-        for i in layers:
-            named = snap.tensors[i]
-            rows = {name: t.to(positions.device) for name, t in named.items() if self._layout[i][name].per_token}
-            if rows:
-                self._store(i, positions, rows)
-            for name, t in named.items():
-                if not self._layout[i][name].per_token:
-                    self._state[i][name].copy_(t)
-
-    def _check_here(self, layers: range) -> None:
-        """ValueError when a layer of ``layers`` is away (its state is another process's now)."""
-        away = [i for i in layers if i in self.away]
-        if away:
-            raise ValueError(f"layer {away[0]}'s state is on another rank's device slot {self.away[away[0]]}")
-
-    def parked(self, layer: int, slot: int) -> LayerTensors | None:
-        """What a hand-off left of ``layer`` on ``slot``: its committed rows gathered from the blocks
-        there and its parked recurrent state (what ``STRATA_DBG_HANDOFF`` compares), or None."""
-        if (layer, slot) not in self._left:
-            return None
-        flat = self._row_ids[slot][:self.n_tokens]
-        rows = {name: t.view(-1, *t.shape[2:]).index_select(0, flat)
-                for name, t in self.pools.pools[slot].rows[layer].items()}
-        return {**rows, **self._parked.get((layer, slot), {})}
-
-    def committed(self, layer: int, tensors: LayerTensors | None = None) -> LayerTensors:
-        """What ``layer`` holds now: its committed rows (gathered) and its
-        whole recurrent state (of ``tensors``, e.g. a parked set, instead of the live ones if given)."""
-        if tensors is None:
-            names = [name for name, t in self._layout[layer].items() if t.per_token]
-            rows = dict(zip(names, self._gather(layer, self.n_tokens, names))) if names else {}
-            return {**rows, **self._state[layer]}
-        return {name: t[:self.n_tokens] if self._layout[layer][name].per_token else t for name, t in tensors.items()}
-
-    # --- host copies -----------------------------------------------------------------------------
-
-    def snapshot(self, layers: range | None = None) -> KVSnapshot:
-        """Copy the committed rows and the recurrent state of ``layers`` (all if None) to host memory:
-        from a CUDA device into pinned memory without waiting (each copy follows the work queued before
-        it on the device's stream; the snapshot's events say when they have landed)."""
-        layers = self.layers if layers is None else layers
-        self._check_here(layers)
-        committed = {i: self.committed(i) for i in layers}
-        tensors = {i: {name: _to_host(t) for name, t in named.items()} for i, named in committed.items()}
-        ready = []
-        for device in {t.device for named in committed.values() for t in named.values() if t.device.type == "cuda"}:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-            ready.append(event)
-        return KVSnapshot(self.n_tokens, tensors, tuple(ready))
-
-    def restore(self, snap: KVSnapshot, keep: int = 0) -> None:
-        """Load a snapshot's rows and state back (onto each layer's home) and its ``n_tokens``. The
-        first ``keep`` positions this cache holds already are the snapshot's (a shared prefix): they
-        stay and are not written."""
-        if not 0 <= keep <= min(self.n_tokens, snap.n_tokens):
-            raise ValueError(f"cannot keep {keep} positions of a cache of {self.n_tokens} restoring {snap.n_tokens}")
-        snap.wait()  # its copies may have been queued on another device's stream
-        if keep == 0:
-            self.truncate(0)
-        self.truncate(keep)
-        self.reserve(snap.n_tokens)
-        for i, named in snap.tensors.items():
-            device = self._device_tables[self.home[i]].device
-            rows = {name: t[keep:].to(device) for name, t in named.items() if self._layout[i][name].per_token}
-            if rows:
-                self._store(i, torch.arange(keep, snap.n_tokens, device=device), rows)
-            for name, t in named.items():
-                if not self._layout[i][name].per_token:
-                    self._state[i][name].copy_(t)
-        self.n_tokens = snap.n_tokens
 
     # --- prefix sharing --------------------------------------------------------------------------
 

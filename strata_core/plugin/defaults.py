@@ -6,6 +6,7 @@ a strategy implementing a phase hook answers first.
 
 from __future__ import annotations
 
+from strata_core.model import kvtransfer
 from strata_core.plugin.spec import hookimpl
 
 
@@ -24,5 +25,5 @@ def strata_decode_window(ctx, batch):
 @hookimpl(trylast=True)
 def strata_hand_off(ctx, session, layers, src, dst):
     """Copy the committed KV rows of ``layers`` from ``src`` to ``dst`` (device to device)."""
-    session.kv.move(layers, dst.index, dst.device)
+    kvtransfer.move(session.kv, layers, dst.index, dst.device)
     return True

@@ -149,7 +149,7 @@ def strata_hand_off(
 
     Called by the engine when the prompt and decode placements keep ``layers`` on different slots:
     after a prompt segment (and back before the next one). The core default copies device to
-    device (``KVCache.move``). With ``STRATA_DBG_HANDOFF=1`` the engine reads the destination back
+    device (``kvtransfer.move``). With ``STRATA_DBG_HANDOFF=1`` the engine reads the destination back
     and compares it with the source after the call.
 
     :param ctx: the :class:`~strata_core.plugin.context.PhaseContext`.

@@ -10,7 +10,7 @@ back to it (a request reusing a slot's prefix, rejected drafts, a step that fail
 ran), one shorter is an error (prefix sharing and the conversation cache, which hold positions no
 step brought, are off across ranks). A hand-off between a prompt segment on rank 0 and a decode
 segment on another rank (prefill_main) moves the session's rows of that segment into its mirror and
-back (``KVCache.leave`` on one side, ``arrive`` on the other), all its positions each time.
+back (kvtransfer's ``leave`` on one side, ``arrive`` on the other), all its positions each time.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import torch
 
 from strata_core.config import StrataSettings
 from strata_core.errors import StrataError
-from strata_core.model.kvcache import KVCache, KVSnapshot
+from strata_core.model import kvtransfer
+from strata_core.model.kvcache import KVCache
 from strata_core.plugin.placement import DeviceSlot, Phase, Segment
 from strata_core.remote.group import Cluster, chain_links
 from strata_core.remote.launch import Launch
@@ -91,17 +92,17 @@ class RemoteStages:
         segment; from there it leaves the mirror and arrives here. A hand-off that fails on the way out
         puts the rows back here."""
         if src.rank == self.cluster.rank:
-            rows = session.kv.leave(layers, dst.index)
+            rows = kvtransfer.leave(session.kv, layers, dst.index)
             try:
                 self.cluster.request(dst.rank, self._message(dst.rank, "arrive", session, dst, layers)
                                      | {"rows": (rows.n_tokens, rows.tensors)})
             except BaseException:
-                session.kv.arrive(rows, src.index, src.device)
+                kvtransfer.arrive(session.kv, rows, src.index, src.device)
                 raise
         else:
             n_tokens, tensors = self.cluster.request(src.rank, self._message(src.rank, "leave", session, src, layers)
                                                      | {"to": dst.index})
-            session.kv.arrive(KVSnapshot(n_tokens, tensors), dst.index, dst.device)
+            kvtransfer.arrive(session.kv, kvtransfer.KVSnapshot(n_tokens, tensors), dst.index, dst.device)
 
     def resident(self) -> set[tuple[int, int]]:
         """The (layer, expert) entries the other ranks' caches hold."""
@@ -176,10 +177,11 @@ class StageServer:
         if message["what"] == "arrive":
             mirror = self._mirror_of(sid, segment)
             positions, tensors = message["rows"]
-            mirror.kv.arrive(KVSnapshot(positions, tensors), slot, self.engine.devices[slot].device)
+            kvtransfer.arrive(mirror.kv, kvtransfer.KVSnapshot(positions, tensors), slot,
+                              self.engine.devices[slot].device)
             mirror.tokens[:] = [UNSET] * positions
             return None
-        rows = self._mirror(sid, n_tokens, segment).kv.leave(segment.layers, message["to"])
+        rows = kvtransfer.leave(self._mirror(sid, n_tokens, segment).kv, segment.layers, message["to"])
         return rows.n_tokens, rows.tensors
 
     def _release(self, released: Sequence[int]) -> None:

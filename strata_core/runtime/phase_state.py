@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from strata_core.errors import StrataError
+from strata_core.model import kvtransfer
 from strata_core.plugin.events import ResidencyEvent
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 
@@ -101,7 +102,7 @@ def _verify(session: Session, layers: range, src: int, dst: int) -> None:
     """Read the destination back and compare it with the source, row for row."""
     kv = session.kv
     for layer in layers:
-        before = kv.parked(layer, src)
+        before = kvtransfer.parked(kv, layer, src)
         if kv.home[layer] != dst or before is None:
             raise HandOffError(f"hand-off of layer {layer} to slot {dst}: the state is not there")
         sources = kv.committed(layer, before)

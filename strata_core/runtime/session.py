@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 if TYPE_CHECKING:
-    from strata_core.model.kvcache import KVCache, KVSnapshot
+    from strata_core.model.kvcache import KVCache
+    from strata_core.model.kvtransfer import KVSnapshot
 
 _ids = itertools.count(1)
 
