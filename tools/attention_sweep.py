@@ -40,7 +40,7 @@ def main() -> None:
     args = parser.parse_args()
     import triton
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # an index: the kernels check their tensors' device
     default = (decode._BLOCK_N, decode._SPLITS)
     results = []
     kv_types = args.kv_types.split(",")
