@@ -38,8 +38,6 @@ def main() -> None:
     parser.add_argument("--kv-types", default="bf16", help="bf16 and / or quantized KV types (q8_0, int8)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_sweep.json"))
     args = parser.parse_args()
-    import triton
-
     dev = torch.device("cuda", torch.cuda.current_device())  # an index: the kernels check their tensors' device
     default = (decode._BLOCK_N, decode._SPLITS)
     results = []
@@ -65,16 +63,8 @@ def main() -> None:
                 def step() -> list[torch.Tensor]:
                     return [decode.decode_attention(q, positions, k, v, t) for k, v, t in zip(keys, values, tables)]
 
-                step()  # compile
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    outs = step()
-                graph.replay()
-                torch.cuda.synchronize()
-                if reference is None:
-                    reference = [o.clone() for o in outs]
+                us, outs, reference = _time_graph(step, reference)
                 err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
-                us = triton.testing.do_bench(graph.replay, warmup=5, rep=50) * 1e3 / LAYERS
                 gbps = 2 * B * (n + 1) * KV_HEADS * HEAD_DIM * 2 / us / 1e3
                 row = dict(context=n, sessions=B, block_n=block_n, splits=splits, us_per_layer=us, kv_gbps=gbps,
                            max_err=err, ok=err <= 1e-2)
@@ -86,11 +76,24 @@ def main() -> None:
         json.dump(results, f, indent=1)
 
 
+def _time_graph(step, reference: list[torch.Tensor] | None) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
+    """``step``'s 48 layers captured in a CUDA graph (after a compiling call): (us a layer, median of
+    replays; its outputs; ``reference``, or a copy of these outputs when None)."""
+    import triton
+
+    step()  # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    us = triton.testing.do_bench(graph.replay, warmup=5, rep=50) * 1e3 / LAYERS
+    return us, outs, reference if reference is not None else [o.clone() for o in outs]
+
+
 def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[dict]:
     """Time ``decode_attention_q`` over ``n + 1`` positions of ``B`` sessions' paged ``kv_type`` pools, each
     way of loading scales, in a CUDA graph over 48 layers; each checked against the first."""
-    import triton
-
     from strata_core.model.kvquant import kv_format, quantize
     from strata_core.ops import decode_q
 
@@ -115,15 +118,8 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
             return [decode_q.decode_attention_q(q, positions, *pools, block_table, table, splits)
                     for pools, table in layers]
 
-        step()  # compile
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = step()
-        graph.replay()
-        torch.cuda.synchronize()
-        reference = reference or [o.clone() for o in outs]
+        us, outs, reference = _time_graph(step, reference)
         err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
-        us = triton.testing.do_bench(graph.replay, warmup=5, rep=50) * 1e3 / LAYERS
         row = dict(context=n, sessions=B, kv_type=kv_type, grouped_scales=grouped, block_n=block_n, splits=splits,
                    us_per_layer=us, kv_gbps=nbytes / us / 1e3, max_err=err, ok=err <= 1e-2)
         rows.append(row)
