@@ -6,7 +6,9 @@
 #   RUNS="long128" bash tools/gpu_long_context.sh                    # prefill 8K and 128K, int8 KV, decode @128K
 #   RUNS="long256" bash tools/gpu_long_context.sh                    # one 256K-token prompt, int8 KV
 #   RUNS="spec" bash tools/gpu_long_context.sh                       # n-gram speculation on the code-editing workload
-#                                                                    # (make-synthetic --copy: a model that copies its prompt)
+#                                                                    # (make-synthetic --copy: a model that copies its prompt;
+#                                                                    # SPEC_ARGS="--batch-invariant": greedy identity on CUDA too)
+#   RUNS="sweep" bash tools/gpu_long_context.sh                      # the decode attention kernels at 32K by KV type
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; RES=/tmp/long-results; mkdir -p "$OUT" "$RES"; T0=$(date +%s)
 MODEL=/tmp/q30.gguf; LONG=/tmp/q30-256k.gguf; COPY=/tmp/q30-copy.gguf
@@ -57,9 +59,14 @@ if wanted spec; then  # one client, greedy, the committed prompts, on a model th
   step "copy model ready"
   for mode in off ngram; do
     timeout 200 strata bench serve --model $COPY --devices cuda:0 --arena pinned --expert-cache 6144 \
-      --max-context 2048 --parallel 4 --spec $mode --spec-tokens 4 --clients 1 --requests 4 \
+      --max-context 2048 --parallel 4 --spec $mode --spec-tokens 4 --clients 1 --requests 4 ${SPEC_ARGS:-} \
       --input tools/data/code_edit.jsonl --ignore-eos --no-progress --json "$RES/spec-$mode.json" > "$RES/spec-$mode.log" 2>&1
     step "spec $mode rc=$?"; grep -E "^\|" "$RES/spec-$mode.log" | head -12
   done
+fi
+if wanted sweep; then
+  timeout 300 python3 tools/attention_sweep.py --contexts 32768 --sessions 1,8 --kv-types q8_0,int8,bf16 \
+    --json "$RES/attention.json" > "$RES/attention.log" 2>&1
+  step "attention sweep rc=$?"; grep -E "context" "$RES/attention.log"
 fi
 step "done"
