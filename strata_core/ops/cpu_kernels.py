@@ -55,9 +55,9 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "attention_cpu", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
-           "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu", "route_cpu",
-           "silu_mul_cpu", "slot_ffn_cpu"]
+__all__ = ["CPU_KERNEL_TYPES", "STALE_LOCK_S", "attention_cpu", "clear_stale_lock", "combine_cpu", "cpu_kernels",
+           "dequantize_blocks", "has_cpu_kernel", "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots",
+           "rms_norm_cpu", "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,25 @@ CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp")]
 _ISA = ("generic", "AVX2", "AVX-512")
+#: A build lock older than this is a killed build's (a build takes a minute or two): torch's loader would
+#: wait on it forever, without a word
+STALE_LOCK_S = 15 * 60
+
+
+def clear_stale_lock(build_dir: str | os.PathLike[str], max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove ``build_dir``'s ``lock`` where it is older than ``max_age_s`` (logged); whether one was removed."""
+    import time
+
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False
+    log.warning("CPU kernels: removing %s, left %.0f min ago by a build that did not finish", lock, age / 60)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 @functools.cache
@@ -77,8 +96,9 @@ def cpu_kernels() -> bool:
         log.info("CPU expert kernels off (STRATA_CPU_KERNELS=0): the torch reference computes CPU experts")
         return False
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
+        clear_stale_lock(_get_build_directory("strata_cpu_kernels", verbose=False))
         load(name="strata_cpu_kernels", sources=[str(source) for source in _SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
