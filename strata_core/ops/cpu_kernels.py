@@ -98,7 +98,10 @@ def cpu_kernels() -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        clear_stale_lock(_get_build_directory("strata_cpu_kernels", verbose=False))
+        build_dir = Path(_get_build_directory("strata_cpu_kernels", verbose=False))
+        clear_stale_lock(build_dir)
+        if not (build_dir / "strata_cpu_kernels.so").exists():
+            log.info("CPU kernels: compiling them into %s (the first run: a minute or two)", build_dir)
         load(name="strata_cpu_kernels", sources=[str(source) for source in _SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
