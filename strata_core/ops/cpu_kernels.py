@@ -67,6 +67,22 @@ CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp")]
 _ISA = ("generic", "AVX2", "AVX-512")
+_CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
+
+
+def _extension_name() -> str:
+    """The extension's name, with a digest of its sources and flags: each version builds in a directory of
+    its own, so checkouts of other versions (worktrees, an upgrade) never load or rebuild each other's."""
+    import hashlib
+
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    for header in sorted(_SOURCES[0].parent.glob("*.h")):
+        digest.update(header.read_bytes())
+    return f"strata_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
 #: A build lock older than this is a killed build's (a build takes a minute or two): torch's loader would
 #: wait on it forever, without a word
 STALE_LOCK_S = 15 * 60
@@ -98,12 +114,14 @@ def cpu_kernels() -> bool:
     try:
         from torch.utils.cpp_extension import _get_build_directory, load
 
-        build_dir = Path(_get_build_directory("strata_cpu_kernels", verbose=False))
+        name = _extension_name()
+        build_dir = Path(_get_build_directory(name, verbose=False))
         clear_stale_lock(build_dir)
-        if not (build_dir / "strata_cpu_kernels.so").exists():
-            log.info("CPU kernels: compiling them into %s (the first run: a minute or two)", build_dir)
-        load(name="strata_cpu_kernels", sources=[str(source) for source in _SOURCES], extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off"],
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        if not (build_dir / f"{name}.so").exists():
+            log.info("CPU kernels: compiling them into %s (the first run of these sources: a minute or two)",
+                     build_dir)
+        load(name=name, sources=[str(source) for source in _SOURCES], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: the reference still works
         log.warning("CPU expert kernels unavailable (%s: %s): the torch reference computes CPU experts",
                     type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
