@@ -35,10 +35,10 @@ class MakeSyntheticCommand(CommandSettings):
                             "for --spec mtp (qwen3-next presets)")
     context: int | None = Field(None, ge=16, description="the context length the file declares (default: the "
                                 "preset's), e.g. 262144 for a 256K-token session of qwen3-30b-a3b's shapes")
-    copy_prompt: bool = Field(False, alias="copy", description="a model whose greedy output copies its prompt (an induction circuit "
-                       "in layers 0-1, the others adding nothing): a stand-in for a real model's tendency to repeat "
-                       "its prompt, for --spec ngram benchmarks; same shapes, bytes and speed as the random preset "
-                       "(qwen3moe presets)")
+    copy_prompt: bool = Field(False, alias="copy", description="a model whose greedy output copies its prompt "
+                              "(an induction circuit in layers 0-1, the others adding nothing): a stand-in for a "
+                              "real model's tendency to repeat its prompt, for --spec ngram benchmarks; same "
+                              "shapes, bytes and speed as the random preset (qwen3moe presets)")
     seed: int = Field(0, description="random seed")
 
     def cli_cmd(self) -> None:

@@ -40,7 +40,7 @@ __all__ = ["decode_attention_q", "fused_quantized_supported", "kv_table_q", "rop
 
 #: How the CUDA decode attention loads a tile's scales: True, one load a 32-value group beside codes loaded
 #: as [BLOCK_N, G, D / G]; False, each value's scale gathered beside it (tools/attention_sweep.py
-#: ``--kv-type`` times both)
+#: ``--kv-types`` times both)
 GROUPED_SCALES = True
 
 
@@ -245,14 +245,14 @@ if HAS_TRITON:
         m_i = tl.full([RP], float("-inf"), tl.float32)
         l_i = tl.zeros([RP], dtype=tl.float32)
         acc = tl.zeros([RP, D], dtype=tl.float32)
+        gi = tl.arange(0, G)[None, :, None]  # a row's scale groups (GROUPED)
+        ci = tl.arange(0, D // G)[None, None, :]  # a group's values
         for t0 in range(start, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < end
             block = tl.load(bt + t // BS, mask=tm, other=0).to(tl.int64)  # [BLOCK_N] block ids
             head_row = (block * BS + t % BS)[:, None] * n_kv + g  # [BLOCK_N, 1]
             if GROUPED:
-                gi = tl.arange(0, G)[None, :, None]
-                ci = tl.arange(0, D // G)[None, None, :]
                 row3 = head_row[:, :, None]  # [BLOCK_N, 1, 1]
                 at3 = row3 * D + gi * (D // G) + ci  # [BLOCK_N, G, D / G]
                 sat3 = row3 * G + gi  # [BLOCK_N, G, 1]: each group's scale

@@ -361,17 +361,17 @@ class Runner:
         if fused and tables is None:
             tables = to_device(kv_tables(batch.sessions, segment.layers), device)
         delta = None
+        # each row attends over its own position and those before it
+        contexts = [] if fused else (batch.positions + 1).tolist()
         for i, layer in enumerate(segment.layers):
             if fused:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
                                                    tables[i])
             else:
                 parts = []
-                offsets = batch.offsets or (0,) * len(batch.sessions)
                 for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
-                    n_ctx = session.n_tokens + offsets[b] + 1  # the row's own position and those before it
                     parts.append(self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
-                                                      n_ctx, static=static))
+                                                      contexts[b], static=static))
                     if batch.offsets:  # a session of several rows keeps its recurrent state after each
                         session.kv.keep_step(layer)
                 hidden = self.model.moe(layer, parts[0] if len(parts) == 1 else torch.cat(parts), rows)  # [B, H]

@@ -5,8 +5,8 @@ A request's next tokens are guessed by prompt lookup: the tokens that followed t
 occurrence of its last ``n`` tokens (the longest ``n`` up to ``MAX_NGRAM`` that occurred before), so a
 reply that repeats its prompt (code edits, quotes, lists) is drafted ahead. Where that occurrence is
 ``d`` tokens back with ``d`` less than the draft (the sequence ends in a loop of period ``d``: a run of
-spaces, a repeated line), the draft goes on around the loop, ``k`` tokens rather than ``d``. The window then holds the
-request's pending token and its ``k`` drafted tokens as ``k + 1`` rows of one session
+spaces, a repeated line), the draft goes on around the loop, ``k`` tokens rather than ``d``. The window
+then holds the request's pending token and its ``k`` drafted tokens as ``k + 1`` rows of one session
 (``Engine.decode_window``: each row's logits follow the session's tokens up to it, exactly as ``k + 1``
 windows of one row would give them). Each row is drawn as the request's draw at that token would be
 (its sampler's seed at the step of that token: the draws are counter-based), and the drafts are kept
