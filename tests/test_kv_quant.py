@@ -270,9 +270,12 @@ def test_the_default_kv_is_stock(tiny_model_factory):
     for kv_type in ("q8_0", "int8"):  # the fused kernels read these as they read the default's rows
         assert why_not_fused(Engine.load(path, max_context=64, kv_type=kv_type).model, cuda) == why_not_fused(
             engine.model, cuda)
-    if FP8 is not None:  # no kernel reads fp8 rows: its decode takes the eager layers
+    if FP8 is not None:  # fp8 rows: read by the fused kernels where the GPU converts e4m3, else the eager layers
         reason = why_not_fused(Engine.load(path, max_context=64, kv_type="fp8").model, cuda)
-        assert reason is not None and (not HAS_TRITON or "--kv-type" in reason)
+        if torch.cuda.is_available() and torch.cuda.get_device_capability(cuda) >= (8, 9):
+            assert reason == why_not_fused(engine.model, cuda)
+        else:
+            assert reason is not None and (not HAS_TRITON or "--kv-type" in reason)
 
 
 def test_bf16_rows_under_bf16_compute_keep_the_fused_decode(tiny_model_factory):
@@ -554,6 +557,8 @@ def test_the_fused_decode_ops_quantize_as_the_cache_and_attend_over_the_dequanti
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" or not HAS_TRITON,
                     reason="needs TRITON_INTERPRET=1 and a CPU Triton (on CUDA: the test below)")
+# not fp8: the interpreter's e4m3 conversion drops the carry at the top of a binade (126.9 -> 64, not 128); the
+# fp8 kernels are tested on CUDA by the test below
 @pytest.mark.parametrize("kv_type", ["q8_0", "int8"])
 @pytest.mark.parametrize(("D", "block"), [(16, 1), (32, 5), (64, 16), (128, 80)])
 def test_the_quantized_decode_kernels_match_the_references_under_the_interpreter(kv_type, D, block):
@@ -587,7 +592,7 @@ def test_the_quantized_decode_kernels_match_the_references_under_the_interpreter
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else []))
-@pytest.mark.parametrize("kv_type", ["q8_0", "int8"])
+@pytest.mark.parametrize("kv_type", QUANTIZED)
 def test_fused_layers_over_a_quantized_kv_match_the_eager_layers(tiny_model_factory, device, kv_type):
     """The fused decode layers (on the CPU their references, on CUDA the Triton kernels) over a quantized
     KV against the eager layers: the same output and the same stored rows, within float rounding."""
@@ -608,10 +613,11 @@ def test_fused_layers_over_a_quantized_kv_match_the_eager_layers(tiny_model_fact
     fused = engine.runner.decode_layers(segment, hidden, DecodeBatch(tuple(sessions[1]), tokens), fused=True)
     # a k rounded otherwise by the fused norm and RoPE can land one code step off: a step of the output
     torch.testing.assert_close(fused, eager, rtol=1e-3, atol=3e-3)
+    step = 0.13 if kv_type == "fp8" else 1e-4  # fp8's step: up to 2**-3 of a value
     for a, b in zip(*sessions):
         for layer in segment.layers:
             for x, y in zip(a.kv.read(layer, a.n_tokens + 1), b.kv.read(layer, b.n_tokens + 1)):
                 assert isinstance(x, QuantizedRows) and isinstance(y, QuantizedRows)
                 assert (x.codes.int() - y.codes.int()).abs().max() <= 1  # a k rounded otherwise: one step at most
                 torch.testing.assert_close(y.rows(0, a.n_tokens + 1, torch.float32),
-                                           x.rows(0, a.n_tokens + 1, torch.float32), rtol=1e-4, atol=2e-2)
+                                           x.rows(0, a.n_tokens + 1, torch.float32), rtol=step, atol=2e-2)

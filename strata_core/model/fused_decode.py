@@ -73,7 +73,7 @@ def why_not_fused(model, device: torch.device) -> str | None:
     if not fused_decode_supported(s.head_dim):
         return f"no fused kernels for head dim {s.head_dim} (or no Triton)"
     kv_type = model.kernels.kv_type
-    if kv_type != "auto" and not fused_quantized_supported(kv_type, s.head_dim):
+    if kv_type != "auto" and not fused_quantized_supported(kv_type, s.head_dim, device):
         return f"the fused kernels do not read the {kv_type} rows of the KV cache (--kv-type)"
     return None
 

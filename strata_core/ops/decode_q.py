@@ -127,11 +127,15 @@ rope_kv_write_q.register_fake(_rope_kv_q_fake)
 decode_attention_q.register_fake(_attention_q_fake)
 
 #: the kv types the Triton kernels serve (fp8 needs float8 e4m3 in Triton: sm_89 and later)
-KERNEL_KV_TYPES = ("q8_0", "int8")
+KERNEL_KV_TYPES = ("q8_0", "int8", "fp8")
 
 
-def fused_quantized_supported(kv_type: str, head_dim: int) -> bool:
-    """Whether the CUDA kernels of this module serve a ``kv_type`` KV of ``head_dim`` (a power of two >= 16)."""
+def fused_quantized_supported(kv_type: str, head_dim: int, device: torch.device | None = None) -> bool:
+    """Whether the CUDA kernels of this module serve a ``kv_type`` KV of ``head_dim`` (a power of two >= 16) on
+    ``device``: fp8 e4m3 codes need a GPU that converts them (compute capability 8.9 or later)."""
+    if kv_type == "fp8" and (device is None or device.type != "cuda" or not torch.cuda.is_available()
+                             or torch.cuda.get_device_capability(device) < (8, 9)):
+        return False
     return HAS_TRITON and kv_type in KERNEL_KV_TYPES and head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
@@ -150,14 +154,25 @@ if HAS_TRITON:
         return tl.load(table + b * 5 + which).to(tl.pointer_type(dt))
 
     @triton.jit
-    def _codes_of(x, inv, QMAX: tl.constexpr):
-        """int8 codes of float32 ``x`` times ``inv``: halves away from zero (C's roundf), clamped to QMAX."""
+    def _codes_of(x, inv, QMAX: tl.constexpr, FP8: tl.constexpr):
+        """Codes of float32 ``x`` times ``inv``, clamped to QMAX: int8 rounded halves away from zero (C's
+        roundf); ``FP8``: e4m3's bytes (nearest, ties to even), as uint8."""
         y = x * inv
+        if FP8:
+            return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         r = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
         return tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
 
     @triton.jit
-    def _store_quantized(a, c, codes, scales, row, srow, HALF: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr):
+    def _values_of(codes, FP8: tl.constexpr):
+        """float32 values of loaded codes (int8, or e4m3's bytes as uint8 where ``FP8``)."""
+        if FP8:
+            return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        return codes.to(tl.float32)
+
+    @triton.jit
+    def _store_quantized(a, c, codes, scales, row, srow, HALF: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr,
+                         FP8: tl.constexpr):
         """Quantize a row's halves ``a``, ``c`` (float32 ``[HALF]``) and store codes at ``codes + row`` and its
         scales at ``scales + srow``: one scale for the row (``GH`` 0) or ``GH`` groups of 32 in each half."""
         i = tl.arange(0, HALF)
@@ -166,8 +181,8 @@ if HAS_TRITON:
             amax = tl.maximum(tl.max(tl.abs(a), axis=0), tl.max(tl.abs(c), axis=0))
             d = tl.div_rn(amax, QMAX)
             inv = tl.where(d > 0, tl.div_rn(1.0, d), 0.0)
-            tl.store(codes + row + i, _codes_of(a, inv, QMAX))
-            tl.store(codes + row + HALF + i, _codes_of(c, inv, QMAX))
+            tl.store(codes + row + i, _codes_of(a, inv, QMAX, FP8))
+            tl.store(codes + row + HALF + i, _codes_of(c, inv, QMAX, FP8))
             tl.store(scales + srow, d.to(sdt))
         else:
             g = tl.arange(0, GH)
@@ -177,8 +192,8 @@ if HAS_TRITON:
             dc = tl.div_rn(tl.max(tl.abs(c2), axis=1), QMAX)
             ia = tl.where(da > 0, tl.div_rn(tl.full([GH], 1.0, tl.float32), da), 0.0)
             ic = tl.where(dc > 0, tl.div_rn(tl.full([GH], 1.0, tl.float32), dc), 0.0)
-            tl.store(codes + row + i, tl.reshape(_codes_of(a2, ia[:, None], QMAX), (HALF,)))
-            tl.store(codes + row + HALF + i, tl.reshape(_codes_of(c2, ic[:, None], QMAX), (HALF,)))
+            tl.store(codes + row + i, tl.reshape(_codes_of(a2, ia[:, None], QMAX, FP8), (HALF,)))
+            tl.store(codes + row + HALF + i, tl.reshape(_codes_of(c2, ic[:, None], QMAX, FP8), (HALF,)))
             tl.store(scales + srow + g, da.to(sdt))
             tl.store(scales + srow + GH + g, dc.to(sdt))
 
@@ -186,8 +201,9 @@ if HAS_TRITON:
     def _rope_kv_q_kernel(qkv, pos, qw, kw, q_out, table, n_heads, n_kv, eps, theta, log2_theta, freq, mscale,
                           D: tl.constexpr, HALF: tl.constexpr, QNORM: tl.constexpr, KNORM: tl.constexpr,
                           BS: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr,
-                          SDT: tl.constexpr, FREQ: tl.constexpr, LIBDEVICE: tl.constexpr):
+                          SDT: tl.constexpr, FREQ: tl.constexpr, LIBDEVICE: tl.constexpr, FP8: tl.constexpr):
         """Program (b, head): q heads first, then kv heads (k normed and rotated, k and v quantized)."""
+        cdt = tl.uint8 if FP8 else tl.int8
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         width = (n_heads + 2 * n_kv) * D
@@ -209,17 +225,17 @@ if HAS_TRITON:
                                      KNORM, FREQ, LIBDEVICE)
             block = tl.load(_ptr(table, b, 2, tl.int32) + p // BS).to(tl.int64)
             at = (block * BS + p % BS) * n_kv + g
-            _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _ptr(table, b, 0, tl.int8), _ptr(table, b, 3, SDT),
-                             at * D, at * G, HALF, GH, QMAX)
+            _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _ptr(table, b, 0, cdt),
+                             _ptr(table, b, 3, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
             vsrc = qkv + b * width + (n_heads + n_kv + g) * D
             _store_quantized(tl.load(vsrc + i).to(tl.float32), tl.load(vsrc + HALF + i).to(tl.float32),
-                             _ptr(table, b, 1, tl.int8), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX)
+                             _ptr(table, b, 1, cdt), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
 
     @triton.jit
     def _attention_q_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
                                   REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                   SPLITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, SDT: tl.constexpr,
-                                  IEEE: tl.constexpr, GROUPED: tl.constexpr):
+                                  IEEE: tl.constexpr, GROUPED: tl.constexpr, FP8: tl.constexpr):
         """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b], each
         tile of codes dequantized (codes x scale in float32, rounded to q's dtype) as it is loaded.
         ``GROUPED``: a tile's codes are loaded as [BLOCK_N, G, D / G] beside its [BLOCK_N, G] scales (one scale
@@ -237,8 +253,9 @@ if HAS_TRITON:
         keep = r < REP
         dt = q.dtype.element_ty
         qt = tl.load(q + rows[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)  # [RP, D]
-        kc = _ptr(table, b, 0, tl.int8)
-        vc = _ptr(table, b, 1, tl.int8)
+        cdt = tl.uint8 if FP8 else tl.int8
+        kc = _ptr(table, b, 0, cdt)
+        vc = _ptr(table, b, 1, cdt)
         bt = _ptr(table, b, 2, tl.int32)
         ksc = _ptr(table, b, 3, SDT)
         vsc = _ptr(table, b, 4, SDT)
@@ -257,12 +274,12 @@ if HAS_TRITON:
                 at3 = row3 * D + gi * (D // G) + ci  # [BLOCK_N, G, D / G]
                 sat3 = row3 * G + gi  # [BLOCK_N, G, 1]: each group's scale
                 tm3 = tm[:, None, None]
-                k = tl.reshape((tl.load(kc + at3, mask=tm3, other=0).to(tl.float32)
+                k = tl.reshape((_values_of(tl.load(kc + at3, mask=tm3, other=0), FP8)
                                 * tl.load(ksc + sat3, mask=tm3, other=0.0).to(tl.float32)).to(dt), [BLOCK_N, D])
             else:
                 at = head_row * D + d[None, :]  # [BLOCK_N, D]
                 sat = head_row * G + d[None, :] // (D // G)  # [BLOCK_N, D]: each value's scale
-                k = (tl.load(kc + at, mask=tm[:, None], other=0).to(tl.float32)
+                k = (_values_of(tl.load(kc + at, mask=tm[:, None], other=0), FP8)
                      * tl.load(ksc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
             if IEEE:  # float32 products (float32 compute; the interpreter, whose bf16 dot is wrong)
                 sc = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -274,10 +291,10 @@ if HAS_TRITON:
             pr = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
             if GROUPED:
-                v = tl.reshape((tl.load(vc + at3, mask=tm3, other=0).to(tl.float32)
+                v = tl.reshape((_values_of(tl.load(vc + at3, mask=tm3, other=0), FP8)
                                 * tl.load(vsc + sat3, mask=tm3, other=0.0).to(tl.float32)).to(dt), [BLOCK_N, D])
             else:
-                v = (tl.load(vc + at, mask=tm[:, None], other=0).to(tl.float32)
+                v = (_values_of(tl.load(vc + at, mask=tm[:, None], other=0), FP8)
                      * tl.load(vsc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
             if IEEE:
                 acc = acc * alpha[:, None] + tl.dot(pr.to(dt).to(tl.float32), v.to(tl.float32),
@@ -292,19 +309,21 @@ if HAS_TRITON:
 
     _SDT = {torch.float16: tl.float16, torch.float32: tl.float32}
 
-    def _check_q(dtype: torch.dtype, pools: Sequence[Tensor]) -> tuple[int, int, float]:
-        """``(G, GH, qmax)`` of int8 / q8_0 pools (ValueError naming what is wrong otherwise)."""
+    def _check_q(dtype: torch.dtype, pools: Sequence[Tensor]) -> tuple[int, int, float, bool]:
+        """``(G, GH, qmax, fp8)`` of int8 / q8_0 / fp8 pools (ValueError naming what is wrong otherwise)."""
         kp, vp, ks, vs = pools
         D = kp.shape[-1]
         G = ks.shape[-1]
-        ok = (kp.dtype == vp.dtype == torch.int8 and ks.dtype == vs.dtype and ks.dtype in _SDT
+        fp8 = kp.dtype == torch.uint8
+        ok = (kp.dtype == vp.dtype and kp.dtype in (torch.int8, torch.uint8) and ks.dtype == vs.dtype
+              and ks.dtype in _SDT and (not fp8 or (G == 1 and ks.dtype == torch.float32))
               and kp.shape == vp.shape and ks.shape == vs.shape and kp.dim() == 4 and ks.shape[:3] == kp.shape[:3]
               and all(t.is_contiguous() for t in pools) and (G == 1 or (ks.dtype == torch.float16 and D == 32 * G)))
         if not ok:
-            raise ValueError(f"the quantized KV pools of one decode call must be contiguous int8 codes "
-                             f"[n_blocks, block_size, n_kv_heads, D] and scales [..., 1] or [..., D / 32] of one "
+            raise ValueError(f"the quantized KV pools of one decode call must be contiguous int8 (fp8: uint8) "
+                             f"codes [n_blocks, block_size, n_kv_heads, D] and scales [..., 1] or [..., D / 32] of one "
                              f"shape each, got {kp.dtype} {tuple(kp.shape)}, {ks.dtype} {tuple(ks.shape)}")
-        return G, (D // 64 if G > 1 else 0), 127.0
+        return G, (D // 64 if G > 1 else 0), 448.0 if fp8 else 127.0, fp8
 
     def _device_table_q(pools: Sequence[Tensor], block_table: Tensor | None, device: torch.device) -> Tensor:
         block_table = _need_blocks(block_table)
@@ -323,7 +342,7 @@ if HAS_TRITON:
         if B == 0:
             return q
         pools = (key_pool, value_pool, key_scales, value_scales)
-        G, GH, qmax = _check_q(qkv.dtype, pools)
+        G, GH, qmax, fp8 = _check_q(qkv.dtype, pools)
         table = _device_table_q(pools, block_table, qkv.device) if table is None else table
         with on_device(qkv.device):
             _rope_kv_q_kernel[(B, n_heads + n_kv_heads)](
@@ -332,7 +351,7 @@ if HAS_TRITON:
                 math.log2(theta), rope_frequencies(inv_freq, qkv), float(mscale), D=D, HALF=D // 2,
                 QNORM=q_norm is not None, KNORM=k_norm is not None,
                 BS=key_pool.shape[1], G=G, GH=GH, QMAX=qmax, SDT=_SDT[key_scales.dtype], FREQ=inv_freq is not None,
-                LIBDEVICE=_LIBDEVICE, num_warps=1)
+                LIBDEVICE=_LIBDEVICE, FP8=fp8, num_warps=1)
         return q
 
     def _attention_q_cuda(q: Tensor, positions: Tensor, key_pool: Tensor, value_pool: Tensor, key_scales: Tensor,
@@ -343,7 +362,7 @@ if HAS_TRITON:
         if B == 0:
             return out
         pools = (key_pool, value_pool, key_scales, value_scales)
-        G, _, _ = _check_q(q.dtype, pools)
+        G, _, _, fp8 = _check_q(q.dtype, pools)
         nkv = key_pool.shape[2]
         rep = nh // nkv
         table = _device_table_q(pools, block_table, q.device) if table is None else table
@@ -356,7 +375,7 @@ if HAS_TRITON:
                 q.contiguous(), positions.contiguous(), table, m, l, acc, nh, nkv, D ** -0.5,
                 REP=rep, RP=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=_BLOCK_N, SPLITS=splits,
                 BS=key_pool.shape[1], G=G, SDT=_SDT[key_scales.dtype],
-                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, GROUPED=GROUPED_SCALES, num_warps=4)
+                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, GROUPED=GROUPED_SCALES, FP8=fp8, num_warps=4)
             _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits, num_warps=1)
         return out
 
