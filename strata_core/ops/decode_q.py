@@ -155,17 +155,17 @@ if HAS_TRITON:
 
     @triton.jit
     def _codes_of(x, inv, QMAX: tl.constexpr, FP8: tl.constexpr):
-        """Codes of float32 ``x`` times ``inv``, clamped to QMAX: int8 rounded halves away from zero (C's
-        roundf); ``FP8``: e4m3's bytes (nearest, ties to even), as uint8."""
+        """int8 codes of float32 ``x`` times ``inv``, clamped to QMAX: rounded halves away from zero (C's
+        roundf); ``FP8``: e4m3's bytes (nearest, ties to even) as int8 (one return type for both)."""
         y = x * inv
         if FP8:
-            return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            return tl.minimum(tl.maximum(y, -QMAX), QMAX).to(tl.float8e4nv).to(tl.int8, bitcast=True)
         r = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
         return tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
 
     @triton.jit
     def _values_of(codes, FP8: tl.constexpr):
-        """float32 values of loaded codes (int8, or e4m3's bytes as uint8 where ``FP8``)."""
+        """float32 values of loaded int8 codes (e4m3's bytes where ``FP8``)."""
         if FP8:
             return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         return codes.to(tl.float32)
@@ -203,7 +203,6 @@ if HAS_TRITON:
                           BS: tl.constexpr, G: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr,
                           SDT: tl.constexpr, FREQ: tl.constexpr, LIBDEVICE: tl.constexpr, FP8: tl.constexpr):
         """Program (b, head): q heads first, then kv heads (k normed and rotated, k and v quantized)."""
-        cdt = tl.uint8 if FP8 else tl.int8
         b = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         width = (n_heads + 2 * n_kv) * D
@@ -225,11 +224,11 @@ if HAS_TRITON:
                                      KNORM, FREQ, LIBDEVICE)
             block = tl.load(_ptr(table, b, 2, tl.int32) + p // BS).to(tl.int64)
             at = (block * BS + p % BS) * n_kv + g
-            _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _ptr(table, b, 0, cdt),
+            _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _ptr(table, b, 0, tl.int8),
                              _ptr(table, b, 3, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
             vsrc = qkv + b * width + (n_heads + n_kv + g) * D
             _store_quantized(tl.load(vsrc + i).to(tl.float32), tl.load(vsrc + HALF + i).to(tl.float32),
-                             _ptr(table, b, 1, cdt), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
+                             _ptr(table, b, 1, tl.int8), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
 
     @triton.jit
     def _attention_q_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
@@ -253,9 +252,8 @@ if HAS_TRITON:
         keep = r < REP
         dt = q.dtype.element_ty
         qt = tl.load(q + rows[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)  # [RP, D]
-        cdt = tl.uint8 if FP8 else tl.int8
-        kc = _ptr(table, b, 0, cdt)
-        vc = _ptr(table, b, 1, cdt)
+        kc = _ptr(table, b, 0, tl.int8)
+        vc = _ptr(table, b, 1, tl.int8)
         bt = _ptr(table, b, 2, tl.int32)
         ksc = _ptr(table, b, 3, SDT)
         vsc = _ptr(table, b, 4, SDT)
