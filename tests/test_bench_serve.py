@@ -118,6 +118,7 @@ def _check(rep: dict, requests: int, prompt_tokens: int | None, max_tokens: int)
     for r in rep["per_request"]:
         assert r["ok"] and 1 <= r["output_tokens"] <= max_tokens and 0 < r["ttft_ms"] < r["e2e_ms"]
         assert all(gap > 0 for gap in r["itl_ms"]) and len(r["itl_ms"]) == r["chunks"] - 1
+        assert r["text"]  # what was streamed, to compare two runs' outputs
         if prompt_tokens is not None:  # cut to the length with the server's own tokenizer
             assert abs(r["prompt_tokens"] - prompt_tokens) <= 1
     assert rep["output_tokens"] == sum(r["output_tokens"] for r in rep["per_request"])

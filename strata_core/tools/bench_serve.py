@@ -239,7 +239,8 @@ async def send(client: httpx.AsyncClient, target: Target, endpoint: str, spec: R
                     return result
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
-                if _chunk_text(chunk, endpoint):
+                if content := _chunk_text(chunk, endpoint):
+                    result.text += content
                     if last is None:
                         result.ttft = now - result.start
                     else:

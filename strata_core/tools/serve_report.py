@@ -47,6 +47,7 @@ class RequestResult:
     chunks: int = 0  # content chunks received
     prompt_tokens: int | None = None  # from usage
     output_tokens: int = 0  # from usage, else the content chunks
+    text: str = ""  # the content received (compares two runs' greedy outputs)
 
     @property
     def e2e(self) -> float:
@@ -105,7 +106,7 @@ def report(results: list[RequestResult], duration: float, setup: dict[str, Any])
         "per_request": [{"ok": r.ok, "error": r.error, "start_s": r.start, "prompt_tokens": r.prompt_tokens,
                          "output_tokens": r.output_tokens, "chunks": r.chunks,
                          "ttft_ms": None if r.ttft is None else r.ttft * ms, "e2e_ms": r.e2e * ms,
-                         "itl_ms": [gap * ms for gap in r.itl]} for r in results],
+                         "itl_ms": [gap * ms for gap in r.itl], "text": r.text} for r in results],
     }
 
 
