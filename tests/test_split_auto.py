@@ -16,7 +16,8 @@ from strata_core.experts import split_auto
 from strata_core.experts.arena import ExpertFormat
 from strata_core.experts.backend import build_expert_backend
 from strata_core.experts.rows import DequantExpertRows
-from strata_core.experts.split_auto import AutoSplit, measure_rates, probe_split, resolve_pcie_frac, split_from_rates
+from strata_core.experts.split_auto import (PROBE_ROWS, START_FRAC, AutoSplit, Rates, measure_rates, probe_rates,
+                                            probe_split, resolve_pcie_frac, split_from_rates)
 from strata_core.experts.weights import ExpertWeights
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.registry import load_model_spec
@@ -194,27 +195,34 @@ def test_the_rates_are_measured_on_the_cpu_pool_and_over_the_link(tiny, monkeypa
 
     monkeypatch.setattr(split_auto, "cpu_experts_ffn", counted)
     with ThreadPoolExecutor(1, initializer=lambda: on_pool.append(True)) as pool:
-        cpu, link = measure_rates(engine.experts.arena, 0, CPU, pool, experts=3, dtype=torch.bfloat16, repeats=2)
-    assert on_pool and 0 < cpu < float("inf") and 0 < link < float("inf")
-    assert calls == [(torch.bfloat16, 3, 3, [1, 1, 1])] * 3  # one row an expert, a warm-up and two timed
+        rates = measure_rates(engine.experts.arena, 0, CPU, pool, experts=3, dtype=torch.bfloat16, repeats=2)
+    assert on_pool and all(0 < rate < float("inf") for rate in (rates.cpu, rates.link, rates.cpu_rows))
+    # one row an expert (a decode token's share), then PROBE_ROWS (a short prompt's): a warm-up and two timed each
+    assert calls == ([(torch.bfloat16, 3, 3, [1, 1, 1])] * 3
+                     + [(torch.bfloat16, 3 * PROBE_ROWS, 3, [PROBE_ROWS] * 3)] * 3)
 
 
-def test_the_probe_starts_a_split_from_the_measured_share_or_keeps_the_link(tiny, monkeypatch, caplog):
-    engine = Engine.load(tiny, max_context=64, expert_cache=0, arena="pinned", pcie_frac=1.0)
-    arena = engine.experts.arena
-    monkeypatch.setattr(split_auto, "measure_rates", lambda *args: (30.0, 10.0))
-    with ThreadPoolExecutor(1) as pool:
-        assert probe_split(arena, 0, CPU, pool, 2, torch.float32) == (None, 0.25)  # the CPU 3x the link
-        monkeypatch.setattr(split_auto, "measure_rates", lambda *args: (1.0, 50.0))
-        assert probe_split(arena, 0, CPU, pool, 2, torch.float32)[0] == 1.0
+def test_the_probe_starts_a_split_from_the_measured_share_or_keeps_the_link(caplog):
+    assert probe_split(Rates(cpu=30.0, link=10.0, cpu_rows=20.0), "cuda:0") == (None, 0.25)  # the CPU 3x the link
+    assert probe_split(Rates(cpu=1.0, link=50.0, cpu_rows=0.5), "cuda:0")[0] == 1.0
+    with caplog.at_level(logging.INFO, logger=split_auto.__name__):
+        assert probe_split(None, "cuda:0") == (1.0, START_FRAC)
+    assert "cuda:0: the rates are unknown: every miss goes over the link" in caplog.text
 
-        def broken(*args):
-            raise RuntimeError("no pinned memory")
 
-        monkeypatch.setattr(split_auto, "measure_rates", broken)
-        with caplog.at_level(logging.WARNING, logger=split_auto.__name__):
-            assert probe_split(arena, 0, CPU, pool, 2, torch.float32)[0] == 1.0
-    assert "could not be measured on cpu (RuntimeError: no pinned memory): every miss goes over the link" in caplog.text
+def test_a_probe_that_fails_or_has_no_kernels_gives_no_rates(tiny, monkeypatch, caplog):
+    arena = Engine.load(tiny, max_context=64, expert_cache=0, arena="pinned", pcie_frac=1.0).experts.arena
+
+    def broken(*args):
+        raise RuntimeError("no pinned memory")
+
+    monkeypatch.setattr(split_auto, "measure_rates", broken)
+    with ThreadPoolExecutor(1) as pool, caplog.at_level(logging.INFO, logger=split_auto.__name__):
+        assert probe_rates(arena, 0, CPU, pool, 2, torch.float32) is None
+        monkeypatch.setattr(split_auto, "has_cpu_kernel", lambda qtypes, shapes: False)
+        assert probe_rates(arena, 0, CPU, pool, 2, torch.float32) is None  # not even tried
+    assert "could not be measured on cpu (RuntimeError: no pinned memory)" in caplog.text
+    assert "no rate probe on cpu: the CPU kernels do not cover layer 0's expert formats" in caplog.text
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")

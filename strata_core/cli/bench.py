@@ -97,6 +97,7 @@ class BenchCommand(settings_with(ENGINE)):  # type: ignore[misc]
                 list(dict.fromkeys(slot.device for slot in engine.devices))), "arena": self.arena, "expert_cache": self.expert_cache,
                 "resident": sum(t.n_resident for t in engine.experts.tables.values()),
                 "experts": len(engine.spec.moe_layers) * engine.spec.n_experts, "pcie_frac": self.pcie_frac,
+                "cpu_prompt_tokens": engine.experts.cpu_prompt_tokens,
                 "adapt_swaps": self.adapt_swaps, "prefill_chunk": self.prefill_chunk, "repeats": self.repeats,
                 "strategy": self.strategy, "sessions": self.sessions}
             if self.vram_budget_gib is not None:

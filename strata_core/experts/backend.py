@@ -27,7 +27,9 @@ link; ``auto`` is 1 where every expert is resident, else it splits the misses: s
 elsewhere (CPU, mmap or partly pinned arena, CPU share of misses) the loop per expert (on the CPU its
 experts through the CPU kernels, ops/cpu_kernels.py).
 Prefill chunks take the grouped prefill (grouped.py) on a CUDA device and the loop per expert (the
-bit-exact reference) on the CPU.
+bit-exact reference) on the CPU. On a GPU whose decode sends misses to the CPU, the load-time rate probe
+also decides ``cpu_prompt_tokens`` (prompt_split.py): a prompt chunk of at most that many tokens splits
+its misses as the decode does (the loop per expert), a longer one streams them all.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ from strata_core.experts.device_rows import CachedExpertRows
 from strata_core.experts.peer import PeerLane
 from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
+from strata_core.experts.prompt_split import decide_cpu_prompt_tokens
 from strata_core.experts.sizing import cache_slots, check_dense_budget
 from strata_core.experts.split import MissSplit
-from strata_core.experts.split_auto import SETTLE_WINDOWS, START_FRAC, AutoSplit, probe_split, resolve_pcie_frac
+from strata_core.experts.split_auto import (SETTLE_WINDOWS, START_FRAC, AutoSplit, probe_rates, probe_split,
+                                            resolve_pcie_frac)
 from strata_core.experts.table import ResidencyTable
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import ArenaCopier, StagingRing
@@ -66,12 +70,15 @@ log = logging.getLogger(__name__)
 
 
 class ExpertBackend:
-    """Everything expert-related the engine holds: arena, caches, tables, rows, telemetry."""
+    """Everything expert-related the engine holds: arena, caches, tables, rows, telemetry, and
+    ``cpu_prompt_tokens``: the longest prompt chunk a GPU splits the misses of as its decode does (0: none)."""
 
     def __init__(self, arena: Arena, caches: dict[int, ExpertCache], rows: dict[tuple[Phase, int], CachedExpertRows],
-                 adapters: dict[int, Adapter], telemetry: ExpertTelemetry, cpu_pool: ThreadPoolExecutor | None):
+                 adapters: dict[int, Adapter], telemetry: ExpertTelemetry, cpu_pool: ThreadPoolExecutor | None,
+                 cpu_prompt_tokens: int = 0):
         self.arena, self.caches, self._rows = arena, caches, rows
         self._adapters, self.telemetry, self._cpu_pool = adapters, telemetry, cpu_pool
+        self.cpu_prompt_tokens = cpu_prompt_tokens
 
     @property
     def tables(self) -> dict[int, ResidencyTable]:
@@ -272,11 +279,15 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
                              bool(held[sorted(own & set(spec.moe_layers))].all()))
     threads = settings.threads or torch.get_num_threads()  # the CPU share's torch threads
     cpu_pool = _cpu_pool(threads) if any(slots[s].device.type != "cpu" for s in computing) and frac != 1.0 else None
-    start = START_FRAC
-    if frac is None and cpu_pool is not None:  # auto on a GPU with misses: is the CPU worth a share?
+    start, cpu_tokens = START_FRAC, 0
+    if cpu_pool is not None:  # a GPU with misses and a CPU share: auto's split and the short prompts' by the rates
         gpu = next(slots[s].device for s in sorted(computing) if slots[s].device.type != "cpu")
         layer = min(own & set(spec.moe_layers))
-        frac, start = probe_split(arena, layer, gpu, cpu_pool, spec.n_experts_used, compute_dtype(settings.dtype, gpu))
+        rates = probe_rates(arena, layer, gpu, cpu_pool, spec.n_experts_used, compute_dtype(settings.dtype, gpu))
+        if frac is None:  # auto: is the CPU worth a share?
+            frac, start = probe_split(rates, str(gpu))
+        cpu_tokens = decide_cpu_prompt_tokens(rates, start if frac is None else frac, spec.n_experts,
+                                              spec.n_experts_used, settings.prefill_chunk, str(gpu))
         if frac == 1.0:
             cpu_pool.shutdown()
             cpu_pool = None
@@ -299,6 +310,8 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
                                                    miss_read=settings.miss_read, auto=auto)
             rows[(phase, slot)].gather = (slots[slot].device.type == "cuda" and HAS_TRITON and arena.all_pinned
                                           and slot_frac == 1.0)
+        if cpu_tokens and slots[slot].device.type != "cpu" and {("prompt", slot), ("decode", slot)} <= rows.keys():
+            rows[("prompt", slot)].split_short_prompts(cpu_tokens, rows[("decode", slot)])
     adapters: dict[int, Adapter] = {}
     for slot, cache in caches.items():
         swaps = placement.adapt_swaps.get(slot, settings.adapt_swaps)
@@ -307,4 +320,4 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
             others = tuple(c for s, c in caches.items() if s != slot and served[s] & served[slot])
             adapters[slot] = Adapter(cache, usages[readers[0]], telemetry, swaps, others=others, layers=served[slot])
     telemetry.reset()  # the fill is not a request
-    return ExpertBackend(arena, caches, rows, adapters, telemetry, cpu_pool)
+    return ExpertBackend(arena, caches, rows, adapters, telemetry, cpu_pool, cpu_tokens)

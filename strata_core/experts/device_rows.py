@@ -12,7 +12,10 @@ bytes, whichever source holds them:
   peer's ``stream`` share of them over the peer's own host link, computed there;
 * decode miss: a ``--pcie-frac`` share (with ``auto`` learned per layer, split_auto.py) read over the
   host link (the ring again), the rest computed on the CPU from the arena where it lies (on a worker
-  thread when the device is a GPU).
+  thread when the device is a GPU);
+* a miss of a prompt chunk of at most ``cpu_prompt_tokens`` tokens (``split_short_prompts``, measured at
+  load: prompt_split.py): split as the same device's decode splits its misses of the layer, so the chunk
+  takes the decode's loop below rather than the grouped prefill.
 
 On the CPU the block kernels (experts/cpu_ffn.py) compute the rows where they cover the layer's formats:
 a CPU device whose own cache holds every expert of a layer (and no peer serves it) reads them
@@ -39,20 +42,20 @@ residency mirror on this device); the activations, slots and experts go over in 
 (``PeerLane.send``), and this device stages its own misses over its link before it waits for the
 peer's rows (``stage_misses``): each cross-device step costs latency on the layer's path.
 
-With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill chunk takes the
-grouped prefill instead of the loop per expert (grouped.py): per group of at most ``group_experts``
-experts, one index_select from the slots, the misses through the staging ring, one ``dequantize``
-per matrix and grouped products; the experts of a computing peer (and its share of the misses) are
-cut into the peer's own groups and computed there at the same time (enqueued first, waiting only for
-the routing). The layer's pairs are sorted once, by device and then by expert in source order
+With ``grouped`` set (the default on CUDA; tests force it on the CPU), a prefill chunk whose misses all
+stream takes the grouped prefill instead of the loop per expert (grouped.py): per group of at most
+``group_experts`` experts, one index_select from the slots, the misses through the staging ring, one
+``dequantize`` per matrix and grouped products; the experts of a computing peer (and its share of the
+misses) are cut into the peer's own groups and computed there at the same time (enqueued first, waiting
+only for the routing). The layer's pairs are sorted once, by device and then by expert in source order
 (prompt_plan.py), so each device's pairs and rows are one span, and the rows, left in that order, are
 combined by ``combine_sorted`` (ops/combine.py). A chunk of ``PREFETCH_PAIRS`` pairs an expert or more
 is planned: every expert is taken as routed, so the groups follow from the residency and their spans
 stay on the device (ops/spans.py); the host reads the routing once, after the layer's groups are
 enqueued, from a copy made as it was counted (so the read does not wait for the groups), and only the
 peers' rows coming back wait for that read. Before that read the next layer's first groups of misses
-are prefetched, as that plan will cut them, so they cross the link during its attention. Its rows
-agree with the reference within float tolerance, not bit for bit, which is why the CPU (the bit-exact
+are prefetched, as that plan will cut them, so they cross the link during its attention. Its rows agree
+with the reference within float tolerance, not bit for bit, which is why the CPU (the bit-exact
 reference) keeps the loop.
 """
 
@@ -131,6 +134,9 @@ class CachedExpertRows:
         self.group_experts = min(group_size(*fmt.shapes[0]) for fmt in self.arena.formats if fmt is not None)
         self._group_ring: StagingRing | None = None
         self.planner = PromptPlanner(self.device, self.arena.n_experts)  # planned prompt layers' plans
+        #: a prompt chunk of at most this many tokens splits its misses as ``_decode`` splits the layer's (0: never)
+        self.cpu_prompt_tokens = 0
+        self._decode: CachedExpertRows | None = None  # the same device slot's decode rows, whose split it follows
         #: per layer, whether the own cache held it whole and its slots (int64 ``[E]``), as of a table version
         self._whole: dict[int, tuple[object, int, bool, torch.Tensor]] = {}
 
@@ -140,7 +146,7 @@ class CachedExpertRows:
         if (hidden.device.type == "cuda" and self._takes_gather(layer, chain, hidden.shape[0])
                 and (ffn.plain or self.fused_expert_ffn)):  # one op: rows combined in its down launch (moe_decode)
             return self._gathered(layer, hidden, expert_ids, chain, ffn, weights)
-        if self._takes_grouped(chain):  # combined from the order the rows were computed in
+        if self._takes_grouped(layer, chain, hidden.shape[0]):  # combined from the order the rows were computed in
             return combine_sorted(*self._grouped(layer, hidden, expert_ids, chain, ffn), weights)  # [T, H]
         return combine_rows(self.rows(layer, hidden, expert_ids, ffn), weights)  # [T, H]
 
@@ -152,7 +158,7 @@ class CachedExpertRows:
         if self._takes_gather(layer, chain, hidden.shape[0]):
             return self._gathered(layer, hidden, expert_ids, chain, ffn)
         T, k = expert_ids.shape
-        if self._takes_grouped(chain):
+        if self._takes_grouped(layer, chain, T):
             return in_pair_order(*self._grouped(layer, hidden, expert_ids, chain, ffn)).view(T, k, -1)
         if self._takes_slots(layer, chain, hidden):
             return self._slot_rows(layer, hidden, expert_ids, chain, ffn).view(T, k, -1)
@@ -174,7 +180,7 @@ class CachedExpertRows:
                 rows = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes, ffn, expert)
             out[pairs] = rows.to(self.device, out.dtype)
 
-        n_link = self._link_share(layer, len(missed), chain)
+        n_link = self._link_share(layer, len(missed), chain, T)
         link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
         with self.telemetry.compute(self.device) if self.cpu_pool is None else nullcontext():  # here, or overlapped
             on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
@@ -258,9 +264,10 @@ class CachedExpertRows:
                                          "cpu": 0})
         return rows
 
-    def _takes_grouped(self, chain: Chain) -> bool:
-        """Whether a layer of ``chain`` takes the grouped prefill now (a prompt chunk, misses streamed)."""
-        return self.grouped and not self.decoding and chain.link
+    def _takes_grouped(self, layer: int, chain: Chain, n_tokens: int) -> bool:
+        """Whether ``layer`` (of ``chain``) takes the grouped prefill now: a prompt chunk of ``n_tokens`` tokens
+        whose misses all stream (none split with the CPU)."""
+        return self.grouped and not self.decoding and chain.link and self._split_now(layer, n_tokens) is None
 
     def _count_routing(self, layer: int, expert_ids: torch.Tensor, chain: Chain) -> torch.Tensor:
         """Add a layer's routing to the usage profile and the hit telemetry (device ops, no host read);
@@ -272,15 +279,38 @@ class CachedExpertRows:
             self.telemetry.routed += expert_ids.numel()
         return counted
 
-    def _link_share(self, layer: int, n_missed: int, chain: Chain) -> int:
-        """How many of ``layer``'s misses go over the host link (the rest to the CPU)."""
+    def _link_share(self, layer: int, n_missed: int, chain: Chain, n_tokens: int) -> int:
+        """How many of ``layer``'s misses (of ``n_tokens`` tokens) go over the host link (the rest to the CPU)."""
         if not chain.cpu:
             return n_missed
         if not chain.link:
             return 0
-        if not self.decoding:
-            return n_missed
-        return (self.split if self.auto is None else self.auto.split(layer)).take(n_missed)
+        split = self._split_now(layer, n_tokens)
+        return n_missed if split is None else split.take(n_missed)
+
+    def _split_now(self, layer: int, n_tokens: int) -> MissSplit | None:
+        """The split of ``layer``'s misses of ``n_tokens`` tokens now, None where they all go over the link: a
+        decode window's by ``miss_split``; a prompt chunk of at most ``cpu_prompt_tokens`` tokens by the same
+        device slot's decode split of the layer."""
+        if self.decoding:
+            return self.miss_split(layer)
+        if self._decode is None or n_tokens > self.cpu_prompt_tokens:
+            return None
+        return self._decode.miss_split(layer)
+
+    def miss_split(self, layer: int) -> MissSplit | None:
+        """The split of ``layer``'s decode misses between the host link and the CPU: learned per layer
+        (``auto``) or fixed (``split``); None where this device does not compute the layer or its chain
+        lacks one of the two."""
+        chain = self.chains.get(layer)
+        if chain is None or not (chain.link and chain.cpu):
+            return None
+        return self.split if self.auto is None else self.auto.split(layer)
+
+    def split_short_prompts(self, tokens: int, decode: CachedExpertRows) -> None:
+        """Let prompt chunks of at most ``tokens`` tokens split their misses between the host link and the
+        CPU as ``decode`` (the same device slot's decode rows) splits them, at the layers it splits."""
+        self.cpu_prompt_tokens, self._decode = tokens, decode
 
     def _grouped(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain,
                  ffn: ExpertFFN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -325,7 +355,7 @@ class CachedExpertRows:
         with self.telemetry.compute(self.device):  # the peers' work first: it waits only for the routing
             grouped_rows(layer, fmt, hidden, k, order, bounds[:firsts[1] + 1], plans[0], chain.own, self._staging(),
                          out, ffn)
-        self._prefetch(layer + 1, order.numel())
+        self._prefetch(layer + 1, order.numel(), hidden.shape[0])
         per_expert = counts_read.tolist() if per_expert is None else per_expert  # a planned layer's one host read
         ends = [0]
         for e in (e for experts in owners for e in experts):
@@ -358,12 +388,14 @@ class CachedExpertRows:
             self._group_ring = StagingRing(self.ring.copier, rows=self.group_experts)
         return self._group_ring
 
-    def _prefetch(self, layer: int, pairs: int) -> None:
+    def _prefetch(self, layer: int, pairs: int, n_tokens: int) -> None:
         """Stream ``layer``'s first expert groups of misses now, while its attention runs, as its plan cuts
-        them when a chunk of ``pairs`` (token, k) pairs is planned (``PromptPlanner``); should the residency
-        change in between, the batches no longer covered are copied again."""
+        them when a chunk of ``n_tokens`` tokens, ``pairs`` (token, k) pairs, is planned (``PromptPlanner``)
+        and takes the grouped prefill; should the residency change in between, the batches no longer
+        covered are copied again."""
         chain = self.chains.get(layer)
-        if chain is None or not chain.link or pairs < PREFETCH_PAIRS * self.arena.n_experts:
+        if (chain is None or pairs < PREFETCH_PAIRS * self.arena.n_experts
+                or not self._takes_grouped(layer, chain, n_tokens)):
             return
         plans = self.planner.plan(layer, chain, self.group_experts, take=False).plans
         self._staging().prefetch(layer, plans[0].misses)

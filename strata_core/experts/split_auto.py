@@ -10,11 +10,13 @@ windows the split is fixed, logged once, and nothing is timed any more. Which mi
 changes which rows are computed: every miss is computed exactly once, on one side or the other.
 
 Before any of that, ``measure_rates`` times one decode token's misses of a layer both ways on the
-running host (the CPU kernels on the pool's worker, the packed bytes over the link), and
-``split_from_rates`` keeps every miss on the link where the CPU's share would be below
-``MIN_CPU_SHARE``: a split turns the decode gather and CUDA graphs off, which a small CPU share does
-not pay for (on an H100 host the CPU computed a token's misses at ~4 GB/s against the link's ~55 GB/s,
-and a learned split decoded at a tenth of the link's speed).
+running host (the CPU kernels on the pool's worker, also at ``PROBE_ROWS`` rows an expert as a short
+prompt chunk gives them, and the packed bytes over the link), and ``split_from_rates`` keeps every
+miss on the link where the CPU's share would be below ``MIN_CPU_SHARE``: a split turns the decode
+gather and CUDA graphs off, which a small CPU share does not pay for (on an H100 host the CPU computed
+a token's misses at ~4 GB/s against the link's ~55 GB/s, and a learned split decoded at a tenth of the
+link's speed). The same rates decide how short a prompt chunk must be to split its misses as the
+decode does (prompt_split.py).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 
     from strata_core.experts.arena import Arena, ExpertFormat
 
-__all__ = ["MIN_CPU_SHARE", "SETTLE_WINDOWS", "AutoSplit", "measure_rates", "probe_split", "resolve_pcie_frac",
-           "split_from_rates"]
+__all__ = ["MIN_CPU_SHARE", "PROBE_ROWS", "SETTLE_WINDOWS", "AutoSplit", "Rates", "measure_rates", "probe_rates",
+           "probe_split", "resolve_pcie_frac", "split_from_rates"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +53,20 @@ START_FRAC = 0.5
 #: the least share of a layer's misses the CPU must be able to take (by the measured rates) for a split
 #: to be learned: below it every miss goes over the link, with the decode gather and CUDA graphs
 MIN_CPU_SHARE = 0.15
+#: rows an expert the probe also times the CPU at: a short prompt chunk's (two of the CPU kernels' 8-row tiles)
+PROBE_ROWS = 16
 R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What ``measure_rates`` measured of a layer's misses, in GB/s of their packed bytes: computed on the
+    CPU pool at one row an expert (``cpu``: a decode token's share) and at ``PROBE_ROWS`` rows an expert
+    (``cpu_rows``: the same bytes over the longer time those rows take), and copied over the link (``link``)."""
+
+    cpu: float
+    link: float
+    cpu_rows: float
 
 
 def resolve_pcie_frac(setting: float | str, devices: Collection[torch.device],
@@ -72,24 +87,25 @@ def resolve_pcie_frac(setting: float | str, devices: Collection[torch.device],
 
 
 def measure_rates(arena: Arena, layer: int, device: torch.device, pool: Executor, experts: int,
-                  dtype: torch.dtype, repeats: int = 3) -> tuple[float, float]:
-    """``(CPU, link)`` GB/s of ``experts`` misses of ``layer`` for one decode token: the CPU kernels on
-    ``pool``'s worker (one row each, as a decode layer's CPU share runs), and their packed bytes copied
-    from the arena to ``device`` (pinned host memory over the link; a plain copy for a CPU device). Each
-    is timed over ``repeats`` runs after one unmeasured run."""
+                  dtype: torch.dtype, repeats: int = 3) -> Rates:
+    """The ``Rates`` of ``experts`` misses of ``layer``: the CPU kernels on ``pool``'s worker at one row an
+    expert (as a decode layer's CPU share runs) and at ``PROBE_ROWS`` rows (a short prompt chunk's), and
+    their packed bytes copied from the arena to ``device`` (pinned host memory over the link; a plain copy
+    for a CPU device). Each is timed over ``repeats`` runs after one unmeasured run."""
     fmt = arena.formats[layer]
     ids = list(range(min(experts, arena.n_experts)))
     parts = [arena.parts(layer, e) for e in ids]
-    x = torch.randn(len(ids), fmt.shapes[0][1]).to(dtype)  # [k, H]
 
-    def cpu_runs() -> float:
-        cpu_experts_ffn(x, parts, [1] * len(ids), fmt.qtypes, fmt.shapes, SILU, ids)
+    def cpu_runs(rows: int) -> float:
+        x = torch.randn(rows * len(ids), fmt.shapes[0][1]).to(dtype)  # [k * rows, H]
+        cpu_experts_ffn(x, parts, [rows] * len(ids), fmt.qtypes, fmt.shapes, SILU, ids)
         t0 = time.perf_counter()
         for _ in range(repeats):
-            cpu_experts_ffn(x, parts, [1] * len(ids), fmt.qtypes, fmt.shapes, SILU, ids)
+            cpu_experts_ffn(x, parts, [rows] * len(ids), fmt.qtypes, fmt.shapes, SILU, ids)
         return time.perf_counter() - t0
 
-    cpu_s = pool.submit(cpu_runs).result()
+    cpu_s = pool.submit(cpu_runs, 1).result()
+    rows_s = pool.submit(cpu_runs, PROBE_ROWS).result()
     sources = [torch.cat([p.reshape(-1) for p in part]) for part in parts]
     if device.type == "cuda":
         sources = [src.pin_memory() for src in sources]
@@ -106,7 +122,11 @@ def measure_rates(arena: Arena, layer: int, device: torch.device, pool: Executor
         copy()
     link_s = time.perf_counter() - t0
     nbytes = repeats * dst.numel()
-    return nbytes / max(cpu_s, 1e-9) / 1e9, nbytes / max(link_s, 1e-9) / 1e9
+    return Rates(cpu=_gbps(nbytes, cpu_s), link=_gbps(nbytes, link_s), cpu_rows=_gbps(nbytes, rows_s))
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / max(seconds, 1e-9) / 1e9
 
 
 def split_from_rates(cpu_gbps: float, link_gbps: float, where: str = "") -> float | None:
@@ -122,19 +142,32 @@ def split_from_rates(cpu_gbps: float, link_gbps: float, where: str = "") -> floa
     return None
 
 
-def probe_split(arena: Arena, layer: int, device: torch.device, pool: Executor, experts: int,
-                dtype: torch.dtype) -> tuple[float | None, float]:
-    """``(frac, start)`` for a GPU with misses under ``auto``: ``split_from_rates`` of ``measure_rates``
-    (1.0, or None and the measured link share ``start`` a learned split begins from). A probe that fails
-    keeps every miss on the link (logged): the split is an optimisation, not worth a failed load."""
+def probe_rates(arena: Arena, layer: int, device: torch.device, pool: Executor, experts: int,
+                dtype: torch.dtype) -> Rates | None:
+    """``measure_rates`` of a GPU with misses and a CPU share, or None (logged) where the CPU kernels do not
+    cover ``layer``'s formats (the reference is no contender) or the probe fails: the split is an
+    optimisation, not worth a failed load."""
+    fmt = arena.formats[layer]
+    if not has_cpu_kernel(fmt.qtypes, fmt.shapes):
+        log.info("pcie-frac: no rate probe on %s: the CPU kernels do not cover layer %d's expert formats", device,
+                 layer)
+        return None
     try:
-        cpu_gbps, link_gbps = measure_rates(arena, layer, device, pool, experts, dtype)
-    except Exception as exc:  # noqa: BLE001 - whatever stops the probe, the link alone still decodes
-        log.warning("pcie-frac auto: the CPU and link rates could not be measured on %s (%s: %s): every miss "
-                    "goes over the link", device, type(exc).__name__, exc)
-        return 1.0, START_FRAC
-    frac = split_from_rates(cpu_gbps, link_gbps, str(device))
-    return frac, (START_FRAC if frac is not None else 1.0 - cpu_gbps / (cpu_gbps + link_gbps))
+        return measure_rates(arena, layer, device, pool, experts, dtype)
+    except Exception as exc:  # noqa: BLE001 - whatever stops the probe, the link alone still computes
+        log.warning("pcie-frac: the CPU and link rates could not be measured on %s (%s: %s)", device,
+                    type(exc).__name__, exc)
+        return None
+
+
+def probe_split(rates: Rates | None, where: str) -> tuple[float | None, float]:
+    """``(frac, start)`` for a GPU with misses under ``auto``: ``split_from_rates`` of the probe's ``rates``
+    (1.0, or None and the measured link share ``start`` a learned split begins from); 1.0 where the rates
+    are unknown (logged)."""
+    if rates is None:
+        return _chosen(1.0, f"{where}: the rates are unknown: every miss goes over the link"), START_FRAC
+    frac = split_from_rates(rates.cpu, rates.link, where)
+    return frac, (START_FRAC if frac is not None else 1.0 - rates.cpu / (rates.cpu + rates.link))
 
 
 def _chosen(frac: float, why: str) -> float:
