@@ -127,7 +127,8 @@ class StrataSettings(BaseSettings):
         "auto", description="share of decode misses read over the host link, the rest computed on the CPU; auto: "
         "1 where every expert is resident or the CPU kernels do not cover the experts' formats, 0 where every "
         "device is the CPU, else per layer the split that balances the link and the CPU, measured in the first "
-        "decode windows (a split below 1 turns the decode gather and CUDA graphs off)"
+        "decode windows (a split below 1 turns the decode gather and CUDA graphs off); on a GPU a prompt chunk "
+        "shorter than a threshold measured at load splits its misses the same way, a longer one streams them"
     )
     adapt_swaps: int = Field(0, ge=0, description="experts swapped into the cache per decode window")
 

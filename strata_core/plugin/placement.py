@@ -5,7 +5,8 @@ that computes the layer's dense part (its KV and other per-layer state live ther
 and the ordered chain of :class:`ExpertSource` the layer's routed experts are found in. A routed
 expert is served by the first source of the chain that holds it; ``arena`` and ``cpu`` hold every
 expert, so a chain ends with one of them. With both, decode misses are split between them by
-``--pcie-frac``; prompt misses all go over the link.
+``--pcie-frac``; prompt misses go over the link, but a GPU splits a short chunk's as its decode does
+(experts/prompt_split.py).
 
 Device slots are the entries of ``--devices`` by position: ``cpu,cpu`` is two slots, each with its
 own expert cache, residency table, KV and telemetry, on one torch device.
