@@ -28,7 +28,7 @@ from strata_core.ops import decode
 CONFIGS = [(64, 32), (32, 16), (32, 32), (32, 64), (16, 64), (16, 128)]  # (BLOCK_N, SPLITS)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 48, 32, 4, 128
 #: the quantized kernel's (GROUPED_SCALES, BLOCK_N, SPLITS) tried beside its default (SPLITS 0: the rule)
-Q_CONFIGS = [(True, 64, 0), (True, 32, 128), (True, 64, 128), (True, 16, 128)]
+Q_CONFIGS = [(True, 64, 0), (True, 32, 128), (True, 64, 128), (True, 16, 128), (True, 32, 256), (True, 64, 256)]
 
 
 def main() -> None:

@@ -65,7 +65,7 @@ if wanted spec; then  # one client, greedy, the committed prompts, on a model th
   done
 fi
 if wanted sweep; then
-  timeout 300 python3 tools/attention_sweep.py --contexts 32768 --sessions 1,8 --kv-types q8_0,int8,bf16 \
+  timeout 300 python3 tools/attention_sweep.py --contexts 32768 --sessions 1,8 --kv-types q8_0,int8,fp8,bf16 \
     --json "$RES/attention.json" > "$RES/attention.log" 2>&1
   step "attention sweep rc=$?"; grep -E "context" "$RES/attention.log"
 fi
