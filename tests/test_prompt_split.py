@@ -19,12 +19,8 @@ from strata_core.experts import prompt_split, split_auto
 from strata_core.experts.backend import build_expert_backend
 from strata_core.experts.prompt_split import (cpu_prompt_tokens, cpu_seconds_per_gb, decide_cpu_prompt_tokens,
                                               rows_per_expert)
-from strata_core.experts.rows import DequantExpertRows
 from strata_core.experts.split import MissSplit
 from strata_core.experts.split_auto import PROBE_ROWS, AutoSplit, Rates
-from strata_core.experts.weights import ExpertWeights
-from strata_core.gguf.reader import GGUFFile
-from strata_core.model.registry import load_model_spec
 from strata_core.plugin.placement import DeviceSlot, Placement
 from strata_core.tools.synthetic import PRESETS, write_synthetic
 
@@ -198,24 +194,14 @@ def test_a_chunk_longer_than_the_threshold_streams_every_miss(tiny, monkeypatch,
 # --- the bookkeeping of one layer's prompt misses --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompt-split-rows") / "tiny.gguf"
-    write_synthetic(path, PRESETS["tiny"], expert_type=Q.Q8_0, dense_type=Q.Q8_0, progress=False)
-    gguf_file = GGUFFile.open(path)
-    spec = load_model_spec(gguf_file)
-    weights = ExpertWeights(gguf_file, spec)
-    return weights, spec, DequantExpertRows(weights)
-
-
 @settings(max_examples=30)
 @given(tokens=st.integers(1, 12), threshold=st.integers(0, 12), frac=st.sampled_from([0.0, 0.25, 0.5, 0.75, 1.0]),
        slots=st.integers(0, 24), seed=st.integers(0, 2 ** 16))
-def test_every_prompt_miss_is_computed_exactly_once(model, tokens, threshold, frac, slots, seed):
+def test_every_prompt_miss_is_computed_exactly_once(synthetic, tokens, threshold, frac, slots, seed):
     """Each missed expert of a prompt chunk goes over the link or to the CPU, never both, never neither; a
     short chunk as many to the CPU as the decode's split would send, a long one none; rows bit-identical to
     the reference's."""
-    weights, spec, reference = model
+    weights, spec, reference = synthetic
     backend = build_expert_backend(weights, spec, Placement.stages([(0, range(spec.n_layers))]),
                                    {0: DeviceSlot(0, CPU)}, StrataSettings(expert_cache=slots, pcie_frac=frac),
                                    {CPU: 0})
