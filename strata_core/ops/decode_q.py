@@ -235,9 +235,11 @@ if HAS_TRITON:
         return tl.dot(a, b)
 
     @triton.jit
-    def _codes_tile(ptr, mask, dt, FP8: tl.constexpr):
-        """The codes at ``ptr`` as ``dt`` values, exactly: int8 codes (|c| <= 127) and e4m3 values fit bf16,
-        float16 and float32."""
+    def _codes_tile(base, offsets, mask, dt, FP8: tl.constexpr):
+        """The codes at ``base + offsets`` (``[BLOCK_N, W]``: rows of W contiguous bytes at 16-byte boundaries,
+        as rows of D codes in 16-byte aligned pools are, ``_check_q``; so loaded 16 bytes at a time) as ``dt``
+        values, exactly: int8 codes (|c| <= 127) and e4m3 values fit bf16, float16 and float32."""
+        ptr = tl.max_contiguous(tl.multiple_of(base + offsets, [16, 16]), [1, 16])
         codes = tl.load(ptr, mask=mask, other=0)
         if FP8:
             return codes.to(tl.float8e4nv, bitcast=True).to(dt)
@@ -295,10 +297,10 @@ if HAS_TRITON:
             for j in tl.static_range(G):
                 ks = tl.load(ksc + head_row * G + j, mask=tm, other=0.0).to(tl.float32)  # [BLOCK_N]
                 if DEQUANTIZE:
-                    k = (_codes_tile(kc + at + j * W, tm[:, None], tl.float32, FP8) * ks[:, None]).to(dt)
+                    k = (_codes_tile(kc, at + j * W, tm[:, None], tl.float32, FP8) * ks[:, None]).to(dt)
                     sc += _dot(qs[j], tl.trans(k.to(kdt)), IEEE)
                 else:
-                    sc += _dot(qs[j], tl.trans(_codes_tile(kc + at + j * W, tm[:, None], kdt, FP8)), IEEE) * ks[None, :]
+                    sc += _dot(qs[j], tl.trans(_codes_tile(kc, at + j * W, tm[:, None], kdt, FP8)), IEEE) * ks[None, :]
             sc = tl.where(tm[None, :], sc * scale, float("-inf"))  # [RP, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -308,10 +310,10 @@ if HAS_TRITON:
             for j in tl.static_range(G):
                 vs = tl.load(vsc + head_row * G + j, mask=tm, other=0.0).to(tl.float32)  # [BLOCK_N]
                 if DEQUANTIZE:
-                    v = (_codes_tile(vc + at + j * W, tm[:, None], tl.float32, FP8) * vs[:, None]).to(dt)
+                    v = (_codes_tile(vc, at + j * W, tm[:, None], tl.float32, FP8) * vs[:, None]).to(dt)
                     pv = _dot(pr.to(dt).to(kdt), v.to(kdt), IEEE)
                 else:
-                    pv = _dot((pr * vs[None, :]).to(vdt), _codes_tile(vc + at + j * W, tm[:, None], vdt, FP8), IEEE)
+                    pv = _dot((pr * vs[None, :]).to(vdt), _codes_tile(vc, at + j * W, tm[:, None], vdt, FP8), IEEE)
                 new = new + (accs[j] * alpha[:, None] + pv,)
             accs = new
             m_i = m_new
@@ -332,11 +334,13 @@ if HAS_TRITON:
         ok = (kp.dtype == vp.dtype and kp.dtype in (torch.int8, torch.uint8) and ks.dtype == vs.dtype
               and ks.dtype in _SDT and (not fp8 or (G == 1 and ks.dtype == torch.float32))
               and kp.shape == vp.shape and ks.shape == vs.shape and kp.dim() == 4 and ks.shape[:3] == kp.shape[:3]
-              and all(t.is_contiguous() for t in pools) and (G == 1 or (ks.dtype == torch.float16 and D == 32 * G)))
+              and all(t.is_contiguous() for t in pools) and (G == 1 or (ks.dtype == torch.float16 and D == 32 * G))
+              and kp.data_ptr() % 16 == 0 and vp.data_ptr() % 16 == 0)
         if not ok:
             raise ValueError(f"the quantized KV pools of one decode call must be contiguous int8 (fp8: uint8) "
                              f"codes [n_blocks, block_size, n_kv_heads, D] and scales [..., 1] or [..., D / 32] of one "
-                             f"shape each, got {kp.dtype} {tuple(kp.shape)}, {ks.dtype} {tuple(ks.shape)}")
+                             f"shape each, the codes 16-byte aligned, got {kp.dtype} {tuple(kp.shape)}, {ks.dtype} "
+                             f"{tuple(ks.shape)}")
         return G, (D // 64 if G > 1 else 0), 448.0 if fp8 else 127.0, fp8
 
     def _device_table_q(pools: Sequence[Tensor], block_table: Tensor | None, device: torch.device) -> Tensor:
