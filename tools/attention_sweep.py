@@ -15,7 +15,8 @@ of 16-token blocks): its default (``_BLOCK_N, _STAGES, _WARPS`` of ops/decode_q.
 ``_attention_splits``), the same with each tile dequantized before the dots (``DEQUANTIZE_TILES``, the
 former math) and every configuration of ``Q_CONFIGS``, each checked against the first; GB/s counts the
 codes and scales read. The fastest quantized configuration of each context, session count and KV type
-is printed last, beside the default's time.
+is printed last, beside the default's time; make the winner the default in ops/decode_q.py (splits other
+than ``_attention_splits``' rule need a rule of its own there).
 """
 
 from __future__ import annotations
