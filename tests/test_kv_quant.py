@@ -591,6 +591,44 @@ def test_the_quantized_decode_kernels_match_the_references_under_the_interpreter
                                rtol=1e-5, atol=1e-6)
 
 
+#: the quantized attention kernel's deviation from the reference, relative to the output's largest value.
+#: float32: IEEE products; the kernel rounds each group's sum of q x codes times its scale, and each
+#: probability times its value scale, where the reference rounds each code times its scale: as many
+#: roundings of float32, in other places. bf16 / float16: the reference rounds each dequantized value to
+#: the compute dtype (2**-9 relative for bf16) and sums in float32; the kernel's key products are exact
+#: (codes and q in the dot, the scale after it) and each probability times its value scale is rounded
+#: to bf16 once: a bf16 rounding of each value's term, as the bf16 kernel's rounded probabilities against
+#: its reference, whose bound (tests/test_decode_ops_cuda.py) this is.
+ATTENTION_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dequantize_tiles", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_type", QUANTIZED)
+def test_the_quantized_attention_kernel_on_cuda_matches_the_reference(kv_type, dtype, dequantize_tiles):
+    """The CUDA decode attention over quantized pools (the scales after the dots, and the tiles dequantized
+    before them) against the CPU reference, over 9000 positions of shuffled blocks (many splits)."""
+    from strata_core.ops import decode_q
+
+    if not decode_q.fused_quantized_supported(kv_type, 128, torch.device("cuda", 0)):
+        pytest.skip(f"the Triton kernels do not serve {kv_type} on this GPU")
+    B, nh, nkv, D, S = 3, 32, 4, 128, 9000
+    pools = _quantized_pools(B, S, nkv, D, kv_type, 16, 7)
+    q = torch.randn(B, nh, D, generator=torch.Generator().manual_seed(8)).to(dtype)
+    positions = torch.tensor([0, 1023, S - 1])
+    cuda = [t.cuda() for t in pools]
+    tiles = decode_q.DEQUANTIZE_TILES
+    try:
+        decode_q.DEQUANTIZE_TILES = dequantize_tiles
+        got = decode_q.decode_attention_q(q.cuda(), positions.cuda(), *cuda, None).cpu()
+    finally:
+        decode_q.DEQUANTIZE_TILES = tiles
+    want = decode_q.decode_attention_q(q, positions, *pools, None)
+    deviation = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    assert deviation <= ATTENTION_TOL[dtype], deviation
+
+
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else []))
 @pytest.mark.parametrize("kv_type", QUANTIZED)
 def test_fused_layers_over_a_quantized_kv_match_the_eager_layers(tiny_model_factory, device, kv_type):

@@ -10,9 +10,13 @@ replayed (``triton.testing.do_bench``, median); printed as us a layer, with the 
 second. Every configuration's output must be within 1e-2 of the default's (bf16; the splits change
 the summation order only). Make the winner the default: ``_BLOCK_N, _SPLITS`` in ops/decode.py.
 
-``--kv-types bf16,q8_0,int8``: also the quantized KV kernel (``strata::decode_attention_q``, paged pools of
-16-token blocks): both ways of loading its scales (``GROUPED_SCALES`` of ops/decode_q.py) and the
-splits of ``Q_CONFIGS``, each checked against the first; GB/s counts the codes and scales read.
+``--kv-types bf16,q8_0,int8,fp8``: also the quantized KV kernel (``strata::decode_attention_q``, paged pools
+of 16-token blocks): its default (``_BLOCK_N, _STAGES, _WARPS`` of ops/decode_q.py, the splits of
+``_attention_splits``), the same with each tile dequantized before the dots (``DEQUANTIZE_TILES``, the
+former math) and every configuration of ``Q_CONFIGS``, each checked against the first; GB/s counts the
+codes and scales read. The fastest quantized configuration of each context, session count and KV type
+is printed last, beside the default's time; make the winner the default in ops/decode_q.py (splits other
+than ``_attention_splits``' rule need a rule of its own there).
 """
 
 from __future__ import annotations
@@ -27,15 +31,16 @@ from strata_core.ops import decode
 
 CONFIGS = [(64, 32), (32, 16), (32, 32), (32, 64), (16, 64), (16, 128)]  # (BLOCK_N, SPLITS)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 48, 32, 4, 128
-#: the quantized kernel's (GROUPED_SCALES, BLOCK_N, SPLITS) tried beside its default (SPLITS 0: the rule)
-Q_CONFIGS = [(True, 64, 0), (True, 32, 128), (True, 64, 128), (True, 16, 128), (True, 32, 256), (True, 64, 256)]
+#: the quantized kernel's (BLOCK_N, SPLITS, STAGES, WARPS) tried beside its default (SPLITS 0: the rule)
+Q_CONFIGS = ([(n, s, st, 4) for n in (32, 64, 128) for s in (0, 128, 256) for st in (1, 2, 3)]
+             + [(32, 0, 2, 2), (64, 0, 2, 8), (128, 128, 2, 8)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--contexts", default="1024,8192,32768")
     parser.add_argument("--sessions", default="1,4")
-    parser.add_argument("--kv-types", default="bf16", help="bf16 and / or quantized KV types (q8_0, int8)")
+    parser.add_argument("--kv-types", default="bf16", help="bf16 and / or quantized KV types (q8_0, int8, fp8)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_sweep.json"))
     args = parser.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())  # an index: the kernels check their tensors' device
@@ -92,8 +97,8 @@ def _time_graph(step, reference: list[torch.Tensor] | None) -> tuple[float, list
 
 
 def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[dict]:
-    """Time ``decode_attention_q`` over ``n + 1`` positions of ``B`` sessions' paged ``kv_type`` pools, each
-    way of loading scales, in a CUDA graph over 48 layers; each checked against the first."""
+    """Time ``decode_attention_q`` over ``n + 1`` positions of ``B`` sessions' paged ``kv_type`` pools in each
+    configuration, in a CUDA graph over 48 layers; each checked against the first (the default)."""
     from strata_core.model.kvquant import kv_format, quantize
     from strata_core.ops import decode_q
 
@@ -110,9 +115,13 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
     q = torch.randn(B, HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
     positions = torch.full((B,), n, dtype=torch.int64, device=dev)
     nbytes = sum(t.numel() * t.element_size() for t in layers[0][0]) * (n + 1) / (per * bs)
-    rows, reference, default = [], None, (decode_q.GROUPED_SCALES, decode_q._BLOCK_N)
-    for grouped, block_n, splits in [(*default, 0), (not default[0], default[1], 0)] + Q_CONFIGS:
-        decode_q.GROUPED_SCALES, decode_q._BLOCK_N = grouped, block_n
+    rows, reference = [], None
+    default = (decode_q._BLOCK_N, 0, decode_q._STAGES, decode_q._WARPS)
+    knobs = (decode_q.DEQUANTIZE_TILES, decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS)
+    for dequantize, (block_n, splits, stages, warps) in ([(False, default), (True, default)]
+                                                          + [(False, c) for c in Q_CONFIGS if c != default]):
+        decode_q.DEQUANTIZE_TILES, decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS = (dequantize, block_n,
+                                                                                           stages, warps)
 
         def step() -> list[torch.Tensor]:
             return [decode_q.decode_attention_q(q, positions, *pools, block_table, table, splits)
@@ -120,13 +129,18 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
 
         us, outs, reference = _time_graph(step, reference)
         err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
-        row = dict(context=n, sessions=B, kv_type=kv_type, grouped_scales=grouped, block_n=block_n, splits=splits,
-                   us_per_layer=us, kv_gbps=nbytes / us / 1e3, max_err=err, ok=err <= 1e-2)
+        row = dict(context=n, sessions=B, kv_type=kv_type, dequantize_tiles=dequantize, block_n=block_n,
+                   splits=splits, stages=stages, warps=warps, us_per_layer=us, kv_gbps=nbytes / us / 1e3,
+                   max_err=err, ok=err <= 1e-2)
         rows.append(row)
-        print(f"context {n:6d} B {B}: {kv_type} scales {'grouped' if grouped else 'per value'} BLOCK_N {block_n:3d} "
-              f"SPLITS {splits or 'auto':>4}: {us:7.2f} us a layer, {row['kv_gbps']:6.0f} GB/s of KV, "
-              f"err {err:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
-    decode_q.GROUPED_SCALES, decode_q._BLOCK_N = default
+        print(f"context {n:6d} B {B}: {kv_type} {'dequantized tiles' if dequantize else 'scales after dots'} "
+              f"BLOCK_N {block_n:3d} SPLITS {splits or 'auto':>4} STAGES {stages} WARPS {warps}: {us:7.2f} us a "
+              f"layer, {row['kv_gbps']:6.0f} GB/s of KV, err {err:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
+    decode_q.DEQUANTIZE_TILES, decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS = knobs
+    best = min((r for r in rows if r["ok"]), key=lambda r: r["us_per_layer"])
+    print(f"context {n:6d} B {B}: {kv_type} best: BLOCK_N {best['block_n']} SPLITS {best['splits'] or 'auto'} "
+          f"STAGES {best['stages']} WARPS {best['warps']}{' (dequantized tiles)' if best['dequantize_tiles'] else ''}"
+          f" {best['us_per_layer']:.2f} us a layer against the default's {rows[0]['us_per_layer']:.2f}", flush=True)
     return rows
 
 

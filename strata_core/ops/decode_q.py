@@ -11,15 +11,16 @@ float32 for int8 and fp8):
   ``rope_kv_write``, the k and v rows (rounded to the compute dtype first, as the eager path's are)
   quantized as ``kvquant.quantize`` does before they are stored;
 - ``decode_attention_q(q, positions, key_pool, value_pool, key_scales, value_scales, block_table, table,
-  splits=0) -> [B, n_heads * D]``: as ``decode_attention``, each tile of keys and values dequantized
-  in registers (``codes * scale`` in float32, rounded to ``q``'s dtype: ``kvquant.dequantize``) as it
-  is loaded; no dequantized copy of the cache exists.
+  splits=0) -> [B, n_heads * D]``: as ``decode_attention`` over ``kvquant.dequantize``'s rows, with the
+  scales applied after the products instead of to each value: a tile's codes (exact in bf16) meet q in
+  the dot, and each key's scale (each group's, for q8_0) multiplies its scores, and for the values joins
+  its probabilities; no dequantized copy of the cache exists.
 
 ``table`` (int64 ``[B, 5]``: key codes, value codes, session b's block table, key scales, value scales
 addresses; ``kv_table_q``) is how the CUDA kernels reach them, as in ops/decode.py. The CPU kernels are
 the references; the Triton kernels run on CUDA and under ``TRITON_INTERPRET=1`` on CPU tensors
 (tests/test_kv_quant.py). q8_0 and int8 codes are exact against the reference (IEEE divisions);
-the attention within float rounding.
+the attention within float rounding (the scales applied after the sums round otherwise than before them).
 """
 
 from __future__ import annotations
@@ -32,16 +33,18 @@ import torch
 from torch import Tensor
 
 from strata_core.model.kvquant import FP8, dequantize, quantize
-from strata_core.ops.decode import (_attention_splits, _BLOCK_N, _need_blocks, _paged_rows, _rms, _split_heads,
+from strata_core.ops.decode import (_attention_splits, _need_blocks, _paged_rows, _rms, _split_heads,
                                     apply_rope, rope_cos_sin)
 from strata_core.ops.qdecode import HAS_TRITON, on_device
 
 __all__ = ["decode_attention_q", "fused_quantized_supported", "kv_table_q", "rope_kv_write_q"]
 
-#: How the CUDA decode attention loads a tile's scales: True, one load a 32-value group beside codes loaded
-#: as [BLOCK_N, G, D / G]; False, each value's scale gathered beside it (tools/attention_sweep.py
-#: ``--kv-types`` times both)
-GROUPED_SCALES = True
+#: The CUDA decode attention's positions a tile, pipeline stages of its key loop and warps a program
+#: (tools/attention_sweep.py ``--kv-types`` times the alternatives; its splits: ``_attention_splits``)
+_BLOCK_N, _STAGES, _WARPS = 32, 2, 4
+#: False: the scales applied after the dots (the default); True: each tile of codes dequantized in registers
+#: before them, as ``kvquant.dequantize`` would, kept for tools/attention_sweep.py to time against
+DEQUANTIZE_TILES = False
 
 
 def _format(codes: Tensor, scales: Tensor):
@@ -164,13 +167,6 @@ if HAS_TRITON:
         return tl.minimum(tl.maximum(r, -QMAX), QMAX).to(tl.int8)
 
     @triton.jit
-    def _values_of(codes, FP8: tl.constexpr):
-        """float32 values of loaded int8 codes (e4m3's bytes where ``FP8``)."""
-        if FP8:
-            return codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        return codes.to(tl.float32)
-
-    @triton.jit
     def _store_quantized(a, c, codes, scales, row, srow, HALF: tl.constexpr, GH: tl.constexpr, QMAX: tl.constexpr,
                          FP8: tl.constexpr):
         """Quantize a row's halves ``a``, ``c`` (float32 ``[HALF]``) and store codes at ``codes + row`` and its
@@ -231,14 +227,39 @@ if HAS_TRITON:
                              _ptr(table, b, 1, tl.int8), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
 
     @triton.jit
+    def _dot(a, b, IEEE: tl.constexpr):
+        """``a @ b`` accumulated in float32; ``IEEE``: float32 products (float32 compute; the interpreter, whose
+        bf16 dot is wrong)."""
+        if IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b)
+
+    @triton.jit
+    def _codes_tile(base, offsets, mask, dt, FP8: tl.constexpr):
+        """The codes at ``base + offsets`` (``[BLOCK_N, W]``: rows of W contiguous bytes at 16-byte boundaries,
+        as rows of D codes in 16-byte aligned pools are, ``_check_q``; so loaded 16 bytes at a time) as ``dt``
+        values, exactly: int8 codes (|c| <= 127) and e4m3 values fit bf16, float16 and float32."""
+        ptr = tl.max_contiguous(tl.multiple_of(base + offsets, [16, 16]), [1, 16])
+        codes = tl.load(ptr, mask=mask, other=0)
+        if FP8:
+            return codes.to(tl.float8e4nv, bitcast=True).to(dt)
+        return codes.to(dt)
+
+    @triton.jit
     def _attention_q_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
                                   REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                   SPLITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, SDT: tl.constexpr,
-                                  IEEE: tl.constexpr, GROUPED: tl.constexpr, FP8: tl.constexpr):
-        """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b], each
-        tile of codes dequantized (codes x scale in float32, rounded to q's dtype) as it is loaded.
-        ``GROUPED``: a tile's codes are loaded as [BLOCK_N, G, D / G] beside its [BLOCK_N, G] scales (one scale
-        load a group); else each value's scale is gathered beside it ([BLOCK_N, D] loads)."""
+                                  IEEE: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                                  DEQUANTIZE: tl.constexpr):
+        """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b].
+
+        A row's D values are G groups of W = D / G, each with its scale (G == 1: one scale a row). Each group
+        of a tile of keys is its own [BLOCK_N, W] tile of codes (its own loads: no reshape), multiplied by the
+        codes as they are (exact in the dot's dtype) and scaled after the dot: scores = sum over groups of
+        (q_j @ codes_j^T) * kscale_j; for the values each group's scale joins the probabilities:
+        acc_j += (p * vscale_j) @ codes_j, one [RP, W] accumulator a group. The value products are in bf16
+        whatever q's dtype (float16 would lose p * scale's small values). ``DEQUANTIZE`` (to compare): each
+        group's codes times their scales instead, rounded to q's dtype before the dots (``kvquant.dequantize``)."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -246,64 +267,61 @@ if HAS_TRITON:
         per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK_N) * BLOCK_N
         start = s * per
         end = tl.minimum(start + per, n)
+        W: tl.constexpr = D // G
         r = tl.arange(0, RP)
-        d = tl.arange(0, D)
+        c = tl.arange(0, W)
         rows = b * n_heads + g * REP + r  # [RP] query heads of this group
         keep = r < REP
         dt = q.dtype.element_ty
-        qt = tl.load(q + rows[:, None] * D + d[None, :], mask=keep[:, None], other=0.0)  # [RP, D]
+        kdt = tl.float32 if IEEE else dt  # the key products' dtype
+        vdt = tl.float32 if IEEE else tl.bfloat16  # the value products' dtype
         kc = _ptr(table, b, 0, tl.int8)
         vc = _ptr(table, b, 1, tl.int8)
         bt = _ptr(table, b, 2, tl.int32)
         ksc = _ptr(table, b, 3, SDT)
         vsc = _ptr(table, b, 4, SDT)
+        qs = ()  # q's G groups of columns, [RP, W] each
+        accs = ()  # the G groups' float32 sums, [RP, W] each
+        for j in tl.static_range(G):
+            qs = qs + (tl.load(q + rows[:, None] * D + j * W + c[None, :], mask=keep[:, None], other=0.0).to(kdt),)
+            accs = accs + (tl.zeros([RP, W], dtype=tl.float32),)
         m_i = tl.full([RP], float("-inf"), tl.float32)
         l_i = tl.zeros([RP], dtype=tl.float32)
-        acc = tl.zeros([RP, D], dtype=tl.float32)
-        gi = tl.arange(0, G)[None, :, None]  # a row's scale groups (GROUPED)
-        ci = tl.arange(0, D // G)[None, None, :]  # a group's values
-        for t0 in range(start, end, BLOCK_N):
+        for t0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < end
             block = tl.load(bt + t // BS, mask=tm, other=0).to(tl.int64)  # [BLOCK_N] block ids
-            head_row = (block * BS + t % BS)[:, None] * n_kv + g  # [BLOCK_N, 1]
-            if GROUPED:
-                row3 = head_row[:, :, None]  # [BLOCK_N, 1, 1]
-                at3 = row3 * D + gi * (D // G) + ci  # [BLOCK_N, G, D / G]
-                sat3 = row3 * G + gi  # [BLOCK_N, G, 1]: each group's scale
-                tm3 = tm[:, None, None]
-                k = tl.reshape((_values_of(tl.load(kc + at3, mask=tm3, other=0), FP8)
-                                * tl.load(ksc + sat3, mask=tm3, other=0.0).to(tl.float32)).to(dt), [BLOCK_N, D])
-            else:
-                at = head_row * D + d[None, :]  # [BLOCK_N, D]
-                sat = head_row * G + d[None, :] // (D // G)  # [BLOCK_N, D]: each value's scale
-                k = (_values_of(tl.load(kc + at, mask=tm[:, None], other=0), FP8)
-                     * tl.load(ksc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
-            if IEEE:  # float32 products (float32 compute; the interpreter, whose bf16 dot is wrong)
-                sc = tl.dot(qt.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                sc = tl.dot(qt, tl.trans(k))
+            head_row = (block * BS + t % BS) * n_kv + g  # [BLOCK_N] rows of kv head g
+            at = head_row[:, None] * D + c[None, :]  # [BLOCK_N, W]: group 0's codes
+            sc = tl.zeros([RP, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(G):
+                ks = tl.load(ksc + head_row * G + j, mask=tm, other=0.0).to(tl.float32)  # [BLOCK_N]
+                if DEQUANTIZE:
+                    k = (_codes_tile(kc, at + j * W, tm[:, None], tl.float32, FP8) * ks[:, None]).to(dt)
+                    sc += _dot(qs[j], tl.trans(k.to(kdt)), IEEE)
+                else:
+                    sc += _dot(qs[j], tl.trans(_codes_tile(kc, at + j * W, tm[:, None], kdt, FP8)), IEEE) * ks[None, :]
             sc = tl.where(tm[None, :], sc * scale, float("-inf"))  # [RP, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
             pr = tl.exp(sc - m_new[:, None])
             l_i = l_i * alpha + tl.sum(pr, axis=1)
-            if GROUPED:
-                v = tl.reshape((_values_of(tl.load(vc + at3, mask=tm3, other=0), FP8)
-                                * tl.load(vsc + sat3, mask=tm3, other=0.0).to(tl.float32)).to(dt), [BLOCK_N, D])
-            else:
-                v = (_values_of(tl.load(vc + at, mask=tm[:, None], other=0), FP8)
-                     * tl.load(vsc + sat, mask=tm[:, None], other=0.0).to(tl.float32)).to(dt)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(dt).to(tl.float32), v.to(tl.float32),
-                                                    input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(pr.to(dt), v)
+            new = ()
+            for j in tl.static_range(G):
+                vs = tl.load(vsc + head_row * G + j, mask=tm, other=0.0).to(tl.float32)  # [BLOCK_N]
+                if DEQUANTIZE:
+                    v = (_codes_tile(vc, at + j * W, tm[:, None], tl.float32, FP8) * vs[:, None]).to(dt)
+                    pv = _dot(pr.to(dt).to(kdt), v.to(kdt), IEEE)
+                else:
+                    pv = _dot((pr * vs[None, :]).to(vdt), _codes_tile(vc, at + j * W, tm[:, None], vdt, FP8), IEEE)
+                new = new + (accs[j] * alpha[:, None] + pv,)
+            accs = new
             m_i = m_new
         part = rows * SPLITS + s
         tl.store(m_out + part, m_i, mask=keep)
         tl.store(l_out + part, l_i, mask=keep)
-        tl.store(acc_out + part[:, None] * D + d[None, :], acc, mask=keep[:, None])
+        for j in tl.static_range(G):
+            tl.store(acc_out + part[:, None] * D + j * W + c[None, :], accs[j], mask=keep[:, None])
 
     _SDT = {torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -316,11 +334,13 @@ if HAS_TRITON:
         ok = (kp.dtype == vp.dtype and kp.dtype in (torch.int8, torch.uint8) and ks.dtype == vs.dtype
               and ks.dtype in _SDT and (not fp8 or (G == 1 and ks.dtype == torch.float32))
               and kp.shape == vp.shape and ks.shape == vs.shape and kp.dim() == 4 and ks.shape[:3] == kp.shape[:3]
-              and all(t.is_contiguous() for t in pools) and (G == 1 or (ks.dtype == torch.float16 and D == 32 * G)))
+              and all(t.is_contiguous() for t in pools) and (G == 1 or (ks.dtype == torch.float16 and D == 32 * G))
+              and kp.data_ptr() % 16 == 0 and vp.data_ptr() % 16 == 0)
         if not ok:
             raise ValueError(f"the quantized KV pools of one decode call must be contiguous int8 (fp8: uint8) "
                              f"codes [n_blocks, block_size, n_kv_heads, D] and scales [..., 1] or [..., D / 32] of one "
-                             f"shape each, got {kp.dtype} {tuple(kp.shape)}, {ks.dtype} {tuple(ks.shape)}")
+                             f"shape each, the codes 16-byte aligned, got {kp.dtype} {tuple(kp.shape)}, {ks.dtype} "
+                             f"{tuple(ks.shape)}")
         return G, (D // 64 if G > 1 else 0), 448.0 if fp8 else 127.0, fp8
 
     def _device_table_q(pools: Sequence[Tensor], block_table: Tensor | None, device: torch.device) -> Tensor:
@@ -373,8 +393,11 @@ if HAS_TRITON:
                 q.contiguous(), positions.contiguous(), table, m, l, acc, nh, nkv, D ** -0.5,
                 REP=rep, RP=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=_BLOCK_N, SPLITS=splits,
                 BS=key_pool.shape[1], G=G, SDT=_SDT[key_scales.dtype],
-                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, GROUPED=GROUPED_SCALES, FP8=fp8, num_warps=4)
-            _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits, num_warps=1)
+                IEEE=q.dtype == torch.float32 or not _LIBDEVICE, FP8=fp8, STAGES=_STAGES,
+                DEQUANTIZE=DEQUANTIZE_TILES, num_warps=_WARPS)
+            # a warp per 32 splits: the [SPLITS, D] partial sums of a row in registers without spilling
+            _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits,
+                                                num_warps=min(8, max(1, splits // 32)))
         return out
 
     rope_kv_write_q.register_kernel("cuda")(_rope_kv_q_cuda)
