@@ -603,12 +603,11 @@ ATTENTION_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("dequantize_tiles", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kv_type", QUANTIZED)
-def test_the_quantized_attention_kernel_on_cuda_matches_the_reference(kv_type, dtype, dequantize_tiles):
-    """The CUDA decode attention over quantized pools (the scales after the dots, and the tiles dequantized
-    before them) against the CPU reference, over 9000 positions of shuffled blocks (many splits)."""
+def test_the_quantized_attention_kernel_on_cuda_matches_the_reference(kv_type, dtype):
+    """The CUDA decode attention over quantized pools (the scales after the dots) against the CPU reference,
+    over 9000 positions of shuffled blocks (many splits)."""
     from strata_core.ops import decode_q
 
     if not decode_q.fused_quantized_supported(kv_type, 128, torch.device("cuda", 0)):
@@ -617,13 +616,7 @@ def test_the_quantized_attention_kernel_on_cuda_matches_the_reference(kv_type, d
     pools = _quantized_pools(B, S, nkv, D, kv_type, 16, 7)
     q = torch.randn(B, nh, D, generator=torch.Generator().manual_seed(8)).to(dtype)
     positions = torch.tensor([0, 1023, S - 1])
-    cuda = [t.cuda() for t in pools]
-    tiles = decode_q.DEQUANTIZE_TILES
-    try:
-        decode_q.DEQUANTIZE_TILES = dequantize_tiles
-        got = decode_q.decode_attention_q(q.cuda(), positions.cuda(), *cuda, None).cpu()
-    finally:
-        decode_q.DEQUANTIZE_TILES = tiles
+    got = decode_q.decode_attention_q(q.cuda(), positions.cuda(), *[t.cuda() for t in pools], None).cpu()
     want = decode_q.decode_attention_q(q, positions, *pools, None)
     deviation = float((got.float() - want.float()).abs().max() / want.float().abs().max())
     assert deviation <= ATTENTION_TOL[dtype], deviation

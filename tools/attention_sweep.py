@@ -12,11 +12,10 @@ the summation order only). Make the winner the default: ``_BLOCK_N, _SPLITS`` in
 
 ``--kv-types bf16,q8_0,int8,fp8``: also the quantized KV kernel (``strata::decode_attention_q``, paged pools
 of 16-token blocks): its default (``_BLOCK_N, _STAGES, _WARPS`` of ops/decode_q.py, the splits of
-``_attention_splits``), the same with each tile dequantized before the dots (``DEQUANTIZE_TILES``, the
-former math) and every configuration of ``Q_CONFIGS``, each checked against the first; GB/s counts the
-codes and scales read. The fastest quantized configuration of each context, session count and KV type
-is printed last, beside the default's time; make the winner the default in ops/decode_q.py (splits other
-than ``_attention_splits``' rule need a rule of its own there).
+``_attention_splits`` up to ``_MOST_SPLITS``) and every configuration of ``Q_CONFIGS``, each checked against
+the first; GB/s counts the codes and scales read. The fastest quantized configuration of each context,
+session count and KV type is printed last, beside the default's time; make the winner the default in
+ops/decode_q.py.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from strata_core.ops import decode
 
 CONFIGS = [(64, 32), (32, 16), (32, 32), (32, 64), (16, 64), (16, 128)]  # (BLOCK_N, SPLITS)
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 48, 32, 4, 128
+BLOCK = 16  # positions a KV block (the paged pools')
 #: the quantized kernel's (BLOCK_N, SPLITS, STAGES, WARPS) tried beside its default (SPLITS 0: the rule)
 Q_CONFIGS = ([(n, s, st, 4) for n in (32, 64, 128) for s in (0, 128, 256) for st in (1, 2, 3)]
              + [(32, 0, 2, 2), (64, 0, 2, 8), (128, 128, 2, 8)])
@@ -55,18 +55,22 @@ def main() -> None:
             if "bf16" not in kv_types:
                 continue
             gen = torch.Generator(device=dev).manual_seed(n + B)
-            keys = [[torch.randn(n + 1, KV_HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
-                     for _ in range(B)] for _ in range(LAYERS)]
-            values = [[torch.randn_like(k) for k in layer] for layer in keys]
+            per = (n + 1 + BLOCK - 1) // BLOCK
+            block_table = torch.arange(B * per, dtype=torch.int32, device=dev).view(B, per)
+            layers = []
+            for _ in range(LAYERS):
+                kp, vp = (torch.randn(B * per, BLOCK, KV_HEADS, HEAD_DIM, generator=gen, device=dev,
+                                      dtype=torch.bfloat16) for _ in range(2))
+                layers.append((kp, vp, decode._device_table(kp, vp, block_table, dev)))
             q = torch.randn(B, HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
             positions = torch.full((B,), n, dtype=torch.int64, device=dev)
-            tables = [decode._device_table(k, v, dev) for k, v in zip(keys, values)]
             reference = None
             for block_n, splits in [default] + [c for c in CONFIGS if c != default]:
                 decode._BLOCK_N, decode._SPLITS = block_n, splits
 
                 def step() -> list[torch.Tensor]:
-                    return [decode.decode_attention(q, positions, k, v, t) for k, v, t in zip(keys, values, tables)]
+                    return [decode.decode_attention(q, positions, kp, vp, block_table, table)
+                            for kp, vp, table in layers]
 
                 us, outs, reference = _time_graph(step, reference)
                 err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
@@ -102,7 +106,7 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
     from strata_core.model.kvquant import kv_format, quantize
     from strata_core.ops import decode_q
 
-    fmt, bs = kv_format(kv_type), 16
+    fmt, bs = kv_format(kv_type), BLOCK
     per = (n + 1 + bs - 1) // bs
     gen = torch.Generator(device=dev).manual_seed(n + B)
     block_table = torch.arange(B * per, dtype=torch.int32, device=dev).view(B, per)
@@ -117,11 +121,9 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
     nbytes = sum(t.numel() * t.element_size() for t in layers[0][0]) * (n + 1) / (per * bs)
     rows, reference = [], None
     default = (decode_q._BLOCK_N, 0, decode_q._STAGES, decode_q._WARPS)
-    knobs = (decode_q.DEQUANTIZE_TILES, decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS)
-    for dequantize, (block_n, splits, stages, warps) in ([(False, default), (True, default)]
-                                                          + [(False, c) for c in Q_CONFIGS if c != default]):
-        decode_q.DEQUANTIZE_TILES, decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS = (dequantize, block_n,
-                                                                                           stages, warps)
+    knobs = (decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS)
+    for block_n, splits, stages, warps in [default] + [c for c in Q_CONFIGS if c != default]:
+        decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS = block_n, stages, warps
 
         def step() -> list[torch.Tensor]:
             return [decode_q.decode_attention_q(q, positions, *pools, block_table, table, splits)
@@ -129,18 +131,16 @@ def _sweep_quantized(n: int, B: int, kv_type: str, dev: torch.device) -> list[di
 
         us, outs, reference = _time_graph(step, reference)
         err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
-        row = dict(context=n, sessions=B, kv_type=kv_type, dequantize_tiles=dequantize, block_n=block_n,
+        row = dict(context=n, sessions=B, kv_type=kv_type, block_n=block_n,
                    splits=splits, stages=stages, warps=warps, us_per_layer=us, kv_gbps=nbytes / us / 1e3,
                    max_err=err, ok=err <= 1e-2)
         rows.append(row)
-        print(f"context {n:6d} B {B}: {kv_type} {'dequantized tiles' if dequantize else 'scales after dots'} "
-              f"BLOCK_N {block_n:3d} SPLITS {splits or 'auto':>4} STAGES {stages} WARPS {warps}: {us:7.2f} us a "
+        print(f"context {n:6d} B {B}: {kv_type} BLOCK_N {block_n:3d} SPLITS {splits or 'auto':>4} STAGES {stages} WARPS {warps}: {us:7.2f} us a "
               f"layer, {row['kv_gbps']:6.0f} GB/s of KV, err {err:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
-    decode_q.DEQUANTIZE_TILES, decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS = knobs
+    decode_q._BLOCK_N, decode_q._STAGES, decode_q._WARPS = knobs
     best = min((r for r in rows if r["ok"]), key=lambda r: r["us_per_layer"])
     print(f"context {n:6d} B {B}: {kv_type} best: BLOCK_N {best['block_n']} SPLITS {best['splits'] or 'auto'} "
-          f"STAGES {best['stages']} WARPS {best['warps']}{' (dequantized tiles)' if best['dequantize_tiles'] else ''}"
-          f" {best['us_per_layer']:.2f} us a layer against the default's {rows[0]['us_per_layer']:.2f}", flush=True)
+          f"STAGES {best['stages']} WARPS {best['warps']} {best['us_per_layer']:.2f} us a layer against the default's {rows[0]['us_per_layer']:.2f}", flush=True)
     return rows
 
 

@@ -184,14 +184,15 @@ _BLOCK_N, _SPLITS, _PROGRAMS = 32, None, 512
 INVARIANT_SPLITS = 32
 
 
-def _attention_splits(sessions: int, kv_heads: int, splits: int = 0) -> int:
-    """Programs per (session, kv head) of a decode attention launch: ``splits`` if given, else see ``_SPLITS``."""
+def _attention_splits(sessions: int, kv_heads: int, splits: int = 0, most: int = 64) -> int:
+    """Programs per (session, kv head) of a decode attention launch: ``splits`` if given, else see ``_SPLITS``
+    (the rule's at most ``most``)."""
     if splits:
         return splits
     if _SPLITS is not None:
         return _SPLITS
     want = max(1, _PROGRAMS // (sessions * kv_heads))
-    return max(16, min(64, 1 << (want.bit_length() - 1)))
+    return max(16, min(most, 1 << (want.bit_length() - 1)))
 
 if HAS_TRITON:
     import triton

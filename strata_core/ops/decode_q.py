@@ -39,12 +39,11 @@ from strata_core.ops.qdecode import HAS_TRITON, on_device
 
 __all__ = ["decode_attention_q", "fused_quantized_supported", "kv_table_q", "rope_kv_write_q"]
 
-#: The CUDA decode attention's positions a tile, pipeline stages of its key loop and warps a program
-#: (tools/attention_sweep.py ``--kv-types`` times the alternatives; its splits: ``_attention_splits``)
-_BLOCK_N, _STAGES, _WARPS = 32, 2, 4
-#: False: the scales applied after the dots (the default); True: each tile of codes dequantized in registers
-#: before them, as ``kvquant.dequantize`` would, kept for tools/attention_sweep.py to time against
-DEQUANTIZE_TILES = False
+#: The CUDA decode attention's positions a tile, pipeline stages of its key loop, warps a program and most
+#: splits of a (session, kv head) (``_attention_splits``' rule up to it): on the H200 at 32K of context and
+#: one session the fastest of BLOCK_N 32 / 64 / 128 x splits 64 / 128 / 256 x stages 1 / 2 / 3 for q8_0 and
+#: fp8, within 10% of it for int8 (tools/attention_sweep.py ``--kv-types``; BENCHMARKS.md)
+_BLOCK_N, _STAGES, _WARPS, _MOST_SPLITS = 128, 2, 4, 128
 
 
 def _format(codes: Tensor, scales: Tensor):
@@ -249,8 +248,7 @@ if HAS_TRITON:
     def _attention_q_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
                                   REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                                   SPLITS: tl.constexpr, BS: tl.constexpr, G: tl.constexpr, SDT: tl.constexpr,
-                                  IEEE: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-                                  DEQUANTIZE: tl.constexpr):
+                                  IEEE: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr):
         """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b].
 
         A row's D values are G groups of W = D / G, each with its scale (G == 1: one scale a row). Each group
@@ -258,8 +256,9 @@ if HAS_TRITON:
         codes as they are (exact in the dot's dtype) and scaled after the dot: scores = sum over groups of
         (q_j @ codes_j^T) * kscale_j; for the values each group's scale joins the probabilities:
         acc_j += (p * vscale_j) @ codes_j, one [RP, W] accumulator a group. The value products are in bf16
-        whatever q's dtype (float16 would lose p * scale's small values). ``DEQUANTIZE`` (to compare): each
-        group's codes times their scales instead, rounded to q's dtype before the dots (``kvquant.dequantize``)."""
+        whatever q's dtype (float16 would lose p * scale's small values). Dequantizing each tile before the
+        dots instead (codes x scales rounded to q's dtype, as ``kvquant.dequantize``) timed 4-6% slower for int8
+        and q8_0, 5% faster for fp8 (H200, 32K, BLOCK_N 32): one form is kept."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -296,11 +295,7 @@ if HAS_TRITON:
             sc = tl.zeros([RP, BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(G):
                 ks = tl.load(ksc + head_row * G + j, mask=tm, other=0.0).to(tl.float32)  # [BLOCK_N]
-                if DEQUANTIZE:
-                    k = (_codes_tile(kc, at + j * W, tm[:, None], tl.float32, FP8) * ks[:, None]).to(dt)
-                    sc += _dot(qs[j], tl.trans(k.to(kdt)), IEEE)
-                else:
-                    sc += _dot(qs[j], tl.trans(_codes_tile(kc, at + j * W, tm[:, None], kdt, FP8)), IEEE) * ks[None, :]
+                sc += _dot(qs[j], tl.trans(_codes_tile(kc, at + j * W, tm[:, None], kdt, FP8)), IEEE) * ks[None, :]
             sc = tl.where(tm[None, :], sc * scale, float("-inf"))  # [RP, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(sc, axis=1))
             alpha = tl.exp(m_i - m_new)
@@ -309,11 +304,7 @@ if HAS_TRITON:
             new = ()
             for j in tl.static_range(G):
                 vs = tl.load(vsc + head_row * G + j, mask=tm, other=0.0).to(tl.float32)  # [BLOCK_N]
-                if DEQUANTIZE:
-                    v = (_codes_tile(vc, at + j * W, tm[:, None], tl.float32, FP8) * vs[:, None]).to(dt)
-                    pv = _dot(pr.to(dt).to(kdt), v.to(kdt), IEEE)
-                else:
-                    pv = _dot((pr * vs[None, :]).to(vdt), _codes_tile(vc, at + j * W, tm[:, None], vdt, FP8), IEEE)
+                pv = _dot((pr * vs[None, :]).to(vdt), _codes_tile(vc, at + j * W, tm[:, None], vdt, FP8), IEEE)
                 new = new + (accs[j] * alpha[:, None] + pv,)
             accs = new
             m_i = m_new
@@ -384,7 +375,7 @@ if HAS_TRITON:
         nkv = key_pool.shape[2]
         rep = nh // nkv
         table = _device_table_q(pools, block_table, q.device) if table is None else table
-        splits = _attention_splits(B, nkv, splits)
+        splits = _attention_splits(B, nkv, splits, _MOST_SPLITS)
         m = torch.empty((B * nh * splits,), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
         acc = torch.empty((B * nh * splits, D), dtype=torch.float32, device=q.device)
@@ -394,7 +385,7 @@ if HAS_TRITON:
                 REP=rep, RP=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=_BLOCK_N, SPLITS=splits,
                 BS=key_pool.shape[1], G=G, SDT=_SDT[key_scales.dtype],
                 IEEE=q.dtype == torch.float32 or not _LIBDEVICE, FP8=fp8, STAGES=_STAGES,
-                DEQUANTIZE=DEQUANTIZE_TILES, num_warps=_WARPS)
+                num_warps=_WARPS)
             # a warp per 32 splits: the [SPLITS, D] partial sums of a row in registers without spilling
             _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits,
                                                 num_warps=min(8, max(1, splits // 32)))
