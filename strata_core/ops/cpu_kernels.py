@@ -66,7 +66,7 @@ CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, 
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp")]
-_ISA = ("generic", "AVX2", "AVX-512")
+_ISA = ("generic", "AVX2", "AVX-512", "AVX-512 VNNI")
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 
