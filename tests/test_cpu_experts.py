@@ -1,6 +1,6 @@
 """The engine's CPU expert paths through the CPU kernels: used on ``--devices cpu``, the same logits as the
-reference dequantize + matmul within float tolerance, bit-identical whichever CPU path computes a row,
-and the reference when the kernels cannot be built."""
+reference dequantize + matmul within float tolerance (the CUDA q8 kernels' where the int8 body runs),
+bit-identical whichever CPU path computes a row, and the reference when the kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from strata_core.tools.synthetic import PRESETS, write_synthetic
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 DECODE = [26, 43, 38, 32, 79]
+Q8_TOL = 2e-2  # relative (Frobenius), the CUDA q8 kernels' (tests/test_moe_q8.py)
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels(), reason="the CPU kernels did not build (see the warning)")
 
@@ -46,7 +47,10 @@ def test_cpu_engine_computes_its_experts_with_the_kernels(model, monkeypatch, on
     assert calls and all(qtype in kernels.CPU_KERNEL_TYPES for qtype in calls)
     monkeypatch.setattr(cpu_ffn, "has_cpu_kernel", lambda qtypes, shapes: False)
     want = _logits(Engine.load(model, max_context=64))  # the reference dequantize + matmul
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    if kernels.int8_activations(calls):  # the int8 body: the CUDA q8 kernels' tolerance (ops/cpu_kernels.py)
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < Q8_TOL
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
 @pytest.mark.parametrize("options", [{"expert_cache": 0, "pcie_frac": 0.0}, {"expert_cache": 5, "pcie_frac": 0.5},
