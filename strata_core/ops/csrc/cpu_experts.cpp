@@ -374,13 +374,6 @@ STRATA_VNNI STRATA_INLINE float pairwise_sum(__m512 acc) {
   return s[0];
 }
 
-// 32 bytes: the low nibbles of v's 16 bytes, then their high nibbles (v16 in the low half of a ymm).
-STRATA_VNNI STRATA_INLINE __m256i nibbles16(__m128i v) {
-  const __m128i m = _mm_set1_epi8(15);
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(v, m)),
-                                 _mm_and_si128(_mm_srli_epi16(v, 4), m), 1);
-}
-
 STRATA_VNNI STRATA_INLINE __m512i join(__m256i lo, __m256i hi) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
 }
@@ -390,12 +383,11 @@ STRATA_VNNI STRATA_INLINE __m512 halves(float lo, float hi) {  // lo in lanes 0-
 }
 
 // The 64 weight codes w (unsigned bytes, stored with an offset of 2**SHIFT where SHIFT >= 0) of values
-// [v0, v0 + 64) of a row, each lane's weight scale ws, into the accumulators of tokens [0, nt) of the tile
-// whose first row of activations is tok.
-template <int SHIFT>
-STRATA_VNNI STRATA_INLINE void dot_chunk(const Input& in, int64_t tok, int nt, __m512i w, __m512 ws, int64_t v0,
-                                         __m512* acc) {
-  for (int t = 0; t < nt; ++t) {
+// [v0, v0 + 64) of a row, each lane's weight scale ws, into the accumulators of NT tokens whose first row
+// of activations is tok.
+template <int SHIFT, int NT>
+STRATA_VNNI STRATA_INLINE void dot_chunk(const Input& in, int64_t tok, __m512i w, __m512 ws, int64_t v0, __m512* acc) {
+  for (int t = 0; t < NT; ++t) {
     const int64_t row = tok + t;
     __m512i s = _mm512_setzero_si512();
     if constexpr (SHIFT >= 0) s = _mm512_slli_epi32(_mm512_loadu_si512(in.neg4 + row * (in.Kp / 4) + v0 / 4), SHIFT);
@@ -403,6 +395,12 @@ STRATA_VNNI STRATA_INLINE void dot_chunk(const Input& in, int64_t tok, int nt, _
     const __m512 sc = _mm512_mul_ps(ws, _mm512_loadu_ps(in.lane_d + row * (in.Kp / 4) + v0 / 4));
     acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t]);
   }
+}
+
+STRATA_VNNI STRATA_INLINE float fp16_f16c(const uint8_t* p) {  // fp16's value, by the F16C instruction
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
 }
 
 // A Q4_K / Q5_K block's 8 scales (lanes 0-7) and 8 mins (lanes 8-15) as floats (ggml's unpacking of the
@@ -421,92 +419,110 @@ STRATA_VNNI STRATA_INLINE __m512 k_scales_mins(const uint8_t* s) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
-template <int QT, int VALUES, int BYTES>
-STRATA_VNNI void rows_vnni(const Input& in, const Segment& seg, int64_t r0, int64_t r1, float* y,
-                           int64_t out_features) {
+// Rows [r0, r1) of weights w for the NT tokens from row tok of the activations (a tile: the token
+// count a compile-time constant, so that their accumulators stay in registers).
+template <int QT, int VALUES, int BYTES, int NT>
+STRATA_VNNI STRATA_INLINE void tile_vnni(const Input& in, const uint8_t* w, int64_t tok, int64_t r0, int64_t r1,
+                                         float* y, int64_t out_features) {
   constexpr int SHIFT = QT == Q8_0 ? 7 : QT == Q4_0 ? 3 : QT == Q6_K ? 5 : -1;
   constexpr bool MINS = QT == Q4_K || QT == Q5_K;
   const int64_t blocks = in.K / VALUES, row_bytes = blocks * BYTES;
   const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
   const __m512i low4z = _mm512_set1_epi8(15);
-  __m512 acc[TOKEN_TILE], accm[TOKEN_TILE];
-  for (int64_t t0 = 0; t0 < seg.n; t0 += TOKEN_TILE) {
-    const int nt = int(seg.n - t0 < TOKEN_TILE ? seg.n - t0 : TOKEN_TILE);
-    const int64_t tok = seg.t0 + t0;
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* row = seg.w + r * row_bytes;
-      for (int t = 0; t < TOKEN_TILE; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
-      if constexpr (VALUES == QUANT) {  // Q4_0, Q8_0: two blocks a chunk (the second none past the row's end)
-        for (int64_t bi = 0; bi < blocks; bi += 2) {
-          const uint8_t* a = row + bi * BYTES;
-          const bool two = bi + 1 < blocks;
-          const float da = fp16(a), db = two ? fp16(a + BYTES) : 0.f;
-          __m512i w;
-          if constexpr (QT == Q8_0) {
-            const __m256i wa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2));
-            const __m256i wb = two ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + BYTES + 2)) : _mm256_setzero_si256();
-            w = _mm512_xor_si512(join(wa, wb), _mm512_set1_epi8(char(0x80)));
-          } else {
-            const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2));
-            const __m128i qb = two ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + BYTES + 2)) : _mm_setzero_si128();
-            w = join(nibbles16(qa), nibbles16(qb));
-          }
-          dot_chunk<SHIFT>(in, tok, nt, w, halves(da, db), bi * QUANT, acc);
+  __m512 acc[NT], accm[NT];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int t = 0; t < NT; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
+    if constexpr (VALUES == QUANT) {  // Q4_0, Q8_0: two blocks a chunk (the second none past the row's end)
+      for (int64_t bi = 0; bi < blocks; bi += 2) {
+        const uint8_t* a = row + bi * BYTES;
+        const uint8_t* b = bi + 1 < blocks ? a + BYTES : nullptr;
+        const float da = fp16_f16c(a), db = b ? fp16_f16c(b) : 0.f;
+        __m512i codes;
+        if constexpr (QT == Q8_0) {
+          const __m256i wa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2));
+          const __m256i wb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)) : _mm256_setzero_si256();
+          codes = _mm512_xor_si512(join(wa, wb), _mm512_set1_epi8(char(0x80)));
+        } else {  // [a's low nibbles, b's low], [a's high, b's high] -> a's 32 codes, b's 32
+          const __m128i qb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)) : _mm_setzero_si128();
+          const __m256i v = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2))), qb, 1);
+          const __m512i both = join(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+          codes = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
         }
-      } else {
-        for (int64_t bi = 0; bi < blocks; ++bi) {
-          const uint8_t* b = row + bi * BYTES;
-          const int64_t v0 = bi * VALUES;
-          if constexpr (MINS) {
-            const __m512 sm = k_scales_mins(b + 4);
-            const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(fp16(b)), sm);
-            const __m512 dmn = _mm512_mul_ps(_mm512_set1_ps(fp16(b + 2)), sm);
-            const uint8_t* qs = b + (QT == Q5_K ? 48 : 16);
-            const __m256i hb = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
-            for (int j = 0; j < 4; ++j) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
-              __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-              if constexpr (QT == Q5_K) {
-                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one), 4));
-                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one), 4));
-              }
+        dot_chunk<SHIFT, NT>(in, tok, codes, halves(da, db), bi * QUANT, acc);
+      }
+    } else {
+      for (int64_t bi = 0; bi < blocks; ++bi) {
+        const uint8_t* b = row + bi * BYTES;
+        const int64_t v0 = bi * VALUES;
+        if constexpr (MINS) {
+          const __m512 sm = k_scales_mins(b + 4);
+          const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(fp16_f16c(b)), sm);
+          const __m512 dmn = _mm512_mul_ps(_mm512_set1_ps(fp16_f16c(b + 2)), sm);
+          const uint8_t* qs = b + (QT == Q5_K ? 48 : 16);
+          const __m256i hb = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if constexpr (QT == Q5_K) {
+              lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one), 4));
+              hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one), 4));
+            }
+            const __m512 ws = _mm512_permutexvar_ps(
+                _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j), dsc);
+            dot_chunk<SHIFT, NT>(in, tok, join(lo, hi), ws, v0 + CHUNK * j, acc);
+          }
+          // minus dmin * min_j * (the sum of sub-block j's values), j = 0..7 in lanes 0-7
+          const __m512 mins = _mm512_maskz_permutexvar_ps(0x00ff, _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
+                                                                                     15, 14, 13, 12, 11, 10, 9, 8), dmn);
+          for (int t = 0; t < NT; ++t) {
+            const __m512 xs = _mm512_zextps256_ps512(_mm256_loadu_ps(in.sums + (tok + t) * (in.Kp / QUANT) + v0 / QUANT));
+            accm[t] = _mm512_fmadd_ps(mins, xs, accm[t]);
+          }
+        } else {  // Q6_K: 16 scales of 16 values; chunk c is values [64 c, 64 c + 64)
+          const __m512 sc = _mm512_mul_ps(
+              _mm512_set1_ps(fp16_f16c(b + 208)),
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+          for (int half = 0; half < 2; ++half) {  // 128 values: 64 bytes of low nibbles, 32 of high bits
+            const __m512i l = _mm512_loadu_si512(b + 64 * half);
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+            for (int k = 0; k < 2; ++k) {  // nibble k of l; bits 4k and 4k + 2 of h
+              const __m512i lo = k ? _mm512_and_si512(_mm512_srli_epi16(l, 4), low4z) : _mm512_and_si512(l, low4z);
+              const __m512i hi = join(_mm256_and_si256(_mm256_srli_epi16(h, 4 * k), three),
+                                      _mm256_and_si256(_mm256_srli_epi16(h, 4 * k + 2), three));
+              const int c = 2 * half + k;
               const __m512 ws = _mm512_permutexvar_ps(
-                  _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
-                                   2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j), dsc);
-              dot_chunk<SHIFT>(in, tok, nt, join(lo, hi), ws, v0 + CHUNK * j, acc);
-            }
-            // minus dmin * min_j * (the sum of sub-block j's values), j = 0..7 in lanes 0-7
-            const __m512 mins = _mm512_maskz_permutexvar_ps(0x00ff, _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
-                                                                                       15, 14, 13, 12, 11, 10, 9, 8), dmn);
-            for (int t = 0; t < nt; ++t) {
-              const __m512 xs = _mm512_zextps256_ps512(_mm256_loadu_ps(in.sums + (tok + t) * (in.Kp / QUANT) + v0 / QUANT));
-              accm[t] = _mm512_fmadd_ps(mins, xs, accm[t]);
-            }
-          } else {  // Q6_K: 16 scales of 16 values; chunk c is values [64 c, 64 c + 64)
-            const __m512 sc = _mm512_mul_ps(
-                _mm512_set1_ps(fp16(b + 208)),
-                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
-            for (int half = 0; half < 2; ++half) {  // 128 values: 64 bytes of low nibbles, 32 of high bits
-              const __m512i l = _mm512_loadu_si512(b + 64 * half);
-              const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
-              for (int k = 0; k < 2; ++k) {  // nibble k of l; bits 4k and 4k + 2 of h
-                const __m512i lo = k ? _mm512_and_si512(_mm512_srli_epi16(l, 4), low4z) : _mm512_and_si512(l, low4z);
-                const __m512i hi = join(_mm256_and_si256(_mm256_srli_epi16(h, 4 * k), three),
-                                        _mm256_and_si256(_mm256_srli_epi16(h, 4 * k + 2), three));
-                const int c = 2 * half + k;
-                const __m512 ws = _mm512_permutexvar_ps(
-                    _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,
-                                     4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c, 4 * c, 4 * c, 4 * c), sc);
-                dot_chunk<SHIFT>(in, tok, nt, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), ws, v0 + CHUNK * c, acc);
-              }
+                  _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,
+                                   4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c, 4 * c, 4 * c, 4 * c), sc);
+              dot_chunk<SHIFT, NT>(in, tok, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), ws, v0 + CHUNK * c, acc);
             }
           }
         }
       }
-      for (int t = 0; t < nt; ++t) {
-        const float sum = pairwise_sum(acc[t]);
-        y[(tok + t) * out_features + r] = MINS ? sum - pairwise_sum(accm[t]) : sum;
-      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const float sum = pairwise_sum(acc[t]);
+      y[(tok + t) * out_features + r] = MINS ? sum - pairwise_sum(accm[t]) : sum;
+    }
+  }
+}
+
+template <int QT, int VALUES, int BYTES>
+STRATA_VNNI void rows_vnni(const Input& in, const Segment& seg, int64_t r0, int64_t r1, float* y,
+                           int64_t out_features) {
+  for (int64_t t0 = 0; t0 < seg.n; t0 += TOKEN_TILE) {
+    const int64_t tok = seg.t0 + t0;
+    switch (seg.n - t0 < TOKEN_TILE ? seg.n - t0 : TOKEN_TILE) {
+      case 1: tile_vnni<QT, VALUES, BYTES, 1>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 2: tile_vnni<QT, VALUES, BYTES, 2>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 3: tile_vnni<QT, VALUES, BYTES, 3>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 4: tile_vnni<QT, VALUES, BYTES, 4>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 5: tile_vnni<QT, VALUES, BYTES, 5>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 6: tile_vnni<QT, VALUES, BYTES, 6>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 7: tile_vnni<QT, VALUES, BYTES, 7>(in, seg.w, tok, r0, r1, y, out_features); break;
+      default: tile_vnni<QT, VALUES, BYTES, 8>(in, seg.w, tok, r0, r1, y, out_features); break;
     }
   }
 }
