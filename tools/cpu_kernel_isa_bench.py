@@ -19,9 +19,8 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from cpu_share_bench import FF, H, layer_parts
-from strata_core.ops.cpu_kernels import CPU_INT8_TYPES, CPU_KERNEL_TYPES, INT8_ISA, cpu_kernels, qlinear_grouped
-
-ISA = ("generic", "AVX2", "AVX-512", "AVX-512 VNNI")
+from strata_core.ops.cpu_kernels import (CPU_INT8_TYPES, CPU_KERNEL_TYPES, INT8_ISA, ISA_NAMES, cpu_kernels,
+                                         qlinear_grouped)
 
 
 def main() -> None:
@@ -33,7 +32,7 @@ def main() -> None:
     torch.set_num_threads(1)
     best = torch.ops.strata.cpu_kernel_isa()
     x = torch.randn(1, H)
-    print(f"{'format':8s}" + "".join(f"{ISA[isa]:>12s}" for isa in range(best, -1, -1)) + "   (GB/s, 1 thread, in cache)")
+    print(f"{'format':8s}" + "".join(f"{ISA_NAMES[isa]:>12s}" for isa in range(best, -1, -1)) + "   (GB/s, 1 thread, in cache)")
     try:
         for qtype in sorted(CPU_KERNEL_TYPES):
             gate = layer_parts(T(qtype), 1, pin=False)[0][0]

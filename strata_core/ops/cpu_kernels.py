@@ -72,9 +72,10 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "STALE_LOCK_S", "attention_cpu", "clear_stale_lock", "combine_cpu", "cpu_kernels",
-           "INT8_ISA", "dequantize_blocks", "has_cpu_kernel", "int8_activations", "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots",
-           "rms_norm_cpu", "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
+__all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "INT8_ISA", "ISA_NAMES", "STALE_LOCK_S", "attention_cpu",
+           "clear_stale_lock", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "int8_activations", "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu",
+           "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ INT8_ISA = 3
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp")]
-_ISA = ("generic", "AVX2", "AVX-512", "AVX-512 VNNI")
+#: The instruction sets by ``strata::cpu_kernel_isa``
+ISA_NAMES = ("generic", "AVX2", "AVX-512", "AVX-512 VNNI")
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -158,7 +160,7 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::norm_rope_cpu")(_norm_rope_fake)
     torch.library.register_fake("strata::route_cpu")(_route_fake)
     torch.library.register_fake("strata::combine_cpu")(_combine_fake)
-    log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
+    log.info("CPU expert kernels: %s, %d threads", ISA_NAMES[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
 
