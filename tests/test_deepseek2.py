@@ -27,6 +27,8 @@ from strata_core.model.transformer import MoEModel
 from strata_core.model.deepseek2.forward import DeepseekModel
 from strata_core.model.rope import scaled_inv_freq
 from strata_core.quant import dequantize
+from strata_core.ops.cpu_kernels import int8_activations
+from strata_core.testing.tolerance import Q8_TOL
 
 DATA = Path(__file__).parent / "data" / "deepseek3_llamacpp"
 T = 16
@@ -257,7 +259,10 @@ def test_synthetic_deepseek_with_q4_k_experts_matches_transformers(tmp_path):
         ref = _hf(hf_state_dict(f, spec), _hf_config(spec))(tokens[None]).logits[0]  # [T, V]
     ours = _logits(model, f, tokens)
     assert ref.abs().max() > 1.0
-    assert (ours - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
+    if int8_activations([Q.Q4_K]):  # the CPU's int8 expert body: the CUDA q8 kernels' tolerance (testing/tolerance.py)
+        assert ((ours - ref).norm() / ref.norm()).item() < Q8_TOL
+    else:
+        assert (ours - ref).abs().max().item() <= 1e-3 * ref.abs().max().item()
 
 
 def test_v2_lite_direct_q_and_softmax_router_match_transformers():
