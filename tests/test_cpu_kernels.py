@@ -7,9 +7,6 @@ CUDA q8 kernels' relative (Frobenius) 2e-2 (tests/test_moe_q8.py): its activatio
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
@@ -22,25 +19,14 @@ from strata_core.ops.cpu_kernels import (CPU_INT8_TYPES, CPU_KERNEL_TYPES, INT8_
                                          int8_activations, qlinear_grouped, qlinear_slots, silu_mul_cpu, slot_ffn_cpu)
 from strata_core.quant.registry import dequantize_reference
 from strata_core.quant import dequantize, random_blocks
+from strata_core.testing.cpu_isa import FLOAT_ISA, cpu_isa_at_most
 
 TYPES = sorted(CPU_KERNEL_TYPES)
-FLOAT_ISA = 2  # AVX-512's float body (or the best float body below it)
 Q8_TOL = 2e-2  # the CUDA q8 kernels' (tests/test_moe_q8.py)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels(), reason="the CPU kernels did not build (see the warning)")
 needs_int8 = pytest.mark.skipif(not cpu_kernels() or torch.ops.strata.cpu_kernel_isa() < INT8_ISA,
                                 reason="no AVX-512 VNNI here")
-
-
-@contextlib.contextmanager
-def _isa(isa: int) -> Iterator[None]:
-    """The kernels run with at most instruction set ``isa`` inside."""
-    best = torch.ops.strata.cpu_kernel_isa()
-    torch.ops.strata.cpu_kernel_limit_isa(isa)
-    try:
-        yield
-    finally:
-        torch.ops.strata.cpu_kernel_limit_isa(best)
 
 
 def _q8(x: torch.Tensor) -> torch.Tensor:
@@ -81,7 +67,7 @@ def test_grouped_product_matches_the_reference(qtype: T, seed: int, counts: list
     rng = np.random.default_rng(seed)
     weights, K = zip(*(_weight(qtype, out, blocks, rng) for _ in counts))
     x = torch.from_numpy(rng.standard_normal((sum(counts), K[0]), dtype=np.float32))
-    with _isa(FLOAT_ISA):
+    with cpu_isa_at_most(FLOAT_ISA):
         got = qlinear_grouped(x, list(weights), counts, qtype, out)
     want = torch.cat([xs @ dequantize(w, qtype, (out, K[0])).T for xs, w in zip(x.split(counts), weights)])
     scale = want.abs().max().item() if want.numel() else 1.0
@@ -121,7 +107,7 @@ def test_int8_activations_says_which_formats_take_the_int8_body() -> None:
     assert int8_activations([T.Q4_K]) == (best >= INT8_ISA)
     assert int8_activations([T.IQ4_XS, T.Q8_0]) == (best >= INT8_ISA)
     assert not int8_activations([T.IQ4_XS, T.MXFP4])
-    with _isa(FLOAT_ISA):
+    with cpu_isa_at_most(FLOAT_ISA):
         assert not int8_activations([T.Q4_K])
 
 
@@ -282,9 +268,9 @@ def test_the_avx2_body_gives_the_avx512_bits(qtype: T) -> None:
     rng = np.random.default_rng(int(qtype))
     w, K = _weight(qtype, 40, 2, rng)
     x = torch.from_numpy(rng.standard_normal((11, K), dtype=np.float32))
-    with _isa(2):
+    with cpu_isa_at_most(2):
         wide = qlinear_grouped(x, [w], [11], qtype, 40)
-    with _isa(1):
+    with cpu_isa_at_most(1):
         assert torch.equal(qlinear_grouped(x, [w], [11], qtype, 40), wide)
 
 
