@@ -1,6 +1,7 @@
 """The engine's CPU expert paths through the CPU kernels: used on ``--devices cpu``, the same logits as the
-reference dequantize + matmul within float tolerance, bit-identical whichever CPU path computes a row,
-and the reference when the kernels cannot be built."""
+reference dequantize + matmul within float tolerance (the float bodies), the int8 body's within the CUDA q8
+kernels' tolerance of theirs, bit-identical whichever CPU path computes a row, and the reference when the
+kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ from gguf import GGMLQuantizationType as Q
 from strata_core.engine import Engine
 from strata_core.experts import cpu_ffn
 from strata_core.ops import cpu_kernels as kernels
+from strata_core.testing.cpu_isa import float_cpu_bodies
 from strata_core.tools.synthetic import PRESETS, write_synthetic
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
 DECODE = [26, 43, 38, 32, 79]
+Q8_TOL = 2e-2  # relative (Frobenius), the CUDA q8 kernels' (tests/test_moe_q8.py)
+OTHER = [7, 61, 5, 88, 23]  # a second session's prompt
 
 pytestmark = pytest.mark.skipif(not kernels.cpu_kernels(), reason="the CPU kernels did not build (see the warning)")
 
@@ -36,6 +40,7 @@ def _logits(engine: Engine) -> torch.Tensor:
     return torch.cat(logits)
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # against the reference dequantize + matmul: the float bodies (the int8 one: test_the_int8_body_end_to_end)
 def test_cpu_engine_computes_its_experts_with_the_kernels(model, monkeypatch, one_thread):
     calls = []
     grouped, slots, slot_ffn = cpu_ffn.qlinear_grouped, cpu_ffn.qlinear_slots, cpu_ffn.slot_ffn_cpu
@@ -63,6 +68,29 @@ def test_every_cpu_path_gives_the_resident_bits(model, options, one_thread):
     assert torch.equal(got, _logits(Engine.load(model, max_context=64)))
     if options.get("pcie_frac", 1.0) < 1:
         assert engine.telemetry.snapshot()["experts_cpu"] > 0
+
+
+@pytest.mark.skipif(not kernels.int8_activations([Q.Q4_K, Q.Q6_K]), reason="no AVX-512 VNNI here")
+def test_the_int8_body_end_to_end(model, one_thread):
+    """The engine's experts on the int8 body (the default where the CPU has AVX-512 VNNI): prompt and decode
+    logits within a relative (Frobenius) Q8_TOL of the float bodies', and still the same bits whichever CPU
+    path computes a row (misses from the arena in place, a session batched with another or alone).
+
+    The bound: rounding 32 values to int8 codes of ``max |v| / 127`` moves each by at most half a code, so
+    a block's relative error is at most sqrt(32) / 254 = 2.2e-2 (about 0.7% on these activations: a code
+    over sqrt(12) against their rms), the CUDA q8 kernels' tolerance; a product's error is its input's,
+    and this 2-layer model carries it to the logits about one for one (0.1% to 0.8% measured)."""
+    got = _logits(Engine.load(model, max_context=64))
+    with float_cpu_bodies():
+        want = _logits(Engine.load(model, max_context=64))
+    assert ((got.double() - want.double()).norm() / want.double().norm()).item() < Q8_TOL
+    assert not torch.equal(got, want)  # the int8 body ran
+    assert torch.equal(_logits(Engine.load(model, max_context=64, expert_cache=0, pcie_frac=0.0)), got)
+    engine = Engine.load(model, max_context=64)
+    one, other = engine.new_session(), engine.new_session()
+    engine.prefill_batch([(one, PROMPT), (other, OTHER)])
+    batched = [engine.decode_window([(one, token), (other, token)]) for token in DECODE]  # [2, V] each
+    assert torch.equal(torch.stack([rows[0] for rows in batched]), got[len(PROMPT):])
 
 
 def test_without_a_compiler_the_reference_runs_with_one_warning(monkeypatch, caplog):

@@ -1,5 +1,9 @@
 """The CPU expert kernels (``strata::qlinear_grouped``, ``strata::qlinear_slots``) against the reference
-dequantize + matmul, and against one another."""
+dequantize + matmul, and against one another.
+
+Tolerance: the float bodies within float32's (a relative 1e-5); the int8 body (AVX-512 VNNI) within the
+CUDA q8 kernels' relative (Frobenius) 2e-2 (tests/test_moe_q8.py): its activations are rounded to int8 per
+32 values as theirs are, and with that rounding replayed here its results are the float32 product's."""
 
 from __future__ import annotations
 
@@ -11,14 +15,39 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_core.experts.backend import _cpu_pool
-from strata_core.ops.cpu_kernels import (CPU_KERNEL_TYPES, cpu_kernels, dequantize_blocks, qlinear_grouped,
-                                         qlinear_slots, silu_mul_cpu, slot_ffn_cpu)
+from strata_core.ops.cpu_kernels import (CPU_INT8_TYPES, CPU_KERNEL_TYPES, INT8_ISA, cpu_kernels, dequantize_blocks,
+                                         int8_activations, qlinear_grouped, qlinear_slots, silu_mul_cpu, slot_ffn_cpu)
 from strata_core.quant.registry import dequantize_reference
 from strata_core.quant import dequantize, random_blocks
+from strata_core.testing.cpu_isa import FLOAT_ISA, cpu_isa_at_most
 
 TYPES = sorted(CPU_KERNEL_TYPES)
+Q8_TOL = 2e-2  # the CUDA q8 kernels' (tests/test_moe_q8.py)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels(), reason="the CPU kernels did not build (see the warning)")
+needs_int8 = pytest.mark.skipif(not cpu_kernels() or torch.ops.strata.cpu_kernel_isa() < INT8_ISA,
+                                reason="no AVX-512 VNNI here")
+
+
+def _q8(x: torch.Tensor) -> torch.Tensor:
+    """``x [N, K]`` rounded as the int8 body quantizes it: each 32 values to int8 codes of ``max |v| / 127``
+    (half away from zero), the codes times that scale."""
+    v = x.reshape(x.shape[0], x.shape[1] // 32, 32)
+    amax = v.abs().amax(-1, keepdim=True)
+    inv = torch.full_like(amax, 127.0) / amax  # a true division (``127.0 / amax`` multiplies by a reciprocal)
+    scaled = v * torch.where(amax > 0, inv, torch.zeros_like(amax))
+    codes = torch.where(scaled >= 0, scaled + 0.5, scaled - 0.5).trunc()
+    return (codes * (amax / 127.0)).reshape(x.shape)
+
+
+def _mins(raw: torch.Tensor, qtype: T, shape: tuple[int, int]) -> torch.Tensor:
+    """The min terms of Q4_K / Q5_K blocks (``-dmin * min`` of each value: the blocks' codes zeroed), zeros
+    for the other formats: the part of the weights the int8 body multiplies by the values themselves."""
+    if qtype not in (T.Q4_K, T.Q5_K):
+        return torch.zeros(shape)
+    blocks = raw.clone().reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    blocks[:, 16:] = 0  # Q5_K's fifth bits and the codes (Q4_K: the codes)
+    return dequantize(blocks.reshape(-1), qtype, shape)
 
 
 def _weight(qtype: T, out: int, blocks_per_row: int, rng: np.random.Generator) -> tuple[torch.Tensor, int]:
@@ -33,21 +62,61 @@ def _weight(qtype: T, out: int, blocks_per_row: int, rng: np.random.Generator) -
 @given(seed=st.integers(0, 2**32 - 1), counts=st.lists(st.integers(0, 19), min_size=1, max_size=4),
        out=st.integers(1, 40), blocks=st.integers(1, 3))
 def test_grouped_product_matches_the_reference(qtype: T, seed: int, counts: list[int], out: int, blocks: int) -> None:
-    """Every segment's rows equal ``x @ dequantize(W).T`` within the CUDA kernels' float32 tolerance."""
+    """The float body: every segment's rows equal ``x @ dequantize(W).T`` within the CUDA kernels' float32
+    tolerance."""
     rng = np.random.default_rng(seed)
     weights, K = zip(*(_weight(qtype, out, blocks, rng) for _ in counts))
     x = torch.from_numpy(rng.standard_normal((sum(counts), K[0]), dtype=np.float32))
-    got = qlinear_grouped(x, list(weights), counts, qtype, out)
+    with cpu_isa_at_most(FLOAT_ISA):
+        got = qlinear_grouped(x, list(weights), counts, qtype, out)
     want = torch.cat([xs @ dequantize(w, qtype, (out, K[0])).T for xs, w in zip(x.split(counts), weights)])
     scale = want.abs().max().item() if want.numel() else 1.0
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * max(1.0, scale))
+
+
+@needs_int8
+@pytest.mark.parametrize("qtype", sorted(CPU_INT8_TYPES), ids=lambda t: t.name)
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), counts=st.lists(st.integers(0, 19), min_size=1, max_size=4),
+       out=st.integers(1, 40), blocks=st.integers(1, 3), scale=st.sampled_from([1e-3, 1.0, 1e3]),
+       zeros=st.booleans())
+def test_the_int8_body_matches_the_reference_within_the_q8_tolerance(qtype: T, seed: int, counts: list[int], out: int,
+                                                                    blocks: int, scale: float, zeros: bool) -> None:
+    """The int8 body: every segment's rows within the CUDA q8 tolerance of ``x @ dequantize(W).T``, and, with
+    the activations rounded as it rounds them (``_q8``; Q4_K / Q5_K's mins against the values themselves),
+    the float32 product's within float32's: activation rounding is its only approximation. Rows of any
+    magnitude; with ``zeros`` blocks of 32 zeros (a zero scale) among them."""
+    rng = np.random.default_rng(seed)
+    weights, K = zip(*(_weight(qtype, out, blocks, rng) for _ in counts))
+    x = torch.from_numpy(rng.standard_normal((sum(counts), K[0]), dtype=np.float32)) * scale
+    if zeros:
+        x[::2, :32] = 0.0
+    assert int8_activations([qtype])
+    got = qlinear_grouped(x, list(weights), counts, qtype, out)
+    parts = [(xs, dequantize(w, qtype, (out, K[0])), _mins(w, qtype, (out, K[0]))) for xs, w in zip(x.split(counts), weights)]
+    want = torch.cat([xs.double() @ w.double().T for xs, w, _ in parts])
+    if want.numel() and want.norm() > 0:
+        assert ((got.double() - want).norm() / want.norm()).item() < Q8_TOL
+    replayed = torch.cat([_q8(xs).double() @ w.double().T + (xs - _q8(xs)).double() @ m.double().T for xs, w, m in parts])
+    bound = replayed.abs().max().item() if replayed.numel() else 1.0
+    torch.testing.assert_close(got.double(), replayed, rtol=1e-5, atol=1e-5 * max(1e-30, bound))
+
+
+def test_int8_activations_says_which_formats_take_the_int8_body() -> None:
+    best = torch.ops.strata.cpu_kernel_isa()
+    assert int8_activations([T.Q4_K]) == (best >= INT8_ISA)
+    assert int8_activations([T.IQ4_XS, T.Q8_0]) == (best >= INT8_ISA)
+    assert not int8_activations([T.IQ4_XS, T.MXFP4])
+    with cpu_isa_at_most(FLOAT_ISA):
+        assert not int8_activations([T.Q4_K])
 
 
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(TYPES), n=st.integers(1, 21), threads=st.integers(1, 5))
 def test_a_rows_bits_do_not_depend_on_the_batch(seed: int, qtype: T, n: int, threads: int) -> None:
     """A token's row is the same bits alone, in a batch of ``n``, split per pair, with any thread count
-    (more threads than cores too: each item is claimed by whichever thread comes first)."""
+    (more threads than cores too: each item is claimed by whichever thread comes first); the int8 body's
+    where it runs (each row quantized by itself)."""
     rng = np.random.default_rng(seed)
     w, K = _weight(qtype, 24, 2, rng)
     x = torch.from_numpy(rng.standard_normal((n, K), dtype=np.float32))
@@ -199,12 +268,10 @@ def test_the_avx2_body_gives_the_avx512_bits(qtype: T) -> None:
     rng = np.random.default_rng(int(qtype))
     w, K = _weight(qtype, 40, 2, rng)
     x = torch.from_numpy(rng.standard_normal((11, K), dtype=np.float32))
-    wide = qlinear_grouped(x, [w], [11], qtype, 40)
-    try:
-        assert torch.ops.strata.cpu_kernel_limit_isa(1) == 1
+    with cpu_isa_at_most(2):
+        wide = qlinear_grouped(x, [w], [11], qtype, 40)
+    with cpu_isa_at_most(1):
         assert torch.equal(qlinear_grouped(x, [w], [11], qtype, 40), wide)
-    finally:
-        torch.ops.strata.cpu_kernel_limit_isa(2)
 
 
 @settings(max_examples=20, deadline=None)
@@ -220,7 +287,7 @@ def test_the_block_decoders_give_the_reference_s_bits(qtype: int, n_blocks: int,
     assert torch.equal(dequantize(raw, qtype, [n_blocks * values]).view(torch.int32), want.view(torch.int32))
 
 
-@pytest.mark.parametrize("isa", [0, 1, 2], ids=["generic", "AVX2", "AVX-512"])
+@pytest.mark.parametrize("isa", [0, 1, 2, 3], ids=["generic", "AVX2", "AVX-512", "AVX-512 VNNI"])
 def test_a_negative_zero_scale_keeps_its_sign_in_every_body(isa: int) -> None:
     """A Q8_0 block scaled by -0.0 decodes to the reference's signed zeros, whichever body runs (the
     scale is broadcast to the lanes as it is: ``splat`` in csrc/cpu_lanes.h)."""

@@ -15,6 +15,7 @@ from strata_core.testing.sync import no_host_sync
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # CUDA's float products against the CPU's: the CPU kernels' float bodies
 @pytest.mark.parametrize("slots", [0, 7, 24])
 def test_decode_window_makes_no_host_sync_and_matches_the_cpu(tiny_model_factory, slots):
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)

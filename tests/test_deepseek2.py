@@ -241,6 +241,7 @@ def _hf_config(spec: DeepseekSpec):
         tie_word_embeddings=False, attn_implementation="eager")
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # against transformers' float product: the CPU kernels' float bodies
 def test_synthetic_deepseek_with_q4_k_experts_matches_transformers(tmp_path):
     """``make-synthetic --preset deepseek-tiny``: Q4_K experts, Q8_0 dense, the shapes of
     deepseek-v3-small at test size; transformers on its dequantized weights gives the same logits."""

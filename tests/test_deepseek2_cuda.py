@@ -82,6 +82,7 @@ def _windows(engine: Engine, prompt_lens: list[int], steps: int) -> list[torch.T
     return out
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # CUDA's float products against the CPU's: the CPU kernels' float bodies
 @needs_cuda
 @pytest.mark.parametrize("dtype, rel", [("float32", 1e-3), ("bfloat16", 5e-2)])
 def test_mla_prompt_and_decode_on_cuda_match_the_cpu(model, dtype, rel):

@@ -55,6 +55,7 @@ def test_glu_rows_do_not_depend_on_the_row_count(activation, width):
     assert torch.equal(ffn.glu(g, u), alone)
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # the grouped float product against the per-expert kernels: the CPU kernels' float bodies
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_ffn_applies_biases_and_activation_like_expert_ffn(synthetic, dtype):
     _, spec, _ = synthetic
@@ -89,6 +90,7 @@ def test_pair_rows_are_expert_ffn_bits_with_biases(synthetic):
         assert torch.equal(got[p:p + 1], want)
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # the grouped float product against the per-expert kernels: the CPU kernels' float bodies
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pair_rows_of_the_gpu_path_agree_with_the_reference(synthetic, dtype):
     """``pair_ffn_grouped`` (what a GPU's decode gather runs for biased experts) is ``pair_ffn``'s rows

@@ -89,6 +89,7 @@ def _logit_diff(data: Path, name: str) -> float:
     return (_logits(model, f) - ref).abs().max().item()
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # against transformers' float product: the CPU kernels' float bodies
 @pytest.mark.parametrize("name, expert_type, dense_type", [("model-f32.gguf", "F32", "F32"),
                                                            ("model-mxfp4.gguf", "MXFP4", "F32"),
                                                            ("model-q8_0.gguf", "Q8_0", "Q8_0")])
@@ -109,6 +110,7 @@ def test_llamacpp_gguf_matches_transformers(name: str, expert_type: str, dense_t
     assert _logit_diff(DATA, name) <= 1e-4
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # against transformers' float product: the CPU kernels' float bodies
 def test_llamacpp_q4_k_m_matches_transformers():
     """The K-quant fixture (hidden 256; tools/make_llamacpp_fixture.py --arch gpt-oss-q4_k_m: the
     converter's F32 file given llama-quantize Q4_K_M's tensor types, encoded by ggml's own quantizer):

@@ -81,6 +81,7 @@ def _kernels() -> list[tuple[bool, torch.dtype]]:
     return [*cases, (True, torch.bfloat16)]
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # the grouped prefill's float product against the loop's: the CPU kernels' float bodies
 @pytest.mark.parametrize(("grouped_mm", "dtype"), _kernels())
 def test_grouped_ffn_matches_expert_ffn_per_expert(synthetic, grouped_mm, dtype):
     weights, spec, _ = synthetic
@@ -127,6 +128,7 @@ def test_grouped_ffn_leaves_spare_rows_and_unrouted_experts_out(synthetic, devic
     assert got.shape == (n + 11, H) and torch.equal(got[:n], want)
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # the grouped prefill's float product against the loop's: the CPU kernels' float bodies
 @pytest.mark.parametrize("arena", ["mmap", "pinned"])
 @pytest.mark.parametrize("slots,limit", [(0, 32), (9, 3), (32, 2), (20, 1)])
 def test_grouped_rows_and_telemetry_match_the_loop_per_expert(synthetic, arena, slots, limit):
@@ -242,6 +244,7 @@ def test_prefetched_prompts_equal_unprefetched_ones_bit_for_bit(tiny_model_facto
     assert set(prefetched) == {1, 2}
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # the grouped prefill's float product against the loop's: the CPU kernels' float bodies
 def test_grouped_prefill_logits_and_greedy_output_match_the_cpu_reference(tiny_model_factory):
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
     reference = Engine.load(path, max_context=96, expert_cache=7)
@@ -256,6 +259,7 @@ def test_grouped_prefill_logits_and_greedy_output_match_the_cpu_reference(tiny_m
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # CUDA's float products against the CPU's: the CPU kernels' float bodies
 @cuda
 @pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("arena", ["mmap", "pinned"])

@@ -61,6 +61,7 @@ def case(request, tmp_path_factory):
     return request.param, hf, tmp_path_factory.mktemp(request.param)
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # against transformers' float product: the CPU kernels' float bodies
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.Q8_0], ids=lambda q: q.name)
 def test_logits_match_hf(case, qtype):
     name, hf, tmp = case

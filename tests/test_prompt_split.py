@@ -247,6 +247,7 @@ def test_a_gpu_measures_its_threshold_at_load(tiny, caplog, monkeypatch):
                        pcie_frac=1.0).experts.cpu_prompt_tokens == 0
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # CUDA's float products against the CPU's: the CPU kernels' float bodies
 @cuda
 @pytest.mark.parametrize("slots", [0, 7])
 def test_a_short_prompt_on_a_gpu_splits_and_matches_the_cpu(tiny_model_factory, monkeypatch, slots):

@@ -96,6 +96,7 @@ def _logit_diff(f: GGUFFile, model: MoEModel, hf, seed: int) -> float:
     return (ours - ref).abs().max().item()
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # against transformers' float product: the CPU kernels' float bodies
 @pytest.mark.parametrize("gguf_name", ["model-f32.gguf", "model-q8_0.gguf"])
 def test_llamacpp_gguf_matches_transformers(gguf_name, tmp_path):
     f = GGUFFile.open(DATA / gguf_name)
@@ -108,6 +109,7 @@ def test_llamacpp_gguf_matches_transformers(gguf_name, tmp_path):
     assert _logit_diff(f, model, _hf_model(tmp_path, gguf_name), seed=0) <= 1e-4
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # against transformers' float product: the CPU kernels' float bodies
 def test_llamacpp_q4_k_m_matches_transformers(tmp_path):
     """The K-quant fixture (hidden 256; tools/make_llamacpp_fixture.py --arch qwen3next-q4_k_m: the
     converter's F32 file given llama-quantize Q4_K_M's tensor types, encoded by ggml's own quantizer):

@@ -60,6 +60,7 @@ def test_chunked_delta_rule_on_cuda_matches_the_recurrent_form(form, dtype, rel)
     assert out.dtype == torch.float32 and _close(out, ref, rel) and _close(state, ref_state, rel)
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # CUDA's float products against the CPU's: the CPU kernels' float bodies
 @needs_cuda
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype, rel", [("float32", 2e-3), ("bfloat16", 6e-2)])

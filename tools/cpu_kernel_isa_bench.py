@@ -5,7 +5,8 @@ gate) times one token on one thread, the matrix in cache (no DRAM), median of ``
 
 Each instruction set this CPU has, capped with ``strata::cpu_kernel_limit_isa``; GB/s = quantized
 bytes read. The AVX-512 and AVX2 bodies are the same lane arithmetic (the same bits), so a body much
-slower than another is the compiler's code for it, not the work.
+slower than another is the compiler's code for it, not the work. The AVX-512 VNNI column is the int8
+body (the activations quantized to int8 in the call, as it times them), "-" for a format without one.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ import torch
 from gguf.constants import GGMLQuantizationType as T
 
 from cpu_share_bench import FF, H, layer_parts
-from strata_core.ops.cpu_kernels import CPU_KERNEL_TYPES, cpu_kernels, qlinear_grouped
-
-ISA = ("generic", "AVX2", "AVX-512")
+from strata_core.ops.cpu_kernels import (CPU_INT8_TYPES, CPU_KERNEL_TYPES, INT8_ISA, ISA_NAMES, cpu_kernels,
+                                         qlinear_grouped)
 
 
 def main() -> None:
@@ -32,12 +32,15 @@ def main() -> None:
     torch.set_num_threads(1)
     best = torch.ops.strata.cpu_kernel_isa()
     x = torch.randn(1, H)
-    print(f"{'format':8s}" + "".join(f"{ISA[isa]:>12s}" for isa in range(best, -1, -1)) + "   (GB/s, 1 thread, in cache)")
+    print(f"{'format':8s}" + "".join(f"{ISA_NAMES[isa]:>12s}" for isa in range(best, -1, -1)) + "   (GB/s, 1 thread, in cache)")
     try:
         for qtype in sorted(CPU_KERNEL_TYPES):
             gate = layer_parts(T(qtype), 1, pin=False)[0][0]
             rates = []
             for isa in range(best, -1, -1):
+                if isa >= INT8_ISA and qtype not in CPU_INT8_TYPES:
+                    rates.append(None)
+                    continue
                 torch.ops.strata.cpu_kernel_limit_isa(isa)
                 times = []
                 for _ in range(args.repeats):
@@ -45,7 +48,8 @@ def main() -> None:
                     qlinear_grouped(x, [gate], [1], qtype, FF)
                     times.append(time.perf_counter() - t0)
                 rates.append(gate.numel() / statistics.median(times) / 1e9)
-            print(f"{T(qtype).name:8s}" + "".join(f"{r:12.2f}" for r in rates), flush=True)
+            print(f"{T(qtype).name:8s}" + "".join(f"{r:12.2f}" if r is not None else f"{'-':>12s}" for r in rates),
+                  flush=True)
     finally:
         torch.ops.strata.cpu_kernel_limit_isa(best)
 

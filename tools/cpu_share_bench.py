@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as T
 
-from strata_core.ops.cpu_kernels import cpu_kernels, qlinear_grouped  # strata_core.ops first: experts.cpu_ffn imports through it
+from strata_core.ops.cpu_kernels import ISA_NAMES, cpu_kernels, qlinear_grouped  # strata_core.ops first: experts.cpu_ffn imports through it
 from strata_core.ops.qdecode import block_geometry
 from strata_core.experts.cpu_ffn import cpu_experts_ffn
 from strata_core.experts.ffn import SILU
@@ -74,7 +74,7 @@ def host_report() -> dict[str, object]:
         runtimes = sorted({line.split()[-1] for line in f if "omp" in line.rsplit("/", 1)[-1]})
     return {"torch": torch.__version__, "cpus": len(cpus), "cores": len(cores), "cgroup_cpu_max": quota,
             "torch_threads": torch.get_num_threads(), "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))},
-            "openmp_runtimes": runtimes, "isa": ("generic", "AVX2", "AVX-512")[torch.ops.strata.cpu_kernel_isa()]}
+            "openmp_runtimes": runtimes, "isa": ISA_NAMES[torch.ops.strata.cpu_kernel_isa()]}
 
 
 def spin_after_region(threads: int, gap: float = 0.005, n: int = 40) -> float:

@@ -13,7 +13,7 @@
 - ``strata::qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor``:
   quantized products on the CPU read from the blocks in place, one weight per segment of ``x`` (every CPU
   expert path; a C++ extension compiled on first use, see :mod:`strata_core.ops.cpu_kernels`; its oracle is
-  ``x @ dequantize(W).T``); ``strata::qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets,
+  ``x @ dequantize(W).T``, within the CUDA q8 kernels' tolerance where its int8 body runs); ``strata::qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets,
   int qtype, int out_features) -> Tensor``: the same products per (token, k) pair, each pair's weights a row
   of one buffer (a CPU device's cache slots: a layer's routed experts in one call)
 - ``strata::attention_cpu(Tensor q, Tensor keys, Tensor values, Tensor positions, int window, Tensor? sinks, Tensor? rows)

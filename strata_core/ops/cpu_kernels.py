@@ -15,13 +15,30 @@ expert on the host. ``slot_ffn_cpu`` is a whole SiLU-gated expert FFN that way (
 ``silu_mul_cpu``, the down product) in one call; ``silu_mul_cpu`` is the activation every CPU expert
 path applies to float32 (experts/ffn.py), so each row has the same bits whichever path computes it.
 
-The kernel (csrc/cpu_experts.cpp) decodes each block once into float32, the values of the torch
-reference (strata_core/quant), and multiplies it into up to 8 tokens lane-wise (a multiply and an
-add, each rounded: compiled without FP contraction, so no compiler fuses some and not others); a row's
-result does not depend on the other rows, the threads or the instruction set (AVX-512 or AVX2, chosen at run time; ``strata::cpu_kernel_limit_isa`` caps it, for tests), so every
-CPU expert path computes the same bits. Tolerance
-against the reference dequantize + matmul: float32 within a relative 1e-5 (summation order), as the
-CUDA kernels (tests/test_cpu_kernels.py).
+The kernel (csrc/cpu_experts.cpp) has two kinds of body. The float bodies (generic, AVX2, AVX-512)
+decode each block once into float32, the values of the torch reference (strata_core/quant), and
+multiply it into up to 8 tokens lane-wise (a multiply and an add, each rounded: compiled without FP
+contraction, so no compiler fuses some and not others); they give the same bits as one another.
+Tolerance against the reference dequantize + matmul: float32 within a relative 1e-5 (summation order),
+as the CUDA kernels.
+
+Where the CPU has AVX-512 VNNI (instruction set 3, "AVX-512 VNNI"), the formats of
+:data:`CPU_INT8_TYPES` take an int8 body instead, as llama.cpp's CPU backend does: each call quantizes
+its rows of ``x`` once, every 32 values to int8 codes with one float32 scale (``max |v| / 127``,
+rounded half away from zero), and dots the blocks' codes with them 64 at a time (``vpdpbusd``: unsigned
+weight codes times signed activation codes, four products summed into an int32 lane), each lane scaled
+in float32 by its weight and activation scales; offsets (Q4_0's 8, Q6_K's 32, Q8_0's signed codes) come
+out exactly in integers, Q4_K / Q5_K's mins in float32 against the sum of the values themselves. It
+reads each weight in about one instruction where decoding it to float32 takes several. The CUDA q8
+decode MoE kernels (ops/moe_q8_kernels.py) quantize activations the same way (per 32 values, the same
+scale and rounding), so these results keep within the tolerance those kernels are held to: a relative
+(Frobenius) 2e-2 of the reference (tests/test_moe_q8.py, tests/test_cpu_kernels.py), not the float32
+one; :func:`int8_activations` says which formats run it. IQ4_XS and MXFP4 keep the AVX-512 float body.
+
+Either way a row's result does not depend on the other rows, the tile or the threads (each row is
+quantized by itself), so every CPU expert path computes the same bits; the body is chosen at run time
+(``strata::cpu_kernel_isa``; ``strata::cpu_kernel_limit_isa`` caps it, for tests: 2 gives the float
+AVX-512 body).
 
 ``strata::attention_cpu`` (csrc/cpu_attention.cpp) is the CPU's causal GQA attention over float32 keys
 and values, each row's arithmetic fixed by its own query and visible keys (its doc says the order), so
@@ -55,18 +72,24 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_KERNEL_TYPES", "STALE_LOCK_S", "attention_cpu", "clear_stale_lock", "combine_cpu", "cpu_kernels",
-           "dequantize_blocks", "has_cpu_kernel", "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots",
-           "rms_norm_cpu", "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
+__all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "INT8_ISA", "ISA_NAMES", "STALE_LOCK_S", "attention_cpu",
+           "clear_stale_lock", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "int8_activations", "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu",
+           "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
+#: The block formats with an int8 body (int8 activations; run where the CPU has AVX-512 VNNI)
+CPU_INT8_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+#: ``strata::cpu_kernel_isa`` of the int8 body
+INT8_ISA = 3
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("cpu_experts.cpp", "cpu_attention.cpp", "cpu_linear.cpp", "cpu_layer.cpp")]
-_ISA = ("generic", "AVX2", "AVX-512")
+#: The instruction sets by ``strata::cpu_kernel_isa``
+ISA_NAMES = ("generic", "AVX2", "AVX-512", "AVX-512 VNNI")
 _CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 
 
@@ -137,7 +160,7 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::norm_rope_cpu")(_norm_rope_fake)
     torch.library.register_fake("strata::route_cpu")(_route_fake)
     torch.library.register_fake("strata::combine_cpu")(_combine_fake)
-    log.info("CPU expert kernels: %s, %d threads", _ISA[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
+    log.info("CPU expert kernels: %s, %d threads", ISA_NAMES[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
 
@@ -146,6 +169,14 @@ def has_cpu_kernel(qtypes: Sequence[int], shapes: Sequence[Sequence[int]]) -> bo
     each, rows of whole blocks)."""
     return all(int(q) in CPU_KERNEL_TYPES and shape[1] % GGML_QUANT_SIZES[T(int(q))][0] == 0
                for q, shape in zip(qtypes, shapes)) and cpu_kernels()
+
+
+def int8_activations(qtypes: Sequence[int]) -> bool:
+    """Whether products of any of ``qtypes`` quantize their activations to int8 here (the kernels loaded,
+    the int8 body chosen, a format it covers): results within the CUDA q8 kernels' tolerance of the
+    reference (module doc) rather than float32's."""
+    return (any(int(q) in CPU_INT8_TYPES for q in qtypes) and cpu_kernels()
+            and torch.ops.strata.cpu_kernel_isa() >= INT8_ISA)
 
 
 def qlinear_grouped(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> Tensor:

@@ -8,6 +8,9 @@ Fixtures:
 * ``tiny_model_factory`` — build a tiny model file with chosen sizes and block types.
 * ``logical_devices`` — ``["cpu", "cpu"]``, plus ``["cuda:0", "cuda:0"]`` where CUDA exists: every
   topology runs on logical devices.
+* ``float_cpu_kernels`` — the CPU expert kernels on their float bodies for the test
+  (:mod:`strata_core.testing.cpu_isa`): for comparisons of a CPU-kernel path with a float reference,
+  which the int8 body (AVX-512 VNNI) meets only within the CUDA q8 kernels' tolerance.
 
 Helpers:
 
@@ -106,3 +109,12 @@ def _logical_device_sets() -> list[list[str]]:
 def logical_devices(request: pytest.FixtureRequest) -> list[str]:
     """Two logical devices on one physical device (cpu,cpu; cuda:0,cuda:0 where CUDA exists)."""
     return list(request.param)
+
+
+@pytest.fixture
+def float_cpu_kernels() -> Iterator[None]:
+    """The CPU expert kernels capped at their float bodies for the test, the cap before restored after."""
+    from strata_core.testing.cpu_isa import float_cpu_bodies  # the kernels' module only where a test asks
+
+    with float_cpu_bodies():
+        yield

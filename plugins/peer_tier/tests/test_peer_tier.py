@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from strata_core.engine import Engine
 from strata_core.plugin import ConfigError
+from strata_core.testing.cpu_isa import float_cpu_bodies
 from strata_core.testing.residency import check_tiers, single_holds
 
 PROMPT = list(range(5, 41))
@@ -22,11 +23,22 @@ def model(tiny_model_factory):
     return tiny_model_factory(n_layers=4, expert_type="Q8_0")
 
 
-@pytest.fixture(scope="module")
-def reference(model):
+def _single(model) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
     """single's logits of PROMPT, of three greedy windows after it, and its greedy continuation."""
     single = Engine.load(model, max_context=128, expert_cache=0)
     return single.logits(PROMPT), _windows(single, 3), single.generate(PROMPT, max_tokens=6, temperature=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return _single(model)
+
+
+@pytest.fixture(scope="module")
+def float_reference(model):
+    """``reference`` with the CPU kernels' float bodies (``float_cpu_kernels``)."""
+    with float_cpu_bodies():
+        return _single(model)
 
 
 def _windows(engine: Engine, n: int) -> list[torch.Tensor]:
@@ -51,12 +63,13 @@ def _held(engine: Engine, slot: int) -> set[tuple[int, int]]:
     return set(engine.experts.tables[slot].resident())
 
 
+@pytest.mark.usefixtures("float_cpu_kernels")  # the grouped prefill's float product against single's kernels
 @CHECKS
 @example(primary=0, peer=16, chunk=40, stream=1.0, rows=-1, gather=False, grouped=True, attention=True)
 @given(primary=st.integers(0, 16), peer=st.integers(1, 16), chunk=st.integers(4, 40),
        stream=st.sampled_from([0.0, 0.35, 1.0]), rows=st.sampled_from([-1, 0, 3]), gather=st.booleans(),
        grouped=st.booleans(), attention=st.booleans())
-def test_logits_equal_single_holding_the_union(model, reference, primary, peer, chunk, stream, rows, gather,
+def test_logits_equal_single_holding_the_union(model, float_reference, primary, peer, chunk, stream, rows, gather,
                                                grouped, attention):
     """Random tier sizes, chunks and stream shares (prompt and decode), the decode gather, the grouped
     prefill and the peer's share of the prompt attention on or off: prompt and window logits equal
@@ -69,10 +82,10 @@ def test_logits_equal_single_holding_the_union(model, reference, primary, peer, 
     engine.experts.use_grouped_prefill(grouped)
     logits = engine.logits(PROMPT)
     if grouped:
-        torch.testing.assert_close(logits, reference[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, float_reference[0], rtol=1e-4, atol=1e-4)
     else:
-        assert torch.equal(logits, reference[0])
-        assert all(torch.equal(a, b) for a, b in zip(_windows(engine, 3), reference[1]))
+        assert torch.equal(logits, float_reference[0])
+        assert all(torch.equal(a, b) for a, b in zip(_windows(engine, 3), float_reference[1]))
     assert not _held(engine, 0) & _held(engine, 1)
     assert _held(engine, 0) | _held(engine, 1) == single_holds(model, primary + peer)  # single's, both budgets
     assert engine.experts.tables[1].n_slots == min(peer, 4 * 8 - len(_held(engine, 0)))

@@ -14,6 +14,8 @@
 #include "cpu_isa.h"
 #include "cpu_lanes.h"
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <algorithm>
 #include <atomic>
@@ -281,15 +283,27 @@ STRATA_INLINE void blocks_body(const uint8_t* raw, int64_t b0, int64_t b1, float
   }
 }
 
-using RowsFn = void (*)(const float*, int64_t, const Segment&, int64_t, int64_t, float*, int64_t);
+// The activations of one call: x [N, K] float32, and for the int8 body (Kernels::quantized) the same
+// rows quantized (quantize_rows).
+struct Input {
+  const float* x;
+  int64_t K;
+  const int8_t* q;      // [N, Kp] codes, Kp = K rounded up to 64 values (the padding's codes and scales 0)
+  const float* lane_d;  // [N, Kp / 4] the scale of each 4 codes' block of 32
+  const int32_t* neg4;  // [N, Kp / 4] minus the sum of each 4 codes
+  const float* sums;    // [N, Kp / 32] the sum of each 32 values themselves (float32)
+  int64_t Kp;
+};
+
+using RowsFn = void (*)(const Input&, const Segment&, int64_t, int64_t, float*, int64_t);
 using BlocksFn = void (*)(const uint8_t*, int64_t, int64_t, float*);
 
 // The same bodies compiled for each instruction set (inlined, so vectorised with its registers).
 #define STRATA_BODIES(ROWS, BLOCKS, ATTRIBUTES, ISA)                                                        \
   template <int QT, int VALUES, int BYTES>                                                                 \
-  ATTRIBUTES void ROWS(const float* x, int64_t K, const Segment& seg, int64_t r0, int64_t r1, float* y,     \
+  ATTRIBUTES void ROWS(const Input& in, const Segment& seg, int64_t r0, int64_t r1, float* y,              \
                        int64_t out_features) {                                                             \
-    rows_body<QT, VALUES, BYTES, ISA>(x, K, seg, r0, r1, y, out_features);                                 \
+    rows_body<QT, VALUES, BYTES, ISA>(in.x, in.K, seg, r0, r1, y, out_features);                           \
   }                                                                                                        \
   template <int QT, int VALUES, int BYTES>                                                                 \
   ATTRIBUTES void BLOCKS(const uint8_t* raw, int64_t b0, int64_t b1, float* out) {                          \
@@ -300,13 +314,226 @@ STRATA_BODIES(rows_avx2, blocks_avx2, STRATA_AVX2, 1)
 STRATA_BODIES(rows_generic, blocks_generic, , 0)
 #undef STRATA_BODIES
 
-enum class Isa { generic = 0, avx2 = 1, avx512 = 2 };
+// The AVX-512 VNNI body: the activations quantized once per call (quantize_rows: each 32 values of a
+// row as int8 codes with one float32 scale, max |v| / 127, rounded half away from zero, as the CUDA q8
+// kernels quantize them, strata_core/ops/moe_q8_kernels.py), then each 64 weight codes (unsigned bytes)
+// dotted with 64 activation codes by one vpdpbusd (16 int32 lanes, each the sum of 4 byte products).
+// A lane's integer sum is scaled where it is: times the weight's scale of its values and the
+// activation's scale of its block (float32, one fused multiply-add into 16 float lanes), and the lanes
+// summed at the end of a row in the float bodies' fixed order. Codes stored with an offset (Q4_0's 8,
+// Q6_K's 32, Q8_0's signed codes read as unsigned + 128) have it taken out in integers (minus offset x
+// the activation codes' sum), exactly; Q4_K / Q5_K's mins are taken out in float32 against the sum of
+// the block's values themselves, as the CUDA kernels do. A row's arithmetic is fixed by its own values:
+// the bits do not depend on the other rows, the tile or the threads.
+constexpr int QUANT = 32;   // activation values a scale
+constexpr int CHUNK = 64;   // values of one vpdpbusd
+
+STRATA_INLINE constexpr bool vnni_format(int qt) {
+  return qt == Q4_0 || qt == Q8_0 || qt == Q4_K || qt == Q5_K || qt == Q6_K;
+}
+
+// Row x (K values) quantized into q (Kp codes), lane_d, neg4 (Kp / 4) and sums (Kp / 32): see Input.
+STRATA_VNNI void quantize_row(const float* x, int64_t K, int64_t Kp, int8_t* q, float* lane_d, int32_t* neg4,
+                              float* sums) {
+  const __m512 half = _mm512_set1_ps(0.5f), minus_half = _mm512_set1_ps(-0.5f), zero = _mm512_setzero_ps();
+  const __m256i ones = _mm256_set1_epi8(1);
+  for (int64_t b = 0; b < Kp / QUANT; ++b) {
+    if (b * QUANT >= K) {  // padding to a whole chunk: nothing
+      std::memset(q + b * QUANT, 0, QUANT);
+      std::memset(lane_d + b * 8, 0, 8 * sizeof(float));
+      std::memset(neg4 + b * 8, 0, 8 * sizeof(int32_t));
+      sums[b] = 0.f;
+      continue;
+    }
+    const __m512 v0 = _mm512_loadu_ps(x + b * QUANT), v1 = _mm512_loadu_ps(x + b * QUANT + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512 s0 = _mm512_mul_ps(v0, inv), s1 = _mm512_mul_ps(v1, inv);
+    // half away from zero: +-0.5, then truncated
+    const __m512 r0 = _mm512_add_ps(s0, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s0, zero, _CMP_GE_OQ), minus_half, half));
+    const __m512 r1 = _mm512_add_ps(s1, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s1, zero, _CMP_GE_OQ), minus_half, half));
+    const __m128i c0 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r0)), c1 = _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(r1));
+    const __m256i codes = _mm256_inserti128_si256(_mm256_castsi128_si256(c0), c1, 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * QUANT), codes);
+    _mm256_storeu_ps(lane_d + b * 8, _mm256_set1_ps(amax / 127.f));
+    const __m256i sum4 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, codes);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(neg4 + b * 8), _mm256_sub_epi32(_mm256_setzero_si256(), sum4));
+    f32x16 t, u;
+    std::memcpy(&t, &v0, sizeof(t));
+    std::memcpy(&u, &v1, sizeof(u));
+    sums[b] = lane_sum(t + u);
+  }
+}
+
+// The lanes of acc summed in the float bodies' fixed pairwise order.
+STRATA_VNNI STRATA_INLINE float pairwise_sum(__m512 acc) {
+  float s[LANES];
+  _mm512_storeu_ps(s, acc);
+  for (int width = LANES / 2; width >= 1; width /= 2)
+    for (int l = 0; l < width; ++l) s[l] = s[l] + s[l + width];
+  return s[0];
+}
+
+STRATA_VNNI STRATA_INLINE __m512i join(__m256i lo, __m256i hi) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
+STRATA_VNNI STRATA_INLINE __m512 halves(float lo, float hi) {  // lo in lanes 0-7, hi in lanes 8-15
+  return _mm512_insertf32x8(_mm512_set1_ps(lo), _mm256_set1_ps(hi), 1);
+}
+
+// The 64 weight codes w (unsigned bytes, stored with an offset of 2**SHIFT where SHIFT >= 0) of values
+// [v0, v0 + 64) of a row, each lane's weight scale ws, into the accumulators of NT tokens whose first row
+// of activations is tok.
+template <int SHIFT, int NT>
+STRATA_VNNI STRATA_INLINE void dot_chunk(const Input& in, int64_t tok, __m512i w, __m512 ws, int64_t v0, __m512* acc) {
+  for (int t = 0; t < NT; ++t) {
+    const int64_t row = tok + t;
+    __m512i s = _mm512_setzero_si512();
+    if constexpr (SHIFT >= 0) s = _mm512_slli_epi32(_mm512_loadu_si512(in.neg4 + row * (in.Kp / 4) + v0 / 4), SHIFT);
+    s = _mm512_dpbusd_epi32(s, w, _mm512_loadu_si512(in.q + row * in.Kp + v0));
+    const __m512 sc = _mm512_mul_ps(ws, _mm512_loadu_ps(in.lane_d + row * (in.Kp / 4) + v0 / 4));
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), sc, acc[t]);
+  }
+}
+
+STRATA_VNNI STRATA_INLINE float fp16_f16c(const uint8_t* p) {  // fp16's value, by the F16C instruction
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// A Q4_K / Q5_K block's 8 scales (lanes 0-7) and 8 mins (lanes 8-15) as floats (ggml's unpacking of the
+// 12 bytes: scale_min for every j at once).
+STRATA_VNNI STRATA_INLINE __m512 k_scales_mins(const uint8_t* s) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t m1 = 0x3f3f3f3f, m2 = 0x0f0f0f0f, m3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & m2) | (((u[1] >> 6) & m3) << 4);
+  const uint32_t mins_lo = u[1] & m1;
+  u[1] = (u[2] & m2) | (((u[0] >> 6) & m3) << 4);
+  u[2] = mins_lo;
+  u[0] &= m1;
+  __m128i bytes;
+  std::memcpy(&bytes, u, 16);
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+}
+
+// Rows [r0, r1) of weights w for the NT tokens from row tok of the activations (a tile: the token
+// count a compile-time constant, so that their accumulators stay in registers).
+template <int QT, int VALUES, int BYTES, int NT>
+STRATA_VNNI STRATA_INLINE void tile_vnni(const Input& in, const uint8_t* w, int64_t tok, int64_t r0, int64_t r1,
+                                         float* y, int64_t out_features) {
+  constexpr int SHIFT = QT == Q8_0 ? 7 : QT == Q4_0 ? 3 : QT == Q6_K ? 5 : -1;
+  constexpr bool MINS = QT == Q4_K || QT == Q5_K;
+  const int64_t blocks = in.K / VALUES, row_bytes = blocks * BYTES;
+  const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
+  const __m512i low4z = _mm512_set1_epi8(15);
+  __m512 acc[NT], accm[NT];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int t = 0; t < NT; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
+    if constexpr (VALUES == QUANT) {  // Q4_0, Q8_0: two blocks a chunk (the second none past the row's end)
+      for (int64_t bi = 0; bi < blocks; bi += 2) {
+        const uint8_t* a = row + bi * BYTES;
+        const uint8_t* b = bi + 1 < blocks ? a + BYTES : nullptr;
+        const float da = fp16_f16c(a), db = b ? fp16_f16c(b) : 0.f;
+        __m512i codes;
+        if constexpr (QT == Q8_0) {
+          const __m256i wa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2));
+          const __m256i wb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)) : _mm256_setzero_si256();
+          codes = _mm512_xor_si512(join(wa, wb), _mm512_set1_epi8(char(0x80)));
+        } else {  // [a's low nibbles, b's low], [a's high, b's high] -> a's 32 codes, b's 32
+          const __m128i qb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)) : _mm_setzero_si128();
+          const __m256i v = _mm256_inserti128_si256(
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2))), qb, 1);
+          const __m512i both = join(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+          codes = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+        }
+        dot_chunk<SHIFT, NT>(in, tok, codes, halves(da, db), bi * QUANT, acc);
+      }
+    } else {
+      for (int64_t bi = 0; bi < blocks; ++bi) {
+        const uint8_t* b = row + bi * BYTES;
+        const int64_t v0 = bi * VALUES;
+        if constexpr (MINS) {
+          const __m512 sm = k_scales_mins(b + 4);
+          const __m512 dsc = _mm512_mul_ps(_mm512_set1_ps(fp16_f16c(b)), sm);
+          const __m512 dmn = _mm512_mul_ps(_mm512_set1_ps(fp16_f16c(b + 2)), sm);
+          const uint8_t* qs = b + (QT == Q5_K ? 48 : 16);
+          const __m256i hb = QT == Q5_K ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)) : _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+            __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            if constexpr (QT == Q5_K) {
+              lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j), one), 4));
+              hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * j + 1), one), 4));
+            }
+            const __m512 ws = _mm512_permutexvar_ps(
+                _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j), dsc);
+            dot_chunk<SHIFT, NT>(in, tok, join(lo, hi), ws, v0 + CHUNK * j, acc);
+          }
+          // minus dmin * min_j * (the sum of sub-block j's values), j = 0..7 in lanes 0-7
+          const __m512 mins = _mm512_maskz_permutexvar_ps(0x00ff, _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8,
+                                                                                     15, 14, 13, 12, 11, 10, 9, 8), dmn);
+          for (int t = 0; t < NT; ++t) {
+            const __m512 xs = _mm512_zextps256_ps512(_mm256_loadu_ps(in.sums + (tok + t) * (in.Kp / QUANT) + v0 / QUANT));
+            accm[t] = _mm512_fmadd_ps(mins, xs, accm[t]);
+          }
+        } else {  // Q6_K: 16 scales of 16 values; chunk c is values [64 c, 64 c + 64)
+          const __m512 sc = _mm512_mul_ps(
+              _mm512_set1_ps(fp16_f16c(b + 208)),
+              _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)))));
+          for (int half = 0; half < 2; ++half) {  // 128 values: 64 bytes of low nibbles, 32 of high bits
+            const __m512i l = _mm512_loadu_si512(b + 64 * half);
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * half));
+            for (int k = 0; k < 2; ++k) {  // nibble k of l; bits 4k and 4k + 2 of h
+              const __m512i lo = k ? _mm512_and_si512(_mm512_srli_epi16(l, 4), low4z) : _mm512_and_si512(l, low4z);
+              const __m512i hi = join(_mm256_and_si256(_mm256_srli_epi16(h, 4 * k), three),
+                                      _mm256_and_si256(_mm256_srli_epi16(h, 4 * k + 2), three));
+              const int c = 2 * half + k;
+              const __m512 ws = _mm512_permutexvar_ps(
+                  _mm512_set_epi32(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,
+                                   4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c, 4 * c, 4 * c, 4 * c), sc);
+              dot_chunk<SHIFT, NT>(in, tok, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)), ws, v0 + CHUNK * c, acc);
+            }
+          }
+        }
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const float sum = pairwise_sum(acc[t]);
+      y[(tok + t) * out_features + r] = MINS ? sum - pairwise_sum(accm[t]) : sum;
+    }
+  }
+}
+
+template <int QT, int VALUES, int BYTES>
+STRATA_VNNI void rows_vnni(const Input& in, const Segment& seg, int64_t r0, int64_t r1, float* y,
+                           int64_t out_features) {
+  for (int64_t t0 = 0; t0 < seg.n; t0 += TOKEN_TILE) {
+    const int64_t tok = seg.t0 + t0;
+    switch (seg.n - t0 < TOKEN_TILE ? seg.n - t0 : TOKEN_TILE) {
+      case 1: tile_vnni<QT, VALUES, BYTES, 1>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 2: tile_vnni<QT, VALUES, BYTES, 2>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 3: tile_vnni<QT, VALUES, BYTES, 3>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 4: tile_vnni<QT, VALUES, BYTES, 4>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 5: tile_vnni<QT, VALUES, BYTES, 5>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 6: tile_vnni<QT, VALUES, BYTES, 6>(in, seg.w, tok, r0, r1, y, out_features); break;
+      case 7: tile_vnni<QT, VALUES, BYTES, 7>(in, seg.w, tok, r0, r1, y, out_features); break;
+      default: tile_vnni<QT, VALUES, BYTES, 8>(in, seg.w, tok, r0, r1, y, out_features); break;
+    }
+  }
+}
+
+enum class Isa { generic = 0, avx2 = 1, avx512 = 2, avx512_vnni = 3 };
 
 Isa detect_isa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
-    return Isa::avx512;
+    return __builtin_cpu_supports("avx512vnni") ? Isa::avx512_vnni : Isa::avx512;
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::avx2;
   return Isa::generic;
 }
@@ -316,14 +543,18 @@ Isa& chosen_isa() {
   return isa;
 }
 
-struct Kernels { RowsFn rows; BlocksFn blocks; };
+// quantized: rows takes the activations quantized (Input), the int8 body's
+struct Kernels { RowsFn rows; BlocksFn blocks; bool quantized; };
 
 template <int QT, int VALUES, int BYTES>
 Kernels pick() {
   switch (chosen_isa()) {
-    case Isa::avx512: return {&rows_avx512<QT, VALUES, BYTES>, &blocks_avx512<QT, VALUES, BYTES>};
-    case Isa::avx2: return {&rows_avx2<QT, VALUES, BYTES>, &blocks_avx2<QT, VALUES, BYTES>};
-    default: return {&rows_generic<QT, VALUES, BYTES>, &blocks_generic<QT, VALUES, BYTES>};
+    case Isa::avx512_vnni:
+      if constexpr (vnni_format(QT)) return {&rows_vnni<QT, VALUES, BYTES>, &blocks_avx512<QT, VALUES, BYTES>, true};
+      [[fallthrough]];  // a format without the int8 body: the float one
+    case Isa::avx512: return {&rows_avx512<QT, VALUES, BYTES>, &blocks_avx512<QT, VALUES, BYTES>, false};
+    case Isa::avx2: return {&rows_avx2<QT, VALUES, BYTES>, &blocks_avx2<QT, VALUES, BYTES>, false};
+    default: return {&rows_generic<QT, VALUES, BYTES>, &blocks_generic<QT, VALUES, BYTES>, false};
   }
 }
 
@@ -336,7 +567,7 @@ Kernels kernels_for(int64_t qtype) {
     case Q5_K: return pick<Q5_K, 256, 176>();
     case Q6_K: return pick<Q6_K, 256, 210>();
     case IQ4_XS: return pick<IQ4_XS, 256, 136>();
-    default: return {nullptr, nullptr};
+    default: return {nullptr, nullptr, false};
   }
 }
 
@@ -355,6 +586,25 @@ void parallel_items(int64_t n, int64_t grain, const F& item) {
   });
 }
 
+// x [N, K] as the rows functions take it: for the int8 body (quantized), its rows quantized into buffer.
+Input prepare(const float* x, int64_t N, int64_t K, bool quantized, at::Tensor& buffer) {
+  Input in{x, K, nullptr, nullptr, nullptr, nullptr, 0};
+  if (!quantized || N == 0) return in;
+  const int64_t Kp = (K + CHUNK - 1) / CHUNK * CHUNK;
+  buffer = at::empty({N * (3 * Kp + Kp / 8)}, at::TensorOptions().dtype(at::kByte));  // codes, lane_d, neg4, sums
+  uint8_t* base = buffer.data_ptr<uint8_t>();
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* lane_d = reinterpret_cast<float*>(base + N * Kp);
+  int32_t* neg4 = reinterpret_cast<int32_t*>(base + 2 * N * Kp);
+  float* sums = reinterpret_cast<float*>(base + 3 * N * Kp);
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 14) / K);
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      quantize_row(x + n * K, K, Kp, q + n * Kp, lane_d + n * (Kp / 4), neg4 + n * (Kp / 4), sums + n * (Kp / QUANT));
+  });
+  return {x, K, q, lane_d, neg4, sums, Kp};
+}
+
 // x [N, K] float32; weights[i] the packed rows (out_features x K values) of segment i, which owns
 // counts[i] consecutive rows of x; returns [N, out_features] float32.
 at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntArrayRef counts, int64_t qtype,
@@ -363,7 +613,8 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
               "qlinear_grouped: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(weights.size() == counts.size(), "qlinear_grouped: ", weights.size(), " weights for ",
               counts.size(), " counts");
-  RowsFn fn = kernels_for(qtype).rows;
+  const Kernels kernels = kernels_for(qtype);
+  const RowsFn fn = kernels.rows;
   const Geometry g = geometry(qtype);
   TORCH_CHECK(fn != nullptr, "qlinear_grouped: no CPU kernel for GGML type ", qtype);
   const at::Tensor xc = x.contiguous();
@@ -386,7 +637,8 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
   at::Tensor y = at::empty({N, out_features}, xc.options());
   const int64_t chunks = (out_features + ROW_CHUNK - 1) / ROW_CHUNK;
   const int64_t items = int64_t(segs.size()) * chunks;
-  const float* xp = xc.data_ptr<float>();
+  at::Tensor quantized;
+  const Input in = prepare(xc.data_ptr<float>(), N, K, kernels.quantized, quantized);
   float* yp = y.data_ptr<float>();
   // at least MIN_THREAD_BYTES of weights a thread: a small product runs inline, sparing a wake-up of the pool
   const int64_t grain = (MIN_THREAD_BYTES + ROW_CHUNK * row_bytes - 1) / (ROW_CHUNK * row_bytes);
@@ -394,7 +646,7 @@ at::Tensor qlinear_grouped(const at::Tensor& x, at::TensorList weights, at::IntA
     const Segment& seg = segs[item / chunks];
     const int64_t r0 = (item % chunks) * ROW_CHUNK;
     const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
-    fn(xp, K, seg, r0, r1, yp, out_features);
+    fn(in, seg, r0, r1, yp, out_features);
   });
   return y;
 }
@@ -413,7 +665,8 @@ at::Tensor qlinear_slots(const at::Tensor& x, int64_t rep, const at::Tensor& buf
               buffer.is_contiguous(), "qlinear_slots: buffer must be a contiguous 2-D uint8 CPU tensor");
   TORCH_CHECK(slot.device().is_cpu() && slot.scalar_type() == at::kLong && slot.dim() == 1,
               "qlinear_slots: slot must be a 1-D int64 CPU tensor");
-  RowsFn fn = kernels_for(qtype).rows;
+  const Kernels kernels = kernels_for(qtype);
+  const RowsFn fn = kernels.rows;
   const Geometry g = geometry(qtype);
   TORCH_CHECK(fn != nullptr, "qlinear_slots: no CPU kernel for GGML type ", qtype);
   const int64_t T = x.size(0), K = x.size(1), P = slot.numel(), M = int64_t(offsets.size());
@@ -435,6 +688,8 @@ at::Tensor qlinear_slots(const at::Tensor& x, int64_t rep, const at::Tensor& buf
   const float* xp = x.data_ptr<float>();
   float* xsp = xs.data_ptr<float>();
   for (int64_t i = 0; i < P; ++i) std::memcpy(xsp + i * K, xp + order[i] / rep * K, K * sizeof(float));
+  at::Tensor quantized;
+  const Input in = prepare(xsp, P, K, kernels.quantized, quantized);
   const uint8_t* base = buffer.data_ptr<uint8_t>();
   std::vector<std::pair<Segment, int64_t>> segs;  // (segment, matrix) of each distinct slot and matrix
   std::vector<std::pair<int64_t, int64_t>> runs;  // (first sorted pair, count) of each distinct slot
@@ -457,7 +712,7 @@ at::Tensor qlinear_slots(const at::Tensor& x, int64_t rep, const at::Tensor& buf
     const auto& [seg, m] = segs[item / chunks];
     const int64_t r0 = (item % chunks) * ROW_CHUNK;
     const int64_t r1 = r0 + ROW_CHUNK < out_features ? r0 + ROW_CHUNK : out_features;
-    fn(xsp, K, seg, r0, r1, ysp + m * P * out_features, out_features);
+    fn(in, seg, r0, r1, ysp + m * P * out_features, out_features);
   });
   at::Tensor y = at::empty({P, M * out_features}, x.options());
   float* yp = y.data_ptr<float>();
@@ -565,7 +820,7 @@ int64_t kernel_threads() {
   return seen.load();
 }
 
-// The instruction set the kernels run with: 0 generic, 1 AVX2, 2 AVX-512.
+// The instruction set the kernels run with: 0 generic, 1 AVX2, 2 AVX-512, 3 AVX-512 VNNI.
 int64_t kernel_isa() { return int64_t(chosen_isa()); }
 
 // Run with at most instruction set ``isa`` from now on (tests compare the bodies); returns the one chosen.
