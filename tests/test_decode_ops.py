@@ -163,6 +163,28 @@ def test_block_table_kernels_match_the_references_under_the_interpreter(block, s
                                rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.skipif(not decode.HAS_TRITON, reason="needs Triton")
+def test_the_kernels_refuse_a_pool_that_is_not_16_byte_aligned():
+    """The CUDA kernels load and store pool rows 16 bytes at a time: a pool at another address (a view into
+    a larger tensor) is a clear error before any launch, for the bf16 and the quantized pools alike."""
+    from strata_core.ops import decode_q
+
+    B, nh, nkv, D = 1, 4, 2, 16
+    keys, values, blocks = _paged(B, 8, nkv, D, 4)
+    shifted = torch.empty(keys.numel() + 1)[1:].view(keys.shape)  # 4 bytes past an aligned allocation
+    q, positions = torch.randn(B, nh, D), torch.tensor([5])
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        decode._attention_cuda(q, positions, keys, shifted, blocks, None)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        decode._rope_kv_cuda(torch.randn(B, (nh + 2 * nkv) * D), positions, None, None, 1e4, 1e-6, nh, nkv, shifted,
+                             values, blocks, None)
+    codes = torch.zeros(keys.shape, dtype=torch.int8)
+    scales = torch.ones(*keys.shape[:3], 1)
+    shifted_codes = torch.empty(codes.numel() + 8, dtype=torch.int8)[8:].view(codes.shape)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        decode_q._attention_q_cuda(q, positions, shifted_codes, codes, scales, scales.clone(), blocks, None)
+
+
 def test_kv_table_holds_the_pool_and_block_table_addresses():
     keys, values, table = _paged(2, 4, 1, 16, 7)
     assert kv_table(keys, values, list(table)).tolist() == [

@@ -1,4 +1,4 @@
-"""Time the decode attention kernel's split configurations (``_BLOCK_N``, ``_SPLITS`` of
+"""Time the decode attention kernel's split configurations (``_BLOCK_N``, ``_SPLITS``, ``_STAGES`` of
 strata_core/ops/decode.py; ``_SPLITS`` None = its rule by session count, "auto") at the Qwen3-30B-A3B
 shapes and check each against the current default.
 
@@ -8,7 +8,8 @@ For each context and session count, one token's attention over 48 layers (48 dis
 a decode step reads them: not served from the L2) is captured in a CUDA graph per configuration and
 replayed (``triton.testing.do_bench``, median); printed as us a layer, with the KV bytes read per
 second. Every configuration's output must be within 1e-2 of the default's (bf16; the splits change
-the summation order only). Make the winner the default: ``_BLOCK_N, _SPLITS`` in ops/decode.py.
+the summation order only). The fastest configuration of each context and session count is printed last,
+beside the default's time; make the winner the default: ``_BLOCK_N, _SPLITS, _STAGES`` in ops/decode.py.
 
 ``--kv-types bf16,q8_0,int8,fp8``: also the quantized KV kernel (``strata::decode_attention_q``, paged pools
 of 16-token blocks): its default (``_BLOCK_N, _STAGES, _WARPS`` of ops/decode_q.py, the splits of
@@ -28,7 +29,10 @@ import torch
 
 from strata_core.ops import decode
 
-CONFIGS = [(64, 32), (32, 16), (32, 32), (32, 64), (16, 64), (16, 128)]  # (BLOCK_N, SPLITS)
+#: (BLOCK_N, SPLITS, STAGES): the split configurations at Triton's default 3 stages, then fewer stages and
+#: larger tiles (BLOCK_N 128, 2 stages, 128 splits: the quantized kernel's fastest)
+CONFIGS = ([(64, 32, 3), (32, 16, 3), (32, 32, 3), (32, 64, 3), (16, 64, 3), (16, 128, 3)]
+           + [(32, None, 1), (32, None, 2), (64, None, 2), (64, 128, 2), (128, 64, 2), (128, 128, 2)])
 LAYERS, HEADS, KV_HEADS, HEAD_DIM = 48, 32, 4, 128
 BLOCK = 16  # positions a KV block (the paged pools')
 #: the quantized kernel's (BLOCK_N, SPLITS, STAGES, WARPS) tried beside its default (SPLITS 0: the rule)
@@ -44,7 +48,7 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "attention_sweep.json"))
     args = parser.parse_args()
     dev = torch.device("cuda", torch.cuda.current_device())  # an index: the kernels check their tensors' device
-    default = (decode._BLOCK_N, decode._SPLITS)
+    default = (decode._BLOCK_N, decode._SPLITS, decode._STAGES)
     results = []
     kv_types = args.kv_types.split(",")
     for n in map(int, args.contexts.split(",")):
@@ -64,9 +68,9 @@ def main() -> None:
                 layers.append((kp, vp, decode._device_table(kp, vp, block_table, dev)))
             q = torch.randn(B, HEADS, HEAD_DIM, generator=gen, device=dev, dtype=torch.bfloat16)
             positions = torch.full((B,), n, dtype=torch.int64, device=dev)
-            reference = None
-            for block_n, splits in [default] + [c for c in CONFIGS if c != default]:
-                decode._BLOCK_N, decode._SPLITS = block_n, splits
+            reference, rows = None, []
+            for block_n, splits, stages in [default] + [c for c in CONFIGS if c != default]:
+                decode._BLOCK_N, decode._SPLITS, decode._STAGES = block_n, splits, stages
 
                 def step() -> list[torch.Tensor]:
                     return [decode.decode_attention(q, positions, kp, vp, block_table, table)
@@ -75,12 +79,18 @@ def main() -> None:
                 us, outs, reference = _time_graph(step, reference)
                 err = max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, reference))
                 gbps = 2 * B * (n + 1) * KV_HEADS * HEAD_DIM * 2 / us / 1e3
-                row = dict(context=n, sessions=B, block_n=block_n, splits=splits, us_per_layer=us, kv_gbps=gbps,
-                           max_err=err, ok=err <= 1e-2)
-                results.append(row)
-                print(f"context {n:6d} B {B}: BLOCK_N {block_n:3d} SPLITS {splits or 'auto':>4}: {us:7.2f} us a layer, "
-                      f"{gbps:6.0f} GB/s of KV, err {err:.1e}{'' if row['ok'] else '  WRONG'}", flush=True)
-            decode._BLOCK_N, decode._SPLITS = default
+                row = dict(context=n, sessions=B, block_n=block_n, splits=splits, stages=stages, us_per_layer=us,
+                           kv_gbps=gbps, max_err=err, ok=err <= 1e-2)
+                rows.append(row)
+                print(f"context {n:6d} B {B}: BLOCK_N {block_n:3d} SPLITS {splits or 'auto':>4} STAGES {stages}: "
+                      f"{us:7.2f} us a layer, {gbps:6.0f} GB/s of KV, err {err:.1e}{'' if row['ok'] else '  WRONG'}",
+                      flush=True)
+            decode._BLOCK_N, decode._SPLITS, decode._STAGES = default
+            results += rows
+            best = min((r for r in rows if r["ok"]), key=lambda r: r["us_per_layer"])
+            print(f"context {n:6d} B {B}: bf16 best: BLOCK_N {best['block_n']} SPLITS {best['splits'] or 'auto'} "
+                  f"STAGES {best['stages']} {best['us_per_layer']:.2f} us a layer against the default's "
+                  f"{rows[0]['us_per_layer']:.2f}", flush=True)
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)
 

@@ -28,7 +28,8 @@ kernels read to reach the KV; when it is None they build it from the pools and `
 decode window captured as a CUDA graph passes a static table that the engine refills before each
 replay, so one graph serves any sessions of the same batch size (graphs.py): the pools and block
 tables named then are those of the capture and only the CPU reference reads them (CUDA callers that
-pass a table may pass no ``block_table``).
+pass a table may pass no ``block_table``). The CUDA kernels move pool rows 16 bytes at a time: the pools
+must be 16-byte aligned (whole allocations are; a view into another tensor may not be, a ValueError).
 
 Tolerance against the references: float32 within a relative 1e-5, bf16 within its rounding
 (tests/test_kernels_cuda.py).
@@ -178,8 +179,9 @@ decode_attention.register_fake(_attention_fake)
 #: Context positions one attention program covers at a time; the programs a (session, kv head) splits
 #: into: ``_SPLITS``, or where None as many (16..64) as give a launch about ``_PROGRAMS`` programs
 #: (chosen with tools/attention_sweep.py on the H200: 32 positions, 64 splits for one session and 32 for
-#: four beat the alternatives at 1K and at 32K of context; see BENCHMARKS.md).
-_BLOCK_N, _SPLITS, _PROGRAMS = 32, None, 512
+#: four beat the alternatives at 1K and at 32K of context; see BENCHMARKS.md). ``_STAGES``: the pipeline
+#: stages of the key loop (3: Triton's default for a plain loop; the sweep's CONFIGS try 1 and 2).
+_BLOCK_N, _SPLITS, _STAGES, _PROGRAMS = 32, None, 3, 512
 #: the splits of every launch under ``--batch-invariant``: a row's partial sums then do not depend on B
 INVARIANT_SPLITS = 32
 
@@ -267,8 +269,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _pool_ptr(table, b, which, dt: tl.constexpr):
-        """This layer's K (``which`` 0) or V (1) pool, from session b's row of the address table."""
-        return tl.load(table + b * 3 + which).to(tl.pointer_type(dt))
+        """This layer's K (``which`` 0) or V (1) pool, from session b's row of the address table. The pools are
+        16-byte aligned (``_check_pools``), which Triton cannot know of an address it loads: said here, so that
+        the rows of D values a kernel reads or writes there move 16 bytes at a time, not one value."""
+        return tl.multiple_of(tl.load(table + b * 3 + which).to(tl.pointer_type(dt)), 16)
 
     @triton.jit
     def _blocks_ptr(table, b):
@@ -323,6 +327,9 @@ if HAS_TRITON:
                 raise ValueError(f"the KV pools of one decode call must be contiguous {dtype} tensors "
                                  f"[n_blocks, block_size, n_kv_heads, D] of one shape, got {pool.dtype} "
                                  f"{tuple(pool.shape)}")
+            if pool.data_ptr() % 16:  # the kernels load and store its rows 16 bytes at a time (_pool_ptr)
+                raise ValueError(f"the KV pools of one decode call must be 16-byte aligned, got one at address "
+                                 f"{pool.data_ptr():#x} (a view into another tensor?)")
 
     def _rope_kv_cuda(qkv: Tensor, positions: Tensor, q_norm: Tensor | None, k_norm: Tensor | None, theta: float,
                       eps: float, n_heads: int, n_kv_heads: int, key_pool: Tensor, value_pool: Tensor,
@@ -347,8 +354,10 @@ if HAS_TRITON:
     @triton.jit
     def _attention_split_kernel(q, pos, table, m_out, l_out, acc_out, n_heads, n_kv, scale,
                                 REP: tl.constexpr, RP: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                                SPLITS: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr):
-        """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b]."""
+                                SPLITS: tl.constexpr, BS: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr):
+        """Program (b, kv head g, split s): the REP query heads of g over split s of positions 0..pos[b]; the
+        key and value tiles of the next ``STAGES - 1`` steps are in flight (16-byte asynchronous copies) while
+        one step computes."""
         b = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         s = tl.program_id(2)
@@ -368,7 +377,7 @@ if HAS_TRITON:
         m_i = tl.full([RP], float("-inf"), tl.float32)
         l_i = tl.zeros([RP], dtype=tl.float32)
         acc = tl.zeros([RP, D], dtype=tl.float32)
-        for t0 in range(start, end, BLOCK_N):
+        for t0 in tl.range(start, end, BLOCK_N, num_stages=STAGES):
             t = t0 + tl.arange(0, BLOCK_N)
             tm = t < end
             block = tl.load(bt + t // BS, mask=tm, other=0).to(tl.int64)  # [BLOCK_N] block ids
@@ -427,7 +436,7 @@ if HAS_TRITON:
             _attention_split_kernel[(B, nkv, splits)](
                 q.contiguous(), positions.contiguous(), table, m, l, acc, nh, nkv, D ** -0.5,
                 REP=rep, RP=max(16, triton.next_power_of_2(rep)), D=D, BLOCK_N=_BLOCK_N, SPLITS=splits,
-                BS=key_pool.shape[1], IEEE=q.dtype == torch.float32 or not _LIBDEVICE, num_warps=4)
+                BS=key_pool.shape[1], IEEE=q.dtype == torch.float32 or not _LIBDEVICE, STAGES=_STAGES, num_warps=4)
             _attention_reduce_kernel[(B * nh,)](m, l, acc, out, D=D, SPLITS=splits, num_warps=1)
         return out
 

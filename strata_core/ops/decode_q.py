@@ -156,6 +156,13 @@ if HAS_TRITON:
         return tl.load(table + b * 5 + which).to(tl.pointer_type(dt))
 
     @triton.jit
+    def _codes_ptr(table, b, which):
+        """The key (``which`` 0) or value (1) codes of session b's row of the address table: 16-byte aligned
+        (``_check_q``), which Triton cannot know of an address it loads; said here, so that a row's codes are
+        stored several bytes at a time (the hint on the address as loaded: one on a call's result is lost)."""
+        return tl.multiple_of(tl.load(table + b * 5 + which).to(tl.pointer_type(tl.int8)), 16)
+
+    @triton.jit
     def _codes_of(x, inv, QMAX: tl.constexpr, FP8: tl.constexpr):
         """int8 codes of float32 ``x`` times ``inv``, clamped to QMAX: rounded halves away from zero (C's
         roundf); ``FP8``: e4m3's bytes (nearest, ties to even) as int8 (one return type for both)."""
@@ -219,11 +226,11 @@ if HAS_TRITON:
                                      KNORM, FREQ, LIBDEVICE)
             block = tl.load(_ptr(table, b, 2, tl.int32) + p // BS).to(tl.int64)
             at = (block * BS + p % BS) * n_kv + g
-            _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _ptr(table, b, 0, tl.int8),
+            _store_quantized(a.to(dt).to(tl.float32), c.to(dt).to(tl.float32), _codes_ptr(table, b, 0),
                              _ptr(table, b, 3, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
             vsrc = qkv + b * width + (n_heads + n_kv + g) * D
             _store_quantized(tl.load(vsrc + i).to(tl.float32), tl.load(vsrc + HALF + i).to(tl.float32),
-                             _ptr(table, b, 1, tl.int8), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
+                             _codes_ptr(table, b, 1), _ptr(table, b, 4, SDT), at * D, at * G, HALF, GH, QMAX, FP8)
 
     @triton.jit
     def _dot(a, b, IEEE: tl.constexpr):
