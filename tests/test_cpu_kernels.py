@@ -106,7 +106,8 @@ def test_int8_activations_says_which_formats_take_the_int8_body() -> None:
     best = torch.ops.strata.cpu_kernel_isa()
     assert int8_activations([T.Q4_K]) == (best >= INT8_ISA)
     assert int8_activations([T.IQ4_XS, T.Q8_0]) == (best >= INT8_ISA)
-    assert not int8_activations([T.IQ4_XS, T.MXFP4])
+    assert int8_activations([T.IQ4_XS, T.MXFP4]) == (best >= INT8_ISA)
+    assert not int8_activations([T.Q2_K])
     with cpu_isa_at_most(FLOAT_ISA):
         assert not int8_activations([T.Q4_K])
 

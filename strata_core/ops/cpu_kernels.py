@@ -27,13 +27,15 @@ Where the CPU has AVX-512 VNNI (instruction set 3, "AVX-512 VNNI"), the formats 
 its rows of ``x`` once, every 32 values to int8 codes with one float32 scale (``max |v| / 127``,
 rounded half away from zero), and dots the blocks' codes with them 64 at a time (``vpdpbusd``: unsigned
 weight codes times signed activation codes, four products summed into an int32 lane), each lane scaled
-in float32 by its weight and activation scales; offsets (Q4_0's 8, Q6_K's 32, Q8_0's signed codes) come
-out exactly in integers, Q4_K / Q5_K's mins in float32 against the sum of the values themselves. It
+in float32 by its weight and activation scales; MXFP4's and IQ4_XS's codes go through their 16-value
+tables (a byte shuffle) to signed integers; offsets (Q4_0's 8, Q6_K's 32, Q8_0's signed codes, the
+tables' 16 and 128 that make their values unsigned) come out exactly in integers, Q4_K / Q5_K's mins in
+float32 against the sum of the values themselves. It
 reads each weight in about one instruction where decoding it to float32 takes several. The CUDA q8
 decode MoE kernels (ops/moe_q8_kernels.py) quantize activations the same way (per 32 values, the same
 scale and rounding), so these results keep within the tolerance those kernels are held to: a relative
 (Frobenius) 2e-2 of the reference (tests/test_moe_q8.py, tests/test_cpu_kernels.py), not the float32
-one; :func:`int8_activations` says which formats run it. IQ4_XS and MXFP4 keep the AVX-512 float body.
+one; :func:`int8_activations` says which formats run it (every format with a CPU kernel).
 
 Either way a row's result does not depend on the other rows, the tile or the threads (each row is
 quantized by itself), so every CPU expert path computes the same bits; the body is chosen at run time
@@ -82,7 +84,7 @@ log = logging.getLogger(__name__)
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
 #: The block formats with an int8 body (int8 activations; run where the CPU has AVX-512 VNNI)
-CPU_INT8_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})
+CPU_INT8_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
 #: ``strata::cpu_kernel_isa`` of the int8 body
 INT8_ISA = 3
 

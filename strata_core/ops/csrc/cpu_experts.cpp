@@ -323,13 +323,27 @@ STRATA_BODIES(rows_generic, blocks_generic, , 0)
 // summed at the end of a row in the float bodies' fixed order. Codes stored with an offset (Q4_0's 8,
 // Q6_K's 32, Q8_0's signed codes read as unsigned + 128) have it taken out in integers (minus offset x
 // the activation codes' sum), exactly; Q4_K / Q5_K's mins are taken out in float32 against the sum of
-// the block's values themselves, as the CUDA kernels do. A row's arithmetic is fixed by its own values:
+// the block's values themselves, as the CUDA kernels do. MXFP4 and IQ4_XS map their 4-bit codes through
+// a 16-byte table (one vpshufb, as ggml's CPU backend does) to their signed integer values plus an
+// offset that makes them unsigned (16 and 128), taken out the same way: cheaper than ggml's sign trick
+// (|x| and the sign moved onto the weights per token), and as exact. A row's arithmetic is fixed by its own values:
 // the bits do not depend on the other rows, the tile or the threads.
 constexpr int QUANT = 32;   // activation values a scale
 constexpr int CHUNK = 64;   // values of one vpdpbusd
 
 STRATA_INLINE constexpr bool vnni_format(int qt) {
-  return qt == Q4_0 || qt == Q8_0 || qt == Q4_K || qt == Q5_K || qt == Q6_K;
+  return qt == Q4_0 || qt == Q8_0 || qt == Q4_K || qt == Q5_K || qt == Q6_K || qt == MXFP4 || qt == IQ4_XS;
+}
+
+// The 16 values of a table format's codes plus its offset 2**SHIFT, as unsigned bytes in each 128-bit
+// lane (vpshufb looks up within lanes): MXFP4's doubled E2M1 values + 16, IQ4_NL's + 128.
+template <int QT>
+STRATA_VNNI STRATA_INLINE __m512i offset_table() {
+  const i8x16 values = QT == MXFP4 ? MXFP4_VALUES : IQ4NL;
+  const u8x16 shifted = u8x16(values) + uint8_t(QT == MXFP4 ? 16 : 128);
+  __m128i t;
+  std::memcpy(&t, &shifted, sizeof(t));
+  return _mm512_broadcast_i32x4(t);
 }
 
 // Row x (K values) quantized into q (Kp codes), lane_d, neg4 (Kp / 4) and sums (Kp / 32): see Input.
@@ -419,13 +433,39 @@ STRATA_VNNI STRATA_INLINE __m512 k_scales_mins(const uint8_t* s) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
 }
 
+// 32 bytes of 4-bit codes, two runs of 16 (low nibbles the run's first 16 values, high nibbles its
+// next 16: Q4_0's and MXFP4's blocks, IQ4_XS's sub-blocks), as the 64 codes in value order.
+STRATA_VNNI STRATA_INLINE __m512i nibbles_in_order(__m256i v, __m256i low4) {
+  // [run 0's low, run 1's low, run 0's high, run 1's high] -> [0 low, 0 high, 1 low, 1 high]
+  const __m512i both = join(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+  return _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+}
+
+// An IQ4_XS block's 8 sub-block scales d * (sc_j - 32) as floats (lanes 0-7; the same float32 product
+// as decode_iq4_xs): sc_j is nibble j of the 4 bytes at b + 4, with bits 2j, 2j + 1 of the 16 at b + 2
+// above it.
+STRATA_VNNI STRATA_INLINE __m512 iq4_xs_scales(const uint8_t* b) {
+  uint32_t low;
+  uint16_t high;
+  std::memcpy(&low, b + 4, 4);
+  std::memcpy(&high, b + 2, 2);
+  const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(low)), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                      _mm256_set1_epi32(15));
+  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(high), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                      _mm256_set1_epi32(3));
+  const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+  return _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_set1_ps(fp16_f16c(b)), _mm256_cvtepi32_ps(sc)));
+}
+
 // Rows [r0, r1) of weights w for the NT tokens from row tok of the activations (a tile: the token
 // count a compile-time constant, so that their accumulators stay in registers).
 template <int QT, int VALUES, int BYTES, int NT>
 STRATA_VNNI STRATA_INLINE void tile_vnni(const Input& in, const uint8_t* w, int64_t tok, int64_t r0, int64_t r1,
                                          float* y, int64_t out_features) {
-  constexpr int SHIFT = QT == Q8_0 ? 7 : QT == Q4_0 ? 3 : QT == Q6_K ? 5 : -1;
+  constexpr int SHIFT = QT == Q8_0 || QT == IQ4_XS ? 7 : QT == Q4_0 ? 3 : QT == MXFP4 ? 4 : QT == Q6_K ? 5 : -1;
   constexpr bool MINS = QT == Q4_K || QT == Q5_K;
+  constexpr bool TABLE = QT == MXFP4 || QT == IQ4_XS;
+  const __m512i table = TABLE ? offset_table<QT>() : _mm512_setzero_si512();
   const int64_t blocks = in.K / VALUES, row_bytes = blocks * BYTES;
   const __m256i low4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1), three = _mm256_set1_epi8(3);
   const __m512i low4z = _mm512_set1_epi8(15);
@@ -433,22 +473,30 @@ STRATA_VNNI STRATA_INLINE void tile_vnni(const Input& in, const uint8_t* w, int6
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     for (int t = 0; t < NT; ++t) acc[t] = accm[t] = _mm512_setzero_ps();
-    if constexpr (VALUES == QUANT) {  // Q4_0, Q8_0: two blocks a chunk (the second none past the row's end)
+    if constexpr (VALUES == QUANT) {  // Q4_0, Q8_0, MXFP4: two blocks a chunk (the second none past the row's end)
+      constexpr int CODES = QT == MXFP4 ? 1 : 2;  // bytes before a block's codes: its scale
       for (int64_t bi = 0; bi < blocks; bi += 2) {
         const uint8_t* a = row + bi * BYTES;
         const uint8_t* b = bi + 1 < blocks ? a + BYTES : nullptr;
-        const float da = fp16_f16c(a), db = b ? fp16_f16c(b) : 0.f;
+        float da, db;
+        if constexpr (QT == MXFP4) {
+          da = e8m0_half(a[0]);
+          db = b ? e8m0_half(b[0]) : 0.f;
+        } else {
+          da = fp16_f16c(a);
+          db = b ? fp16_f16c(b) : 0.f;
+        }
         __m512i codes;
         if constexpr (QT == Q8_0) {
           const __m256i wa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 2));
           const __m256i wb = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)) : _mm256_setzero_si256();
           codes = _mm512_xor_si512(join(wa, wb), _mm512_set1_epi8(char(0x80)));
         } else {  // [a's low nibbles, b's low], [a's high, b's high] -> a's 32 codes, b's 32
-          const __m128i qb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)) : _mm_setzero_si128();
+          const __m128i qb = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + CODES)) : _mm_setzero_si128();
           const __m256i v = _mm256_inserti128_si256(
-              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 2))), qb, 1);
-          const __m512i both = join(_mm256_and_si256(v, low4), _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
-          codes = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+              _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a + CODES))), qb, 1);
+          codes = nibbles_in_order(v, low4);
+          if constexpr (TABLE) codes = _mm512_shuffle_epi8(table, codes);  // past the row: activation codes 0
         }
         dot_chunk<SHIFT, NT>(in, tok, codes, halves(da, db), bi * QUANT, acc);
       }
@@ -480,6 +528,15 @@ STRATA_VNNI STRATA_INLINE void tile_vnni(const Input& in, const uint8_t* w, int6
           for (int t = 0; t < NT; ++t) {
             const __m512 xs = _mm512_zextps256_ps512(_mm256_loadu_ps(in.sums + (tok + t) * (in.Kp / QUANT) + v0 / QUANT));
             accm[t] = _mm512_fmadd_ps(mins, xs, accm[t]);
+          }
+        } else if constexpr (QT == IQ4_XS) {  // 8 scales of 32 values; chunk c is sub-blocks 2c and 2c + 1
+          const __m512 sc = iq4_xs_scales(b);
+          for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 8 + 32 * c));
+            const __m512 ws = _mm512_permutexvar_ps(
+                _mm512_set_epi32(2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c), sc);
+            dot_chunk<SHIFT, NT>(in, tok, _mm512_shuffle_epi8(table, nibbles_in_order(v, low4)), ws, v0 + CHUNK * c, acc);
           }
         } else {  // Q6_K: 16 scales of 16 values; chunk c is values [64 c, 64 c + 64)
           const __m512 sc = _mm512_mul_ps(
