@@ -8,12 +8,19 @@
 #   RUNS="spec" bash tools/gpu_long_context.sh                       # n-gram speculation on the code-editing workload
 #                                                                    # (make-synthetic --copy: a model that copies its prompt;
 #                                                                    # SPEC_ARGS="--batch-invariant": greedy identity on CUDA too)
+#   RUNS="mtp" bash tools/gpu_long_context.sh                        # MTP drafting: synthetic qwen3-next (8 layers, one
+#                                                                    # nextn layer), --spec off vs mtp under --batch-invariant
 #   RUNS="sweep" bash tools/gpu_long_context.sh                      # the decode attention kernels at 32K by KV type
+# The spec and mtp runs end with how many of the four texts are the same with drafts as without.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; RES=/tmp/long-results; mkdir -p "$OUT" "$RES"; T0=$(date +%s)
-MODEL=/tmp/q30.gguf; LONG=/tmp/q30-256k.gguf; COPY=/tmp/q30-copy.gguf
+MODEL=/tmp/q30.gguf; LONG=/tmp/q30-256k.gguf; COPY=/tmp/q30-copy.gguf; NEXT=/tmp/next-mtp.gguf
 step() { echo "[t=$(( $(date +%s) - T0 ))s] $*" | tee -a "$RES/steps.log"; tar -C /tmp -czf "$OUT/long-results.tgz" long-results; }
 wanted() { [[ " ${RUNS:-kv32k} " == *" $1 "* ]]; }
+same_texts() {  # how many requests of two bench-serve JSON reports streamed the same text
+  python3 -c "import json, sys; a, b = (json.load(open(p))['per_request'] for p in sys.argv[1:]); \
+print(f'{sum(x[\"text\"] == y[\"text\"] for x, y in zip(a, b))} of {len(a)} texts the same')" "$1" "$2"
+}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # the carried ninja builds the CPU kernels
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$RES/pip.log" 2>&1 || { tail "$RES/pip.log"; exit 1; }
@@ -63,6 +70,19 @@ if wanted spec; then  # one client, greedy, the committed prompts, on a model th
       --input tools/data/code_edit.jsonl --ignore-eos --no-progress --json "$RES/spec-$mode.json" > "$RES/spec-$mode.log" 2>&1
     step "spec $mode rc=$?"; grep -E "^\|" "$RES/spec-$mode.log" | head -12
   done
+  same_texts "$RES/spec-off.json" "$RES/spec-ngram.json" | tee -a "$RES/steps.log"
+fi
+if wanted mtp; then  # drafting by the file's nextn layer; random weights accept few drafts, the texts must match
+  [ -f $NEXT ] || strata make-synthetic --preset qwen3-next-80b-a3b --layers 8 --mtp-layers 1 --expert-type Q4_K $NEXT \
+    > "$RES/synth-next.log" 2>&1
+  step "mtp model ready"
+  for mode in off mtp; do
+    timeout 150 strata bench serve --model $NEXT --devices cuda:0 --arena pinned --max-context 2048 --parallel 4 \
+      --spec $mode --spec-tokens 2 --clients 1 --requests 4 --batch-invariant --input tools/data/code_edit.jsonl \
+      --ignore-eos --no-progress --json "$RES/mtp-$mode.json" > "$RES/mtp-$mode.log" 2>&1
+    step "mtp $mode rc=$?"; grep -E "^\|" "$RES/mtp-$mode.log" | head -12
+  done
+  same_texts "$RES/mtp-off.json" "$RES/mtp-mtp.json" | tee -a "$RES/steps.log"
 fi
 if wanted sweep; then
   timeout 300 python3 tools/attention_sweep.py --contexts 32768 --sessions 1,8 --kv-types q8_0,int8,fp8,bf16 \
