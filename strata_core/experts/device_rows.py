@@ -139,6 +139,8 @@ class CachedExpertRows:
         self._decode: CachedExpertRows | None = None  # the same device slot's decode rows, whose split it follows
         #: per layer, whether the own cache held it whole and its slots (int64 ``[E]``), as of a table version
         self._whole: dict[int, tuple[object, int, bool, torch.Tensor]] = {}
+        #: per expert format (by id, the format kept beside it), whether the CPU kernels cover it
+        self._kernel_formats: dict[int, tuple[object, bool]] = {}
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
@@ -231,8 +233,13 @@ class CachedExpertRows:
         own = chain.own
         if own is None or own.device.type != "cpu" or chain.peers:
             return False
+        if hidden.device.type != "cpu":
+            return False
         fmt = self.arena.formats[layer]
-        return takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes) and self._held_whole(layer, own)[0]
+        covered = self._kernel_formats.get(id(fmt))
+        if covered is None or covered[0] is not fmt:  # the kernels' cover of a format, asked once
+            covered = self._kernel_formats[id(fmt)] = (fmt, takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes))
+        return covered[1] and self._held_whole(layer, own)[0]
 
     def _held_whole(self, layer: int, own: ExpertCache) -> tuple[bool, torch.Tensor]:
         """Whether ``own`` holds every expert of ``layer``, and the layer's slots (int64 ``[E]``, -1 where not
@@ -558,7 +565,7 @@ def held_slots(slots: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor
     """The slots ``slots[experts]`` (int64 ``[P]``; ``slots``: a layer's int64 slot per expert ``[E]``) of a
     layer's pairs ``experts [P]``, and the pairs' experts read on the host: the slot rows' one host read
     of the layer's routing."""
-    return slots[experts], experts.tolist()
+    return slots.index_select(0, experts), experts.tolist()  # one gather (an index op costs several)
 
 
 def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

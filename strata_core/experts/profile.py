@@ -91,6 +91,7 @@ class UsageCounter:
         self.counts = torch.zeros((n_layers, n_experts), dtype=torch.int64, device=device)  # [L, E]
         self.tokens = 0
         self.first_layer = first_layer  # the first MoE layer: its routings count the tokens
+        self._ones: dict[int, torch.Tensor] = {}  # ``count``'s addends of one, by pair count
 
     def add(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
         """Count the routings ``expert_ids [T, k]`` of ``layer``; returns their counts ``[E]`` on the device
@@ -103,7 +104,10 @@ class UsageCounter:
     def count(self, layer: int, flat: torch.Tensor, n_tokens: int) -> None:
         """Count the routings ``flat [T*k]`` of ``n_tokens`` tokens of ``layer`` in place (``add`` without
         its per-call counts: one op)."""
-        self.row(layer, n_tokens).index_add_(0, flat, torch.ones_like(flat))
+        ones = self._ones.get(flat.numel())
+        if ones is None or ones.device != flat.device or ones.dtype != flat.dtype:
+            ones = self._ones[flat.numel()] = torch.ones_like(flat)  # made once per pair count (read only)
+        self.row(layer, n_tokens).index_add_(0, flat, ones)
 
     def row(self, layer: int, n_tokens: int) -> torch.Tensor:
         """The counts ``[E]`` of ``layer``, for the caller to add the routings of ``n_tokens`` tokens to

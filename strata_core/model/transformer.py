@@ -90,11 +90,17 @@ class MoEModel:
         w = self.weights.at(layer, h.device)
         x = rms_norm(h, w["attn_norm.weight"], self.spec.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
         q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
-        parts = []
-        for kv, a, b, n_ctx in spans:
-            kv.write(layer, positions[a:b], k=k[a:b], v=v[a:b])
-            parts.append(self.attend(layer, q[a:b], positions[a:b], kv, n_ctx, static))  # [b - a, nh*D]
-        out = linear(parts[0] if len(parts) == 1 else torch.cat(parts), w["attn_output.weight"])  # [T, H]
+        if len(spans) == 1 and spans[0][1] == 0 and spans[0][2] == h.shape[0]:  # one session's rows: no slices
+            kv, _, _, n_ctx = spans[0]
+            kv.write(layer, positions, k=k, v=v)
+            attended = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
+        else:
+            parts = []
+            for kv, a, b, n_ctx in spans:
+                kv.write(layer, positions[a:b], k=k[a:b], v=v[a:b])
+                parts.append(self.attend(layer, q[a:b], positions[a:b], kv, n_ctx, static))  # [b - a, nh*D]
+            attended = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = linear(attended, w["attn_output.weight"])  # [T, H]
         return h + (out + w["attn_output.bias"] if "attn_output.bias" in w else out)
 
     def attention_per_span(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
