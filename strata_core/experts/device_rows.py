@@ -139,8 +139,8 @@ class CachedExpertRows:
         self._decode: CachedExpertRows | None = None  # the same device slot's decode rows, whose split it follows
         #: per layer, whether the own cache held it whole and its slots (int64 ``[E]``), as of a table version
         self._whole: dict[int, tuple[object, int, bool, torch.Tensor]] = {}
-        #: per expert format (by id, the format kept beside it), whether the CPU kernels cover it
-        self._kernel_formats: dict[int, tuple[object, bool]] = {}
+        #: per layer, whether the CPU kernels cover its expert formats (fixed for the arena's life)
+        self._kernel_layers: dict[int, bool] = {}
 
     def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor,
                  weights: torch.Tensor, ffn: ExpertFFN = SILU) -> torch.Tensor:
@@ -231,15 +231,13 @@ class CachedExpertRows:
         cache holding every expert of the layer (no miss whatever the routing), no peers, formats the CPU
         kernels cover."""
         own = chain.own
-        if own is None or own.device.type != "cpu" or chain.peers:
+        if own is None or own.device.type != "cpu" or chain.peers or hidden.device.type != "cpu":
             return False
-        if hidden.device.type != "cpu":
-            return False
-        fmt = self.arena.formats[layer]
-        covered = self._kernel_formats.get(id(fmt))
-        if covered is None or covered[0] is not fmt:  # the kernels' cover of a format, asked once
-            covered = self._kernel_formats[id(fmt)] = (fmt, takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes))
-        return covered[1] and self._held_whole(layer, own)[0]
+        covered = self._kernel_layers.get(layer)
+        if covered is None:  # asked once a layer
+            fmt = self.arena.formats[layer]
+            covered = self._kernel_layers[layer] = has_cpu_kernel(fmt.qtypes, fmt.shapes)
+        return covered and self._held_whole(layer, own)[0]
 
     def _held_whole(self, layer: int, own: ExpertCache) -> tuple[bool, torch.Tensor]:
         """Whether ``own`` holds every expert of ``layer``, and the layer's slots (int64 ``[E]``, -1 where not

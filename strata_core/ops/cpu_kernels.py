@@ -83,8 +83,8 @@ log = logging.getLogger(__name__)
 
 #: The block formats with a CPU kernel; the others run the torch reference.
 CPU_KERNEL_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
-#: The block formats with an int8 body (int8 activations; run where the CPU has AVX-512 VNNI)
-CPU_INT8_TYPES = frozenset({T.Q4_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS, T.MXFP4})
+#: The block formats with an int8 body (int8 activations; run where the CPU has AVX-512 VNNI): every one
+CPU_INT8_TYPES = CPU_KERNEL_TYPES
 #: ``strata::cpu_kernel_isa`` of the int8 body
 INT8_ISA = 3
 

@@ -46,14 +46,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [..., in] @ weight.T -> [..., out]`` with batch-invariant rows on the CPU: float32 through
     ``strata::linear_cpu`` where the CPU kernels are loaded (rows invariant by construction, one row
     not padded to a tile), else ``matmul``."""
-    if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and cpu_kernels():
+    kernel = x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and cpu_kernels()
+    if kernel and x.dim() == 2:
         return linear_cpu(x, weight)  # [M, out]: rows as they are, no reshapes
     lead = x.shape[:-1]
     flat = x.reshape(-1, x.shape[-1])  # [M, in]
-    if x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32 and cpu_kernels():
-        out = linear_cpu(flat, weight)  # [M, out]
-    else:
-        out = matmul(flat, weight.T)  # [M, out]
+    out = linear_cpu(flat, weight) if kernel else matmul(flat, weight.T)  # [M, out]
     return out.reshape(*lead, weight.shape[0])
 
 

@@ -367,7 +367,7 @@ class Runner:
             if fused:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
                                                    tables[i])
-            elif len(batch.sessions) == 1:  # one row: the window's tensors as they are (no slices)
+            elif len(batch.sessions) == 1 and not batch.offsets:  # one row: the window's tensors as they are
                 hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, batch.sessions[0].kv,
                                                                     contexts[0], static=static), rows)  # [1, H]
             else:
