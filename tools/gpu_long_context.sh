@@ -4,12 +4,14 @@
 # /work/shared/llamacpp-peer, for llama.cpp's side). Results go to $OUT/long-results.tgz after every step.
 #   RUNS="kv32k" LLAMACPP=.llamacpp bash tools/gpu_long_context.sh   # decode @32K, q8_0 and int8 KV, llama-bench -ctk q8_0
 #   RUNS="long128" bash tools/gpu_long_context.sh                    # prefill 8K and 128K, int8 KV, decode @128K
-#   RUNS="long256" bash tools/gpu_long_context.sh                    # one 256K-token prompt, int8 KV
+#   RUNS="long256" bash tools/gpu_long_context.sh                    # one 256K-token prompt, int8 KV, decode @256K
+#                                                                    # (LONG_PROMPTS=1k: the decode alone)
 #   RUNS="spec" bash tools/gpu_long_context.sh                       # n-gram speculation on the code-editing workload
 #                                                                    # (make-synthetic --copy: a model that copies its prompt;
 #                                                                    # SPEC_ARGS="--batch-invariant": greedy identity on CUDA too)
 #   RUNS="mtp" bash tools/gpu_long_context.sh                        # MTP drafting: synthetic qwen3-next (8 layers, one
-#                                                                    # nextn layer), --spec off vs mtp under --batch-invariant
+#                                                                    # nextn layer), --spec off vs mtp (MTP_ARGS: more flags;
+#                                                                    # --batch-invariant covers no qwen3next layer on CUDA)
 #   RUNS="sweep" bash tools/gpu_long_context.sh                      # the decode attention kernels at 32K by KV type
 # The spec and mtp runs end with how many of the four texts are the same with drafts as without.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -58,7 +60,7 @@ if wanted long128; then
 fi
 if wanted long256; then
   timeout 480 strata bench --model $LONG --devices cuda:0 --arena pinned --expert-cache 6144 --kv-type int8 \
-    --max-context 262144 --prompts 256k --contexts 1k --decode-tokens 16 --repeats 1 > "$RES/bench-256k.log" 2>&1
+    --max-context 262144 --prompts ${LONG_PROMPTS:-256k} --contexts 256k --decode-tokens 16 --repeats 1 > "$RES/bench-256k.log" 2>&1
   step "bench 256k rc=$?"; grep -E "^\| (prefill|decode)" "$RES/bench-256k.log"
 fi
 if wanted spec; then  # one client, greedy, the committed prompts, on a model that copies its prompt (a random one doesn't)
@@ -78,10 +80,11 @@ if wanted mtp; then  # drafting by the file's nextn layer; random weights accept
   step "mtp model ready"
   for mode in off mtp; do
     timeout 150 strata bench serve --model $NEXT --devices cuda:0 --arena pinned --max-context 2048 --parallel 4 \
-      --spec $mode --spec-tokens 2 --clients 1 --requests 4 --batch-invariant --input tools/data/code_edit.jsonl \
+      --spec $mode --spec-tokens 2 --clients 1 --requests 4 ${MTP_ARGS:-} --input tools/data/code_edit.jsonl \
       --ignore-eos --no-progress --json "$RES/mtp-$mode.json" > "$RES/mtp-$mode.log" 2>&1
     step "mtp $mode rc=$?"; grep -E "^\|" "$RES/mtp-$mode.log" | head -12
   done
+  cp /tmp/strata-serve-*.log "$RES/" 2>/dev/null  # the servers' own logs (bench serve names them)
   same_texts "$RES/mtp-off.json" "$RES/mtp-mtp.json" | tee -a "$RES/steps.log"
 fi
 if wanted sweep; then
