@@ -2,7 +2,7 @@
 of sessions, then the torch profiler over one prompt of each ``--profile`` size (kernels by GPU time, host
 operations by CPU time).
 
-    python tools/prompt_cost.py MODEL.gguf [--device cuda:0] [--expert-cache 6144] [--profile 1024,64]
+    python tools/prompt_cost.py MODEL.gguf [--device cuda:0] [--expert-cache 6144] [--profile 1024,64] [--eager]
     py-spy record --format raw -o spy.txt -- python tools/prompt_cost.py MODEL.gguf --passes 60 [--profile 1024]
 
 ``--passes N`` times only N one-after-another passes of the first ``--profile`` size (after three
@@ -35,9 +35,12 @@ def main() -> None:
     parser.add_argument("--profile", default="1024,64", help="prompt sizes to profile once each")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--passes", type=int, default=0, help="only time this many passes of the first --profile size")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (prompt passes and decode windows)")
     args = parser.parse_args()
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
-    engine = Engine.load(args.model, devices=[args.device], arena="pinned", expert_cache=cache, max_context=9000)
+    engine = Engine.load(args.model, devices=[args.device], arena="pinned", expert_cache=cache, max_context=9000,
+                         cuda_graphs=not args.eager)
+    engine.runner.capture_prompts()  # as a server's start does: no capture in a timed pass
     gen = torch.Generator().manual_seed(0)
 
     def sync() -> None:

@@ -239,6 +239,12 @@ class CachedExpertRows:
             covered = self._kernel_layers[layer] = has_cpu_kernel(fmt.qtypes, fmt.shapes)
         return covered and self._held_whole(layer, own)[0]
 
+    def holds_every_expert(self, layer: int) -> bool:
+        """Whether ``layer``'s own cache holds every one of its experts and no peer is in its chain (nothing
+        streams, nothing goes across)."""
+        chain = self.chains.get(layer)
+        return chain is not None and chain.own is not None and not chain.peers and self._held_whole(layer, chain.own)[0]
+
     def _held_whole(self, layer: int, own: ExpertCache) -> tuple[bool, torch.Tensor]:
         """Whether ``own`` holds every expert of ``layer``, and the layer's slots (int64 ``[E]``, -1 where not
         resident): read from the host table once per version of it (a decode token asks every layer)."""
@@ -277,7 +283,7 @@ class CachedExpertRows:
     def _count_routing(self, layer: int, expert_ids: torch.Tensor, chain: Chain) -> torch.Tensor:
         """Add a layer's routing to the usage profile and the hit telemetry (device ops, no host read);
         returns the pairs per expert ``[E]`` on the device."""
-        counted = self.usage.add(layer, expert_ids)  # [E]
+        counted = self.usage.add(layer, expert_ids, self.live_pairs)  # [E]
         if chain.own is not None:
             self.telemetry.add_routing(expert_ids.numel(), (counted * (chain.own.table.mirror[layer] >= 0)).sum())
         else:
@@ -336,8 +342,13 @@ class CachedExpertRows:
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
         flat = expert_ids.reshape(-1)  # [T*k]
         per_expert, counts_read = None, None
-        if flat.numel() >= PREFETCH_PAIRS * n_experts:
+        graphed = self.live_pairs is not None  # a graphed pass: planned, and nothing read on the host
+        if graphed:
+            per_expert = [1] * n_experts  # every expert taken as routed: what the planned groups compute
+            counted = torch.zeros_like(counted).index_add_(0, flat, torch.ones_like(flat))  # the padding's pairs too
+        elif flat.numel() >= PREFETCH_PAIRS * n_experts:
             counts_read = PendingRead(counted)  # read after the enqueues, waiting for the routing only
+        if graphed or counts_read is not None:
             plan = self.planner.plan(layer, chain, self.group_experts)
             holder, owners, rank, plans = plan.holder, plan.owners, plan.rank, plan.plans
         else:
@@ -361,7 +372,7 @@ class CachedExpertRows:
             grouped_rows(layer, fmt, hidden, k, order, bounds[:firsts[1] + 1], plans[0], chain.own, self._staging(),
                          out, ffn)
         self._prefetch(layer + 1, order.numel(), hidden.shape[0])
-        per_expert = counts_read.tolist() if per_expert is None else per_expert  # a planned layer's one host read
+        per_expert = per_expert if counts_read is None else counts_read.tolist()  # a planned layer's one host read
         ends = [0]
         for e in (e for experts in owners for e in experts):
             ends.append(ends[-1] + per_expert[e])

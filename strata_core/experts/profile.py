@@ -93,11 +93,13 @@ class UsageCounter:
         self.first_layer = first_layer  # the first MoE layer: its routings count the tokens
         self._ones: dict[int, torch.Tensor] = {}  # ``count``'s addends of one, by pair count
 
-    def add(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
-        """Count the routings ``expert_ids [T, k]`` of ``layer``; returns their counts ``[E]`` on the device
-        (no host read; a CUDA ``bincount`` would read three times)."""
+    def add(self, layer: int, expert_ids: torch.Tensor, live: torch.Tensor | None = None) -> torch.Tensor:
+        """Count the routings ``expert_ids [T, k]`` of ``layer`` (only the first ``live`` pairs where given: int64
+        ``[1]`` on the device, the rest pad a graphed pass); returns their counts ``[E]`` on the device (no host
+        read; a CUDA ``bincount`` would read three times)."""
         flat = expert_ids.reshape(-1)  # [T*k]
-        counted = self.counts.new_zeros(self.counts.shape[1]).index_add_(0, flat, torch.ones_like(flat))  # [E]
+        ones = torch.ones_like(flat) if live is None else (torch.arange(flat.numel(), device=flat.device) < live).long()
+        counted = self.counts.new_zeros(self.counts.shape[1]).index_add_(0, flat, ones.to(self.counts.dtype))  # [E]
         self.row(layer, expert_ids.shape[0]).add_(counted)
         return counted
 

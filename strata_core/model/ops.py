@@ -11,7 +11,7 @@ from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels, rms_norm_cpu
 from strata_core.ops.dense import norm_rope_cuda, rms_norm_cuda
 from strata_core.ops.matmul import matmul
 
-__all__ = ["apply_rope", "masked_attention", "norm_rope", "rms_norm", "rope_cos_sin",
+__all__ = ["apply_rope", "masked_attention", "norm_rope", "packed_causal_attention", "rms_norm", "rope_cos_sin",
            "sdpa_attention"]
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True) -> torch.Tensor:
@@ -251,3 +251,30 @@ def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, po
     else:
         out = F.scaled_dot_product_attention(qh, k, v, attn_mask=causal_lower_right(T, S), scale=D ** -0.5, **gqa)
     return out[0].transpose(0, 1).reshape(T, nh * D)  # [T, nh*D]
+
+
+def packed_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            max_len: int) -> torch.Tensor:
+    """Causal GQA attention of sequences packed end to end, each over its own rows only: ``[T, nh*D]``.
+
+    :param q: ``[T, nh, D]`` queries (RoPE applied); ``k``, ``v``: ``[T, nkv, D]`` the same rows' keys and values
+    :param cu_seqlens: int32 ``[S + 1]`` on the device: sequence s is rows ``[cu[s], cu[s + 1])`` (a
+        sequence may be empty; ``cu[-1] == T``); read on the device only, so a CUDA graph can replay it
+    :param max_len: an upper bound of every sequence's length (host int)
+
+    On CUDA one varlen FlashAttention launch (``aten::_flash_attention_forward``); elsewhere SDPA with a
+    block-diagonal causal mask made on the device (``T x T``: the reference, for small T).
+    """
+    T, nh, D = q.shape
+    if q.device.type == "cuda":
+        out = torch.ops.aten._flash_attention_forward(q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens,
+                                                      cu_seqlens, max_len, max_len, 0.0, True, False,
+                                                      scale=D ** -0.5)[0]  # [T, nh, D]
+        return out.reshape(T, nh * D)
+    rows = torch.arange(T, device=q.device)
+    seq = torch.searchsorted(cu_seqlens[1:].long(), rows, right=True)  # [T]: each row's sequence
+    mask = (seq[:, None] == seq[None, :]) & (rows[None, :] <= rows[:, None])  # [T, T]
+    gqa = {"enable_gqa": True} if nh != k.shape[1] else {}
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=D ** -0.5, **gqa)  # [1, nh, T, D]
+    return out[0].transpose(0, 1).reshape(T, nh * D)

@@ -15,8 +15,9 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
+from strata_core.model.packed import PackedKV
 from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, masked_attention, norm_rope,
-                                   plain_inv_freq, rms_norm, rope_cos_sin, sdpa_attention)
+                                   packed_causal_attention, plain_inv_freq, rms_norm, rope_cos_sin, sdpa_attention)
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels, linear_cpu, norm_rope_cpu, route_cpu
@@ -100,6 +101,31 @@ class MoEModel:
                 kv.write(layer, positions[a:b], k=k[a:b], v=v[a:b])
                 parts.append(self.attend(layer, q[a:b], positions[a:b], kv, n_ctx, static))  # [b - a, nh*D]
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return self._attention_out(layer, h, attended)
+
+    def attention_packed(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                         packed: PackedKV) -> torch.Tensor:
+        """``attention_spans`` of sessions that start at position 0, packed end to end in ``h [T, H]``: every
+        row's K/V written where ``packed`` says, then one causal attention of each session over its own rows
+        (``packed_causal_attention``): a fixed sequence of device ops, what a CUDA graph of a prompt pass
+        replays. Only for the plain attention of this class (``packs_prompts``)."""
+        x = rms_norm(h, self.weights.at(layer, h.device)["attn_norm.weight"], self.spec.rms_norm_eps,
+                     self.kernels.fused_norms)  # [T, H]
+        q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
+        packed.write(layer, k, v)
+        return self._attention_out(layer, h, packed_causal_attention(q, k, v, packed.cu_seqlens, packed.max_len))
+
+    @property
+    def packs_prompts(self) -> bool:
+        """Whether ``attention_packed`` computes this model's prompt attention: its attention is this class's
+        (no model-specific attention, no heads split with a peer)."""
+        cls = type(self)
+        return (all(getattr(cls, name) is getattr(MoEModel, name) for name in ("attention_spans", "attend", "qkv"))
+                and not self.head_splits)
+
+    def _attention_out(self, layer: int, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """``h`` plus the output projection (and its bias) of the heads' outputs ``attended [T, nh*D]``."""
+        w = self.weights.at(layer, h.device)
         out = linear(attended, w["attn_output.weight"])  # [T, H]
         return h + (out + w["attn_output.bias"] if "attn_output.bias" in w else out)
 

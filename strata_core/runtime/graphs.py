@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from strata_core.plugin.placement import Segment
     from strata_core.runtime.session import DecodeBatch, Session
 
-__all__ = ["BUCKETS", "Body", "DecodeGraphs", "bucket"]
+__all__ = ["BUCKETS", "Body", "DecodeGraphs", "account", "bucket", "capture_graph"]
 
 log = logging.getLogger(__name__)
 
@@ -184,16 +184,8 @@ class DecodeGraphs:
         for name, value in inputs.items():
             entry.inputs[name].copy_(_staged(value), non_blocking=True)
         entry.graph.replay()
-        self._account(entry, len(batch) if live is None else live, len(batch))
+        account(self.experts, entry, len(batch) if live is None else live, len(batch))
         return entry.out.clone()
-
-    def _account(self, entry: _Graph, live: int, rows: int) -> None:
-        """Fold one replay's counters into the telemetry (device adds, no host read); the host counters,
-        measured for the graph's ``rows``, for its ``live`` rows."""
-        telemetry = self.experts.telemetry
-        for (names, _), counts in entry.sink.items():
-            telemetry.add_counts(names, counts.clone())
-        _add_host(self.experts, {name: value * live // rows for name, value in entry.host_delta.items()})
 
     # --- capture ---------------------------------------------------------------------------------
 
@@ -207,47 +199,69 @@ class DecodeGraphs:
 
     def _capture(self, segment: Segment, batch: DecodeBatch, inputs: dict[str, torch.Tensor], body: Body,
                  step: bool) -> _Graph:
-        experts, layers = self.experts, segment.layers
         device = torch.device("cuda", torch.cuda.current_device())
-        static = {}
-        for name, value in inputs.items():
-            static[name] = torch.empty_like(value, device=device)
-            static[name].copy_(_staged(value), non_blocking=True)
-        for cache in experts.caches.values():  # swaps still landing: wait now, not inside the capture
-            for layer in layers:
-                cache.wait_layer(layer, device)
-        usages = experts.usages()
-        host_before = _read_host(experts)
-        counts_before = [u.counts.clone() for u in usages]
-        sink: dict = {}
-        try:
-            warm = (len(batch), segment.device, layers.start, layers.stop, step)
-            if warm not in self._warm:
-                # a recurrent state (Gated DeltaNet) would advance once per warm-up window: kept aside
-                states = [t for s in batch.sessions for i in layers for t in s.kv.recurrent(i).values()]
-                kept = [t.clone() for t in states]
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with experts.telemetry.capturing({}), torch.cuda.stream(side):
-                    for _ in range(self.warmup):
-                        body(static)
-                torch.cuda.current_stream(device).wait_stream(side)
-                for state, copy in zip(states, kept):
-                    state.copy_(copy)
-                for usage, counts in zip(usages, counts_before):
-                    usage.counts.copy_(counts)  # the warm-up's routings are not usage
-                self._warm.add(warm)
-            host_mid = _read_host(experts)
-            graph = torch.cuda.CUDAGraph()
-            with experts.telemetry.capturing(sink), torch.cuda.graph(graph, stream=self._capture_stream(device)):
-                out = body(static)
-            delta = {k: v - host_mid[k] for k, v in _read_host(experts).items()}
-        finally:
-            _write_host(experts, host_before)
+        layers = segment.layers
+        warm = (len(batch), segment.device, layers.start, layers.stop, step)
+        # a recurrent state (Gated DeltaNet) would advance once per warm-up window: kept aside
+        states = [t for s in batch.sessions for i in layers for t in s.kv.recurrent(i).values()]
+        entry = capture_graph(self.experts, layers, body, inputs, self.warmup if warm not in self._warm else 0,
+                              self._capture_stream(device), states)
+        self._warm.add(warm)
         log.info("cuda graphs: captured a decode %s of %d session(s) over slot %d layers %d..%d",
                  "step (embedding to logits)" if step else "window", len(batch), segment.device,
                  layers.start, layers.stop - 1)
-        return _Graph(graph, static, out, sink, delta)
+        return entry
+
+
+def capture_graph(experts: ExpertBackend, layers: range, body: Body, inputs: dict[str, torch.Tensor], warmup: int,
+                  stream: torch.cuda.Stream, states: Sequence[torch.Tensor] = (), pool: Any = None) -> _Graph:
+    """Capture ``body`` over static copies of ``inputs`` on the current CUDA device (on ``stream``, into the
+    memory pool ``pool`` where given), after ``warmup`` eager runs of it on a side stream (lazy initialisation,
+    Triton compilation) whose effects on the usage counts and on ``states`` (tensors they would advance) are
+    put back. The telemetry's device counters of one replay go to the graph's sink, its host counters' change
+    to ``host_delta`` (both folded in per replay: ``account``)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    static = {}
+    for name, value in inputs.items():
+        static[name] = torch.empty_like(value, device=device)
+        static[name].copy_(_staged(value), non_blocking=True)
+    for cache in experts.caches.values():  # swaps still landing: wait now, not inside the capture
+        for layer in layers:
+            cache.wait_layer(layer, device)
+    usages = experts.usages()
+    host_before = _read_host(experts)
+    counts_before = [u.counts.clone() for u in usages]
+    sink: dict = {}
+    try:
+        if warmup:
+            kept = [t.clone() for t in states]
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with experts.telemetry.capturing({}), torch.cuda.stream(side):
+                for _ in range(warmup):
+                    body(static)
+            torch.cuda.current_stream(device).wait_stream(side)
+            for state, copy in zip(states, kept):
+                state.copy_(copy)
+            for usage, counts in zip(usages, counts_before):
+                usage.counts.copy_(counts)  # the warm-up's routings are not usage
+        host_mid = _read_host(experts)
+        graph = torch.cuda.CUDAGraph()
+        with experts.telemetry.capturing(sink), torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = body(static)
+        delta = {k: v - host_mid[k] for k, v in _read_host(experts).items()}
+    finally:
+        _write_host(experts, host_before)
+    return _Graph(graph, static, out, sink, delta)
+
+
+def account(experts: ExpertBackend, entry: _Graph, live: int, rows: int) -> None:
+    """Fold one replay of ``entry``'s counters into the telemetry (device adds, no host read); the host
+    counters, measured for the graph's ``rows`` rows, for its ``live`` rows."""
+    telemetry = experts.telemetry
+    for (names, _), counts in entry.sink.items():
+        telemetry.add_counts(names, counts.clone())
+    _add_host(experts, {name: value * live // rows for name, value in entry.host_delta.items()})
 
 
 # --- host-side counters a window bumps (measured at capture, added per replay) ---------------------

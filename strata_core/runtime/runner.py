@@ -39,11 +39,15 @@ from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
 from strata_core.runtime.invariance import check_batch_invariant, moe_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
+from strata_core.runtime.prompt_graphs import PROMPT_BUCKETS, PromptGraphs
 from strata_core.runtime.session import UNSET, DecodeBatch, LogitsWanted, PromptBatch, Session
 
 __all__ = ["HiddenSink", "Runner"]
 
 log = logging.getLogger(__name__)
+
+#: the fewest sessions a captured prompt pass packs (more with ``--parallel``)
+PROMPT_SESSIONS = 16
 
 #: receives a session's rows of the last layer's output (before the output norm) after a prompt pass or a
 #: decode window: ``(session, position of the first row, hidden [n, H])``
@@ -80,6 +84,7 @@ class Runner:
         self._observers: list[LayerObserver] = []
         self._stage_times: list[StageTime] | None = None
         self._graphs: DecodeGraphs | None = None
+        self._prompt_graphs: PromptGraphs | None = None
         self._said: set[str] = set()
         self._fused: dict[torch.device, bool] = {}
         self._padding = BatchPadding(padding_session, model.spec.n_experts_used)
@@ -323,7 +328,12 @@ class Runner:
 
     def run_prompt(self, batch: PromptBatch, logits: LogitsWanted) -> torch.Tensor:
         """One prompt batch through the prompt placement's segments; the head only where asked
-        (``last``: each chunk's last position)."""
+        (``last``: each chunk's last position). A pass of new sessions replays a CUDA graph where prompt
+        graphs apply (runtime/prompt_graphs.py)."""
+        if logits == "last":
+            out = self._replay_prompt(batch)
+            if out is not None:
+                return out
         segments = self._segments["prompt"]
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [T, H]
         hidden = self._through("prompt", segments, hidden, batch)
@@ -336,6 +346,65 @@ class Runner:
         if self.hidden_sink is not None:  # every row, not only those of the logits
             self._pass_hidden = hidden
         return out
+
+    def _replay_prompt(self, batch: PromptBatch) -> torch.Tensor | None:
+        """The last rows' logits of ``batch`` by a replayed prompt graph, or None where none applies."""
+        graphs = self.prompt_graphs
+        if graphs is None or self._observers or self.hidden_sink is not None or self._stage_times is not None:
+            return None
+        if graphs.why_not(batch) is not None:
+            return None
+        try:
+            with device_scope(graphs.device):
+                return graphs.run(batch)
+        except Exception:  # noqa: BLE001 - a failed capture leaves prompt passes eager, said once
+            log.warning("cuda graphs: prompt passes run eagerly from now on: %s", graphs.failed)
+            return None
+
+    @property
+    def prompt_graphs(self) -> PromptGraphs | None:
+        """The CUDA graphs of prompt passes, where they apply (``why_no_prompt_graphs``; the reason they
+        do not is logged once)."""
+        if self._prompt_graphs is None:
+            reason = self.why_no_prompt_graphs()
+            if reason is not None:
+                if reason not in self._said:
+                    self._said.add(reason)
+                    log.info("cuda graphs: prompt passes run eagerly: %s", reason)
+                return None
+            segment = self._segments["prompt"][0]
+            self._prompt_graphs = PromptGraphs(self.model, segment.layers, self.experts, segment.device,
+                                               self.device_of(segment), self._padding,
+                                               max(self.settings.parallel, PROMPT_SESSIONS),
+                                               min(self.settings.prefill_chunk, PROMPT_BUCKETS[-1]))
+        return self._prompt_graphs
+
+    def why_no_prompt_graphs(self) -> str | None:
+        """Why prompt passes cannot replay CUDA graphs on this engine, or None when they can."""
+        segments = self._segments["prompt"]
+        if not self.settings.cuda_graphs:
+            return "--cuda-graphs is off"
+        if self.model.kernels.batch_invariant:
+            return "--batch-invariant fixes the prompt path's launches"
+        if len(segments) != 1 or segments[0].device != self.placement.main:
+            return "the prompt placement has several segments, or not on the main device"
+        slot = segments[0].device
+        device = self.device_of(segments[0])
+        if device.type != "cuda" or (self._remote is not None and self._remote.remote(segments[0])):
+            return f"the prompt runs on {self.devices[slot]}, not a local CUDA device"
+        if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(device) < (9, 0):
+            return "the grouped prefill reads its counts on the host below compute capability 9.0"
+        dtype = self.model.weights.globals["token_embd.weight"].dtype
+        if not self.model.packs_prompts or dtype not in (torch.bfloat16, torch.float16):
+            return "the model's prompt attention is not the plain packed one in bf16 / fp16"
+        if self._padding.session.kv.kv_format is not None:
+            return "a quantized KV cache"
+        rows = self.experts.rows_for(slot, "prompt")
+        if not rows.grouped or not all(rows.holds_every_expert(layer) for layer in segments[0].layers):
+            return f"the expert cache of {self.devices[slot]} does not hold every expert of every layer"
+        if any(self._padding.session.kv.home[layer] != slot for layer in segments[0].layers):
+            return "the decode placement keeps a layer on another device slot"
+        return None
 
     # --- the decode loop ---------------------------------------------------------------------------
 
@@ -439,6 +508,17 @@ class Runner:
             torch.cuda.synchronize(self.main.device)
         log.info("cuda graphs: decode windows of %s session(s) captured in %.2f s (%d graphs)",
                  ", ".join(str(len(w)) for w in windows), time.perf_counter() - start, len(self.graphs))
+
+    def capture_prompts(self) -> None:
+        """Capture the prompt passes of every token bucket now, where prompt graphs apply."""
+        graphs = self.prompt_graphs
+        if graphs is None:
+            return
+        try:
+            with device_scope(graphs.device), self._masked("prompt"):
+                graphs.capture_all()
+        except Exception:  # noqa: BLE001 - a failed capture leaves prompt passes eager, said once
+            log.warning("cuda graphs: prompt passes run eagerly: %s", graphs.failed)
 
     def run_decode(self, batch: DecodeBatch) -> torch.Tensor:
         """One decode window through the decode placement's segments, then the head; with one segment
