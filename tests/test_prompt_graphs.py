@@ -115,10 +115,14 @@ def test_replayed_prompt_passes_equal_eager_ones_without_a_host_sync(tiny_model_
         engine = _cuda_engine(path, graphs)
         engine.capture_decode_graphs(2)
         sessions = [engine.new_session() for _ in prompts]
+        extra = engine.new_session()  # the same prompt once more, alone: what the other engine counts too
+        extra.kv.reserve(len(prompts[0]))
         if graphs:
             assert engine.runner.prompt_graphs is not None and len(engine.runner.prompt_graphs._graphs) > 0
             with no_host_sync():
-                engine.runner.prompt_graphs.run(PromptBatch.of([(engine.new_session(), torch.tensor(prompts[0]))]))
+                engine.runner.prompt_graphs.run(PromptBatch.of([(extra, torch.tensor(prompts[0]))]))
+        else:
+            engine.prefill(extra, prompts[0])
         first = engine.prefill(sessions[0], prompts[0])
         rest = engine.prefill_batch([(sessions[1], prompts[1]), (sessions[2], prompts[2])])
         more = engine.prefill(sessions[0], list(range(100, 110)))  # continues a session: eager
