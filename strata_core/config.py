@@ -136,7 +136,8 @@ class StrataSettings(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="capture decode windows as CUDA graphs (the whole step where one device runs it, else "
         "one per device slot and layer range) where they apply: CUDA, --arena pinned, --pcie-frac 1 (or auto "
-        "resolved to 1), no --adapt-swaps; else eager, said once in the log"
+        "resolved to 1), no --adapt-swaps; and prompt passes of new sessions, per token bucket up to 4096, where "
+        "one device holds every expert (bf16/fp16, float KV, compute capability 9.0+); else eager, said once in the log"
     )
     batch_invariant: bool = Field(
         False, description="greedy output identical whatever the batch a request decodes in (alone or beside "
