@@ -2,6 +2,7 @@
 # The whole test suite on the GPU machine in one call, its failures listed by name (pytest -rfE). From the
 # repo root there, with the wheels of .whl carried (the device README's notes say how to fetch them):
 #   bash tools/gpu_suite.sh                 # $OUT/suite.log; WORKERS=8, SUITE_TIMEOUT=530 by default
+#   PYTEST_ARGS="-k cuda tests plugins" bash tools/gpu_suite.sh   # a part of it
 # With MODEL=PATH it also writes the synthetic Qwen3-30B-A3B there in the background, for a bench after it.
 # Each worker's torch gets two CPU threads (WORKERS x torch's default of every core oversubscribes the host).
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
@@ -16,7 +17,8 @@ if [ -n "${MODEL:-}" ] && [ ! -f "$MODEL" ]; then
    && mv "$MODEL.tmp" "$MODEL") &
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -v -rfE -n "${WORKERS:-8}" -p no:benchmark > "$OUT/suite.log" 2>&1
+# shellcheck disable=SC2086
+timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -v -rfE -n "${WORKERS:-8}" -p no:benchmark ${PYTEST_ARGS:-} > "$OUT/suite.log" 2>&1
 status=$?
 grep -E "^(FAILED|ERROR) [A-Za-z0-9_/.-]+\.py" "$OUT/suite.log" | sort -u | head -60   # by name, also after a timeout
 tail -3 "$OUT/suite.log"
