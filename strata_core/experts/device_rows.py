@@ -126,8 +126,9 @@ class CachedExpertRows:
         self.name = name or str(self.device)
         self.cpu_pool = cpu_pool
         self.decoding = False  # set by the backend inside a decode window
-        #: int64 ``[1]`` on the device: how many leading pairs of a decode window are real (the runner sets it
-        #: around a window padded to its graph's batch size); the padded pairs are computed, not counted
+        #: int64 ``[1]`` on the device: how many leading pairs of a decode window or prompt pass are real (the
+        #: runner sets it around one padded to its graph's bucket); the padded pairs are computed, not counted,
+        #: and a prompt pass plans every layer from the residency, reading nothing on the host
         self.live_pairs: torch.Tensor | None = None
         self.gather = False  # decode windows take the decode gather (set by the backend)
         self.grouped = self.device.type == "cuda"  # prefill chunks take the grouped prefill
@@ -337,7 +338,8 @@ class CachedExpertRows:
         prefetch are enqueued (only the peers' rows coming back wait for it), from a copy made as the
         routing was counted (``PendingRead``): it waits for the routing, not for the groups, so the host
         stays ahead of the device. A smaller chunk reads it first and leaves out the experts no pair routes
-        to."""
+        to. A graphed pass (``live_pairs`` set) is planned whatever its size and reads nothing: its telemetry
+        counts every expert as routed, as its planned groups compute them all."""
         counted = self._count_routing(layer, expert_ids, chain)  # [E]
         fmt, k, n_experts = self.arena.formats[layer], expert_ids.shape[1], self.arena.n_experts
         flat = expert_ids.reshape(-1)  # [T*k]
