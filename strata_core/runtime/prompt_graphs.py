@@ -79,6 +79,9 @@ class PromptGraphs:
             return f"{len(batch)} sessions are more than {self.max_sessions}"
         if any(s.n_tokens for s in batch.sessions):
             return "a session continues from cached positions"
+        rows = self.experts.rows_for(self.slot, "prompt")
+        if not all(rows.holds_every_expert(layer) for layer in self.layers):  # read once per residency change
+            return "the expert cache no longer holds every expert"
         if any(s.kv.home[layer] != self.slot for s in batch.sessions for layer in self.layers):
             return "a session keeps a layer on another device slot"
         return None
