@@ -79,7 +79,7 @@ if wanted mtp; then  # drafting by the file's nextn layer; random weights accept
     > "$RES/synth-next.log" 2>&1
   step "mtp model ready"
   for mode in off mtp; do
-    timeout 150 strata bench serve --model $NEXT --devices cuda:0 --arena pinned --max-context 2048 --parallel 4 \
+    timeout 300 strata bench serve --model $NEXT --devices cuda:0 --arena pinned --max-context 2048 --parallel 4 \
       --spec $mode --spec-tokens 2 --clients 1 --requests 4 ${MTP_ARGS:-} --input tools/data/code_edit.jsonl \
       --ignore-eos --no-progress --json "$RES/mtp-$mode.json" > "$RES/mtp-$mode.log" 2>&1
     step "mtp $mode rc=$?"; grep -E "^\|" "$RES/mtp-$mode.log" | head -12
