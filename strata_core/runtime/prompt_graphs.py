@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -88,26 +89,29 @@ class PromptGraphs:
 
     def run(self, batch: PromptBatch) -> torch.Tensor:
         """Float32 logits ``[len(batch), vocab]`` of each session's last row, by the replayed graph of the pass's
-        bucket (captured first where needed); ``why_not(batch)`` must be None. Raises what a capture raised."""
-        self._check_residency()
-        size = prompt_bucket(len(batch.tokens), self.buckets[-1])
-        entry = self._graphs.get(size)
-        if entry is None:
-            entry = self._capture(size)
-        for name, value in self._inputs(batch, size).items():
-            entry.inputs[name].copy_(_staged(value), non_blocking=True)
-        entry.graph.replay()
+        bucket (captured first where needed); ``why_not(batch)`` must be None. What fails is raised, and leaves
+        prompt passes eager for good (``failed``)."""
+        with self._failing():
+            self._check_residency()
+            size = prompt_bucket(len(batch.tokens), self.buckets[-1])
+            entry = self._graphs.get(size)
+            if entry is None:
+                entry = self._capture(size)
+            for name, value in self._inputs(batch, size).items():
+                entry.inputs[name].copy_(_staged(value), non_blocking=True)
+            entry.graph.replay()
         account(self.experts, entry, len(batch.tokens), size)
         return entry.out[:len(batch)].clone()
 
     def capture_all(self) -> None:
         """Capture every bucket now, largest first (a server's start: no capture while it serves); logs the time."""
         start = time.perf_counter()
-        self._check_residency()
-        for size in sorted(self.buckets, reverse=True):
-            if size not in self._graphs:
-                self._capture(size)
-        torch.cuda.synchronize(self.device)
+        with self._failing():
+            self._check_residency()
+            for size in sorted(self.buckets, reverse=True):
+                if size not in self._graphs:
+                    self._capture(size)
+            torch.cuda.synchronize(self.device)
         log.info("cuda graphs: prompt passes of %s tokens captured in %.2f s", ", ".join(map(str, self.buckets)),
                  time.perf_counter() - start)
 
@@ -157,16 +161,21 @@ class PromptGraphs:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         start = time.perf_counter()
-        try:
-            entry = capture_graph(self.experts, self.layers, self._body(size), self._empty_inputs(size), 2,
-                                  self._stream, pool=self._pool)
-        except Exception as exc:
-            self.failed = f"capture failed ({type(exc).__name__}: {exc})"
-            self._graphs.clear()
-            raise
+        entry = capture_graph(self.experts, self.layers, self._body(size), self._empty_inputs(size), 2, self._stream,
+                              pool=self._pool)
         self._graphs[size] = entry
         log.debug("cuda graphs: captured a prompt pass of %d tokens in %.2f s", size, time.perf_counter() - start)
         return entry
+
+    @contextmanager
+    def _failing(self) -> Iterator[None]:
+        """What the block raises marks the graphs failed (prompt passes run eagerly from then on) and drops them."""
+        try:
+            yield
+        except Exception as exc:
+            self.failed = f"a prompt graph failed ({type(exc).__name__}: {exc})"
+            self._graphs.clear()
+            raise
 
     def _check_residency(self) -> None:
         """Drop the graphs when a cache's residency changed since they were captured (they read its slots)."""
