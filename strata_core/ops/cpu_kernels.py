@@ -55,6 +55,10 @@ RoPE, the router's softmax / top-k / renormalisation, the weighted sum of the ex
 residual), each one call where the torch formulas take several, each row's arithmetic fixed by its own
 values: the forward's CPU path calls them wherever it would call those formulas (model/ops.py,
 model/transformer.py, ops/combine.py), so every CPU path of a forward gives the same bits.
+``strata::add_rms_norm_cpu`` (a residual add and the next norm) and ``strata::qkv_rope_cpu`` (the q/k
+norm and RoPE of a q/k/v product's rows with the K/V rows written into the cache's pools) join a few
+of them into one call, each output the bits of the ops it joins: fewer calls between the layer's large
+kernels, where each small call runs on caches those kernels have just emptied.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
@@ -74,10 +78,10 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "INT8_ISA", "ISA_NAMES", "STALE_LOCK_S", "attention_cpu",
-           "clear_stale_lock", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
-           "int8_activations", "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu",
-           "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
+__all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "INT8_ISA", "ISA_NAMES", "STALE_LOCK_S", "add_rms_norm_cpu",
+           "attention_cpu", "clear_stale_lock", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "int8_activations", "linear_cpu", "norm_rope_cpu", "qkv_rope_cpu", "qlinear_grouped", "qlinear_slots",
+           "rms_norm_cpu", "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +166,8 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::norm_rope_cpu")(_norm_rope_fake)
     torch.library.register_fake("strata::route_cpu")(_route_fake)
     torch.library.register_fake("strata::combine_cpu")(_combine_fake)
+    torch.library.register_fake("strata::add_rms_norm_cpu")(_add_rms_norm_fake)
+    torch.library.register_fake("strata::qkv_rope_cpu")(_qkv_rope_fake)
     log.info("CPU expert kernels: %s, %d threads", ISA_NAMES[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
@@ -263,6 +269,24 @@ def norm_rope_cpu(x: Tensor, weight: Tensor | None, eps: float, positions: Tenso
     angles ``position * inv_freq [D / 2]`` (tables times ``mscale``): model/ops.py's ``rms_norm``,
     ``rope_cos_sin`` and ``apply_rope`` in one call. Needs :func:`cpu_kernels`."""
     return torch.ops.strata.norm_rope_cpu(x, weight, eps, positions.to(torch.long), inv_freq, mscale)
+
+
+def qkv_rope_cpu(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, positions: Tensor,
+                 inv_freq: Tensor, mscale: float, n_heads: int, n_kv_heads: int, keys: Tensor, values: Tensor,
+                 row_ids: Tensor) -> Tensor:
+    """Queries ``[T, nh, D]`` float32 of a q/k/v product's rows ``qkv [T, (nh + 2 nkv) D]`` (a view whose last
+    dim is contiguous is read in place): its q heads as ``norm_rope_cpu`` gives them; its k heads the same way
+    (``k_weight``) and its v heads as they are written into row ``row_ids[positions[t]]`` of the pools ``keys``
+    / ``values`` (contiguous float32 rows ``[..., nkv, D]``, written in place). Needs :func:`cpu_kernels`; a
+    position or row outside the tables is an error before anything is written."""
+    return torch.ops.strata.qkv_rope_cpu(qkv, q_weight, k_weight, eps, positions.to(torch.long), inv_freq, mscale,
+                                         n_heads, n_kv_heads, keys, values, row_ids)
+
+
+def add_rms_norm_cpu(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(h + delta, rms_norm_cpu(h + delta, weight, eps))`` of float32 ``[T, H]`` rows in one call: a residual
+    add and the norm after it, the bits of the two. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.add_rms_norm_cpu(h, delta, weight, eps)
 
 
 def route_cpu(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float) -> tuple[Tensor, Tensor]:
@@ -385,6 +409,17 @@ def _route_fake(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float
 
 def _combine_fake(rows: Tensor, weights: Tensor, residual: Tensor | None) -> Tensor:
     return rows.new_empty((rows.shape[0], rows.shape[2]))
+
+
+def _add_rms_norm_fake(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return (torch.empty_like(h, memory_format=torch.contiguous_format),
+            torch.empty_like(h, memory_format=torch.contiguous_format))
+
+
+def _qkv_rope_fake(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, positions: Tensor,
+                   inv_freq: Tensor, mscale: float, n_heads: int, n_kv_heads: int, keys: Tensor, values: Tensor,
+                   row_ids: Tensor) -> Tensor:
+    return qkv.new_empty((qkv.shape[0], n_heads, qkv.shape[1] // (n_heads + 2 * n_kv_heads)))
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:
