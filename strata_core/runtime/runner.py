@@ -368,8 +368,15 @@ class Runner:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
                                                    tables[i])
             elif len(batch.sessions) == 1 and not batch.offsets:  # one row: the window's tensors as they are
-                hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, batch.sessions[0].kv,
-                                                                    contexts[0], static=static), rows)  # [1, H]
+                kv = batch.sessions[0].kv
+                if self.model.takes_cpu_layer(layer, hidden, kv):  # the residual add rides in the next norm
+                    hidden, delta = self.model.cpu_layer(layer, hidden, delta, positions, kv, contexts[0], rows,
+                                                         static)  # [1, H] each
+                else:
+                    if delta is not None:
+                        hidden, delta = hidden + delta, None
+                    hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, kv, contexts[0],
+                                                                        static=static), rows)  # [1, H]
             else:
                 parts = []
                 for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
