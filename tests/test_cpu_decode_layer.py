@@ -1,5 +1,6 @@
-"""The CPU's joined layer ops in the forward (``MoEModel.cpu_layer``, ``qkv_write``) against the ops they join:
-one session's decode rows and a prompt give the same bits, and the cache the same rows, either way."""
+"""The CPU's joined layer ops in the forward (``MoEModel.cpu_layer``, ``qkv_write``, the routed experts in one call)
+against the ops they join: one session's decode rows and a prompt give the same bits, and the cache the same rows,
+either way."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from strata_core.engine import Engine
+from strata_core.experts.device_rows import CachedExpertRows
 from strata_core.model.rope import RopeScaling
 from strata_core.ops.cpu_kernels import cpu_kernels
 
@@ -18,9 +20,26 @@ PROMPT = list(range(5, 30))
 
 
 def _unjoined(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make ``engine``'s forward take the separate ops: the add, the norm, the q/k norm and RoPE, ``kv.write``."""
+    """Make ``engine``'s forward take the separate ops: the add, the norm, the q/k norm and RoPE, ``kv.write``,
+    the router, the routing, the expert rows and their combination."""
     monkeypatch.setattr(engine.model, "takes_cpu_layer", lambda *args: False)
     monkeypatch.setattr(engine.model, "_cpu_kv", lambda *args: False)
+    monkeypatch.setattr(engine.model, "_cpu_routed", lambda *args: None)
+
+
+def _count_routed(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layers whose routed experts took one call (``CachedExpertRows.routed_cpu``), as they run."""
+    layers: list[int] = []
+    routed_cpu = CachedExpertRows.routed_cpu
+
+    def counted(self, layer, *args):
+        out = routed_cpu(self, layer, *args)
+        if out is not None:
+            layers.append(layer)
+        return out
+
+    monkeypatch.setattr(CachedExpertRows, "routed_cpu", counted)
+    return layers
 
 
 def _engine(tiny_model_factory, architecture: str, scaling: RopeScaling | None) -> Engine:
@@ -52,7 +71,9 @@ def test_joined_layer_ops_give_the_bits_of_the_separate_ones(tiny_model_factory,
     session = engine.new_session()
     assert engine.model.takes_cpu_layer(segment.layers[0], torch.zeros(1, engine.model.spec.hidden_size), session.kv)
     engine.release_session(session)
+    routed = _count_routed(monkeypatch)
     joined, joined_kv, joined_seen = _decode(engine, [3, 9, 4])
+    assert routed == list(segment.layers) * 4  # the prompt, then each decode row
     _unjoined(engine, monkeypatch)
     separate, separate_kv, separate_seen = _decode(engine, [3, 9, 4])
     assert torch.equal(joined, separate)

@@ -311,8 +311,10 @@ class MoEModel:
     def moe_out(self, layer: int, x: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
         """The MoE block's output ``[T, H]`` of normed ``x [T, H]`` (``moe`` less its norm and residual add)."""
         s, w = self.spec, self.weights.at(layer, x.device)
-        ids, weights = self.route(layer, x)  # [T, k], [T, k]
-        out = expert_rows(layer, x, ids, weights)  # [T, H]
+        out = self._cpu_routed(layer, x, expert_rows, w["ffn_gate_inp.weight"])  # [T, H] or None
+        if out is None:
+            ids, weights = self.route(layer, x)  # [T, k], [T, k]
+            out = expert_rows(layer, x, ids, weights)  # [T, H]
         if s.has_shared_expert:
             gate = batch_invariant(torch.sigmoid, linear(x, w["ffn_gate_inp_shexp.weight"][None, :]))  # [T, 1]
             ffn = (batch_invariant(F.silu, linear(x, w["ffn_gate_shexp.weight"]))
@@ -320,16 +322,29 @@ class MoEModel:
             out = out + gate * linear(ffn, w["ffn_down_shexp.weight"])  # [T, H]
         return out
 
+    def _cpu_routed(self, layer: int, x: torch.Tensor, expert_rows: ExpertRows,
+                    router: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts' output ``[T, H]`` of normed ``x`` in one call where ``expert_rows`` offers it
+        (``routed_cpu``: a CPU cache holding the layer whole) and this class routes as ``route`` does on float32
+        CPU rows (the same bits); else None, with nothing done."""
+        routed = getattr(expert_rows, "routed_cpu", None)
+        if routed is None or type(self).route is not MoEModel.route or not self._cpu_float(x):
+            return None
+        s = self.spec
+        return routed(layer, x, router, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale, _MIN_WEIGHT_SUM)
+
     def takes_cpu_layer(self, layer: int, h: torch.Tensor, kv: KVCache) -> bool:
         """Whether ``cpu_layer`` runs ``layer`` of one session's rows ``h``: this class's own attention and MoE
         blocks on float32 CPU rows with float32 weights, into a float32 cache (``qkv_write``'s fused op)."""
         cls = type(self)
         if any(getattr(cls, name) is not getattr(MoEModel, name) for name in _CPU_LAYER_METHODS):
             return False
-        return self._cpu_kv(layer, h, kv) and self.weights.at(layer, h.device)["attn_norm.weight"].dtype == torch.float32
+        norm = self.weights.at(layer, h.device)["attn_norm.weight"]
+        return self._cpu_kv(layer, h, kv) and norm.dtype == torch.float32
 
-    def cpu_layer(self, layer: int, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor, kv: KVCache,
-                  n_ctx: int | None, expert_rows: ExpertRows, static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def cpu_layer(self, layer: int, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                  kv: KVCache, n_ctx: int | None, expert_rows: ExpertRows,
+                  static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``moe(attention(h + delta))`` of one session's rows ``h [T, H]`` (``takes_cpu_layer``) as the residual
         stream and this layer's pending MoE output: their sum is the layer's output, and the add rides in the
         next layer's norm (``delta``: the previous layer's, or None). Each residual add and the norm after it

@@ -58,7 +58,9 @@ model/transformer.py, ops/combine.py), so every CPU path of a forward gives the 
 ``strata::add_rms_norm_cpu`` (a residual add and the next norm) and ``strata::qkv_rope_cpu`` (the q/k
 norm and RoPE of a q/k/v product's rows with the K/V rows written into the cache's pools) join a few
 of them into one call, each output the bits of the ops it joins: fewer calls between the layer's large
-kernels, where each small call runs on caches those kernels have just emptied.
+kernels, where each small call runs on caches those kernels have just emptied. ``strata::route_slot_ffn_cpu``
+is a layer's routed experts held in a cache's slots in one call: the router's product, ``route_cpu``, the
+slot lookup and usage count, ``slot_ffn_cpu`` and ``combine_cpu``.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
@@ -81,7 +83,7 @@ from torch import Tensor
 __all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "INT8_ISA", "ISA_NAMES", "STALE_LOCK_S", "add_rms_norm_cpu",
            "attention_cpu", "clear_stale_lock", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
            "int8_activations", "linear_cpu", "norm_rope_cpu", "qkv_rope_cpu", "qlinear_grouped", "qlinear_slots",
-           "rms_norm_cpu", "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
+           "rms_norm_cpu", "route_cpu", "route_slot_ffn_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +170,7 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::combine_cpu")(_combine_fake)
     torch.library.register_fake("strata::add_rms_norm_cpu")(_add_rms_norm_fake)
     torch.library.register_fake("strata::qkv_rope_cpu")(_qkv_rope_fake)
+    torch.library.register_fake("strata::route_slot_ffn_cpu")(_route_slot_ffn_fake)
     log.info("CPU expert kernels: %s, %d threads", ISA_NAMES[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
@@ -218,11 +221,26 @@ def slot_ffn_cpu(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Seq
     x = x.float().contiguous()
     H = x.shape[1]
     _check_pairs("slot_ffn_cpu", x, rep, buffer, slot)
-    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim), ("up", offsets[1], qtypes[1], H, ffn_dim),
+    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim),
+                                     ("up", offsets[1], qtypes[1], H, ffn_dim),
                                      ("down", offsets[2], qtypes[2], ffn_dim, H)):
         _check_matrices(f"slot_ffn_cpu ({name})", K, buffer, [off], int(qtype), out)
     return torch.ops.strata.slot_ffn_cpu(x, rep, buffer, slot, [int(o) for o in offsets], [int(q) for q in qtypes],
                                          ffn_dim)
+
+
+def route_slot_ffn_cpu(x: Tensor, router: Tensor, k: int, norm: bool, scale: float, min_sum: float, slots: Tensor,
+                       counts: Tensor, buffer: Tensor, offsets: Sequence[int], qtypes: Sequence[int],
+                       ffn_dim: int) -> tuple[Tensor, Tensor]:
+    """``(out [T, H] float32, ids [T, k] int64)``: the routed experts of normed float32 rows ``x [T, H]`` in one
+    call. The router's product ``x @ router.T`` (``linear_cpu``), ``route_cpu``'s ids and weights of it, pair
+    p's expert in row ``slots[ids[p]]`` of ``buffer`` (int64 ``slots [E]``) with ``counts[ids[p]] += 1`` (int64
+    ``[E]``, in place), ``slot_ffn_cpu`` of the pairs and ``combine_cpu`` of their rows: the bits of those ops
+    one after another. Needs :func:`cpu_kernels`; matrices that do not fit ``buffer``'s rows are a ValueError
+    (checked here, as for ``slot_ffn_cpu``), a slot outside its rows an error before anything is counted."""
+    _ffn_fits("route_slot_ffn_cpu", x.shape[1], buffer.shape[1], tuple(offsets), tuple(qtypes), ffn_dim)
+    return torch.ops.strata.route_slot_ffn_cpu(x, router, k, norm, scale, min_sum, slots, counts, buffer,
+                                               list(offsets), list(qtypes), ffn_dim)
 
 
 def silu_mul_cpu(g: Tensor, u: Tensor) -> Tensor:
@@ -354,6 +372,16 @@ def _check_matrices(op: str, K: int, buffer: Tensor, offsets: Sequence[int], qty
     _matrices_fit(op, K, buffer.shape[1], tuple(offsets), qtype, out)
 
 
+@functools.lru_cache(maxsize=256)
+def _ffn_fits(op: str, H: int, stride: int, offsets: tuple[int, ...], qtypes: tuple[int, ...], ffn_dim: int) -> None:
+    """ValueError unless an expert's gate, up and down matrices (``ffn_dim`` x H, ``ffn_dim`` x H, H x ``ffn_dim``
+    in ``qtypes``) fit rows of ``stride`` bytes at ``offsets``."""
+    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim),
+                                     ("up", offsets[1], qtypes[1], H, ffn_dim),
+                                     ("down", offsets[2], qtypes[2], ffn_dim, H)):
+        _matrices_fit(f"{op} ({name})", K, stride, (int(off),), int(qtype), out)
+
+
 @functools.lru_cache(maxsize=1024)  # a decode token asks the same few questions every layer
 def _matrices_fit(op: str, K: int, stride: int, offsets: tuple[int, ...], qtype: int, out: int) -> None:
     """``_check_matrices`` of a buffer's row of ``stride`` bytes (an answer that raises is not kept)."""
@@ -420,6 +448,12 @@ def _qkv_rope_fake(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None
                    inv_freq: Tensor, mscale: float, n_heads: int, n_kv_heads: int, keys: Tensor, values: Tensor,
                    row_ids: Tensor) -> Tensor:
     return qkv.new_empty((qkv.shape[0], n_heads, qkv.shape[1] // (n_heads + 2 * n_kv_heads)))
+
+
+def _route_slot_ffn_fake(x: Tensor, router: Tensor, k: int, norm: bool, scale: float, min_sum: float, slots: Tensor,
+                         counts: Tensor, buffer: Tensor, offsets: list[int], qtypes: list[int],
+                         ffn_dim: int) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], k), dtype=torch.long)
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:

@@ -30,6 +30,11 @@
 //                                              k heads) and its v heads copied into row row_ids[position]
 //                                              of keys and values: the q/k norm, RoPE and the KV write of a
 //                                              layer in one call (the angles computed once a token)
+//   route_slot_ffn_cpu(x [T, H], router [E, H], k, norm, scale, min_sum, slots [E], counts [E], buffer, ...):
+//                                              the router's product (linear_cpu), route_cpu, each pair's
+//                                              slot slots[id] and counts[id] += 1, slot_ffn_cpu of the pairs,
+//                                              combine_cpu of their rows: a layer's routed experts held in
+//                                              a cache's slots, from its normed rows to its output, in one call
 //
 // The torch formulas (strata_core/model/ops.py, transformer.py, ops/combine.py) stay the references these
 // are tested against (tests/test_cpu_layer.py, float32 within a relative 1e-5); every CPU path of a
@@ -38,6 +43,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_calls.h"
 #include "cpu_isa.h"
 #include "cpu_lanes.h"
 
@@ -371,8 +377,9 @@ at::Tensor optional_weight(const c10::optional<at::Tensor>& weight, int64_t D, c
 // A KV pool of float32 rows of nkv * D values, contiguous (any leading dims): how many rows it has.
 int64_t pool_rows(const at::Tensor& pool, int64_t kv_size, const char* name) {
   check_float(pool, "qkv_rope_cpu", name);
-  TORCH_CHECK(pool.dim() >= 2 && pool.is_contiguous() && kv_size > 0 && pool.numel() % kv_size == 0 && pool.size(-1) * pool.size(-2) ==
-              kv_size, "qkv_rope_cpu: ", name, " must be contiguous rows [..., n_kv_heads, D], got ", pool.sizes());
+  TORCH_CHECK(pool.dim() >= 2 && pool.is_contiguous() && kv_size > 0 && pool.numel() % kv_size == 0 &&
+                  pool.size(-1) * pool.size(-2) == kv_size,
+              "qkv_rope_cpu: ", name, " must be contiguous rows [..., n_kv_heads, D], got ", pool.sizes());
   return pool.numel() / kv_size;
 }
 
@@ -415,6 +422,48 @@ at::Tensor qkv_rope_cpu(const at::Tensor& qkv, const c10::optional<at::Tensor>& 
   return q;
 }
 
+// Each pair's slot slots[ids[p]] (ids [P] of E experts), every one checked to be a row of `rows` rows before
+// any is counted; then counts[ids[p]] += 1 for each pair. -> slot [P] int64.
+at::Tensor lookup_and_count(const at::Tensor& ids, const at::Tensor& slots, at::Tensor& counts, int64_t rows) {
+  const int64_t P = ids.numel(), E = slots.numel();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && counts.scalar_type() == at::kLong &&
+              counts.dim() == 1 && counts.numel() == E && counts.is_contiguous() && counts.device().is_cpu(),
+              "route_slot_ffn_cpu: slots and counts must be int64 [E], counts contiguous on the CPU");
+  const at::Tensor sc = slots.contiguous();
+  const int64_t *ip = ids.data_ptr<int64_t>(), *sp = sc.data_ptr<int64_t>();
+  at::Tensor slot = at::empty({P}, ids.options());
+  int64_t* out = slot.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) {
+    out[p] = sp[ip[p]];
+    TORCH_CHECK(out[p] >= 0 && out[p] < rows, "route_slot_ffn_cpu: expert ", ip[p], " in slot ", out[p],
+                " outside the buffer's ", rows, " rows");
+  }
+  int64_t* cp = counts.data_ptr<int64_t>();
+  for (int64_t p = 0; p < P; ++p) cp[ip[p]] += 1;
+  return slot;
+}
+
+// x [T, H] float32, router [E, H] float32, slots / counts [E] int64 (counts added to), buffer [S, stride] uint8
+// -> (the routed output [T, H] float32, ids [T, k] int64).
+std::tuple<at::Tensor, at::Tensor> route_slot_ffn_cpu(const at::Tensor& x, const at::Tensor& router, int64_t k,
+                                                      bool norm, double scale, double min_sum,
+                                                      const at::Tensor& slots, at::Tensor& counts,
+                                                      const at::Tensor& buffer, at::IntArrayRef offsets,
+                                                      at::IntArrayRef qtypes, int64_t F) {
+  check_float(x, "route_slot_ffn_cpu", "x");
+  check_float(router, "route_slot_ffn_cpu", "router");
+  TORCH_CHECK(x.dim() == 2 && router.dim() == 2 && router.size(1) == x.size(1) && router.size(0) == slots.numel(),
+              "route_slot_ffn_cpu: x ", x.sizes(), ", router ", router.sizes(), ", slots ", slots.sizes());
+  TORCH_CHECK(buffer.dim() == 2 && buffer.scalar_type() == at::kByte && buffer.is_contiguous(),
+              "route_slot_ffn_cpu: buffer must be contiguous uint8 [S, stride]");
+  const at::Tensor xc = x.contiguous();
+  const int64_t T = xc.size(0), H = xc.size(1);
+  auto [ids, weights] = route_cpu(strata_cpu::linear(xc, router), k, norm, scale, min_sum);  // [T, k] each
+  const at::Tensor slot = lookup_and_count(ids, slots, counts, buffer.size(0));  // [T * k]
+  const at::Tensor rows = strata_cpu::slot_ffn(xc, k, buffer, slot, offsets, qtypes, F);  // [T * k, H]
+  return {combine_cpu(rows.view({T, k, H}), weights, c10::nullopt), ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(strata, m) {
@@ -425,6 +474,8 @@ TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("add_rms_norm_cpu(Tensor h, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("qkv_rope_cpu(Tensor qkv, Tensor? q_weight, Tensor? k_weight, float eps, Tensor positions, Tensor inv_freq, "
         "float mscale, int n_heads, int n_kv_heads, Tensor(a!) keys, Tensor(b!) values, Tensor row_ids) -> Tensor");
+  m.def("route_slot_ffn_cpu(Tensor x, Tensor router, int k, bool norm, float scale, float min_sum, Tensor slots, "
+        "Tensor(a!) counts, Tensor buffer, int[] offsets, int[] qtypes, int F) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(strata, CPU, m) {
@@ -434,4 +485,5 @@ TORCH_LIBRARY_IMPL(strata, CPU, m) {
   m.impl("combine_cpu", &combine_cpu);
   m.impl("add_rms_norm_cpu", &add_rms_norm_cpu);
   m.impl("qkv_rope_cpu", &qkv_rope_cpu);
+  m.impl("route_slot_ffn_cpu", &route_slot_ffn_cpu);
 }
