@@ -33,8 +33,8 @@ from strata_core.cli import main as strata_main
 from strata_core.tools import bench
 
 OPS = ("attention_cpu", "linear_cpu", "norm_rope_cpu", "route_cpu", "rms_norm_cpu", "combine_cpu", "slot_ffn_cpu",
-       "add_rms_norm_cpu", "qkv_rope_cpu")
-WRAPPERS = OPS + ("cpu_slot_ffn", "rms_norm", "linear", "combine_rows", "held_slots")  # those a tree has
+       "add_rms_norm_cpu", "qkv_rope_cpu", "route_slot_ffn_cpu")
+WRAPPERS = OPS + ("cpu_slot_ffn", "rms_norm", "linear", "combine_rows", "held_slots", "routed_experts")  # a tree's
 
 
 class Split:
@@ -90,10 +90,12 @@ def main() -> None:
                  "embed", "cpu_layer", "attention_out", "moe_out"):
         if hasattr(transformer.MoEModel, name):  # a method of this tree
             split.wrap(transformer.MoEModel, name, f"model.{name}")
-    for name in ("write", "paged"):
-        split.wrap(kvcache.KVCache, name, f"kv.{name}")
-    for name in ("__call__", "rows", "_slot_rows", "_takes_slots"):
-        split.wrap(device_rows.CachedExpertRows, name, f"rows.{name}")
+    for name in ("write", "paged", "write_pools"):
+        if hasattr(kvcache.KVCache, name):
+            split.wrap(kvcache.KVCache, name, f"kv.{name}")
+    for name in ("__call__", "rows", "_slot_rows", "_takes_slots", "routed_cpu"):
+        if hasattr(device_rows.CachedExpertRows, name):
+            split.wrap(device_rows.CachedExpertRows, name, f"rows.{name}")
     for module in (transformer, model_ops, matmul, combine, device_rows, cpu_kernels, cpu_ffn):
         for name in WRAPPERS:
             if callable(getattr(module, name, None)):

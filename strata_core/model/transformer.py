@@ -207,7 +207,7 @@ class MoEModel:
         k and v into the cache's pool rows (``_cpu_qkv`` and ``kv.write``'s bits)."""
         s = self.spec
         qkv, inv_freq, mscale = self._cpu_qkv_product(layer, x)
-        keys, values, row_ids = kv.paged(layer, kv.max_tokens)  # pool rows [N, nkv, D], int64 row per position
+        keys, values, row_ids = kv.write_pools(layer)  # [blocks, block size, nkv, D] each, int64 row per position
         return qkv_rope_cpu(qkv, *self._qk_norms(layer, x.device), s.rms_norm_eps, positions, inv_freq, mscale,
                             s.n_heads, s.n_kv_heads, keys, values, row_ids)  # [T, nh, D]
 
