@@ -8,6 +8,8 @@ qwen3moe graphs (see qwen3moe.py, qwen2moe.py); ``registry.load_model`` builds a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -336,8 +338,7 @@ class MoEModel:
     def takes_cpu_layer(self, layer: int, h: torch.Tensor, kv: KVCache) -> bool:
         """Whether ``cpu_layer`` runs ``layer`` of one session's rows ``h``: this class's own attention and MoE
         blocks on float32 CPU rows with float32 weights, into a float32 cache (``qkv_write``'s fused op)."""
-        cls = type(self)
-        if any(getattr(cls, name) is not getattr(MoEModel, name) for name in _CPU_LAYER_METHODS):
+        if not _own_layer_blocks(type(self)):
             return False
         norm = self.weights.at(layer, h.device)["attn_norm.weight"]
         return self._cpu_kv(layer, h, kv) and norm.dtype == torch.float32
@@ -374,3 +375,10 @@ class MoEModel:
             h = self.moe(layer, self.attention(layer, h, positions, kv), expert_rows)
         kv.advance(tokens.shape[0])
         return self.head(h)
+
+
+@functools.cache  # asked every layer of a decode token
+def _own_layer_blocks(cls: type[MoEModel]) -> bool:
+    """Whether ``cls`` keeps ``MoEModel``'s attention and MoE blocks (``_CPU_LAYER_METHODS``), which
+    ``MoEModel.cpu_layer`` stands for."""
+    return all(getattr(cls, name) is getattr(MoEModel, name) for name in _CPU_LAYER_METHODS)
