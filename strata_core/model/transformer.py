@@ -161,8 +161,10 @@ class MoEModel:
 
     def _cpu_kv(self, layer: int, x: torch.Tensor, kv: KVCache) -> bool:
         """Whether ``qkv_write`` takes ``strata::qkv_rope_cpu``: this class's own ``qkv`` and ``rope`` on float32
-        CPU rows, and a cache that stores ``layer``'s K/V as float32 rows (not quantized)."""
-        if type(self).qkv is not MoEModel.qkv or type(self).rope is not MoEModel.rope or kv.kv_format is not None:
+        CPU rows, and a cache that stores ``layer``'s K/V as float32 rows (not quantized) by ``KVCache.write``
+        (a cache class with a write of its own gets its write called)."""
+        if (type(self).qkv is not MoEModel.qkv or type(self).rope is not MoEModel.rope or kv.kv_format is not None
+                or type(kv).write is not KVCache.write):
             return False
         pools = kv.pool_rows(layer)
         return pools["k"].dtype == pools["v"].dtype == torch.float32 and self._cpu_float(x)
