@@ -593,7 +593,7 @@ def held_slots(slots: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor
 def routed_experts(ids: torch.Tensor) -> list[int]:
     """The experts of a layer's pairs ``ids [T, k]`` read on the host: the routed slot rows' one host read of the
     layer's routing (``CachedExpertRows.routed_cpu``)."""
-    return ids.view(-1).tolist()
+    return [e for row in ids.tolist() for e in row]  # no view op: this runs right after the layer's experts
 
 
 def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
