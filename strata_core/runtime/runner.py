@@ -346,8 +346,9 @@ class Runner:
         device of ``hidden``; eager windows and graph captures both run it.
 
         Each layer is the fused one (model/fused_decode.py: few launches, the residual add carried
-        into the next layer's norm) where the model and device allow, else attention per session and
-        the batched MoE rows. ``positions`` (``[B]`` on the device) and ``tables`` (the KV address
+        into the next layer's norm) where the model and device allow; one session's row on the CPU
+        takes ``MoEModel.cpu_layer`` where it applies (its joined ops, the add carried the same way);
+        else attention per session and the batched MoE rows. ``positions`` (``[B]`` on the device) and ``tables`` (the KV address
         tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
         from the positions (what a graph needs, and what the CPU path always does). ``fused`` picks
         the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
