@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from strata_core.experts.backend import _cpu_pool
 from strata_core.ops.cpu_kernels import (CPU_INT8_TYPES, CPU_KERNEL_TYPES, INT8_ISA, cpu_kernels, dequantize_blocks,
-                                         int8_activations, qlinear_grouped, qlinear_slots, silu_mul_cpu, slot_ffn_cpu)
+                                         combine_cpu, int8_activations, linear_cpu, qlinear_grouped, qlinear_slots,
+                                         route_cpu, route_slot_ffn_cpu, silu_mul_cpu, slot_ffn_cpu)
 from strata_core.quant.registry import dequantize_reference
 from strata_core.quant import dequantize, random_blocks
 from strata_core.testing.cpu_isa import FLOAT_ISA, cpu_isa_at_most
@@ -193,6 +194,54 @@ def test_a_slot_ffn_is_its_products_and_activation(seed: int, gate_up: T, down: 
     assert torch.equal(got, want)
 
 
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), qtype=st.sampled_from(TYPES), tokens=st.integers(1, 6),
+       n_experts=st.integers(1, 9), k=st.integers(1, 4), norm=st.booleans(), threads=st.integers(1, 2))
+def test_a_routed_slot_ffn_is_the_router_the_routing_the_slot_ffn_and_the_combine(
+        seed: int, qtype: T, tokens: int, n_experts: int, k: int, norm: bool, threads: int) -> None:
+    """``route_slot_ffn_cpu``: the bits of ``linear_cpu`` (the router), ``route_cpu``, the slot lookup, ``slot_ffn_cpu``
+    and ``combine_cpu`` called one after another; the usage counts gain one a pair."""
+    rng = np.random.default_rng(seed)
+    k = min(k, n_experts)
+    H, F = 256, 2 * GGML_QUANT_SIZES[qtype][0]
+    blocks = H // GGML_QUANT_SIZES[qtype][0]
+    parts = [[_weight(qtype, F, blocks, rng)[0] for _ in range(2)] + [_weight(qtype, H, 2, rng)[0]]
+             for _ in range(n_experts)]
+    g_bytes, u_bytes, _ = (p.numel() for p in parts[0])
+    buffer = torch.stack([torch.cat(p) for p in parts])  # [S, stride]: expert e in slot slots[e]
+    slots = torch.from_numpy(rng.permutation(n_experts)).long()
+    buffer = buffer[torch.argsort(slots)].contiguous()
+    x = torch.from_numpy(rng.standard_normal((tokens, H), dtype=np.float32))
+    router = torch.from_numpy(rng.standard_normal((n_experts, H), dtype=np.float32))
+    counts = torch.from_numpy(rng.integers(0, 5, n_experts))
+    before, offsets, qtypes = counts.clone(), (0, g_bytes, g_bytes + u_bytes), (qtype,) * 3
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, ids = route_slot_ffn_cpu(x, router, k, norm, 1.5, 6.1e-5, slots, counts, buffer, offsets, qtypes, F)
+    finally:
+        torch.set_num_threads(threads_before)
+    want_ids, weights = route_cpu(linear_cpu(x, router), k, norm, 1.5, 6.1e-5)
+    rows = slot_ffn_cpu(x, k, buffer, slots[want_ids.view(-1)], offsets, qtypes, F)
+    assert torch.equal(ids, want_ids)
+    assert torch.equal(out, combine_cpu(rows.view(tokens, k, H), weights))
+    assert torch.equal(counts, before + torch.bincount(ids.view(-1), minlength=n_experts))
+
+
+def test_a_routed_slot_ffn_checks_the_slots_before_counting() -> None:
+    rng = np.random.default_rng(1)
+    expert = torch.cat([_weight(T.Q8_0, 64, 8, rng)[0] for _ in range(2)] + [_weight(T.Q8_0, 256, 2, rng)[0]])
+    n = expert.numel() // 3
+    counts = torch.zeros(2, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="outside"):  # expert 1 in slot 5 of a buffer of 1
+        route_slot_ffn_cpu(torch.randn(1, 256), torch.randn(2, 256), 2, True, 1.0, 6.1e-5, torch.tensor([0, 5]),
+                           counts, expert[None], (0, n, 2 * n), (int(T.Q8_0),) * 3, 64)
+    assert not counts.any()
+    with pytest.raises(ValueError, match="do not fit"):
+        route_slot_ffn_cpu(torch.randn(1, 256), torch.randn(2, 256), 1, True, 1.0, 6.1e-5, torch.tensor([0, 0]),
+                           counts, expert[None], (0, n, 2 * n + 8), (int(T.Q8_0),) * 3, 64)
+
+
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), rows=st.integers(1, 30), F=st.integers(1, 300), split=st.integers(0, 30))
 def test_silu_mul_matches_the_formula_and_rows_are_their_own(seed: int, rows: int, F: int, split: int) -> None:
@@ -222,6 +271,9 @@ def test_opcheck_slot_ffn_and_silu_mul() -> None:
                           (torch.randn(2, 256), 2, buffer, torch.tensor([1, 0, 1, 1]), [0, n, 2 * n],
                            [int(T.Q8_0)] * 3, 64))
     torch.library.opcheck(torch.ops.strata.silu_mul_cpu.default, (torch.randn(3, 20), torch.randn(3, 20)))
+    torch.library.opcheck(torch.ops.strata.route_slot_ffn_cpu.default,
+                          (torch.randn(2, 256), torch.randn(2, 256), 2, True, 1.0, 6.1e-5, torch.tensor([1, 0]),
+                           torch.zeros(2, dtype=torch.long), buffer, [0, n, 2 * n], [int(T.Q8_0)] * 3, 64))
 
 
 def test_opcheck_qlinear_slots() -> None:

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from strata_core.model.ops import apply_rope, rope_cos_sin
-from strata_core.ops.cpu_kernels import combine_cpu, cpu_kernels, norm_rope_cpu, rms_norm_cpu, route_cpu
+from strata_core.ops.cpu_kernels import (add_rms_norm_cpu, combine_cpu, cpu_kernels, norm_rope_cpu, qkv_rope_cpu,
+                                        rms_norm_cpu, route_cpu)
 
 pytestmark = pytest.mark.skipif(not cpu_kernels(), reason="the CPU kernels did not build (see the warning)")
 
@@ -131,6 +132,61 @@ def test_combine_sums_the_rows_in_k_order(T, k, H, residual, split, threads, see
     assert torch.equal(torch.cat(parts), whole)
 
 
+@given(T=st.integers(1, 40), H=st.integers(1, 300), split=st.integers(0, 40), threads=st.integers(1, 2),
+       seed=st.integers(0, 2 ** 16))
+@settings(max_examples=25, deadline=None)
+def test_add_rms_norm_is_the_add_then_the_norm(T, H, split, threads, seed):
+    g = torch.Generator().manual_seed(seed)
+    h, delta, w = torch.randn(T, H, generator=g) * 3, torch.randn(T, H, generator=g), torch.randn(H, generator=g)
+    total, normed = _threads(threads, lambda: add_rms_norm_cpu(h, delta, w, 1e-6))
+    assert torch.equal(total, h + delta)  # the bits of the two ops it joins
+    assert torch.equal(normed, rms_norm_cpu(h + delta, w, 1e-6))
+    assert _close(normed, _rms_norm_ref((h + delta).double(), w.double(), 1e-6))
+    split = min(split, T)
+    parts = [add_rms_norm_cpu(h[a:b], delta[a:b], w, 1e-6) for a, b in ((0, split), (split, T))]
+    assert torch.equal(torch.cat([p[0] for p in parts]), total)
+    assert torch.equal(torch.cat([p[1] for p in parts]), normed)
+
+
+def _qkv_case(g: torch.Generator, T: int, nh: int, nkv: int, D: int, normed: bool):
+    """A q/k/v product's rows (a strided view, as the fused product's columns are), the norms and angles."""
+    qkv = torch.randn(T, (nh + 2 * nkv) * D + 5, generator=g)[:, 5:]
+    wq, wk = (torch.randn(D, generator=g), torch.randn(D, generator=g)) if normed else (None, None)
+    return qkv, wq, wk, torch.rand(D // 2, generator=g)
+
+
+@given(T=st.integers(1, 12), nh=st.integers(1, 6), nkv=st.integers(1, 3), half=st.integers(1, 40),
+       normed=st.booleans(), scaled=st.booleans(), threads=st.integers(1, 2), seed=st.integers(0, 2 ** 16))
+@settings(max_examples=30, deadline=None)
+def test_qkv_rope_is_norm_rope_and_the_kv_write(T, nh, nkv, half, normed, scaled, threads, seed):
+    D = 2 * half
+    g = torch.Generator().manual_seed(seed)
+    qkv, wq, wk, inv_freq = _qkv_case(g, T, nh, nkv, D, normed)
+    mscale = 1.25 if scaled else 1.0
+    positions = torch.randperm(3 * T, generator=g)[:T]  # any positions, each at most once
+    row_ids = torch.randperm(4 * T, generator=g)[:3 * T]  # a position's row in pools of 4T rows
+    keys, values = torch.full((2 * T, 2, nkv, D), 7.0), torch.full((2 * T, 2, nkv, D), 7.0)  # [blocks, 2, nkv, D]
+    q = _threads(threads, lambda: qkv_rope_cpu(qkv, wq, wk, 1e-6, positions, inv_freq, mscale, nh, nkv, keys, values,
+                                               row_ids))
+    q_size, kv_size = nh * D, nkv * D
+    k = norm_rope_cpu(qkv[:, q_size:q_size + kv_size].view(T, nkv, D), wk, 1e-6, positions, inv_freq, mscale)
+    assert torch.equal(q, norm_rope_cpu(qkv[:, :q_size].view(T, nh, D), wq, 1e-6, positions, inv_freq, mscale))
+    want_k, want_v = torch.full((4 * T, nkv, D), 7.0), torch.full((4 * T, nkv, D), 7.0)
+    want_k.index_copy_(0, row_ids[positions], k)  # the cache's write (kvcache.py ``_store``)
+    want_v.index_copy_(0, row_ids[positions], qkv[:, q_size + kv_size:].reshape(T, nkv, D))
+    assert torch.equal(keys.view(4 * T, nkv, D), want_k) and torch.equal(values.view(4 * T, nkv, D), want_v)
+
+
+def test_qkv_rope_checks_every_row_before_writing():
+    g = torch.Generator().manual_seed(3)
+    qkv, wq, wk, inv_freq = _qkv_case(g, 2, 2, 1, 8, True)
+    keys, values = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
+    for positions, row_ids in ((torch.tensor([0, 5]), torch.arange(4)), (torch.tensor([0, 1]), torch.tensor([1, 4]))):
+        with pytest.raises(RuntimeError, match="outside"):
+            qkv_rope_cpu(qkv, wq, wk, 1e-6, positions, inv_freq, 1.0, 2, 1, keys, values, row_ids)
+        assert not keys.any() and not values.any()
+
+
 def test_the_bodies_give_the_same_bits():
     g = torch.Generator().manual_seed(7)
     x, w = torch.randn(9, 517, generator=g), torch.randn(517, generator=g)
@@ -138,9 +194,13 @@ def test_the_bodies_give_the_same_bits():
     positions, inv_freq = torch.arange(100, 109), torch.rand(40, generator=g)
     logits, rows, weights = torch.randn(9, 70, generator=g), torch.randn(9, 6, 517, generator=g), torch.rand(9, 6)
 
+    qkv, keys, values = torch.randn(9, 7 * 80, generator=g), torch.zeros(9, 1, 80), torch.zeros(9, 1, 80)
+
     def run():
+        q = qkv_rope_cpu(qkv, qw, qw, 1e-6, positions - 100, inv_freq, 1.0, 5, 1, keys, values, torch.arange(9))
         return (rms_norm_cpu(x, w, 1e-6), norm_rope_cpu(qk, qw, 1e-6, positions, inv_freq, 1.0),
-                *route_cpu(logits, 6, True, 1.0, _MIN_SUM), combine_cpu(rows, weights, x))
+                *route_cpu(logits, 6, True, 1.0, _MIN_SUM), combine_cpu(rows, weights, x),
+                *add_rms_norm_cpu(x, x, w, 1e-6), q, keys.clone(), values.clone())
 
     want = run()
     best = torch.ops.strata.cpu_kernel_isa()
@@ -162,3 +222,7 @@ def test_opcheck_the_layer_ops():
     torch.library.opcheck(ops.route_cpu.default, (torch.randn(3, 20), 4, True, 1.0, _MIN_SUM))
     torch.library.opcheck(ops.combine_cpu.default, (torch.randn(3, 4, 20), torch.rand(3, 4), torch.randn(3, 20)))
     torch.library.opcheck(ops.combine_cpu.default, (torch.randn(3, 4, 20), torch.rand(3, 4), None))
+    torch.library.opcheck(ops.add_rms_norm_cpu.default, (torch.randn(3, 20), torch.randn(3, 20), torch.randn(20), 1e-6))
+    torch.library.opcheck(ops.qkv_rope_cpu.default, (torch.randn(3, 4 * 16), torch.randn(16), None, 1e-6,
+                                                     torch.arange(3), torch.rand(8), 1.0, 2, 1, torch.zeros(2, 4, 1, 16),
+                                                     torch.zeros(2, 4, 1, 16), torch.arange(8)))

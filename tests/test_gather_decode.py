@@ -164,6 +164,7 @@ def test_a_short_prompt_on_fully_resident_layers_takes_the_gather(engine_model, 
     reads = HostReads(monkeypatch)
     reads.watch(device_rows, "group_by_expert")
     reads.watch(device_rows, "held_slots")  # the CPU's slot rows read the routing there instead
+    reads.watch(device_rows, "routed_experts")  # or there, where the routing is in their call
     with reads.counting():
         engine.prefill(engine.new_session(), list(range(3, 3 + prompt)))
-    assert reads.reads.count("group_by_expert") + reads.reads.count("held_slots") == loop_layers
+    assert sum(reads.reads.count(name) for name in ("group_by_expert", "held_slots", "routed_experts")) == loop_layers

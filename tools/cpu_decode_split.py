@@ -32,8 +32,9 @@ import strata_core.runtime.runner as runner
 from strata_core.cli import main as strata_main
 from strata_core.tools import bench
 
-OPS = ("attention_cpu", "linear_cpu", "norm_rope_cpu", "route_cpu", "rms_norm_cpu", "combine_cpu", "slot_ffn_cpu")
-WRAPPERS = OPS + ("cpu_slot_ffn", "rms_norm", "linear", "combine_rows", "held_slots")
+OPS = ("attention_cpu", "linear_cpu", "norm_rope_cpu", "route_cpu", "rms_norm_cpu", "combine_cpu", "slot_ffn_cpu",
+       "add_rms_norm_cpu", "qkv_rope_cpu", "route_slot_ffn_cpu")
+WRAPPERS = OPS + ("cpu_slot_ffn", "rms_norm", "linear", "combine_rows", "held_slots", "routed_experts")  # a tree's
 
 
 class Split:
@@ -85,12 +86,16 @@ def main() -> None:
     split.wrap(engine_mod.Engine, "decode_window", "engine.decode_window")
     for name in ("decode_window", "decode_layers", "embed", "head"):
         split.wrap(runner.Runner, name, f"runner.{name}")
-    for name in ("attention", "attention_spans", "_cpu_qkv", "attend", "moe", "route", "head", "embed"):
-        split.wrap(transformer.MoEModel, name, f"model.{name}")
-    for name in ("write", "paged"):
-        split.wrap(kvcache.KVCache, name, f"kv.{name}")
-    for name in ("__call__", "rows", "_slot_rows", "_takes_slots"):
-        split.wrap(device_rows.CachedExpertRows, name, f"rows.{name}")
+    for name in ("attention", "attention_spans", "_cpu_qkv", "_cpu_qkv_write", "attend", "moe", "route", "head",
+                 "embed", "cpu_layer", "attention_out", "moe_out"):
+        if hasattr(transformer.MoEModel, name):  # a method of this tree
+            split.wrap(transformer.MoEModel, name, f"model.{name}")
+    for name in ("write", "paged", "write_pools"):
+        if hasattr(kvcache.KVCache, name):
+            split.wrap(kvcache.KVCache, name, f"kv.{name}")
+    for name in ("__call__", "rows", "_slot_rows", "_takes_slots", "routed_cpu"):
+        if hasattr(device_rows.CachedExpertRows, name):
+            split.wrap(device_rows.CachedExpertRows, name, f"rows.{name}")
     for module in (transformer, model_ops, matmul, combine, device_rows, cpu_kernels, cpu_ffn):
         for name in WRAPPERS:
             if callable(getattr(module, name, None)):
@@ -102,8 +107,8 @@ def main() -> None:
             return timed(engine, work)
         if not wrapped_ops:  # the ops exist once the kernels are loaded
             for name in OPS:
-                getattr(torch.ops.strata, name)
-                split.wrap(torch.ops.strata, name, f"op.{name}")
+                if hasattr(torch.ops.strata, name):  # an op of this tree
+                    split.wrap(torch.ops.strata, name, f"op.{name}")
             wrapped_ops.append(True)
         split.clear()
         result = timed(engine, work)

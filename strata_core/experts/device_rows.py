@@ -71,7 +71,7 @@ import torch
 from strata_core.runtime.devices import PendingRead, device_scope
 from strata_core.experts.chain import Chain
 from strata_core.experts.cpu_ffn import cpu_experts_ffn, cpu_slot_ffn, takes_cpu_kernels
-from strata_core.ops.cpu_kernels import has_cpu_kernel
+from strata_core.ops.cpu_kernels import has_cpu_kernel, route_slot_ffn_cpu
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.gather import (GATHER_COUNTS, PEER_COUNTS, PROMPT_GATHER_COUNTS, count_pairs, fused_decode,
                                        fused_decode_rows, fused_rows, lookup_slots, pair_ffn, pair_ffn_grouped,
@@ -266,15 +266,39 @@ class CachedExpertRows:
         flat = expert_ids.reshape(-1)  # [P]
         slot, experts = held_slots(self._held_whole(layer, chain.own)[1], flat)  # [P] int64, P host ints
         self.usage.count(layer, flat, expert_ids.shape[0])
-        self.telemetry.add_hits(flat.numel(), flat.numel())
         with self.telemetry.compute(self.device):
             rows = cpu_slot_ffn(hidden, expert_ids.shape[1], chain.own.padded, slot, fmt, ffn,
                                 None if ffn.plain else flat)  # [P, H]
+        self._served_whole(fmt, experts)
+        return rows
+
+    def routed_cpu(self, layer: int, hidden: torch.Tensor, router: torch.Tensor, k: int, norm: bool, scale: float,
+                   min_sum: float) -> torch.Tensor | None:
+        """The routed output ``[T, H]`` of normed float32 ``hidden [T, H]``, from the router's weight ``router [E, H]``
+        on, in one call (``strata::route_slot_ffn_cpu``: the router's product, ``route_cpu`` with these arguments,
+        the slot rows of ``_slot_rows`` with its usage count, ``combine_rows``; the same bits); None, with nothing
+        done, where the layer does not take the slot rows or its experts are not plain SiLU in float32."""
+        chain, T = self.chains[layer], hidden.shape[0]
+        if (hidden.dtype != torch.float32 or router.dtype != torch.float32 or self._takes_gather(layer, chain, T)
+                or self._takes_grouped(layer, chain, T) or not self._takes_slots(layer, chain, hidden)):
+            return None
+        fmt, slots = self.arena.formats[layer], self._held_whole(layer, chain.own)[1]  # slots: int64 [E]
+        g_bytes, u_bytes, _ = fmt.nbytes
+        with self.telemetry.compute(self.device):
+            out, ids = route_slot_ffn_cpu(hidden, router, k, norm, scale, min_sum, slots, self.usage.row(layer, T),
+                                          chain.own.padded, (0, g_bytes, g_bytes + u_bytes), fmt.qtypes,
+                                          fmt.shapes[0][0])  # [T, H], [T, k]
+        self._served_whole(fmt, routed_experts(ids))
+        return out
+
+    def _served_whole(self, fmt: ExpertFormat, experts: list[int]) -> None:
+        """The telemetry of a layer held whole that served pairs of ``experts`` (every pair a hit, each expert
+        read once)."""
         n = len(set(experts))
+        self.telemetry.add_hits(len(experts), len(experts))
         self.telemetry.add_expert_bytes(n * fmt.total)
         self.telemetry.count(self.name, {"resident": n, "peer": 0, "pcie" if self.decoding else "streamed": 0,
                                          "cpu": 0})
-        return rows
 
     def _takes_grouped(self, layer: int, chain: Chain, n_tokens: int) -> bool:
         """Whether ``layer`` (of ``chain``) takes the grouped prefill now: a prompt chunk of ``n_tokens`` tokens
@@ -577,6 +601,12 @@ def held_slots(slots: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor
     layer's pairs ``experts [P]``, and the pairs' experts read on the host: the slot rows' one host read
     of the layer's routing."""
     return slots.index_select(0, experts), experts.tolist()  # one gather (an index op costs several)
+
+
+def routed_experts(ids: torch.Tensor) -> list[int]:
+    """The experts of a layer's pairs ``ids [T, k]`` read on the host: the routed slot rows' one host read of the
+    layer's routing (``CachedExpertRows.routed_cpu``)."""
+    return [e for row in ids.tolist() for e in row]  # no view op: this runs right after the layer's experts
 
 
 def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:

@@ -232,6 +232,14 @@ class KVCache:
         names = names or ("k", "v")
         return (*(self._rows(layer, name) for name in names), self._row_ids[self.home[layer]][:n])
 
+    def write_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer``'s key and value pools ``[n_blocks, block_size, ...]`` on its home slot as they are stored, and
+        the int64 row id in them of every position ``[max_blocks * block_size]``: what a kernel that writes a
+        position's rows in place reads (no view made: a decode token asks every layer)."""
+        home = self.home[layer]
+        rows = self.pools.pools[home].rows[layer]
+        return rows["k"], rows["v"], self._row_ids[home]
+
     def _gather(self, layer: int, n: int, names: Sequence[str]) -> tuple[torch.Tensor, ...]:
         """Positions ``[0, n)`` of ``layer``'s stored tensors ``names``, as they are stored."""
         flat = self._row_ids[self.home[layer]][:n]

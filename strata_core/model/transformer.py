@@ -8,6 +8,8 @@ qwen3moe graphs (see qwen3moe.py, qwen2moe.py); ``registry.load_model`` builds a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -20,13 +22,16 @@ from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, mas
                                    packed_causal_attention, plain_inv_freq, rms_norm, rope_cos_sin, sdpa_attention)
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
-from strata_core.ops.cpu_kernels import attention_cpu, cpu_kernels, linear_cpu, norm_rope_cpu, route_cpu
+from strata_core.ops.cpu_kernels import (add_rms_norm_cpu, attention_cpu, cpu_kernels, linear_cpu, norm_rope_cpu,
+                                        qkv_rope_cpu, route_cpu)
 from strata_core.ops.matmul import batch_invariant, linear
 
 __all__ = ["MoEModel"]
 
 # llama.cpp clamps the top-k weight sum to the smallest normal f16 before dividing
 _MIN_WEIGHT_SUM = 6.103515625e-5
+#: the methods ``cpu_layer`` stands for: a subclass with its own takes ``attention`` and ``moe``
+_CPU_LAYER_METHODS = ("attention", "attention_spans", "attention_out", "qkv_write", "qkv", "rope", "moe", "moe_out")
 
 
 class MoEModel:
@@ -90,18 +95,24 @@ class MoEModel:
         CPU), the K/V writes and the attention per session."""
         w = self.weights.at(layer, h.device)
         x = rms_norm(h, w["attn_norm.weight"], self.spec.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
-        q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
-        if len(spans) == 1 and spans[0][1] == 0 and spans[0][2] == h.shape[0]:  # one session's rows: no slices
+        return h + self.attention_out(layer, x, positions, spans, static)
+
+    def attention_out(self, layer: int, x: torch.Tensor, positions: torch.Tensor,
+                      spans: list[tuple[KVCache, int, int, int | None]], static: bool = False) -> torch.Tensor:
+        """The attention block's output ``[T, H]`` of normed ``x [T, H]`` (``attention_spans`` less its norm and
+        residual add); writes the rows' K/V."""
+        if len(spans) == 1 and spans[0][1] == 0 and spans[0][2] == x.shape[0]:  # one session's rows: no slices
             kv, _, _, n_ctx = spans[0]
-            kv.write(layer, positions, k=k, v=v)
+            q = self.qkv_write(layer, x, positions, kv)  # [T, nh, D]
             attended = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
         else:
+            q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
             parts = []
             for kv, a, b, n_ctx in spans:
                 kv.write(layer, positions[a:b], k=k[a:b], v=v[a:b])
                 parts.append(self.attend(layer, q[a:b], positions[a:b], kv, n_ctx, static))  # [b - a, nh*D]
             attended = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return self._attention_out(layer, h, attended)
+        return self._projected(layer, attended)
 
     def attention_packed(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
                          packed: PackedKV) -> torch.Tensor:
@@ -113,21 +124,31 @@ class MoEModel:
                      self.kernels.fused_norms)  # [T, H]
         q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
         packed.write(layer, k, v)
-        return self._attention_out(layer, h, packed_causal_attention(q, k, v, packed.cu_seqlens, packed.max_len))
+        return h + self._projected(layer, packed_causal_attention(q, k, v, packed.cu_seqlens, packed.max_len))
 
     @property
     def packs_prompts(self) -> bool:
         """Whether ``attention_packed`` computes this model's prompt attention: its attention is this class's
         (no model-specific attention, no heads split with a peer)."""
         cls = type(self)
-        return (all(getattr(cls, name) is getattr(MoEModel, name) for name in ("attention_spans", "attend", "qkv"))
-                and not self.head_splits)
+        names = ("attention_spans", "attention_out", "attend", "qkv")
+        return all(getattr(cls, name) is getattr(MoEModel, name) for name in names) and not self.head_splits
 
-    def _attention_out(self, layer: int, h: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """``h`` plus the output projection (and its bias) of the heads' outputs ``attended [T, nh*D]``."""
-        w = self.weights.at(layer, h.device)
+    def _projected(self, layer: int, attended: torch.Tensor) -> torch.Tensor:
+        """The output projection (and its bias) of the heads' outputs ``attended [T, nh*D]``: ``[T, H]``."""
+        w = self.weights.at(layer, attended.device)
         out = linear(attended, w["attn_output.weight"])  # [T, H]
-        return h + (out + w["attn_output.bias"] if "attn_output.bias" in w else out)
+        return out + w["attn_output.bias"] if "attn_output.bias" in w else out
+
+    def qkv_write(self, layer: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """Queries ``[T, nh, D]`` of normed ``x [T, H]`` (``qkv``), its keys and values written into ``kv`` at
+        ``positions``: on the CPU in float32 into a float32 cache, one call after the product
+        (``strata::qkv_rope_cpu``, the same bits)."""
+        if self._cpu_kv(layer, x, kv):
+            return self._cpu_qkv_write(layer, x, positions, kv)
+        q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
+        kv.write(layer, positions, k=k, v=v)
+        return q
 
     def attention_per_span(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
                            spans: list[tuple[KVCache, int, int, int | None]], static: bool = False) -> torch.Tensor:
@@ -163,29 +184,61 @@ class MoEModel:
         ops/cpu_kernels.py): float32 on the CPU with the CPU kernels loaded."""
         return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels()
 
-    def _cpu_qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``qkv`` on the CPU in float32: the three projections as one product (``DenseWeights.qkv``: each
-        output the bits of its own projection's), q and k normed and rotated by one call each."""
-        s = self.spec
-        T, D = x.shape[0], s.head_dim
+    def _cpu_kv(self, layer: int, x: torch.Tensor, kv: KVCache) -> bool:
+        """Whether ``qkv_write`` takes ``strata::qkv_rope_cpu``: this class's own ``qkv`` and ``rope`` on float32
+        CPU rows, and a cache that stores ``layer``'s K/V as float32 rows (not quantized) by ``KVCache.write``
+        (a cache class with a write of its own gets its write called)."""
+        if (type(self).qkv is not MoEModel.qkv or type(self).rope is not MoEModel.rope or kv.kv_format is not None
+                or type(kv).write is not KVCache.write):
+            return False
+        pools = kv.pool_rows(layer)
+        return pools["k"].dtype == pools["v"].dtype == torch.float32 and self._cpu_float(x)
+
+    def _cpu_qkv_product(self, layer: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """The CPU's float32 q/k/v rows ``[T, (nh + 2 nkv) D]`` of ``x`` (the three projections as one product,
+        ``DenseWeights.qkv``: each output the bits of its own projection's) and RoPE's angles and scale."""
+        D = self.spec.head_dim
         weight, bias, _ = self.weights.qkv(layer, x.device)
         qkv = linear_cpu(x, weight)  # [T, (nh + 2 nkv) D]
         if bias is not None:
             qkv = qkv + bias
-        q_size, kv_size = s.n_heads * D, s.n_kv_heads * D
-        q = qkv[:, :q_size].view(T, s.n_heads, D)  # [T, nh, D] (a view: the op reads it in place)
-        k = qkv[:, q_size:q_size + kv_size].view(T, s.n_kv_heads, D)  # [T, nkv, D]
-        v = qkv[:, q_size + kv_size:].view(T, s.n_kv_heads, D)  # [T, nkv, D]
         inv_freq, mscale = self.rope_tables(x.device, D)
         if inv_freq is None:
             inv_freq = self._plain_freq.get(D)
             if inv_freq is None:  # the angles ``rope_cos_sin`` computes, made once
-                inv_freq = self._plain_freq[D] = plain_inv_freq(D, s.rope_theta)  # [D/2]
-        w = self.weights.at(layer, x.device) if s.has_qk_norm else {}
+                inv_freq = self._plain_freq[D] = plain_inv_freq(D, self.spec.rope_theta)  # [D/2]
+        return qkv, inv_freq, mscale
+
+    def _qk_norms(self, layer: int, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The q and k norms' weights of ``layer`` on ``device`` (None without them)."""
+        if not self.spec.has_qk_norm:
+            return None, None
+        w = self.weights.at(layer, device)
+        return w["attn_q_norm.weight"], w["attn_k_norm.weight"]
+
+    def _cpu_qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``qkv`` on the CPU in float32: one product, q and k normed and rotated by one call each."""
+        s = self.spec
+        T, D = x.shape[0], s.head_dim
+        qkv, inv_freq, mscale = self._cpu_qkv_product(layer, x)
+        q_size, kv_size = s.n_heads * D, s.n_kv_heads * D
+        q = qkv[:, :q_size].view(T, s.n_heads, D)  # [T, nh, D] (a view: the op reads it in place)
+        k = qkv[:, q_size:q_size + kv_size].view(T, s.n_kv_heads, D)  # [T, nkv, D]
+        v = qkv[:, q_size + kv_size:].view(T, s.n_kv_heads, D)  # [T, nkv, D]
+        q_norm, k_norm = self._qk_norms(layer, x.device)
         eps = s.rms_norm_eps
-        q = norm_rope_cpu(q, w.get("attn_q_norm.weight"), eps, positions, inv_freq, mscale)  # [T, nh, D]
-        k = norm_rope_cpu(k, w.get("attn_k_norm.weight"), eps, positions, inv_freq, mscale)  # [T, nkv, D]
+        q = norm_rope_cpu(q, q_norm, eps, positions, inv_freq, mscale)  # [T, nh, D]
+        k = norm_rope_cpu(k, k_norm, eps, positions, inv_freq, mscale)  # [T, nkv, D]
         return q, k, v
+
+    def _cpu_qkv_write(self, layer: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """``qkv_write`` on the CPU in float32: one product, then one call norms and rotates q and k and writes
+        k and v into the cache's pool rows (``_cpu_qkv`` and ``kv.write``'s bits)."""
+        s = self.spec
+        qkv, inv_freq, mscale = self._cpu_qkv_product(layer, x)
+        keys, values, row_ids = kv.write_pools(layer)  # [blocks, block size, nkv, D] each, int64 row per position
+        return qkv_rope_cpu(qkv, *self._qk_norms(layer, x.device), s.rms_norm_eps, positions, inv_freq, mscale,
+                            s.n_heads, s.n_kv_heads, keys, values, row_ids)  # [T, nh, D]
 
     def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,14 +335,56 @@ class MoEModel:
         """``h + moe(rms_norm(h))`` for ``h [T, H]``: routed experts via ``expert_rows`` (+ shared expert)."""
         s, w = self.spec, self.weights.at(layer, h.device)
         x = rms_norm(h, w[self.ffn_norm], s.rms_norm_eps, self.kernels.fused_norms)  # [T, H]
-        ids, weights = self.route(layer, x)  # [T, k], [T, k]
-        out = expert_rows(layer, x, ids, weights)  # [T, H]
+        return h + self.moe_out(layer, x, expert_rows)
+
+    def moe_out(self, layer: int, x: torch.Tensor, expert_rows: ExpertRows) -> torch.Tensor:
+        """The MoE block's output ``[T, H]`` of normed ``x [T, H]`` (``moe`` less its norm and residual add)."""
+        s, w = self.spec, self.weights.at(layer, x.device)
+        out = self._cpu_routed(layer, x, expert_rows, w["ffn_gate_inp.weight"])  # [T, H] or None
+        if out is None:
+            ids, weights = self.route(layer, x)  # [T, k], [T, k]
+            out = expert_rows(layer, x, ids, weights)  # [T, H]
         if s.has_shared_expert:
             gate = batch_invariant(torch.sigmoid, linear(x, w["ffn_gate_inp_shexp.weight"][None, :]))  # [T, 1]
             ffn = (batch_invariant(F.silu, linear(x, w["ffn_gate_shexp.weight"]))
                    * linear(x, w["ffn_up_shexp.weight"]))  # [T, Fs]
             out = out + gate * linear(ffn, w["ffn_down_shexp.weight"])  # [T, H]
-        return h + out
+        return out
+
+    def _cpu_routed(self, layer: int, x: torch.Tensor, expert_rows: ExpertRows,
+                    router: torch.Tensor) -> torch.Tensor | None:
+        """The routed experts' output ``[T, H]`` of normed ``x`` in one call where ``expert_rows`` offers it
+        (``routed_cpu``: a CPU cache holding the layer whole) and this class routes as ``route`` does on float32
+        CPU rows (the same bits); else None, with nothing done."""
+        routed = getattr(expert_rows, "routed_cpu", None)
+        if routed is None or type(self).route is not MoEModel.route or not self._cpu_float(x):
+            return None
+        s = self.spec
+        return routed(layer, x, router, s.n_experts_used, s.norm_topk_prob, s.expert_weights_scale, _MIN_WEIGHT_SUM)
+
+    def takes_cpu_layer(self, layer: int, h: torch.Tensor, kv: KVCache) -> bool:
+        """Whether ``cpu_layer`` runs ``layer`` of one session's rows ``h``: this class's own attention and MoE
+        blocks on float32 CPU rows with float32 weights, into a float32 cache (``qkv_write``'s fused op)."""
+        if not _own_layer_blocks(type(self)):
+            return False
+        norm = self.weights.at(layer, h.device)["attn_norm.weight"]
+        return self._cpu_kv(layer, h, kv) and norm.dtype == torch.float32
+
+    def cpu_layer(self, layer: int, h: torch.Tensor, delta: torch.Tensor | None, positions: torch.Tensor,
+                  kv: KVCache, n_ctx: int | None, expert_rows: ExpertRows,
+                  static: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``moe(attention(h + delta))`` of one session's rows ``h [T, H]`` (``takes_cpu_layer``) as the residual
+        stream and this layer's pending MoE output: their sum is the layer's output, and the add rides in the
+        next layer's norm (``delta``: the previous layer's, or None). Each residual add and the norm after it
+        are one call (``strata::add_rms_norm_cpu``): the bits of ``attention`` and ``moe``."""
+        w, eps = self.weights.at(layer, h.device), self.spec.rms_norm_eps
+        if delta is None:
+            x = rms_norm(h, w["attn_norm.weight"], eps, self.kernels.fused_norms)  # [T, H]
+        else:
+            h, x = add_rms_norm_cpu(h, delta, w["attn_norm.weight"], eps)  # [T, H] each
+        out = self.attention_out(layer, x, positions, [(kv, 0, h.shape[0], n_ctx)], static)  # [T, H]
+        h, x = add_rms_norm_cpu(h, out, w[self.ffn_norm], eps)  # [T, H] each
+        return h, self.moe_out(layer, x, expert_rows)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + output projection: ``h [T, H]`` -> float32 logits ``[T, V]``."""
@@ -307,3 +402,10 @@ class MoEModel:
             h = self.moe(layer, self.attention(layer, h, positions, kv), expert_rows)
         kv.advance(tokens.shape[0])
         return self.head(h)
+
+
+@functools.cache  # asked every layer of a decode token
+def _own_layer_blocks(cls: type[MoEModel]) -> bool:
+    """Whether ``cls`` keeps ``MoEModel``'s attention and MoE blocks (``_CPU_LAYER_METHODS``), which
+    ``MoEModel.cpu_layer`` stands for."""
+    return all(getattr(cls, name) is getattr(MoEModel, name) for name in _CPU_LAYER_METHODS)

@@ -55,6 +55,12 @@ RoPE, the router's softmax / top-k / renormalisation, the weighted sum of the ex
 residual), each one call where the torch formulas take several, each row's arithmetic fixed by its own
 values: the forward's CPU path calls them wherever it would call those formulas (model/ops.py,
 model/transformer.py, ops/combine.py), so every CPU path of a forward gives the same bits.
+``strata::add_rms_norm_cpu`` (a residual add and the next norm) and ``strata::qkv_rope_cpu`` (the q/k
+norm and RoPE of a q/k/v product's rows with the K/V rows written into the cache's pools) join a few
+of them into one call, each output the bits of the ops it joins: fewer calls between the layer's large
+kernels, where each small call runs on caches those kernels have just emptied. ``strata::route_slot_ffn_cpu``
+is a layer's routed experts held in a cache's slots in one call: the router's product, ``route_cpu``, the
+slot lookup and usage count, ``slot_ffn_cpu`` and ``combine_cpu``.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` into torch's
 extension cache (``TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``; rebuilt when the source
@@ -74,10 +80,10 @@ import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from torch import Tensor
 
-__all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "INT8_ISA", "ISA_NAMES", "STALE_LOCK_S", "attention_cpu",
-           "clear_stale_lock", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
-           "int8_activations", "linear_cpu", "norm_rope_cpu", "qlinear_grouped", "qlinear_slots", "rms_norm_cpu",
-           "route_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
+__all__ = ["CPU_INT8_TYPES", "CPU_KERNEL_TYPES", "INT8_ISA", "ISA_NAMES", "STALE_LOCK_S", "add_rms_norm_cpu",
+           "attention_cpu", "clear_stale_lock", "combine_cpu", "cpu_kernels", "dequantize_blocks", "has_cpu_kernel",
+           "int8_activations", "linear_cpu", "norm_rope_cpu", "qkv_rope_cpu", "qlinear_grouped", "qlinear_slots",
+           "rms_norm_cpu", "route_cpu", "route_slot_ffn_cpu", "silu_mul_cpu", "slot_ffn_cpu"]
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +168,9 @@ def cpu_kernels() -> bool:
     torch.library.register_fake("strata::norm_rope_cpu")(_norm_rope_fake)
     torch.library.register_fake("strata::route_cpu")(_route_fake)
     torch.library.register_fake("strata::combine_cpu")(_combine_fake)
+    torch.library.register_fake("strata::add_rms_norm_cpu")(_add_rms_norm_fake)
+    torch.library.register_fake("strata::qkv_rope_cpu")(_qkv_rope_fake)
+    torch.library.register_fake("strata::route_slot_ffn_cpu")(_route_slot_ffn_fake)
     log.info("CPU expert kernels: %s, %d threads", ISA_NAMES[torch.ops.strata.cpu_kernel_isa()], torch.get_num_threads())
     return True
 
@@ -212,11 +221,26 @@ def slot_ffn_cpu(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Seq
     x = x.float().contiguous()
     H = x.shape[1]
     _check_pairs("slot_ffn_cpu", x, rep, buffer, slot)
-    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim), ("up", offsets[1], qtypes[1], H, ffn_dim),
+    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim),
+                                     ("up", offsets[1], qtypes[1], H, ffn_dim),
                                      ("down", offsets[2], qtypes[2], ffn_dim, H)):
         _check_matrices(f"slot_ffn_cpu ({name})", K, buffer, [off], int(qtype), out)
     return torch.ops.strata.slot_ffn_cpu(x, rep, buffer, slot, [int(o) for o in offsets], [int(q) for q in qtypes],
                                          ffn_dim)
+
+
+def route_slot_ffn_cpu(x: Tensor, router: Tensor, k: int, norm: bool, scale: float, min_sum: float, slots: Tensor,
+                       counts: Tensor, buffer: Tensor, offsets: Sequence[int], qtypes: Sequence[int],
+                       ffn_dim: int) -> tuple[Tensor, Tensor]:
+    """``(out [T, H] float32, ids [T, k] int64)``: the routed experts of normed float32 rows ``x [T, H]`` in one
+    call. The router's product ``x @ router.T`` (``linear_cpu``), ``route_cpu``'s ids and weights of it, pair
+    p's expert in row ``slots[ids[p]]`` of ``buffer`` (int64 ``slots [E]``) with ``counts[ids[p]] += 1`` (int64
+    ``[E]``, in place), ``slot_ffn_cpu`` of the pairs and ``combine_cpu`` of their rows: the bits of those ops
+    one after another. Needs :func:`cpu_kernels`; matrices that do not fit ``buffer``'s rows are a ValueError
+    (checked here, as for ``slot_ffn_cpu``), a slot outside its rows an error before anything is counted."""
+    _ffn_fits("route_slot_ffn_cpu", x.shape[1], buffer.shape[1], tuple(offsets), tuple(qtypes), ffn_dim)
+    return torch.ops.strata.route_slot_ffn_cpu(x, router, k, norm, scale, min_sum, slots, counts, buffer,
+                                               list(offsets), list(qtypes), ffn_dim)
 
 
 def silu_mul_cpu(g: Tensor, u: Tensor) -> Tensor:
@@ -263,6 +287,24 @@ def norm_rope_cpu(x: Tensor, weight: Tensor | None, eps: float, positions: Tenso
     angles ``position * inv_freq [D / 2]`` (tables times ``mscale``): model/ops.py's ``rms_norm``,
     ``rope_cos_sin`` and ``apply_rope`` in one call. Needs :func:`cpu_kernels`."""
     return torch.ops.strata.norm_rope_cpu(x, weight, eps, positions.to(torch.long), inv_freq, mscale)
+
+
+def qkv_rope_cpu(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, positions: Tensor,
+                 inv_freq: Tensor, mscale: float, n_heads: int, n_kv_heads: int, keys: Tensor, values: Tensor,
+                 row_ids: Tensor) -> Tensor:
+    """Queries ``[T, nh, D]`` float32 of a q/k/v product's rows ``qkv [T, (nh + 2 nkv) D]`` (a view whose last
+    dim is contiguous is read in place): its q heads as ``norm_rope_cpu`` gives them; its k heads the same way
+    (``k_weight``) and its v heads as they are written into row ``row_ids[positions[t]]`` of the pools ``keys``
+    / ``values`` (contiguous float32 rows ``[..., nkv, D]``, written in place). Needs :func:`cpu_kernels`; a
+    position or row outside the tables is an error before anything is written."""
+    return torch.ops.strata.qkv_rope_cpu(qkv, q_weight, k_weight, eps, positions.to(torch.long), inv_freq, mscale,
+                                         n_heads, n_kv_heads, keys, values, row_ids)
+
+
+def add_rms_norm_cpu(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(h + delta, rms_norm_cpu(h + delta, weight, eps))`` of float32 ``[T, H]`` rows in one call: a residual
+    add and the norm after it, the bits of the two. Needs :func:`cpu_kernels`."""
+    return torch.ops.strata.add_rms_norm_cpu(h, delta, weight, eps)
 
 
 def route_cpu(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float) -> tuple[Tensor, Tensor]:
@@ -330,6 +372,16 @@ def _check_matrices(op: str, K: int, buffer: Tensor, offsets: Sequence[int], qty
     _matrices_fit(op, K, buffer.shape[1], tuple(offsets), qtype, out)
 
 
+@functools.lru_cache(maxsize=256)
+def _ffn_fits(op: str, H: int, stride: int, offsets: tuple[int, ...], qtypes: tuple[int, ...], ffn_dim: int) -> None:
+    """ValueError unless an expert's gate, up and down matrices (``ffn_dim`` x H, ``ffn_dim`` x H, H x ``ffn_dim``
+    in ``qtypes``) fit rows of ``stride`` bytes at ``offsets``."""
+    for name, off, qtype, K, out in (("gate", offsets[0], qtypes[0], H, ffn_dim),
+                                     ("up", offsets[1], qtypes[1], H, ffn_dim),
+                                     ("down", offsets[2], qtypes[2], ffn_dim, H)):
+        _matrices_fit(f"{op} ({name})", K, stride, (int(off),), int(qtype), out)
+
+
 @functools.lru_cache(maxsize=1024)  # a decode token asks the same few questions every layer
 def _matrices_fit(op: str, K: int, stride: int, offsets: tuple[int, ...], qtype: int, out: int) -> None:
     """``_check_matrices`` of a buffer's row of ``stride`` bytes (an answer that raises is not kept)."""
@@ -385,6 +437,23 @@ def _route_fake(logits: Tensor, k: int, norm: bool, scale: float, min_sum: float
 
 def _combine_fake(rows: Tensor, weights: Tensor, residual: Tensor | None) -> Tensor:
     return rows.new_empty((rows.shape[0], rows.shape[2]))
+
+
+def _add_rms_norm_fake(h: Tensor, delta: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return (torch.empty_like(h, memory_format=torch.contiguous_format),
+            torch.empty_like(h, memory_format=torch.contiguous_format))
+
+
+def _qkv_rope_fake(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, positions: Tensor,
+                   inv_freq: Tensor, mscale: float, n_heads: int, n_kv_heads: int, keys: Tensor, values: Tensor,
+                   row_ids: Tensor) -> Tensor:
+    return qkv.new_empty((qkv.shape[0], n_heads, qkv.shape[1] // (n_heads + 2 * n_kv_heads)))
+
+
+def _route_slot_ffn_fake(x: Tensor, router: Tensor, k: int, norm: bool, scale: float, min_sum: float, slots: Tensor,
+                         counts: Tensor, buffer: Tensor, offsets: list[int], qtypes: list[int],
+                         ffn_dim: int) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape), x.new_empty((x.shape[0], k), dtype=torch.long)
 
 
 def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:

@@ -415,9 +415,10 @@ class Runner:
         device of ``hidden``; eager windows and graph captures both run it.
 
         Each layer is the fused one (model/fused_decode.py: few launches, the residual add carried
-        into the next layer's norm) where the model and device allow, else attention per session and
-        the batched MoE rows. ``positions`` (``[B]`` on the device) and ``tables`` (the KV address
-        tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
+        into the next layer's norm) where the model and device allow; one session's row on the CPU
+        takes ``MoEModel.cpu_layer`` where it applies (its joined ops, the add carried the same way);
+        else attention per session and the batched MoE rows. ``positions`` (``[B]`` on the device) and
+        ``tables`` (the KV address tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
         from the positions (what a graph needs, and what the CPU path always does). ``fused`` picks
         the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
         references).
@@ -437,8 +438,15 @@ class Runner:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
                                                    tables[i])
             elif len(batch.sessions) == 1 and not batch.offsets:  # one row: the window's tensors as they are
-                hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, batch.sessions[0].kv,
-                                                                    contexts[0], static=static), rows)  # [1, H]
+                kv = batch.sessions[0].kv
+                if self.model.takes_cpu_layer(layer, hidden, kv):  # the residual add rides in the next norm
+                    hidden, delta = self.model.cpu_layer(layer, hidden, delta, positions, kv, contexts[0], rows,
+                                                         static)  # [1, H] each
+                else:
+                    if delta is not None:
+                        hidden, delta = hidden + delta, None
+                    hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, kv, contexts[0],
+                                                                        static=static), rows)  # [1, H]
             else:
                 parts = []
                 for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order

@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_calls.h"
 #include "cpu_isa.h"
 #include "cpu_lanes.h"
 
@@ -890,6 +891,11 @@ int64_t limit_kernel_isa(int64_t isa) {
 }  // namespace
 
 int strata_cpu::chosen_isa() { return int(::chosen_isa()); }
+
+at::Tensor strata_cpu::slot_ffn(const at::Tensor& x, int64_t rep, const at::Tensor& buffer, const at::Tensor& slot,
+                                at::IntArrayRef offsets, at::IntArrayRef qtypes, int64_t F) {
+  return slot_ffn_cpu(x, rep, buffer, slot, offsets, qtypes, F);
+}
 
 TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_calls.h"
 #include "cpu_isa.h"
 #include "cpu_lanes.h"
 
@@ -94,6 +95,8 @@ at::Tensor linear_cpu(const at::Tensor& x, const at::Tensor& w) {
 }
 
 }  // namespace
+
+at::Tensor strata_cpu::linear(const at::Tensor& x, const at::Tensor& weight) { return linear_cpu(x, weight); }
 
 TORCH_LIBRARY_FRAGMENT(strata, m) { m.def("linear_cpu(Tensor x, Tensor weight) -> Tensor"); }
 
