@@ -92,6 +92,20 @@ def _dot(a, w, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def _q4_k_chunk(w, cols, row_bytes, kc, K, BS: tl.constexpr, TS: tl.constexpr):
+    """The 64-value chunk at ``kc`` of rows ``cols`` of a Q4_K matrix with 16-byte aligned rows at ``w``: its 32
+    bytes of nibbles ``[BN, 32]`` uint8 (16-byte loads; low nibbles sub-block 2c, high 2c + 1), and ``[BN]`` each
+    of ``d * scale`` and ``dmin * min`` of the two sub-blocks (a chunk past K reads the row's last block)."""
+    b = w + cols * row_bytes + tl.minimum(kc // BS, K // BS - 1) * TS  # [BN]: its block
+    c = (kc % BS) // 64
+    qp = tl.max_contiguous(tl.multiple_of((b + 16 + c * 32)[:, None] + tl.arange(0, 32)[None, :], [1, 16]), [1, 32])
+    sc0, mn0 = _q4_k_scale_min(b + 4, 2 * c)
+    sc1, mn1 = _q4_k_scale_min(b + 4, 2 * c + 1)
+    d, dmin = _f16(b), _f16(b + 2)
+    return tl.load(qp), d * sc0, dmin * mn0, d * sc1, dmin * mn1
+
+
+@triton.jit
 def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr,
           SUB: tl.constexpr, FAST: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr, PREC: tl.constexpr):
     """``acc [BM, BN]`` plus values ``[k0, k0 + KT)`` of the activations at ``arow [BM, 1]`` (a row not
@@ -102,18 +116,13 @@ def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS:
         wv = tl.arange(0, 32)[None, :]
         for ci in tl.static_range(KT // 64):
             kc = k0 + ci * 64
-            b = w + cols * row_bytes + tl.minimum(kc // BS, K // BS - 1) * TS  # [BN]: its block (past K: the last)
-            c = (kc % BS) // 64
-            qp = tl.max_contiguous(tl.multiple_of((b + 16 + c * 32)[:, None] + wv, [1, 16]), [1, 32])
-            q = tl.load(qp).to(tl.int32)  # [BN, 32]
-            sc0, mn0 = _q4_k_scale_min(b + 4, 2 * c)
-            sc1, mn1 = _q4_k_scale_min(b + 4, 2 * c + 1)
-            d, dmin = _f16(b), _f16(b + 2)
+            q, s0, m0, s1, m1 = _q4_k_chunk(w, cols, row_bytes, kc, K, BS, TS)
+            q = q.to(tl.int32)
             mask = real[:, None] & (kc + wv < K)  # [BM, 32]
             lo = tl.load(arow + kc + wv, mask=mask, other=0.0).to(tl.float32)  # [BM, 32]
             hi = tl.load(arow + kc + 32 + wv, mask=mask, other=0.0).to(tl.float32)
-            acc = _dot(lo, (d * sc0)[:, None] * (q & 15).to(tl.float32) - (dmin * mn0)[:, None], acc, PREC)
-            acc = _dot(hi, (d * sc1)[:, None] * (q >> 4).to(tl.float32) - (dmin * mn1)[:, None], acc, PREC)
+            acc = _dot(lo, s0[:, None] * (q & 15).to(tl.float32) - m0[:, None], acc, PREC)
+            acc = _dot(hi, s1[:, None] * (q >> 4).to(tl.float32) - m1[:, None], acc, PREC)
     else:
         kk = tl.arange(0, KT)[None, :]
         a = tl.load(arow + k0 + kk, mask=real[:, None] & (k0 + kk < K), other=0.0).to(tl.float32)  # [BM, KT]
@@ -132,13 +141,7 @@ def _step_q8(acc, qrow, drow, srow, real, w, cols, row_bytes, k0, K, BS: tl.cons
     wv = tl.arange(0, 32)[None, :]
     for ci in tl.static_range(KT // 64):
         kc = k0 + ci * 64
-        b = w + cols * row_bytes + tl.minimum(kc // BS, K // BS - 1) * TS  # [BN]: its block (past K: the last)
-        c = (kc % BS) // 64
-        qp = tl.max_contiguous(tl.multiple_of((b + 16 + c * 32)[:, None] + wv, [1, 16]), [1, 32])
-        q = tl.load(qp)  # [BN, 32] uint8
-        sc0, mn0 = _q4_k_scale_min(b + 4, 2 * c)
-        sc1, mn1 = _q4_k_scale_min(b + 4, 2 * c + 1)
-        d, dmin = _f16(b), _f16(b + 2)
+        q, s0, m0, s1, m1 = _q4_k_chunk(w, cols, row_bytes, kc, K, BS, TS)
         live = real & (kc < K)  # [BM]
         mask = live[:, None]
         lo = tl.load(qrow + kc + wv, mask=mask, other=0)  # [BM, 32] int8
@@ -148,8 +151,8 @@ def _step_q8(acc, qrow, drow, srow, real, w, cols, row_bytes, k0, K, BS: tl.cons
         xs0, xs1 = tl.load(srow + sb, mask=live, other=0.0), tl.load(srow + sb + 1, mask=live, other=0.0)
         dot0 = tl.dot(lo, tl.trans((q & 15).to(tl.int8)), out_dtype=tl.int32).to(tl.float32)  # [BM, BN]
         dot1 = tl.dot(hi, tl.trans((q >> 4).to(tl.int8)), out_dtype=tl.int32).to(tl.float32)
-        acc += (xd0[:, None] * (d * sc0)[None, :] * dot0 - xs0[:, None] * (dmin * mn0)[None, :]
-                + xd1[:, None] * (d * sc1)[None, :] * dot1 - xs1[:, None] * (dmin * mn1)[None, :])
+        acc += (xd0[:, None] * s0[None, :] * dot0 - xs0[:, None] * m0[None, :]
+                + xd1[:, None] * s1[None, :] * dot1 - xs1[:, None] * m1[None, :])
     return acc
 
 
