@@ -131,6 +131,9 @@ class StrataSettings(BaseSettings):
         "shorter than a threshold measured at load splits its misses the same way, a longer one streams them"
     )
     adapt_swaps: int = Field(0, ge=0, description="experts swapped into the cache per decode window")
+    moe_config: str = Field("", description="launch fields of the CUDA MoE kernels, name=value,... (e.g. "
+                            "grouped=true,dot_precision=int8: batched windows on int8 tensor-core products); default: "
+                            "the measured defaults (ops/moe.py LaunchConfig)")
 
     # --- decode --------------------------------------------------------------------------------
     cuda_graphs: bool = Field(
@@ -261,6 +264,14 @@ class StrataSettings(BaseSettings):
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("moe_config")
+    @classmethod
+    def _moe_config_is_valid(cls, value: str) -> str:
+        from strata_core.ops.moe import parse_launch
+
+        parse_launch(value)  # a ValueError names the field or value
         return value
 
     @field_validator("grammar_file", "json_schema")

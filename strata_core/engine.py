@@ -34,6 +34,7 @@ from strata_core.model.registry import get_architecture, load_model_spec
 from strata_core.model.spec import ModelSpec
 from strata_core.model.transformer import MoEModel
 from strata_core.model.weights import DenseWeights
+from strata_core.ops import moe
 from strata_core.plugin.manager import SelectedStrategy, StrataPluginManager, build_plugin_manager
 from strata_core.plugin.placement import PHASES, DeviceSlot, Phase, Placement
 from strata_core.plugin.spec import StrategyOptions
@@ -181,6 +182,9 @@ class Engine:
         local = frozenset(d.index for d in devices if d.rank == rank)
         gguf_file = GGUFFile.open(settings.model)
         spec = load_model_spec(gguf_file)
+        if settings.moe_config:
+            moe.set_default_launch(moe.parse_launch(settings.moe_config))
+            log.info("MoE kernels: %s", moe.launch_config())
         if settings.spec == "mtp":  # before any weight is read
             mtp_block_spec(settings.model, spec)
         placement = plan_placement(plugins, selected, settings, devices, spec)

@@ -82,3 +82,23 @@ def test_missing_config_file_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("STRATA_CONFIG", str(tmp_path / "absent.toml"))
     with pytest.raises(ConfigError, match="absent.toml"):
         StrataSettings()
+
+
+@pytest.mark.parametrize("spec, message", [("nope=1", "'nope' is not a field"), ("bm=8", "below 16"),
+                                           ("grouped=maybe", "not true or false"), ("bm=x", "not an integer"),
+                                           ("dot_precision=fp4", "dot_precision")])
+def test_moe_config_names_what_it_cannot_take(spec, message):
+    with pytest.raises(ValidationError, match=message):
+        StrataSettings(moe_config=spec)
+
+
+def test_moe_config_becomes_the_kernels_default_launch(tiny_model_factory, monkeypatch):
+    import dataclasses
+
+    from strata_core.engine import Engine
+    from strata_core.ops import moe
+
+    monkeypatch.setattr(moe, "_launch", [moe.DEFAULT_LAUNCH])  # the process's default, put back after the test
+    Engine.load(tiny_model_factory(expert_type="Q4_0", n_layers=2), devices=["cpu"], max_context=32,
+                moe_config="grouped=true, dot_precision=int8,bm=32")
+    assert moe.launch_config() == dataclasses.replace(moe.DEFAULT_LAUNCH, grouped=True, dot_precision="int8", bm=32)

@@ -18,7 +18,6 @@ MoE kernels' ``LaunchConfig`` (strata_core/ops/moe.py) to compare designs end to
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from collections import defaultdict
 
@@ -27,19 +26,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from strata_core.engine import Engine
 from strata_core.ops import moe
-
-
-def parse_launch_config(spec: str, base: moe.LaunchConfig) -> moe.LaunchConfig:
-    """``base`` with the fields of ``spec`` (``name=value,...``) replaced."""
-    fields = {f.name: f.type for f in dataclasses.fields(moe.LaunchConfig)}
-    changes = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise SystemExit(f"--moe-config: {name!r} is not a LaunchConfig field ({', '.join(fields)})")
-        kind = fields[name]
-        changes[name] = (value == "True" if kind == "bool" else int(value) if kind == "int" else value)
-    return dataclasses.replace(base, **changes)
 
 
 def main() -> None:
@@ -73,7 +59,10 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, engine.spec.vocab_size, (args.context + args.windows + 4,), generator=gen).tolist()
     for spec in args.moe_config or [""]:
-        config = parse_launch_config(spec, moe.DEFAULT_LAUNCH)
+        try:
+            config = moe.parse_launch(spec)
+        except ValueError as exc:
+            raise SystemExit(f"--moe-config: {exc}") from None
         print(f"MoE kernels: {config}")
         if args.cuda_graphs:
             engine.runner.graphs.invalidate()  # recaptured with this configuration's launches

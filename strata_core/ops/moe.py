@@ -63,6 +63,7 @@ Tolerance against the reference: float32 within a relative 1e-5 (summation order
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -78,7 +79,8 @@ from strata_core.ops.matmul import matmul
 from strata_core.quant.registry import dequantize_reference
 
 __all__ = ["DEFAULT_LAUNCH", "LaunchConfig", "ffn_args", "launch_config", "launched_with", "moe_decode",
-           "moe_decode_rows", "moe_pair_rows", "pair_ffn_reference", "stages_misses"]
+           "moe_decode_rows", "moe_pair_rows", "pair_ffn_reference", "parse_launch", "set_default_launch",
+           "stages_misses"]
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,30 @@ DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16", "int8")
 DEFAULT_LAUNCH = LaunchConfig()
 
 _launch = [DEFAULT_LAUNCH]  # the innermost ``launched_with``'s config last
+
+
+def parse_launch(spec: str, base: LaunchConfig = DEFAULT_LAUNCH) -> LaunchConfig:
+    """``base`` with the fields ``spec`` names replaced (``name=value,...``, e.g. ``grouped=True,dot_precision=int8``);
+    a ValueError names an unknown field or a value the field cannot take."""
+    kinds = {f.name: f.type for f in dataclasses.fields(LaunchConfig)}
+    changes: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in kinds:
+            raise ValueError(f"{name!r} is not a field of the MoE launch configuration ({', '.join(kinds)})")
+        kind = kinds[name]
+        if kind == "bool" and value not in ("True", "False", "true", "false"):
+            raise ValueError(f"{name}={value!r}: not true or false")
+        try:
+            changes[name] = value in ("True", "true") if kind == "bool" else int(value) if kind == "int" else value
+        except ValueError:
+            raise ValueError(f"{name}={value!r}: not an integer") from None
+    return dataclasses.replace(base, **changes)
+
+
+def set_default_launch(config: LaunchConfig) -> None:
+    """Make ``config`` what the kernels use outside any ``launched_with`` in this process (``--moe-config``)."""
+    _launch[0] = config
 
 
 def launch_config() -> LaunchConfig:
