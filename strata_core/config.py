@@ -131,9 +131,6 @@ class StrataSettings(BaseSettings):
         "shorter than a threshold measured at load splits its misses the same way, a longer one streams them"
     )
     adapt_swaps: int = Field(0, ge=0, description="experts swapped into the cache per decode window")
-    moe_config: str = Field("", description="launch fields of the CUDA MoE kernels, name=value,... (e.g. "
-                            "grouped=true,dot_precision=int8: batched windows on int8 tensor-core products); default: "
-                            "the measured defaults (ops/moe.py LaunchConfig)")
 
     # --- decode --------------------------------------------------------------------------------
     cuda_graphs: bool = Field(
@@ -178,6 +175,9 @@ class StrataSettings(BaseSettings):
         "staged", description="decode kernels read a miss in the pinned arena from a device row copied first "
         "(staged) or zero-copy over the host link (direct)"
     )
+    moe_config: str = Field("", description="launch fields of the CUDA MoE kernels, name=value,... (e.g. "
+                            "grouped=true,dot_precision=int8: batched windows on int8 tensor-core products); default: "
+                            "the measured defaults (ops/moe.py LaunchConfig)")
 
     # --- server --------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address the server binds")

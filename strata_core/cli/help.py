@@ -38,8 +38,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "server": SERVER,
     # the kernel choices (CUDA) are there to compare each with the torch form it replaces
     "debug": ("cuda_graphs", "overlap_windows", "batch_invariant", "dense_q8", "fused_norms", "device_sdpa", "mla_kernel",
-              "deltanet_chunked", "fused_expert_ffn", "miss_read", "prefill_timing", "decode_timing", "dbg_nan",
-              "dbg_handoff", "plugins", "disable_plugin_autoload"),
+              "deltanet_chunked", "fused_expert_ffn", "miss_read", "moe_config", "prefill_timing", "decode_timing",
+              "dbg_nan", "dbg_handoff", "plugins", "disable_plugin_autoload"),
 }
 
 #: options ``--help`` lists by flag only, after their group's others (``--help-all`` describes them)
@@ -56,7 +56,8 @@ BRIEF = frozenset(GROUPS["debug"]) | {
 SHORTCUTS = {"model": "m", "max-context": ["c", "ctx-size"], "max-tokens": "n", "prompt": "p", "file": "f"}
 
 #: metavars by field name, where the type's (``N``, ``X``, ``PATH``) says too little
-_METAVARS = {"host": "ADDR", "api_key": "KEY", "model_alias": "NAME", "strategy": "NAME", "strategy_options": "K=V", "file": "PATH",
+_METAVARS = {"host": "ADDR", "api_key": "KEY", "model_alias": "NAME", "strategy": "NAME", "strategy_options": "K=V",
+             "moe_config": "K=V", "file": "PATH",
              "dtype": "TYPE", "kv_type": "TYPE", "dist_init_addr": "HOST:PORT",
              "spec": "MODE"}  # --spec: off, ngram or mtp (its description)
 _TYPE_METAVARS: dict[Any, str] = {int: "N", float: "X", str: "TEXT", Path: "PATH"}
