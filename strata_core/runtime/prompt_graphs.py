@@ -66,7 +66,7 @@ class PromptGraphs:
         self._versions: tuple[int, ...] | None = None
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
-        self.failed: str | None = None  # a capture failed: prompt passes run eagerly from then on
+        self.failed: str | None = None  # a graph failed: prompt passes run eagerly from then on
 
     # --- when a pass replays -----------------------------------------------------------------------
 
@@ -125,7 +125,7 @@ class PromptGraphs:
         cu = torch.cat([torch.zeros(1, dtype=torch.int32), ends, torch.full((absent,), n, dtype=torch.int32),
                         torch.tensor([size], dtype=torch.int32)])  # [max_sessions + 2]
         last = torch.cat([(ends - 1).long(), torch.zeros(absent, dtype=torch.int64)])  # [max_sessions]
-        positions = torch.cat([torch.arange(n) for n in batch.lengths] + [torch.zeros(pad, dtype=torch.int64)])
+        positions = torch.cat([*map(torch.arange, batch.lengths), torch.zeros(pad, dtype=torch.int64)])
         rows = [s.kv.paged(self.layers.start, length, "k")[-1] for s, length in zip(batch.sessions, batch.lengths)]
         rows.append(self._padding_row().expand(pad))
         return {"tokens": torch.cat([batch.tokens, batch.tokens.new_zeros(pad)]), "positions": positions,
