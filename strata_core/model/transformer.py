@@ -17,9 +17,9 @@ from strata_core.experts.rows import ExpertRows
 from strata_core.model.head_split import HeadSplit
 from strata_core.model.kernels import ForwardKernels
 from strata_core.model.kvcache import KVCache
-from strata_core.model.packed import PackedKV
 from strata_core.model.ops import (ATTN_BLOCK, apply_rope, dequantized_sdpa, masked_attention, norm_rope,
                                    packed_causal_attention, plain_inv_freq, rms_norm, rope_cos_sin, sdpa_attention)
+from strata_core.model.packed import PackedKV
 from strata_core.model.spec import ModelSpec
 from strata_core.model.weights import DenseWeights
 from strata_core.ops.cpu_kernels import (add_rms_norm_cpu, attention_cpu, cpu_kernels, linear_cpu, norm_rope_cpu,

@@ -32,7 +32,7 @@ from strata_core.model.packed import PackedKV
 from strata_core.model.transformer import MoEModel
 from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graphs import _Graph, _staged, account, capture_graph
-from strata_core.runtime.session import PromptBatch, Session
+from strata_core.runtime.session import PromptBatch
 
 __all__ = ["PROMPT_BUCKETS", "PromptGraphs", "prompt_bucket"]
 
