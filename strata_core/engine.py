@@ -307,9 +307,12 @@ class Engine:
 
     def capture_decode_graphs(self, sessions: int) -> None:
         """Capture the CUDA graphs of decode windows of up to ``sessions`` sessions now (see
-        ``Runner.capture_buckets``), and of prompt passes of new sessions where they apply
-        (``Runner.capture_prompts``), so serving them never captures."""
+        ``Runner.capture_buckets``), so serving them never captures."""
         self.runner.capture_buckets(sessions)
+
+    def capture_prompt_graphs(self) -> None:
+        """Capture the CUDA graphs of prompt passes of new sessions now, where they apply
+        (``Runner.capture_prompts``), so serving them never captures."""
         self.runner.capture_prompts()
 
     def warm_up_prompts(self) -> None:

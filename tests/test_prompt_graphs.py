@@ -145,7 +145,7 @@ def test_replayed_prompt_passes_equal_eager_ones_without_a_host_sync(tiny_model_
     results = []
     for graphs in (False, True):
         engine = _cuda_engine(path, graphs)
-        engine.capture_decode_graphs(2)
+        engine.capture_prompt_graphs()
         sessions = [engine.new_session() for _ in prompts]
         extra = engine.new_session()  # the same prompt once more, alone: what the other engine counts too
         extra.kv.reserve(len(prompts[0]))

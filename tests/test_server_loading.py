@@ -45,7 +45,7 @@ def test_health_says_loading_until_the_model_is_ready(monkeypatch: pytest.Monkey
                 break
         assert ready.json()["status"] == "ok" and ready.json()["progress"] == 1.0
         assert loaded[0].captured == StrataSettings().parallel  # the decode graphs of every slot count, before serving
-        assert loaded[0].warmed  # and the prompt path
+        assert loaded[0].prompts_captured and loaded[0].warmed  # and the prompt graphs, and the prompt path
         done = httpx.post(f"{url}/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2})
         assert done.status_code == 200
 

@@ -224,6 +224,10 @@ class FakeEngine:
         self._check_thread()
         self.captured = sessions  # what a server's start asked to capture
 
+    def capture_prompt_graphs(self) -> None:
+        self._check_thread()
+        self.prompts_captured = True  # a server's start captured the prompt graphs
+
     def warm_up_prompts(self) -> None:
         self._check_thread()
         self.warmed = True  # a server's start warmed the prompt path

@@ -40,7 +40,7 @@ def main() -> None:
     cache = args.expert_cache if args.expert_cache == "auto" else int(args.expert_cache)
     engine = Engine.load(args.model, devices=[args.device], arena="pinned", expert_cache=cache, max_context=9000,
                          cuda_graphs=not args.eager)
-    engine.runner.capture_prompts()  # as a server's start does: no capture in a timed pass
+    engine.capture_prompt_graphs()  # as a server's start does: no capture in a timed pass
     gen = torch.Generator().manual_seed(0)
 
     def sync() -> None:

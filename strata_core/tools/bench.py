@@ -175,7 +175,7 @@ def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: 
               sessions: tuple[int, ...] = (1,), sampled: bool = False) -> list[BenchResult]:
     """Every prefill and decode figure (decode once per count of concurrent ``sessions``; with ``sampled``
     also as greedy generation feeds it), in order, after an untimed :func:`warm_up` and the capture of the
-    decode graphs of every batch bucket up to the most sessions."""
+    prompt graphs and of the decode graphs of every batch bucket up to the most sessions."""
     need = max(prompts + [c + steps for c in contexts])
     if need > engine.max_context:
         model_limit = engine.max_context == engine.spec.context_length
@@ -183,8 +183,9 @@ def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: 
                           + ("the model's context length; lower --prompts / --contexts)" if model_limit else
                              "raise --max-context, or lower --prompts / --contexts)"))
     warm_up(engine, min(max(prompts, default=64), engine.settings.prefill_chunk))
+    engine.capture_prompt_graphs()  # as a server's start does: no capture in a timed pass or window
     if contexts:
-        engine.capture_decode_graphs(max(sessions))  # as a server's start does: no capture in a timed window
+        engine.capture_decode_graphs(max(sessions))
     results = [bench_prefill(engine, n, repeats) for n in prompts]
     results += [bench_decode(engine, c, steps, repeats, n, feed) for c in contexts for n in sessions
                 for feed in ((False, True) if sampled else (False,))]

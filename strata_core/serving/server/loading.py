@@ -73,6 +73,7 @@ class ServiceLoader:
             if self._owned:
                 self._engine = await self.worker.call(Engine.from_settings, settings, self._loaded)
                 await self.worker.call(self._engine.capture_decode_graphs, settings.parallel)
+                await self.worker.call(self._engine.capture_prompt_graphs)
                 await self.worker.call(self._engine.warm_up_prompts)
                 freeze_loaded()  # no full collection scanning the engine in the middle of a request
         except Exception as error:  # noqa: BLE001 - reported to on_error, which stops the server
