@@ -32,9 +32,9 @@ from strata_core.model.packed import PackedKV
 from strata_core.model.transformer import MoEModel
 from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graphs import _Graph, _staged, account, capture_graph
-from strata_core.runtime.session import PromptBatch
+from strata_core.runtime.session import PromptBatch, Session
 
-__all__ = ["PROMPT_BUCKETS", "PromptGraphs", "prompt_bucket"]
+__all__ = ["PROMPT_BUCKETS", "PromptGraphs", "prompt_bucket", "why_not_packed"]
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,26 @@ PROMPT_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4
 def prompt_bucket(n: int, largest: int = PROMPT_BUCKETS[-1]) -> int | None:
     """The token count a pass of ``n`` tokens is padded to, or None beyond ``largest``."""
     return next((b for b in PROMPT_BUCKETS if n <= b <= largest), None)
+
+
+def why_not_packed(model: MoEModel, experts: ExpertBackend, slot: int, layers: range, device: torch.device,
+                   padding: Session, name: str) -> str | None:
+    """Why the prompt passes of device slot ``slot`` (``name``, on CUDA ``device``, computing ``layers``) cannot
+    be captured, from the GPU, the model, the KV and the expert cache; None when they can (``padding``: the
+    padding session, whose KV says the pools' format and homes)."""
+    if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(device) < (9, 0):
+        return "the grouped prefill reads its counts on the host below compute capability 9.0"
+    dtype = model.weights.globals["token_embd.weight"].dtype
+    if not model.packs_prompts or dtype not in (torch.bfloat16, torch.float16):
+        return "the model's prompt attention is not the plain packed one in bf16 / fp16"
+    if padding.kv.kv_format is not None:
+        return "a quantized KV cache"
+    rows = experts.rows_for(slot, "prompt")
+    if not rows.grouped or not all(rows.holds_every_expert(layer) for layer in layers):
+        return f"the expert cache of {name} does not hold every expert of every layer"
+    if any(padding.kv.home[layer] != slot for layer in layers):
+        return "the decode placement keeps a layer on another device slot"
+    return None
 
 
 class PromptGraphs:

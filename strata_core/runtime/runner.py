@@ -39,7 +39,7 @@ from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
 from strata_core.runtime.invariance import check_batch_invariant, moe_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
-from strata_core.runtime.prompt_graphs import PROMPT_BUCKETS, PromptGraphs
+from strata_core.runtime.prompt_graphs import PROMPT_BUCKETS, PromptGraphs, why_not_packed
 from strata_core.runtime.session import UNSET, DecodeBatch, LogitsWanted, PromptBatch, Session
 
 __all__ = ["HiddenSink", "Runner"]
@@ -392,19 +392,8 @@ class Runner:
         device = self.device_of(segments[0])
         if device.type != "cuda" or (self._remote is not None and self._remote.remote(segments[0])):
             return f"the prompt runs on {self.devices[slot]}, not a local CUDA device"
-        if not hasattr(torch, "_grouped_mm") or torch.cuda.get_device_capability(device) < (9, 0):
-            return "the grouped prefill reads its counts on the host below compute capability 9.0"
-        dtype = self.model.weights.globals["token_embd.weight"].dtype
-        if not self.model.packs_prompts or dtype not in (torch.bfloat16, torch.float16):
-            return "the model's prompt attention is not the plain packed one in bf16 / fp16"
-        if self._padding.session.kv.kv_format is not None:
-            return "a quantized KV cache"
-        rows = self.experts.rows_for(slot, "prompt")
-        if not rows.grouped or not all(rows.holds_every_expert(layer) for layer in segments[0].layers):
-            return f"the expert cache of {self.devices[slot]} does not hold every expert of every layer"
-        if any(self._padding.session.kv.home[layer] != slot for layer in segments[0].layers):
-            return "the decode placement keeps a layer on another device slot"
-        return None
+        return why_not_packed(self.model, self.experts, slot, segments[0].layers, device, self._padding.session,
+                              str(self.devices[slot]))
 
     # --- the decode loop ---------------------------------------------------------------------------
 
