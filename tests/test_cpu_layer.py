@@ -181,8 +181,9 @@ def test_qkv_rope_checks_every_row_before_writing():
     g = torch.Generator().manual_seed(3)
     qkv, wq, wk, inv_freq = _qkv_case(g, 2, 2, 1, 8, True)
     keys, values = torch.zeros(4, 1, 8), torch.zeros(4, 1, 8)
-    for positions, row_ids in ((torch.tensor([0, 5]), torch.arange(4)), (torch.tensor([0, 1]), torch.tensor([1, 4]))):
-        with pytest.raises(RuntimeError, match="outside"):
+    for positions, row_ids, what in ((torch.tensor([0, 5]), torch.arange(4), "a position outside the 4 row ids"),
+                                     (torch.tensor([0, 1]), torch.tensor([1, 4]), "a row outside the 4 rows")):
+        with pytest.raises(ValueError, match=what):
             qkv_rope_cpu(qkv, wq, wk, 1e-6, positions, inv_freq, 1.0, 2, 1, keys, values, row_ids)
         assert not keys.any() and not values.any()
 

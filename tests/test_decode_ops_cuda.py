@@ -14,7 +14,8 @@ from strata_core.ops.moe import moe_decode
 from test_kernels import experts, op_args
 from test_kernels_cuda import _moe_case, rel
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+              pytest.mark.usefixtures("float_cpu_kernels")]  # CUDA's float products against the CPU's
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

@@ -41,6 +41,7 @@ def _windows(engine: Engine, prompt_lens: list[int], steps: int) -> list[torch.T
 
 
 @needs_cuda
+@pytest.mark.usefixtures("float_cpu_kernels")  # CUDA's float products against the CPU's: the CPU kernels' float bodies
 @pytest.mark.parametrize("dtype, rel", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_fused_kernels_apply_biases_and_swiglu_oai(dtype, rel):
     """MXFP4 experts of hidden 256 / FFN 256: ``moe_pair_rows`` and ``moe_decode`` on CUDA (misses in

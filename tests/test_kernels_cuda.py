@@ -24,7 +24,8 @@ from strata_core.quant import dequantize, random_blocks
 
 from test_kernels import experts, masked_reference, op_args
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton")
+pytestmark = [pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), reason="needs CUDA and Triton"),
+              pytest.mark.usefixtures("float_cpu_kernels")]  # CUDA's float products against the CPU's
 DEV = torch.device("cuda:0")
 
 

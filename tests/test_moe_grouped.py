@@ -37,6 +37,7 @@ needs_cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAS_TRITON), 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
 DEVICES = [pytest.param("cuda", marks=needs_cuda),
            pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRET, reason="needs TRITON_INTERPRET=1"))]
+pytestmark = pytest.mark.usefixtures("float_cpu_kernels")  # the kernels' float products against the CPU's
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 #: gate, up and down types covering every format the kernels decode
 TRIPLES = [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0,) * 3, (T.Q5_K, T.Q6_K, T.IQ4_XS), (T.Q2_K, T.Q3_K, T.MXFP4),

@@ -287,7 +287,7 @@ class CachedExpertRows:
         with self.telemetry.compute(self.device):
             out, ids = route_slot_ffn_cpu(hidden, router, k, norm, scale, min_sum, slots, self.usage.row(layer, T),
                                           chain.own.padded, (0, g_bytes, g_bytes + u_bytes), fmt.qtypes,
-                                          fmt.shapes[0][0])  # [T, H], [T, k]
+                                          fmt.shapes[0][0], check_slots=False)  # [T, H], [T, k]: a layer held whole
         self._served_whole(fmt, routed_experts(ids))
         return out
 

@@ -238,7 +238,7 @@ class MoEModel:
         qkv, inv_freq, mscale = self._cpu_qkv_product(layer, x)
         keys, values, row_ids = kv.write_pools(layer)  # [blocks, block size, nkv, D] each, int64 row per position
         return qkv_rope_cpu(qkv, *self._qk_norms(layer, x.device), s.rms_norm_eps, positions, inv_freq, mscale,
-                            s.n_heads, s.n_kv_heads, keys, values, row_ids)  # [T, nh, D]
+                            s.n_heads, s.n_kv_heads, keys, values, row_ids, check_rows=False)  # [T, nh, D]: the cache's rows
 
     def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

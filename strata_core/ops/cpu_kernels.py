@@ -231,14 +231,17 @@ def slot_ffn_cpu(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Seq
 
 def route_slot_ffn_cpu(x: Tensor, router: Tensor, k: int, norm: bool, scale: float, min_sum: float, slots: Tensor,
                        counts: Tensor, buffer: Tensor, offsets: Sequence[int], qtypes: Sequence[int],
-                       ffn_dim: int) -> tuple[Tensor, Tensor]:
+                       ffn_dim: int, check_slots: bool = True) -> tuple[Tensor, Tensor]:
     """``(out [T, H] float32, ids [T, k] int64)``: the routed experts of normed float32 rows ``x [T, H]`` in one
     call. The router's product ``x @ router.T`` (``linear_cpu``), ``route_cpu``'s ids and weights of it, pair
     p's expert in row ``slots[ids[p]]`` of ``buffer`` (int64 ``slots [E]``) with ``counts[ids[p]] += 1`` (int64
     ``[E]``, in place), ``slot_ffn_cpu`` of the pairs and ``combine_cpu`` of their rows: the bits of those ops
-    one after another. Needs :func:`cpu_kernels`; matrices that do not fit ``buffer``'s rows are a ValueError
-    (checked here, as for ``slot_ffn_cpu``), a slot outside its rows an error before anything is counted."""
+    one after another. Needs :func:`cpu_kernels`; matrices that do not fit ``buffer``'s rows and a slot outside
+    its rows are a ValueError before anything is counted (checked here, as for ``slot_ffn_cpu``), the slots
+    unless ``check_slots`` is False: the caller vouches for them (a cache's slots of a layer it holds whole)."""
     _ffn_fits("route_slot_ffn_cpu", x.shape[1], buffer.shape[1], tuple(offsets), tuple(qtypes), ffn_dim)
+    if check_slots:
+        _check_ids("route_slot_ffn_cpu", "an expert's slot", slots, buffer.shape[0], "rows of the buffer")
     return torch.ops.strata.route_slot_ffn_cpu(x, router, k, norm, scale, min_sum, slots, counts, buffer,
                                                list(offsets), list(qtypes), ffn_dim)
 
@@ -258,11 +261,8 @@ def attention_cpu(q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, wi
     in place, the same bits as its rows gathered first. Needs :func:`cpu_kernels`; a row id outside ``keys``
     is a ValueError (checked here, as for ``qlinear_grouped``), unless ``check_rows`` is False: the caller
     vouches for them (a KV cache's row ids into its own pool), and no value is read back per call."""
-    if check_rows and rows is not None and rows.numel():
-        low, high = (int(v) for v in torch.aminmax(rows))
-        if low < 0 or high >= keys.shape[0]:
-            raise ValueError(f"attention_cpu: a row id outside the {keys.shape[0]} rows of keys "
-                             f"(ids {low}..{high})")
+    if check_rows and rows is not None:
+        _check_ids("attention_cpu", "a row id", rows, keys.shape[0], "rows of keys")
     return torch.ops.strata.attention_cpu(q.contiguous(), keys.contiguous(), values.contiguous(),
                                           positions.to(torch.long), window or 0, sinks, rows)
 
@@ -291,12 +291,18 @@ def norm_rope_cpu(x: Tensor, weight: Tensor | None, eps: float, positions: Tenso
 
 def qkv_rope_cpu(qkv: Tensor, q_weight: Tensor | None, k_weight: Tensor | None, eps: float, positions: Tensor,
                  inv_freq: Tensor, mscale: float, n_heads: int, n_kv_heads: int, keys: Tensor, values: Tensor,
-                 row_ids: Tensor) -> Tensor:
+                 row_ids: Tensor, check_rows: bool = True) -> Tensor:
     """Queries ``[T, nh, D]`` float32 of a q/k/v product's rows ``qkv [T, (nh + 2 nkv) D]`` (a view whose last
     dim is contiguous is read in place): its q heads as ``norm_rope_cpu`` gives them; its k heads the same way
     (``k_weight``) and its v heads as they are written into row ``row_ids[positions[t]]`` of the pools ``keys``
     / ``values`` (contiguous float32 rows ``[..., nkv, D]``, written in place). Needs :func:`cpu_kernels`; a
-    position or row outside the tables is an error before anything is written."""
+    position or row outside the tables is a ValueError before anything is written (checked here, as for
+    ``qlinear_grouped``), unless ``check_rows`` is False: the caller vouches for them (a KV cache's row ids for
+    its session's positions)."""
+    if check_rows:
+        _check_ids("qkv_rope_cpu", "a position", positions, row_ids.shape[0], "row ids")
+        head_rows = qkv.shape[1] // (n_heads + 2 * n_kv_heads) * n_kv_heads  # floats a pool row holds
+        _check_ids("qkv_rope_cpu", "a row", row_ids[positions], keys.numel() // max(1, head_rows), "rows of the pools")
     return torch.ops.strata.qkv_rope_cpu(qkv, q_weight, k_weight, eps, positions.to(torch.long), inv_freq, mscale,
                                          n_heads, n_kv_heads, keys, values, row_ids)
 
@@ -346,6 +352,15 @@ def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out:
         if w.dtype != torch.uint8 or w.device.type != "cpu" or w.numel() != want:
             raise ValueError(f"qlinear_grouped: weight {i} is {w.numel()} {w.dtype} on {w.device}, expected "
                              f"{want} uint8 bytes on the CPU")
+
+
+def _check_ids(op: str, what: str, ids: Tensor, n: int, of: str) -> None:
+    """ValueError unless every value of ``ids`` lies in ``[0, n)`` (``what``: the values' name, ``of``: the
+    ``n`` things they index)."""
+    if ids.numel():
+        low, high = (int(v) for v in torch.aminmax(ids))
+        if low < 0 or high >= n:
+            raise ValueError(f"{op}: {what} outside the {n} {of} (values {low}..{high})")
 
 
 def _check_slots(x: Tensor, rep: int, buffer: Tensor, slot: Tensor, offsets: Sequence[int], qtype: int,
