@@ -176,8 +176,8 @@ class StrataSettings(BaseSettings):
         "(staged) or zero-copy over the host link (direct)"
     )
     moe_config: str = Field("", description="launch fields of the CUDA MoE kernels, name=value,... (e.g. "
-                            "grouped=true,dot_precision=int8: batched windows on int8 tensor-core products); default: "
-                            "the measured defaults (ops/moe.py LaunchConfig)")
+                            "design=split: batched windows on the per-pair kernels too); default: the measured "
+                            "defaults (ops/moe.py LaunchConfig)")
 
     # --- server --------------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="address the server binds")

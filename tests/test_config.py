@@ -100,5 +100,5 @@ def test_moe_config_becomes_the_kernels_default_launch(tiny_model_factory, monke
 
     monkeypatch.setattr(moe, "_launch", [moe.DEFAULT_LAUNCH])  # the process's default, put back after the test
     Engine.load(tiny_model_factory(expert_type="Q4_0", n_layers=2), devices=["cpu"], max_context=32,
-                moe_config="grouped=true, dot_precision=int8,bm=32")
-    assert moe.launch_config() == dataclasses.replace(moe.DEFAULT_LAUNCH, grouped=True, dot_precision="int8", bm=32)
+                moe_config="grouped=true, dot_precision=bf16,bm=32")
+    assert moe.launch_config() == dataclasses.replace(moe.DEFAULT_LAUNCH, grouped=True, dot_precision="bf16", bm=32)

@@ -8,7 +8,6 @@
 # which outlives the call; STAGE=2 in a later call within the machine's idle window waits for it, then runs it). Results go to $OUT/serve-results.tgz
 # after every step (a call past its limit still returns them): do not pipe the output through `tail`.
 #   RUNS="full half longprompt spec" bash tools/gpu_serve_bench.sh   # this tree's servers (after gpu_suite.sh)
-#   RUNS="full int8" bash tools/gpu_serve_bench.sh                  # batched windows on the int8 grouped MoE too
 #   RUNS="before-half sessions" BEFORE=.before bash tools/gpu_serve_bench.sh
 #   STAGE=2 LLAMACPP=.llamacpp bash tools/gpu_serve_bench.sh     # llama-batched-bench
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -80,7 +79,6 @@ if [ "${STAGE:-1}" = 1 ]; then
   [ -f $MODEL ] || strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K $MODEL > "$RES/synth.log" 2>&1
   step "model ready"
   server after full "1 8 32" --parallel 32
-  server after int8 "8 32" --parallel 32 --moe-config grouped=true,dot_precision=int8  # batched windows on int8 MMA
   server after step512 "8" --parallel 8 --step-tokens 512
   server after half "8" --parallel 8 --expert-cache 3072
   longprompt

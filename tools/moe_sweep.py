@@ -76,16 +76,13 @@ VARIANTS: list[C] = [
     C(fast_q4k=False),
     C(design="loop", bn_gate_up=4, bn_combine=2),
 ]
-#: ``--grouped``: the split design first (the per-pair kernels a single token takes), the q8 design (every
-#: window q8), the grouped design on int8 tensor-core products and its variants, the q8 design's variants, then
-#: the grouped design in bf16 (every window grouped)
+#: ``--grouped``: the split design first (the per-pair kernels a single token takes), then the q8 design
+#: (every window q8) and its variants, then the grouped design (every window grouped)
 G = dict(grouped=True, grouped_pairs=1)
 Q8 = dict(design="q8", q8_pairs=1)
 GROUPED_VARIANTS: list[C] = [
     C(design="split"),
     C(**Q8),
-    *(C(**G, dot_precision="int8", **f) for f in (dict(), dict(bn_grouped=64), dict(bn_grouped=128), dict(kt=128),
-                                                 dict(bn_grouped=64, warps_grouped=8), dict(bm=32))),
     *(C(**Q8, **f) for f in (dict(warps_q8=4), dict(tile=8192), dict(bn_gate_up=8), dict(bn_combine=8),
                              dict(bn_gate_up=2), dict(bn_combine=32), dict(bn_gate_up=8, bn_combine=32))),
     C(**G, dot_precision="bf16"),

@@ -117,9 +117,7 @@ class LaunchConfig:
     ``dot_precision``: ``tl.dot``'s input precision for the float32 operands (``"ieee"``: FMAs,
     ``bm`` of them per decoded weight; ``"tf32x3"``: three tensor-core products, within ~1e-6 of
     float32; ``"tf32"``: one, ~1e-3) or ``"bf16"`` (both operands rounded to bf16); accumulation is float32 in
-    every case. ``"int8"``: a Q4_K matrix with aligned rows on bf16 / fp16 activations is dotted as the q8
-    design dots it (activations quantized per 32 values), with int8 ``tl.dot`` s on the tensor cores (exact
-    int32 sums, each sub-block scaled once); other matrices as ``"bf16"``.
+    every case.
     """
 
     design: str = "q8"
@@ -168,7 +166,7 @@ class LaunchConfig:
 
 
 #: The values of ``LaunchConfig.dot_precision``.
-DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16", "int8")
+DOT_PRECISIONS = ("ieee", "tf32x3", "tf32", "bf16")
 
 
 #: The launch configuration of the CUDA kernels outside any ``launched_with``.
@@ -178,7 +176,7 @@ _launch = [DEFAULT_LAUNCH]  # the innermost ``launched_with``'s config last
 
 
 def parse_launch(spec: str, base: LaunchConfig = DEFAULT_LAUNCH) -> LaunchConfig:
-    """``base`` with the fields ``spec`` names replaced (``name=value,...``, e.g. ``grouped=True,dot_precision=int8``);
+    """``base`` with the fields ``spec`` names replaced (``name=value,...``, e.g. ``grouped=True,dot_precision=bf16``);
     a ValueError names an unknown field or a value the field cannot take."""
     kinds = {f.name: f.type for f in dataclasses.fields(LaunchConfig)}
     changes: dict[str, object] = {}

@@ -34,7 +34,6 @@ from strata_core.ops import moe
 from strata_core.ops.moe import _shapes
 from strata_core.ops.moe_grouped_kernels import (_align_kernel, _combine_pairs_kernel, _grouped_down_kernel,
                                                   _grouped_gate_up_kernel)
-from strata_core.ops.moe_q8 import quantize_q8
 from strata_core.ops.moe_sources import Sources, aligned16, or_unread
 from strata_core.ops.qdecode import block_geometry, table
 
@@ -77,28 +76,14 @@ def grouped_gate_up(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int
     h = torch.empty((sorted_.shape[0], F_), dtype=torch.float32, device=x.device)  # [R, F]
     bsg, tsg, subg, fastg = _geometry(qtypes[0], sources, 0, nbytes[0] // F_)
     bsu, tsu, subu, fastu = _geometry(qtypes[1], sources, nbytes[0], nbytes[1] // F_)
-    q8 = _takes_int8(x, fastg and fastu)
-    xq, xd, xs = _quantized(x) if q8 else (x, x, x)
     _grouped_gate_up_kernel[(sorted_.shape[0] // cfg.bm, triton.cdiv(F_, cfg.bn_grouped))](
-        x, xq, xd, xs, h, sorted_, total, *sources.args, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, P, topk,
+        x, h, sorted_, total, *sources.args, table(qtypes[0], x.device), table(qtypes[1], x.device), F_, H, P, topk,
         nbytes[0], nbytes[0] // F_, nbytes[1] // F_, or_unread(ffn.gate_bias, h), or_unread(ffn.up_bias, h), expert,
         float(ffn.alpha), float(ffn.limit), QG=int(qtypes[0]), BSG=bsg, TSG=tsg, SUBG=subg, FASTG=fastg,
         QU=int(qtypes[1]), BSU=bsu, TSU=tsu, SUBU=subu, FASTU=fastu, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt,
         BY_PAIR=sources.staged, BIAS=ffn.gate_bias is not None, OAI=ffn.activation == "swiglu_oai",
-        PREC=cfg.dot_precision, Q8=q8, num_warps=cfg.warps_grouped)
+        PREC=cfg.dot_precision, num_warps=cfg.warps_grouped)
     return h, sorted_, total
-
-
-def _takes_int8(x: Tensor, fast: bool) -> bool:
-    """Whether a matrix takes the int8 products (``dot_precision="int8"``): Q4_K read fast (``fast``) on
-    bf16 / fp16 activations (float32 ones keep their precision, as in the q8 design)."""
-    return moe.launch_config().dot_precision == "int8" and fast and x.dtype != torch.float32
-
-
-def _quantized(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``x [R, K]``'s int8 codes ``[R, K]``, scales and sums ``[R, K/32]`` (``quantize_q8``)."""
-    words, scales, sums = quantize_q8(x)
-    return words.view(torch.int8), scales, sums
 
 
 def grouped_rows(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], shapes: Sequence[int],
@@ -115,14 +100,12 @@ def grouped_rows(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], 
     P = expert.shape[0]
     rows = torch.empty((P, H2), dtype=dtype, device=x.device)  # [P, H]
     bs, ts, sub, fast = _geometry(qtypes[2], sources, nbytes[0] + nbytes[1], nbytes[2] // H2)
-    q8 = _takes_int8(x, fast)
-    hq, hd, hs = _quantized(h) if q8 else (h, h, h)
     _grouped_down_kernel[(sorted_.shape[0] // cfg.bm, triton.cdiv(H2, cfg.bn_grouped))](
-        h, hq, hd, hs, rows, sorted_, total, *sources.args, table(qtypes[2], x.device), H2, F2, P, nbytes[0] + nbytes[1],
+        h, rows, sorted_, total, *sources.args, table(qtypes[2], x.device), H2, F2, P, nbytes[0] + nbytes[1],
         nbytes[2] // H2, or_unread(ffn.down_bias, h), expert, or_unread(served, h), or_unread(served_rows, h),
         QT=int(qtypes[2]), BS=bs, TS=ts, SUB=sub, FAST=fast, BM=cfg.bm, BN=cfg.bn_grouped, KT=cfg.kt,
         BY_PAIR=sources.staged, BIAS=ffn.down_bias is not None, SERVED=served is not None, PREC=cfg.dot_precision,
-        Q8=q8, num_warps=cfg.warps_grouped)
+        num_warps=cfg.warps_grouped)
     return rows
 
 

@@ -82,9 +82,8 @@ def _tile(w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS: tl.constexpr, TS
 @triton.jit
 def _dot(a, w, acc, PREC: tl.constexpr):
     """``acc + a @ w.T`` (``a [BM, KT]``, ``w [BN, KT]`` float32, ``acc [BM, BN]`` float32): ``PREC`` is
-    ``tl.dot``'s input precision, or ``"bf16"`` (and ``"int8"`` for a matrix without the int8 path): both
-    operands rounded to bf16."""
-    if PREC == "bf16" or PREC == "int8":
+    ``tl.dot``'s input precision, or ``"bf16"``: both operands rounded to bf16."""
+    if PREC == "bf16":
         out = tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)), acc)
     else:
         out = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
@@ -131,61 +130,27 @@ def _step(acc, arow, real, w, cols, row_bytes, k0, K, tab, QT: tl.constexpr, BS:
 
 
 @triton.jit
-def _step_q8(acc, qrow, drow, srow, real, w, cols, row_bytes, k0, K, BS: tl.constexpr, TS: tl.constexpr,
-             BN: tl.constexpr, KT: tl.constexpr):
-    """``_step`` of a Q4_K matrix with 16-byte aligned rows on int8 activations (``quantize_q8``: the codes at
-    ``qrow [BM, 1]``, each 32 values' scale and sum at ``drow`` / ``srow``): per 64-value chunk the low and
-    the high nibbles (sub-blocks 2c and 2c + 1) as int8 tiles, each an int8 ``tl.dot`` with the codes (exact
-    int32 sums on the tensor cores), scaled once per (row, sub-block): ``d * scale * xd * sum - dmin * min * xs``
-    (the q8 design's formula, moe_q8_kernels.py)."""
-    wv = tl.arange(0, 32)[None, :]
-    for ci in tl.static_range(KT // 64):
-        kc = k0 + ci * 64
-        q, s0, m0, s1, m1 = _q4_k_chunk(w, cols, row_bytes, kc, K, BS, TS)
-        live = real & (kc < K)  # [BM]
-        mask = live[:, None]
-        lo = tl.load(qrow + kc + wv, mask=mask, other=0)  # [BM, 32] int8
-        hi = tl.load(qrow + kc + 32 + wv, mask=mask, other=0)
-        sb = kc // 32
-        xd0, xd1 = tl.load(drow + sb, mask=live, other=0.0), tl.load(drow + sb + 1, mask=live, other=0.0)  # [BM]
-        xs0, xs1 = tl.load(srow + sb, mask=live, other=0.0), tl.load(srow + sb + 1, mask=live, other=0.0)
-        dot0 = tl.dot(lo, tl.trans((q & 15).to(tl.int8)), out_dtype=tl.int32).to(tl.float32)  # [BM, BN]
-        dot1 = tl.dot(hi, tl.trans((q >> 4).to(tl.int8)), out_dtype=tl.int32).to(tl.float32)
-        acc += (xd0[:, None] * s0[None, :] * dot0 - xs0[:, None] * m0[None, :]
-                + xd1[:, None] * s1[None, :] * dot1 - xs1[:, None] * m1[None, :])
-    return acc
-
-
-@triton.jit
-def _grouped_gate_up_kernel(x, xq, xd, xs, h, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride,
-                            miss_base, miss_stride, tab_g, tab_u, N, K, P, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias,
-                            up_bias, expert_ptr, ALPHA, LIMIT, QG: tl.constexpr, BSG: tl.constexpr,
-                            TSG: tl.constexpr, SUBG: tl.constexpr, FASTG: tl.constexpr, QU: tl.constexpr,
-                            BSU: tl.constexpr, TSU: tl.constexpr, SUBU: tl.constexpr, FASTU: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr, BY_PAIR: tl.constexpr,
-                            BIAS: tl.constexpr, OAI: tl.constexpr, PREC: tl.constexpr, Q8: tl.constexpr):
+def _grouped_gate_up_kernel(x, h, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base,
+                            miss_stride, tab_g, tab_u, N, K, P, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias, up_bias,
+                            expert_ptr, ALPHA, LIMIT, QG: tl.constexpr, BSG: tl.constexpr, TSG: tl.constexpr,
+                            SUBG: tl.constexpr, FASTG: tl.constexpr, QU: tl.constexpr, BSU: tl.constexpr,
+                            TSU: tl.constexpr, SUBU: tl.constexpr, FASTU: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, KT: tl.constexpr, BY_PAIR: tl.constexpr, BIAS: tl.constexpr,
+                            OAI: tl.constexpr, PREC: tl.constexpr):
     """Program (b, n): ``h[row, cols] = act(gate x, up x)`` (float32; ``_act``, the biases first with
     ``BIAS``) for the ``BM`` rows of block b (one expert's pairs, token ``pair // TOPK``; a padding row's
     activations are zero) and the gate / up rows ``cols = [n*BN, (n+1)*BN)``; a block past the rows in
-    use exits. ``Q8`` (gate and up both Q4_K with aligned rows): on the tokens' int8 codes ``xq [T, K]``, scales
-    and sums ``xd`` / ``xs [T, K/32]`` (``_step_q8``) instead of ``x``."""
+    use exits."""
     b = tl.program_id(0)
     if b * BM < tl.load(total_ptr):
         rows, pair, real, p0, cols, keep = _block(b, sorted_ptr, P, N, BM, BN)
         w = _pair_base(p0, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
-        token = (tl.where(real, pair, 0) // TOPK).to(tl.int64)  # [BM]
+        xrow = x + (tl.where(real, pair, 0) // TOPK).to(tl.int64)[:, None] * K  # [BM, 1]
         g = tl.zeros([BM, BN], dtype=tl.float32)
         u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, KT):
-            if Q8:
-                qrow, drow, srow = xq + token[:, None] * K, xd + token * (K // 32), xs + token * (K // 32)
-                g = _step_q8(g, qrow, drow, srow, real, w, cols, ROW_G, k0, K, BSG, TSG, BN, KT)
-                u = _step_q8(u, qrow, drow, srow, real, w + UP_OFF, cols, ROW_U, k0, K, BSU, TSU, BN, KT)
-            else:
-                xrow = x + token[:, None] * K  # [BM, 1]
-                g = _step(g, xrow, real, w, cols, ROW_G, k0, K, tab_g, QG, BSG, TSG, SUBG, FASTG, BN, KT, PREC)
-                u = _step(u, xrow, real, w + UP_OFF, cols, ROW_U, k0, K, tab_u, QU, BSU, TSU, SUBU, FASTU, BN, KT,
-                          PREC)
+            g = _step(g, xrow, real, w, cols, ROW_G, k0, K, tab_g, QG, BSG, TSG, SUBG, FASTG, BN, KT, PREC)
+            u = _step(u, xrow, real, w + UP_OFF, cols, ROW_U, k0, K, tab_u, QU, BSU, TSU, SUBU, FASTU, BN, KT, PREC)
         if BIAS:
             g += _bias(gate_bias, expert_ptr, p0, N, cols, keep)[None, :]
             u += _bias(up_bias, expert_ptr, p0, N, cols, keep)[None, :]
@@ -193,29 +158,23 @@ def _grouped_gate_up_kernel(x, xq, xd, xs, h, sorted_ptr, total_ptr, slot_ptr, m
 
 
 @triton.jit
-def _grouped_down_kernel(h, hq, hd, hs, out, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride,
-                         miss_base, miss_stride, tab, N, K, P, DOWN_OFF, ROW, down_bias, expert_ptr, served,
-                         served_rows, QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr,
+def _grouped_down_kernel(h, out, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base,
+                         miss_stride, tab, N, K, P, DOWN_OFF, ROW, down_bias, expert_ptr, served, served_rows,
+                         QT: tl.constexpr, BS: tl.constexpr, TS: tl.constexpr, SUB: tl.constexpr,
                          FAST: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, KT: tl.constexpr,
-                         BY_PAIR: tl.constexpr, BIAS: tl.constexpr, SERVED: tl.constexpr, PREC: tl.constexpr,
-                         Q8: tl.constexpr):
+                         BY_PAIR: tl.constexpr, BIAS: tl.constexpr, SERVED: tl.constexpr, PREC: tl.constexpr):
     """Program (b, n): ``out[pair, cols] = down h[row]`` (plus the down bias with ``BIAS``) for the real
     rows of block b (``h`` float32 ``[rows, K]`` in block order) and ``cols = [n*BN, (n+1)*BN)``, stored
     by pair; with ``SERVED`` a pair whose ``served`` flag is set stores its float32 row of
-    ``served_rows`` (computed elsewhere) instead. ``Q8`` (down Q4_K with aligned rows): on ``h``'s int8 codes
-    ``hq``, scales and sums ``hd`` / ``hs`` (``_step_q8``)."""
+    ``served_rows`` (computed elsewhere) instead."""
     b = tl.program_id(0)
     if b * BM < tl.load(total_ptr):
         rows, pair, real, p0, cols, keep = _block(b, sorted_ptr, P, N, BM, BN)
         w = _pair_base(p0, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR) + DOWN_OFF
+        hrow = h + rows[:, None] * K  # [BM, 1]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, KT):
-            if Q8:
-                acc = _step_q8(acc, hq + rows[:, None] * K, hd + rows * (K // 32), hs + rows * (K // 32), real, w,
-                               cols, ROW, k0, K, BS, TS, BN, KT)
-            else:
-                acc = _step(acc, h + rows[:, None] * K, real, w, cols, ROW, k0, K, tab, QT, BS, TS, SUB, FAST, BN, KT,
-                            PREC)
+            acc = _step(acc, hrow, real, w, cols, ROW, k0, K, tab, QT, BS, TS, SUB, FAST, BN, KT, PREC)
         if BIAS:
             acc += _bias(down_bias, expert_ptr, p0, N, cols, keep)[None, :]
         at = tl.where(real, pair, 0).to(tl.int64)[:, None] * N + cols[None, :]  # [BM, BN]
