@@ -55,7 +55,7 @@ def _packed_logits(engine: Engine, prompts: list[list[int]], size: int) -> tuple
     runner = engine.runner
     (segment,) = runner.segments("prompt")
     graphs = PromptGraphs(engine.model, segment.layers, engine.experts, segment.device, runner.device_of(segment),
-                          runner._padding, 4, PROMPT_BUCKETS[-1])
+                          runner._padding, 4, PROMPT_BUCKETS[-1], lambda: 0)
     sessions = [engine.new_session() for _ in prompts]
     for session, prompt in zip(sessions, prompts):
         session.kv.reserve(len(prompt))
@@ -128,6 +128,25 @@ def test_a_failed_prompt_graph_leaves_the_passes_eager(tiny_model_factory, caplo
     assert len(said) == 1 and "RuntimeError: capture" in said[0]
 
 
+def test_prompt_graphs_are_dropped_by_a_later_decode_capture_or_residency_change(tiny_model_factory):
+    """The graphs held stay while nothing changed, and go when a decode graph was captured after them or a
+    cache's residency changed (then captured again at the next pass)."""
+    engine = Engine.load(tiny_model_factory(expert_type="Q4_0", n_layers=2), devices=["cpu"], max_context=64)
+    runner, captures = engine.runner, [0]
+    (segment,) = runner.segments("prompt")
+    graphs = PromptGraphs(engine.model, segment.layers, engine.experts, segment.device, runner.device_of(segment),
+                          runner._padding, 4, PROMPT_BUCKETS[-1], lambda: captures[0])
+    table = next(iter(engine.experts.tables.values()))
+    for change in (lambda: captures.__setitem__(0, captures[0] + 1), table._publish):
+        graphs._check_still_valid()
+        graphs._graphs[16] = "a captured graph"
+        graphs._check_still_valid()
+        assert graphs._graphs == {16: "a captured graph"}
+        change()
+        graphs._check_still_valid()
+        assert graphs._graphs == {}
+
+
 # --- CUDA -----------------------------------------------------------------------------------------
 
 def _cuda_engine(path, graphs: bool) -> Engine:
@@ -165,3 +184,22 @@ def test_replayed_prompt_passes_equal_eager_ones_without_a_host_sync(tiny_model_
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
     assert got_tokens == want_tokens
     assert torch.equal(got_usage, want_usage) and got_hits == want_hits
+
+
+@needs_cuda
+def test_prompt_passes_after_a_later_decode_capture_equal_eager_ones(tiny_model_factory):
+    """Prompt graphs captured first, then decode graphs of several buckets (a tool's order, not a server's):
+    the next passes capture the prompt graphs again and give the eager engine's logits."""
+    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    prompts = [list(range(5, 60)), list(range(70, 90))]
+    results = []
+    for graphs in (False, True):
+        engine = _cuda_engine(path, graphs)
+        engine.capture_prompt_graphs()
+        engine.capture_decode_graphs(8)
+        logits = [engine.prefill(engine.new_session(), prompt) for prompt in prompts]
+        torch.cuda.synchronize()
+        results.append(torch.stack(logits).float().cpu())
+        if graphs:
+            assert len(engine.runner.prompt_graphs._graphs) > 0  # captured again, and replayed
+    torch.testing.assert_close(results[1], results[0], rtol=3e-2, atol=3e-2)

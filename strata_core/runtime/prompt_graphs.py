@@ -15,7 +15,10 @@ Static inputs, refilled before each replay: the token ids, positions, each row's
 write the padding session's first row, which nothing reads), the sessions' bounds (``cu_seqlens``: the
 padding rows are one more sequence, absent sessions empty ones), each session's last row, and how many
 (token, expert) pairs are real (the padding's are computed, not counted). The graphs of every bucket share
-one memory pool (captured largest first); a change in the residency drops them.
+one memory pool (captured largest first); a change in the residency drops them, and so does a decode graph
+captured after them: replayed after a later decode capture, a prompt graph read memory that was no longer its
+own (an illegal address), while prompt graphs captured after the decode graphs (a server's start, ``strata
+bench``) serve.
 """
 
 from __future__ import annotations
@@ -75,15 +78,16 @@ class PromptGraphs:
     :param padding: the padding session's holder (its first KV row takes the padding rows' writes)
     :param max_sessions: the most sessions one pass packs (the server's slots)
     :param largest: the largest bucket captured
+    :param decode_captures: how many decode graphs the engine has captured so far
     """
 
     def __init__(self, model: MoEModel, layers: range, experts: ExpertBackend, slot: int, device: torch.device,
-                 padding: BatchPadding, max_sessions: int, largest: int):
+                 padding: BatchPadding, max_sessions: int, largest: int, decode_captures: Callable[[], int]):
         self.model, self.layers, self.experts, self.slot, self.device = model, layers, experts, slot, device
-        self.padding, self.max_sessions = padding, max_sessions
+        self.padding, self.max_sessions, self.decode_captures = padding, max_sessions, decode_captures
         self.buckets = tuple(b for b in PROMPT_BUCKETS if b <= largest)
         self._graphs: dict[int, _Graph] = {}
-        self._versions: tuple[int, ...] | None = None
+        self._captured_after: tuple[tuple[int, ...], int] | None = None  # residency versions, decode captures
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self.failed: str | None = None  # a graph failed: prompt passes run eagerly from then on
@@ -112,7 +116,7 @@ class PromptGraphs:
         bucket (captured first where needed); ``why_not(batch)`` must be None. What fails is raised, and leaves
         prompt passes eager for good (``failed``)."""
         with self._failing():
-            self._check_residency()
+            self._check_still_valid()
             size = prompt_bucket(len(batch.tokens), self.buckets[-1])
             entry = self._graphs.get(size)
             if entry is None:
@@ -127,7 +131,7 @@ class PromptGraphs:
         """Capture every bucket now, largest first (a server's start: no capture while it serves); logs the time."""
         start = time.perf_counter()
         with self._failing():
-            self._check_residency()
+            self._check_still_valid()
             for size in sorted(self.buckets, reverse=True):
                 if size not in self._graphs:
                     self._capture(size)
@@ -197,9 +201,14 @@ class PromptGraphs:
             self._graphs.clear()
             raise
 
-    def _check_residency(self) -> None:
-        """Drop the graphs when a cache's residency changed since they were captured (they read its slots)."""
-        versions = tuple(table.version for table in self.experts.tables.values())
-        if versions != self._versions:
+    def _check_still_valid(self) -> None:
+        """Drop the graphs when a cache's residency changed since they were captured (they read its slots), or
+        a decode graph was captured after them (the module's docstring)."""
+        state = (tuple(table.version for table in self.experts.tables.values()), self.decode_captures())
+        if state != self._captured_after:
+            if self._graphs:
+                log.info("cuda graphs: prompt graphs dropped (%s since their capture)",
+                         "a decode graph captured" if self._captured_after and state[0] == self._captured_after[0]
+                         else "the expert residency changed")
             self._graphs.clear()
-            self._versions = versions
+            self._captured_after = state

@@ -376,7 +376,8 @@ class Runner:
             self._prompt_graphs = PromptGraphs(self.model, segment.layers, self.experts, segment.device,
                                                self.device_of(segment), self._padding,
                                                max(self.settings.parallel, PROMPT_SESSIONS),
-                                               min(self.settings.prefill_chunk, PROMPT_BUCKETS[-1]))
+                                               min(self.settings.prefill_chunk, PROMPT_BUCKETS[-1]),
+                                               lambda: self.graphs.captures)
         return self._prompt_graphs
 
     def why_no_prompt_graphs(self) -> str | None:

@@ -183,9 +183,9 @@ def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: 
                           + ("the model's context length; lower --prompts / --contexts)" if model_limit else
                              "raise --max-context, or lower --prompts / --contexts)"))
     warm_up(engine, min(max(prompts, default=64), engine.settings.prefill_chunk))
-    engine.capture_prompt_graphs()  # as a server's start does: no capture in a timed pass or window
-    if contexts:
+    if contexts:  # as a server's start does, decode graphs first: no capture in a timed pass or window
         engine.capture_decode_graphs(max(sessions))
+    engine.capture_prompt_graphs()
     results = [bench_prefill(engine, n, repeats) for n in prompts]
     results += [bench_decode(engine, c, steps, repeats, n, feed) for c in contexts for n in sessions
                 for feed in ((False, True) if sampled else (False,))]
