@@ -20,7 +20,8 @@ from strata_core.engine import Engine
 from strata_core.serving.requests import Delta, GenerationRequest
 from strata_core.serving.sampling import SamplingParams
 from strata_core.serving.scheduler import Scheduler
-from strata_core.serving.speculation import MAX_NGRAM, NgramDrafter, accepted
+from strata_core.serving.speculation import (FIRST_PAUSE, LONGEST_PAUSE, MAX_NGRAM, MISSES_BEFORE_PAUSE, DraftPacer,
+                                             NgramDrafter, accepted)
 
 DATA = Path(__file__).parent / "data"
 DEMO = Path(__file__).parent.parent / "strata_core" / "data" / "demo-qwen3moe-q8_0.gguf"
@@ -232,3 +233,65 @@ def test_kept_drafts_follow_the_target_distribution() -> None:
         counts = torch.bincount(torch.tensor([t[position] - 10 for t in out]), minlength=4).double()
         chi2 = float(((counts - n * p) ** 2 / (n * p)).sum())
         assert chi2 < 16.27, (position, counts.tolist(), (n * p).tolist())
+
+
+def test_a_pacer_pauses_drafts_that_miss_longer_each_time_until_one_is_kept() -> None:
+    """``MISSES_BEFORE_PAUSE`` windows that keep nothing start a pause of ``FIRST_PAUSE`` windows; each probe
+    after a pause that keeps nothing doubles it up to ``LONGEST_PAUSE``; a kept draft ends the pauses, and
+    windows without drafts (none found) count for nothing."""
+    pacer, pauses = DraftPacer(), []
+    for _ in range(MISSES_BEFORE_PAUSE - 1):
+        assert pacer.drafts_now()
+        pacer.record(3, 0)
+        pacer.record(0, 0)
+    for _ in range(7):
+        assert pacer.drafts_now()
+        pacer.record(3, 0)  # the last miss before a pause, then each probe
+        skipped = 0
+        while not pacer.drafts_now():
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses == [min(LONGEST_PAUSE, FIRST_PAUSE * 2 ** i) for i in range(7)]
+    pacer.record(3, 1)
+    for _ in range(MISSES_BEFORE_PAUSE - 1):
+        pacer.record(3, 0)
+        assert pacer.drafts_now()
+    pacer.record(3, 0)
+    assert sum(not pacer.drafts_now() for _ in range(FIRST_PAUSE + 1)) == FIRST_PAUSE
+
+
+class _WrongDrafter:
+    """Drafts a token greedy decoding of ``_Tens`` never picks."""
+
+    def __init__(self, tokens=()) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def extend(self, tokens) -> None:  # type: ignore[no-untyped-def]
+        pass
+
+    def draft(self, k: int) -> list[int]:
+        return [11] * k
+
+
+class _Tens(FakeEngine):
+    """Every position's greedy token is 10."""
+
+    def next_logits(self, session):  # type: ignore[no-untyped-def]
+        logits = torch.full((VOCAB,), -40.0)
+        logits[10] = 0.0
+        return logits
+
+
+def test_drafts_that_always_miss_are_paused_and_the_text_is_the_same(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A request whose every draft is rejected drafts in a few of its windows only (the pacer's pauses), and
+    its text is the one without drafts."""
+    from strata_core.serving import windows
+
+    monkeypatch.setattr(windows, "NgramDrafter", _WrongDrafter)
+    requests = [GenerationRequest([10, 11, 12], SamplingParams(temperature=0, max_tokens=200))]
+    plain, _ = serve_together(_Tens(max_context=256), requests)
+    spec, scheduler = serve_together(_Tens(max_context=256), requests, 3)
+    assert spec == plain
+    stats = scheduler.stats
+    assert stats.accepted_tokens == 0 and 0 < stats.draft_tokens <= 3 * 12  # 4 misses and a probe a pause
+    assert stats.paused_windows > 150 and stats.windows == 199  # the first token is the prompt pass's

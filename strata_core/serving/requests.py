@@ -183,6 +183,7 @@ class SchedulerStats:
     windows: int = 0
     draft_tokens: int = 0  # tokens drafted by speculative decoding ...
     accepted_tokens: int = 0  # ... and kept
+    paused_windows: int = 0  # a request's windows without drafts, paused after its drafts missed
     steps: int = 0  # steps that ran work: a decode window, prompt chunks or both
     active: int = 0
     waiting: int = 0

@@ -49,7 +49,7 @@ from strata_core.serving.requests import (
 from strata_core.serving.sampling import Sampler, SampleResult
 from strata_core.serving.slots import Slot, Slots
 from strata_core.serving.step_plan import plan_step
-from strata_core.serving.speculation import Drafter
+from strata_core.serving.speculation import DraftPacer, Drafter
 from strata_core.serving.step_runner import StepRunner
 from strata_core.serving.streams import TokenStream
 from strata_core.serving.windows import DecodeWindows
@@ -104,6 +104,7 @@ class _Job:
     timings: Timings = field(default_factory=Timings)
     decode_start: float = 0.0
     drafter: Drafter | None = None  # its drafts' source, made at its first speculative window
+    pacer: DraftPacer = field(default_factory=DraftPacer)  # whether its windows draft (pauses after misses)
 
     @property
     def prompt_left(self) -> int:

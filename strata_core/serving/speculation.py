@@ -17,6 +17,12 @@ rule: a draft is kept with its probability, and a rejected one's replacement fol
 distribution), ``1 + kept`` tokens a window; the rejected rows' positions are cut from the session
 (``Session.truncate``).
 
+A request whose drafts keep missing pauses them (``DraftPacer``): after ``MISSES_BEFORE_PAUSE`` windows in a
+row that kept none of its drafts it takes windows without drafts, ``FIRST_PAUSE`` of them, then drafts
+again; each probe that keeps nothing doubles the pause (up to ``LONGEST_PAUSE``), and a kept draft ends
+them. A rejected draft costs its row of the window (and a recurrent model the window's CUDA graph), so a
+request whose drafts miss decodes at about the speed it has without them, and its text is the same.
+
 Requests with a grammar or log-probabilities take no drafts (their state advances per token);
 penalties are applied to each row with its own history. A recurrent state (Qwen3-Next's Gated DeltaNet)
 is kept after each row of a request's window (``KVCache.keep_steps``), so the cut puts back the state
@@ -28,10 +34,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-__all__ = ["MAX_NGRAM", "Drafter", "NgramDrafter", "accepted"]
+__all__ = ["FIRST_PAUSE", "LONGEST_PAUSE", "MAX_NGRAM", "MISSES_BEFORE_PAUSE", "DraftPacer", "Drafter",
+           "NgramDrafter", "accepted"]
 
 #: the longest n-gram looked up
 MAX_NGRAM = 3
+#: windows in a row that kept none of a request's drafts before it pauses them
+MISSES_BEFORE_PAUSE = 4
+#: the first pause, in windows, and the longest (each probe that keeps nothing doubles it)
+FIRST_PAUSE, LONGEST_PAUSE = 8, 64
 
 
 class Drafter(Protocol):
@@ -70,6 +81,36 @@ class NgramDrafter:
                 period = len(self.tokens) - at
                 return [self.tokens[at + j % period] for j in range(k)]
         return []
+
+
+class DraftPacer:
+    """When one request drafts (the module's docstring): ``drafts_now`` before each of its windows, ``record``
+    after each window that verified drafts."""
+
+    def __init__(self) -> None:
+        self.misses = 0  # windows in a row that kept none of the drafts
+        self.pause = 0  # the last pause's length (0: none since a draft was kept)
+        self.waiting = 0  # windows left in the pause
+        self.pauses = 0  # pauses taken
+
+    def drafts_now(self) -> bool:
+        """Whether this window takes drafts (a window in a pause counts it down)."""
+        if self.waiting:
+            self.waiting -= 1
+            return False
+        return True
+
+    def record(self, drafted: int, kept: int) -> None:
+        """A window verified ``drafted`` drafts and kept ``kept``."""
+        if kept:
+            self.misses = self.pause = 0
+        elif drafted:
+            self.misses += 1
+            if self.misses >= MISSES_BEFORE_PAUSE:
+                self.pause = min(LONGEST_PAUSE, 2 * self.pause or FIRST_PAUSE)
+                self.waiting = self.pause
+                self.pauses += 1
+                self.misses = MISSES_BEFORE_PAUSE - 1  # the probe after it: one more miss pauses again
 
 
 def accepted(drafts: Sequence[int], drawn: Sequence[int]) -> int:

@@ -153,6 +153,7 @@ class DecodeWindows:
                 self._take([slot], [failed or mine[0]], before)
                 continue
             kept = accepted(drafts, [r.token for r in mine])
+            job.pacer.record(len(drafts), kept)
             self.stats.draft_tokens += len(drafts)
             self.stats.accepted_tokens += kept
             job.timings.draft_n += len(drafts)
@@ -170,8 +171,12 @@ class DecodeWindows:
 
     def _drafts(self, job: Any) -> list[int]:
         """The tokens drafted for ``job``'s window: none for a request with a grammar or log-probabilities
-        (each draw's own state), at most ``spec_tokens``, what its context holds and one fewer than the
-        tokens it may still generate (the window's last token is always its own)."""
+        (each draw's own state) or in a pause after its drafts missed (``DraftPacer``), at most
+        ``spec_tokens``, what its context holds and one fewer than the tokens it may still generate (the
+        window's last token is always its own)."""
+        if not job.pacer.drafts_now():
+            self.stats.paused_windows += 1
+            return []
         p = job.sampler.params
         room = min(self.spec_tokens, self.max_context - job.session.n_tokens - 1)
         if p.max_tokens is not None:

@@ -26,6 +26,8 @@ def render(scheduler: Scheduler) -> str:
         ("spec_accepted_tokens_total", "counter", "drafted tokens kept", st.accepted_tokens),
         ("spec_acceptance_ratio", "gauge", "drafted tokens kept per token drafted",
          _ratio(st.accepted_tokens, st.draft_tokens)),
+        ("spec_paused_windows_total", "counter", "request windows without drafts after its drafts missed",
+         st.paused_windows),
         ("tokens_per_window", "gauge", "tokens generated per decode window", _ratio(st.completion_tokens, st.windows)),
         ("steps_total", "counter", "scheduler steps run (a decode window and prompt chunks)", st.steps),
         ("decode_seconds_total", "counter", "seconds the worker spent in decode windows", st.decode_seconds),
