@@ -91,7 +91,6 @@ class DraftPacer:
         self.misses = 0  # windows in a row that kept none of the drafts
         self.pause = 0  # the last pause's length (0: none since a draft was kept)
         self.waiting = 0  # windows left in the pause
-        self.pauses = 0  # pauses taken
 
     def drafts_now(self) -> bool:
         """Whether this window takes drafts (a window in a pause counts it down)."""
@@ -109,7 +108,6 @@ class DraftPacer:
             if self.misses >= MISSES_BEFORE_PAUSE:
                 self.pause = min(LONGEST_PAUSE, 2 * self.pause or FIRST_PAUSE)
                 self.waiting = self.pause
-                self.pauses += 1
                 self.misses = MISSES_BEFORE_PAUSE - 1  # the probe after it: one more miss pauses again
 
 
