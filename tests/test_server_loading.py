@@ -66,3 +66,10 @@ def test_a_load_failure_goes_to_the_callback(monkeypatch: pytest.MonkeyPatch) ->
         assert reported.wait(20)
         assert httpx.get(f"{url}/health").json()["status"] == "loading"
     assert [str(f) for f in failures] == ["x.gguf: broken"]
+
+
+def test_a_speculative_server_captures_the_windows_of_its_drafts_too() -> None:
+    from strata_core.serving.server.loading import window_rows
+
+    assert window_rows(StrataSettings(parallel=4)) == 4
+    assert window_rows(StrataSettings(parallel=4, spec="ngram", spec_tokens=3)) == 16

@@ -19,9 +19,15 @@ from strata_core.serving.compute_thread import ComputeThread
 from strata_core.serving.scheduler import Scheduler
 from strata_core.serving.server.service import GenerationService
 
-__all__ = ["ModelLoadingError", "ServiceLoader"]
+__all__ = ["ModelLoadingError", "ServiceLoader", "window_rows"]
 
 log = logging.getLogger(__name__)
+
+
+def window_rows(settings: StrataSettings) -> int:
+    """The most rows a decode window of the server takes: one a slot, and with ``--spec`` each slot's drafts
+    too (its start captures the decode graphs up to them, so a speculative window never captures)."""
+    return settings.parallel * (1 + settings.spec_tokens if settings.spec != "off" else 1)
 
 
 class ModelLoadingError(StrataError):
@@ -72,7 +78,7 @@ class ServiceLoader:
         try:
             if self._owned:
                 self._engine = await self.worker.call(Engine.from_settings, settings, self._loaded)
-                await self.worker.call(self._engine.capture_decode_graphs, settings.parallel)
+                await self.worker.call(self._engine.capture_decode_graphs, window_rows(settings))
                 await self.worker.call(self._engine.capture_prompt_graphs)
                 await self.worker.call(self._engine.warm_up_prompts)
                 freeze_loaded()  # no full collection scanning the engine in the middle of a request
