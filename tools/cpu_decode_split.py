@@ -1,10 +1,10 @@
 """Where a CPU decode token's wall time goes, by Python function: `strata bench`'s decode windows with
 the forward's functions and the CPU ops wrapped in wall-clock timers.
 
-    OMP_NUM_THREADS=2 python tools/cpu_decode_split.py MODEL.gguf [--context 1k] [--tokens 64]
+    OMP_NUM_THREADS=2 python tools/cpu_decode_split.py MODEL.gguf [--context 1k] [--tokens 64] [--sessions 1]
 
 Runs ``strata bench --devices cpu --prompts 16 --repeats 1`` and prints, for each wrapped function, its
-calls, inclusive and exclusive milliseconds a token of the timed decode windows (``op.*``: the
+calls, inclusive and exclusive milliseconds a window of the timed decode windows (``--sessions`` rows each) (``op.*``: the
 ``torch.ops.strata`` kernels themselves; ``exclusive``: less the wrapped functions it called). Unlike
 the torch profiler (tools/profile_cpu_decode.py) it counts the Python around the ops too; each wrapper
 adds about a microsecond to its caller, so compare trees under this tool, not against ``strata bench``.
@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--context", default="1k")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--sessions", type=int, default=1, help="sessions a decode window")
     args = parser.parse_args()
     split = Split()
     split.wrap(engine_mod.Engine, "decode_window", "engine.decode_window")
@@ -112,13 +113,14 @@ def main() -> None:
             wrapped_ops.append(True)
         split.clear()
         result = timed(engine, work)
-        print(f"decode: {result[0] * 1e3 / args.tokens:.3f} ms a token (wrapped)")
+        print(f"decode: {result[0] * 1e3 / args.tokens:.3f} ms a window of {args.sessions} (wrapped)")
         print(split.table(args.tokens))
         return result
 
     bench._timed = profiled
     raise SystemExit(strata_main(["bench", "--model", args.model, "--devices", "cpu", "--prompts", "16",
-                                  "--contexts", args.context, "--decode-tokens", str(args.tokens), "--repeats", "1"]))
+                                  "--contexts", args.context, "--decode-tokens", str(args.tokens), "--repeats", "1",
+                                  "--sessions", str(args.sessions)]))
 
 
 if __name__ == "__main__":

@@ -105,6 +105,11 @@ class MoEModel:
             kv, _, _, n_ctx = spans[0]
             q = self.qkv_write(layer, x, positions, kv)  # [T, nh, D]
             attended = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
+        elif all(self._cpu_kv(layer, x, kv) for kv, *_ in spans):  # one product, each session's rows written by one call
+            qkv, inv_freq, mscale = self._cpu_qkv_product(layer, x)
+            parts = [self.attend(layer, self._cpu_rope_write(layer, qkv[a:b], inv_freq, mscale, positions[a:b], kv),
+                                 positions[a:b], kv, n_ctx, static) for kv, a, b, n_ctx in spans]  # [b - a, nh*D] each
+            attended = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             q, k, v = self.qkv(layer, x, positions)  # [T, nh, D], [T, nkv, D], [T, nkv, D]
             parts = []
@@ -234,11 +239,16 @@ class MoEModel:
     def _cpu_qkv_write(self, layer: int, x: torch.Tensor, positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
         """``qkv_write`` on the CPU in float32: one product, then one call norms and rotates q and k and writes
         k and v into the cache's pool rows (``_cpu_qkv`` and ``kv.write``'s bits)."""
+        return self._cpu_rope_write(layer, *self._cpu_qkv_product(layer, x), positions, kv)
+
+    def _cpu_rope_write(self, layer: int, qkv: torch.Tensor, inv_freq: torch.Tensor, mscale: float,
+                        positions: torch.Tensor, kv: KVCache) -> torch.Tensor:
+        """Queries ``[T, nh, D]`` of one session's q/k/v rows ``qkv`` (``_cpu_qkv_product``'s) at ``positions``:
+        q and k normed and rotated and k and v written into ``kv``'s pool rows by one ``strata::qkv_rope_cpu``."""
         s = self.spec
-        qkv, inv_freq, mscale = self._cpu_qkv_product(layer, x)
         keys, values, row_ids = kv.write_pools(layer)  # [blocks, block size, nkv, D] each, int64 row per position
-        return qkv_rope_cpu(qkv, *self._qk_norms(layer, x.device), s.rms_norm_eps, positions, inv_freq, mscale,
-                            s.n_heads, s.n_kv_heads, keys, values, row_ids, check_rows=False)  # [T, nh, D]: the cache's rows
+        return qkv_rope_cpu(qkv, *self._qk_norms(layer, qkv.device), s.rms_norm_eps, positions, inv_freq, mscale,
+                            s.n_heads, s.n_kv_heads, keys, values, row_ids, check_rows=False)  # the cache's rows
 
     def rope(self, layer: int, q: torch.Tensor, k: torch.Tensor,
              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

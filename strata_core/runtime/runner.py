@@ -407,7 +407,9 @@ class Runner:
         Each layer is the fused one (model/fused_decode.py: few launches, the residual add carried
         into the next layer's norm) where the model and device allow; one session's row on the CPU
         takes ``MoEModel.cpu_layer`` where it applies (its joined ops, the add carried the same way);
-        else attention per session and the batched MoE rows. ``positions`` (``[B]`` on the device) and
+        else on the CPU the attention block's norm and projections over every row at once and its attention
+        per session (``attention_spans``: each row's bits its own), elsewhere attention row by row, then the
+        batched MoE rows. ``positions`` (``[B]`` on the device) and
         ``tables`` (the KV address tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
         from the positions (what a graph needs, and what the CPU path always does). ``fused`` picks
         the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
@@ -437,6 +439,10 @@ class Runner:
                         hidden, delta = hidden + delta, None
                     hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, kv, contexts[0],
                                                                         static=static), rows)  # [1, H]
+            elif device.type == "cpu" and not batch.offsets:  # the norm and projections over every row at once
+                spans = [(session.kv, b, b + 1, contexts[b]) for b, session in enumerate(batch.sessions)]
+                hidden = self.model.moe(layer, self.model.attention_spans(layer, hidden, positions, spans, static),
+                                        rows)  # [B, H]: each row's bits its own (the CPU's products are row-wise)
             else:
                 parts = []
                 for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
