@@ -48,7 +48,8 @@ def test_cpu_engine_computes_its_experts_with_the_kernels(model, monkeypatch, on
     monkeypatch.setattr(cpu_ffn, "qlinear_slots", lambda *args: calls.append(args[5]) or slots(*args))
     monkeypatch.setattr(cpu_ffn, "slot_ffn_cpu", lambda *args: calls.extend(args[5]) or slot_ffn(*args))
     routed = device_rows.route_slot_ffn_cpu  # a layer's routed experts in one call, its routing with them
-    monkeypatch.setattr(device_rows, "route_slot_ffn_cpu", lambda *args, **kw: calls.extend(args[10]) or routed(*args, **kw))
+    monkeypatch.setattr(device_rows, "route_slot_ffn_cpu",
+                        lambda *args, **kw: calls.extend(args[10]) or routed(*args, **kw))
     got = _logits(Engine.load(model, max_context=64))
     assert calls and all(qtype in kernels.CPU_KERNEL_TYPES for qtype in calls)
     monkeypatch.setattr(cpu_ffn, "has_cpu_kernel", lambda qtypes, shapes: False)

@@ -282,7 +282,7 @@ class _Tens(FakeEngine):
         return logits
 
 
-def test_drafts_that_always_miss_are_paused_and_the_text_is_the_same(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_drafts_that_always_miss_are_paused_and_the_text_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """A request whose every draft is rejected drafts in a few of its windows only (the pacer's pauses), and
     its text is the one without drafts."""
     from strata_core.serving import windows

@@ -1,13 +1,14 @@
-"""Where a CPU decode token's wall time goes, by Python function: `strata bench`'s decode windows with
+"""Where a CPU decode window's wall time goes, by Python function: `strata bench`'s decode windows with
 the forward's functions and the CPU ops wrapped in wall-clock timers.
 
     OMP_NUM_THREADS=2 python tools/cpu_decode_split.py MODEL.gguf [--context 1k] [--tokens 64] [--sessions 1]
 
 Runs ``strata bench --devices cpu --prompts 16 --repeats 1`` and prints, for each wrapped function, its
-calls, inclusive and exclusive milliseconds a window of the timed decode windows (``--sessions`` rows each) (``op.*``: the
-``torch.ops.strata`` kernels themselves; ``exclusive``: less the wrapped functions it called). Unlike
-the torch profiler (tools/profile_cpu_decode.py) it counts the Python around the ops too; each wrapper
-adds about a microsecond to its caller, so compare trees under this tool, not against ``strata bench``.
+calls, inclusive and exclusive milliseconds a window of the timed decode windows (``--sessions`` rows
+each; ``op.*``: the ``torch.ops.strata`` kernels themselves; ``exclusive``: less the wrapped functions it
+called). Unlike the torch profiler (tools/profile_cpu_decode.py) it counts the Python around the ops too;
+each wrapper adds about a microsecond to its caller, so compare trees under this tool, not against
+``strata bench``.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ class Split:
         self.incl.clear(), self.excl.clear(), self.calls.clear()
 
     def table(self, tokens: int) -> str:
-        lines = [f"{'function':28s} {'calls/token':>11s} {'incl ms':>8s} {'excl ms':>8s}"]
+        lines = [f"{'function':28s} {'calls/window':>12s} {'incl ms':>8s} {'excl ms':>8s}"]
         for label in sorted(self.incl, key=lambda k: -self.excl[k]):
-            lines.append(f"{label:28s} {self.calls[label] / tokens:11.1f} {self.incl[label] * 1e3 / tokens:8.3f} "
+            lines.append(f"{label:28s} {self.calls[label] / tokens:12.1f} {self.incl[label] * 1e3 / tokens:8.3f} "
                          f"{self.excl[label] * 1e3 / tokens:8.3f}")
         return "\n".join(lines)
 

@@ -105,7 +105,7 @@ class MoEModel:
             kv, _, _, n_ctx = spans[0]
             q = self.qkv_write(layer, x, positions, kv)  # [T, nh, D]
             attended = self.attend(layer, q, positions, kv, n_ctx, static)  # [T, nh*D]
-        elif all(self._cpu_kv(layer, x, kv) for kv, *_ in spans):  # one product, each session's rows written by one call
+        elif all(self._cpu_kv(layer, x, kv) for kv, *_ in spans):  # one product; a session's rows written by one call
             qkv, inv_freq, mscale = self._cpu_qkv_product(layer, x)
             parts = [self.attend(layer, self._cpu_rope_write(layer, qkv[a:b], inv_freq, mscale, positions[a:b], kv),
                                  positions[a:b], kv, n_ctx, static) for kv, a, b, n_ctx in spans]  # [b - a, nh*D] each
