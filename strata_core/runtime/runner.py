@@ -28,6 +28,7 @@ from strata_core.experts.backend import ExpertBackend
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.model.fused_decode import decode_layer as fused_decode_layer
 from strata_core.model.fused_decode import kv_tables, why_not_fused
+from strata_core.model.kvcache import KVCache
 from strata_core.model.transformer import MoEModel
 from strata_core.plugin.context import LayerObserver, PhaseContext, StageTime
 from strata_core.plugin.events import ResidencyEvent
@@ -408,8 +409,8 @@ class Runner:
         into the next layer's norm) where the model and device allow; one session's row on the CPU
         takes ``MoEModel.cpu_layer`` where it applies (its joined ops, the add carried the same way);
         else on the CPU the attention block's norm and projections over every row at once and its attention
-        per session (``attention_spans``: each row's bits its own), elsewhere attention row by row, then the
-        batched MoE rows. ``positions`` (``[B]`` on the device) and
+        per session (``attention_spans``: each row's bits its own), elsewhere (and for a recurrent state kept
+        after each row) attention row by row, then the batched MoE rows. ``positions`` (``[B]`` on the device) and
         ``tables`` (the KV address tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
         from the positions (what a graph needs, and what the CPU path always does). ``fused`` picks
         the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
@@ -439,9 +440,9 @@ class Runner:
                         hidden, delta = hidden + delta, None
                     hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, kv, contexts[0],
                                                                         static=static), rows)  # [1, H]
-            elif device.type == "cpu" and not batch.offsets:  # the norm and projections over every row at once
-                spans = [(session.kv, b, b + 1, contexts[b]) for b, session in enumerate(batch.sessions)]
-                hidden = self.model.moe(layer, self.model.attention_spans(layer, hidden, positions, spans, static),
+            elif device.type == "cpu" and not _keeps_steps(batch):  # the norm and projections over every row at once
+                hidden = self.model.moe(layer, self.model.attention_spans(layer, hidden, positions,
+                                                                          _window_spans(batch, contexts), static),
                                         rows)  # [B, H]: each row's bits its own (the CPU's products are row-wise)
             else:
                 parts = []
@@ -619,6 +620,15 @@ def _session_runs(sessions: Sequence[Session], first: Sequence[int]) -> list[tup
         else:
             runs.append((session, first[row], row, row + 1))
     return runs
+
+
+def _window_spans(batch: DecodeBatch, contexts: list[int]) -> list[tuple[KVCache, int, int, int]]:
+    """A decode window's rows as ``attention_spans``' spans: each session's run of rows (its one row, or a
+    speculative window's rows at offsets 0, 1, ...), over its positions up to the run's last (``contexts``:
+    each row's position + 1)."""
+    offsets = batch.offsets or (0,) * len(batch.sessions)
+    starts = [r for r, offset in enumerate(offsets) if offset == 0] + [len(offsets)]
+    return [(batch.sessions[a].kv, a, b, contexts[b - 1]) for a, b in zip(starts, starts[1:])]
 
 
 def _keeps_steps(batch: DecodeBatch) -> bool:
