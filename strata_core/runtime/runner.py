@@ -623,12 +623,10 @@ def _session_runs(sessions: Sequence[Session], first: Sequence[int]) -> list[tup
 
 
 def _window_spans(batch: DecodeBatch, contexts: list[int]) -> list[tuple[KVCache, int, int, int]]:
-    """A decode window's rows as ``attention_spans``' spans: each session's run of rows (its one row, or a
-    speculative window's rows at offsets 0, 1, ...), over its positions up to the run's last (``contexts``:
-    each row's position + 1)."""
-    offsets = batch.offsets or (0,) * len(batch.sessions)
-    starts = [r for r, offset in enumerate(offsets) if offset == 0] + [len(offsets)]
-    return [(batch.sessions[a].kv, a, b, contexts[b - 1]) for a, b in zip(starts, starts[1:])]
+    """A decode window's rows as ``attention_spans``' spans: each session's run of rows (``_session_runs``: its
+    one row, or a speculative window's rows), over its positions up to the run's last (``contexts``: each
+    row's position + 1)."""
+    return [(session.kv, a, b, contexts[b - 1]) for session, _, a, b in _session_runs(batch.sessions, contexts)]
 
 
 def _keeps_steps(batch: DecodeBatch) -> bool:
