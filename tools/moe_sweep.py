@@ -83,6 +83,8 @@ Q8 = dict(design="q8", q8_pairs=1)
 GROUPED_VARIANTS: list[C] = [
     C(design="split"),
     C(**Q8),
+    *(C(**Q8, q8_group=m, q8_group_pairs=1) for m in (2, 4, 8)),
+    C(**Q8, q8_group=4, q8_group_pairs=1, tile=8192),
     *(C(**Q8, **f) for f in (dict(warps_q8=4), dict(tile=8192), dict(bn_gate_up=8), dict(bn_combine=8),
                              dict(bn_gate_up=2), dict(bn_combine=32), dict(bn_gate_up=8, bn_combine=32))),
     C(**G, dot_precision="bf16"),
