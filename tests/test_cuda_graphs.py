@@ -41,7 +41,7 @@ def test_cpu_falls_back_to_eager_with_identical_logits(tiny_model_factory, caplo
     prompts = [list(range(5, 30)), list(range(40, 52))]
     want, want_tokens = _decode(Engine.load(path, devices=["cpu"], max_context=64, cuda_graphs=False), prompts, 4)
     engine = Engine.load(path, devices=["cpu"], max_context=64)  # graphs on by default
-    with caplog.at_level(logging.INFO, logger="strata_core.runtime.runner"):
+    with caplog.at_level(logging.INFO, logger="strata_core.runtime.graph_replays"):
         got, got_tokens = _decode(engine, prompts, 4)
     assert got_tokens == want_tokens
     assert all(torch.equal(a, b) for a, b in zip(got, want))
@@ -258,7 +258,7 @@ def test_buckets_captured_at_start_serve_every_window_size(tiny_model_factory, c
     1 to 5 sessions joining and leaving then replay them without a capture or a host sync."""
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
     engine = _cuda_engine(path, True)
-    with caplog.at_level(logging.INFO, logger="strata_core.runtime.runner"):
+    with caplog.at_level(logging.INFO, logger="strata_core.runtime.graph_replays"):
         engine.capture_decode_graphs(5)
     graphs = engine.runner.graphs
     assert graphs.captures == 4 and "decode windows of 1, 2, 4, 8 session(s) captured" in caplog.text

@@ -88,7 +88,7 @@ def test_the_packed_pass_body_matches_the_eager_prompt_path_on_cpu(tiny_model_fa
 
 def test_prompt_graphs_are_off_on_the_cpu_with_the_reason(tiny_model_factory, caplog):
     engine = Engine.load(tiny_model_factory(expert_type="Q4_0", n_layers=2), devices=["cpu"], max_context=32)
-    with caplog.at_level(logging.INFO, logger="strata_core.runtime.runner"):
+    with caplog.at_level(logging.INFO, logger="strata_core.runtime.graph_replays"):
         engine.prefill(engine.new_session(), list(range(3, 12)))
         engine.prefill(engine.new_session(), list(range(3, 12)))
     said = [r.getMessage() for r in caplog.records if "prompt passes run eagerly" in r.getMessage()]
@@ -120,7 +120,7 @@ def test_a_failed_prompt_graph_leaves_the_passes_eager(tiny_model_factory, caplo
     want = reference.prefill(reference.new_session(), list(range(3, 12)))
     engine = Engine.load(path, devices=["cpu"], max_context=64)
     engine.runner._prompt_graphs = graphs = _FailingGraphs()
-    with caplog.at_level(logging.WARNING, logger="strata_core.runtime.runner"):
+    with caplog.at_level(logging.WARNING, logger="strata_core.runtime.graph_replays"):
         got = [engine.prefill(engine.new_session(), list(range(3, 12))) for _ in range(2)]
     assert graphs.runs == 1
     assert all(torch.equal(g, want) for g in got)

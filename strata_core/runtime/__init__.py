@@ -3,6 +3,8 @@
 - ``runner.py``: :class:`~strata_core.runtime.runner.Runner`, one per engine: the embedding and head
   on the main device, each phase's segments, the one prompt layer loop and the one decode layer loop
   (eager, or captured and replayed); it is the ``PhaseContext`` the phase hooks receive.
+- ``graph_replays.py``: the runner's CUDA-graph half: where decode windows and prompt passes replay
+  graphs (the reasons they do not, said once), and their capture at a server's start.
 - ``graphs.py``: the CUDA-graph capture cache; it captures a body the runner hands it.
 - ``phase_state.py``: around a phase, residency entries masked in place and restored, and the
   hand-off of per-layer state between device slots.
