@@ -12,8 +12,8 @@ A pair's row depends on its own token's activations alone (each token quantized 
 rows of any batch are those of the pairs alone in a window of the design. A window of ``q8_group_pairs``
 pairs or more with ``q8_group`` > 1 sorts its pairs by expert (``align``, one launch more) and gives a
 program the rows of up to ``q8_group`` pairs of one expert, read from memory once for them: the same rows,
-bit for bit, the down launch storing each pair's and ``combine_pairs`` summing them in pair order. Quantizing the activations
-costs accuracy like llama.cpp's GPU path: within the bf16 tolerance of the reference (2e-2 relative,
+bit for bit, the down launch storing each pair's and ``combine_pairs`` summing them in pair order.
+Quantizing the activations costs accuracy like llama.cpp's GPU path: within the bf16 tolerance of the reference (2e-2 relative,
 tests/test_moe_q8.py), not the float32 one, so float32 activations take the split design.
 """
 
