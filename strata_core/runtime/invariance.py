@@ -34,7 +34,7 @@ def check_batch_invariant(model, decode_devices: Iterable[tuple[str, torch.devic
 
 def moe_launches(batch_invariant: bool) -> AbstractContextManager:
     """How decode windows launch the MoE kernels: with ``batch_invariant`` one per-pair design for every
-    window, else the default choice."""
+    window (its pairs combined by the same launch whatever their number), else the default choice."""
     if not batch_invariant:
         return nullcontext()
-    return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False, q8_pairs=1))
+    return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False, q8_pairs=1, q8_group=1))
