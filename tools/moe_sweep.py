@@ -18,8 +18,8 @@ it did not reach as skipped. Block types other than
 Q4_K get the first ``--others`` variants only.
 
 ``--grouped`` times the batch designs against the split design's per-pair kernels (what one token
-takes): the q8 design (strata_core/ops/moe_q8.py, forced with ``q8_pairs=1``) and its variants and the
-grouped design (strata_core/ops/moe_grouped.py, forced with ``grouped=True, grouped_pairs=1``), on
+takes): the q8 design (strata_core/ops/moe_q8.py, forced with ``q8_pairs=1``) and its variants (among them
+``q8_group``: a program the pairs of one expert, read once for them) and the grouped design (strata_core/ops/moe_grouped.py, forced with ``grouped=True, grouped_pairs=1``), on
 routings like a batch's: each token's top-k distinct experts drawn at random, so tokens share experts (B=8: 64 pairs on
 ~50 experts; B=32: 256 on ~110). Each timed call reads another of ``--layers`` copies of the layer's
 experts (as the next layer would), so no call finds the previous call's weights in the L2; the
