@@ -124,8 +124,9 @@ class MtpHead:
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 kv: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """The block over ``hidden [T, H]`` (the main model's rows at ``positions [T]``, consecutive, on the
-        host) and ``tokens [T]`` (each the token after its row's): float32 logits ``[T, V]`` of the token
-        after those and the block's output ``[T, H]`` (the hidden state a chained draft reads). Writes the
+        host) and ``tokens [T]`` (each the token after its row's): float32 logits ``[1, V]`` of the token
+        after the last (the only one a draft reads: a prompt's rows fed at once would otherwise take a head
+        product each) and the block's output ``[T, H]`` (the hidden state a chained draft reads). Writes the
         rows' K/V into ``kv`` (reserved by the caller; committed by it too)."""
         w, eps, m = self.nextn, self.model.spec.rms_norm_eps, self.model
         hidden = hidden.to(self.device, self.dtype)
@@ -134,5 +135,5 @@ class MtpHead:
                    w["eh_proj"])  # [T, H]
         n_ctx = int(positions[-1]) + 1
         x = m.moe(0, m.attention(0, x, positions.to(self.device), kv, n_ctx), self.experts)  # [T, H]
-        return m.head(x), x
+        return m.head(x[-1:]), x
 

@@ -154,7 +154,7 @@ class MtpDrafts:
     def _feed(self, entries: _Entries, hidden: torch.Tensor, tokens: Sequence[int],
               first: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The block over ``hidden [T, H]`` and ``tokens`` as entries ``first, first + 1, ...``, committed to
-        its KV: its output ``[T, H]`` and logits ``[T, V]``."""
+        its KV: its output ``[T, H]`` and the last entry's logits ``[1, V]``."""
         positions = torch.arange(first, first + len(tokens))
         entries.kv.reserve(first + len(tokens))
         logits, x = self.head.forward(hidden, torch.tensor(list(tokens), dtype=torch.int64), positions, entries.kv)
