@@ -67,7 +67,7 @@ def _install(monkeypatch, module: types.ModuleType) -> None:
         pm.register_plugin(module, name=module.__name__, distribution="test")
         return pm
 
-    monkeypatch.setattr("strata_core.engine.build_plugin_manager", with_module)
+    monkeypatch.setattr("strata_core.engine_load.build_plugin_manager", with_module)
     monkeypatch.setattr("strata_core.tools.gate.build_plugin_manager", with_module)
 
 

@@ -324,7 +324,7 @@ def test_a_context_that_cannot_fit_is_an_error_before_loading(tiny_model_factory
     """A budget that holds the weights and half the float KV of the model's whole context: the load fails
     before any weight is read, saying how much of the need is the KV cache of how many tokens and what
     takes less; the same context with --kv-type int8 (about a quarter of float32's bytes) loads."""
-    from strata_core.engine import DenseWeights
+    from strata_core.model.weights import DenseWeights
     from strata_core.errors import BudgetError
     from strata_core.experts.sizing import GIB
     from strata_core.runtime.memory_plan import kv_bytes_per_device

@@ -11,7 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from strata_core.engine import Engine, kv_pools
+from strata_core.engine import Engine
+from strata_core.engine_load import kv_pools
 from strata_core.errors import BudgetError, RequestError
 from strata_core.model.kvpool import KVPoolFull, KVPools, blocks_for
 from strata_core.plugin.placement import PHASES

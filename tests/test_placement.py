@@ -54,7 +54,7 @@ def _load(model, monkeypatch, placement: Placement, devices=("cpu", "cpu"), **se
         return pm
 
     hooks = settings.pop("hooks", {})
-    monkeypatch.setattr("strata_core.engine.build_plugin_manager", with_fixed)
+    monkeypatch.setattr("strata_core.engine_load.build_plugin_manager", with_fixed)
     return Engine.load(model, strategy="fixed", devices=list(devices), max_context=128, **settings)
 
 

@@ -135,7 +135,7 @@ def _plan(settings: StrataSettings, names: Sequence[str] | None, experts: int | 
           ) -> tuple[GateLayout, list[StrategySpec]]:
     """The gate's layout and strategies (the reference first); across ranks, ConfigError naming every
     strategy whose gate placement cannot run there."""
-    from strata_core.engine import plan_placement
+    from strata_core.engine_load import plan_placement
 
     spec = load_model_spec(GGUFFile.open(settings.model))
     layout = gate_layout(experts, spec.n_layers, spec.n_experts)
