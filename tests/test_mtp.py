@@ -11,12 +11,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType as Q
 
 from test_server_support import serve_together
 
 from strata_core.engine import Engine
 from strata_core.errors import ConfigError
+from strata_core.gguf.reader import GGUFFile
+from strata_core.model.mtp import BlockExperts, mtp_block_spec
+from strata_core.model.registry import load_model_spec
 from strata_core.serving.requests import GenerationRequest
 from strata_core.serving.sampling import SamplingParams
 from strata_core.tools.synthetic import PRESETS, write_synthetic
@@ -182,3 +186,27 @@ def test_spec_mtp_on_the_server(bigram_model: Path) -> None:
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines() if line.startswith("strata_")}
     assert values["strata_spec_draft_tokens_total"] > 0 and values["strata_spec_acceptance_ratio"] > 0.5
     assert values["strata_tokens_per_window"] > 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.usefixtures("float_cpu_kernels")
+def test_the_block_s_experts_on_cuda_match_the_cpu_s(tmp_path: Path) -> None:
+    """The MTP block's routed experts on CUDA (the fused decode MoE op over the packed experts, no host read)
+    within the bf16 tolerance of the CPU's (the block kernels, expert by expert), for a draft's one row and a
+    prompt's many."""
+    path = tmp_path / "q4k.gguf"
+    write_synthetic(path, PRESET, expert_type=Q.Q4_K, mtp_layers=1, progress=False)
+    gguf_file = GGUFFile.open(path)
+    spec = load_model_spec(gguf_file)
+    block = mtp_block_spec(path, spec)
+    on_cpu, on_cuda = (BlockExperts(gguf_file, block, spec.n_layers, torch.device(d)) for d in ("cpu", "cuda"))
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (1, 37):
+        ids = torch.stack([torch.randperm(block.n_experts, generator=gen)[:block.n_experts_used]
+                           for _ in range(tokens)])
+        weights = torch.rand(tokens, block.n_experts_used, generator=gen)
+        x = (torch.randn(tokens, block.hidden_size, generator=gen) * 0.5).to(torch.bfloat16)
+        want = on_cpu(0, x.float(), ids, weights).double()
+        got = on_cuda(0, x.cuda(), ids.cuda(), weights.cuda()).double().cpu()
+        assert got.shape == want.shape
+        assert ((got - want).norm() / want.norm()).item() < 2e-2

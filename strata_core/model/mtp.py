@@ -15,7 +15,8 @@ which predict the token at t + 2; its output ``x`` stands in for ``h_{t+1}`` to 
 t + 2, and so on (one block chained, as DeepSeek-V3's and Qwen3-Next's MTP blocks serve several drafts).
 The layer is the architecture's own forward over a one-layer spec whose layer 0 is the block
 (``Architecture.mtp_block_spec``), so its attention is the architecture's; its routed experts are
-computed from the block's raw tensors, held whole on the head's device (``BlockExperts``).
+held whole on the head's device (``BlockExperts``: on CUDA through the fused decode MoE op, else the CPU
+block kernels).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from pathlib import Path
 import torch
 
 from strata_core.errors import ConfigError
-from strata_core.experts.rows import DequantExpertRows
+from strata_core.experts.arena import ExpertFormat
+from strata_core.experts.ffn import SILU, ExpertFFN
+from strata_core.experts.gather import fused_decode
+from strata_core.experts.rows import DequantExpertRows, ExpertRows
 from strata_core.experts.weights import ExpertBlocks
 from strata_core.gguf.reader import GGUFFile
 from strata_core.model.kvcache import KVCache
@@ -53,27 +57,47 @@ def mtp_block_spec(path: str | Path, spec: ModelSpec) -> ModelSpec:
 
 
 class BlockExperts:
-    """The MTP block's routed experts (``ExpertWeights.blocks`` of its layer 0): the raw gate, up and down
-    tensors, each ``[E, bytes]`` on ``device``, read per expert without a copy."""
+    """The MTP block's routed experts (``ExpertRows``, from the tensors of its layer 0). On a CUDA device they
+    are packed ``[E, total]`` as the arena packs an expert (gate | up | down) and computed by the fused decode
+    MoE op, every expert resident (a pair's slot is its expert): no host read, a few launches a layer. Elsewhere
+    the raw gate, up and down tensors ``[E, bytes]`` are read per expert without a copy
+    (``DequantExpertRows``: the CPU block kernels)."""
 
     def __init__(self, gguf_file: GGUFFile, block: ModelSpec, layer: int, device: torch.device) -> None:
         refs = [gguf_file.tensor(name.replace("blk.0.", f"blk.{layer}.", 1), shape)
                 for name, shape in block.expert_tensors(0).items()]
-        self._raw = [ref.raw().view(ref.shape[0], -1).to(device) for ref in refs]  # [E, bytes] each
-        self._qtypes = tuple(ref.qtype for ref in refs)
-        self._shapes = tuple(tuple(ref.shape[1:]) for ref in refs)
+        raw = [ref.raw().view(ref.shape[0], -1) for ref in refs]  # [E, bytes] each, mapped
+        self.format = ExpertFormat(tuple(ref.qtype for ref in refs), tuple(tuple(ref.shape[1:]) for ref in refs),
+                                   tuple(r.shape[1] for r in raw))  # type: ignore[arg-type]
+        self._packed: torch.Tensor | None = None
+        if device.type == "cuda":
+            self._packed = torch.empty((raw[0].shape[0], self.format.total), dtype=torch.uint8, device=device)
+            for part, tensor in zip(self.format.split(self._packed), raw):
+                part.copy_(tensor)
+            self._raw = list(self.format.split(self._packed))
+        else:
+            self._raw = [r.to(device) for r in raw]
+        self._reference = DequantExpertRows(self)  # type: ignore[arg-type]
 
     def blocks(self, layer: int, expert: int) -> ExpertBlocks:
         """Expert ``expert``'s raw blocks (``layer`` is the one-layer model's 0)."""
         gate, up, down = (raw[expert] for raw in self._raw)
-        return ExpertBlocks(gate, up, down, self._qtypes, self._shapes)  # type: ignore[arg-type]
+        return ExpertBlocks(gate, up, down, self.format.qtypes, self.format.shapes)
+
+    def __call__(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 ffn: ExpertFFN = SILU) -> torch.Tensor:
+        """The routed output ``[T, H]`` of ``hidden [T, H]`` (``ExpertRows``)."""
+        if self._packed is None:
+            return self._reference(layer, hidden, expert_ids, weights, ffn)
+        pairs = expert_ids.reshape(-1)  # [T*k]: every expert resident, in the slot of its own id
+        return fused_decode(hidden, self._packed, self._packed, pairs, pairs, weights, self.format, ffn)
 
 
 class MtpHead:
     """The first MTP block of a model on one device: ``forward`` drafts, ``new_cache`` makes a session's KV
     for it (in pools of its own, as large as the engine's)."""
 
-    def __init__(self, model: MoEModel, nextn: dict[str, torch.Tensor], experts: DequantExpertRows,
+    def __init__(self, model: MoEModel, nextn: dict[str, torch.Tensor], experts: ExpertRows,
                  pools: KVPools, max_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
         self.model = model
         self.nextn = nextn
@@ -113,7 +137,7 @@ class MtpHead:
         dense = DenseWeights(globals_, [layer]).place({0: {device}}, device)
         model = get_architecture(spec.architecture).forward(block, dense, main.kernels)
         pools.pool(0, device).add_layer(0, block.layer_state(0))
-        experts = DequantExpertRows(BlockExperts(gguf_file, block, at, device))  # type: ignore[arg-type]
+        experts = BlockExperts(gguf_file, block, at, device)
         return cls(model, nextn, experts, pools, max_tokens, device, dtype)
 
     def new_cache(self) -> KVCache:
