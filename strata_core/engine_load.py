@@ -93,28 +93,9 @@ def load_parts(settings: StrataSettings, report: Callable[[float], None], cluste
             f"{devices[s.device]} layers {s.layers.start}..{s.layers.stop - 1}" for s in placement.segments(phase)))
     dtype = compute_dtype(settings.dtype, devices[placement.main].device)
     slots = {d.index: d for d in devices if d.index in local}  # this process's: all but across ranks
-    pools = kv_pools(settings, spec, dtype)
-    kv_tokens = pools.n_blocks * pools.block_size  # the null block's too
-    dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, kv_tokens, settings.kv_type)
-    check_dense_budget(settings, dense_bytes, kv_bytes_per_device(spec, placement, slots, dtype, kv_tokens,
-                                                                  settings.kv_type), kv_tokens - pools.block_size)
-    layer_devices: dict[int, set[torch.device]] = {}
-    for phase in PHASES:
-        for layer, placed in enumerate(placement.layers(phase)):
-            if placed.device in slots:
-                layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
+    pools, dense_bytes = _plan_memory(settings, spec, placement, slots, dtype)
     report(0.02)
-    head = placement.main in slots  # the embedding and head: rank 0's
-    dense = DenseWeights.load(gguf_file, spec, dtype, layers=set(layer_devices), with_globals=head).place(
-        layer_devices, slots[placement.main].device if head else torch.device("cpu"))
-    model = get_architecture(spec.architecture).model(spec, dense, settings)
-    if settings.kv_type == "bf16" and dtype == torch.bfloat16:  # the rows are the compute dtype's: as auto
-        model.kernels = dataclasses.replace(model.kernels, kv_type="auto")
-    if model.splits_heads and spec.n_kv_heads >= 2:
-        model.head_splits = _head_splits(placement, slots, spec)
-    elif any(placed.attention_peer is not None for placed in placement.layers("prompt")):
-        log.info("prompt attention: every head on the layer's device (%s attention with %s kv heads is not "
-                 "split)", spec.architecture, getattr(spec, "n_kv_heads", "its own"))
+    model = _load_model(settings, gguf_file, spec, placement, slots, dtype)
     dense_bytes = place_q8_copies(model, gguf_file, settings, placement, slots, dense_bytes)
     report(0.2)
     experts = build_expert_backend(ExpertWeights(gguf_file, spec), spec, placement, slots, settings, dense_bytes,
@@ -130,6 +111,41 @@ def load_parts(settings: StrataSettings, report: Callable[[float], None], cluste
     return EngineParts(settings, plugins, selected.options, gguf_file, spec, devices, placement, model, experts,
                        Tokenizer.from_gguf(gguf_file.metadata) if has_tokenizer else None,
                        ChatTemplate.from_gguf(gguf_file.metadata), pools, remote, local)
+
+
+def _plan_memory(settings: StrataSettings, spec: ModelSpec, placement: Placement, slots: dict[int, DeviceSlot],
+                 dtype: torch.dtype) -> tuple[KVPools, dict[torch.device, int]]:
+    """The paged-KV pools and the dense bytes each of ``slots``' devices will hold, checked against the budget
+    before anything loads (``check_dense_budget``: a BudgetError naming what does not fit)."""
+    pools = kv_pools(settings, spec, dtype)
+    kv_tokens = pools.n_blocks * pools.block_size  # the null block's too
+    dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, kv_tokens, settings.kv_type)
+    check_dense_budget(settings, dense_bytes, kv_bytes_per_device(spec, placement, slots, dtype, kv_tokens,
+                                                                  settings.kv_type), kv_tokens - pools.block_size)
+    return pools, dense_bytes
+
+
+def _load_model(settings: StrataSettings, gguf_file: GGUFFile, spec: ModelSpec, placement: Placement,
+                slots: dict[int, DeviceSlot], dtype: torch.dtype) -> MoEModel:
+    """The architecture's forward over the dense weights of the layers ``slots`` compute, each on the devices
+    of the phases placing it there (the embedding and head on the main device, where it is this process's)."""
+    layer_devices: dict[int, set[torch.device]] = {}
+    for phase in PHASES:
+        for layer, placed in enumerate(placement.layers(phase)):
+            if placed.device in slots:
+                layer_devices.setdefault(layer, set()).add(slots[placed.device].device)
+    head = placement.main in slots  # the embedding and head: rank 0's
+    dense = DenseWeights.load(gguf_file, spec, dtype, layers=set(layer_devices), with_globals=head).place(
+        layer_devices, slots[placement.main].device if head else torch.device("cpu"))
+    model = get_architecture(spec.architecture).model(spec, dense, settings)
+    if settings.kv_type == "bf16" and dtype == torch.bfloat16:  # the rows are the compute dtype's: as auto
+        model.kernels = dataclasses.replace(model.kernels, kv_type="auto")
+    if model.splits_heads and spec.n_kv_heads >= 2:
+        model.head_splits = _head_splits(placement, slots, spec)
+    elif any(placed.attention_peer is not None for placed in placement.layers("prompt")):
+        log.info("prompt attention: every head on the layer's device (%s attention with %s kv heads is not "
+                 "split)", spec.architecture, getattr(spec, "n_kv_heads", "its own"))
+    return model
 
 
 def _head_splits(placement: Placement, slots: dict[int, DeviceSlot], spec: ModelSpec) -> dict[int, HeadSplit]:
