@@ -120,6 +120,33 @@ def test_the_block_s_kv_follows_the_session(mtp_model: Path) -> None:
         engine.close()
 
 
+def test_a_prompt_fed_to_the_block_takes_one_head_row(mtp_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session's first draft feeds the block every prompt row at once; only the last row's logits are read,
+    so the block's head computes that row alone (a head product a row made a long prompt's first draft
+    slow), and the drafts are those of the prompt fed a row at a time."""
+    engine = Engine.load(mtp_model, max_context=128, spec="mtp")
+    try:
+        assert engine.mtp is not None
+        head = engine.mtp.head.model
+        rows: list[int] = []
+        real = head.head
+        monkeypatch.setattr(head, "head", lambda hidden: rows.append(hidden.shape[0]) or real(hidden))
+        prompt = engine.tokenizer.encode("strata streams experts from host memory to the device")
+        tokens = list(prompt) + [7]
+        at_once = engine.new_session()
+        engine.prefill(at_once, prompt)
+        drafted = engine.mtp.draft(at_once, tokens, 2)
+        assert rows == [1, 1]  # the prompt's last row, then the chained draft's
+        one_by_one = engine.new_session()
+        engine.prefill(one_by_one, prompt[:1])
+        for n in range(1, len(prompt)):
+            engine.mtp.draft(one_by_one, tokens[:n + 1], 1)
+            engine.prefill(one_by_one, prompt[n:n + 1])
+        assert engine.mtp.draft(one_by_one, tokens, 2) == drafted
+    finally:
+        engine.close()
+
+
 def test_spec_min_p_ends_the_drafts_before_the_first_unlikely_one(mtp_model: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """``--spec-min-p m``: the drafts are those without it up to the first the block gives less than ``m``
