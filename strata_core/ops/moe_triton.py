@@ -74,14 +74,21 @@ def pair_rows_cuda(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert
         return _moe_triton(x, slots, arena, slot, expert, topk, qtypes, shapes, nbytes, None, _ffn(*ffn),
                            direct_misses=direct_misses)
 
+def _q8_matrices(x: Tensor, sources: Sources, qtypes: Sequence[int], shapes: Sequence[int],
+                 nbytes: Sequence[int]) -> list[bool]:
+    """Whether the q8 design serves each of the gate, up and down matrices (``takes_q8``)."""
+    return [takes_q8(x, q, sources.args, sum(nbytes[:i]), nbytes[i] // shapes[2 * i]) for i, q in enumerate(qtypes)]
+
 def _gate_up(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], shapes: Sequence[int],
-             nbytes: Sequence[int], ffn: ExpertFFN = SILU, blocks: Blocks | None = None) -> Tensor:
+             nbytes: Sequence[int], ffn: ExpertFFN = SILU, blocks: Blocks | None = None,
+             q8: Sequence[bool] | None = None) -> Tensor:
     """``silu(gate x) * up x`` of every pair of ``sources`` (or ``ffn``'s activation of the biased
     products): the loop, split or q8 design's gate_up launch, float32 ``[P, F]`` (split partial products:
-    ``_gate_up_split``; the q8 design where it serves both matrices, by ``blocks`` where given, else the
-    split design's)."""
+    ``_gate_up_split``; the q8 design where it serves both matrices (``q8``: ``_q8_matrices``, found here
+    when not given), by ``blocks`` where given, else the split design's)."""
     (F_, H), _, _ = _shapes(shapes)
-    if all(takes_q8(x, qtypes[i], sources.args, sum(nbytes[:i]), nbytes[i] // F_) for i in (0, 1)):
+    q8 = _q8_matrices(x, sources, qtypes, shapes, nbytes) if q8 is None else q8
+    if q8[0] and q8[1]:
         return gate_up_q8(x, sources, topk, F_, H, nbytes, ffn, blocks)
     gate_up = _gate_up_loop if moe.launch_config().design == "loop" else _gate_up_split
     return gate_up(x, sources.args, sources.staged, topk, qtypes, F_, H, nbytes, ffn)
@@ -148,9 +155,9 @@ def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
     if P == 0:
         return out.zero_()
     sources = weight_sources(slots, arena, slot, expert, sum(nbytes), by_pair, direct_misses)
-    q8 = [takes_q8(x, q, sources.args, sum(nbytes[:i]), nbytes[i] // shapes[2 * i]) for i, q in enumerate(qtypes)]
+    q8 = _q8_matrices(x, sources, qtypes, shapes, nbytes)
     blocks = q8_blocks(expert, arena.shape[0]) if any(q8) else None
-    h = _gate_up(x, sources, topk, qtypes, shapes, nbytes, ffn, blocks)
+    h = _gate_up(x, sources, topk, qtypes, shapes, nbytes, ffn, blocks, q8)
     src, staged = sources.args, sources.staged
     down = (or_unread(ffn.down_bias, h), expert)
     if rows_out:
