@@ -16,7 +16,7 @@ from strata_core.experts.backend import build_expert_backend
 from strata_core.experts.ffn import SILU, ExpertFFN
 from strata_core.experts.grouped import dequantize_experts, expert_groups, fused_gate_up, grouped_ffn, padded_index
 from strata_core.experts.rows import expert_ffn
-from strata_core.experts import device_rows
+from strata_core.experts import grouped_prefill
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import ArenaCopier, StagingRing, copy_runs
 from strata_core.plugin.placement import DeviceSlot, Placement
@@ -236,7 +236,7 @@ def test_prefetched_prompts_equal_unprefetched_ones_bit_for_bit(tiny_model_facto
                         or real(ring, layer, batches))
     logits = []
     for pairs in (10**9, 0):  # no prefetch, then always
-        monkeypatch.setattr(device_rows, "PREFETCH_PAIRS", pairs)
+        monkeypatch.setattr(grouped_prefill, "PREFETCH_PAIRS", pairs)
         engine = Engine.load(path, **options)
         engine.experts.use_grouped_prefill(True)
         logits.append(engine.prefill(engine.new_session(), PROMPT, all_logits=True))
@@ -267,7 +267,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 def test_cuda_prefill_matches_the_cpu(tiny_model_factory, monkeypatch, slots, arena, prefetch):
     """On CUDA the grouped prefill is chosen by itself; float32 logits within 1e-4 of the CPU's, also with
     every layer's misses prefetched (the copies on the copy stream, ordered by events only)."""
-    monkeypatch.setattr(device_rows, "PREFETCH_PAIRS", 0 if prefetch else device_rows.PREFETCH_PAIRS)
+    monkeypatch.setattr(grouped_prefill, "PREFETCH_PAIRS", 0 if prefetch else grouped_prefill.PREFETCH_PAIRS)
     path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
     ids = list(range(5, 60))
     options = dict(max_context=128, dtype="float32", expert_cache=slots, arena=arena)
