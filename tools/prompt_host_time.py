@@ -24,13 +24,14 @@ import torch
 
 from strata_core.runtime.devices import synchronize
 from strata_core.engine import Engine
-from strata_core.experts import device_rows, grouped
+from strata_core.experts import device_rows, grouped, grouped_prefill
 from strata_core.experts.chain import Chain
+from strata_core.experts.prompt_plan import PromptPlanner
 
 #: (owner, attribute) of the functions timed: the grouped prefill's layer, its parts and the planning.
-TIMED = [(device_rows.CachedExpertRows, "_grouped"), (device_rows.CachedExpertRows, "_on_peer"),
-         (device_rows.CachedExpertRows, "_prefetch"), (device_rows.PromptPlanner, "plan"), (device_rows, "assign"),
-         (device_rows.CachedExpertRows, "rows"), (Chain, "holders"), (device_rows, "grouped_rows"),
+TIMED = [(grouped_prefill.GroupedPrefill, "_grouped"), (grouped_prefill.GroupedPrefill, "_on_peer"),
+         (grouped_prefill.GroupedPrefill, "_prefetch"), (PromptPlanner, "plan"), (grouped_prefill, "assign"),
+         (device_rows.CachedExpertRows, "rows"), (Chain, "holders"), (grouped_prefill, "grouped_rows"),
          (grouped, "dequantize_experts"), (grouped, "grouped_ffn"), (device_rows, "combine_sorted")]
 
 
