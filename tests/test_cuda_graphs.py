@@ -84,73 +84,41 @@ def _batch(*sessions: Session) -> DecodeBatch:
     return DecodeBatch(sessions=sessions, tokens=torch.zeros(len(sessions), dtype=torch.int64))
 
 
-def test_capture_cache_is_keyed_by_sessions_and_batch_size():
+def test_capture_cache_is_keyed_by_batch_size_layers_and_step_alone():
+    """No graph depends on its sessions: another session, a longer context, a moved or released one
+    replay the same graph; only B, the layers and the whole step capture again."""
     graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
     a, b = _session(), _session()
     first = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
-    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first and graphs.captures == 1  # reused
+    assert graphs.entry(layers, _batch(b), {"hidden": hidden}, None) is first and graphs.captures == 1
     a.tokens.extend([1, 2, 3])
     a.kv.advance(3)
-    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first  # a longer context: the same graph
-    graphs.entry(layers, _batch(b), {"hidden": hidden}, None)  # another session: its own graph
-    graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None)  # B = 2
-    graphs.entry(layers, _batch(b, a), {"hidden": hidden}, None)  # another order: another graph
-    assert graphs.captures == 4 and len(graphs) == 4
-    assert graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None) is not None and graphs.captures == 4
-    assert DecodeGraphs.key(layers, _batch(a, b)) == (2, 0, 0, 2, (a.id, b.id), False)
-
-
-def test_shared_graphs_serve_any_sessions():
-    """A graph reaching the KV through address tables is keyed by (B, layers, step) alone."""
-    graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
-    a, b = _session(), _session()
-    first = graphs.entry(layers, _batch(a), {"hidden": hidden}, None, shared=True)
-    assert graphs.entry(layers, _batch(b), {"hidden": hidden}, None, shared=True) is first  # another session: the same graph
+    kvtransfer.move(a.kv, range(1, 2), slot=1, device="cpu")
+    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first
     a.kv.release()
     del a
-    assert graphs.entry(layers, _batch(b), {"hidden": hidden}, None, shared=True) is first and len(graphs) == 1  # never purged
-    graphs.entry(layers, _batch(b, _session()), {"hidden": hidden}, None, shared=True)  # B = 2
-    graphs.entry(layers, _batch(b), {"hidden": hidden}, None, shared=True, step=True)  # the whole step: its own graph
-    assert graphs.captures == 3 and len(graphs) == 3
-    graphs.invalidate(b)
-    assert len(graphs) == 3
-
-
-def test_capture_cache_invalidation():
-    graphs, layers, hidden = _CountingGraphs(), Segment(0, range(2)), torch.zeros(1, 4)
-    a, b = _session(), _session()
-    first = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
-    a.truncate(0)  # truncation keeps the KV tensors: still valid
-    kvtransfer.restore(a.kv, kvtransfer.snapshot(a.kv))  # so does a restore into the same tensors
-    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is first
-    kvtransfer.move(a.kv, range(1, 2), slot=1, device="cpu")  # a moved layer: another pool and block table -> capture again
-    second = graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
-    assert second is not first and graphs.captures == 2
-    graphs.entry(layers, _batch(a, b), {"hidden": hidden}, None)
-    assert graphs.captures == 3 and len(graphs) == 2
-    b.kv.release()  # a released session's graphs are purged
-    assert graphs.entry(layers, _batch(a), {"hidden": hidden}, None) is second
-    assert len(graphs) == 1 and graphs.captures == 3
-    graphs.invalidate(a)
+    assert graphs.entry(layers, _batch(b), {"hidden": hidden}, None) is first and len(graphs) == 1
+    graphs.entry(layers, _batch(b, _session()), {"hidden": hidden}, None)  # B = 2
+    graphs.entry(layers, _batch(b), {"hidden": hidden}, None, step=True)  # the whole step: its own graph
+    graphs.entry(Segment(0, range(1)), _batch(b), {"hidden": hidden}, None)  # other layers
+    assert graphs.captures == 4 and len(graphs) == 4
+    assert DecodeGraphs.key(layers, _batch(b, b)) == (2, 0, 0, 2, False)
+    graphs.invalidate()
     assert len(graphs) == 0
-    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
-    assert graphs.captures == 4
-    del a  # a dead session's graph goes too
-    graphs.entry(layers, _batch(_session()), {"hidden": hidden}, None)
-    assert len(graphs) == 1
 
 
 def test_capture_cache_keeps_the_most_recent_graphs():
-    graphs, layers, hidden = _CountingGraphs(max_graphs=2), Segment(0, range(2)), torch.zeros(1, 4)
-    a, b, c = _session(), _session(), _session()
-    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
-    graphs.entry(layers, _batch(b), {"hidden": hidden}, None)
-    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)  # a is now the most recent
-    graphs.entry(layers, _batch(c), {"hidden": hidden}, None)  # evicts b
+    graphs, hidden = _CountingGraphs(max_graphs=2), torch.zeros(1, 4)
+    a, b, c = (Segment(0, range(i, i + 1)) for i in range(3))
+    window = _batch(_session())
+    graphs.entry(a, window, {"hidden": hidden}, None)
+    graphs.entry(b, window, {"hidden": hidden}, None)
+    graphs.entry(a, window, {"hidden": hidden}, None)  # a is now the most recent
+    graphs.entry(c, window, {"hidden": hidden}, None)  # evicts b
     assert graphs.captures == 3 and len(graphs) == 2
-    graphs.entry(layers, _batch(a), {"hidden": hidden}, None)
+    graphs.entry(a, window, {"hidden": hidden}, None)
     assert graphs.captures == 3
-    graphs.entry(layers, _batch(b), {"hidden": hidden}, None)
+    graphs.entry(b, window, {"hidden": hidden}, None)
     assert graphs.captures == 4
 
 
@@ -249,7 +217,7 @@ def test_replayed_windows_make_no_host_sync_and_a_new_session_set_captures_again
     with no_host_sync():  # a new session replays the graph of B = 1 (address tables), no capture
         engine.decode_window([(third, 5)])
     assert graphs.captures == 2 and len(graphs) == 2
-    assert all(key[4] == () and key[5] for key in graphs._graphs)  # shared whole-step graphs
+    assert all(key[4] for key in graphs._graphs)  # whole-step graphs
 
 
 @needs_cuda

@@ -73,3 +73,4 @@ def test_a_speculative_server_captures_the_windows_of_its_drafts_too() -> None:
 
     assert window_rows(StrataSettings(parallel=4)) == 4
     assert window_rows(StrataSettings(parallel=4, spec="ngram", spec_tokens=3)) == 16
+    assert window_rows(StrataSettings(parallel=4, spec="mtp", spec_tokens=3), rewindable=False) == 4  # eager drafts

@@ -28,7 +28,8 @@ blocks a prompt starts with (held by other sessions, or cached since their last 
 publishes (its state at a block boundary is not kept).
 
 ``read(layer, n)`` gathers positions ``[0, n)`` into contiguous tensors (the eager and prompt
-attention, the CPU reference); the fused decode kernels read the pools through the block tables.
+attention, the CPU reference); the fused decode kernels read the pools through the block tables; a
+*stand-in* (``stand_in``) holds no blocks and reads another session's through row ids it is given.
 
 Quantized KV (the pools' ``kv_type``, kvquant.py): the layout holds each per-token row as codes and
 scales; ``write`` quantizes, ``read`` gives ``QuantizedRows`` (codes and scales gathered, dequantized
@@ -271,17 +272,19 @@ class KVCache:
         """``layer``'s fixed-size recurrent state tensors by name (none for a layer of rows only)."""
         return dict(self._state.get(layer, {}))
 
-    def addresses(self, layers: range) -> tuple[int, ...] | None:
-        """The addresses of what compute of ``layers`` reads and writes (block tables, pool tensors,
-        recurrent state): what a CUDA graph of this cache depends on; None once released."""
-        if self.released:
-            return None
-        out = [self.max_tokens]
-        for i in layers:
-            out.append(self.block_table(i).data_ptr())
-            out.extend(t.data_ptr() for t in self.pool_rows(i).values())
-            out.extend(t.data_ptr() for t in self._state[i].values())
-        return tuple(out)
+    def stand_in(self, layers: range) -> KVCache:
+        """An empty cache of ``layers`` at the same homes over the same pools, holding no blocks: what a decode
+        graph reads in place of any session of this layout (runtime/stand_ins.py), through the row ids it is
+        given (``follow``); its recurrent state tensors are its own."""
+        homes = {i: (self.home[i], self.pools.pools[self.home[i]].device) for i in layers}
+        return KVCache(layers, self.max_tokens, {i: self._spec_layout[i] for i in layers}, dtype=self._dtype,
+                       homes=homes, pools=self.pools)
+
+    def follow(self, slot: int, row_ids: torch.Tensor) -> None:
+        """Reach ``slot``'s pool through ``row_ids`` (int64 ``[max_blocks * block_size]``: each position's row,
+        filled by the caller) in place of this cache's own: a stand-in's reads and writes land in the blocks
+        of the session whose table gave them."""
+        self._row_ids[slot] = row_ids
 
     # --- length ----------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@ replay graphs, and their capture at a server's start.
 
 A decode window replays the graph of its batch bucket (runtime/graphs.py; padded with the padding session's
 rows, runtime/buckets.py): the whole step (embedding, layers, head) where one segment on the main device
-computes every layer, else one graph per segment. A prompt pass of new sessions replays the graph of its
+computes every layer, else one graph per segment; no graph depends on which sessions fill its rows. A prompt pass of new sessions replays the graph of its
 token bucket (runtime/prompt_graphs.py). Each says once why it does not apply (``why_not_graphed``,
 ``why_no_prompt_graphs``) and runs eagerly then.
 """
@@ -23,6 +23,7 @@ from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
 from strata_core.runtime.invariance import moe_launches
 from strata_core.runtime.prompt_graphs import PROMPT_BUCKETS, PromptGraphs, why_not_packed
 from strata_core.runtime.session import DecodeBatch, PromptBatch
+from strata_core.runtime.stand_ins import StandIns
 
 __all__ = ["GraphReplays"]
 
@@ -34,7 +35,8 @@ PROMPT_SESSIONS = 16
 
 class GraphReplays:
     """The runner's graph replays and captures (a part of :class:`~strata_core.runtime.runner.Runner`, which
-    holds the state they read: settings, model, experts, segments, the padding, ``_graphs``, ``_prompt_graphs``)."""
+    holds the state they read: settings, model, experts, segments, the padding, ``_graphs``, ``_prompt_graphs``,
+    ``_stand_ins``)."""
 
     def _replay_prompt(self, batch: PromptBatch) -> torch.Tensor | None:
         """The last rows' logits of ``batch`` by a replayed prompt graph, or None where none applies."""
@@ -86,21 +88,41 @@ class GraphReplays:
                               str(self.devices[slot]))
 
     def _replay_segment(self, segment: Segment, hidden: torch.Tensor, batch: DecodeBatch) -> torch.Tensor | None:
-        """``[B, H]`` out of ``segment`` by the replayed graph of the window's bucket, or None."""
+        """``[B, H]`` out of ``segment`` by the replayed graph of the window's bucket, or None. The fused kernels
+        reach the KV through address tables among the graph's inputs; the unfused layers run on stand-ins
+        (runtime/stand_ins.py) fed the rows' block tables: either way one graph serves any sessions."""
         padded, live = self._padding.pad(batch)
         fused = self._fused_on(hidden.device)
         inputs = {"hidden": F.pad(hidden, (0, 0, 0, len(padded) - len(batch))), "positions": padded.positions,
                   "live": self._padding.live_pairs(live)}
-        if fused:  # the kernels reach the KV through address tables: one graph serves any sessions
-            inputs["tables"] = kv_tables(padded.sessions, segment.layers)
+        if fused:
+            inputs["tables"], window = kv_tables(padded.sessions, segment.layers), padded
+        else:
+            stand_ins = self._stand_ins_of(segment)
+            reason = stand_ins.why_not(padded)
+            if reason is not None:
+                self._say(reason)
+                return None
+            inputs["tables"], window = stand_ins.tables(padded), stand_ins.window(padded)
+            stand_ins.load(padded, window, live)
 
         def body(static: dict[str, torch.Tensor]) -> torch.Tensor:
+            if not fused:
+                stand_ins.follow(window, static["tables"])
             with self._padding.counting(self.experts.rows_for(segment.device, "decode"), static["live"]):
-                return self.decode_layers(segment, static["hidden"], padded, static["positions"],
-                                          static.get("tables"), static=True)
+                return self.decode_layers(segment, static["hidden"], window, static["positions"],
+                                          static["tables"] if fused else None, static=True)
 
-        out = self.graphs.replay(segment, padded, inputs, body, shared=fused, live=live)
+        out = self.graphs.replay(segment, window, inputs, body, live=live)
+        if not fused and out is not None:
+            stand_ins.store(padded, window, live)
         return None if out is None else out[:len(batch)]
+
+    def _stand_ins_of(self, segment: Segment) -> StandIns:
+        key = (segment.device, segment.layers.start, segment.layers.stop)
+        if key not in self._stand_ins:
+            self._stand_ins[key] = StandIns(segment)
+        return self._stand_ins[key]
 
     def capture_buckets(self, sessions: int) -> None:
         """Capture the decode graphs of every bucket a window of up to ``sessions`` sessions takes, now
@@ -157,7 +179,7 @@ class GraphReplays:
             return self.model.head(hidden).float()
 
         with device_scope(device):
-            logits = self.graphs.replay(segment, padded, inputs, body, shared=True, step=True, live=live)
+            logits = self.graphs.replay(segment, padded, inputs, body, step=True, live=live)
         return None if logits is None else logits[:len(batch)]
 
     @property

@@ -7,16 +7,12 @@ over the *body* to capture (a callable reading its static inputs) with the windo
 of those inputs; a phase hook never runs inside a graph.
 
 Static shapes: the captured body attends over the whole KV capacity, masked on the device from the
-positions; its inputs (hidden state, positions, token ids, KV address tables) are static device
-buffers refilled before each replay (a device copy, or a non-blocking copy from pinned host memory);
-the output stays in the graph's pool and is returned as a clone. A graph that reads the sessions'
-KV directly is cached per (B, layers, session ids) together with the addresses of what it reads
-(the sessions' device block tables, the pools, recurrent state): a released session, a moved one
-(another slot's table and pool) or a new set of sessions captures again; growing, truncating or
-restoring a session refills its block table in place, so its graph stays valid. A *shared* graph
-reaches the KV through address tables among its inputs, so it is keyed by (B, layers) alone and
-serves any sessions. At most ``max_graphs`` graphs are kept (least recently
-used first out); dead sessions' graphs are purged.
+positions; its inputs (hidden state, positions, token ids, the rows' KV address or block tables) are static
+device buffers refilled before each replay (a device copy, or a non-blocking copy from pinned host memory);
+the output stays in the graph's pool and is returned as a clone. No graph reads a session's KV at an address
+of its own (the fused kernels follow address tables, the unfused layers run on stand-ins: stand_ins.py), so a
+graph is keyed by (B, layers, whole step) alone and serves any sessions. At most ``max_graphs`` graphs are
+kept (least recently used first out).
 
 Telemetry inside the graph (``ExpertTelemetry.capturing``): no CUDA timing events (copy/compute
 seconds are not measured for replayed windows); the gather's device counters are in-place adds
@@ -40,7 +36,6 @@ Capturing synchronises the device once per new key; a replay does not synchronis
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -51,13 +46,13 @@ import torch
 if TYPE_CHECKING:
     from strata_core.experts.backend import ExpertBackend
     from strata_core.plugin.placement import Segment
-    from strata_core.runtime.session import DecodeBatch, Session
+    from strata_core.runtime.session import DecodeBatch
 
 __all__ = ["BUCKETS", "Body", "DecodeGraphs", "account", "bucket", "capture_graph"]
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int, int, int, tuple[int, ...], bool]  # (B, device slot, first, stop layer, session ids, whole step)
+Key = tuple[int, int, int, int, bool]  # (B, device slot, first, stop layer, whole step)
 #: what a graph captures: reads its static inputs (by name), returns the window's output
 Body = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
@@ -71,8 +66,6 @@ class _Graph:
     out: torch.Tensor  # static output (in the graph's pool)
     sink: dict = field(default_factory=dict)  # (counter names, device) -> int64 counts of one replay
     host_delta: dict[str, int] = field(default_factory=dict)  # host counters one window adds
-    signature: tuple = ()
-    sessions: tuple[weakref.ref, ...] = ()
 
 
 #: the batch sizes decode windows are captured at (a larger window: the next multiple of the last)
@@ -87,13 +80,13 @@ def bucket(n: int) -> int:
     return next((b for b in BUCKETS if b >= n), -(-n // last) * last)
 
 
-def _staged(value: torch.Tensor) -> torch.Tensor:
-    """``value`` ready for a non-blocking copy to the device: pinned when it is on the host."""
-    return value.pin_memory() if value.device.type == "cpu" else value
+def _staged(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``value`` ready for a non-blocking copy into ``target``: pinned when it goes from the host to a device."""
+    return value.pin_memory() if value.device.type == "cpu" and target.device.type != "cpu" else value
 
 
 class DecodeGraphs:
-    """The CUDA graphs of one engine's decode windows, keyed by (B, segment, session ids, whole step);
+    """The CUDA graphs of one engine's decode windows, keyed by (B, segment, whole step);
     called with the segment's device current, where it captures and replays.
 
     :param experts: the expert backend whose telemetry and usage counters a replay accounts for
@@ -111,52 +104,25 @@ class DecodeGraphs:
     # --- the cache -------------------------------------------------------------------------------
 
     @staticmethod
-    def key(segment: Segment, batch: DecodeBatch, shared: bool = False, step: bool = False) -> Key:
-        """The cache key of ``segment``'s window over ``batch`` (session ids only when not ``shared``)."""
+    def key(segment: Segment, batch: DecodeBatch, step: bool = False) -> Key:
+        """The cache key of ``segment``'s window over ``batch``."""
         layers = segment.layers
-        ids = () if shared else tuple(s.id for s in batch.sessions)
-        return (len(batch.sessions), segment.device, layers.start, layers.stop, ids, step)
+        return (len(batch.sessions), segment.device, layers.start, layers.stop, step)
 
-    @staticmethod
-    def signature(layers: range, sessions: tuple[Session, ...]) -> tuple | None:
-        """Addresses of the state a graph of ``sessions`` reads and writes (``KVCache.addresses``: block
-        tables, pools, recurrent state); None if one is released."""
-        out = []
-        for session in sessions:
-            addresses = session.kv.addresses(layers)
-            if addresses is None:
-                return None
-            out.append(addresses)
-        return tuple(out)
-
-    def invalidate(self, session: Session | None = None) -> None:
-        """Drop the graphs of ``session`` (every graph if None)."""
-        for key in [k for k in self._graphs if session is None or session.id in k[4]]:  # shared ones stay
-            del self._graphs[key]
-
-    def _purge(self) -> None:
-        """Drop graphs whose sessions are gone or released."""
-        for key, entry in list(self._graphs.items()):
-            alive = [ref() for ref in entry.sessions]
-            if any(s is None or s.kv.released for s in alive):
-                del self._graphs[key]
+    def invalidate(self) -> None:
+        """Drop every graph (captured again at the next window)."""
+        self._graphs.clear()
 
     def entry(self, segment: Segment, batch: DecodeBatch, inputs: dict[str, torch.Tensor], body: Body | None,
-              shared: bool = False, step: bool = False) -> _Graph:
-        """The graph of this window: the cached one if still valid, else a capture of ``body`` over
-        static copies of ``inputs``. A ``shared`` graph is valid for any sessions."""
-        self._purge()
-        key = self.key(segment, batch, shared, step)
-        sig = () if shared else self.signature(segment.layers, batch.sessions)
+              step: bool = False) -> _Graph:
+        """The graph of this window: the cached one, else a capture of ``body`` over static copies of ``inputs``."""
+        key = self.key(segment, batch, step)
         entry = self._graphs.get(key)
-        if entry is not None and entry.signature == sig:
+        if entry is not None:
             self._graphs.move_to_end(key)
             return entry
-        self._graphs.pop(key, None)
         entry = self._capture(segment, batch, inputs, body, step)
         self.captures += 1
-        entry.signature = sig
-        entry.sessions = () if shared else tuple(weakref.ref(s) for s in batch.sessions)
         self._graphs[key] = entry
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
@@ -168,21 +134,21 @@ class DecodeGraphs:
     # --- replay ----------------------------------------------------------------------------------
 
     def replay(self, segment: Segment, batch: DecodeBatch, inputs: dict[str, torch.Tensor], body: Body,
-               shared: bool = False, step: bool = False, live: int | None = None) -> torch.Tensor | None:
+               step: bool = False, live: int | None = None) -> torch.Tensor | None:
         """The window's output by graph replay (capturing first where needed), or None when a capture
         failed: the caller runs it eagerly, from then on. ``live``: how many of the batch's rows are real
         (the rest pad it to its bucket; None: all)."""
         if self.failed is not None:
             return None
         try:
-            entry = self.entry(segment, batch, inputs, body, shared, step)
+            entry = self.entry(segment, batch, inputs, body, step)
         except Exception as exc:  # noqa: BLE001 - any capture failure falls back to eager for good
             self.failed = f"capture failed ({type(exc).__name__}: {exc})"
             log.warning("cuda graphs: %s; decode runs eagerly from now on", self.failed)
             self._graphs.clear()
             return None
         for name, value in inputs.items():
-            entry.inputs[name].copy_(_staged(value), non_blocking=True)
+            entry.inputs[name].copy_(_staged(value, entry.inputs[name]), non_blocking=True)
         entry.graph.replay()
         account(self.experts, entry, len(batch) if live is None else live, len(batch))
         return entry.out.clone()
@@ -224,7 +190,7 @@ def capture_graph(experts: ExpertBackend, layers: range, body: Body, inputs: dic
     static = {}
     for name, value in inputs.items():
         static[name] = torch.empty_like(value, device=device)
-        static[name].copy_(_staged(value), non_blocking=True)
+        static[name].copy_(_staged(value, static[name]), non_blocking=True)
     for cache in experts.caches.values():  # swaps still landing: wait now, not inside the capture
         for layer in layers:
             cache.wait_layer(layer, device)

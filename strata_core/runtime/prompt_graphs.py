@@ -122,7 +122,7 @@ class PromptGraphs:
             if entry is None:
                 entry = self._capture(size)
             for name, value in self._inputs(batch, size).items():
-                entry.inputs[name].copy_(_staged(value), non_blocking=True)
+                entry.inputs[name].copy_(_staged(value, entry.inputs[name]), non_blocking=True)
             entry.graph.replay()
         account(self.experts, entry, len(batch.tokens), size)
         return entry.out[:len(batch)].clone()

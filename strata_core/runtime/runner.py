@@ -42,6 +42,7 @@ from strata_core.runtime.invariance import check_batch_invariant, moe_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.runtime.prompt_graphs import PromptGraphs
 from strata_core.runtime.session import UNSET, DecodeBatch, LogitsWanted, PromptBatch, Session
+from strata_core.runtime.stand_ins import StandIns
 
 __all__ = ["HiddenSink", "Runner"]
 
@@ -83,6 +84,7 @@ class Runner(GraphReplays):
         self._stage_times: list[StageTime] | None = None
         self._graphs: DecodeGraphs | None = None
         self._prompt_graphs: PromptGraphs | None = None
+        self._stand_ins: dict[tuple[int, int, int], StandIns] = {}  # (slot, first, stop layer) -> its stand-ins
         self._said: set[str] = set()
         self._fused: dict[torch.device, bool] = {}
         self._padding = BatchPadding(padding_session, model.spec.n_experts_used)

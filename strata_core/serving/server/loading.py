@@ -24,10 +24,12 @@ __all__ = ["ModelLoadingError", "ServiceLoader", "window_rows"]
 log = logging.getLogger(__name__)
 
 
-def window_rows(settings: StrataSettings) -> int:
-    """The most rows a decode window of the server takes: one a slot, and with ``--spec`` each slot's drafts
-    too (its start captures the decode graphs up to them, so a speculative window never captures)."""
-    return settings.parallel * (1 + settings.spec_tokens if settings.spec != "off" else 1)
+def window_rows(settings: StrataSettings, rewindable: bool = True) -> int:
+    """The most rows a replayed decode window of the server takes (its start captures the decode graphs up to
+    them, so no window captures later): one a slot, and with ``--spec`` each slot's drafts too, unless the model
+    keeps a recurrent state (not ``rewindable``: its speculative windows run eagerly)."""
+    drafts = settings.spec != "off" and rewindable
+    return settings.parallel * (1 + settings.spec_tokens if drafts else 1)
 
 
 class ModelLoadingError(StrataError):
@@ -78,7 +80,8 @@ class ServiceLoader:
         try:
             if self._owned:
                 self._engine = await self.worker.call(Engine.from_settings, settings, self._loaded)
-                await self.worker.call(self._engine.capture_decode_graphs, window_rows(settings))
+                await self.worker.call(self._engine.capture_decode_graphs,
+                                       window_rows(settings, self._engine.spec.rewindable))
                 await self.worker.call(self._engine.capture_prompt_graphs)
                 await self.worker.call(self._engine.warm_up_prompts)
                 freeze_loaded()  # no full collection scanning the engine in the middle of a request
