@@ -37,7 +37,7 @@ from strata_core.plugin.spec import StrategyOptions
 from strata_core.remote import Cluster, RemoteStages, launch_of
 from strata_core.remote.launch import check_placement
 from strata_core.runtime.devices import compute_dtype, resolve_slots, split_rank
-from strata_core.runtime.memory_plan import dense_bytes_per_device, kv_bytes_per_device
+from strata_core.runtime.memory_plan import dense_bytes_per_device, kv_bytes_per_device, state_copies
 from strata_core.text.chat import ChatTemplate
 from strata_core.text.tokenizer import Tokenizer
 
@@ -119,9 +119,10 @@ def _plan_memory(settings: StrataSettings, spec: ModelSpec, placement: Placement
     before anything loads (``check_dense_budget``: a BudgetError naming what does not fit)."""
     pools = kv_pools(settings, spec, dtype)
     kv_tokens = pools.n_blocks * pools.block_size  # the null block's too
-    dense_bytes = dense_bytes_per_device(spec, placement, slots, dtype, kv_tokens, settings.kv_type)
-    check_dense_budget(settings, dense_bytes, kv_bytes_per_device(spec, placement, slots, dtype, kv_tokens,
-                                                                  settings.kv_type), kv_tokens - pools.block_size)
+    plan = (spec, placement, slots, dtype, kv_tokens, settings.kv_type,
+            state_copies(settings.parallel, settings.cuda_graphs))
+    dense_bytes = dense_bytes_per_device(*plan)
+    check_dense_budget(settings, dense_bytes, kv_bytes_per_device(*plan), kv_tokens - pools.block_size)
     return pools, dense_bytes
 
 

@@ -128,3 +128,18 @@ def test_cuda_graphs_on_stand_ins_serve_sessions_joining_and_leaving(arch):
     assert graphs.captures == 4 and graphs.failed is None
     for a, b in zip(got, want):
         assert float((a - b).abs().max()) <= 1e-4 * float(b.abs().max())
+
+
+def test_the_memory_plan_counts_the_recurrent_state_of_the_slots_the_padding_and_the_stand_ins():
+    from strata_core.plugin.placement import DeviceSlot, LayerPlacement, Placement
+    from strata_core.runtime.memory_plan import kv_bytes_per_device, state_copies
+
+    spec = Engine.load(MODELS["qwen3next"], max_context=64).spec
+    one = tuple(LayerPlacement.local(0) for _ in range(spec.n_layers))
+    cpu = torch.device("cpu")
+    plan = [kv_bytes_per_device(spec, Placement(one, one), {0: DeviceSlot(0, cpu)}, torch.float32, 64,
+                                sessions=n)[cpu] for n in (1, 2)]
+    state = sum(t.nbytes(0, torch.float32) for i in range(spec.n_layers) for t in spec.layer_state(i).values()
+                if not t.per_token)
+    assert state > 0 and plan[1] - plan[0] == state
+    assert state_copies(5, cuda_graphs=True) == 5 + 1 + 8 and state_copies(5, cuda_graphs=False) == 6
