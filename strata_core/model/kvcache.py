@@ -375,11 +375,12 @@ class KVCache:
         """Whether ``keep_steps`` is keeping the recurrent state of the window in progress."""
         return self._steps_from is not None
 
-    def keep_step(self, layer: int) -> None:
-        """Keep ``layer``'s recurrent state after one more row of the window (``keep_steps``)."""
+    def keep_step(self, layer: int, states: LayerTensors | None = None) -> None:
+        """Keep ``layer``'s recurrent state after one more row of the window (``keep_steps``): ``states`` (by
+        name, tensors nobody writes to after) where the compute has them, else a copy of the live state."""
         steps = self._steps.get(layer)
         if steps is not None:
-            steps.append(_clone(self._state[layer]))
+            steps.append(dict(states) if states is not None else _clone(self._state[layer]))
 
     def _rewind_state(self, n: int) -> None:
         """Put back each recurrent layer's state kept after the window's row at position ``n - 1``

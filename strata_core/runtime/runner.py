@@ -359,8 +359,8 @@ class Runner(GraphReplays):
         into the next layer's norm) where the model and device allow; one session's row on the CPU
         takes ``MoEModel.cpu_layer`` where it applies (its joined ops, the add carried the same way);
         else on the CPU the attention block's norm and projections over every row at once and its attention
-        per session (``attention_spans``: each row's bits its own), elsewhere (and for a recurrent state kept
-        after each row) attention row by row, then the batched MoE rows. ``positions`` (``[B]`` on the device) and
+        per session (``attention_spans``: each row's bits its own), elsewhere attention row by row, then the
+        batched MoE rows (a recurrent layer keeps its state after each row where the window asks it to). ``positions`` (``[B]`` on the device) and
         ``tables`` (the KV address tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
         from the positions (what a graph needs, and what the CPU path always does). ``fused`` picks
         the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
@@ -390,7 +390,7 @@ class Runner(GraphReplays):
                         hidden, delta = hidden + delta, None
                     hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, kv, contexts[0],
                                                                         static=static), rows)  # [1, H]
-            elif device.type == "cpu" and not _keeps_steps(batch):  # the norm and projections over every row at once
+            elif device.type == "cpu":  # the norm and projections over every row at once
                 hidden = self.model.moe(layer, self.model.attention_spans(layer, hidden, positions,
                                                                           _window_spans(batch, contexts), static),
                                         rows)  # [B, H]: each row's bits its own (the CPU's products are row-wise)
@@ -399,8 +399,6 @@ class Runner(GraphReplays):
                 for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
                     parts.append(self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
                                                       contexts[b], static=static))
-                    if batch.offsets:  # a session of several rows keeps its recurrent state after each
-                        session.kv.keep_step(layer)
                 hidden = self.model.moe(layer, parts[0] if len(parts) == 1 else torch.cat(parts), rows)  # [B, H]
             if self._observers:
                 self._notify(layer, hidden if delta is None else hidden + delta)
@@ -461,5 +459,5 @@ def _window_spans(batch: DecodeBatch, contexts: list[int]) -> list[tuple[KVCache
 
 def _keeps_steps(batch: DecodeBatch) -> bool:
     """Whether a session of ``batch`` keeps its recurrent state after each of its rows (``KVCache.keep_steps``):
-    host work between the rows, so the window runs eagerly."""
+    host bookkeeping of the states kept, so the window runs eagerly."""
     return bool(batch.offsets) and any(session.kv.keeps_steps for session in batch.sessions)

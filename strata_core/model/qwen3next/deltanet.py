@@ -48,12 +48,16 @@ def fla_chunk() -> Callable[..., Any] | None:
     return chunk_gated_delta_rule
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                steps: list[torch.Tensor] | None = None) -> torch.Tensor:
     """SiLU of the depthwise causal convolution of ``x [T, C]`` after the ``K - 1`` earlier inputs in
     ``state [K - 1, C]`` (float32) with ``weight [C, K]``: ``[T, C]`` in x's dtype; ``state`` then
-    holds the last ``K - 1`` inputs. Each output is summed over the taps in one fixed order."""
+    holds the last ``K - 1`` inputs. Each output is summed over the taps in one fixed order. ``steps``
+    (a list) is given the state after each token."""
     T, K = x.shape[0], weight.shape[1]
     window = torch.cat([state, x.float()])  # [K - 1 + T, C]
+    if steps is not None:
+        steps.extend(window[t + 1:t + K] for t in range(T))
     w = weight.float()
     out = window[0:T] * w[:, 0]
     for j in range(1, K):
@@ -69,8 +73,10 @@ def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                         beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule token by token: ``[T, Hv, Dv]`` float32 outputs; ``state`` updated in place.
+                         beta: torch.Tensor, state: torch.Tensor,
+                         steps: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """The gated delta rule token by token: ``[T, Hv, Dv]`` float32 outputs; ``state`` updated in place;
+    ``steps`` (a list) is given the state after each token.
 
     Per token: ``S = exp(g) S``; ``S += k (beta (v - S^T k))^T``; ``o = S^T q / sqrt(Dk)``."""
     T, Dk = q.shape[0], q.shape[-1]
@@ -86,6 +92,8 @@ def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         delta = (v[t] - (s * kt).sum(1)) * beta[t][:, None]  # [Hv, Dv]
         s = s + kt * delta[:, None, :]
         out[t] = (s * q[t][:, :, None]).sum(1)
+        if steps is not None:
+            steps.append(s)  # a new tensor each token: kept as it is
     state.copy_(s)
     return out
 
@@ -124,18 +132,21 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-               state: torch.Tensor, k_heads: int, chunked: str = "fla") -> torch.Tensor:
+               state: torch.Tensor, k_heads: int, chunked: str = "fla",
+               steps: list[torch.Tensor] | None = None) -> torch.Tensor:
     """The gated delta rule for ``q, k [T, Hk, Dk]`` (one key head per ``Hv / Hk`` value heads),
     ``v [T, Hv, Dv]``: ``[T, Hv, Dv]`` float32; ``state`` updated in place.
 
-    The recurrent form on the CPU and for single tokens; a prompt off the CPU runs the form ``chunked``
+    The recurrent form on the CPU, for single tokens and where ``steps`` (a list) is to be given the state
+    after each token (a speculative window's rows); a prompt off the CPU runs the form ``chunked``
     names (``ForwardKernels.deltanet_chunked``): "fla" (fla's kernel when installed, else
     ``delta_rule_chunked``), "torch" (``delta_rule_chunked``) or "recurrent" (token by token)."""
     if chunked not in ("fla", "torch", "recurrent"):
         raise ValueError(f"delta_rule: chunked {chunked!r} is not 'fla', 'torch' or 'recurrent'")
     rep = v.shape[1] // k_heads
-    if q.device.type == "cpu" or q.shape[0] == 1 or chunked == "recurrent":
-        return delta_rule_recurrent(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)
+    if q.device.type == "cpu" or q.shape[0] == 1 or chunked == "recurrent" or steps is not None:
+        return delta_rule_recurrent(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state,
+                                    steps)
     kernel = fla_chunk() if chunked == "fla" else None
     if kernel is None:
         return delta_rule_chunked(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g, beta, state)

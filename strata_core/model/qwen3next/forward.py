@@ -66,12 +66,14 @@ class Qwen3NextModel(MoEModel):
         return tuple(torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1) for x in (q, k))
 
     def linear_attention(self, layer: int, x: torch.Tensor, kv: KVCache) -> torch.Tensor:
-        """``[T, H]``: the Gated DeltaNet of normed ``x [T, H]`` continuing the layer's conv and ssm state."""
+        """``[T, H]``: the Gated DeltaNet of normed ``x [T, H]`` continuing the layer's conv and ssm state;
+        the states after each row kept in ``kv`` while it keeps a window's steps (``KVCache.keep_steps``)."""
         s, w = self.spec, self.weights.at(layer, x.device)
         T, Dh, Hk, Hv = x.shape[0], s.gdn_head_dim, s.gdn_k_heads, s.gdn_v_heads
         r = Hv // Hk
+        conv_steps, ssm_steps = ([], []) if kv.keeps_steps else (None, None)
         qkv = causal_conv(linear(x, w["attn_qkv.weight"]), kv.state(layer, "conv"),
-                          w["ssm_conv1d.weight"])  # [T, 2 Hk Dh + Hv Dh]
+                          w["ssm_conv1d.weight"], conv_steps)  # [T, 2 Hk Dh + Hv Dh]
         q, k, v = qkv.split((s.gdn_key_dim, s.gdn_key_dim, s.gdn_value_dim), dim=-1)
         q = l2_norm(q.reshape(T, Hk, Dh), s.rms_norm_eps)  # [T, Hk, Dh]
         k = l2_norm(k.reshape(T, Hk, Dh), s.rms_norm_eps)
@@ -80,7 +82,9 @@ class Qwen3NextModel(MoEModel):
         g = batch_invariant(F.softplus, ba[..., r:].reshape(T, Hv) + w["ssm_dt.bias"].float())
         g = g * w["ssm_a"].float()  # [T, Hv]
         o = delta_rule(q, k, v.reshape(T, Hv, Dh), g, beta, kv.state(layer, "ssm"), Hk,
-                       self.kernels.deltanet_chunked)  # [T, Hv, Dh] f32
+                       self.kernels.deltanet_chunked, ssm_steps)  # [T, Hv, Dh] f32
+        for conv, ssm in zip(conv_steps or (), ssm_steps or ()):
+            kv.keep_step(layer, {"conv": conv, "ssm": ssm})
         z = linear(x, w["attn_gate.weight"]).view(T, Hv, Dh)  # [T, Hv, Dh]
         o = (rms_norm(o.to(x.dtype), w["ssm_norm.weight"], s.rms_norm_eps, self.kernels.fused_norms)
              * batch_invariant(F.silu, z.float()).to(x.dtype))
