@@ -28,6 +28,8 @@ if HAS_TRITON:
     from strata_core.ops.moe_q8 import q8_blocks, quantize_q8
 
 TOL = 2e-2
+#: the references' own products in float (an int8 CPU body, on a VNNI host, would add its rounding to the q8's)
+pytestmark = pytest.mark.usefixtures("float_cpu_kernels")
 #: all Q4_K (every launch q8), a Q6_K down (the split design's down after a q8 gate_up), no Q4_K at all
 TRIPLES = [(T.Q4_K,) * 3, (T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q5_K, T.Q4_K)]
 
