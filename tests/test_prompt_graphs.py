@@ -139,12 +139,12 @@ def test_prompt_graphs_are_dropped_by_a_later_decode_capture_or_residency_change
     table = next(iter(engine.experts.tables.values()))
     for change in (lambda: captures.__setitem__(0, captures[0] + 1), table._publish):
         graphs._check_still_valid()
-        graphs._graphs[16] = "a captured graph"
+        graphs._graphs[16], graphs._pool = "a captured graph", "its memory pool"
         graphs._check_still_valid()
         assert graphs._graphs == {16: "a captured graph"}
         change()
         graphs._check_still_valid()
-        assert graphs._graphs == {}
+        assert graphs._graphs == {} and graphs._pool is None  # the pool went with its graphs: a new one next
 
 
 # --- CUDA -----------------------------------------------------------------------------------------

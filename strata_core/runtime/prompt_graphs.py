@@ -198,8 +198,14 @@ class PromptGraphs:
             yield
         except Exception as exc:
             self.failed = f"a prompt graph failed ({type(exc).__name__}: {exc})"
-            self._graphs.clear()
+            self._drop()
             raise
+
+    def _drop(self) -> None:
+        """Drop every graph and their memory pool: the pool goes with its last graph, so a later capture takes a
+        new one (capturing into the released pool's handle fails an assertion of torch's allocator)."""
+        self._graphs.clear()
+        self._pool = None
 
     def _check_still_valid(self) -> None:
         """Drop the graphs when a cache's residency changed since they were captured (they read its slots), or
@@ -210,5 +216,5 @@ class PromptGraphs:
                 log.info("cuda graphs: prompt graphs dropped (%s since their capture)",
                          "a decode graph captured" if self._captured_after and state[0] == self._captured_after[0]
                          else "the expert residency changed")
-            self._graphs.clear()
+            self._drop()
             self._captured_after = state
