@@ -308,7 +308,7 @@ def test_opcheck_grouped_decode():
 
 
 @pytest.mark.parametrize("fields", [dict(dot_precision="fp16"), dict(bm=8), dict(kt=16), dict(bn_grouped=48),
-                                    dict(grouped_pairs=0), dict(q8_group=3), dict(q8_group_pairs=0)], ids=str)
+                                    dict(grouped_pairs=0)], ids=str)
 def test_launch_config_rejects_grouped_fields_the_kernels_cannot_take(fields):
     with pytest.raises(ValueError):
         moe.LaunchConfig(**fields)

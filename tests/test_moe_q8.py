@@ -6,8 +6,7 @@ ops): ``TRITON_INTERPRET=1 PYTHONPATH=<a CPU triton> pytest tests/test_moe_q8.py
 Tolerance: bf16 activations within a relative (Frobenius) 2e-2, as the other designs': quantizing a
 block of 32 activations to int8 errs by at most half a step of ``max |v| / 127`` a value (~0.2% of a
 block's largest), far inside it. Float32 activations take the split design (its float32 tolerance).
-Every run is repeated: bit-identical. A window's pairs grouped by expert (``q8_group``) give the rows of
-the per-pair launches bit for bit.
+Every run is repeated: bit-identical.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from strata_core.ops.qdecode import HAS_TRITON
 from test_moe_grouped import DEVICES, layer_case, reference, rel, run
 
 if HAS_TRITON:
-    from strata_core.ops.moe_q8 import q8_blocks, quantize_q8
+    from strata_core.ops.moe_q8 import quantize_q8
 
 TOL = 2e-2
 #: the references' own products in float (an int8 CPU body, on a VNNI host, would add its rounding to the q8's)
@@ -38,11 +37,6 @@ def q8(device: str, **fields) -> moe.LaunchConfig:
     """Every window q8; on the interpreter a program takes whole rows (its cost is per program and step)."""
     tiles = dict(bn_gate_up=256, bn_down=256, bn_combine=256, tile=65536) if device == "cpu" else {}
     return moe.LaunchConfig(**{"design": "q8", "q8_pairs": 1, **tiles, **fields})
-
-
-def grouped_q8(device: str, group: int) -> moe.LaunchConfig:
-    """Every window q8, its pairs in blocks of ``group`` pairs of one expert."""
-    return q8(device, q8_group=group, q8_group_pairs=1)
 
 
 def kernels(device: str):
@@ -88,39 +82,21 @@ def test_q8_engine_shapes_and_steps(tile):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("op", ["moe_decode", "moe_pair_rows", "moe_decode_rows"])
-def test_q8_biases_and_swiglu_oai(op, group, device):
-    """gpt-oss's biases and swiglu_oai on Q4_K experts, a program a pair or a block of one expert's pairs."""
+def test_q8_biases_and_swiglu_oai(op, device):
+    """gpt-oss's biases and swiglu_oai on Q4_K experts."""
     case = layer_case((T.Q4_K,) * 3, 12, 4, 8, 6, 0.5, 3, torch.bfloat16)
     gen = torch.Generator().manual_seed(4)
     ffn = dict(gate_bias=torch.randn(8, 256, generator=gen) * 0.1, up_bias=torch.randn(8, 256, generator=gen) * 0.1,
                down_bias=torch.randn(8, 256, generator=gen) * 0.1, act=1, alpha=1.702, limit=7.0)
     want = reference(op, *case, 4, **ffn)
-    with moe.launched_with(grouped_q8(device, group)):
+    with moe.launched_with(q8(device)):
         got = run(op, device, "device", *case, 4, **ffn)
     assert rel(got, want) < TOL
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize(("op", "where"), [("moe_decode", "device"), ("moe_decode", "by-pair"),
-                                           ("moe_pair_rows", "device"), ("moe_decode_rows", "device")])
-def test_q8_blocks_of_one_expert_give_the_per_pair_rows(op, where, group, device):
-    """Pairs grouped by expert in blocks of ``group`` (runs longer than a block, shorter, a missed expert's
-    pairs each staged in a row of its own: ``moe_decode``'s staged misses) give the per-pair launches' output
-    bit for bit."""
-    case = layer_case((T.Q4_K,) * 3, 9, 4, 6, 9, 0.5, 5, torch.bfloat16)  # 36 pairs on 6 experts
-    with moe.launched_with(q8(device)):
-        per_pair = run(op, device, where, *case, 4)
-    with moe.launched_with(grouped_q8(device, group)):
-        grouped = run(op, device, where, *case, 4)
-    assert torch.equal(per_pair, grouped)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("group", [1, 4])
-def test_q8_served_rows_merge_bit_for_bit(group, device):
+def test_q8_served_rows_merge_bit_for_bit(device):
     """Rows of ``moe_decode_rows`` taken in place of some pairs' own give ``moe_decode``'s output exactly
     (a peer tier's rows join the home's combination)."""
     fmt, arena, slots, slot, expert, x, weights = layer_case((T.Q4_K,) * 3, 6, 4, 8, 6, 1.0, 9, torch.bfloat16)
@@ -128,7 +104,7 @@ def test_q8_served_rows_merge_bit_for_bit(group, device):
     args = [t.to(dev) for t in (x, slots, arena, slot, expert)]
     op = ([int(q) for q in fmt.qtypes], [n for s in fmt.shapes for n in s], list(fmt.nbytes))
     decode, decode_rows = kernels(device)
-    with moe.launched_with(grouped_q8(device, group)):
+    with moe.launched_with(q8(device)):
         plain = decode(*args, weights.to(dev), 4, *op)
         rows = decode_rows(*args, 4, *op)
         served = (torch.arange(slot.numel(), device=dev) % 3 == 0)
@@ -140,7 +116,7 @@ def test_q8_served_rows_merge_bit_for_bit(group, device):
 def test_float32_activations_take_the_split_design(device):
     """The q8 design keeps out of float32 activations: their output is the split design's, bit for bit."""
     case = layer_case((T.Q4_K,) * 3, 5, 4, 8, 5, 1.0, 12)
-    with moe.launched_with(grouped_q8(device, 4)):
+    with moe.launched_with(q8(device)):
         got = run("moe_decode", device, "device", *case, 4)
     with moe.launched_with(dataclasses.replace(q8(device), design="split")):
         split = run("moe_decode", device, "device", *case, 4)
@@ -159,26 +135,6 @@ def test_the_pair_count_picks_the_design(device):
         with moe.launched_with(design):
             want = run("moe_decode", device, "device", *case, 4)
         assert torch.equal(got, want)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_blocks_from_q8_group_pairs(device):
-    """A window of fewer than ``q8_group_pairs`` pairs, or ``q8_group`` 1, takes a program a pair; from it,
-    blocks of one expert's pairs, every pair once (padding: P)."""
-    expert = torch.tensor([3, 1, 3, 3, 0, 1, 3, 3, 3], device=device)
-    with moe.launched_with(q8(device, q8_group=4, q8_group_pairs=10)):
-        assert q8_blocks(expert, 4) is None
-    with moe.launched_with(q8(device, q8_group=1, q8_group_pairs=1)):
-        assert q8_blocks(expert, 4) is None
-    with moe.launched_with(q8(device, q8_group=4, q8_group_pairs=9)):
-        sorted_, total = q8_blocks(expert, 4)
-    blocks = sorted_[:int(total)].view(-1, 4).cpu()
-    real = blocks[blocks < 9]
-    assert sorted(real.tolist()) == list(range(9))
-    for block in blocks:
-        pairs = block[block < 9]
-        assert len(pairs) and len(set(expert.cpu()[pairs].tolist())) == 1  # one expert a block
-    assert int(total) == 4 * 4  # expert 0: 1 block, 1: 1, 3: 6 pairs in 2
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -80,7 +80,6 @@ if [ "${STAGE:-1}" = 1 ]; then
   step "model ready"
   server after full "1 8 32" --parallel 32
   server after step512 "8" --parallel 8 --step-tokens 512
-  server after q8group "8 32" --parallel 32 --moe-config q8_group=4,q8_group_pairs=64
   server after half "8" --parallel 8 --expert-cache 3072
   longprompt
   if wanted spec; then  # n-gram speculation on the committed code-editing workload, one client, greedy

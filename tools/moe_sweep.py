@@ -18,8 +18,8 @@ it did not reach as skipped. Block types other than
 Q4_K get the first ``--others`` variants only.
 
 ``--grouped`` times the batch designs against the split design's per-pair kernels (what one token
-takes): the q8 design (strata_core/ops/moe_q8.py, forced with ``q8_pairs=1``) and its variants (among them
-``q8_group``: a program the pairs of one expert, read once for them) and the grouped design (strata_core/ops/moe_grouped.py, forced with ``grouped=True, grouped_pairs=1``), on
+takes): the q8 design (strata_core/ops/moe_q8.py, forced with ``q8_pairs=1``) and its variants, and the grouped
+design (strata_core/ops/moe_grouped.py, forced with ``grouped=True, grouped_pairs=1``), on
 routings like a batch's: each token's top-k distinct experts drawn at random, so tokens share experts (B=8: 64 pairs on
 ~50 experts; B=32: 256 on ~110). Each timed call reads another of ``--layers`` copies of the layer's
 experts (as the next layer would), so no call finds the previous call's weights in the L2; the
@@ -83,8 +83,6 @@ Q8 = dict(design="q8", q8_pairs=1)
 GROUPED_VARIANTS: list[C] = [
     C(design="split"),
     C(**Q8),
-    *(C(**Q8, q8_group=m, q8_group_pairs=1) for m in (2, 4, 8)),
-    C(**Q8, q8_group=4, q8_group_pairs=1, tile=8192),
     *(C(**Q8, **f) for f in (dict(warps_q8=4), dict(tile=8192), dict(bn_gate_up=8), dict(bn_combine=8),
                              dict(bn_gate_up=2), dict(bn_combine=32), dict(bn_gate_up=8, bn_combine=32))),
     C(**G, dot_precision="bf16"),

@@ -108,9 +108,6 @@ class LaunchConfig:
     ``warps_q8`` warps, ``bn_gate_up`` / ``bn_combine`` / ``bn_down`` rows a program); everything else
     as "split" (a single token's 8 pairs are faster there: 27 against 44 µs a layer of the 30B; at 8
     tokens q8 takes 92 µs to split's 155, at 32 267 to 565; tools/moe_sweep.py, BENCHMARKS.md).
-    ``q8_group`` > 1: a window of ``q8_group_pairs`` pairs or more sorts its pairs by expert and a q8
-    program computes up to ``q8_group`` pairs of one expert, its rows read from memory once for them
-    (the same rows, bit for bit; :mod:`strata_core.ops.moe_q8`); 1: a program per pair.
 
     ``grouped``: a window of ``grouped_pairs`` pairs or more takes the grouped design instead
     (:mod:`strata_core.ops.moe_grouped`: each routed expert decoded once per window, its pairs as the
@@ -135,8 +132,6 @@ class LaunchConfig:
     fast_q4k: bool = True
     q8_pairs: int = 16
     warps_q8: int = 2
-    q8_group: int = 1
-    q8_group_pairs: int = 64
     grouped: bool = False  # measured slower than the split design at 1, 8 and 32 sessions (BENCHMARKS.md)
     grouped_pairs: int = 32
     bm: int = 16
@@ -152,11 +147,11 @@ class LaunchConfig:
             raise ValueError("LaunchConfig: the loop design's down launch takes activated h (split_k 1)")
         if self.dot_precision not in DOT_PRECISIONS:
             raise ValueError(f"LaunchConfig.dot_precision: {self.dot_precision!r} is not one of {DOT_PRECISIONS}")
-        for name in ("grouped_pairs", "q8_pairs", "q8_group_pairs"):
+        for name in ("grouped_pairs", "q8_pairs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LaunchConfig.{name}: {getattr(self, name)} is not positive")
         for name in ("tile", "bn_gate_up", "bn_down", "bn_combine", "warps_gate_up", "warps_down",
-                     "warps_combine", "split_k", "bm", "bn_grouped", "kt", "warps_grouped", "warps_q8", "q8_group"):
+                     "warps_combine", "split_k", "bm", "bn_grouped", "kt", "warps_grouped", "warps_q8"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name}: {v} is not a power of two")

@@ -109,11 +109,11 @@ def grouped_rows(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], 
     return rows
 
 
-def combine_pairs(rows: Tensor, weights: Tensor, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+def combine_pairs(rows: Tensor, weights: Tensor, dtype: torch.dtype) -> Tensor:
     """Step 4 of the module doc: ``[T, H]`` in ``dtype`` from the float32 ``rows [T*k, H]`` and
-    ``weights [T, k]`` (written into ``out`` where given)."""
+    ``weights [T, k]``."""
     (T, k), H = weights.shape, rows.shape[1]
-    out = torch.empty((T, H), dtype=dtype, device=rows.device) if out is None else out
+    out = torch.empty((T, H), dtype=dtype, device=rows.device)
     bn = min(1024, triton.next_power_of_2(H))
     _combine_pairs_kernel[(T, triton.cdiv(H, bn))](rows, weights.contiguous(), out, H, k, BN=bn, num_warps=4)
     return out

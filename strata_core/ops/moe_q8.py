@@ -9,11 +9,8 @@ program per token and ``bn_combine`` rows summing its pairs in pair order, or pe
 bf16 / fp16 activations on Q4_K matrices whose every row is 16-byte aligned (:func:`takes_q8`); the
 split design serves the rest, a half of the layer at a time (a Q6_K down matrix after a Q4_K gate_up).
 A pair's row depends on its own token's activations alone (each token quantized by itself), so the
-rows of any batch are those of the pairs alone in a window of the design. A window of ``q8_group_pairs``
-pairs or more with ``q8_group`` > 1 sorts its pairs by expert (``align``, one launch more) and gives a
-program the rows of up to ``q8_group`` pairs of one expert, read from memory once for them: the same rows,
-bit for bit, the down launch storing each pair's and ``combine_pairs`` summing them in pair order.
-Quantizing the activations costs accuracy like llama.cpp's GPU path: within the bf16 tolerance of the reference (2e-2 relative,
+rows of any batch are those of the pairs alone in a window of the design. Quantizing the activations
+costs accuracy like llama.cpp's GPU path: within the bf16 tolerance of the reference (2e-2 relative,
 tests/test_moe_q8.py), not the float32 one, so float32 activations take the split design.
 """
 
@@ -26,12 +23,10 @@ from torch import Tensor
 
 from strata_core.experts.ffn import ExpertFFN
 from strata_core.ops import moe
-from strata_core.ops.moe_grouped import align, combine_pairs
-from strata_core.ops.moe_q8_kernels import (_down_q8_grouped_kernel, _down_q8_kernel, _gate_up_q8_grouped_kernel,
-                                            _gate_up_q8_kernel, _quantize_q8_kernel)
+from strata_core.ops.moe_q8_kernels import _down_q8_kernel, _gate_up_q8_kernel, _quantize_q8_kernel
 from strata_core.ops.moe_sources import Sources, aligned16, or_unread
 
-__all__ = ["Blocks", "down_q8", "gate_up_q8", "q8_blocks", "quantize_q8", "takes_q8"]
+__all__ = ["down_q8", "gate_up_q8", "quantize_q8", "takes_q8"]
 
 #: blocks of 32 values a program of ``quantize_q8`` takes
 _QUANT_BLOCKS = 8
@@ -45,19 +40,6 @@ def takes_q8(x: Tensor, qtype: int, args: tuple, offset: int, row_bytes: int) ->
     cfg = moe.launch_config()
     return (cfg.design == "q8" and args[0].shape[0] >= cfg.q8_pairs and int(qtype) == int(T.Q4_K)
             and x.dtype != torch.float32 and aligned16(args, offset, row_bytes))
-
-
-#: ``align``'s ``(sorted [R], total [1])``: a window's pairs in blocks of ``q8_group`` pairs of one expert
-Blocks = tuple[Tensor, Tensor]
-
-
-def q8_blocks(expert: Tensor, n_experts: int) -> Blocks | None:
-    """The blocks of a window's pairs ``expert [P]`` (of ``n_experts`` at most) for the grouped q8 launches,
-    or None where a program takes one pair (``q8_group`` 1, or fewer than ``q8_group_pairs`` pairs)."""
-    cfg = moe.launch_config()
-    if cfg.q8_group == 1 or expert.shape[0] < cfg.q8_group_pairs:
-        return None
-    return align(expert, cfg.q8_group, n_experts)
 
 
 def quantize_q8(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -79,40 +61,29 @@ def _blocks(rows: int, K: int) -> int:
     return max(1, min(moe.launch_config().tile // (rows * 256), triton.next_power_of_2(K // 256)))
 
 
-def gate_up_q8(x: Tensor, sources: Sources, topk: int, F_: int, H: int, nbytes: tuple, ffn: ExpertFFN,
-               blocks: Blocks | None = None) -> Tensor:
-    """``h [P, F]`` float32: ``ffn``'s activation of every pair's gate and up products (Q4_K both), a program
-    per pair, or per block of ``blocks`` (``q8_blocks``)."""
+def gate_up_q8(x: Tensor, sources: Sources, topk: int, F_: int, H: int, nbytes: tuple, ffn: ExpertFFN) -> Tensor:
+    """``h [P, F]`` float32: ``ffn``'s activation of every pair's gate and up products (Q4_K both)."""
     cfg = moe.launch_config()
     P = sources.args[0].shape[0]
     h = torch.empty((P, F_), dtype=torch.float32, device=x.device)
     xw, xd, xs = quantize_q8(x)
     bn = cfg.bn_gate_up
-    shared = (F_, H) if blocks is None else (F_, H, P)
-    args = (*shared, topk, nbytes[0], nbytes[0] // F_, nbytes[1] // F_, or_unread(ffn.gate_bias, h),
-            or_unread(ffn.up_bias, h), sources.args[1], float(ffn.alpha), float(ffn.limit))
-    flags = dict(BN=bn, BK=_blocks(bn, H), BY_PAIR=sources.staged, BIAS=ffn.gate_bias is not None,
-                 OAI=ffn.activation == "swiglu_oai", num_warps=cfg.warps_q8)
-    if blocks is None:
-        _gate_up_q8_kernel[(P, triton.cdiv(F_, bn))](xw, xd, xs, h, *sources.args, *args, **flags)
-    else:
-        _gate_up_q8_grouped_kernel[(blocks[0].shape[0] // cfg.q8_group, triton.cdiv(F_, bn))](
-            xw, xd, xs, h, *blocks, *sources.args, *args, M=cfg.q8_group, **flags)
+    _gate_up_q8_kernel[(P, triton.cdiv(F_, bn))](
+        xw, xd, xs, h, *sources.args, F_, H, topk, nbytes[0], nbytes[0] // F_, nbytes[1] // F_,
+        or_unread(ffn.gate_bias, h), or_unread(ffn.up_bias, h), sources.args[1], float(ffn.alpha), float(ffn.limit),
+        BN=bn, BK=_blocks(bn, H), BY_PAIR=sources.staged, BIAS=ffn.gate_bias is not None,
+        OAI=ffn.activation == "swiglu_oai", num_warps=cfg.warps_q8)
     return h
 
 
 def down_q8(h: Tensor, out: Tensor, weights: Tensor | None, sources: Sources, topk: int, H2: int, F2: int,
-            nbytes: tuple, ffn: ExpertFFN, modes: dict, blocks: Blocks | None = None) -> None:
+            nbytes: tuple, ffn: ExpertFFN, modes: dict) -> None:
     """The down launch into ``out`` (Q4_K down): each token's pairs combined (``weights [T, topk]``) or
-    every pair's row (``weights`` None); ``modes``: the served-rows arguments (``_moe_triton``); with
-    ``blocks`` (``q8_blocks``) a program per block."""
+    every pair's row (``weights`` None); ``modes``: the served-rows arguments (``_moe_triton``)."""
     cfg = moe.launch_config()
     P = sources.args[0].shape[0]
     combine = weights is not None
     hw, hd, hs = quantize_q8(h)
-    if blocks is not None:
-        _down_q8_blocks(hw, hd, hs, out, weights, sources, H2, F2, nbytes, ffn, modes, blocks)
-        return
     bn = cfg.bn_combine if combine else cfg.bn_down
     _down_q8_kernel[(weights.shape[0] if combine else P, triton.cdiv(H2, bn))](
         hw, hd, hs, out, weights.contiguous() if combine else h, *sources.args, H2, F2, nbytes[0] + nbytes[1],
@@ -120,21 +91,3 @@ def down_q8(h: Tensor, out: Tensor, weights: Tensor | None, sources: Sources, to
         modes["rows_buf"], BN=bn, BK=_blocks(bn, F2), BY_PAIR=sources.staged, BIAS=ffn.down_bias is not None,
         COMBINE=combine, SERVED=modes["SERVED"], ROWS_OUT=modes["ROWS_OUT"],
         num_warps=cfg.warps_q8)
-
-
-def _down_q8_blocks(hw: Tensor, hd: Tensor, hs: Tensor, out: Tensor, weights: Tensor | None, sources: Sources,
-                    H2: int, F2: int, nbytes: tuple, ffn: ExpertFFN, modes: dict, blocks: Blocks) -> None:
-    """``down_q8`` by blocks: every pair's row stored (float32 where they are combined or ``modes`` asks for
-    the rows themselves), then each token's combined in pair order (``combine_pairs``)."""
-    cfg = moe.launch_config()
-    P = sources.args[0].shape[0]
-    rows = out if weights is None or modes["ROWS_OUT"] else torch.empty((P, H2), dtype=torch.float32,
-                                                                         device=out.device)
-    bn = cfg.bn_down
-    _down_q8_grouped_kernel[(blocks[0].shape[0] // cfg.q8_group, triton.cdiv(H2, bn))](
-        hw, hd, hs, rows, *blocks, *sources.args, H2, F2, P, nbytes[0] + nbytes[1], nbytes[2] // H2,
-        or_unread(ffn.down_bias, hd), sources.args[1], modes["served"], modes["rows_buf"], BN=bn,
-        BK=_blocks(bn, F2), M=cfg.q8_group, BY_PAIR=sources.staged, BIAS=ffn.down_bias is not None,
-        SERVED=modes["SERVED"], num_warps=cfg.warps_q8)
-    if rows is not out:
-        combine_pairs(rows, weights, out.dtype, out)

@@ -7,11 +7,6 @@ a 32-bit word of a 64-value chunk's nibbles is the four low codes of sub-block 2
 and the four high codes of sub-block 2c + 1 (``>> 4``), each dp4a-ed with its four int8 activations.
 A sub-block's integer sum is scaled once: ``d * scale * xd * sum - dmin * min * xs``. That is about one
 instruction per weight where decoding each weight to float32 takes several.
-
-A program computes one pair's rows (``_gate_up_q8_kernel``, ``_down_q8_kernel``), or the rows of the ``M``
-pairs of one expert in a block of ``align``ed pairs (``_gate_up_q8_grouped_kernel``,
-``_down_q8_grouped_kernel``; :func:`strata_core.ops.moe_grouped.align`) one after the other: the expert's
-rows come from memory once for the block, and each pair's arithmetic is the per-pair kernel's.
 """
 
 from __future__ import annotations
@@ -23,8 +18,7 @@ import triton.language as tl
 
 from strata_core.ops.moe_kernels import _act, _bias, _combine_row, _pair_base, _program_rows
 
-__all__ = ["_down_q8_grouped_kernel", "_down_q8_kernel", "_gate_up_q8_grouped_kernel", "_gate_up_q8_kernel",
-           "_quantize_q8_kernel"]
+__all__ = ["_down_q8_kernel", "_gate_up_q8_kernel", "_quantize_q8_kernel"]
 
 #: bytes of a Q4_K block (256 values): fp16 d, fp16 dmin, 12 bytes of 6-bit scales / mins, 128 of nibbles
 Q4_K_BYTES = tl.constexpr(144)
@@ -127,21 +121,6 @@ def _q4_k_rows_q8(rows, xw, xd, xs, KB, BN: tl.constexpr, BK: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_q8_pair(p, w, rows, keep, xw, xd, xs, h, N, K, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias, up_bias,
-                     expert_ptr, ALPHA, LIMIT, BN: tl.constexpr, BK: tl.constexpr, BIAS: tl.constexpr,
-                     OAI: tl.constexpr):
-    """``h[p, rows] = act(gate x, up x)`` of pair p (int64) on its expert's packed bytes at ``w``."""
-    t = p // TOPK
-    xwt, xdt, xst = xw + t * (K // 4), xd + t * (K // 32), xs + t * (K // 32)
-    g = _q4_k_rows_q8(w + rows * ROW_G, xwt, xdt, xst, K // 256, BN, BK)
-    u = _q4_k_rows_q8(w + UP_OFF + rows * ROW_U, xwt, xdt, xst, K // 256, BN, BK)
-    if BIAS:
-        g += _bias(gate_bias, expert_ptr, p, N, rows, keep)
-        u += _bias(up_bias, expert_ptr, p, N, rows, keep)
-    tl.store(h + p * N + rows, _act(g, u, OAI, ALPHA, LIMIT), mask=keep)
-
-
-@triton.jit
 def _gate_up_q8_kernel(xw, xd, xs, h, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, N, K,
                        TOPK, UP_OFF, ROW_G, ROW_U, gate_bias, up_bias, expert_ptr, ALPHA, LIMIT, BN: tl.constexpr,
                        BK: tl.constexpr, BY_PAIR: tl.constexpr, BIAS: tl.constexpr, OAI: tl.constexpr):
@@ -150,40 +129,14 @@ def _gate_up_q8_kernel(xw, xd, xs, h, slot_ptr, miss_ptr, slots_base, slot_strid
     ``xs [T, K/32]``)."""
     p, rows, keep = _program_rows(N, BN)
     w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
-    _gate_up_q8_pair(p.to(tl.int64), w, rows, keep, xw, xd, xs, h, N, K, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias,
-                     up_bias, expert_ptr, ALPHA, LIMIT, BN, BK, BIAS, OAI)
-
-
-@triton.jit
-def _gate_up_q8_grouped_kernel(xw, xd, xs, h, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride,
-                               miss_base, miss_stride, N, K, P, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias, up_bias,
-                               expert_ptr, ALPHA, LIMIT, BN: tl.constexpr, BK: tl.constexpr, M: tl.constexpr,
-                               BY_PAIR: tl.constexpr, BIAS: tl.constexpr, OAI: tl.constexpr):
-    """Program (b, n): ``_gate_up_q8_kernel``'s rows for each real pair of block b of ``M`` rows (one expert's
-    pairs, ``align``ed: ``sorted [R]``, ``total [1]``) in turn, its expert's rows read from memory once for
-    all of them (the later pairs find them in the caches); a block past the rows in use exits. Each pair's
-    arithmetic is the per-pair kernel's: the same bits."""
-    b = tl.program_id(0)
-    if b * M < tl.load(total_ptr):
-        _, rows, keep = _program_rows(N, BN)
-        w = _pair_base(tl.load(sorted_ptr + b * M), slot_ptr, miss_ptr, slots_base, slot_stride, miss_base,
-                       miss_stride, BY_PAIR)
-        for m in tl.static_range(M):
-            p = tl.load(sorted_ptr + b * M + m).to(tl.int64)
-            if p < P:
-                _gate_up_q8_pair(p, w, rows, keep, xw, xd, xs, h, N, K, TOPK, UP_OFF, ROW_G, ROW_U, gate_bias,
-                                 up_bias, expert_ptr, ALPHA, LIMIT, BN, BK, BIAS, OAI)
-
-
-@triton.jit
-def _down_q8_row(p, w, rows, keep, hw, hd, hs, N, K, ROW, down_bias, expert_ptr, BN: tl.constexpr,
-                 BK: tl.constexpr, BIAS: tl.constexpr):
-    """``[BN]`` float32: rows ``rows`` of ``down h[p]`` of pair p (int64) on its down matrix at ``w`` (plus
-    its expert's down bias with ``BIAS``)."""
-    r = _q4_k_rows_q8(w + rows * ROW, hw + p * (K // 4), hd + p * (K // 32), hs + p * (K // 32), K // 256, BN, BK)
+    t = (p // TOPK).to(tl.int64)
+    xwt, xdt, xst = xw + t * (K // 4), xd + t * (K // 32), xs + t * (K // 32)
+    g = _q4_k_rows_q8(w + rows * ROW_G, xwt, xdt, xst, K // 256, BN, BK)
+    u = _q4_k_rows_q8(w + UP_OFF + rows * ROW_U, xwt, xdt, xst, K // 256, BN, BK)
     if BIAS:
-        r += _bias(down_bias, expert_ptr, p, N, rows, keep)
-    return r
+        g += _bias(gate_bias, expert_ptr, p, N, rows, keep)
+        u += _bias(up_bias, expert_ptr, p, N, rows, keep)
+    tl.store(h + p.to(tl.int64) * N + rows, _act(g, u, OAI, ALPHA, LIMIT), mask=keep)
 
 
 @triton.jit
@@ -202,32 +155,13 @@ def _down_q8_kernel(hw, hd, hs, out, weights, slot_ptr, miss_ptr, slots_base, sl
     for j in range(PAIRS):
         p = g.to(tl.int64) * PAIRS + j
         w = _pair_base(p, slot_ptr, miss_ptr, slots_base, slot_stride, miss_base, miss_stride, BY_PAIR)
-        r = _down_q8_row(p, w + DOWN_OFF, rows, keep, hw, hd, hs, N, K, ROW, down_bias, expert_ptr, BN, BK, BIAS)
+        r = _q4_k_rows_q8(w + DOWN_OFF + rows * ROW, hw + p * (K // 4), hd + p * (K // 32), hs + p * (K // 32),
+                          K // 256, BN, BK)
+        if BIAS:
+            r += _bias(down_bias, expert_ptr, p, N, rows, keep)
         if COMBINE:
             acc = _combine_row(acc, r, p, N, rows, keep, weights, served, rows_buf, SERVED, ROWS_OUT)
         else:
             tl.store(out + p * N + rows, r.to(out.dtype.element_ty), mask=keep)
     if COMBINE and not ROWS_OUT:
         tl.store(out + g.to(tl.int64) * N + rows, acc.to(out.dtype.element_ty), mask=keep)
-
-
-@triton.jit
-def _down_q8_grouped_kernel(hw, hd, hs, out, sorted_ptr, total_ptr, slot_ptr, miss_ptr, slots_base, slot_stride,
-                            miss_base, miss_stride, N, K, P, DOWN_OFF, ROW, down_bias, expert_ptr, served,
-                            served_rows, BN: tl.constexpr, BK: tl.constexpr, M: tl.constexpr,
-                            BY_PAIR: tl.constexpr, BIAS: tl.constexpr, SERVED: tl.constexpr):
-    """Program (b, n): ``out[p, n*BN:(n+1)*BN]`` = the rows of ``down h[p]`` of each real pair p of block b
-    (``_gate_up_q8_grouped_kernel``'s blocks), its expert's rows read from memory once for all of them; with
-    ``SERVED`` a pair whose ``served`` flag is set stores its float32 row of ``served_rows`` instead."""
-    b = tl.program_id(0)
-    if b * M < tl.load(total_ptr):
-        _, rows, keep = _program_rows(N, BN)
-        w = _pair_base(tl.load(sorted_ptr + b * M), slot_ptr, miss_ptr, slots_base, slot_stride, miss_base,
-                       miss_stride, BY_PAIR) + DOWN_OFF
-        for m in tl.static_range(M):
-            p = tl.load(sorted_ptr + b * M + m).to(tl.int64)
-            if p < P:
-                r = _down_q8_row(p, w, rows, keep, hw, hd, hs, N, K, ROW, down_bias, expert_ptr, BN, BK, BIAS)
-                if SERVED:
-                    r = tl.where(tl.load(served + p) != 0, tl.load(served_rows + p * N + rows, mask=keep, other=0.0), r)
-                tl.store(out + p * N + rows, r.to(out.dtype.element_ty), mask=keep)

@@ -28,7 +28,7 @@ from strata_core.ops.gather import gather_experts
 from strata_core.ops.moe import _combined, _ffn, _reference, _shapes
 from strata_core.ops.moe_grouped import combine_pairs, grouped_rows
 from strata_core.ops.moe_kernels import _gate_up_kernel, _down_kernel, _down_combine_kernel, _gate_up_split_kernel, _down_split_kernel
-from strata_core.ops.moe_q8 import Blocks, down_q8, gate_up_q8, q8_blocks, takes_q8
+from strata_core.ops.moe_q8 import down_q8, gate_up_q8, takes_q8
 from strata_core.ops.moe_sources import Sources, aligned16, or_unread, weight_sources
 from strata_core.ops.qdecode import KERNEL_TYPES, block_geometry, on_device, table
 
@@ -80,16 +80,15 @@ def _q8_matrices(x: Tensor, sources: Sources, qtypes: Sequence[int], shapes: Seq
     return [takes_q8(x, q, sources.args, sum(nbytes[:i]), nbytes[i] // shapes[2 * i]) for i, q in enumerate(qtypes)]
 
 def _gate_up(x: Tensor, sources: Sources, topk: int, qtypes: Sequence[int], shapes: Sequence[int],
-             nbytes: Sequence[int], ffn: ExpertFFN = SILU, blocks: Blocks | None = None,
-             q8: Sequence[bool] | None = None) -> Tensor:
+             nbytes: Sequence[int], ffn: ExpertFFN = SILU, q8: Sequence[bool] | None = None) -> Tensor:
     """``silu(gate x) * up x`` of every pair of ``sources`` (or ``ffn``'s activation of the biased
     products): the loop, split or q8 design's gate_up launch, float32 ``[P, F]`` (split partial products:
     ``_gate_up_split``; the q8 design where it serves both matrices (``q8``: ``_q8_matrices``, found here
-    when not given), by ``blocks`` where given, else the split design's)."""
+    when not given), else the split design's)."""
     (F_, H), _, _ = _shapes(shapes)
     q8 = _q8_matrices(x, sources, qtypes, shapes, nbytes) if q8 is None else q8
     if q8[0] and q8[1]:
-        return gate_up_q8(x, sources, topk, F_, H, nbytes, ffn, blocks)
+        return gate_up_q8(x, sources, topk, F_, H, nbytes, ffn)
     gate_up = _gate_up_loop if moe.launch_config().design == "loop" else _gate_up_split
     return gate_up(x, sources.args, sources.staged, topk, qtypes, F_, H, nbytes, ffn)
 
@@ -156,8 +155,7 @@ def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
         return out.zero_()
     sources = weight_sources(slots, arena, slot, expert, sum(nbytes), by_pair, direct_misses)
     q8 = _q8_matrices(x, sources, qtypes, shapes, nbytes)
-    blocks = q8_blocks(expert, arena.shape[0]) if any(q8) else None
-    h = _gate_up(x, sources, topk, qtypes, shapes, nbytes, ffn, blocks, q8)
+    h = _gate_up(x, sources, topk, qtypes, shapes, nbytes, ffn, q8)
     src, staged = sources.args, sources.staged
     down = (or_unread(ffn.down_bias, h), expert)
     if rows_out:
@@ -167,7 +165,7 @@ def _moe_triton(x: Tensor, slots: Tensor, arena: Tensor, slot: Tensor, expert: T
     else:  # the kernels' served-rows arguments, unread
         modes = dict(served=h, rows_buf=h, SERVED=False, ROWS_OUT=False)
     if h.dim() == 2 and q8[2]:
-        down_q8(h, out, weights, sources, topk, H2, F2, nbytes, ffn, modes, blocks)
+        down_q8(h, out, weights, sources, topk, H2, F2, nbytes, ffn, modes)
     elif moe.launch_config().design in ("split", "q8"):
         _down_split(h, out, weights, src, staged, topk, qtypes, H2, F2, nbytes, ffn, modes)
     elif weights is None:

@@ -37,4 +37,4 @@ def moe_launches(batch_invariant: bool) -> AbstractContextManager:
     window (its pairs combined by the same launch whatever their number), else the default choice."""
     if not batch_invariant:
         return nullcontext()
-    return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False, q8_pairs=1, q8_group=1))
+    return moe.launched_with(dataclasses.replace(moe.launch_config(), grouped=False, q8_pairs=1))
