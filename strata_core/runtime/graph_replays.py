@@ -3,9 +3,9 @@ replay graphs, and their capture at a server's start.
 
 A decode window replays the graph of its batch bucket (runtime/graphs.py; padded with the padding session's
 rows, runtime/buckets.py): the whole step (embedding, layers, head) where one segment on the main device
-computes every layer, else one graph per segment; no graph depends on which sessions fill its rows. A prompt pass of new sessions replays the graph of its
-token bucket (runtime/prompt_graphs.py). Each says once why it does not apply (``why_not_graphed``,
-``why_no_prompt_graphs``) and runs eagerly then.
+computes every layer, else one graph per segment; no graph depends on which sessions fill its rows. A prompt
+pass of new sessions replays the graph of its token bucket (runtime/prompt_graphs.py). Each says once why it
+does not apply (``why_not_graphed``, ``why_no_prompt_graphs``) and runs eagerly then.
 """
 
 from __future__ import annotations

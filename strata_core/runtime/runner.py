@@ -360,9 +360,10 @@ class Runner(GraphReplays):
         takes ``MoEModel.cpu_layer`` where it applies (its joined ops, the add carried the same way);
         else on the CPU the attention block's norm and projections over every row at once and its attention
         per session (``attention_spans``: each row's bits its own), elsewhere attention row by row, then the
-        batched MoE rows (a recurrent layer keeps its state after each row where the window asks it to). ``positions`` (``[B]`` on the device) and
-        ``tables`` (the KV address tables) are a graph's static inputs; ``static`` attends over the whole KV capacity, masked
-        from the positions (what a graph needs, and what the CPU path always does). ``fused`` picks
+        batched MoE rows (a recurrent layer keeps its state after each row where the window asks it to).
+        ``positions`` (``[B]`` on the device) and ``tables`` (the KV address tables) are a graph's static inputs;
+        ``static`` attends over the whole KV capacity, masked from the positions (what a graph needs, and what
+        the CPU path always does). ``fused`` picks
         the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
         references).
         """
