@@ -174,17 +174,17 @@ def warm_up(engine: Engine, prompt: int = 64) -> None:
 def run_bench(engine: Engine, prompts: list[int], contexts: list[int], repeats: int, steps: int,
               sessions: tuple[int, ...] = (1,), sampled: bool = False) -> list[BenchResult]:
     """Every prefill and decode figure (decode once per count of concurrent ``sessions``; with ``sampled``
-    also as greedy generation feeds it), in order, after an untimed :func:`warm_up` and the capture of the
-    prompt graphs and of the decode graphs of every batch bucket up to the most sessions."""
+    also as greedy generation feeds it), in order, after the capture of the decode graphs of every batch
+    bucket up to the most sessions, an untimed :func:`warm_up` and the capture of the prompt graphs."""
     need = max(prompts + [c + steps for c in contexts])
     if need > engine.max_context:
         model_limit = engine.max_context == engine.spec.context_length
         raise ConfigError(f"the bench needs {need} tokens of context, the engine has {engine.max_context} ("
                           + ("the model's context length; lower --prompts / --contexts)" if model_limit else
                              "raise --max-context, or lower --prompts / --contexts)"))
+    if contexts:  # as a server's start does, decode graphs first (prompt graphs go when one is captured after
+        engine.capture_decode_graphs(max(sessions))  # them), and no capture in a timed pass or window
     warm_up(engine, min(max(prompts, default=64), engine.settings.prefill_chunk))
-    if contexts:  # as a server's start does, decode graphs first: no capture in a timed pass or window
-        engine.capture_decode_graphs(max(sessions))
     engine.capture_prompt_graphs()
     results = [bench_prefill(engine, n, repeats) for n in prompts]
     results += [bench_decode(engine, c, steps, repeats, n, feed) for c in contexts for n in sessions
