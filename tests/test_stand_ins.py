@@ -64,10 +64,12 @@ def _windows(engine: Engine, n: int) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("kv_type", ["auto", "int8"])
 @pytest.mark.parametrize("arch", sorted(MODELS))
-def test_windows_on_stand_ins_equal_eager_windows_and_capture_only_the_buckets(arch, monkeypatch):
-    want = _windows(Engine.load(MODELS[arch], max_context=64, cuda_graphs=False), 6)
-    engine = Engine.load(MODELS[arch], max_context=64)
+def test_windows_on_stand_ins_equal_eager_windows_and_capture_only_the_buckets(arch, kv_type, monkeypatch):
+    """Also with a quantized KV (codes and scales read through the stand-ins' row ids)."""
+    want = _windows(Engine.load(MODELS[arch], max_context=64, kv_type=kv_type, cuda_graphs=False), 6)
+    engine = Engine.load(MODELS[arch], max_context=64, kv_type=kv_type)
     graphs = _replaying(engine, monkeypatch)
     engine.capture_decode_graphs(5)
     assert graphs.captures == 4  # buckets 1, 2, 4, 8
