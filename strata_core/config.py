@@ -141,10 +141,11 @@ class StrataSettings(BaseSettings):
     )
     batch_invariant: bool = Field(
         False, description="greedy output identical whatever the batch a request decodes in (alone or beside "
-        "others): a row's logits do not depend on the other rows of its window. On CUDA the dense products "
-        "take cuBLAS's 64-row kernel for every window, attention a fixed split, the MoE its per-pair kernels "
-        "(one session pays most: its products read the bf16 copies, not the Q8_0 ones); the CPU is "
-        "batch-invariant always"
+        "others, with or without speculation): a row's logits do not depend on the other rows of its window. On "
+        "CUDA the dense products take cuBLAS's 64-row kernel for every window of up to 64 rows, attention a "
+        "fixed split (gpt-oss, deepseek2, qwen3next: row by row over the whole KV capacity), the MoE its "
+        "per-pair kernels (one session pays most: its products read the bf16 copies, not the Q8_0 ones); "
+        "the CPU is batch-invariant always"
     )
     dense_q8: bool = Field(
         True, description="decode's fused layers read repacked Q8_0 copies of the Q8_0 dense products (CUDA; "

@@ -65,6 +65,23 @@ def test_decode_window_rows_do_not_depend_on_the_batch(engine, reference):
         assert torch.equal(row, reference[n])
 
 
+def test_products_off_the_cpu_pad_their_rows_under_invariant_rows_alone(monkeypatch):
+    """Off the CPU a product's rows go as they are, and padded to ``INVARIANT_ROWS`` while ``invariant_rows``
+    is on (``--batch-invariant`` decode windows: one cuBLAS shape for every window)."""
+    from strata_core.ops.matmul import INVARIANT_ROWS, invariant_rows
+
+    rows = []
+    product = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda a, b: rows.append(a.shape[-2]) or product(a, b))
+    x, weight = torch.empty(3, 8, device="meta"), torch.empty(5, 8, device="meta")
+    assert linear(x, weight).shape == (3, 5)
+    with invariant_rows():
+        assert linear(x, weight).shape == (3, 5)
+        assert linear(torch.empty(2, 70, 8, device="meta"), weight).shape == (2, 70, 5)
+    assert linear(x, weight).shape == (3, 5)
+    assert rows == [3, INVARIANT_ROWS, 3 * INVARIANT_ROWS, 3]  # 140 rows: three tiles
+
+
 def _greedy(engine: Engine, prompts: list[list[int]], windows: int, together: bool) -> tuple[list, list]:
     """Greedy decode of ``prompts``: in one batch (``together``) or each alone; tokens and logits per prompt."""
     groups = [prompts] if together else [[p] for p in prompts]
@@ -100,9 +117,14 @@ def test_batch_invariant_decode_on_cuda_gives_each_session_its_logits_alone(tiny
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_batch_invariant_refuses_a_cuda_decode_without_the_fused_layers():
-    """gpt-oss's layers are its own (no fused decode): ``--batch-invariant`` says so at load."""
-    from strata_core.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="--batch-invariant covers the fused decode layers, and the gpt-oss"):
-        Engine.load(GPT_OSS, devices=["cuda:0"], max_context=64, batch_invariant=True)
+@pytest.mark.parametrize("path", [GPT_OSS, QWEN3NEXT, DEEPSEEK2], ids=["gpt-oss", "qwen3next", "deepseek2"])
+def test_batch_invariant_decode_on_cuda_of_the_unfused_layers(path):
+    """The layers without fused kernels under ``--batch-invariant`` on CUDA: padded dense products, attention
+    row by row over the whole capacity, per-pair MoE kernels; the first window eager, the later ones replayed
+    (stand-ins): each session's logits and greedy tokens bit for bit those it has alone."""
+    engine = Engine.load(path, devices=["cuda:0"], max_context=128, arena="pinned", batch_invariant=True)
+    prompts = [list(range(5, 40)), list(range(50, 62)), list(range(3, 14))]
+    alone, alone_logits = _greedy(engine, prompts, 6, together=False)
+    batched, batched_logits = _greedy(engine, prompts, 6, together=True)
+    assert batched == alone
+    assert all(torch.equal(a, b) for rows_a, rows_b in zip(alone_logits, batched_logits) for a, b in zip(rows_a, rows_b))

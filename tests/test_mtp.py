@@ -68,12 +68,19 @@ def _requests(engine: Engine) -> list[GenerationRequest]:
             GenerationRequest(tok.encode("sampled"), SamplingParams(temperature=0.9, seed=3, top_k=40, max_tokens=12))]
 
 
+CUDA_INVARIANT = dict(devices=["cuda:0"], arena="pinned", batch_invariant=True)
+
+
+@pytest.mark.parametrize("options", [pytest.param({}, id="cpu"), pytest.param(
+    CUDA_INVARIANT, id="cuda-invariant", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("model", ["mtp_model", "bigram_model"])
-def test_output_with_mtp_drafts_is_the_output_without(model: str, request: pytest.FixtureRequest) -> None:
+def test_output_with_mtp_drafts_is_the_output_without(model: str, options: dict,
+                                                      request: pytest.FixtureRequest) -> None:
     """Greedy and seeded sampled requests give the same text with MTP drafts as without, the drafts
     verified in the windows; the bigram model's block drafts what greedy decoding draws, so its greedy
-    requests keep nearly every draft, in fewer windows."""
-    engine = Engine.load(request.getfixturevalue(model), max_context=128, spec="mtp")
+    requests keep nearly every draft, in fewer windows. On CUDA under ``--batch-invariant`` (a window's
+    kernels otherwise depend on its rows)."""
+    engine = Engine.load(request.getfixturevalue(model), max_context=128, spec="mtp", **options)
     try:
         requests = _requests(engine)
         plain, without = serve_together(engine, requests, 0, "mtp")

@@ -98,8 +98,9 @@ def test_accepted_counts_the_drafts_greedy_decoding_keeps() -> None:
 CASES = [pytest.param(path, {}, id=path.parent.name if path.parent.name != "data" else "qwen3moe") for path in MODELS]
 # on CUDA a window's kernels depend on its rows (a 5-row window takes the q8 MoE design, a 1-row one the
 # split design): identity holds under --batch-invariant
-CASES.append(pytest.param(DEMO, dict(devices=["cuda:0"], batch_invariant=True), id="qwen3moe-cuda-invariant",
-                          marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")))
+CASES += [pytest.param(path, dict(devices=["cuda:0"], batch_invariant=True), id=f"{name}-cuda-invariant",
+                       marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+          for path, name in zip(MODELS, ("qwen3moe", "gpt-oss", "deepseek2", "qwen3next"))]
 
 
 @pytest.mark.parametrize("path, options", CASES)

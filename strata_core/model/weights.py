@@ -14,12 +14,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from gguf.constants import GGMLQuantizationType as T
 
 from strata_core.errors import ConfigError
 from strata_core.ops.dense_q8 import Q8Matrix, q8_bytes, q8_linear, repack_q8_0
-from strata_core.ops.matmul import linear
+from strata_core.ops.matmul import invariant_rows, linear
 from strata_core.gguf.reader import GGUFFile, TensorRef
 from strata_core.model.spec import ModelSpec
 from strata_core.quant import dequantize
@@ -50,22 +49,16 @@ def reads_q8(rows: int, q8: Q8Matrix) -> bool:
     return rows == 1 or (1 < rows <= Q8_MAX_ROWS and q8.codes.numel() >= Q8_ROWS_MIN_VALUES)
 
 
-#: ``--batch-invariant`` on CUDA: a product's rows are padded to a multiple of this many, so every decode
-#: window of up to 64 sessions runs the one cuBLAS kernel of 64 rows, whose rows do not depend on each other
-INVARIANT_ROWS = 64
-
-
 def dense_product(x: torch.Tensor, weight: torch.Tensor, q8: Q8Matrix | None,
                   batch_invariant: bool = False) -> torch.Tensor:
     """``x [..., in] @ weight.T``: from ``q8`` (the same matrix's Q8_0 copy, ``strata::q8_linear``) for
     the row counts :func:`reads_q8` gives it, else from ``weight`` (``linear``). ``batch_invariant``: each
-    row's result is the same whatever the other rows (on CUDA the float copy, rows padded to
-    :data:`INVARIANT_ROWS`; on the CPU ``linear`` is so already)."""
+    row's result is the same whatever the other rows (on CUDA the float copy, rows padded:
+    ``invariant_rows``; on the CPU ``linear`` is so already)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if batch_invariant and x.device.type == "cuda" and rows:
-        flat = x.reshape(rows, x.shape[-1])
-        out = linear(F.pad(flat, (0, 0, 0, (-rows) % INVARIANT_ROWS)), weight)[:rows]  # [rows, out]
-        return out.reshape(*x.shape[:-1], weight.shape[0])
+        with invariant_rows():
+            return linear(x, weight)
     if q8 is not None and rows and reads_q8(rows, q8):
         out = q8_linear(x.reshape(rows, x.shape[-1]), q8.codes, q8.scales)  # [rows, out]
         return out.reshape(*x.shape[:-1], q8.shape[0])

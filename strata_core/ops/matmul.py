@@ -5,7 +5,10 @@ On the CPU, BLAS picks a different algorithm for a one-row product (gemv) than f
 Padding the row count to a multiple of :data:`ROW_TILE` keeps every product on the gemm path, where
 each output row is computed by the same kernel in the same order whatever the other rows are: this
 is what makes logits bit-identical across chunk sizes, decode batches and topologies on the CPU
-(tests/test_batch_invariance.py checks it). On other devices the products are plain.
+(tests/test_batch_invariance.py checks it). On other devices the products are plain, except while
+``invariant_rows`` is on (``--batch-invariant`` decode windows): then their rows are padded to
+:data:`INVARIANT_ROWS`, so every window of up to that many rows runs the one cuBLAS kernel of that many
+rows, in which a row's result does not depend on the others.
 
 A weight product (``linear``) of float32 on the CPU goes through ``strata::linear_cpu`` instead where the
 CPU kernels are loaded: each output one fixed-order dot product, rows invariant by construction, so a
@@ -19,7 +22,9 @@ each row padded so every element of a row goes through the vector code, whatever
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -29,14 +34,29 @@ from strata_core.ops.cpu_kernels import cpu_kernels, linear_cpu
 ROW_TILE = 16
 #: row width ``batch_invariant`` pads to: a multiple of the widest CPU kernel step (2 AVX-512 vectors of float32)
 LANE_TILE = 64
+#: the rows a product off the CPU is padded to a multiple of while ``invariant_rows`` is on
+INVARIANT_ROWS = 64
+
+_device_tile: ContextVar[int] = ContextVar("strata_device_row_tile", default=0)
+
+
+@contextmanager
+def invariant_rows() -> Iterator[None]:
+    """While the block runs, ``matmul`` and ``linear`` off the CPU pad their rows to a multiple of
+    :data:`INVARIANT_ROWS`: each row's result is then the same whatever the other rows."""
+    token = _device_tile.set(INVARIANT_ROWS)
+    try:
+        yield
+    finally:
+        _device_tile.reset(token)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a [..., M, K] @ b [..., K, N]``; on the CPU each row of the result is independent of M."""
-    if a.device.type != "cpu":
-        return a @ b
+    """``a [..., M, K] @ b [..., K, N]``; on the CPU, and elsewhere under ``invariant_rows``, each row of the
+    result is independent of M."""
+    tile = ROW_TILE if a.device.type == "cpu" else _device_tile.get()
     rows = a.shape[-2]
-    pad = (-rows) % ROW_TILE if rows else 0
+    pad = (-rows) % tile if rows and tile else 0
     if pad == 0:
         return a @ b
     return (F.pad(a, (0, 0, 0, pad)) @ b)[..., :rows, :]

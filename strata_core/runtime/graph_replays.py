@@ -20,7 +20,7 @@ from strata_core.model.fused_decode import kv_tables, why_not_fused
 from strata_core.plugin.placement import Segment
 from strata_core.runtime.devices import device_scope
 from strata_core.runtime.graphs import BUCKETS, DecodeGraphs
-from strata_core.runtime.invariance import moe_launches
+from strata_core.runtime.invariance import decode_launches
 from strata_core.runtime.prompt_graphs import PROMPT_BUCKETS, PromptGraphs, why_not_packed
 from strata_core.runtime.session import DecodeBatch, PromptBatch
 from strata_core.runtime.stand_ins import StandIns
@@ -135,7 +135,7 @@ class GraphReplays:
             if not self.settings.cuda_graphs or not all(map(self._graphed, self._segments["decode"])):
                 return
             windows = self._padding.windows(sessions)
-            with self._masked("decode"), moe_launches(self.model.kernels.batch_invariant):
+            with self._masked("decode"), decode_launches(self.model.kernels.batch_invariant):
                 for window in windows:
                     self.run_decode(window)
         finally:

@@ -38,7 +38,7 @@ from strata_core.runtime.devices import device_scope, to_device
 from strata_core.runtime.buckets import BatchPadding
 from strata_core.runtime.graph_replays import GraphReplays
 from strata_core.runtime.graphs import DecodeGraphs
-from strata_core.runtime.invariance import check_batch_invariant, moe_launches
+from strata_core.runtime.invariance import decode_launches
 from strata_core.runtime.phase_state import hidden_layers, masked_phase, place_state
 from strata_core.runtime.prompt_graphs import PromptGraphs
 from strata_core.runtime.session import UNSET, DecodeBatch, LogitsWanted, PromptBatch, Session
@@ -91,9 +91,6 @@ class Runner(GraphReplays):
         #: given every pass's hidden rows by session (MTP drafting reads them); None: they are not kept
         self.hidden_sink: HiddenSink | None = None
         self._pass_hidden: torch.Tensor | None = None  # the rows of the pass in progress, while a sink is set
-        if model.kernels.batch_invariant:
-            check_batch_invariant(model, [(str(devices[s.device]), devices[s.device].device)
-                                          for s in self._segments["decode"]])
 
     # --- phases, as the engine runs them ----------------------------------------------------------
 
@@ -180,7 +177,7 @@ class Runner(GraphReplays):
         self.experts.begin_window()
         done = False
         try:
-            with self._masked("decode"), moe_launches(self.model.kernels.batch_invariant):
+            with self._masked("decode"), decode_launches(self.model.kernels.batch_invariant):
                 yield
             done = True
         finally:
@@ -369,6 +366,9 @@ class Runner(GraphReplays):
         """
         device = hidden.device
         positions = to_device(batch.positions, device) if positions is None else positions
+        # under --batch-invariant an eager window attends as a replayed one (the whole capacity, masked): a row's
+        # bits do not depend on whether its window replayed a graph
+        static = static or (self.model.kernels.batch_invariant and device.type == "cuda")
         rows = self.experts.rows_for(segment.device, "decode")
         if fused is None:
             fused = self._fused_on(device)
