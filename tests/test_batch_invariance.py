@@ -104,27 +104,17 @@ def _greedy(engine: Engine, prompts: list[list[int]], windows: int, together: bo
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_batch_invariant_decode_on_cuda_gives_each_session_its_logits_alone(tiny_model_factory):
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "qwen3next", "deepseek2"])
+def test_batch_invariant_decode_on_cuda_gives_each_session_its_logits_alone(arch, tiny_model_factory):
     """``--batch-invariant`` on CUDA: three sessions decoded in one window (a graph of bucket 4, a padded
-    row) give bit for bit the logits and the greedy tokens of each decoded alone."""
-    path = tiny_model_factory(expert_type="Q4_0", n_layers=3)
+    row) give bit for bit the logits and the greedy tokens of each decoded alone, through the fused layers
+    (qwen3moe) and through the others (padded dense products, attention row by row over the whole capacity,
+    eager windows as replayed ones, stand-ins)."""
+    path = ({"gpt-oss": GPT_OSS, "qwen3next": QWEN3NEXT, "deepseek2": DEEPSEEK2}.get(arch)
+            or tiny_model_factory(expert_type="Q4_0", n_layers=3))
     engine = Engine.load(path, devices=["cuda:0"], max_context=128, arena="pinned", batch_invariant=True)
     prompts = [list(range(5, 60)), list(range(70, 90)), list(range(3, 14))]
     alone, alone_logits = _greedy(engine, prompts, 8, together=False)
     batched, batched_logits = _greedy(engine, prompts, 8, together=True)
-    assert batched == alone
-    assert all(torch.equal(a, b) for rows_a, rows_b in zip(alone_logits, batched_logits) for a, b in zip(rows_a, rows_b))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("path", [GPT_OSS, QWEN3NEXT, DEEPSEEK2], ids=["gpt-oss", "qwen3next", "deepseek2"])
-def test_batch_invariant_decode_on_cuda_of_the_unfused_layers(path):
-    """The layers without fused kernels under ``--batch-invariant`` on CUDA: padded dense products, attention
-    row by row over the whole capacity, per-pair MoE kernels; the first window eager, the later ones replayed
-    (stand-ins): each session's logits and greedy tokens bit for bit those it has alone."""
-    engine = Engine.load(path, devices=["cuda:0"], max_context=128, arena="pinned", batch_invariant=True)
-    prompts = [list(range(5, 40)), list(range(50, 62)), list(range(3, 14))]
-    alone, alone_logits = _greedy(engine, prompts, 6, together=False)
-    batched, batched_logits = _greedy(engine, prompts, 6, together=True)
     assert batched == alone
     assert all(torch.equal(a, b) for rows_a, rows_b in zip(alone_logits, batched_logits) for a, b in zip(rows_a, rows_b))
