@@ -155,13 +155,6 @@ class MoEModel:
         kv.write(layer, positions, k=k, v=v)
         return q
 
-    def attention_per_span(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
-                           spans: list[tuple[KVCache, int, int, int | None]], static: bool = False) -> torch.Tensor:
-        """``attention_spans`` as one ``attention`` call per session: for a forward whose attention is one
-        piece (MLA, a recurrent mixer) rather than ``qkv`` and ``attend``."""
-        parts = [self.attention(layer, h[a:b], positions[a:b], kv, n_ctx, static) for kv, a, b, n_ctx in spans]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
     def qkv(self, layer: int, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Queries ``[T, nh, D]``, keys and values ``[T, nkv, D]`` of normed ``x [T, H]``: the
         projections (and biases), the q/k norm and RoPE (``rope``) at ``positions`` (on x's device)."""

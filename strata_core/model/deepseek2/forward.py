@@ -67,12 +67,12 @@ class DeepseekModel(MoEModel):
                 s.qk_rope_dim, s.rope_theta, s.rope_scaling, s.rope_factor, s.rope_orig_ctx).to(positions.device)
         return apply_rope_interleaved(x, positions, self._inv_freq[positions.device], s.rope_mscale)
 
-    attention_spans = MoEModel.attention_per_span  # its attention is one piece per session
-
-    def attention(self, layer: int, h: torch.Tensor, positions: torch.Tensor, kv: KVCache,
-                  n_ctx: int | None = None, static: bool = False) -> torch.Tensor:
-        """``h + mla(rms_norm(h))`` for ``h [T, H]`` at ``positions [T]``; writes the latent and the
-        rope key of each position into ``kv`` (``n_ctx`` and ``static`` as in ``MoEModel.attention``)."""
+    def attention_spans(self, layer: int, h: torch.Tensor, positions: torch.Tensor,
+                        spans: list[tuple[KVCache, int, int, int | None]], static: bool = False) -> torch.Tensor:
+        """``h + mla(rms_norm(h))`` of rows ``[a, b)`` of ``h [T, H]`` for each span ``(kv, a, b, n_ctx)`` (one
+        session's rows; ``n_ctx`` and ``static`` as in ``MoEModel.attention``): the norm, the projections and RoPE
+        over all rows at once (row-wise on the CPU), each span's latent and rope key written into its cache and
+        its attention over them."""
         s, w = self.spec, self.weights.at(layer, h.device)
         T, eps, C = h.shape[0], s.rms_norm_eps, s.kv_lora_rank
         x = rms_norm(h, w["attn_norm.weight"], eps, self.kernels.fused_norms)  # [T, H]
@@ -85,24 +85,31 @@ class DeepseekModel(MoEModel):
         compressed = linear(x, w["attn_kv_a_mqa.weight"])  # [T, C + r]
         latent = rms_norm(compressed[:, :C].contiguous(), w["attn_kv_a_norm.weight"], eps,
                           self.kernels.fused_norms)  # [T, C]
-        positions = positions.to(h.device)
         q_nope = q[..., :s.qk_nope_dim]  # [T, nh, nope]
         q_rope = self._rope(q[..., s.qk_nope_dim:], positions)  # [T, nh, r]
         k_rope = self._rope(compressed[:, None, C:], positions)[:, 0]  # [T, r]
-        kv.write(layer, positions, latent=latent, rope=k_rope)
-        on_cpu = h.device.type == "cpu"
+        parts = []
+        for kv, a, b, n_ctx in spans:
+            kv.write(layer, positions[a:b], latent=latent[a:b], rope=k_rope[a:b])
+            parts.append(self._attend(layer, w, q_nope[a:b], q_rope[a:b], positions[a:b], kv, n_ctx, static))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)  # [T, nh, v]
+        return h + linear(out.reshape(T, s.n_heads * s.v_head_dim), w["attn_output.weight"])  # [T, H]
+
+    def _attend(self, layer: int, w: dict[str, torch.Tensor], q_nope: torch.Tensor, q_rope: torch.Tensor,
+                positions: torch.Tensor, kv: KVCache, n_ctx: int | None, static: bool) -> torch.Tensor:
+        """``[t, nh, v]``: one session's rows attending over its cached latents and rope keys, in the absorbed
+        form (the CPU, a captured window, a few rows, a quantized cache) or the expanded one (a prompt chunk)."""
+        T, on_cpu = q_nope.shape[0], q_nope.device.type == "cpu"
         if on_cpu or static:
             n_ctx = kv.max_tokens
         elif n_ctx is None:
             n_ctx = int(positions.max()) + 1
         if kv.kv_format is not None:  # quantized (kvquant.py): dequantized a key block at a time
-            out = self._absorbed(w, q_nope, q_rope, positions,
-                                 kv.read(layer, self.masked_context(q, positions, kv, n_ctx, static), "latent", "rope"))
-        elif on_cpu or static or T <= ABSORBED_MAX_ROWS or not self.kernels.device_sdpa:
-            out = self._absorbed(w, q_nope, q_rope, positions, kv.read(layer, n_ctx, "latent", "rope"))
-        else:
-            out = self._expanded(w, q_nope, q_rope, kv.read(layer, n_ctx, "latent", "rope"))
-        return h + linear(out.reshape(T, s.n_heads * s.v_head_dim), w["attn_output.weight"])  # [T, H]
+            context = self.masked_context(q_nope, positions, kv, n_ctx, static)
+            return self._absorbed(w, q_nope, q_rope, positions, kv.read(layer, context, "latent", "rope"))
+        if on_cpu or static or T <= ABSORBED_MAX_ROWS or not self.kernels.device_sdpa:
+            return self._absorbed(w, q_nope, q_rope, positions, kv.read(layer, n_ctx, "latent", "rope"))
+        return self._expanded(w, q_nope, q_rope, kv.read(layer, n_ctx, "latent", "rope"))
 
     def _kv_b(self, w: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's ``k_b [nh, C, nope]`` and ``v_b [nh, v, C]`` (views of an older file's ``attn_kv_b``)."""
