@@ -355,14 +355,13 @@ class Runner(GraphReplays):
         Each layer is the fused one (model/fused_decode.py: few launches, the residual add carried
         into the next layer's norm) where the model and device allow; one session's row on the CPU
         takes ``MoEModel.cpu_layer`` where it applies (its joined ops, the add carried the same way);
-        else on the CPU the attention block's norm and projections over every row at once and its attention
-        per session (``attention_spans``: each row's bits its own), elsewhere attention row by row, then the
-        batched MoE rows (a recurrent layer keeps its state after each row where the window asks it to).
-        ``positions`` (``[B]`` on the device) and ``tables`` (the KV address tables) are a graph's static inputs;
-        ``static`` attends over the whole KV capacity, masked from the positions (what a graph needs, and what
-        the CPU path always does). ``fused`` picks
-        the layer (None: the fused one where ``why_not_fused`` allows; on the CPU its ops run their
-        references).
+        else the attention block's norm and projections over every row at once and its attention per session
+        (``attention_spans``; on the CPU each row's bits its own; under ``--batch-invariant`` off the CPU per
+        row), then the batched MoE rows (a recurrent layer keeps its state after each row where the window asks
+        it to). ``positions`` (``[B]`` on the device) and ``tables`` (the KV address tables) are a graph's static
+        inputs; ``static`` attends over the whole KV capacity, masked from the positions (what a graph needs, and
+        what the CPU path always does). ``fused`` picks the layer (None: the fused one where ``why_not_fused``
+        allows; on the CPU its ops run their references).
         """
         device = hidden.device
         positions = to_device(batch.positions, device) if positions is None else positions
@@ -377,6 +376,10 @@ class Runner(GraphReplays):
         delta = None
         # each row attends over its own position and those before it
         contexts = [] if fused else (batch.positions + 1).tolist()
+        # a session's rows attend together; under --batch-invariant off the CPU each row alone (one shape a row,
+        # whatever its window), the CPU's rows being their own either way
+        by_row = self.model.kernels.batch_invariant and device.type != "cpu"
+        spans = [] if fused else _row_spans(batch, contexts) if by_row else _window_spans(batch, contexts)
         for i, layer in enumerate(segment.layers):
             if fused:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
@@ -391,16 +394,9 @@ class Runner(GraphReplays):
                         hidden, delta = hidden + delta, None
                     hidden = self.model.moe(layer, self.model.attention(layer, hidden, positions, kv, contexts[0],
                                                                         static=static), rows)  # [1, H]
-            elif device.type == "cpu":  # the norm and projections over every row at once
-                hidden = self.model.moe(layer, self.model.attention_spans(layer, hidden, positions,
-                                                                          _window_spans(batch, contexts), static),
-                                        rows)  # [B, H]: each row's bits its own (the CPU's products are row-wise)
-            else:
-                parts = []
-                for b, session in enumerate(batch.sessions):  # row by row: a session's rows in order
-                    parts.append(self.model.attention(layer, hidden[b:b + 1], positions[b:b + 1], session.kv,
-                                                      contexts[b], static=static))
-                hidden = self.model.moe(layer, parts[0] if len(parts) == 1 else torch.cat(parts), rows)  # [B, H]
+            else:  # the norm and projections over every row at once, the attention per span
+                hidden = self.model.moe(layer, self.model.attention_spans(layer, hidden, positions, spans, static),
+                                        rows)  # [B, H]
             if self._observers:
                 self._notify(layer, hidden if delta is None else hidden + delta)
         return hidden if delta is None else hidden + delta
@@ -456,6 +452,12 @@ def _window_spans(batch: DecodeBatch, contexts: list[int]) -> list[tuple[KVCache
     one row, or a speculative window's rows), over its positions up to the run's last (``contexts``: each
     row's position + 1)."""
     return [(session.kv, a, b, contexts[b - 1]) for session, _, a, b in _session_runs(batch.sessions, contexts)]
+
+
+def _row_spans(batch: DecodeBatch, contexts: list[int]) -> list[tuple[KVCache, int, int, int]]:
+    """A decode window's rows as ``attention_spans``' spans of one row each, in order (``contexts``: each row's
+    position + 1)."""
+    return [(session.kv, b, b + 1, contexts[b]) for b, session in enumerate(batch.sessions)]
 
 
 def _keeps_steps(batch: DecodeBatch) -> bool:
