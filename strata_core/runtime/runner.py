@@ -367,7 +367,7 @@ class Runner(GraphReplays):
         positions = to_device(batch.positions, device) if positions is None else positions
         # under --batch-invariant an eager window attends as a replayed one (the whole capacity, masked): a row's
         # bits do not depend on whether its window replayed a graph
-        static = static or (self.model.kernels.batch_invariant and device.type == "cuda")
+        static = static or (self.model.kernels.batch_invariant and device.type != "cpu")
         rows = self.experts.rows_for(segment.device, "decode")
         if fused is None:
             fused = self._fused_on(device)

@@ -41,6 +41,7 @@ class StandIns:
     def __init__(self, segment: Segment) -> None:
         self.segment = segment
         self._sessions: list[Session] = []
+        self._stateful: bool | None = None  # whether the segment's layers hold recurrent state (found once)
 
     def why_not(self, batch: DecodeBatch) -> str | None:
         """Why ``batch``'s rows cannot run on stand-ins, or None when they can."""
@@ -52,7 +53,7 @@ class StandIns:
                 return "the window's sessions hold different context lengths"
             if kv.home.get(layers.start) != slot or kv.home.get(layers.stop - 1) != slot:
                 return f"a session's layers {layers.start}..{layers.stop - 1} are not at home on slot {slot}"
-        if batch.offsets and self._recurrent(first):
+        if batch.offsets and self._holds_state(first):
             return "a session keeps a recurrent state across several rows of the window"
         return None
 
@@ -90,13 +91,15 @@ class StandIns:
         self._copy(batch.sessions[:live], window.sessions[:live])
 
     def _copy(self, dst: tuple[Session, ...], src: tuple[Session, ...]) -> None:
-        targets, sources = self._states(dst), self._states(src)
-        if targets:
-            torch._foreach_copy_(targets, sources, non_blocking=True)
+        if dst and self._holds_state(dst[0].kv):  # no host work a window for layers without recurrent state
+            torch._foreach_copy_(self._states(dst), self._states(src), non_blocking=True)
 
     def _states(self, sessions: tuple[Session, ...] | list[Session]) -> list[torch.Tensor]:
         """The recurrent state tensors of ``sessions`` in the segment's layers, in one order."""
         return [t for s in sessions for i in self.segment.layers for _, t in sorted(s.kv.recurrent(i).items())]
 
-    def _recurrent(self, kv) -> bool:
-        return any(kv.recurrent(i) for i in self.segment.layers)
+    def _holds_state(self, kv) -> bool:
+        """Whether the segment's layers of a cache like ``kv`` hold recurrent state (found at the first call)."""
+        if self._stateful is None:
+            self._stateful = any(kv.recurrent(i) for i in self.segment.layers)
+        return self._stateful
