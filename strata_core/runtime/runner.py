@@ -27,7 +27,6 @@ from strata_core.experts.backend import ExpertBackend
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.model.fused_decode import decode_layer as fused_decode_layer
 from strata_core.model.fused_decode import kv_tables, why_not_fused
-from strata_core.model.kvcache import KVCache
 from strata_core.model.transformer import MoEModel
 from strata_core.plugin.context import LayerObserver, PhaseContext, StageTime
 from strata_core.plugin.events import ResidencyEvent
@@ -197,7 +196,7 @@ class Runner(GraphReplays):
         for session, token in zip(batch.sessions, [UNSET] * len(batch) if batch.fed else batch.tokens.tolist()):
             session.kv.advance(1)
             session.tokens.append(token)
-        self._sink(_session_runs(batch.sessions, first))
+        self._sink(batch.runs(first))
         return logits
 
     def serve_segment(self, phase: Phase, segment: Segment, hidden: torch.Tensor,
@@ -379,7 +378,7 @@ class Runner(GraphReplays):
         # a session's rows attend together; under --batch-invariant off the CPU each row alone (one shape a row,
         # whatever its window), the CPU's rows being their own either way
         by_row = self.model.kernels.batch_invariant and device.type != "cpu"
-        spans = [] if fused else _row_spans(batch, contexts) if by_row else _window_spans(batch, contexts)
+        spans = [] if fused else batch.spans(contexts, by_row)
         for i, layer in enumerate(segment.layers):
             if fused:
                 hidden, delta = fused_decode_layer(self.model, layer, hidden, delta, positions, batch.sessions, rows,
@@ -415,7 +414,7 @@ class Runner(GraphReplays):
             return self._remote.run("decode", [segment], hidden, batch)
         hidden = hidden.to(self.device_of(segment))
         with device_scope(hidden.device), self._timed("decode", segment):
-            if self._graphed(segment) and not _keeps_steps(batch):
+            if self._graphed(segment) and not batch.keeps_steps:
                 out = self._replay_segment(segment, hidden, batch)
                 if out is not None:
                     return out
@@ -426,41 +425,9 @@ class Runner(GraphReplays):
         on the main device, embedding, layers and head replay as one graph where graphs apply (not while
         a hidden sink reads the layers' output)."""
         segments = self._segments["decode"]
-        if len(segments) == 1 and self._stage_times is None and not _keeps_steps(batch) and self.hidden_sink is None:
+        if len(segments) == 1 and self._stage_times is None and not batch.keeps_steps and self.hidden_sink is None:
             logits = self._replay_step(segments[0], batch)
             if logits is not None:
                 return logits
         hidden = self.embed(batch.tokens, self.device_of(segments[0]))  # [B, H]
         return self.head(self._through("decode", segments, hidden, batch))
-
-
-
-def _session_runs(sessions: Sequence[Session], first: Sequence[int]) -> list[tuple[Session, int, int, int]]:
-    """A decode window's rows as runs of one session each: ``(session, position of its first row, start,
-    end)`` (``first``: each row's position)."""
-    runs: list[tuple[Session, int, int, int]] = []
-    for row, session in enumerate(sessions):
-        if runs and runs[-1][0] is session:
-            runs[-1] = (*runs[-1][:3], row + 1)
-        else:
-            runs.append((session, first[row], row, row + 1))
-    return runs
-
-
-def _window_spans(batch: DecodeBatch, contexts: list[int]) -> list[tuple[KVCache, int, int, int]]:
-    """A decode window's rows as ``attention_spans``' spans: each session's run of rows (``_session_runs``: its
-    one row, or a speculative window's rows), over its positions up to the run's last (``contexts``: each
-    row's position + 1)."""
-    return [(session.kv, a, b, contexts[b - 1]) for session, _, a, b in _session_runs(batch.sessions, contexts)]
-
-
-def _row_spans(batch: DecodeBatch, contexts: list[int]) -> list[tuple[KVCache, int, int, int]]:
-    """A decode window's rows as ``attention_spans``' spans of one row each, in order (``contexts``: each row's
-    position + 1)."""
-    return [(session.kv, b, b + 1, contexts[b]) for b, session in enumerate(batch.sessions)]
-
-
-def _keeps_steps(batch: DecodeBatch) -> bool:
-    """Whether a session of ``batch`` keeps its recurrent state after each of its rows (``KVCache.keep_steps``):
-    host bookkeeping of the states kept, so the window runs eagerly."""
-    return bool(batch.offsets) and any(session.kv.keeps_steps for session in batch.sessions)

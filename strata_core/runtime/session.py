@@ -117,6 +117,31 @@ class DecodeBatch:
         offsets = self.offsets or (0,) * len(self.sessions)
         return torch.tensor([s.n_tokens + o for s, o in zip(self.sessions, offsets)], dtype=torch.int64)
 
+    def runs(self, first: Sequence[int]) -> list[tuple[Session, int, int, int]]:
+        """The rows as runs of one session each: ``(session, position of its first row, start, end)``
+        (``first``: each row's position)."""
+        runs: list[tuple[Session, int, int, int]] = []
+        for row, session in enumerate(self.sessions):
+            if runs and runs[-1][0] is session:
+                runs[-1] = (*runs[-1][:3], row + 1)
+            else:
+                runs.append((session, first[row], row, row + 1))
+        return runs
+
+    def spans(self, contexts: Sequence[int], by_row: bool = False) -> list[tuple[KVCache, int, int, int]]:
+        """The rows as ``attention_spans``' spans: each session's run of rows (its one row, or a speculative
+        window's rows) over its positions up to the run's last, or with ``by_row`` each row alone
+        (``contexts``: each row's position + 1)."""
+        if by_row:
+            return [(session.kv, b, b + 1, contexts[b]) for b, session in enumerate(self.sessions)]
+        return [(session.kv, a, b, contexts[b - 1]) for session, _, a, b in self.runs(contexts)]
+
+    @property
+    def keeps_steps(self) -> bool:
+        """Whether a session keeps its recurrent state after each of its rows (``KVCache.keep_steps``): host
+        bookkeeping of the states kept, so the window runs eagerly."""
+        return bool(self.offsets) and any(session.kv.keeps_steps for session in self.sessions)
+
 
 @dataclass(frozen=True)
 class SessionSnapshot:
