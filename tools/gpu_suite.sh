@@ -12,6 +12,23 @@ export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # the carried ninja builds
 packages=$(for p in plugins/*/ examples/*/; do [ -f "$p/pyproject.toml" ] && printf -- '-e %s ' "$p"; done)
 # shellcheck disable=SC2086
 python3 -m pip install -q --no-deps --no-build-isolation -e . $packages > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+# a carried wheel older than the project asks (pip download picks by platform tag) fails here, not as test failures
+python3 - <<'CHECK' || exit 1
+import sys
+from importlib.metadata import PackageNotFoundError, requires, version
+from packaging.requirements import Requirement
+bad = []
+for req in map(Requirement, requires("strata")):
+    if req.marker is None and req.name != "torch":  # torch: the image's own CUDA build
+        try:
+            found = version(req.name)
+        except PackageNotFoundError:
+            found = None
+        if found is None or not req.specifier.contains(found, prereleases=True):
+            bad.append(f"{req.name} {found or 'missing'} (the project asks {req.specifier})")
+if bad:
+    sys.exit("gpu_suite.sh: carry newer wheels in .whl: " + "; ".join(bad))
+CHECK
 if [ -n "${MODEL:-}" ] && [ ! -f "$MODEL" ]; then
   (strata make-synthetic --preset qwen3-30b-a3b --expert-type Q4_K "$MODEL.tmp" > "$OUT/synth.log" 2>&1 \
    && mv "$MODEL.tmp" "$MODEL") &
