@@ -118,11 +118,11 @@ def _plan_memory(settings: StrataSettings, spec: ModelSpec, placement: Placement
     """The paged-KV pools and the dense bytes each of ``slots``' devices will hold, checked against the budget
     before anything loads (``check_dense_budget``: a BudgetError naming what does not fit)."""
     pools = kv_pools(settings, spec, dtype)
-    kv_tokens = pools.n_blocks * pools.block_size  # the null block's too
+    kv_tokens = pools.n_blocks * pools.block_size  # the null and padding blocks' too
     plan = (spec, placement, slots, dtype, kv_tokens, settings.kv_type,
             state_copies(settings.parallel, settings.cuda_graphs))
     dense_bytes = dense_bytes_per_device(*plan)
-    check_dense_budget(settings, dense_bytes, kv_bytes_per_device(*plan), kv_tokens - pools.block_size)
+    check_dense_budget(settings, dense_bytes, kv_bytes_per_device(*plan), pools.session_tokens)
     return pools, dense_bytes
 
 

@@ -333,8 +333,8 @@ def test_a_context_that_cannot_fit_is_an_error_before_loading(tiny_model_factory
     spec = Engine.load(path, max_context=64).spec
     context, cpu = spec.context_length, torch.device("cpu")
     one = tuple(LayerPlacement.local(0) for _ in range(spec.n_layers))
-    plan = [f(spec, Placement(one, one), {0: DeviceSlot(0, cpu)}, torch.float32, 2 * context + 16)[cpu]
-            for f in (dense_bytes_per_device, kv_bytes_per_device)]  # two sessions and the null block
+    plan = [f(spec, Placement(one, one), {0: DeviceSlot(0, cpu)}, torch.float32, 2 * context + 32)[cpu]
+            for f in (dense_bytes_per_device, kv_bytes_per_device)]  # two sessions, the null and padding blocks
     options = dict(max_context=context, parallel=2, reserve_mib=0, expert_cache=0,
                    vram_budget_gib=(plan[0] - plan[1] / 2) / GIB)
     load = DenseWeights.load

@@ -40,7 +40,7 @@ def test_truncate_and_overflow():
     assert kv.blocks(0) == [1, 2, 3]  # 5 positions in blocks of 2
     kv.truncate(3)
     assert kv.n_tokens == 3 and kv.read(0, kv.n_tokens)[0].shape == (3, 2, 4)
-    assert kv.blocks(0) == [1, 2] and kv.pools.pools[0].n_free == 2  # the third block is back in the pool
+    assert kv.blocks(0) == [1, 2] and kv.pools.pools[0].n_free == 3  # the third block is back in the pool, beside the padding block
     with pytest.raises(ValueError, match="overflow"):
         kv.advance(6)
     with pytest.raises(ValueError, match="overflow"):
@@ -180,8 +180,8 @@ def test_state_layout_follows_the_spec(tmp_path):
     spec = load_model_spec(GGUFFile.open(path))
     kv = KVCache.for_spec(spec, 16, dtype=torch.bfloat16, block_size=4)
     assert set(kv.pool_rows(0)) == {"k", "v"}
-    assert kv.pool_rows(0)["k"].shape == (5, 4, spec.n_kv_heads, spec.head_dim)  # 4 blocks + the null block
-    assert spec.rewindable and spec.state_bytes(20, torch.bfloat16) == kv.pools.pools[0].nbytes
+    assert kv.pool_rows(0)["k"].shape == (6, 4, spec.n_kv_heads, spec.head_dim)  # 4 blocks + the null and padding blocks
+    assert spec.rewindable and spec.state_bytes(24, torch.bfloat16) == kv.pools.pools[0].nbytes
 
 
 def test_dense_weights_placed_per_layer_on_one_or_several_devices(tmp_path):

@@ -250,7 +250,7 @@ def test_a_full_pool_fails_the_request_and_loses_nothing(tiny_model_factory):
     a, b = engine.new_session(), engine.new_session()
     engine.prefill(a, list(range(50)))
     with pytest.raises(KVPoolFull, match="KV pool of device slot 0 is full: 5 more blocks of 4 tokens needed, "
-                                         "3 of 16 free"):
+                                         "4 of 17 free"):
         engine.prefill(b, list(range(20)))
     assert isinstance(KVPoolFull("x"), RequestError)
     assert b.n_tokens == 0 and b.kv.blocks(0) == [] and held(engine) == 13
@@ -270,7 +270,7 @@ def test_the_default_pool_holds_parallel_sessions_of_the_context(tiny_model_fact
     with caplog.at_level("INFO", logger="strata_core.model.kvpool"):
         engine = Engine.load(tiny_model_factory(expert_type="Q8_0"), max_context=CONTEXT, parallel=2)
     pool = engine.kv_pools.pools[0]
-    assert pool.block_size == 16 and pool.n_blocks == 2 * CONTEXT // 16 + 1
+    assert pool.block_size == 16 and pool.n_blocks == 2 * CONTEXT // 16 + 2
     assert "KV pool of cpu#0: 8 blocks of 16 tokens (128 tokens" in caplog.text
 
 
@@ -414,3 +414,15 @@ def test_evicting_a_block_on_one_slot_frees_its_cached_block_on_the_other():
     assert pools.allocate(0, 2) and first.evictions == 1  # the unpublished block, then the cached one
     assert pools.lookup(None, (1, 2)) is None and entry.key not in pools.index
     assert not second.cached and not second.published and second.n_free == 2 and second.evictions == 0
+
+
+def test_pools_sized_for_their_sessions_also_hold_the_padding_sessions_block():
+    # --parallel 2 sessions at --max-context 32 (16-token blocks), beside graphed windows' padding session
+    pools = KVPools.for_tokens(2 * 32, 16, torch.float32, 32)
+    pool = pools.pool(0, "cpu")
+    pools.allocate(0, 1)  # the padding session's one block
+    for _ in range(2):
+        pools.allocate(0, blocks_for(32, 16))
+    assert pool.n_free == 0
+    with pytest.raises(KVPoolFull):
+        pools.allocate(0, 1)

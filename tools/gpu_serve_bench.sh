@@ -63,7 +63,7 @@ longprompt() {
 url = 'http://127.0.0.1:$PORT/v1'; model = httpx.get(url + '/models').json()['data'][0]['id']
 r = httpx.post(url + '/completions', json={'model': model, 'prompt': ids, 'max_tokens': 1}, timeout=300)
 print('32K prompt:', r.status_code, r.json().get('timings', r.text[:200]))" > "$RES/longprompt-32k.log" 2>&1) &
-  clients longprompt-with-32k 8 --ignore-eos
+  clients longprompt-with-32k 8 --ignore-eos --prompt-seed 108  # prompts of their own: none cached by the first run
   wait; cat "$RES/longprompt-32k.log"
   kill $PID; wait $PID 2> /dev/null
 }

@@ -55,6 +55,8 @@ __all__ = ["BlockPool", "KVPoolFull", "KVPools", "PrefixEntry", "blocks_for"]
 log = logging.getLogger(__name__)
 
 NULL_BLOCK = 0
+#: blocks a pool keeps beyond its sessions' tokens for the padding session of padded decode windows
+PADDING_BLOCKS = 1
 _ROOT = 0x5EED  # the parent key of a sequence's first block
 
 
@@ -182,15 +184,21 @@ class KVPools:
         self.pools: dict[int, BlockPool] = {}
         self.index: dict[int, PrefixEntry] = {}  # chained hash -> entry
 
+    @property
+    def session_tokens(self) -> int:
+        """Positions each pool holds for sessions (its blocks but the null block and the padding block)."""
+        return (self.n_blocks - 1 - PADDING_BLOCKS) * self.block_size
+
     @classmethod
     def for_tokens(cls, tokens: int, block_size: int, dtype: torch.dtype, max_tokens: int,
                    kv_type: str = "auto") -> KVPools:
-        """Pools of ``tokens`` positions each (whole blocks, plus the null block); BudgetError naming
-        both numbers when that is fewer than one session of ``max_tokens``."""
+        """Pools of ``tokens`` positions each (whole blocks), plus the null block and the block of the
+        decode graphs' padding session (runtime/buckets.py), so that ``tokens`` stay for the sessions;
+        BudgetError naming both numbers when that is fewer than one session of ``max_tokens``."""
         if tokens < max_tokens:
             raise BudgetError(f"a KV pool of {tokens} tokens (--kv-pool-tokens) cannot hold one session of "
                               f"{max_tokens} tokens (--max-context); give it at least {max_tokens}")
-        return cls(block_size, blocks_for(tokens, block_size) + 1, dtype, kv_type)
+        return cls(block_size, blocks_for(tokens, block_size) + 1 + PADDING_BLOCKS, dtype, kv_type)
 
     def pool(self, slot: int, device: torch.device | str) -> BlockPool:
         """Device slot ``slot``'s pool (made on first use, on ``device``)."""
@@ -202,9 +210,9 @@ class KVPools:
     def log_sizes(self, devices: Mapping[int, object]) -> None:
         """Say each pool's size (blocks, tokens, layers, bytes)."""
         for slot, pool in sorted(self.pools.items()):
-            log.info("KV pool of %s: %d blocks of %d tokens (%d tokens, the null block aside) for %d layers: "
-                     "%.3f GiB%s", devices[slot], pool.n_blocks - 1, pool.block_size,
-                     (pool.n_blocks - 1) * pool.block_size, len(pool.rows), pool.nbytes / 2 ** 30,
+            log.info("KV pool of %s: %d blocks of %d tokens (%d tokens, the null and padding blocks aside) for %d "
+                     "layers: %.3f GiB%s", devices[slot], self.session_tokens // pool.block_size, pool.block_size,
+                     self.session_tokens, len(pool.rows), pool.nbytes / 2 ** 30,
                      "" if self.kv_type == "auto" else f" (--kv-type {self.kv_type})")
 
     # --- the prefix index -------------------------------------------------------------------------
