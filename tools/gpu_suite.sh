@@ -36,9 +36,10 @@ if [ -n "${MODEL:-}" ] && [ ! -f "$MODEL" ]; then
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # shellcheck disable=SC2086
-timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -v -rfE -n "${WORKERS:-8}" -p no:benchmark ${PYTEST_ARGS:-} > "$OUT/suite.log" 2>&1
+timeout "${SUITE_TIMEOUT:-530}" python3 -m pytest -vv -rfE --timeout "${TEST_TIMEOUT:-120}" -n "${WORKERS:-8}" -p no:benchmark ${PYTEST_ARGS:-} > "$OUT/suite.log" 2>&1
 status=$?
-grep -E "^(FAILED|ERROR) [A-Za-z0-9_/.-]+\.py" "$OUT/suite.log" | sort -u | head -60   # by name, also after a timeout
+# by name, also after a timeout (the per-test lines of -vv: the addopts' -q cancels one -v)
+grep -oE "(FAILED|ERROR) [A-Za-z0-9_/.-]+\.py::[^ ]+" "$OUT/suite.log" | sort -u | head -60
 tail -3 "$OUT/suite.log"
 [ -n "${MODEL:-}" ] && wait
 exit "$status"
