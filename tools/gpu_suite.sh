@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite on the GPU machine in one call, its failures listed by name (pytest -rfE). From the
-# repo root there, with the wheels of .whl carried (the device README's notes say how to fetch them; list every
-# manylinux tag up to 2_34 with --platform, or pip falls back to an older release: llguidance 1.9 is 2_31 only):
+# repo root there, with the wheels of .whl carried (`bash tools/device_wheels.sh` fetches them here):
 #   bash tools/gpu_suite.sh                 # $OUT/suite.log; WORKERS=8, SUITE_TIMEOUT=530 by default
 #   PYTEST_ARGS="-k cuda tests plugins" bash tools/gpu_suite.sh   # a part of it
 # With MODEL=PATH it also writes the synthetic Qwen3-30B-A3B there in the background, for a bench after it.
