@@ -135,7 +135,7 @@ def tiny(tmp_path_factory):
 def _short_prompts(engine: Engine, tokens: int) -> None:
     """What the backend does on a GPU whose probe chose ``tokens``: the prompt rows follow the decode's split."""
     rows = engine.experts.rows_for(0, "prompt")
-    rows.split_short_prompts(tokens, engine.experts.rows_for(0, "decode"))
+    rows.share.follow(tokens, engine.experts.rows_for(0, "decode").share)
 
 
 def _logits(engine: Engine, prompt_cpu: list[int]) -> torch.Tensor:
@@ -152,7 +152,7 @@ def _logits(engine: Engine, prompt_cpu: list[int]) -> torch.Tensor:
 def test_a_cpu_device_keeps_the_feature_off(tiny):
     for frac in ("auto", 0.5, 1.0):
         engine = Engine.load(tiny, max_context=64, expert_cache=5, pcie_frac=frac)
-        assert engine.experts.cpu_prompt_tokens == 0 and engine.experts.rows_for(0, "prompt").cpu_prompt_tokens == 0
+        assert engine.experts.cpu_prompt_tokens == 0 and engine.experts.rows_for(0, "prompt").share.cpu_prompt_tokens == 0
         engine.prefill(engine.new_session(), PROMPT)
         assert engine.telemetry.snapshot()["experts_cpu"] == 0  # the prompt's misses all streamed
 
@@ -162,7 +162,7 @@ def test_a_short_prompt_through_the_cpu_gives_the_bits_of_every_miss_over_the_li
     want = _logits(Engine.load(tiny, max_context=64, expert_cache=5, pcie_frac=1.0), [])
     engine = Engine.load(tiny, max_context=64, expert_cache=5, pcie_frac=0.5)
     if split == "learned":  # a GPU's per-layer split, on the CPU
-        engine.experts.rows_for(0, "decode").auto = AutoSplit(engine.spec.moe_layers, windows=3)
+        engine.experts.rows_for(0, "decode").share.auto = AutoSplit(engine.spec.moe_layers, windows=3)
     _short_prompts(engine, len(PROMPT))
     prompt_cpu: list[int] = []
     assert torch.equal(_logits(engine, prompt_cpu), want)
@@ -206,13 +206,13 @@ def test_every_prompt_miss_is_computed_exactly_once(synthetic, tokens, threshold
                                    {0: DeviceSlot(0, CPU)}, StrataSettings(expert_cache=slots, pcie_frac=frac),
                                    {CPU: 0})
     rows = backend.rows_for(0, "prompt")
-    rows.split_short_prompts(threshold, backend.rows_for(0, "decode"))
+    rows.share.follow(threshold, backend.rows_for(0, "decode").share)
     sides: list[tuple[str, list[int]]] = []
-    run, submit = rows.ring.run, rows._submit_cpu
+    run, submit = rows.ring.run, rows.share.submit
     rows.ring.run = lambda layer, experts, consume: sides.append(("link", list(experts))) or run(layer, experts,
                                                                                                   consume)
-    rows._submit_cpu = lambda layer, experts, *args: sides.append(("cpu", list(experts))) or submit(layer, experts,
-                                                                                                     *args)
+    rows.share.submit = lambda layer, experts, *args: sides.append(("cpu", list(experts))) or submit(layer, experts,
+                                                                                                      *args)
     twin = MissSplit(frac)  # the decode's split, taken in step
     gen = torch.Generator().manual_seed(seed)
     for layer in spec.moe_layers:
@@ -241,7 +241,7 @@ def test_a_gpu_measures_its_threshold_at_load(tiny, caplog, monkeypatch):
         engine = Engine.load(tiny, devices=["cuda:0"], max_context=64, expert_cache=4, arena="pinned",
                              pcie_frac="auto")
     assert engine.experts.cpu_prompt_tokens >= 1
-    assert engine.experts.rows_for(0, "prompt").cpu_prompt_tokens == engine.experts.cpu_prompt_tokens
+    assert engine.experts.rows_for(0, "prompt").share.cpu_prompt_tokens == engine.experts.cpu_prompt_tokens
     assert f"cpu prompt tokens on cuda:0: {engine.experts.cpu_prompt_tokens} (" in caplog.text
     assert Engine.load(tiny, devices=["cuda:0"], max_context=64, expert_cache=4, arena="pinned",
                        pcie_frac=1.0).experts.cpu_prompt_tokens == 0
@@ -258,7 +258,7 @@ def test_a_short_prompt_on_a_gpu_splits_and_matches_the_cpu(tiny_model_factory, 
     options = dict(max_context=128, dtype="float32", expert_cache=slots, arena="pinned")
     cpu = Engine.load(path, devices=["cpu"], **options)
     gpu = Engine.load(path, devices=["cuda:0"], pcie_frac=0.5, **options)
-    assert gpu.experts.rows_for(0, "prompt").cpu_prompt_tokens == 8
+    assert gpu.experts.rows_for(0, "prompt").share.cpu_prompt_tokens == 8
     for n, splits in ((8, True), (9, False)):
         ids = list(range(5, 5 + n))
         gpu.telemetry.reset()

@@ -105,9 +105,9 @@ def test_every_miss_is_computed_exactly_once_whatever_the_split(model, clock, mo
     backend = build_expert_backend(weights, spec, Placement.stages([(0, range(spec.n_layers))]), {0: DeviceSlot(0, CPU)},
                                    StrataSettings(expert_cache=3, pcie_frac=0.5), {CPU: 0})
     rows = backend.rows_for(0)
-    rows.auto = AutoSplit(spec.moe_layers, windows=3)  # the learned split, on the CPU
+    rows.share.auto = AutoSplit(spec.moe_layers, windows=3)  # the learned split, on the CPU
     sides: list[tuple[str, int, list[int]]] = []
-    run, submit, job = rows.ring.run, rows._submit_cpu, rows._cpu_job
+    run, submit, job = rows.ring.run, rows.share.submit, rows.share._timed
 
     def on_link(layer, experts, consume):  # 1 ms an expert
         sides.append(("link", layer, list(experts)))
@@ -118,15 +118,15 @@ def test_every_miss_is_computed_exactly_once_whatever_the_split(model, clock, mo
         sides.append(("cpu", layer, list(experts)))
         return submit(layer, experts, *args)
 
-    def cpu_job(layer, n, fn):  # 4 ms an expert, inside the job the split times
+    def cpu_job(layer, n, fn, decoding):  # 4 ms an expert, inside the job the split times
         def slow(*args):
             clock.now += 0.004 * n
             return fn(*args)
-        return job(layer, n, slow)
+        return job(layer, n, slow, decoding)
 
     monkeypatch.setattr(rows.ring, "run", on_link)
-    monkeypatch.setattr(rows, "_submit_cpu", on_cpu)
-    monkeypatch.setattr(rows, "_cpu_job", cpu_job)
+    monkeypatch.setattr(rows.share, "submit", on_cpu)
+    monkeypatch.setattr(rows.share, "_timed", cpu_job)
     gen = torch.Generator().manual_seed(0)
     for window in range(6):
         backend.begin_window()
@@ -141,7 +141,7 @@ def test_every_miss_is_computed_exactly_once_whatever_the_split(model, clock, mo
             cpu = [e for side, _, experts in sides if side == "cpu" for e in experts]
             assert sorted(link + cpu) == missed  # each miss once: on one side, never both, never neither
         backend.end_window()
-    assert not rows.auto.learning and rows.auto.fracs() == {layer: pytest.approx(0.8) for layer in spec.moe_layers}
+    assert not rows.share.auto.learning and rows.share.auto.fracs() == {layer: pytest.approx(0.8) for layer in spec.moe_layers}
     snap = backend.telemetry.snapshot()
     assert snap["experts_pcie"] > 0 and snap["experts_cpu"] > 0
 
@@ -166,9 +166,9 @@ def test_hybrid_decode_logits_equal_every_miss_over_the_link(tiny, clock, caplog
         engine = Engine.load(tiny, max_context=64, expert_cache=5, pcie_frac="auto")
     assert "pcie-frac auto: 0 (every computing device is the CPU" in caplog.text
     rows = engine.experts.rows_for(0, "decode")
-    assert rows.auto is None and rows.split.frac == 0.0
+    assert rows.share.auto is None and rows.share.split.frac == 0.0
     assert torch.equal(_logits(engine), want)
-    rows.auto = AutoSplit(engine.spec.moe_layers, windows=4)  # a GPU's learned split, on the CPU
+    rows.share.auto = AutoSplit(engine.spec.moe_layers, windows=4)  # a GPU's learned split, on the CPU
     assert torch.equal(_logits(engine), want)
     snap = engine.telemetry.snapshot()
     assert snap["experts_pcie"] > 0 and snap["experts_cpu"] > 0
@@ -232,7 +232,7 @@ def test_a_cpu_too_slow_for_a_share_leaves_the_gather_and_graphs_on(tiny, caplog
         engine = Engine.load(tiny, devices=["cuda:0"], max_context=64, expert_cache=4, arena="pinned",
                              pcie_frac="auto")
     rows = engine.experts.rows_for(0, "decode")
-    assert rows.auto is None and rows.gather and rows.split.frac == 1.0
+    assert rows.share.auto is None and rows.gather and rows.share.split.frac == 1.0
     assert "does not pay for the decode gather and CUDA graphs" in caplog.text
 
 
@@ -243,13 +243,13 @@ def test_a_gpu_with_misses_learns_its_split_then_fixes_it(tiny, caplog, monkeypa
         engine = Engine.load(tiny, devices=["cuda:0"], max_context=64, expert_cache=4, arena="pinned",
                              pcie_frac="auto")
         rows = engine.experts.rows_for(0, "decode")
-        assert rows.auto is not None and not rows.gather  # the split is eager: no decode gather
+        assert rows.share.auto is not None and not rows.gather  # the split is eager: no decode gather
         assert "the decode gather and CUDA graphs are off on" in caplog.text
         session = engine.new_session()
         engine.prefill(session, [3, 14, 15, 92, 65])
         for token in range(split_auto.SETTLE_WINDOWS + 2):
             engine.decode_window([(session, token + 1)])
-    assert not rows.auto.learning and all(0 < frac < 1 for frac in rows.auto.fracs().values())
+    assert not rows.share.auto.learning and all(0 < frac < 1 for frac in rows.share.auto.fracs().values())
     assert "pcie-frac auto on" in caplog.text and "after 8 decode windows" in caplog.text
     snap = engine.telemetry.snapshot()
     assert snap["experts_pcie"] > 0 and snap["experts_cpu"] > 0

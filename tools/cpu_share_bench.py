@@ -14,7 +14,7 @@ one-thread ThreadPoolExecutor whose initializer calls ``torch.set_num_threads(N)
 not the cache. Prints the median milliseconds of a call, the expert GB/s (quantized bytes read), and
 the OpenMP threads the kernel's parallel region actually ran (``strata::cpu_kernel_threads``).
 With CUDA the weights are pinned and a ``hybrid`` row times the whole per-layer path of
-``CachedExpertRows._submit_cpu``: the hidden state's copy to the host, the worker's call, the rows'
+``MissShare.submit``: the hidden state's copy to the host, the worker's call, the rows'
 copy back (what a decode layer waits for).
 """
 

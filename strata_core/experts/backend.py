@@ -51,6 +51,7 @@ from strata_core.experts.grouped import workspace_bytes
 from strata_core.experts.profile import UsageCounter, UsageProfile, default_order
 from strata_core.experts.prompt_split import decide_cpu_prompt_tokens
 from strata_core.experts.sizing import cache_slots, check_dense_budget
+from strata_core.experts.miss_share import MissShare
 from strata_core.experts.split import MissSplit
 from strata_core.experts.split_auto import (SETTLE_WINDOWS, START_FRAC, AutoSplit, probe_rates, probe_split,
                                             resolve_pcie_frac)
@@ -123,8 +124,8 @@ class ExpertBackend:
         after a failed window, ``adapt=False``); returns the experts swapped in per device slot."""
         for rows in self._all_rows():
             rows.decoding = False
-            if rows.auto is not None:
-                rows.auto.end_window(ok=adapt)
+            if rows.share.auto is not None:
+                rows.share.auto.end_window(ok=adapt)
         if not adapt:
             return {}
         swapped = {slot: adapter.end_window() for slot, adapter in self._adapters.items()}
@@ -303,15 +304,14 @@ def build_expert_backend(weights: ExpertWeights, spec: ModelSpec, placement: Pla
                 continue
             chains = {l: _chain(placement, phase, l, caches, lanes) for l in layers}
             slot_frac, auto = _slot_split(frac, slots[slot], phase, chains, threads, start)
-            rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry,
-                                                   MissSplit(1.0 if slot_frac is None else slot_frac),
-                                                   cpu_pool, name=str(slots[slot]),
+            share = MissShare(chains, arena, MissSplit(1.0 if slot_frac is None else slot_frac), cpu_pool, auto)
+            rows[(phase, slot)] = CachedExpertRows(chains, ring, usage, telemetry, share, name=str(slots[slot]),
                                                    fused_expert_ffn=settings.fused_expert_ffn,
-                                                   miss_read=settings.miss_read, auto=auto)
+                                                   miss_read=settings.miss_read)
             rows[(phase, slot)].gather = (slots[slot].device.type == "cuda" and HAS_TRITON and arena.all_pinned
                                           and slot_frac == 1.0)
         if cpu_tokens and slots[slot].device.type != "cpu" and {("prompt", slot), ("decode", slot)} <= rows.keys():
-            rows[("prompt", slot)].split_short_prompts(cpu_tokens, rows[("decode", slot)])
+            rows[("prompt", slot)].share.follow(cpu_tokens, rows[("decode", slot)].share)
     adapters: dict[int, Adapter] = {}
     for slot, cache in caches.items():
         swaps = placement.adapt_swaps.get(slot, settings.adapt_swaps)

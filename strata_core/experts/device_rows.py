@@ -12,8 +12,8 @@ bytes, whichever source holds them:
   peer's ``stream`` share of them over the peer's own host link, computed there;
 * decode miss: a ``--pcie-frac`` share (with ``auto`` learned per layer, split_auto.py) read over the
   host link (the ring again), the rest computed on the CPU from the arena where it lies (on a worker
-  thread when the device is a GPU);
-* a miss of a prompt chunk of at most ``cpu_prompt_tokens`` tokens (``split_short_prompts``, measured at
+  thread when the device is a GPU): the slot's ``MissShare`` (miss_share.py) divides them;
+* a miss of a prompt chunk of at most ``cpu_prompt_tokens`` tokens (``MissShare.follow``, measured at
   load: prompt_split.py): split as the same device's decode splits its misses of the layer, so the chunk
   takes the decode's loop below rather than the grouped prefill.
 
@@ -61,8 +61,6 @@ reference) keeps the loop.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import Executor, Future
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
@@ -83,8 +81,7 @@ from strata_core.experts.prompt_plan import PromptPlanner, peer_shares
 from strata_core.experts.rows import expert_ffn, group_by_expert
 from strata_core.experts.telemetry import ExpertTelemetry
 from strata_core.experts.transfer import StagingRing
-from strata_core.experts.split import MissSplit
-from strata_core.experts.split_auto import AutoSplit
+from strata_core.experts.miss_share import MissShare, segments
 from strata_core.ops.combine import combine_rows, combine_sorted, in_pair_order
 from strata_core.ops.gather import gather_experts
 
@@ -104,22 +101,18 @@ class CachedExpertRows(GroupedPrefill):
     off, those take ``pair_ffn_grouped`` (a dequantize and a grouped product per layer) on CUDA.
     ``miss_read``: the fused kernels read a miss in the pinned arena from a device row it is copied to
     first ("staged") or zero-copy over the host link ("direct"). Both are StrataSettings fields.
-    ``auto``: the per-layer split of decode misses ``--pcie-frac auto`` learns (split_auto.py), in place
-    of ``split``, timed as the misses are computed."""
+    ``share``: how its misses divide between the host link and the CPU (miss_share.py)."""
 
     def __init__(self, chains: dict[int, Chain], ring: StagingRing, usage: UsageCounter, telemetry: ExpertTelemetry,
-                 split: MissSplit, cpu_pool: Executor | None = None, name: str = "", fused_expert_ffn: bool = True,
-                 miss_read: str = "staged", auto: AutoSplit | None = None):
+                 share: MissShare, name: str = "", fused_expert_ffn: bool = True, miss_read: str = "staged"):
         if miss_read not in ("staged", "direct"):
             raise ValueError(f"CachedExpertRows: miss_read {miss_read!r} is not 'staged' or 'direct'")
-        self.chains, self.ring, self.usage, self.telemetry, self.split = chains, ring, usage, telemetry, split
-        self.auto = auto
+        self.chains, self.ring, self.usage, self.telemetry, self.share = chains, ring, usage, telemetry, share
         self.fused_expert_ffn = fused_expert_ffn
         self.direct_misses = miss_read == "direct"
         self.arena = ring.copier.arena
         self.device = ring.copier.device
         self.name = name or str(self.device)
-        self.cpu_pool = cpu_pool
         self.decoding = False  # set by the backend inside a decode window
         #: int64 ``[1]`` on the device: how many leading pairs of a decode window or prompt pass are real (the
         #: runner sets it around one padded to its graph's bucket); the padded pairs are computed, not counted,
@@ -130,9 +123,6 @@ class CachedExpertRows(GroupedPrefill):
         self.group_experts = min(group_size(*fmt.shapes[0]) for fmt in self.arena.formats if fmt is not None)
         self._group_ring: StagingRing | None = None
         self.planner = PromptPlanner(self.device, self.arena.n_experts)  # planned prompt layers' plans
-        #: a prompt chunk of at most this many tokens splits its misses as ``_decode`` splits the layer's (0: never)
-        self.cpu_prompt_tokens = 0
-        self._decode: CachedExpertRows | None = None  # the same device slot's decode rows, whose split it follows
         #: per layer, whether the own cache held it whole and its slots (int64 ``[E]``), as of a table version
         self._whole: dict[int, tuple[object, int, bool, torch.Tensor]] = {}
         #: per layer, whether the CPU kernels cover its expert formats (fixed for the arena's life)
@@ -178,10 +168,10 @@ class CachedExpertRows(GroupedPrefill):
                 rows = expert_ffn(x, gate, up, down, fmt.qtypes, fmt.shapes, ffn, expert)
             out[pairs] = rows.to(self.device, out.dtype)
 
-        n_link = self._link_share(layer, len(missed), chain, T)
+        n_link = self.share.link_share(layer, len(missed), T, self.decoding)
         link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
-        with self.telemetry.compute(self.device) if self.cpu_pool is None else nullcontext():  # here, or overlapped
-            on_cpu = self._submit_cpu(layer, missed[n_link:], groups, order, k, hidden, ffn)
+        with self.telemetry.compute(self.device) if self.share.cpu_pool is None else nullcontext():  # here, or overlapped
+            on_cpu = self.share.submit(layer, missed[n_link:], groups, order, k, hidden, ffn, self.decoding)
         chain.wait(layer, self.device)
         batched = takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes)  # a CPU device: its own experts in one kernel call
         with self.telemetry.compute(self.device):
@@ -196,7 +186,8 @@ class CachedExpertRows(GroupedPrefill):
                     run(expert, *(p.to(self.device) for p in parts))
             if here:
                 self._cpu_batch(here, groups, order, k, hidden, fmt, ffn, out)
-            with self.auto.link(layer, len(link), self.device) if self.auto is not None and self.decoding else nullcontext():
+            auto = self.share.auto if self.decoding else None
+            with auto.link(layer, len(link), self.device) if auto is not None else nullcontext():
                 self.ring.run(layer, link, lambda e, packed: run(e, *fmt.split(packed)))
             for lane, streamed in away:  # over the peer's own host link, computed there
                 lane.ring().run(layer, streamed, lambda e, packed: run(e, *fmt.split(packed)))
@@ -298,7 +289,7 @@ class CachedExpertRows(GroupedPrefill):
     def _takes_grouped(self, layer: int, chain: Chain, n_tokens: int) -> bool:
         """Whether ``layer`` (of ``chain``) takes the grouped prefill now: a prompt chunk of ``n_tokens`` tokens
         whose misses all stream (none split with the CPU)."""
-        return self.grouped and not self.decoding and chain.link and self._split_now(layer, n_tokens) is None
+        return self.grouped and not self.decoding and chain.link and self.share.split_now(layer, n_tokens, False) is None
 
     def _count_routing(self, layer: int, expert_ids: torch.Tensor, chain: Chain) -> torch.Tensor:
         """Add a layer's routing to the usage profile and the hit telemetry (device ops, no host read);
@@ -309,39 +300,6 @@ class CachedExpertRows(GroupedPrefill):
         else:
             self.telemetry.routed += expert_ids.numel()
         return counted
-
-    def _link_share(self, layer: int, n_missed: int, chain: Chain, n_tokens: int) -> int:
-        """How many of ``layer``'s misses (of ``n_tokens`` tokens) go over the host link (the rest to the CPU)."""
-        if not chain.cpu:
-            return n_missed
-        if not chain.link:
-            return 0
-        split = self._split_now(layer, n_tokens)
-        return n_missed if split is None else split.take(n_missed)
-
-    def _split_now(self, layer: int, n_tokens: int) -> MissSplit | None:
-        """The split of ``layer``'s misses of ``n_tokens`` tokens now, None where they all go over the link: a
-        decode window's by ``miss_split``; a prompt chunk of at most ``cpu_prompt_tokens`` tokens by the same
-        device slot's decode split of the layer."""
-        if self.decoding:
-            return self.miss_split(layer)
-        if self._decode is None or n_tokens > self.cpu_prompt_tokens:
-            return None
-        return self._decode.miss_split(layer)
-
-    def miss_split(self, layer: int) -> MissSplit | None:
-        """The split of ``layer``'s decode misses between the host link and the CPU: learned per layer
-        (``auto``) or fixed (``split``); None where this device does not compute the layer or its chain
-        lacks one of the two."""
-        chain = self.chains.get(layer)
-        if chain is None or not (chain.link and chain.cpu):
-            return None
-        return self.split if self.auto is None else self.auto.split(layer)
-
-    def split_short_prompts(self, tokens: int, decode: CachedExpertRows) -> None:
-        """Let prompt chunks of at most ``tokens`` tokens split their misses between the host link and the
-        CPU as ``decode`` (the same device slot's decode rows) splits them, at the layers it splits."""
-        self.cpu_prompt_tokens, self._decode = tokens, decode
 
     def _gathered(self, layer: int, hidden: torch.Tensor, expert_ids: torch.Tensor, chain: Chain, ffn: ExpertFFN,
                   weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -443,42 +401,10 @@ class CachedExpertRows(GroupedPrefill):
                    out: torch.Tensor) -> None:
         """The rows of ``experts`` ((id, raw gate/up/down) each, on the CPU) through one call of the CPU
         kernels, written to ``out`` at their pairs."""
-        pairs, counts = _segments([e for e, _ in experts], groups, order)
+        pairs, counts = segments([e for e, _ in experts], groups, order)
         rows = cpu_experts_ffn(hidden[pairs // k], [parts for _, parts in experts], counts, fmt.qtypes, fmt.shapes,
                                ffn, [e for e, _ in experts])  # [n, H]
         out[pairs] = rows.to(out.dtype)
-
-    def _submit_cpu(self, layer: int, experts: list[int], groups: dict[int, tuple[int, int]],
-                    order: torch.Tensor, k: int, hidden: torch.Tensor,
-                    ffn: ExpertFFN) -> list[tuple[torch.Tensor, Future]]:
-        """Start the CPU rows of ``experts`` from the arena, read in place; returns (pairs, future rows) per
-        expert, or one entry for them all where the CPU kernels cover the formats (one call a layer)."""
-        fmt = self.arena.formats[layer]
-        if experts and has_cpu_kernel(fmt.qtypes, fmt.shapes):
-            pairs, counts = _segments(experts, groups, order)
-            parts = [self.arena.parts(layer, e) for e in experts]
-            return [(pairs, self._on_cpu(self._cpu_job(layer, len(experts), cpu_experts_ffn), hidden[pairs // k].cpu(),
-                                         parts, counts, fmt.qtypes, fmt.shapes, ffn, experts))]
-        jobs = []
-        for expert in experts:
-            pairs = order[groups[expert][0]:groups[expert][1]]  # [n]
-            x = hidden[pairs // k].cpu()  # [n, H]
-            jobs.append((pairs, self._on_cpu(self._cpu_job(layer, 1, expert_ffn), x, *self.arena.parts(layer, expert),
-                                             fmt.qtypes, fmt.shapes, ffn, expert)))
-        return jobs
-
-    def _cpu_job(self, layer: int, n_experts: int, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        """``fn`` as the CPU share of ``layer``'s decode misses: timed for ``--pcie-frac auto`` while it learns."""
-        return self.auto.cpu_job(layer, n_experts, fn) if self.auto is not None and self.decoding else fn
-
-    def _on_cpu(self, fn, *args) -> Future:
-        """``fn(*args)`` on the CPU pool's worker (a GPU device), else now."""
-        if self.cpu_pool is not None:
-            return self.cpu_pool.submit(fn, *args)
-        fut: Future = Future()
-        fut.set_result(fn(*args))
-        return fut
-
 
 def held_slots(slots: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """The slots ``slots[experts]`` (int64 ``[P]``; ``slots``: a layer's int64 slot per expert ``[E]``) of a
@@ -492,8 +418,3 @@ def routed_experts(ids: torch.Tensor) -> list[int]:
     layer's routing (``CachedExpertRows.routed_cpu``)."""
     return [e for row in ids.tolist() for e in row]  # no view op: this runs right after the layer's experts
 
-
-def _segments(experts: list[int], groups: dict[int, tuple[int, int]], order: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """The pairs of ``experts`` (their spans ``groups`` of ``order``) one after another, and how many each."""
-    pairs = torch.cat([order[groups[e][0]:groups[e][1]] for e in experts])  # [n]
-    return pairs, [groups[e][1] - groups[e][0] for e in experts]
