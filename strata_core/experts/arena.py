@@ -25,6 +25,7 @@ from tqdm import tqdm
 
 from strata_core.experts.fill import FillReport, configure_pinned_allocator, default_threads, fill_packed
 from strata_core.experts.weights import ExpertBlocks, ExpertWeights
+from strata_core.runtime.numa import interleave, placement_nodes
 
 __all__ = ["Arena", "ExpertFormat", "GIB", "can_pin"]
 
@@ -106,6 +107,8 @@ class Arena:
         for layer in layers:  # every buffer before the copy: page-locking and copying contend otherwise
             self._packed[layer] = torch.empty((self.n_experts, self.formats[layer].total), dtype=torch.uint8,
                                               pin_memory=pin)
+            if not pin:  # ordinary RAM the CPU computes from: its pages over every node, before the fill
+                interleave(self._packed[layer], placement_nodes(), f"arena layer {layer}")
         allocate_s = time.perf_counter() - start
         done = [0]
         with tqdm(total=nbytes, unit="B", unit_scale=True, desc="pinning experts", leave=False,

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from strata_core.experts.arena import GIB, Arena
 from strata_core.experts.table import ResidencyTable
 from strata_core.experts.transfer import ArenaCopier
+from strata_core.runtime.numa import interleave, placement_nodes
 
 __all__ = ["ExpertCache"]
 
@@ -33,6 +34,8 @@ class ExpertCache:
         self.arena, self.copier, self.device = arena, copier, copier.device
         self.name = name or str(self.device)  # the device slot, e.g. cuda:0#1
         self.padded = torch.empty((n_slots + 1, arena.slot_bytes), dtype=torch.uint8, device=self.device)  # [S+1, B]
+        if self.device.type == "cpu":  # the CPU computes its experts here: their pages over every node
+            interleave(self.padded, placement_nodes(), f"expert cache {self.name}")
         self.padded[n_slots].zero_()
         self.slots = self.padded[:n_slots]  # [S, B]
         self.table = ResidencyTable(arena.n_layers, arena.n_experts, n_slots, self.device)
