@@ -170,7 +170,8 @@ class CachedExpertRows(GroupedPrefill):
 
         n_link = self.share.link_share(layer, len(missed), T, self.decoding)
         link, away = peer_shares(missed[:n_link], chain) if not self.decoding else (missed[:n_link], [])
-        with self.telemetry.compute(self.device) if self.share.cpu_pool is None else nullcontext():  # here, or overlapped
+        overlapped = self.share.cpu_pool is not None  # the CPU's part on its worker, beside this device's
+        with self.telemetry.compute(self.device) if not overlapped else nullcontext():
             on_cpu = self.share.submit(layer, missed[n_link:], groups, order, k, hidden, ffn, self.decoding)
         chain.wait(layer, self.device)
         batched = takes_cpu_kernels(hidden, fmt.qtypes, fmt.shapes)  # a CPU device: its own experts in one kernel call
@@ -289,7 +290,8 @@ class CachedExpertRows(GroupedPrefill):
     def _takes_grouped(self, layer: int, chain: Chain, n_tokens: int) -> bool:
         """Whether ``layer`` (of ``chain``) takes the grouped prefill now: a prompt chunk of ``n_tokens`` tokens
         whose misses all stream (none split with the CPU)."""
-        return self.grouped and not self.decoding and chain.link and self.share.split_now(layer, n_tokens, False) is None
+        return (self.grouped and not self.decoding and chain.link
+                and self.share.split_now(layer, n_tokens, decoding=False) is None)
 
     def _count_routing(self, layer: int, expert_ids: torch.Tensor, chain: Chain) -> torch.Tensor:
         """Add a layer's routing to the usage profile and the hit telemetry (device ops, no host read);
