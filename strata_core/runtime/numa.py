@@ -48,6 +48,8 @@ def parse_cpulist(text: str) -> set[int]:
 def host_nodes(root: Path = SYSFS_NODES, allowed: set[int] | None = None) -> list[int]:
     """The memory nodes with CPUs this process may run on (``allowed``, default its affinity), in order;
     ``[]`` where the host has no NUMA topology in ``root`` (not Linux, or sysfs not mounted)."""
+    if not root.is_dir():
+        return []
     allowed = os.sched_getaffinity(0) if allowed is None else allowed
     nodes = []
     for path in sorted(root.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
