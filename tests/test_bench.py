@@ -53,9 +53,26 @@ def test_decode_bench_runs_every_session_in_each_window(tmp_path, monkeypatch):
     engine = Engine.load(path, expert_cache=4, max_context=64)
     widths = []
     real = engine.decode_window
-    monkeypatch.setattr(engine, "decode_window", lambda steps: widths.append(len(steps)) or real(steps))
+    monkeypatch.setattr(engine, "decode_window", lambda steps, *fed: widths.append(len(steps)) or real(steps, *fed))
     one, three = run_bench(engine, [], [8], repeats=1, steps=3, sessions=(1, 3))
     assert widths[-6:] == [1, 1, 1, 3, 3, 3] and (one.sessions, three.sessions) == (1, 3) and three.tok_s > 0
+    engine.close()
+
+
+def test_the_warm_up_runs_windows_fed_known_tokens_and_their_argmax(tmp_path, monkeypatch):
+    from strata_core.engine import Engine
+    from strata_core.tools.bench import warm_up
+
+    path = tmp_path / "tiny.gguf"
+    write_synthetic(path, "tiny", expert_type=Q.Q8_0, progress=False, n_layers=1)
+    engine = Engine.load(path, expert_cache=4, max_context=64)
+    fed = []  # per window: whether its tokens came as a device tensor (the argmax of the window before)
+    real = engine.decode_window
+    monkeypatch.setattr(engine, "decode_window", lambda steps, tokens=None: fed.append(tokens is not None)
+                        or real(steps, tokens))
+    warm_up(engine, prompt=16)
+    assert fed == [False, False, False, True, True]  # the sampled windows' first token is known, then argmaxes
+    assert not any(engine.kv_pools.pools[0].refs)  # the throw-away session released
     engine.close()
 
 

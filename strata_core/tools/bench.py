@@ -156,17 +156,19 @@ def _sampled_windows(engine: Engine, sessions: list, first: list[int], steps: in
 
 
 def warm_up(engine: Engine, prompt: int = 64) -> None:
-    """A ``prompt``-token prompt and two decode windows on a throw-away session, untimed: the first
-    call of each kernel compiles it (Triton) or plans it (cuDNN / flash attention, cuBLAS), and the
-    caching allocator grows to the chunk's working set, which would otherwise land in the first
-    timed run (on CUDA, after only a 64-token warm-up, the first 8K prefill ran at well under half the
-    speed of the second)."""
+    """A ``prompt``-token prompt, two decode windows fed known tokens and three fed as ``--sampled`` feeds
+    them, on a throw-away session, untimed: the first call of each kernel compiles it (Triton) or plans it (cuDNN /
+    flash attention, cuBLAS), and the caching allocators grow to the working set (the device's to the
+    chunk's, the pinned host one by the argmax copies of ``--sampled``), which would otherwise land in
+    the first timed run (on CUDA, after only a 64-token warm-up, the first 8K prefill ran at well under
+    half the speed of the second)."""
     session = engine.new_session()
-    n = min(prompt + 2, engine.max_context)
+    n = min(prompt + 5, engine.max_context)
     tokens = _tokens(engine, n, seed=999_999)
-    engine.prefill(session, tokens[:n - 2])
-    for token in tokens[n - 2:]:
+    engine.prefill(session, tokens[:n - 5])
+    for token in tokens[n - 5:n - 3]:
         engine.decode_window([(session, token)])
+    _sampled_windows(engine, [session], [tokens[n - 3]], 3)
     _sync(engine)
     engine.release_session(session)
 
