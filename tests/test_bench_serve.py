@@ -14,10 +14,22 @@ from test_server_support import free_port, live_server
 from strata_core.cli import main
 from strata_core.config import StrataSettings
 from strata_core.errors import ConfigError
-from strata_core.tools.bench_serve import BenchServeError, base_url, read_input
+from strata_core.tools.bench_serve import (BenchServeError, RequestSpec, base_url, random_words, read_input,
+                                           warm_up_specs)
 from strata_core.tools.serve_report import RequestResult, decoding_seconds, format_report, percentile, report, report_json, summary
 
 LATENCIES = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms")
+
+
+def test_the_warm_up_shares_no_prefix_with_the_prompts_of_any_seed():
+    import random
+
+    like = RequestSpec(random_words(random.Random(0), 200), 16)
+    warm = [spec.prompt.split()[:16] for spec in warm_up_specs(like, 2)]
+    assert len(warm[0]) == 16 and warm[0] != warm[1]
+    for seed in range(-64, 65):  # --prompt-seed; an int seed's sign is dropped (-1 draws as 1)
+        timed = random_words(random.Random(seed), 200).split()[:16]
+        assert timed not in warm
 
 
 @pytest.fixture(autouse=True)

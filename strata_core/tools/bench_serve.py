@@ -276,12 +276,21 @@ def _error_message(text: str) -> str:
 # --- the run ---------------------------------------------------------------------------------------
 
 
+#: the seed of the warm-up's words: a string, so no ``--prompt-seed`` gives the same words (an int seed's sign
+#: is dropped: ``random.Random(-1)`` draws what ``random.Random(1)`` draws)
+WARM_UP_SEED = "strata bench serve warm-up"
+
+
+def warm_up_specs(like: RequestSpec, count: int) -> list[RequestSpec]:
+    """``count`` requests as long as ``like`` in other words than any timed prompt (no prefix to reuse)."""
+    rng = random.Random(WARM_UP_SEED)
+    return [RequestSpec(random_words(rng, max(1, len(like.prompt.split()))), like.max_tokens) for _ in range(count)]
+
+
 async def warm_up(target: Target, like: RequestSpec, count: int, endpoint: str, sampling: dict[str, Any],
                   timeout: float = 600.0) -> None:
-    """Send ``count`` untimed requests one after another, as long as ``like`` in other words (no prefix
-    for the timed run to reuse)."""
-    rng = random.Random(-1)
-    extra = [RequestSpec(random_words(rng, max(1, len(like.prompt.split()))), like.max_tokens) for _ in range(count)]
+    """Send ``count`` untimed requests one after another (``warm_up_specs``)."""
+    extra = warm_up_specs(like, count)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0)) as client:
         await _client(client, target, endpoint, extra, list(range(count)), sampling, time.perf_counter(),
                       [None] * count, None)
