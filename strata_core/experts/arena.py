@@ -1,13 +1,14 @@
 """The arena: every expert's gate/up/down blocks in host memory, and how one expert is packed.
 
 ``--arena mmap`` addresses the experts as zero-copy views of the memory-mapped GGUF. ``--arena
-pinned`` copies them, layer by layer, into page-locked buffers laid out ``[n_experts, packed]``
+pinned`` copies them, layer by layer, into page-locked buffers (host_region.py: filled, then registered
+with CUDA) laid out ``[n_experts, packed]``
 (gate|up|down back to back, one DMA per expert) until ``--pin-limit-gib`` is reached. A pinned
 layer is one contiguous buffer, so expert e of it starts at ``base + e * total``: a device kernel
 can address any expert of the layer from the base pointer and the stride alone (the decode gather,
 see gather.py). The layers past the cap stay mmap views and are moved through pinned staging
-buffers (see transfer.py). Every pinned buffer is allocated first, then filled by a pool of threads
-(fill.py); the log says the fill rate and the time of each step.
+buffers (see transfer.py). Every buffer is allocated first, then filled by a pool of threads (fill.py),
+then registered; the log says the fill rate and the time of each step.
 Without an accelerator the "pinned" copy is ordinary RAM (page-locking needs a device driver).
 """
 
@@ -24,6 +25,7 @@ from gguf import GGMLQuantizationType
 from tqdm import tqdm
 
 from strata_core.experts.fill import FillReport, configure_pinned_allocator, default_threads, fill_packed
+from strata_core.experts.host_region import HostRegion, transparent_huge_pages
 from strata_core.experts.weights import ExpertBlocks, ExpertWeights
 from strata_core.runtime.numa import interleave, placement_nodes
 
@@ -80,6 +82,7 @@ class Arena:
         self.slot_bytes = max(f.total for f in moe_formats)  # one slot fits any layer's expert
         self.total_bytes = sum(f.total for f in moe_formats) * n_experts
         self._packed: list[torch.Tensor | None] = [None] * n_layers  # [E, packed] per pinned layer
+        self._regions: list[HostRegion] = []  # the page-locked memory of the pinned layers (with an accelerator)
         if mode == "pinned":
             self._pin(pin_limit_bytes, progress or (lambda fraction: None))
         log.info("arena: %s, %.2f GiB of experts (%d layers x %d), %.2f GiB pinned", mode,
@@ -104,10 +107,13 @@ class Arena:
             configure_pinned_allocator()
         nbytes = sum(self.formats[layer].total * self.n_experts for layer in layers)
         start = time.perf_counter()
-        for layer in layers:  # every buffer before the copy: page-locking and copying contend otherwise
-            self._packed[layer] = torch.empty((self.n_experts, self.formats[layer].total), dtype=torch.uint8,
-                                              pin_memory=pin)
-            if not pin:  # ordinary RAM the CPU computes from: its pages over every node, before the fill
+        for layer in layers:  # every buffer before the copy
+            shape = (self.n_experts, self.formats[layer].total)
+            if pin:  # page-locked once filled: the fill's threads fault its (huge) pages in
+                self._regions.append(HostRegion(shape[0] * shape[1]))
+                self._packed[layer] = self._regions[-1].tensor.view(shape)
+            else:  # ordinary RAM the CPU computes from: its pages over every node, before the fill
+                self._packed[layer] = torch.empty(shape, dtype=torch.uint8)
                 interleave(self._packed[layer], placement_nodes(), f"arena layer {layer}")
         allocate_s = time.perf_counter() - start
         done = [0]
@@ -121,7 +127,25 @@ class Arena:
 
             threads = default_threads()
             copy_s = fill_packed([run for layer in layers for run in self._runs(layer)], threads, filled)
-        log.info(FillReport(nbytes, threads, allocate_s, copy_s).message())
+        log.info(FillReport(nbytes, threads, allocate_s, copy_s, self._register(layers) if pin else None).message())
+
+    def _register(self, layers: list[int]) -> float:
+        """Page-lock the filled regions of ``layers``; where CUDA refuses, copy each layer into a buffer of
+        torch's pinned allocator instead (logged). Returns the seconds it took."""
+        start = time.perf_counter()
+        try:
+            for region in self._regions:
+                region.register()
+            if self._regions:
+                log.info("arena: %d buffers page-locked once filled (transparent huge pages: %s)", len(self._regions),
+                         transparent_huge_pages() if all(r.huge_pages for r in self._regions) else "not asked")
+        except RuntimeError as err:
+            log.warning("arena: %s; the layers are copied into torch's pinned buffers instead", err)
+            for layer, region in zip(layers, self._regions):
+                region.close()
+                self._packed[layer] = self._packed[layer].pin_memory()
+            self._regions.clear()
+        return time.perf_counter() - start
 
     def _runs(self, layer: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """The copies that fill ``layer``'s packed buffer: per part (gate, up, down), the layer's

@@ -55,10 +55,11 @@ class FillReport:
     threads: int
     allocate_s: float
     copy_s: float
+    register_s: float | None = None  # page-locking the filled buffers (host_region.py); None: not done
 
     @property
     def seconds(self) -> float:
-        return self.allocate_s + self.copy_s
+        return self.allocate_s + self.copy_s + (self.register_s or 0.0)
 
     @property
     def gbps(self) -> float:
@@ -67,8 +68,9 @@ class FillReport:
 
     def message(self) -> str:
         """The one log line of the fill."""
+        register = "" if self.register_s is None else f", registering {self.register_s:.1f} s"
         return (f"arena: {self.nbytes / (1 << 30):.2f} GiB filled in {self.seconds:.1f} s ({self.gbps:.2f} GB/s, "
-                f"{self.threads} threads; allocating {self.allocate_s:.1f} s, copying {self.copy_s:.1f} s)")
+                f"{self.threads} threads; allocating {self.allocate_s:.1f} s, copying {self.copy_s:.1f} s{register})")
 
 
 def default_threads() -> int:
