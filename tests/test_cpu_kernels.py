@@ -340,6 +340,22 @@ def test_the_block_decoders_give_the_reference_s_bits(qtype: int, n_blocks: int,
     assert torch.equal(dequantize(raw, qtype, [n_blocks * values]).view(torch.int32), want.view(torch.int32))
 
 
+@settings(max_examples=20, deadline=None)
+@given(qtype=st.sampled_from(sorted(CPU_KERNEL_TYPES)), n_blocks=st.integers(1, 5000), seed=st.integers(0, 1 << 16),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16]))
+def test_values_written_as_16_bit_floats_are_the_float32_values_rounded(qtype: int, n_blocks: int, seed: int,
+                                                                        dtype: torch.dtype) -> None:
+    """``dequantize_blocks`` in bfloat16 / float16 (the dense weights' load) gives the float32 values'
+    ``.to(dtype)`` bit for bit, across its inner chunks of blocks and its threads; so does ``strata::dequantize``'s
+    dtype."""
+    values, _ = GGML_QUANT_SIZES[T(qtype)]
+    raw = torch.from_numpy(random_blocks(qtype, n_blocks, np.random.default_rng(seed))).reshape(-1)
+    want = dequantize_reference(raw, qtype, [n_blocks * values]).to(dtype)
+    got = dequantize_blocks(raw, qtype, dtype)
+    assert got is not None and got.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert torch.equal(dequantize(raw, qtype, [n_blocks * values], dtype).view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("isa", [0, 1, 2, 3], ids=["generic", "AVX2", "AVX-512", "AVX-512 VNNI"])
 def test_a_negative_zero_scale_keeps_its_sign_in_every_body(isa: int) -> None:
     """A Q8_0 block scaled by -0.0 decodes to the reference's signed zeros, whichever body runs (the

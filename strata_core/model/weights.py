@@ -87,7 +87,7 @@ def load_dense(gguf_file: GGUFFile, name: str, shape: tuple[int, ...], dtype: to
     (not a view of the mapped file)."""
     ref = gguf_file.tensor(name, shape)
     raw = ref.raw()
-    values = dequantize(raw, ref.qtype, ref.shape).reshape(shape).to(dtype)
+    values = dequantize(raw, ref.qtype, ref.shape, dtype).reshape(shape)
     # a float tensor in the file's type may come back as a view of the mapped file: copied then
     return values.clone() if values.untyped_storage().data_ptr() == raw.untyped_storage().data_ptr() else values
 

@@ -326,13 +326,15 @@ def combine_cpu(rows: Tensor, weights: Tensor, residual: Tensor | None = None) -
     return torch.ops.strata.combine_cpu(rows, weights, residual)
 
 
-def dequantize_blocks(raw: Tensor, qtype: int) -> Tensor | None:
-    """Float32 values ``[n_blocks * block values]`` of the whole ``qtype`` blocks in uint8 ``raw`` (the
-    values the products decode: bit for bit the torch reference's), threaded over the blocks; None
-    where the kernels are not loaded or do not cover ``qtype``."""
-    if int(qtype) not in CPU_KERNEL_TYPES or raw.numel() % GGML_QUANT_SIZES[T(int(qtype))][1] or not cpu_kernels():
+def dequantize_blocks(raw: Tensor, qtype: int, dtype: torch.dtype | None = None) -> Tensor | None:
+    """The values ``[n_blocks * block values]`` of the whole ``qtype`` blocks in uint8 ``raw`` (the values the
+    products decode: bit for bit the torch reference's) in float32, or written straight in ``dtype`` (bfloat16,
+    float16: the float32 values' ``.to(dtype)``, without a float32 copy), threaded over the blocks; None
+    where the kernels are not loaded or do not cover ``qtype`` or ``dtype``."""
+    if (int(qtype) not in CPU_KERNEL_TYPES or raw.numel() % GGML_QUANT_SIZES[T(int(qtype))][1]
+            or dtype not in (None, torch.float32, torch.bfloat16, torch.float16) or not cpu_kernels()):
         return None
-    return torch.ops.strata.dequantize_blocks(raw.reshape(-1).contiguous(), int(qtype))
+    return torch.ops.strata.dequantize_blocks(raw.reshape(-1).contiguous(), int(qtype), dtype)
 
 
 def _check(x: Tensor, weights: list[Tensor], counts: list[int], qtype: int, out: int) -> None:
@@ -471,6 +473,6 @@ def _route_slot_ffn_fake(x: Tensor, router: Tensor, k: int, norm: bool, scale: f
     return x.new_empty(x.shape), x.new_empty((x.shape[0], k), dtype=torch.long)
 
 
-def _blocks_fake(raw: Tensor, qtype: int) -> Tensor:
+def _blocks_fake(raw: Tensor, qtype: int, dtype: torch.dtype | None = None) -> Tensor:
     values, size = GGML_QUANT_SIZES[T(int(qtype))]
-    return raw.new_empty((raw.numel() // size * values,), dtype=torch.float32)
+    return raw.new_empty((raw.numel() // size * values,), dtype=dtype or torch.float32)

@@ -46,11 +46,10 @@ def _dequantize_ref(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.
 
 def _dequantize_cpu(raw: Tensor, qtype: int, shape: Sequence[int], dtype: torch.dtype | None = None) -> Tensor:
     """The compiled block decoders where they cover the format (the reference's bits), else the reference."""
-    out = dequantize_blocks(raw, qtype)
+    out = dequantize_blocks(raw, qtype, dtype)
     if out is None:
         return _dequantize_ref(raw, qtype, shape, dtype)
-    out = out.reshape(shape)
-    return out if dtype is None or dtype == torch.float32 else out.to(dtype)
+    return out.reshape(shape)
 
 
 def _quant_matmul_ref(x: Tensor, raw: Tensor, qtype: int, shape: Sequence[int]) -> Tensor:

@@ -852,8 +852,28 @@ at::Tensor slot_ffn_cpu(const at::Tensor& x, int64_t rep, const at::Tensor& buff
   return qlinear_slots(h, 1, buffer, slot, {offsets[2]}, qtypes[2], H);
 }
 
-// Every block of raw (contiguous uint8, whole blocks) decoded to float32: [blocks * values].
-at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype) {
+// Blocks [begin, end) decoded into out (values of block b at b * values) as T: float32 directly; a 16-bit
+// float through a float32 buffer of DECODE_BLOCKS blocks, each value rounded to nearest even as torch's
+// conversion rounds it (so the result is the float32 values' .to(dtype), bit for bit).
+constexpr int64_t DECODE_BLOCKS = 64;
+template <typename T>
+void decode_into(BlocksFn fn, const uint8_t* rp, int64_t begin, int64_t end, const Geometry& g, T* out) {
+  if constexpr (std::is_same_v<T, float>) {
+    fn(rp, begin, end, out);
+  } else {
+    std::vector<float> buffer(DECODE_BLOCKS * g.values);
+    for (int64_t b0 = begin; b0 < end; b0 += DECODE_BLOCKS) {
+      const int64_t n = std::min(end - b0, DECODE_BLOCKS);
+      fn(rp + b0 * g.bytes, 0, n, buffer.data());  // blocks b0.. as the buffer's first n
+      T* dst = out + b0 * g.values;
+      for (int64_t i = 0; i < n * g.values; ++i) dst[i] = static_cast<T>(buffer[i]);
+    }
+  }
+}
+
+// Every block of raw (contiguous uint8, whole blocks) decoded to dtype (float32, bfloat16 or float16):
+// [blocks * values].
+at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype, std::optional<at::ScalarType> dtype) {
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous(),
               "dequantize_blocks: raw must be contiguous uint8 on the CPU");
   BlocksFn fn = kernels_for(qtype).blocks;
@@ -861,12 +881,18 @@ at::Tensor dequantize_blocks(const at::Tensor& raw, int64_t qtype) {
   TORCH_CHECK(fn != nullptr, "dequantize_blocks: no CPU kernel for GGML type ", qtype);
   TORCH_CHECK(raw.numel() % g.bytes == 0, "dequantize_blocks: ", raw.numel(), " bytes are not whole blocks of ",
               g.bytes);
+  const at::ScalarType type = dtype.value_or(at::kFloat);
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf,
+              "dequantize_blocks: values as float32, bfloat16 or float16, not ", type);
   const int64_t blocks = raw.numel() / g.bytes;
-  at::Tensor out = at::empty({blocks * g.values}, raw.options().dtype(at::kFloat));
+  at::Tensor out = at::empty({blocks * g.values}, raw.options().dtype(type));
   const uint8_t* rp = raw.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
   const int64_t grain = (MIN_THREAD_BYTES + g.bytes - 1) / g.bytes;
-  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) { fn(rp, begin, end, op); });
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    if (type == at::kFloat) decode_into(fn, rp, begin, end, g, out.data_ptr<float>());
+    else if (type == at::kBFloat16) decode_into(fn, rp, begin, end, g, out.data_ptr<at::BFloat16>());
+    else decode_into(fn, rp, begin, end, g, out.data_ptr<at::Half>());
+  });
   return out;
 }
 
@@ -900,7 +926,7 @@ at::Tensor strata_cpu::slot_ffn(const at::Tensor& x, int64_t rep, const at::Tens
 TORCH_LIBRARY_FRAGMENT(strata, m) {
   m.def("qlinear_grouped(Tensor x, Tensor[] weights, int[] counts, int qtype, int out_features) -> Tensor");
   m.def("qlinear_slots(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets, int qtype, int out_features) -> Tensor");
-  m.def("dequantize_blocks(Tensor raw, int qtype) -> Tensor");
+  m.def("dequantize_blocks(Tensor raw, int qtype, ScalarType? dtype=None) -> Tensor");
   m.def("silu_mul_cpu(Tensor g, Tensor u) -> Tensor");
   m.def("slot_ffn_cpu(Tensor x, int rep, Tensor buffer, Tensor slot, int[] offsets, int[] qtypes, int F) -> Tensor");
   m.def("cpu_kernel_isa() -> int");
