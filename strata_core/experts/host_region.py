@@ -12,15 +12,12 @@ it is collected.
 
 from __future__ import annotations
 
-import logging
 import mmap
 import weakref
 
 import torch
 
 __all__ = ["HostRegion", "transparent_huge_pages"]
-
-log = logging.getLogger(__name__)
 
 
 def transparent_huge_pages(path: str = "/sys/kernel/mm/transparent_hugepage/enabled") -> str:

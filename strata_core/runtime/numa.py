@@ -5,8 +5,9 @@ The CPU kernels' threads (every core torch is given, placed by the OS) then read
 controllers at once, where first-touch placement would put a buffer's pages wherever its filling threads
 happened to run, and a layer's experts on one node would be read at that node's bandwidth by the threads of
 every node. It is llama.cpp's ``--numa distribute`` for the buffers the CPU reads: a CPU device's expert
-slots, and the arena where it is ordinary RAM (no accelerator to page-lock it). A page-locked arena is placed
-by torch's pinned allocator and left as it is.
+slots, and the arena where it is ordinary RAM (no accelerator to page-lock it). A page-locked arena
+(experts/host_region.py) keeps first-touch placement: the GPU's copies read it too, and from one socket half
+its pages would then cross to the other (not measured).
 
 ``host_nodes`` reads the topology from sysfs; ``interleave`` applies the policy (Linux ``mbind`` with
 ``MPOL_INTERLEAVE``) to a buffer before its pages are first written. Placement never changes a value: it
